@@ -1,0 +1,64 @@
+"""`Runtime`: a program bound to a device, callable like the module it came from."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.utils import _pytree as pytree
+
+from dynvm.vm.errors import InputError
+from dynvm.vm.interpreter import Interpreter
+
+
+class Runtime:
+    """Runs a `Program` on one device.
+
+    `runtime(*inputs)` validates the inputs against the program's signature and returns
+    outputs with the structure of the original module's outputs. `jit=False` (or None)
+    always runs the pure interpreter; the JIT tier plugs in through the VM's region
+    cache slots (`dynvm.vm.slots`). Calls may come from several threads at once.
+    """
+
+    def __init__(self, program, device: str | torch.device = "cpu", jit=False) -> None:
+        if jit not in (False, None):
+            raise NotImplementedError("the JIT tier is not part of this build yet; "
+                                      "use jit=False")
+        self.program = program
+        self.interpreter = Interpreter(program, device)
+        self.device = self.interpreter.device
+        self._in_spec = pytree.treespec_loads(program.in_spec)
+        self._out_spec = pytree.treespec_loads(program.out_spec)
+        self._n_inputs = len(program.inputs)
+        self._flat_inputs = self._in_spec == pytree.tree_flatten((None,) * self._n_inputs)[1]
+        self._lock = threading.Lock()
+        self._calls = 0
+
+    def __call__(self, *inputs):
+        flat = inputs if self._flat_inputs else self._flatten(inputs)
+        if len(flat) != self._n_inputs:
+            names = ", ".join(spec.name for spec in self.program.inputs)
+            raise InputError(f"{self.program.name} takes {self._n_inputs} inputs ({names}), "
+                             f"got {len(flat)}")
+        with torch.inference_mode():
+            outputs = self.interpreter.run(flat)
+        with self._lock:
+            self._calls += 1
+        return pytree.tree_unflatten(outputs, self._out_spec)
+
+    def _flatten(self, inputs: tuple) -> list:
+        flat, spec = pytree.tree_flatten(inputs)
+        if spec != self._in_spec:
+            raise InputError(f"{self.program.name}: inputs have structure {spec}, "
+                             f"expected {self._in_spec}")
+        return flat
+
+    def stats(self) -> dict:
+        """Counters since the runtime was made."""
+        return {
+            "calls": self._calls,
+            "instructions_executed": self.interpreter.instructions_executed,
+            "regions": len(self.program.regions),
+            "instructions": len(self.program.code),
+            "device": str(self.device),
+        }

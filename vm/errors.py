@@ -1,0 +1,107 @@
+"""Errors a user of dynvm can cause, one class per kind of mistake.
+
+Every message names the thing that is wrong (input, dimension, section, instruction),
+what was expected and what was found, so that a caller can act on it without reading
+dynvm's source.
+"""
+
+
+class DynvmError(Exception):
+    """Base of every error dynvm raises on purpose."""
+
+
+class ShapeError(DynvmError, ValueError):
+    """An input does not match the program's declared signature (rank, dtype, device or a
+    dim outside its declared range)."""
+
+
+class VerifyError(DynvmError):
+    """A program is malformed: undefined register, bad jump target, wrong operand kind."""
+
+
+class AssembleError(DynvmError):
+    """The text form of a program could not be parsed."""
+
+
+class DvmFormatError(DynvmError):
+    """A .dvm file is not a dvm file, truncated, corrupt, or of another format version."""
+
+
+class UnsupportedOpError(DynvmError):
+    """The frontend met an operator the bytecode has no instruction for."""
+
+
+class InputError(DynvmError, TypeError):
+    """A call passed the wrong number or kind of inputs."""
+
+
+class ExecutionError(DynvmError, RuntimeError):
+    """An instruction failed at run time (for example an index out of range in the
+    data); the message names the instruction and carries the kernel's own message."""
+
+
+# --- .dvm file errors: what exactly is wrong with the bytes (raised by dynvm.vm.dvm_file).
+# Each keeps its facts as attributes; __reduce__ lets them cross process boundaries (Ray).
+
+
+class NotDvmFileError(DvmFormatError):
+    """The bytes do not start with the .dvm magic."""
+
+    def __init__(self, first_bytes: bytes, magic: bytes, hint: str = "") -> None:
+        self.first_bytes, self.magic, self.hint = bytes(first_bytes), bytes(magic), hint
+        message = (f"not a .dvm file: it starts with {self.first_bytes!r}, a .dvm file starts "
+                   f"with {self.magic!r}")
+        super().__init__(f"{message} ({hint})" if hint else message)
+
+    def __reduce__(self):
+        return type(self), (self.first_bytes, self.magic, self.hint)
+
+
+class TruncatedFileError(DvmFormatError):
+    """The file ends before the end its header and section table promise."""
+
+    def __init__(self, expected: int, present: int, at_least: bool = False) -> None:
+        self.expected, self.present, self.at_least = expected, present, at_least
+        bound = "at least " if at_least else ""
+        super().__init__(f"truncated .dvm file: expected {bound}{expected} bytes, "
+                         f"{present} present")
+
+    def __reduce__(self):
+        return type(self), (self.expected, self.present, self.at_least)
+
+
+class ChecksumError(DvmFormatError):
+    """The sha256 stored at the end of a .dvm file does not match its contents."""
+
+    def __init__(self, stored: str, computed: str, detail: str = "") -> None:
+        self.stored, self.computed, self.detail = stored, computed, detail
+        message = f"corrupt .dvm file: stored sha256 {stored}, contents hash to {computed}"
+        super().__init__(f"{message} ({detail})" if detail else message)
+
+    def __reduce__(self):
+        return type(self), (self.stored, self.computed, self.detail)
+
+
+class VersionError(DvmFormatError):
+    """The file, or one of its sections, has a version this dynvm does not read.
+    `section` is the section's name, or "file" for the format version."""
+
+    def __init__(self, section: str, expected: int, actual: int) -> None:
+        self.section, self.expected, self.actual = section, expected, actual
+        what = "file format" if section == "file" else f"section {section}"
+        super().__init__(f"{what} has version {actual}, this dynvm reads version {expected}")
+
+    def __reduce__(self):
+        return type(self), (self.section, self.expected, self.actual)
+
+
+class CorruptSectionError(DvmFormatError):
+    """A section of a .dvm file (or its section table) is malformed or disagrees with
+    another section. `section` names it ("section table" for the table itself)."""
+
+    def __init__(self, section: str, problem: str) -> None:
+        self.section, self.problem = section, problem
+        super().__init__(f"corrupt .dvm file: {section}: {problem}")
+
+    def __reduce__(self):
+        return type(self), (self.section, self.problem)

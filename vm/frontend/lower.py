@@ -1,0 +1,347 @@
+"""Lowering: an exported FX graph to dynvm bytecode.
+
+One pass over the graph in topological order. Every ATen node becomes the instruction
+the opcode table maps it to (`BY_SOURCE`), with operands normalised to the ATen schema
+order; symbolic sizes (`sym_size`, arithmetic on SymInts) become shape instructions on
+scalar registers; `torch.cond` and `torch.while_loop` are inlined into branches and a
+loop (see `dynvm.vm.ops_control`); the declared input ranges become SHAPE_ASSERTs at the
+program's entry.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+from dynvm.vm.errors import UnsupportedOpError
+from dynvm.vm.frontend.dims import input_specs
+from dynvm.vm.instr import Instr
+from dynvm.vm.isa import OpSpec
+from dynvm.vm.opcodes import BY_SOURCE, OPCODES
+from dynvm.vm.operands import ArgKind, Const, Imm, IntList, Label, Operand, Reg, RegList
+from dynvm.vm.program import Program
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+aten = torch.ops.aten
+
+# Nodes that check what the exporter already proved, or that only carry metadata.
+_DROPPED = {
+    aten._assert_tensor_metadata.default,
+    aten.sym_constrain_range_for_size.default,
+    aten.sym_constrain_range.default,
+    aten._assert_async.msg,
+}
+_ALPHA_OPS = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar}
+_HOP_COND = torch.ops.higher_order.cond
+_HOP_WHILE = torch.ops.higher_order.while_loop
+
+
+def _source_line(node) -> str:
+    """The user's source line a node came from, from the exporter's stack trace."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.*)', trace)
+    user = [f for f in frames if "/torch/" not in f[0]]
+    if not user:
+        return "unknown source line"
+    path, line, func, text = user[-1]
+    return f"{path}:{line} in {func}: {text.strip()}"
+
+
+def _supported_names() -> str:
+    return ", ".join(sorted({str(s) for spec in OPCODES.values() for s in spec.aten
+                             if isinstance(s, torch._ops.OpOverload)}))
+
+
+class _Lowering:
+    def __init__(self, exported) -> None:
+        self.exported = exported
+        self.code: list[Instr] = []
+        self.n_regs = 0
+        self.constants: list[torch.Tensor] = []
+        self.constant_names: list[str] = []
+
+    # -- emission ----------------------------------------------------------------------
+
+    def new_reg(self) -> Reg:
+        self.n_regs += 1
+        return Reg(self.n_regs - 1)
+
+    def emit(self, name: str, dsts: tuple[Reg, ...], args: tuple[Operand, ...]) -> int:
+        self.code.append(Instr(name, dsts, args))
+        return len(self.code) - 1
+
+    def patch_label(self, pc: int, target: int) -> None:
+        instr = self.code[pc]
+        args = tuple(Label(target) if isinstance(a, Label) else a for a in instr.args)
+        self.code[pc] = Instr(instr.op, instr.dsts, args)
+
+    def add_constant(self, name: str, tensor: torch.Tensor) -> Const:
+        self.constants.append(tensor.detach().contiguous())
+        self.constant_names.append(name)
+        return Const(len(self.constants) - 1)
+
+    # -- graphs ------------------------------------------------------------------------
+
+    def lower_graph(self, graph_module, env: dict) -> list:
+        """Lower every non-placeholder node of `graph_module`; returns the output values."""
+        for node in graph_module.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                outs = node.args[0]
+                outs = list(outs) if isinstance(outs, tuple | list) else [outs]
+                return [self.value(env, out) for out in outs]
+            if node.op == "get_attr":
+                env[node] = getattr(graph_module, node.target)
+                continue
+            if node.op != "call_function":
+                raise UnsupportedOpError(f"graph node {node.name} of kind {node.op} is not "
+                                         f"supported ({_source_line(node)})")
+            env[node] = self.lower_call(node, env)
+        raise UnsupportedOpError("graph has no output node")
+
+    def value(self, env: dict, item):
+        """The lowered value of a graph argument: operands for nodes, literals as is."""
+        if isinstance(item, torch.fx.Node):
+            return env[item]
+        if isinstance(item, list | tuple):
+            return type(item)(self.value(env, v) for v in item)
+        return item
+
+    def lower_call(self, node, env: dict):
+        target = node.target
+        if target is operator.getitem:
+            container, index = node.args
+            return env[container][index]
+        if target in _DROPPED:
+            return None
+        if target is _HOP_COND:
+            return self.lower_cond(node, env)
+        if target is _HOP_WHILE:
+            return self.lower_while(node, env)
+        spec = BY_SOURCE.get(target)
+        if spec is None:
+            raise UnsupportedOpError(
+                f"operator {target} is not supported by dynvm (from {_source_line(node)}). "
+                f"Supported ATen operators: {_supported_names()}")
+        if isinstance(target, torch._ops.OpOverload):
+            return self.lower_aten(spec, node, env)
+        return self.lower_scalar(spec, node, env)
+
+    # -- ATen and scalar nodes -------------------------------------------------------
+
+    def schema_values(self, node, env: dict) -> list:
+        schema = node.target._schema
+        values = []
+        positional = list(node.args)
+        for i, argument in enumerate(schema.arguments):
+            if not argument.kwarg_only and i < len(positional):
+                values.append(self.value(env, positional[i]))
+            elif argument.name in node.kwargs:
+                values.append(self.value(env, node.kwargs[argument.name]))
+            elif argument.has_default_value():
+                values.append(argument.default_value)
+            else:
+                raise UnsupportedOpError(f"{node.target}: argument {argument.name} missing "
+                                         f"({_source_line(node)})")
+        return values
+
+    def lower_aten(self, spec: OpSpec, node, env: dict):
+        values = self.schema_values(node, env)
+        arguments = node.target._schema.arguments
+        if node.target in _ALPHA_OPS and values[2] != 1:
+            values[1] = self.scale(values[1], values[2])
+            values[2] = 1
+        n = len(spec.args)
+        for argument, extra in zip(arguments[n:], values[n:]):
+            if not _is_neutral(extra, argument):
+                raise UnsupportedOpError(
+                    f"{node.target} with {argument.name}={extra!r} is not supported (dynvm "
+                    f"keeps {spec.name} with its default {argument.name}; from "
+                    f"{_source_line(node)})")
+        operands = tuple(self.operand(kind, v, node) for kind, v in zip(spec.args, values))
+        if spec.outs.__class__ is tuple:
+            dsts = tuple(self.new_reg() for _ in spec.outs)
+        else:  # variadic (SPLIT ...): as many results as the graph's value holds
+            dsts = tuple(self.new_reg() for _ in node.meta["val"])
+        self.emit(spec.name, dsts, operands)
+        if not dsts:
+            return None
+        return dsts[0] if len(dsts) == 1 and spec.outs.__class__ is tuple else dsts
+
+    def scale(self, value, alpha):
+        if isinstance(value, Reg | Const):
+            out = self.new_reg()
+            self.emit("MUL", (out,), (value, Imm(alpha)))
+            return out
+        return value * alpha
+
+    def lower_scalar(self, spec: OpSpec, node, env: dict):
+        args = [self.value(env, a) for a in node.args]
+        if node.kwargs:
+            raise UnsupportedOpError(f"{node.target} with keyword arguments "
+                                     f"({_source_line(node)})")
+        if not any(isinstance(a, Reg | Const) for a in args):
+            return spec.impl(*args)  # all literal: fold now
+        if len(args) != len(spec.args):
+            raise UnsupportedOpError(f"{node.target} with {len(args)} arguments "
+                                     f"({_source_line(node)})")
+        operands = tuple(self.operand(kind, v, node) for kind, v in zip(spec.args, args))
+        dsts = tuple(self.new_reg() for _ in spec.outs)
+        self.emit(spec.name, dsts, operands)
+        return dsts[0] if dsts else None
+
+    def operand(self, kind: ArgKind, value, node) -> Operand:
+        if isinstance(value, torch.Tensor):
+            value = self.add_constant(f"_tensor_constant_{len(self.constants)}", value)
+        match kind:
+            case ArgKind.TENSOR | ArgKind.ANY | ArgKind.SCALAR if isinstance(value, Reg | Const):
+                return value
+            case ArgKind.TENSOR_OPT | ArgKind.SCALAR_OPT if isinstance(value, Reg | Const):
+                return value
+            case ArgKind.INTS | ArgKind.INTS_OPT if isinstance(value, list | tuple):
+                return IntList(tuple(v if isinstance(v, Reg) else int(v) for v in value))
+            case ArgKind.INTS | ArgKind.INTS_OPT if isinstance(value, int | Reg):
+                return IntList((value,))
+            case ArgKind.TENSORS if isinstance(value, list | tuple):
+                return RegList(tuple(self.operand(ArgKind.TENSOR, v, node) for v in value))
+            case ArgKind.TENSOR | ArgKind.TENSORS | ArgKind.LABEL:
+                pass
+            case _ if not isinstance(value, Reg | Const | list):
+                return Imm(tuple(value) if isinstance(value, tuple) else value)
+        raise UnsupportedOpError(f"{node.target}: cannot pass {value!r} as a {kind.name} "
+                                 f"operand ({_source_line(node)})")
+
+    # -- control flow ----------------------------------------------------------------
+
+    def bind_subgraph(self, graph_module, operands) -> dict:
+        placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(operands):
+            raise UnsupportedOpError(f"subgraph takes {len(placeholders)} values, "
+                                     f"{len(operands)} given")
+        return dict(zip(placeholders, operands))
+
+    def branch_value(self, value):
+        return value if isinstance(value, Reg | Const) else Imm(value)
+
+    def lower_cond(self, node, env: dict):
+        pred, true_gm, false_gm, operands = node.args
+        predicate = self.operand(ArgKind.ANY, self.value(env, pred), node)
+        operands = [self.value(env, o) for o in operands]
+        n_results = len(node.meta["val"])
+        results = [self.new_reg() for _ in range(n_results)]
+        branch = self.emit("JUMP_IF_FALSE", (), (predicate, Label(0)))
+        self.lower_subgraph_into(env[true_gm], operands, results)
+        skip = self.emit("JUMP", (), (Label(0),))
+        self.patch_label(branch, len(self.code))
+        self.lower_subgraph_into(env[false_gm], operands, results)
+        self.patch_label(skip, len(self.code))
+        return tuple(results)
+
+    def lower_subgraph_into(self, graph_module, operands, results: list[Reg]) -> list:
+        outs = self.lower_graph(graph_module, self.bind_subgraph(graph_module, operands))
+        for dst, value in zip(results, outs, strict=True):
+            self.emit("MOVE", (dst,), (self.branch_value(value),))
+        return outs
+
+    def lower_while(self, node, env: dict):
+        cond_gm, body_gm, carried, additional = node.args
+        cond_gm, body_gm = env[cond_gm], env[body_gm]
+        initial = [self.value(env, c) for c in carried]
+        extra = [self.value(env, a) for a in additional]
+        state = [self.new_reg() for _ in initial]
+        for dst, value in zip(state, initial):
+            self.emit("MOVE", (dst,), (self.branch_value(value),))
+        header = len(self.code)
+        (predicate,) = self.lower_graph(cond_gm, self.bind_subgraph(cond_gm, state + extra))
+        exit_branch = self.emit("JUMP_IF_FALSE", (),
+                                (self.operand(ArgKind.ANY, predicate, node), Label(0)))
+        updated = self.lower_graph(body_gm, self.bind_subgraph(body_gm, state + extra))
+        # The body's results may be carried registers themselves (a value passed
+        # through, or two swapped): move through fresh registers so no update reads a
+        # register another update already overwrote.
+        staged = []
+        for value in updated:
+            temp = self.new_reg()
+            self.emit("MOVE", (temp,), (self.branch_value(value),))
+            staged.append(temp)
+        for dst, temp in zip(state, staged, strict=True):
+            self.emit("MOVE", (dst,), (temp,))
+        self.emit("JUMP", (), (Label(header),))
+        self.patch_label(exit_branch, len(self.code))
+        return tuple(state)
+
+
+def _is_neutral(value, argument) -> bool:
+    """True if an argument past an opcode's operands has no effect (its default, or an
+    equivalent spelling of it)."""
+    if argument.has_default_value() and value == argument.default_value:
+        return True
+    name = argument.name
+    if name in ("pin_memory", "non_blocking", "sparse", "scale_grad_by_freq", "copy"):
+        return value in (None, False)
+    if name == "memory_format":
+        return value in (None, torch.preserve_format, torch.contiguous_format)
+    return name == "alpha" and value == 1
+
+
+def lower_exported(exported, user_names, name: str, example_inputs: tuple) -> Program:
+    """Lower an ExportedProgram (already decomposed) to a verified Program."""
+    lowering = _Lowering(exported)
+    signature = exported.graph_signature
+    for spec in signature.output_specs:
+        if spec.kind is not OutputKind.USER_OUTPUT:
+            raise UnsupportedOpError(f"the model mutates {spec.target or spec.arg.name} "
+                                     f"({spec.kind.name}); dynvm programs are pure functions")
+    graph = exported.graph_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    env: dict = {}
+    user_nodes = []
+    for spec, node in zip(signature.input_specs, placeholders, strict=True):
+        if spec.kind is InputKind.USER_INPUT:
+            user_nodes.append(node)
+    for node in user_nodes:
+        env[node] = lowering.new_reg()
+    for spec, node in zip(signature.input_specs, placeholders):
+        if spec.kind is InputKind.USER_INPUT:
+            continue
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            tensor = exported.state_dict.get(spec.target)
+            if tensor is None:
+                tensor = exported.constants[spec.target]
+        elif spec.kind is InputKind.CONSTANT_TENSOR:
+            tensor = exported.constants[spec.target]
+        else:
+            raise UnsupportedOpError(f"input {node.name} of kind {spec.kind.name} "
+                                     "is not supported")
+        env[node] = lowering.add_constant(spec.target, tensor)
+    names = [node.name for node in user_nodes]
+    inputs, repeats = input_specs(exported, user_nodes, names, user_names)
+    device = Imm(torch.device("cpu"))  # the runtime replaces it with its own device
+    for index, spec in enumerate(inputs):
+        lowering.emit("SHAPE_ASSERT", (), (Reg(index), Imm(spec.name), Imm(spec.dtype),
+                                           device, Imm(spec.as_assert_operand())))
+    for (first, other) in repeats:
+        a, b = lowering.new_reg(), lowering.new_reg()
+        lowering.emit("DIM", (a,), (Reg(first[0]), Imm(first[1])))
+        lowering.emit("DIM", (b,), (Reg(other[0]), Imm(other[1])))
+        what = (f"input {names[other[0]]!r} dim {other[1]} must equal input "
+                f"{names[first[0]]!r} dim {first[1]} ({inputs[first[0]].dims[first[1]].name})")
+        lowering.emit("DIMS_EQUAL", (), (a, b, Imm(what)))
+    outs = lowering.lower_graph(exported.graph_module, env)
+    returned = []
+    for value in outs:
+        if isinstance(value, Reg | Const):
+            returned.append(value)
+        else:
+            raise UnsupportedOpError(f"the model returns {value!r}; dynvm programs return "
+                                     "tensors")
+    lowering.emit("RETURN", (), (RegList(tuple(returned)),))
+    in_spec = pytree.treespec_dumps(pytree.tree_flatten(tuple(example_inputs))[1])
+    out_spec = pytree.treespec_dumps(exported.call_spec.out_spec)
+    return Program(code=tuple(lowering.code), n_regs=lowering.n_regs, inputs=inputs,
+                   constants=tuple(lowering.constants),
+                   constant_names=tuple(lowering.constant_names),
+                   in_spec=in_spec, out_spec=out_spec, name=name)

@@ -1,0 +1,183 @@
+"""msgpack encoding of a program's code and signature (never pickle).
+
+Operand encoding is derived from the operand classes; literals that msgpack has no type
+for (dtype, device, layout, memory format) travel as msgpack extension types holding
+their names. Decoding checks every field's type and raises DvmFormatError naming the
+instruction and operand that are wrong: the bytes come from outside the process.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import torch
+from dynvm.vm.errors import DvmFormatError
+from dynvm.vm.instr import Instr
+from dynvm.vm.opcodes import OPCODES
+from dynvm.vm.operands import Const, Imm, IntList, Label, Operand, Reg, RegList
+
+# msgpack extension type codes for torch literals.
+_EXT_DTYPE, _EXT_DEVICE, _EXT_LAYOUT, _EXT_MEMFMT = 1, 2, 3, 4
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
+    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)}
+_LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo}
+_MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format,
+                   "channels_last": torch.channels_last,
+                   "preserve_format": torch.preserve_format}
+
+
+def literal_name(value: object) -> str:
+    """Name of a torch literal, as used in files and in the text form."""
+    return str(value).removeprefix("torch.")
+
+
+def dtype_named(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise DvmFormatError(f"unknown dtype {name!r}") from None
+
+
+def _pack_literal(value: object) -> object:
+    if isinstance(value, torch.dtype):
+        return msgpack.ExtType(_EXT_DTYPE, literal_name(value).encode())
+    if isinstance(value, torch.device):
+        return msgpack.ExtType(_EXT_DEVICE, str(value).encode())
+    if isinstance(value, torch.layout):
+        return msgpack.ExtType(_EXT_LAYOUT, literal_name(value).encode())
+    if isinstance(value, torch.memory_format):
+        return msgpack.ExtType(_EXT_MEMFMT, literal_name(value).encode())
+    if isinstance(value, tuple):
+        return [_pack_literal(item) for item in value]
+    return value
+
+
+def _ext_hook(code: int, data: bytes) -> object:
+    try:
+        name = data.decode()
+        if code == _EXT_DTYPE:
+            return dtype_named(name)
+        if code == _EXT_DEVICE:
+            return torch.device(name)
+        if code == _EXT_LAYOUT:
+            return _LAYOUTS[name]
+        if code == _EXT_MEMFMT:
+            return _MEMORY_FORMATS[name]
+    except (UnicodeDecodeError, KeyError, RuntimeError) as exc:
+        raise DvmFormatError(f"bad literal of extension type {code}: {data!r}") from exc
+    raise DvmFormatError(f"unknown msgpack extension type {code}")
+
+
+def _unpack_literal(value: object) -> object:
+    if isinstance(value, list):
+        return tuple(_unpack_literal(item) for item in value)
+    return value
+
+
+def encode_operand(operand: Operand) -> list:
+    match operand:
+        case Reg(index):
+            return ["r", index]
+        case Const(index):
+            return ["c", index]
+        case Imm(value):
+            return ["i", _pack_literal(value)]
+        case IntList(items):
+            return ["l", [item if isinstance(item, int) else ["r", item.index]
+                          for item in items]]
+        case RegList(items):
+            return ["t", [encode_operand(item) for item in items]]
+        case Label(target):
+            return ["j", target]
+    raise TypeError(f"not an operand: {operand!r}")
+
+
+def _index(value: object) -> int:
+    if type(value) is not int or value < 0:
+        raise DvmFormatError(f"expected an index, got {value!r}")
+    return value
+
+
+def decode_operand(data: object) -> Operand:
+    if not (isinstance(data, list) and len(data) == 2 and isinstance(data[0], str)):
+        raise DvmFormatError(f"malformed operand {data!r}")
+    tag, payload = data
+    if tag == "r":
+        return Reg(_index(payload))
+    if tag == "c":
+        return Const(_index(payload))
+    if tag == "j":
+        return Label(_index(payload))
+    if tag == "i":
+        try:
+            return Imm(_unpack_literal(payload))
+        except TypeError as exc:
+            raise DvmFormatError(str(exc)) from exc
+    if tag == "l" and isinstance(payload, list):
+        items: list[int | Reg] = []
+        for item in payload:
+            if type(item) is int:
+                items.append(item)
+            else:
+                reg = decode_operand(item)
+                if not isinstance(reg, Reg):
+                    raise DvmFormatError(f"int list item {item!r} is not an int or register")
+                items.append(reg)
+        return IntList(tuple(items))
+    if tag == "t" and isinstance(payload, list):
+        regs = tuple(decode_operand(item) for item in payload)
+        if not all(isinstance(r, Reg | Const) for r in regs):
+            raise DvmFormatError(f"tensor list {payload!r} holds a non-tensor operand")
+        return RegList(regs)  # type: ignore[arg-type]
+    raise DvmFormatError(f"unknown operand tag {tag!r}")
+
+
+def encode_instr(instr: Instr) -> list:
+    return [instr.op, [d.index for d in instr.dsts], [encode_operand(a) for a in instr.args]]
+
+
+def decode_instr(data: object, pc: int) -> Instr:
+    try:
+        if not (isinstance(data, list) and len(data) == 3):
+            raise DvmFormatError("expected [opcode, dsts, args]")
+        name, dsts, args = data
+        if not isinstance(name, str) or name not in OPCODES:
+            raise DvmFormatError(f"unknown opcode {name!r}")
+        if not isinstance(dsts, list) or not isinstance(args, list):
+            raise DvmFormatError("dsts and args must be lists")
+        return Instr(name, tuple(Reg(_index(d)) for d in dsts),
+                     tuple(decode_operand(a) for a in args))
+    except DvmFormatError as exc:
+        raise DvmFormatError(f"instruction {pc}: {exc}") from None
+
+
+def pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes, what: str) -> object:
+    try:
+        return msgpack.unpackb(data, raw=False, ext_hook=_ext_hook, strict_map_key=True)
+    except DvmFormatError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types on bad bytes
+        raise DvmFormatError(f"section {what}: not valid msgpack ({exc})") from exc
+
+
+def encode_header(program, with_hash: bool = True) -> bytes:
+    """The program minus its constant data, as msgpack bytes (the CODE section)."""
+    body = {
+        "name": program.name,
+        "n_regs": program.n_regs,
+        "inputs": [[i.name, literal_name(i.dtype), [[d.name, d.low, d.high] for d in i.dims]]
+                   for i in program.inputs],
+        "constants": [[c.name, literal_name(c.dtype), list(c.shape)]
+                      for c in program.constant_specs],
+        "in_spec": program.in_spec,
+        "out_spec": program.out_spec,
+        "code": [encode_instr(instr) for instr in program.code],
+    }
+    if with_hash:
+        body["hash"] = program.content_hash
+    return pack(body)
