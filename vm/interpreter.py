@@ -13,6 +13,14 @@ the next program counter.
 A call gets a fresh register file (a list), so concurrent calls share nothing mutable.
 Constants live at the end of the register file template, so a constant operand is read
 exactly like a register.
+
+Note [Register kills]
+~~~~~~~~~~~~~~~~~~~~~
+Each step also clears the registers whose value is dead after it (from liveness). Without
+that, a call would keep every intermediate tensor alive until it returns: at batch 64
+the encoder's frame held hundreds of MB, every call paid fresh page faults for it, and
+the interpreter ran ~1.4x slower than eager. With kills, tensors die exactly where they
+would in eager PyTorch and the allocator reuses their memory.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import torch
 from dynvm.vm.errors import DynvmError, ExecutionError
 from dynvm.vm.isa import Flow
 from dynvm.vm.operands import Const, Imm, IntList, Operand, Reg, RegList
+from dynvm.vm.regions import live_in_sets, successors
 from dynvm.vm.slots import RegionSlot
 
 _RETURN = -1
@@ -42,7 +51,8 @@ class Interpreter:
         # The register file: registers, then constants, then the return slot.
         self._template = ([None] * program.n_regs
                           + [c.to(self.device) for c in program.constants] + [None])
-        self._steps = [self._decode(instr) for instr in program.code]
+        kills = _dead_after(program.code)
+        self._steps = [self._decode(instr, kills[pc]) for pc, instr in enumerate(program.code)]
         self._slots: list[RegionSlot | None] = [None] * len(program.regions)
         self._plan: list[tuple[Callable[[list], int], int] | None] = [None] * len(program.code)
         for region in program.regions:
@@ -93,7 +103,7 @@ class Interpreter:
     def _register(self, operand: Reg | Const) -> int:
         return operand.index if isinstance(operand, Reg) else self.const_register(operand)
 
-    def _decode(self, instr) -> Callable[[list], None] | None:
+    def _decode(self, instr, kills: tuple[int, ...]) -> Callable[[list], None] | None:
         spec = instr.spec
         if spec.flow is not Flow.NEXT:
             return None
@@ -113,10 +123,11 @@ class Interpreter:
                 list_positions.append((position, tuple(
                     (True, self._register(item)) for item in arg.items)))
         dsts = tuple(d.index for d in instr.dsts)
-        fused = _fused_step(fn, tuple(template), reg_positions, list_positions, dsts)
+        fused = _fused_step(fn, tuple(template), reg_positions, list_positions, dsts, kills)
         if fused is not None:
             return fused
-        return _make_store(_make_call(fn, tuple(template), reg_positions, list_positions), dsts)
+        call = _make_call(fn, tuple(template), reg_positions, list_positions)
+        return _make_store(call, dsts, kills)
 
     def _static_value(self, arg: Operand) -> object:
         if isinstance(arg, Imm):
@@ -187,7 +198,21 @@ class Interpreter:
         raise AssertionError(f"no control unit for {instr.op}")
 
 
-def _fused_step(fn, template, reg_positions, list_positions, dsts):
+def _dead_after(code) -> list[tuple[int, ...]]:
+    """Per instruction, the registers it reads or writes that no later instruction reads
+    (see Note [Register kills])."""
+    live = live_in_sets(code)
+    kills = []
+    for pc, instr in enumerate(code):
+        after: set[Reg] = set()
+        for succ in successors(code, pc):
+            after |= live[succ]
+        touched = set(instr.reads()) | set(instr.dsts)
+        kills.append(tuple(sorted(r.index for r in touched - after)))
+    return kills
+
+
+def _fused_step(fn, template, reg_positions, list_positions, dsts, kills):
     """One-frame steps for the shapes of instruction that dominate real programs: one
     result, and operands that are all registers, or one register then literals."""
     if len(dsts) != 1 or list_positions:
@@ -199,6 +224,8 @@ def _fused_step(fn, template, reg_positions, list_positions, dsts):
 
         def step(regs: list) -> None:
             regs[dst] = fn(*getter(regs))
+            for dead in kills:
+                regs[dead] = None
 
         return step
     if positions == [0]:
@@ -207,9 +234,13 @@ def _fused_step(fn, template, reg_positions, list_positions, dsts):
         if not rest:
             def step(regs: list) -> None:
                 regs[dst] = fn(regs[only])
+                for dead in kills:
+                    regs[dead] = None
         else:
             def step(regs: list) -> None:
                 regs[dst] = fn(regs[only], *rest)
+                for dead in kills:
+                    regs[dead] = None
         return step
     return None
 
@@ -241,15 +272,19 @@ def _make_call(fn, template: tuple, reg_positions, list_positions) -> Callable[[
     return call
 
 
-def _make_store(call, dsts: tuple[int, ...]) -> Callable[[list], None]:
+def _make_store(call, dsts: tuple[int, ...], kills: tuple[int, ...]) -> Callable[[list], None]:
     if not dsts:
         def step(regs: list) -> None:
             call(regs)
+            for dead in kills:
+                regs[dead] = None
     elif len(dsts) == 1:
         dst = dsts[0]
 
         def step(regs: list) -> None:
             regs[dst] = call(regs)
+            for dead in kills:
+                regs[dead] = None
     else:
         def step(regs: list) -> None:
             results = call(regs)
@@ -257,5 +292,7 @@ def _make_store(call, dsts: tuple[int, ...]) -> Callable[[list], None]:
                 raise ExecutionError(f"expected {len(dsts)} results, got {len(results)}")
             for dst, value in zip(dsts, results):
                 regs[dst] = value
+            for dead in kills:
+                regs[dead] = None
     return step
 
