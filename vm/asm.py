@@ -27,6 +27,7 @@ import math
 import re
 
 import torch
+
 from dynvm.vm.errors import AssembleError, DvmFormatError
 from dynvm.vm.instr import Instr
 from dynvm.vm.operands import Const, Imm, IntList, Label, Operand, Reg, RegList
@@ -301,7 +302,7 @@ def assemble(text: str, constants: tuple[torch.Tensor, ...] = ()):
         if not line or line.startswith(";"):
             continue
         if line.startswith("."):
-            _directive(line, line_no, header, InputSpec)
+            _directive(_strip_comment(line).strip(), line_no, header, InputSpec)
             continue
         index, _, body = line.partition(" ")
         if not index.isdigit() or int(index) != len(code):
@@ -315,14 +316,14 @@ def assemble(text: str, constants: tuple[torch.Tensor, ...] = ()):
     if len(declared) != len(constants):
         raise AssembleError(f"listing declares {len(declared)} constants, "
                             f"{len(constants)} given")
-    for (name, dtype, dims), tensor in zip(declared, constants):
+    for (name, dtype, dims, const_line), tensor in zip(declared, constants):
         shape = tuple(d.low for d in dims)
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise AssembleError(f"constant {name!r}: declared {dtype} {list(shape)}, given "
-                                f"{tensor.dtype} {list(tensor.shape)}")
+            raise AssembleError(f"line {const_line}: constant {name!r}: declared {dtype} "
+                                f"{list(shape)}, given {tensor.dtype} {list(tensor.shape)}")
     return Program(code=tuple(code), n_regs=header["regs"],
                    inputs=tuple(header["inputs"]), constants=tuple(constants),
-                   constant_names=tuple(name for name, _, _ in declared),
+                   constant_names=tuple(name for name, *_ in declared),
                    in_spec=header["in_spec"], out_spec=header["out_spec"],
                    name=header["program"])
 
@@ -361,7 +362,7 @@ def _directive(line: str, line_no: int, header: dict, input_spec) -> None:
             if key == "input":
                 header["inputs"].append(input_spec(name, dtype, dims))
             else:
-                header["consts"].append((name, dtype, dims))
+                header["consts"].append((name, dtype, dims, line_no))
         else:
             raise AssembleError(f"line {line_no}: unknown directive .{key}")
     except (ValueError, SyntaxError, DvmFormatError) as exc:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+
 from dynvm.vm.errors import DynvmError, ExecutionError
 from dynvm.vm.isa import Flow
 from dynvm.vm.operands import Const, Imm, IntList, Operand, Reg, RegList
@@ -186,7 +187,16 @@ class Interpreter:
                 constant = bool(cond.value)
                 return lambda regs: following if constant else target
             index = self._register(cond)
-            return lambda regs: following if regs[index] else target
+            program = self.program
+
+            def branch(regs: list) -> int:
+                try:
+                    return following if regs[index] else target
+                except Exception as exc:  # e.g. a tensor condition of several elements
+                    raise ExecutionError(f"instruction {pc} ({program.code[pc]}) failed: "
+                                         f"{type(exc).__name__}: {exc}") from exc
+
+            return branch
         if flow is Flow.RETURN:
             indices = tuple(self._register(item) for item in instr.args[0].items)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 
 import torch
+
 from dynvm.vm.errors import ShapeError
 from dynvm.vm.isa import OpClass, OpSpec, op
 from dynvm.vm.shapes import intern_shape

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from dynvm.vm.isa import OpClass, OpSpec, op
 
 aten = torch.ops.aten
@@ -53,6 +54,16 @@ def _sdpa(q, k, v, mask, dropout_p, is_causal, scale):
     return F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale=scale)
 
 
+def _sdpa_abstract(q, k, v, mask, dropout_p, is_causal, scale):
+    # The output's strides depend on which kernel runs: the CPU flash kernel (no mask, no
+    # dropout) returns it in the layout of its inputs, the math kernel contiguous. Views
+    # downstream rely on those strides, so the shape function asks the same kernel.
+    if mask is None and dropout_p == 0.0 and q.dim() == 4:
+        return aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, scale=scale)[0]
+    return _sdpa(q, k, v, mask, dropout_p, is_causal, scale)
+
+
 def _gelu(x, approximate):
     return torch._C._nn.gelu(x, approximate=approximate)
 
@@ -83,7 +94,8 @@ TENSOR_OPS: tuple[OpSpec, ...] = (
     _tensor("BMM", (aten.bmm.default,), "T,T", "3-D batched matrix product", impl=torch.bmm),
     _tensor("ADDMM", (aten.addmm.default,), "T,T,T", "bias + a @ b", impl=torch.addmm),
     _tensor("SDPA", (aten.scaled_dot_product_attention.default,), "T,T,T,T?,S,K,K",
-            "softmax(q @ k.T * scale + mask) @ v", impl=_sdpa),
+            "softmax(q @ k.T * scale + mask) @ v", impl=_sdpa,
+            custom_shape_fn=_sdpa_abstract),
     # -- normalisation and activations ---------------------------------------------------
     _tensor("LAYER_NORM", (aten.layer_norm.default,), "T,L,T?,T?,S,K",
             "layer norm over the trailing dims", impl=torch.layer_norm),

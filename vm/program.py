@@ -16,6 +16,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 import torch
+
 from dynvm.vm.instr import Instr
 from dynvm.vm.regions import Region, compute_regions
 

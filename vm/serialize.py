@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgpack
 import torch
+
 from dynvm.vm.errors import DvmFormatError
 from dynvm.vm.instr import Instr
 from dynvm.vm.opcodes import OPCODES

@@ -54,6 +54,9 @@ class Shape:
             raise AttributeError("Shape is immutable")
         object.__setattr__(self, name, value)
 
+    def __delattr__(self, name):
+        raise AttributeError("Shape is immutable")
+
     def __reduce__(self):
         return intern_shape, (self.dims,)
 

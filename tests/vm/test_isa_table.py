@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dynvm.vm.asm import format_instr, parse_instr
 from dynvm.vm.instr import Instr
 from dynvm.vm.isa import Flow, OpClass, Outs

@@ -8,6 +8,7 @@ import sys
 
 import sympy
 import torch
+
 from dynvm.vm.errors import UnsupportedOpError
 from dynvm.vm.program import DimSpec, InputSpec
 

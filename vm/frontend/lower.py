@@ -14,6 +14,9 @@ import operator
 import re
 
 import torch
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
 from dynvm.vm.errors import UnsupportedOpError
 from dynvm.vm.frontend.dims import input_specs
 from dynvm.vm.instr import Instr
@@ -21,8 +24,6 @@ from dynvm.vm.isa import OpSpec
 from dynvm.vm.opcodes import BY_SOURCE, OPCODES
 from dynvm.vm.operands import ArgKind, Const, Imm, IntList, Label, Operand, Reg, RegList
 from dynvm.vm.program import Program
-from torch.export.graph_signature import InputKind, OutputKind
-from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
 
