@@ -1,0 +1,277 @@
+"""`dynvm run`: call a program on random inputs whose dynamic dims follow a schedule, and
+report latency per input shape (the command line itself lives in `dynvm.cli`)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+import dynvm
+
+# Integer inputs of a .dvm file carry no hint of their valid range (an embedding table's
+# row count lives in a constant, not in the signature), so they are drawn from a range
+# small enough to be a valid index for any plausible table. `--help` says so.
+INT_HIGH = 8
+
+
+class CliError(Exception):
+    """A failure to report as `dynvm: error: <message>`; `code` 2 is a usage error."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class DimSchedule:
+    """How one dynamic dim changes from call to call."""
+
+    dim: str
+    mode: str
+    """"cycle" through `values`, "uniform" over [values[0], values[1]], or "walk": a
+    random walk that steps to a neighbour in `values` each call."""
+    values: tuple[int, ...]
+    text: str
+    """The part of --schedule it came from, for messages."""
+
+    def bounds(self) -> tuple[int, int]:
+        return min(self.values), max(self.values)
+
+    def draws(self, rng: random.Random) -> Iterator[int]:
+        """The dim's value for each call, forever."""
+        values = self.values
+        if self.mode == "cycle":
+            yield from itertools.cycle(values)
+        elif self.mode == "uniform":
+            while True:
+                yield rng.randint(values[0], values[1])
+        else:
+            i = rng.randrange(len(values))
+            while True:
+                yield values[i]
+                if len(values) > 1:  # reflect at the ends so that every step moves
+                    step = rng.choice((-1, 1))
+                    i = i + step if 0 <= i + step < len(values) else i - step
+
+
+_PART = re.compile(r"\s*([\w.]+)\s*=\s*(.*?)\s*")
+_INTS = re.compile(r"\d+(\s*,\s*\d+)*")
+_RANGE = re.compile(r"(\d+)\s*\.\.\s*(\d+)")
+
+
+def parse_schedule(text: str) -> tuple[DimSchedule, ...]:
+    """`batch=1,4,16;seq=2..128;n=walk:1,2,4` -> one DimSchedule per named dim."""
+    schedules: dict[str, DimSchedule] = {}
+    for part in filter(str.strip, text.split(";")):
+        schedule = _parse_part(part.strip())
+        if schedule.dim in schedules:
+            raise CliError(f"--schedule names dim {schedule.dim!r} twice", 2)
+        schedules[schedule.dim] = schedule
+    if not schedules:
+        raise CliError(f"--schedule {text!r} names no dims", 2)
+    return tuple(schedules.values())
+
+
+def _parse_part(part: str) -> DimSchedule:
+    bad = CliError(f"bad --schedule part {part!r}: expected NAME=A,B,C (cycle), "
+                   "NAME=LO..HI (uniform) or NAME=walk:A,B,C (random walk)", 2)
+    match = _PART.fullmatch(part)
+    if match is None:
+        raise bad
+    dim, rhs = match.groups()
+    if rhs.startswith("walk:") and _INTS.fullmatch(rhs[5:].strip()):
+        return DimSchedule(dim, "walk", _ints(rhs[5:]), part)
+    if _INTS.fullmatch(rhs):
+        return DimSchedule(dim, "cycle", _ints(rhs), part)
+    if (span := _RANGE.fullmatch(rhs)) is not None:
+        low, high = int(span.group(1)), int(span.group(2))
+        if low > high:
+            raise CliError(f"bad --schedule part {part!r}: empty range {low}..{high}", 2)
+        return DimSchedule(dim, "uniform", (low, high), part)
+    raise bad
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
+
+
+def _dim_key(spec, axis: int, dim) -> str:
+    # Files may hold a dynamic dim without a name; it is still addressable.
+    return dim.name or f"{spec.name}.{axis}"
+
+
+def declared_dims(program) -> dict[str, tuple[int, int]]:
+    """Each dynamic dim's key and the range every input using it accepts."""
+    dims: dict[str, tuple[int, int]] = {}
+    for spec in program.inputs:
+        for axis, dim in enumerate(spec.dims):
+            if not dim.is_static:
+                key = _dim_key(spec, axis, dim)
+                low, high = dims.get(key, (dim.low, dim.high))
+                dims[key] = (max(low, dim.low), min(high, dim.high))
+    return dims
+
+
+def check_schedule(schedules, program) -> None:
+    dims = declared_dims(program)
+    for schedule in schedules:
+        if schedule.dim not in dims:
+            known = ", ".join(dims) if dims else "none (all its shapes are static)"
+            raise CliError(f"--schedule names dim {schedule.dim!r}, which {program.name} "
+                           f"does not have; its dynamic dims: {known}", 2)
+        (low, high), (lo, hi) = dims[schedule.dim], schedule.bounds()
+        if lo < low or hi > high:
+            raise CliError(f"--schedule {schedule.text!r}: {schedule.dim} must stay within "
+                           f"its declared range {low}..{high}", 2)
+
+
+def dim_values(program, flat) -> dict[str, int]:
+    """The dynamic dims' sizes in a call's flat inputs."""
+    values: dict[str, int] = {}
+    for spec, tensor in zip(program.inputs, flat):
+        for axis, dim in enumerate(spec.dims):
+            if not dim.is_static and axis < tensor.dim():
+                values.setdefault(_dim_key(spec, axis, dim), int(tensor.shape[axis]))
+    return values
+
+
+def _random_tensor(spec, values: dict[str, int], gen: torch.Generator) -> torch.Tensor:
+    shape = [dim.low if dim.is_static else values[_dim_key(spec, axis, dim)]
+             for axis, dim in enumerate(spec.dims)]
+    dtype = spec.dtype
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, generator=gen)
+    if dtype.is_floating_point:
+        # randn in float32, then cast: not every low-precision dtype has a CPU randn.
+        return torch.randn(shape, generator=gen).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    return torch.randint(0, INT_HIGH, shape, generator=gen, dtype=dtype)
+
+
+def input_source(program, demo, schedules, seed: int) -> Callable[[], list[torch.Tensor]]:
+    """A function drawing one call's flat inputs (on the CPU)."""
+    rng = random.Random(seed)
+    if demo is not None and not schedules:
+        return lambda: pytree.tree_leaves(demo.sample_inputs(rng))
+    gen = torch.Generator().manual_seed(seed)
+    declared = declared_dims(program)
+    drawers = {s.dim: s.draws(rng) for s in schedules}
+    defaults = {key: max(low, 1) for key, (low, _) in declared.items()}
+
+    def draw() -> list[torch.Tensor]:
+        values = {key: next(drawer) for key, drawer in drawers.items()}
+        if demo is not None and len(values) < len(declared):
+            # Dims the schedule leaves alone vary as the model's own sampler draws them.
+            sample = pytree.tree_leaves(demo.sample_inputs(rng))
+            values = {**dim_values(program, sample), **values}
+        values = {**defaults, **values}
+        return [_random_tensor(spec, values, gen) for spec in program.inputs]
+    return draw
+
+
+def make_runtime(program, device: str, jit: bool):
+    """The Runtime and a word on the JIT for the report."""
+    try:
+        where = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise CliError(f"bad --device {device!r}: {exc}", 2) from None
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {device}: this machine has no CUDA device", 2)
+    note = "off (--no-jit)"
+    if jit:
+        try:
+            return dynvm.Runtime(program, where, jit=True), "on"
+        except NotImplementedError:
+            note = "off (this build has no JIT tier)"
+    return dynvm.Runtime(program, where, jit=False), note
+
+
+def percentile(sorted_ms: list[float], p: float) -> float:
+    """Nearest-rank percentile: always a latency that was actually measured."""
+    return sorted_ms[max(0, math.ceil(p / 100 * len(sorted_ms)) - 1)]
+
+
+def _label(values: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in values.items()) or "(static shapes)"
+
+
+def run_command(args, program, demo, header: list[str]) -> int:
+    schedules = parse_schedule(args.schedule) if args.schedule else ()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    check_schedule(schedules, program)
+    runtime, jit_note = make_runtime(program, args.device, not args.no_jit)
+    draw = input_source(program, demo, schedules, args.seed)
+    in_spec = pytree.treespec_loads(program.in_spec)
+    sync = torch.cuda.synchronize if runtime.device.type == "cuda" else (lambda: None)
+    has_ints = demo is None or bool(schedules)
+    has_ints = has_ints and any(not (s.dtype.is_floating_point or s.dtype.is_complex)
+                                for s in program.inputs)
+    progress = sys.stderr.isatty()
+    latencies: dict[tuple, list[float]] = {}
+    labels: dict[tuple, str] = {}
+    total = args.warmup + args.calls
+    for i in range(total):
+        flat = [t.to(runtime.device) for t in draw()]
+        values = dim_values(program, flat)
+        call_args = pytree.tree_unflatten(flat, in_spec)
+        start = time.perf_counter()
+        try:
+            runtime(*call_args)
+            sync()
+        except dynvm.DynvmError as exc:
+            hint = f"; integer inputs are random in [0, {INT_HIGH})" if has_ints else ""
+            raise CliError(f"call {i + 1} ({_label(values)}): {exc}{hint}", 1) from None
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        if i >= args.warmup:
+            key = tuple(values.items())
+            latencies.setdefault(key, []).append(elapsed_ms)
+            labels[key] = _label(values)
+        if progress:
+            print(f"\r{i + 1}/{total} calls", end="", file=sys.stderr, flush=True)
+    if progress:
+        print("\r" + " " * 24 + "\r", end="", file=sys.stderr, flush=True)
+    header.append(f"runtime   device={runtime.device} jit={jit_note} "
+                  f"threads={torch.get_num_threads()} warmup={args.warmup} calls={args.calls} "
+                  f"seed={args.seed}")
+    if schedules:
+        header.append("schedule  " + "; ".join(f"{s.text} ({s.mode})" for s in schedules))
+    print("\n".join(header) + "\n")
+    _print_table(latencies, labels, args.max_rows)
+    print("\nruntime.stats()")
+    stats = runtime.stats()
+    width = max(map(len, stats), default=0)
+    for key, value in stats.items():
+        print(f"  {key:<{width}}  {value}")
+    return 0
+
+
+def _print_table(latencies: dict, labels: dict, max_rows: int) -> None:
+    width = max([len("all calls"), *map(len, labels.values())])
+    print(f"{'shape':<{width}}  {'calls':>6}  {'p50 ms':>9}  {'p99 ms':>9}  {'max ms':>9}")
+
+    def row(label: str, ms: list[float]) -> None:
+        ms = sorted(ms)
+        print(f"{label:<{width}}  {len(ms):>6}  {percentile(ms, 50):>9.3f}  "
+              f"{percentile(ms, 99):>9.3f}  {ms[-1]:>9.3f}")
+
+    # Most-called shapes first when rows are capped, then shown in dim order.
+    keys = sorted(latencies, key=lambda k: -len(latencies[k]))
+    shown = sorted(keys[:max_rows] if max_rows else keys)
+    for key in shown:
+        row(labels[key], latencies[key])
+    hidden = keys[max_rows:] if max_rows else []
+    if hidden:
+        calls = sum(len(latencies[k]) for k in hidden)
+        print(f"... {len(hidden)} more shapes ({calls} calls); --max-rows 0 lists them all")
+    row("all calls", [ms for values in latencies.values() for ms in values])
