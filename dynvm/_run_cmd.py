@@ -187,13 +187,9 @@ def make_runtime(program, device: str, jit: bool):
         raise CliError(f"bad --device {device!r}: {exc}", 2) from None
     if where.type == "cuda" and not torch.cuda.is_available():
         raise CliError(f"--device {device}: this machine has no CUDA device", 2)
-    note = "off (--no-jit)"
     if jit:
-        try:
-            return dynvm.Runtime(program, where, jit=True), "on"
-        except NotImplementedError:
-            note = "off (this build has no JIT tier)"
-    return dynvm.Runtime(program, where, jit=False), note
+        return dynvm.Runtime(program, where, jit=True), "on"
+    return dynvm.Runtime(program, where, jit=False), "off (--no-jit)"
 
 
 def percentile(sorted_ms: list[float], p: float) -> float:

@@ -7,7 +7,9 @@ import threading
 import torch
 from torch.utils import _pytree as pytree
 
-from dynvm.vm.errors import InputError
+from dynvm.jit.config import JitConfig
+from dynvm.jit.engine import Jit
+from dynvm.vm.errors import InputError, ShapeError
 from dynvm.vm.interpreter import Interpreter
 
 
@@ -15,18 +17,23 @@ class Runtime:
     """Runs a `Program` on one device.
 
     `runtime(*inputs)` validates the inputs against the program's signature and returns
-    outputs with the structure of the original module's outputs. `jit=False` (or None)
-    always runs the pure interpreter; the JIT tier plugs in through the VM's region
-    cache slots (`dynvm.vm.slots`). Calls may come from several threads at once.
+    outputs with the structure of the original module's outputs. `jit=True` (the
+    default) or a `JitConfig` attaches the JIT tier through the VM's region cache slots
+    (`dynvm.vm.slots`); `jit=False` always runs the pure interpreter. Calls may come
+    from several threads at once.
     """
 
-    def __init__(self, program, device: str | torch.device = "cpu", jit=False) -> None:
-        if jit not in (False, None):
-            raise NotImplementedError("the JIT tier is not part of this build yet; "
-                                      "use jit=False")
+    def __init__(self, program, device: str | torch.device = "cpu",
+                 jit: bool | JitConfig = True) -> None:
         self.program = program
         self.interpreter = Interpreter(program, device)
         self.device = self.interpreter.device
+        self.jit: Jit | None = None
+        if jit is True or isinstance(jit, JitConfig):
+            self.jit = Jit(program, self.interpreter, jit if jit is not True else None)
+            self.jit.attach()
+        elif jit not in (False, None):
+            raise TypeError(f"jit must be True, False or a JitConfig, got {jit!r}")
         self._in_spec = pytree.treespec_loads(program.in_spec)
         self._out_spec = pytree.treespec_loads(program.out_spec)
         self._n_inputs = len(program.inputs)
@@ -40,6 +47,11 @@ class Runtime:
             names = ", ".join(spec.name for spec in self.program.inputs)
             raise InputError(f"{self.program.name} takes {self._n_inputs} inputs ({names}), "
                              f"got {len(flat)}")
+        for position, value in enumerate(flat):
+            if not isinstance(value, torch.Tensor):
+                # Checked here, before any region's guard hashes the inputs.
+                raise ShapeError(f"input {self.program.inputs[position].name!r}: expected a "
+                                 f"tensor, got {type(value).__name__}")
         with torch.inference_mode():
             outputs = self.interpreter.run(flat)
         with self._lock:
@@ -54,11 +66,26 @@ class Runtime:
         return flat
 
     def stats(self) -> dict:
-        """Counters since the runtime was made."""
-        return {
+        """Counters since the runtime was made (JIT counters too when it is on)."""
+        stats = {
             "calls": self._calls,
             "instructions_executed": self.interpreter.instructions_executed,
             "regions": len(self.program.regions),
             "instructions": len(self.program.code),
             "device": str(self.device),
+            "jit": self.jit is not None,
         }
+        if self.jit is not None:
+            stats.update(self.jit.stats())
+        return stats
+
+    def close(self) -> None:
+        """Stop background compiles; the runtime keeps working (interpreted)."""
+        if self.jit is not None:
+            self.jit.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

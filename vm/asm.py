@@ -331,9 +331,14 @@ def assemble(text: str, constants: tuple[torch.Tensor, ...] = ()):
 def _strip_comment(body: str) -> str:
     # A ';' inside a string literal is not a comment.
     in_str = None
+    escaped = False
     for i, ch in enumerate(body):
         if in_str:
-            if ch == in_str and body[i - 1] != "\\":
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == in_str:
                 in_str = None
         elif ch in "\"'":
             in_str = ch

@@ -89,6 +89,10 @@ class Interpreter:
         region = self.program.regions[region_index]
         return self._steps[region.start:region.stop]
 
+    def constant(self, index: int) -> torch.Tensor:
+        """Program constant `index`, as this interpreter holds it (on its device)."""
+        return self._template[self._const_base + index]
+
     def const_register(self, const: Const) -> int:
         return self._const_base + const.index
 

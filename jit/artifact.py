@@ -1,0 +1,61 @@
+"""Compiled artifacts and their one cache key.
+
+Every compiled artifact has exactly one cache key, built here and only here, from
+everything that affects what it computes: program hash, region, family key (for an
+exact specialization: the signature), backend, target, toolchain versions and options
+(DESIGN.md, Invariants). Two processes that would build the same code compute the same
+key; anything that could change the code changes the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+import dynvm
+
+
+def toolchain_versions() -> dict[str, str]:
+    versions = {"dynvm": dynvm.__version__, "torch": torch.__version__,
+                "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:  # the CPU backend does not need it
+        versions["triton"] = "none"
+    return versions
+
+
+def cache_key(program_hash: str, region: int, family_key: str, backend: str, target: str,
+              options: dict | None = None, toolchain: dict | None = None) -> str:
+    material = {
+        "program": program_hash,
+        "region": region,
+        "family": family_key,
+        "backend": backend,
+        "target": target,
+        "toolchain": toolchain if toolchain is not None else toolchain_versions(),
+        "options": options or {},
+    }
+    blob = json.dumps(material, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """What a compile produced: the key, the generated source and how it was made."""
+
+    key: str
+    backend: str
+    target: str
+    kernel_name: str
+    source: str
+    guard: str
+    notes: tuple[str, ...] = ()
+    compile_seconds: float = 0.0
+    metadata: dict = field(default_factory=dict)

@@ -1,0 +1,76 @@
+"""`JitConfig`: every knob of the JIT tier, in one frozen dataclass.
+
+Defaults follow the design article's measured experience (Note [Promotion] in
+dynvm.jit.policy): promote a shape only after it recurs within a window, adapt the
+recurrence threshold to region size, keep at most 16 specializations per region, compile
+on one background thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class JitConfig:
+    min_recurrence: int = 2
+    """K for the smallest regions: a signature must be seen this many times within the
+    window before it may be promoted."""
+
+    max_recurrence: int = 8
+    """K for the largest regions (K grows with region size: compiling them costs more,
+    so they must prove their shape is stable for longer)."""
+
+    instructions_per_recurrence_step: int = 24
+    """K rises by one from `min_recurrence` per this many instructions in the region."""
+
+    window: int = 64
+    """W: the sliding window, in calls of the region, in which recurrences are counted."""
+
+    expected_speedup: float = 0.15
+    """Fraction of a region's interpreted time a specialization is expected to save
+    before any has been measured; replaced by the measured saving once one has run."""
+
+    horizon_calls: int = 1000
+    """Calls over which a specialization must pay back its compile: the benefit is the
+    expected saving per call x the signature's frequency in the window x this horizon."""
+
+    compile_seconds_base: float = 0.002
+    """Estimated compile cost of a region of no instructions (seconds)."""
+
+    compile_seconds_per_instruction: float = 0.0003
+    """Estimated compile cost per instruction, before any compile has been measured."""
+
+    max_specializations_per_region: int = 16
+    """Per-region LRU capacity; the least recently used specialization is evicted."""
+
+    compile_threads: int = 1
+    """Background compile threads (more than 2 rarely helps: compiles hold the GIL)."""
+
+    max_queue_length: int = 32
+    """Beyond this many waiting tasks, the lowest-benefit ones are dropped."""
+
+    sync: bool = False
+    """Compile on the calling thread as soon as a signature is promoted (tests and
+    debugging only: a call then waits for its compile)."""
+
+    guard_failure_sample_rate: int = 64
+    """Explain (compute the first failing check of) one guard failure in this many; the
+    rest are only counted, so a shape storm costs no diagnostics work."""
+
+    failed_compile_backoff_calls: int = 256
+    """After a compile fails, the signature is not retried for this many region calls
+    (doubling on each further failure)."""
+
+    def __post_init__(self) -> None:
+        positive = ("min_recurrence", "max_recurrence", "window", "horizon_calls",
+                    "max_specializations_per_region", "compile_threads",
+                    "max_queue_length", "instructions_per_recurrence_step",
+                    "guard_failure_sample_rate", "failed_compile_backoff_calls")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"JitConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_recurrence > self.max_recurrence:
+            raise ValueError("JitConfig.min_recurrence must not exceed max_recurrence")
+        if self.max_recurrence > self.window:
+            raise ValueError("JitConfig.max_recurrence must not exceed window")

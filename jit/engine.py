@@ -1,0 +1,171 @@
+"""The JIT tier of one Runtime: region slots, the compile queue, the CPU backend.
+
+`Jit.attach()` installs a `RegionJit` into every region of the interpreter that is worth
+watching (at least `MIN_TENSOR_OPS` tensor operations: a loop header that only compares
+two scalars would pay for a signature on every iteration and never gain). Promotions
+become compile tasks on the queue; a finished compile installs its specialization into
+the region's slot, from whichever thread ran it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from dynvm.jit.artifact import Artifact, cache_key
+from dynvm.jit.backends.cpu import compile_kernel
+from dynvm.jit.config import JitConfig
+from dynvm.jit.queue import CompileQueue
+from dynvm.jit.region_jit import RegionJit, Specialization
+from dynvm.jit.signature import GuardStrength, describe
+from dynvm.jit.specialize import SpecializationError, specialize
+from dynvm.vm.isa import OpClass
+
+MIN_TENSOR_OPS = 2
+BACKEND = "cpu"
+
+
+def abstract_live_ins(live_in: tuple[int, ...], signature: tuple) -> dict[int, object]:
+    """Meta tensors (and scalar values) standing for a signature's live-ins."""
+    values = {}
+    for index, entry in zip(live_in, signature):
+        if len(entry) == 5:
+            shape, dtype, strides, offset, _device = entry
+            values[index] = torch.empty_strided(shape.dims, strides, dtype=dtype,
+                                                device="meta")
+        else:
+            values[index] = entry[1]
+    return values
+
+
+class Jit:
+    def __init__(self, program, interpreter, config: JitConfig | None = None) -> None:
+        self.program = program
+        self.interpreter = interpreter
+        self.config = config or JitConfig()
+        self.queue = CompileQueue(self.config.compile_threads, self.config.max_queue_length,
+                                  self.config.sync)
+        self.regions: dict[int, RegionJit] = {}
+        self.compiles = 0
+        self.compile_seconds = 0.0
+        self.compile_failures = 0
+        self._compiled_instructions = 0
+        self._lock = threading.Lock()
+        self.artifacts: dict[str, Artifact] = {}
+        self.guard_failure_log: list[str] = []
+        self._constants = [interpreter.constant(i) for i in range(len(program.constants))]
+
+    def attach(self) -> None:
+        for region in self.program.regions:
+            code = self.program.code[region.start:region.stop]
+            tensor_ops = sum(1 for instr in code if instr.spec.opclass is OpClass.TENSOR)
+            if tensor_ops >= MIN_TENSOR_OPS:
+                slot = RegionJit(self, region)
+                self.regions[region.index] = slot
+                self.interpreter.install_slot(region.index, slot)
+
+    def close(self) -> None:
+        self.queue.close()
+
+    # -- policy inputs ---------------------------------------------------------------
+
+    def estimated_compile_seconds(self, instructions: int) -> float:
+        if self._compiled_instructions:
+            per_instruction = self.compile_seconds / self._compiled_instructions
+        else:
+            per_instruction = self.config.compile_seconds_per_instruction
+        return self.config.compile_seconds_base + per_instruction * instructions
+
+    # -- compile pipeline ------------------------------------------------------------
+
+    def key_for(self, region_jit: RegionJit, signature: tuple) -> str:
+        return cache_key(self.program.content_hash, region_jit.region.index,
+                         describe(signature), BACKEND, str(self.interpreter.device))
+
+    def promote(self, region_jit: RegionJit, signature: tuple, decision) -> None:
+        key = self.key_for(region_jit, signature)
+        future = self.queue.submit(key, decision.benefit_seconds,
+                                   lambda: self._compile(region_jit, signature, key))
+        future.add_done_callback(lambda f: self._finished(region_jit, signature, f))
+
+    def _compile(self, region_jit: RegionJit, signature: tuple, key: str) -> Specialization:
+        start = time.perf_counter()
+        region = region_jit.region
+        spec = specialize(self.program, region, abstract_live_ins(region_jit.live_in,
+                                                                  signature))
+        strength = GuardStrength.STRONG if spec.assumes_shapes else GuardStrength.WEAK
+        kernel = compile_kernel(spec, self.program, self._constants, self.interpreter.device,
+                                describe(signature), strength.value)
+        seconds = time.perf_counter() - start
+        artifact = Artifact(key, BACKEND, str(self.interpreter.device), kernel.name,
+                            kernel.source, strength.value, spec.notes, seconds)
+        with self._lock:
+            self.compiles += 1
+            self.compile_seconds += seconds
+            self._compiled_instructions += len(region)
+            self.artifacts[key] = artifact
+        return Specialization(signature, strength, kernel.fn, artifact)
+
+    def _finished(self, region_jit: RegionJit, signature: tuple, future) -> None:
+        if future.cancelled():
+            region_jit.forget_pending(signature)
+            return
+        error = future.exception()
+        if error is None:
+            region_jit.install(future.result())
+            return
+        with self._lock:
+            self.compile_failures += 1
+        region_jit.compile_failed(signature)
+        if not isinstance(error, SpecializationError):
+            self.guard_failure_log.append(f"compile of region {region_jit.region.index} "
+                                          f"failed: {type(error).__name__}: {error}")
+
+    # -- diagnostics -------------------------------------------------------------------
+
+    def on_guard_failure(self, region_jit: RegionJit, explanation: str | None) -> None:
+        if explanation:
+            self._log(f"region {region_jit.region.index} guard failed: {explanation}")
+
+    def on_deopt(self, region_jit: RegionJit, spec: Specialization, error: Exception) -> None:
+        self._log(f"region {region_jit.region.index} deopt from {spec.artifact.kernel_name}: "
+                  f"{type(error).__name__}: {error}")
+
+    def _log(self, line: str) -> None:
+        log = self.guard_failure_log
+        log.append(line)
+        if len(log) > 100:
+            del log[:50]
+
+    def stats(self) -> dict:
+        regions = {}
+        totals = {"interpreted": 0, "specialized": 0, "guard_failures": 0, "deopts": 0,
+                  "evictions": 0, "promotions": 0}
+        for index, region_jit in self.regions.items():
+            c = region_jit.counters
+            calls = c.interpreted + c.specialized
+            regions[index] = {
+                "calls": calls, "hit_rate": c.specialized / calls if calls else 0.0,
+                "specializations": len(region_jit.strong) + len(region_jit.weak),
+                "guard_failures": c.guard_failures, "deopts": c.deopts,
+                "last_guard_failure": c.last_guard_failure,
+            }
+            for name in totals:
+                totals[name] += getattr(c, name)
+        return {
+            "interpreted_region_calls": totals["interpreted"],
+            "specialized_region_calls": totals["specialized"],
+            "promotions": totals["promotions"],
+            "compiles": self.compiles,
+            "compile_seconds": self.compile_seconds,
+            "compile_failures": self.compile_failures,
+            "queue_length": len(self.queue),
+            "dropped_tasks": self.queue.dropped,
+            "guard_failures": totals["guard_failures"],
+            "deopts": totals["deopts"],
+            "evictions": totals["evictions"],
+            "regions": regions,
+        }
+

@@ -1,0 +1,99 @@
+"""The background compile queue.
+
+Compiles are futures keyed by the artifact's cache key: asking twice for the same key
+returns the same future, so nothing is compiled twice in a process. Waiting tasks are
+served highest expected benefit first; when more than `max_length` wait, the
+lowest-benefit ones are dropped (their futures cancelled, counted). With `sync=True` a
+task runs on the submitting thread, which makes tests deterministic (and makes that
+call wait: debugging only).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+
+class CompileQueue:
+    def __init__(self, threads: int = 1, max_length: int = 32, sync: bool = False) -> None:
+        self.sync = sync
+        self.max_length = max_length
+        self._threads_wanted = threads
+        self._heap: list[tuple[float, int, str, Callable[[], object]]] = []
+        self._futures: dict[str, Future] = {}
+        self._cond = threading.Condition()
+        self._order = itertools.count()
+        self._workers: list[threading.Thread] = []
+        self._closed = False
+        self.dropped = 0
+        self.completed = 0
+        self.failed = 0
+
+    def submit(self, key: str, benefit: float, task: Callable[[], object]) -> Future:
+        """The future of `key`'s compile, queueing `task` if it is not known yet."""
+        with self._cond:
+            future = self._futures.get(key)
+            if future is not None and not future.cancelled():
+                return future
+            future = self._futures[key] = Future()
+            if not self.sync:
+                heapq.heappush(self._heap, (-benefit, next(self._order), key, task))
+                self._drop_excess()
+                self._ensure_workers()
+                self._cond.notify()
+                return future
+        self._run(key, task, future)
+        return future
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def close(self) -> None:
+        """Stop the workers after the task each is running; waiting tasks are cancelled."""
+        with self._cond:
+            self._closed = True
+            for _, _, key, _ in self._heap:
+                self._futures[key].cancel()
+            self._heap.clear()
+            self._cond.notify_all()
+
+    def _drop_excess(self) -> None:
+        while len(self._heap) > self.max_length:
+            lowest = max(self._heap)  # least negative benefit = lowest benefit
+            self._heap.remove(lowest)
+            heapq.heapify(self._heap)
+            self._futures.pop(lowest[2]).cancel()
+            self.dropped += 1
+
+    def _ensure_workers(self) -> None:
+        while len(self._workers) < self._threads_wanted:
+            worker = threading.Thread(target=self._work, name="dynvm-compile", daemon=True)
+            self._workers.append(worker)
+            worker.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                _, _, key, task = heapq.heappop(self._heap)
+                future = self._futures[key]
+            if future.set_running_or_notify_cancel():
+                self._run(key, task, future, started=True)
+
+    def _run(self, key: str, task, future: Future, started: bool = False) -> None:
+        if not started and not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = task()
+        except BaseException as exc:  # the task's error belongs to its future
+            self.failed += 1
+            future.set_exception(exc)
+        else:
+            self.completed += 1
+            future.set_result(result)

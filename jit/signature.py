@@ -1,0 +1,130 @@
+"""Signatures of a region's live-ins, and the guards built from them.
+
+Note [Guard strength]
+~~~~~~~~~~~~~~~~~~~~~
+A specialization records the guard it needs, chosen from what it assumes:
+
+- strong: it folded shapes into constants, dropped views, or picked kernels for a layout.
+  Its guard is the full signature: per tensor live-in the interned Shape (compared by
+  identity, see Note [Interned shapes]), dtype, strides, storage offset and device; per
+  scalar live-in its type and value. The same shape with other strides or another
+  storage offset is another signature, so a view never reaches code compiled for a
+  contiguous tensor.
+- weak: it assumed nothing about shapes or layout (straight-line code with the same
+  operations as the interpreter). Its guard checks only rank, element count, dtype and
+  device per tensor (dtype and device because generated code may bind dtype-specific
+  constants), and scalars by value; one weak specialization serves many shapes.
+
+A guard is data: a tuple compared by the region cache's dict lookup, which *is* the
+check. No source is generated or eval'd for it. `first_failure` explains, for
+diagnostics, which check of a specialization's guard a call failed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+import torch
+
+from dynvm.vm.shapes import intern_shape
+
+_Tensor = torch.Tensor
+
+
+class GuardStrength(enum.Enum):
+    STRONG = "strong"
+    WEAK = "weak"
+
+
+def strong_signer(live_in: tuple[int, ...]) -> Callable[[list], tuple]:
+    """A function building the strong signature of `live_in` from a register file."""
+
+    def sign(regs: list) -> tuple:
+        key = []
+        for index in live_in:
+            value = regs[index]
+            if isinstance(value, _Tensor):
+                key.append((intern_shape(value.shape), value.dtype, value.stride(),
+                            value.storage_offset(), value.device))
+            else:
+                key.append((type(value), value))
+        return tuple(key)
+
+    return sign
+
+
+def weak_signer(live_in: tuple[int, ...]) -> Callable[[list], tuple]:
+    def sign(regs: list) -> tuple:
+        key = []
+        for index in live_in:
+            value = regs[index]
+            if isinstance(value, _Tensor):
+                key.append((value.dim(), value.numel(), value.dtype, value.device))
+            else:
+                key.append((type(value), value))
+        return tuple(key)
+
+    return sign
+
+
+def weak_of(signature: tuple) -> tuple:
+    """The weak signature implied by a strong one."""
+    weak = []
+    for entry in signature:
+        if len(entry) == 5:
+            shape, dtype, _strides, _offset, device = entry
+            weak.append((shape.rank, shape.numel, dtype, device))
+        else:
+            weak.append(entry)
+    return tuple(weak)
+
+
+_STRONG_FIELDS = ("shape", "dtype", "strides", "storage offset", "device")
+_WEAK_FIELDS = ("rank", "element count", "dtype", "device")
+
+
+def first_failure(live_in: tuple[int, ...], expected: tuple, actual: tuple,
+                  strength: GuardStrength) -> str | None:
+    """The first check of a guard that `actual` fails, as 'what: expected X, got Y'."""
+    fields = _STRONG_FIELDS if strength is GuardStrength.STRONG else _WEAK_FIELDS
+    for index, want, got in zip(live_in, expected, actual):
+        if want == got:
+            continue
+        if len(want) != len(got) or isinstance(want[0], type):
+            return f"live-in %{index}: expected {_show(want)}, got {_show(got)}"
+        for name, w, g in zip(fields, want, got):
+            if w != g:
+                return f"live-in %{index} {name}: expected {_show(w)}, got {_show(g)}"
+    return None
+
+
+def _show(value) -> str:
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], type):
+        return repr(value[1])
+    return repr(getattr(value, "dims", value))
+
+
+def describe(signature: tuple) -> str:
+    """Human-readable form: '(4, 32, 256) float32 contiguous; 7'."""
+    parts = []
+    for entry in signature:
+        if len(entry) == 5:
+            shape, dtype, strides, offset, device = entry
+            layout = "contiguous" if _is_contiguous(shape.dims, strides) else f"strides {strides}"
+            if offset:
+                layout += f" offset {offset}"
+            parts.append(f"{shape.dims} {str(dtype).removeprefix('torch.')} {layout} "
+                         f"{device}")
+        else:
+            parts.append(repr(entry[1]))
+    return "; ".join(parts)
+
+
+def _is_contiguous(dims, strides) -> bool:
+    expected = 1
+    for dim, stride in zip(reversed(dims), reversed(strides)):
+        if dim != 1 and stride != expected:
+            return False
+        expected *= dim
+    return True

@@ -1,0 +1,297 @@
+"""Specialization: a region's instructions, rewritten for one signature.
+
+Given the abstract values of a region's live-ins (from a signature), the specializer
+
+1. evaluates the region abstractly (`dynvm.vm.abstract`), so every register's shape,
+   dtype and strides are known;
+2. folds shape instructions whose results are known into constants, and drops the input
+   checks they prove (a guard re-establishes the same facts on every call);
+3. drops views that became no-ops for these shapes (a VIEW or RESHAPE_IF to the same
+   shape, an EXPAND to the same size, an identity PERMUTE, ...), and copies that cannot
+   be observed (a CLONE of an already contiguous tensor that does not leave the region);
+4. rewrites known patterns into the fused operations the backend has (attention's
+   matmul / scale / softmax / matmul into one SDPA call);
+5. records which registers die where, so generated code frees them as eager would.
+
+The result, `SpecializedRegion`, is plain data that a backend turns into code. It
+records whether the rewrite relied on the concrete shapes (then it needs a strong guard,
+see Note [Guard strength]) and a note per rewrite, which `dynvm explain` shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dynvm.vm.abstract import evaluate_region
+from dynvm.vm.instr import Instr
+from dynvm.vm.isa import OpClass
+from dynvm.vm.operands import Const, Imm, IntList, Reg, RegList
+from dynvm.vm.regions import live_in_sets
+
+_ALIAS_IF_SAME_SHAPE = {"VIEW", "RESHAPE_IF", "EXPAND", "ALIAS"}
+_CHECKS = {"SHAPE_ASSERT", "DIMS_EQUAL", "ASSERT_SCALAR"}
+
+
+@dataclass(frozen=True)
+class Var:
+    """A value computed at run time, named by the register that first held it."""
+
+    reg: int
+
+
+@dataclass(frozen=True)
+class Literal:
+    """A value known when the specialization was built (a folded dim, a flag, a dtype)."""
+
+    value: object
+
+
+@dataclass(frozen=True)
+class ConstRef:
+    """A program constant (weight)."""
+
+    index: int
+
+
+Value = Var | Literal | ConstRef
+
+
+@dataclass(frozen=True)
+class SpecOp:
+    """One operation of the specialized region: `dsts = opcode(args)`."""
+
+    opcode: str
+    dsts: tuple[int, ...]
+    args: tuple[object, ...]        # Value, or a list of Values (int lists, tensor lists)
+    source_pc: int                  # the instruction it came from, for comments
+    frees: tuple[int, ...] = ()     # registers (Vars) dead after this op
+
+
+@dataclass(frozen=True)
+class SpecializedRegion:
+    region_index: int
+    live_in: tuple[int, ...]
+    ops: tuple[SpecOp, ...]
+    outputs: tuple[tuple[int, Value], ...]   # live-out register -> its value
+    dead_live_ins: tuple[int, ...]           # live-in registers to clear (dead after)
+    assumes_shapes: bool
+    notes: tuple[str, ...]
+    instructions: int                        # of the original region
+
+
+class SpecializationError(Exception):
+    """The signature cannot be specialized (for example it fails the program's own input
+    checks, so every call with it raises in the interpreter too)."""
+
+
+def specialize(program, region, live_in_values: dict[int, object]) -> SpecializedRegion:
+    """Specialize `region` of `program` for live-ins with these (real or abstract)
+    values; see the module docstring."""
+    try:
+        values = evaluate_region(program, region, live_in_values)
+    except Exception as exc:  # the program's checks reject the signature, or a kernel does
+        raise SpecializationError(f"region {region.index} cannot run with this "
+                                  f"signature: {type(exc).__name__}: {exc}") from exc
+    rewriter = _Rewriter(program, region, values)
+    return rewriter.run()
+
+
+class _Rewriter:
+    def __init__(self, program, region, values: dict[int, object]) -> None:
+        self.program = program
+        self.region = region
+        self.values = values
+        # register -> its value in the specialized code (Var, Literal or ConstRef)
+        self.binding: dict[int, Value] = {r.index: Var(r.index) for r in region.live_in}
+        self.ops: list[SpecOp] = []
+        self.notes: list[str] = []
+        self.assumes_shapes = False
+
+    def run(self) -> SpecializedRegion:
+        code = self.program.code
+        for pc in range(self.region.start, self.region.stop):
+            self.rewrite(pc, code[pc])
+        ops = _fuse_attention(self.ops, self.notes)
+        if len(ops) != len(self.ops):
+            self.assumes_shapes = True
+        live = live_in_sets(code)
+        after = live[self.region.stop] if self.region.stop < len(code) else frozenset()
+        outputs = tuple((r.index, self.binding[r.index]) for r in self.region.live_out)
+        ops = _add_frees(ops, {v.reg for _, v in outputs if isinstance(v, Var)})
+        dead_live_ins = tuple(r.index for r in self.region.live_in if r not in after)
+        return SpecializedRegion(self.region.index, tuple(r.index for r in self.region.live_in),
+                                 tuple(ops), outputs, dead_live_ins, self.assumes_shapes,
+                                 tuple(self.notes), len(self.region))
+
+    # -- one instruction ------------------------------------------------------------
+
+    def operand(self, arg) -> object:
+        if isinstance(arg, Reg):
+            return self.binding[arg.index]
+        if isinstance(arg, Const):
+            return ConstRef(arg.index)
+        if isinstance(arg, Imm):
+            return Literal(arg.value)
+        if isinstance(arg, IntList):
+            items = [self.binding[i.index] if isinstance(i, Reg) else Literal(i)
+                     for i in arg.items]
+            if all(isinstance(i, Literal) for i in items):
+                if any(isinstance(i, Reg) for i in arg.items):
+                    self.assumes_shapes = True
+                return Literal([i.value for i in items])
+            return items
+        if isinstance(arg, RegList):
+            return [self.operand(i) for i in arg.items]
+        raise TypeError(f"unexpected operand {arg!r}")
+
+    def known(self, reg: Reg) -> bool:
+        value = self.values.get(reg.index)
+        return value is not None and not isinstance(value, torch.Tensor)
+
+    def rewrite(self, pc: int, instr: Instr) -> None:
+        spec = instr.spec
+        if instr.op in _CHECKS:
+            if all(self.is_static(a) for a in instr.args):
+                self.assumes_shapes = True
+                self.notes.append(f"{pc}: {instr.op} proven for this signature, dropped")
+                return
+        elif spec.opclass is OpClass.SHAPE and instr.dsts and all(
+                self.known(d) for d in instr.dsts) and not spec.data_dependent:
+            for dst in instr.dsts:
+                self.binding[dst.index] = Literal(self.values[dst.index])
+            self.assumes_shapes = True
+            folded = ", ".join(f"%{d.index}={self.values[d.index]!r}" for d in instr.dsts)
+            self.notes.append(f"{pc}: {instr.op} folded to {folded}")
+            return
+        if self.try_alias(pc, instr):
+            return
+        args = tuple(self.operand(a) for a in instr.args)
+        opcode = instr.op
+        if opcode == "RESHAPE_IF":
+            opcode = self.reshape_variant(pc, instr)
+        for dst in instr.dsts:
+            self.binding[dst.index] = Var(dst.index)
+        self.ops.append(SpecOp(opcode, tuple(d.index for d in instr.dsts), args, pc))
+
+    def is_static(self, arg) -> bool:
+        if isinstance(arg, Reg):
+            value = self.values.get(arg.index)
+            return value is not None
+        if isinstance(arg, IntList):
+            return all(not isinstance(i, Reg) or self.known(i) for i in arg.items)
+        return True
+
+    def try_alias(self, pc: int, instr: Instr) -> bool:
+        """Drop an instruction whose result is its first operand, unchanged."""
+        if len(instr.dsts) != 1 or not instr.args or not isinstance(instr.args[0], Reg):
+            return False
+        source = self.values.get(instr.args[0].index)
+        result = self.values.get(instr.dsts[0].index)
+        if not isinstance(source, torch.Tensor) or not isinstance(result, torch.Tensor):
+            return False
+        same = (source.shape == result.shape and source.stride() == result.stride()
+                and source.dtype == result.dtype)
+        if not same:
+            return False
+        op = instr.op
+        if op in _ALIAS_IF_SAME_SHAPE or op in ("PERMUTE", "TRANSPOSE", "SLICE"):
+            reason = "no-op view for this shape"
+        elif op in ("CLONE", "TO_COPY") and instr.dsts[0] not in self.region.live_out:
+            reason = "copy of an already-laid-out tensor that never leaves the region"
+        elif op == "MOVE":
+            reason = "register move"
+        else:
+            return False
+        self.binding[instr.dsts[0].index] = self.binding[instr.args[0].index]
+        self.assumes_shapes = True
+        self.notes.append(f"{pc}: {op} dropped ({reason})")
+        return True
+
+    def reshape_variant(self, pc: int, instr: Instr) -> str:
+        source = self.values.get(instr.args[0].index)
+        if isinstance(source, torch.Tensor):
+            size = self.values.get(instr.dsts[0].index)
+            try:
+                source.view(size.shape)
+            except RuntimeError:
+                return "RESHAPE_IF"  # it copies for this layout; keep the general form
+            self.assumes_shapes = True
+            self.notes.append(f"{pc}: RESHAPE_IF is a view for this layout")
+            return "VIEW"
+        return "RESHAPE_IF"
+
+
+def _uses(ops: list[SpecOp]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for op in ops:
+        for value in _flat_values(op.args):
+            if isinstance(value, Var):
+                counts[value.reg] = counts.get(value.reg, 0) + 1
+    return counts
+
+
+def _flat_values(args):
+    for arg in args:
+        if isinstance(arg, list):
+            yield from arg
+        else:
+            yield arg
+
+
+def _fuse_attention(ops: list[SpecOp], notes: list[str]) -> list[SpecOp]:
+    """MATMUL(q, TRANSPOSE(k,-2,-1)) -> MUL/DIV by a literal -> SOFTMAX(-1) -> MATMUL(., v)
+    becomes one SDPA call, when the intermediates have no other use."""
+    producers = {dst: op for op in ops for dst in op.dsts}
+    uses = _uses(ops)
+    removed: set[int] = set()
+    replacement: dict[int, SpecOp] = {}
+    for final in ops:
+        if final.opcode != "MATMUL" or not isinstance(final.args[0], Var):
+            continue
+        softmax = producers.get(final.args[0].reg)
+        if softmax is None or softmax.opcode not in ("SOFTMAX", "SOFTMAX_"):
+            continue
+        if softmax.args[1] not in (Literal(-1), Literal(3)) or uses.get(softmax.dsts[0]) != 1:
+            continue
+        scaled = producers.get(softmax.args[0].reg) if isinstance(softmax.args[0], Var) else None
+        if scaled is None or scaled.opcode not in ("MUL", "DIV") or uses.get(scaled.dsts[0]) != 1:
+            continue
+        if not isinstance(scaled.args[1], Literal) or not isinstance(scaled.args[0], Var):
+            continue
+        factor = float(scaled.args[1].value)
+        scale = factor if scaled.opcode == "MUL" else 1.0 / factor
+        scores = producers.get(scaled.args[0].reg)
+        if scores is None or scores.opcode != "MATMUL" or uses.get(scores.dsts[0]) != 1:
+            continue
+        kt = producers.get(scores.args[1].reg) if isinstance(scores.args[1], Var) else None
+        if kt is None or kt.opcode != "TRANSPOSE" or uses.get(kt.dsts[0]) != 1:
+            continue
+        if {kt.args[1], kt.args[2]} not in ({Literal(-2), Literal(-1)}, {Literal(2), Literal(3)}):
+            continue
+        q, k, v = scores.args[0], kt.args[0], final.args[1]
+        fused = SpecOp("SDPA", final.dsts, (q, k, v, Literal(None), Literal(0.0),
+                                            Literal(False), Literal(scale)), final.source_pc)
+        replacement[id(final)] = fused
+        removed.update(id(op) for op in (softmax, scaled, scores, kt))
+        notes.append(f"{scores.source_pc}-{final.source_pc}: attention (matmul, scale, "
+                     "softmax, matmul) fused into one SDPA call")
+    return [replacement.get(id(op), op) for op in ops if id(op) not in removed]
+
+
+def _add_frees(ops: list[SpecOp], keep: set[int]) -> list[SpecOp]:
+    """Attach to each op the Vars whose last use it is (outputs are kept)."""
+    last_use: dict[int, int] = {}
+    for position, op in enumerate(ops):
+        for value in _flat_values(op.args):
+            if isinstance(value, Var):
+                last_use[value.reg] = position
+        for dst in op.dsts:
+            last_use.setdefault(dst, position)
+    frees: dict[int, list[int]] = {}
+    for reg, position in last_use.items():
+        if reg not in keep:
+            frees.setdefault(position, []).append(reg)
+    return [SpecOp(op.opcode, op.dsts, op.args, op.source_pc, tuple(sorted(frees.get(i, ()))))
+            for i, op in enumerate(ops)]
