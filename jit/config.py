@@ -62,6 +62,12 @@ class JitConfig:
     """After a compile fails, the signature is not retried for this many region calls
     (doubling on each further failure)."""
 
+    packed_linear_max_rows: int = 256
+    """CPU backend: a LINEAR whose input has at most this many rows (all dims but the
+    last, multiplied) uses a weight pre-packed by MKL for exactly that row count (see
+    Note [Packed weights]); 0 turns it off. Each packed weight is a copy of the weight
+    per distinct row count, held while a specialization uses it."""
+
     def __post_init__(self) -> None:
         positive = ("min_recurrence", "max_recurrence", "window", "horizon_calls",
                     "max_specializations_per_region", "compile_threads",

@@ -15,7 +15,8 @@ import time
 import torch
 
 from dynvm.jit.artifact import Artifact, cache_key
-from dynvm.jit.backends.cpu import compile_kernel
+from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
+from dynvm.jit.backends.cpu_variants import PackedWeights
 from dynvm.jit.config import JitConfig
 from dynvm.jit.queue import CompileQueue
 from dynvm.jit.region_jit import RegionJit, Specialization
@@ -56,6 +57,7 @@ class Jit:
         self.artifacts: dict[str, Artifact] = {}
         self.guard_failure_log: list[str] = []
         self._constants = [interpreter.constant(i) for i in range(len(program.constants))]
+        self._cpu_options = CpuOptions(PackedWeights(), self.config.packed_linear_max_rows)
 
     def attach(self) -> None:
         for region in self.program.regions:
@@ -82,7 +84,8 @@ class Jit:
 
     def key_for(self, region_jit: RegionJit, signature: tuple) -> str:
         return cache_key(self.program.content_hash, region_jit.region.index,
-                         describe(signature), BACKEND, str(self.interpreter.device))
+                         describe(signature), BACKEND, str(self.interpreter.device),
+                         self._cpu_options.as_key())
 
     def promote(self, region_jit: RegionJit, signature: tuple, decision) -> None:
         key = self.key_for(region_jit, signature)
@@ -97,7 +100,7 @@ class Jit:
                                                                   signature))
         strength = GuardStrength.STRONG if spec.assumes_shapes else GuardStrength.WEAK
         kernel = compile_kernel(spec, self.program, self._constants, self.interpreter.device,
-                                describe(signature), strength.value)
+                                describe(signature), strength.value, self._cpu_options)
         seconds = time.perf_counter() - start
         artifact = Artifact(key, BACKEND, str(self.interpreter.device), kernel.name,
                             kernel.source, strength.value, spec.notes, seconds)

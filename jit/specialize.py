@@ -11,7 +11,8 @@ Given the abstract values of a region's live-ins (from a signature), the special
    be observed (a CLONE of an already contiguous tensor that does not leave the region);
 4. rewrites known patterns into the fused operations the backend has (attention's
    matmul / scale / softmax / matmul into one SDPA call);
-5. records which registers die where, so generated code frees them as eager would.
+5. records which registers die where, so generated code frees them as eager would, and
+   lets elementwise operations overwrite a dying operand (Note [In-place reuse]).
 
 The result, `SpecializedRegion`, is plain data that a backend turns into code. It
 records whether the rewrite relied on the concrete shapes (then it needs a strong guard,
@@ -20,10 +21,10 @@ see Note [Guard strength]) and a note per rewrite, which `dynvm explain` shows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from dynvm.jit.inplace import reuse_dying_buffers
+from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Value, Var
 from dynvm.vm.abstract import evaluate_region
 from dynvm.vm.instr import Instr
 from dynvm.vm.isa import OpClass
@@ -32,53 +33,6 @@ from dynvm.vm.regions import live_in_sets
 
 _ALIAS_IF_SAME_SHAPE = {"VIEW", "RESHAPE_IF", "EXPAND", "ALIAS"}
 _CHECKS = {"SHAPE_ASSERT", "DIMS_EQUAL", "ASSERT_SCALAR"}
-
-
-@dataclass(frozen=True)
-class Var:
-    """A value computed at run time, named by the register that first held it."""
-
-    reg: int
-
-
-@dataclass(frozen=True)
-class Literal:
-    """A value known when the specialization was built (a folded dim, a flag, a dtype)."""
-
-    value: object
-
-
-@dataclass(frozen=True)
-class ConstRef:
-    """A program constant (weight)."""
-
-    index: int
-
-
-Value = Var | Literal | ConstRef
-
-
-@dataclass(frozen=True)
-class SpecOp:
-    """One operation of the specialized region: `dsts = opcode(args)`."""
-
-    opcode: str
-    dsts: tuple[int, ...]
-    args: tuple[object, ...]        # Value, or a list of Values (int lists, tensor lists)
-    source_pc: int                  # the instruction it came from, for comments
-    frees: tuple[int, ...] = ()     # registers (Vars) dead after this op
-
-
-@dataclass(frozen=True)
-class SpecializedRegion:
-    region_index: int
-    live_in: tuple[int, ...]
-    ops: tuple[SpecOp, ...]
-    outputs: tuple[tuple[int, Value], ...]   # live-out register -> its value
-    dead_live_ins: tuple[int, ...]           # live-in registers to clear (dead after)
-    assumes_shapes: bool
-    notes: tuple[str, ...]
-    instructions: int                        # of the original region
 
 
 class SpecializationError(Exception):
@@ -120,10 +74,14 @@ class _Rewriter:
         after = live[self.region.stop] if self.region.stop < len(code) else frozenset()
         outputs = tuple((r.index, self.binding[r.index]) for r in self.region.live_out)
         ops = _add_frees(ops, {v.reg for _, v in outputs if isinstance(v, Var)})
+        before = len(self.notes)
+        ops = reuse_dying_buffers(ops, self.values, self.notes)
+        if len(self.notes) != before:
+            self.assumes_shapes = True
         dead_live_ins = tuple(r.index for r in self.region.live_in if r not in after)
         return SpecializedRegion(self.region.index, tuple(r.index for r in self.region.live_in),
                                  tuple(ops), outputs, dead_live_ins, self.assumes_shapes,
-                                 tuple(self.notes), len(self.region))
+                                 tuple(self.notes), len(self.region), self.values)
 
     # -- one instruction ------------------------------------------------------------
 
@@ -293,5 +251,6 @@ def _add_frees(ops: list[SpecOp], keep: set[int]) -> list[SpecOp]:
     for reg, position in last_use.items():
         if reg not in keep:
             frees.setdefault(position, []).append(reg)
-    return [SpecOp(op.opcode, op.dsts, op.args, op.source_pc, tuple(sorted(frees.get(i, ()))))
-            for i, op in enumerate(ops)]
+    return [SpecOp(op.opcode, op.dsts, op.args, op.source_pc, tuple(sorted(frees.get(i, ()))),
+                   op.variant) for i, op in enumerate(ops)]
+

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from dynvm.jit.specialize import ConstRef, Literal, SpecializedRegion, Var
+from dynvm.jit.backends.cpu_variants import (
+    PackedWeights,
+    mkl_linear,
+    mkl_packing_available,
+    packed_linear_rows,
+)
+from dynvm.jit.inplace import INPLACE
+from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, Var
 from dynvm.vm.opcodes import opcode
 
 
@@ -82,9 +89,10 @@ def kernel_name(spec: SpecializedRegion, signature_text: str) -> str:
 
 
 def emit_source(spec: SpecializedRegion, program, constants, device: torch.device,
-                name: str, header: str) -> tuple[str, dict]:
+                name: str, header: str, options: CpuOptions) -> tuple[str, dict]:
     """The Python source of the kernel, and the globals it runs with."""
     emitter = _Emitter()
+    packing = spec.assumes_shapes and options.packed and mkl_packing_available(device)
     for line in header.splitlines():
         emitter.lines.append(f"# {line}")
     emitter.lines.append(f"def {name}(regs):")
@@ -92,7 +100,24 @@ def emit_source(spec: SpecializedRegion, program, constants, device: torch.devic
         emitter.line(f"v{reg} = regs[{reg}]")
     for op in spec.ops:
         emitter.line(f"# {program.code[op.source_pc]}")
-        fn = emitter.bind(op.opcode, opcode(op.opcode).impl)
+        rows = (packed_linear_rows(op, spec.abstract, constants, options.packed_max_rows)
+                if packing else None)
+        if rows is not None:
+            weight = op.args[1]
+            packed = options.packed.get(weight.index, constants[weight.index], rows)
+            fn = emitter.bind("mkl_linear", mkl_linear)
+            args = ", ".join([_value(op.args[0], emitter, constants),
+                              emitter.bind("packed", packed),
+                              _value(weight, emitter, constants),
+                              _value(op.args[2], emitter, constants), str(rows)])
+            emitter.line(f"v{op.dsts[0]} = {fn}({args})  # weight packed for {rows} rows")
+            if op.frees:
+                emitter.line("del " + ", ".join(f"v{r}" for r in op.frees))
+            continue
+        if op.variant == "inplace":
+            fn = emitter.bind(op.opcode.lower() + "_", INPLACE[op.opcode])
+        else:
+            fn = emitter.bind(op.opcode, opcode(op.opcode).impl)
         args = ", ".join(_value(a, emitter, constants) for a in _device_args(op.args, device))
         call = f"{fn}({args})"
         if not op.dsts:
@@ -128,13 +153,25 @@ def _device_args(args, device: torch.device):
     return out
 
 
+@dataclass(frozen=True)
+class CpuOptions:
+    """Backend options (part of the cache key through `as_key`)."""
+
+    packed: PackedWeights | None = None   # None: no packed weights
+    packed_max_rows: int = 0
+
+    def as_key(self) -> dict:
+        return {"packed_max_rows": self.packed_max_rows if self.packed else 0}
+
+
 def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.device,
-                   signature_text: str, guard: str) -> CpuKernel:
+                   signature_text: str, guard: str,
+                   options: CpuOptions = CpuOptions()) -> CpuKernel:
     name = kernel_name(spec, signature_text)
     header = (f"dynvm CPU specialization of program {program.content_hash[:12]}, region "
               f"{spec.region_index} ({spec.instructions} instructions -> {len(spec.ops)} "
               f"operations)\nsignature: {signature_text}\nguard: {guard}")
-    source, bindings = emit_source(spec, program, constants, device, name, header)
+    source, bindings = emit_source(spec, program, constants, device, name, header, options)
     namespace = dict(bindings)
     code = compile(source, f"<dynvm {name}>", "exec")
     exec(code, namespace)  # safe: source generated above from verified bytecode only

