@@ -18,6 +18,7 @@ import time
 import warnings
 
 import dynvm
+from dynvm._explain_cmd import explain_command
 from dynvm._run_cmd import INT_HIGH, CliError, run_command
 from dynvm.models import REGISTRY
 
@@ -128,18 +129,27 @@ def cmd_asm(args) -> int:
     return 0
 
 
-def cmd_run(args) -> int:
-    target = args.target
+def _resolve_target(target: str):
+    """(demo or None, program, header line) for a .dvm path or a demo model name."""
     if target.endswith(".dvm") or (target not in REGISTRY and os.path.exists(target)):
-        demo, program = None, _load(target)
-        header = [f"program   {program.name} ({_summary(program)}) from {target}"]
-    elif target in REGISTRY:
+        program = _load(target)
+        return None, program, f"program   {program.name} ({_summary(program)}) from {target}"
+    if target in REGISTRY:
         demo, program, seconds = _compile_demo(target)
-        header = [f"program   {target} ({_summary(program)}) compiled in {seconds:.2f} s"]
-    else:
-        raise CliError(f"{target!r} is neither a .dvm file nor a demo model; known models: "
-                       f"{_known_models()}", 2)
-    return run_command(args, program, demo, header)
+        return demo, program, (f"program   {target} ({_summary(program)}) compiled in "
+                               f"{seconds:.2f} s")
+    raise CliError(f"{target!r} is neither a .dvm file nor a demo model; known models: "
+                   f"{_known_models()}", 2)
+
+
+def cmd_run(args) -> int:
+    demo, program, header = _resolve_target(args.target)
+    return run_command(args, program, demo, [header])
+
+
+def cmd_explain(args) -> int:
+    demo, program, _ = _resolve_target(args.target)
+    return explain_command(args, program, demo)
 
 
 def _count(minimum: int):
@@ -221,6 +231,22 @@ their declared lower bound (at least 1).""")
     p.add_argument("--max-rows", type=_count(0), default=40, metavar="N",
                    help="show the N most-called shapes (default 40; 0: all)")
     p.set_defaults(handler=cmd_run)
+
+    p = sub.add_parser("explain", help="show the code the JIT generates for one shape",
+                       formatter_class=raw, description="""\
+Run a program once on random inputs of the given shape, with the JIT compiling at first
+sight, and print for each specialized region its guard, the specializer's rewrites
+(folded shape instructions, dropped views, fused attention, in-place reuse, packed
+weights) and the generated source.
+
+  dynvm explain transformer --shape "batch=4;seq=32"
+  dynvm explain model.dvm --shape "batch=16\"""")
+    p.add_argument("target", metavar="MODEL_OR_FILE", nargs="?", default=DEFAULT_MODEL,
+                   help=f"a .dvm file or a demo model; default {DEFAULT_MODEL}")
+    p.add_argument("--shape", metavar="SPEC",
+                   help="dynamic dims, e.g. 'batch=4;seq=32' (others: as `run` draws them)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the inputs")
+    p.set_defaults(handler=cmd_explain)
     return parser
 
 
