@@ -44,7 +44,7 @@ _COMMUTATIVE = {"ADD", "MUL"}
 _ALIASING = {"MOVE", "RESHAPE_IF"}  # may return their operand itself
 
 
-def reuse_dying_buffers(ops: list[SpecOp], values: dict[int, object],
+def reuse_dying_buffers(ops: list[SpecOp], probes: list[dict[int, object]],
                         notes: list[str]) -> list[SpecOp]:
     base: dict[int, int] = {}        # Var -> the Var whose storage it uses
     owned: set[int] = set()          # Vars allocated by this region, not views
@@ -66,7 +66,7 @@ def reuse_dying_buffers(ops: list[SpecOp], values: dict[int, object],
                 last_use_of_base[root] = position
     rewritten = []
     for position, op in enumerate(ops):
-        new = _try_inplace(position, op, values, owned, base, last_use_of_base)
+        new = _try_inplace(position, op, probes, owned, base, last_use_of_base)
         if new is not op:
             notes.append(f"{op.source_pc}: {op.opcode} in place over %{new.args[0].reg} "
                          "(its last use)")
@@ -74,13 +74,17 @@ def reuse_dying_buffers(ops: list[SpecOp], values: dict[int, object],
     return rewritten
 
 
-def _try_inplace(position, op, values, owned, base, last_use_of_base) -> SpecOp:
+def _fits(probe: dict[int, object], operand_reg: int, result_reg: int) -> bool:
+    operand, result = probe.get(operand_reg), probe.get(result_reg)
+    return (isinstance(operand, torch.Tensor) and isinstance(result, torch.Tensor)
+            and operand.shape == result.shape and operand.dtype == result.dtype
+            and operand.is_contiguous())
+
+
+def _try_inplace(position, op, probes, owned, base, last_use_of_base) -> SpecOp:
     if op.opcode not in INPLACE or op.variant or len(op.dsts) != 1:
         return op
     candidates = [0, 1] if op.opcode in _COMMUTATIVE else [0]
-    result = values.get(op.dsts[0])
-    if not isinstance(result, torch.Tensor):
-        return op
     for index in candidates:
         if index >= len(op.args):
             continue
@@ -89,12 +93,7 @@ def _try_inplace(position, op, values, owned, base, last_use_of_base) -> SpecOp:
             continue
         if last_use_of_base.get(base.get(arg.reg, arg.reg)) != position:
             continue
-        operand = values.get(arg.reg)
-        if not isinstance(operand, torch.Tensor):
-            continue
-        if operand.shape != result.shape or operand.dtype != result.dtype:
-            continue
-        if not operand.is_contiguous():
+        if not all(_fits(probe, arg.reg, op.dsts[0]) for probe in probes):
             continue
         args = op.args if index == 0 else (op.args[1], op.args[0]) + tuple(op.args[2:])
         return SpecOp(op.opcode, op.dsts, args, op.source_pc, op.frees, variant="inplace")

@@ -56,6 +56,6 @@ class SpecializedRegion:
     assumes_shapes: bool
     notes: tuple[str, ...]
     instructions: int                        # of the original region
-    abstract: dict = field(default_factory=dict, compare=False, repr=False)
-    """register -> abstract value (meta tensor or scalar) for this signature, so that a
-    backend can pick shape-specific kernels."""
+    abstract: tuple = field(default=(), compare=False, repr=False)
+    """Per probe (the first is the planning probe), register -> abstract value (meta
+    tensor or scalar), so that a backend can pick shape-specific kernels."""

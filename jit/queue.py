@@ -36,7 +36,10 @@ class CompileQueue:
         """The future of `key`'s compile, queueing `task` if it is not known yet."""
         with self._cond:
             future = self._futures.get(key)
-            if future is not None and not future.cancelled():
+            # A dropped or failed compile may be asked for again (the region's backoff
+            # decides when); only a waiting, running or successful one is shared.
+            if future is not None and not future.cancelled() and not (
+                    future.done() and future.exception() is not None):
                 return future
             future = self._futures[key] = Future()
             if not self.sync:

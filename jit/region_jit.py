@@ -118,7 +118,8 @@ class RegionJit:
     def _guard_failed(self, signature: tuple) -> None:
         counters = self.counters
         counters.guard_failures += 1
-        if counters.guard_failures % self.engine.config.guard_failure_sample_rate != 1:
+        # The 1st, (rate+1)th, ... failures are explained; with rate 1, every one.
+        if (counters.guard_failures - 1) % self.engine.config.guard_failure_sample_rate:
             return
         # Explain against the most recently used specialization: the likeliest intent.
         candidates = list(self.strong.values()) + list(self.weak.values())

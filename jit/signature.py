@@ -122,9 +122,11 @@ def describe(signature: tuple) -> str:
 
 
 def _is_contiguous(dims, strides) -> bool:
+    # Exactly torch's default strides: describe() feeds the cache key, so two signatures
+    # may share a description only if they are equal (strides of size-1 dims included).
     expected = 1
     for dim, stride in zip(reversed(dims), reversed(strides)):
-        if dim != 1 and stride != expected:
+        if stride != expected:
             return False
-        expected *= dim
+        expected *= max(dim, 1)
     return True

@@ -1,9 +1,10 @@
-"""Specialization: a region's instructions, rewritten for one signature.
+"""Specialization: a region's instructions, rewritten for one signature or one family.
 
-Given the abstract values of a region's live-ins (from a signature), the specializer
+Given the abstract values of a region's live-ins at one or more probes (one probe for an
+exact signature; several for a code family, see Note [Probes]), the specializer
 
-1. evaluates the region abstractly (`dynvm.vm.abstract`), so every register's shape,
-   dtype and strides are known;
+1. evaluates the region abstractly (`dynvm.vm.abstract`) at every probe, so every
+   register's shape, dtype and strides are known there;
 2. folds shape instructions whose results are known into constants, and drops the input
    checks they prove (a guard re-establishes the same facts on every call);
 3. drops views that became no-ops for these shapes (a VIEW or RESHAPE_IF to the same
@@ -17,6 +18,19 @@ Given the abstract values of a region's live-ins (from a signature), the special
 The result, `SpecializedRegion`, is plain data that a backend turns into code. It
 records whether the rewrite relied on the concrete shapes (then it needs a strong guard,
 see Note [Guard strength]) and a note per rewrite, which `dynvm explain` shows.
+
+Note [Probes]
+~~~~~~~~~~~~~
+A family kernel must be right for every signature of its family, whose varying dims
+range over buckets. The specializer evaluates the region at a few probe shapes of the
+family (its bucket bounds and points between, `Family.probe_dims`) and applies a rewrite
+only where it holds at every probe: a shape value is folded only if it is the same at
+all of them (otherwise the generated code computes it from the inputs at run time), a
+view is dropped only if it is a no-op at all of them, a buffer is reused in place only
+if shapes and dtypes match at all of them. A probe that one of the program's own checks
+rejects stands for inputs the program refuses: the check stays in the code (so those
+inputs are refused by the kernel too) and the probe is not used for anything else. The
+first probe is the one memory is planned for (the bucket's upper bounds).
 """
 
 from __future__ import annotations
@@ -25,7 +39,7 @@ import torch
 
 from dynvm.jit.inplace import reuse_dying_buffers
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Value, Var
-from dynvm.vm.abstract import evaluate_region
+from dynvm.vm.abstract import CheckFailed, evaluate_region
 from dynvm.vm.instr import Instr
 from dynvm.vm.isa import OpClass
 from dynvm.vm.operands import Const, Imm, IntList, Reg, RegList
@@ -40,23 +54,35 @@ class SpecializationError(Exception):
     checks, so every call with it raises in the interpreter too)."""
 
 
-def specialize(program, region, live_in_values: dict[int, object]) -> SpecializedRegion:
+def specialize(program, region, live_in_values: dict[int, object],
+               extra_probes: tuple[dict[int, object], ...] = ()) -> SpecializedRegion:
     """Specialize `region` of `program` for live-ins with these (real or abstract)
-    values; see the module docstring."""
-    try:
-        values = evaluate_region(program, region, live_in_values)
-    except Exception as exc:  # the program's checks reject the signature, or a kernel does
-        raise SpecializationError(f"region {region.index} cannot run with this "
-                                  f"signature: {type(exc).__name__}: {exc}") from exc
-    rewriter = _Rewriter(program, region, values)
+    values, and for a family also for `extra_probes` (see Note [Probes])."""
+    probes: list[dict[int, object]] = []
+    kept_checks: set[int] = set()
+    for index, live_in in enumerate((live_in_values, *extra_probes)):
+        try:
+            probes.append(evaluate_region(program, region, live_in))
+        except CheckFailed as exc:
+            if index == 0:
+                raise SpecializationError(f"region {region.index} rejects this signature: "
+                                          f"{exc}") from exc
+            kept_checks.add(exc.pc)
+        except Exception as exc:  # a kernel's shape rule rejects it: no code for it
+            raise SpecializationError(f"region {region.index} cannot run with this "
+                                      f"signature: {type(exc).__name__}: {exc}") from exc
+    rewriter = _Rewriter(program, region, probes, kept_checks)
     return rewriter.run()
 
 
 class _Rewriter:
-    def __init__(self, program, region, values: dict[int, object]) -> None:
+    def __init__(self, program, region, probes: list[dict[int, object]],
+                 kept_checks: set[int]) -> None:
         self.program = program
         self.region = region
-        self.values = values
+        self.probes = probes
+        self.values = probes[0]
+        self.kept_checks = kept_checks
         # register -> its value in the specialized code (Var, Literal or ConstRef)
         self.binding: dict[int, Value] = {r.index: Var(r.index) for r in region.live_in}
         self.ops: list[SpecOp] = []
@@ -75,13 +101,13 @@ class _Rewriter:
         outputs = tuple((r.index, self.binding[r.index]) for r in self.region.live_out)
         ops = _add_frees(ops, {v.reg for _, v in outputs if isinstance(v, Var)})
         before = len(self.notes)
-        ops = reuse_dying_buffers(ops, self.values, self.notes)
+        ops = reuse_dying_buffers(ops, self.probes, self.notes)
         if len(self.notes) != before:
             self.assumes_shapes = True
         dead_live_ins = tuple(r.index for r in self.region.live_in if r not in after)
         return SpecializedRegion(self.region.index, tuple(r.index for r in self.region.live_in),
                                  tuple(ops), outputs, dead_live_ins, self.assumes_shapes,
-                                 tuple(self.notes), len(self.region), self.values)
+                                 tuple(self.notes), len(self.region), tuple(self.probes))
 
     # -- one instruction ------------------------------------------------------------
 
@@ -105,13 +131,16 @@ class _Rewriter:
         raise TypeError(f"unexpected operand {arg!r}")
 
     def known(self, reg: Reg) -> bool:
+        """A scalar with the same value at every probe."""
         value = self.values.get(reg.index)
-        return value is not None and not isinstance(value, torch.Tensor)
+        if value is None or isinstance(value, torch.Tensor):
+            return False
+        return all(_same_literal(p.get(reg.index), value) for p in self.probes[1:])
 
     def rewrite(self, pc: int, instr: Instr) -> None:
         spec = instr.spec
         if instr.op in _CHECKS:
-            if all(self.is_static(a) for a in instr.args):
+            if pc not in self.kept_checks and all(self.is_static(a) for a in instr.args):
                 self.assumes_shapes = True
                 self.notes.append(f"{pc}: {instr.op} proven for this signature, dropped")
                 return
@@ -134,9 +163,13 @@ class _Rewriter:
         self.ops.append(SpecOp(opcode, tuple(d.index for d in instr.dsts), args, pc))
 
     def is_static(self, arg) -> bool:
+        """Known at specialization time: a tensor's metadata (a check on it passed at
+        every probe, which bound the family), or a scalar equal at every probe."""
         if isinstance(arg, Reg):
             value = self.values.get(arg.index)
-            return value is not None
+            if isinstance(value, torch.Tensor):
+                return True
+            return self.known(arg)
         if isinstance(arg, IntList):
             return all(not isinstance(i, Reg) or self.known(i) for i in arg.items)
         return True
@@ -145,13 +178,8 @@ class _Rewriter:
         """Drop an instruction whose result is its first operand, unchanged."""
         if len(instr.dsts) != 1 or not instr.args or not isinstance(instr.args[0], Reg):
             return False
-        source = self.values.get(instr.args[0].index)
-        result = self.values.get(instr.dsts[0].index)
-        if not isinstance(source, torch.Tensor) or not isinstance(result, torch.Tensor):
-            return False
-        same = (source.shape == result.shape and source.stride() == result.stride()
-                and source.dtype == result.dtype)
-        if not same:
+        if not all(_unchanged(p.get(instr.args[0].index), p.get(instr.dsts[0].index))
+                   for p in self.probes):
             return False
         op = instr.op
         if op in _ALIAS_IF_SAME_SHAPE or op in ("PERMUTE", "TRANSPOSE", "SLICE"):
@@ -168,17 +196,29 @@ class _Rewriter:
         return True
 
     def reshape_variant(self, pc: int, instr: Instr) -> str:
-        source = self.values.get(instr.args[0].index)
-        if isinstance(source, torch.Tensor):
-            size = self.values.get(instr.dsts[0].index)
+        for probe in self.probes:
+            source = probe.get(instr.args[0].index)
+            result = probe.get(instr.dsts[0].index)
+            if not isinstance(source, torch.Tensor) or not isinstance(result, torch.Tensor):
+                return "RESHAPE_IF"
             try:
-                source.view(size.shape)
+                source.view(result.shape)
             except RuntimeError:
                 return "RESHAPE_IF"  # it copies for this layout; keep the general form
-            self.assumes_shapes = True
-            self.notes.append(f"{pc}: RESHAPE_IF is a view for this layout")
-            return "VIEW"
-        return "RESHAPE_IF"
+        self.assumes_shapes = True
+        self.notes.append(f"{pc}: RESHAPE_IF is a view for this layout")
+        return "VIEW"
+
+
+def _same_literal(a, b) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def _unchanged(source, result) -> bool:
+    """The result is its source itself: same shape, strides and dtype."""
+    return (isinstance(source, torch.Tensor) and isinstance(result, torch.Tensor)
+            and source.shape == result.shape and source.stride() == result.stride()
+            and source.dtype == result.dtype)
 
 
 def _uses(ops: list[SpecOp]) -> dict[int, int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from dynvm.vm.errors import ShapeError
 from dynvm.vm.operands import Const, Imm, IntList, Reg, RegList
 
 _META = torch.device("meta")
@@ -46,20 +47,34 @@ def _meta_device(value):
     return value
 
 
+class CheckFailed(ShapeError):
+    """A program check (SHAPE_ASSERT, DIMS_EQUAL, ASSERT_SCALAR) rejects these values: the
+    program would raise at instruction `pc` for every input like them."""
+
+    def __init__(self, pc: int, error: ShapeError) -> None:
+        super().__init__(f"instruction {pc}: {error}")
+        self.pc = pc
+
+
 def evaluate_region(program, region, live_in: dict[int, object]) -> dict[int, object]:
     """Abstract values of every register the region reads or writes.
 
     `live_in` maps each live-in register index to a value (real or abstract). A value
     that depends on data comes out as None, and so does everything computed from it.
+    Raises CheckFailed when one of the program's checks rejects the values.
     """
     constants = [to_abstract(c) for c in program.constants]
     values = {index: to_abstract(value) for index, value in live_in.items()}
-    for instr in program.code[region.start:region.stop]:
+    for pc in range(region.start, region.stop):
+        instr = program.code[pc]
         spec = instr.spec
         if any(values.get(reg.index) is None for reg in instr.reads()):
             results = None  # computed from data we do not have
         else:
-            results = spec.shape_fn(*[_operand(a, values, constants) for a in instr.args])
+            try:
+                results = spec.shape_fn(*[_operand(a, values, constants) for a in instr.args])
+            except ShapeError as exc:
+                raise CheckFailed(pc, exc) from exc
         if len(instr.dsts) == 1:
             values[instr.dsts[0].index] = results
         else:

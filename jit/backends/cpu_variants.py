@@ -44,8 +44,9 @@ class PackedWeights:
             return packed
 
 
-def packed_linear_rows(op: SpecOp, abstract: dict, constants, max_rows: int) -> int | None:
-    """Row count if this LINEAR may use a packed weight, else None."""
+def packed_linear_rows(op: SpecOp, probes: tuple, constants, max_rows: int) -> int | None:
+    """Row count if this LINEAR may use a packed weight (the same at every probe of the
+    specialization, see Note [Probes]), else None."""
     if op.opcode != "LINEAR" or op.variant or max_rows <= 0:
         return None
     x, weight, bias = op.args
@@ -53,13 +54,20 @@ def packed_linear_rows(op: SpecOp, abstract: dict, constants, max_rows: int) -> 
         return None
     if not (isinstance(bias, ConstRef) or bias == Literal(None)):
         return None
-    value = abstract.get(x.reg)
     w = constants[weight.index]
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+    if w.dtype != torch.float32 or w.dim() != 2:
         return None
-    if w.dtype != torch.float32 or w.dim() != 2 or value.dim() < 2:
+    counts = set()
+    for probe in probes:
+        value = probe.get(x.reg)
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+            return None
+        if value.dim() < 2:
+            return None
+        counts.add(value.numel() // max(1, value.shape[-1]))
+    if len(counts) != 1:
         return None
-    rows = value.numel() // max(1, value.shape[-1])
+    rows = counts.pop()
     return rows if 0 < rows <= max_rows else None
 
 
