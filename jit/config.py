@@ -62,6 +62,17 @@ class JitConfig:
     """After a compile fails, the signature is not retried for this many region calls
     (doubling on each further failure)."""
 
+    families: bool = True
+    """Group signatures into code families served by one kernel (Note [Tiering]); off:
+    every promoted signature gets an exact specialization."""
+
+    bucket_ratio: int = 4
+    """Geometric bucket ratio of family dims (Note [Geometric buckets])."""
+
+    exact_over_family_gain: float = 0.08
+    """Fraction of a family kernel's time an exact specialization of one of its members
+    is expected to save (folded shapes, packed weights): the tier-2 benefit factor."""
+
     packed_linear_max_rows: int = 256
     """CPU backend: a LINEAR whose input has at most this many rows (all dims but the
     last, multiplied) uses a weight pre-packed by MKL for exactly that row count (see

@@ -22,10 +22,23 @@ from dynvm.jit.queue import CompileQueue
 from dynvm.jit.region_jit import RegionJit, Specialization
 from dynvm.jit.signature import GuardStrength, describe
 from dynvm.jit.specialize import SpecializationError, specialize
+from dynvm.shape_cluster import Family
 from dynvm.vm.isa import OpClass
 
 MIN_TENSOR_OPS = 2
 BACKEND = "cpu"
+
+
+def family_live_ins(live_in: tuple[int, ...], family: Family, dims) -> dict[int, object]:
+    """Meta tensors (contiguous, as every family member is) for one probe of a family."""
+    values = {}
+    for index, part, probe in zip(live_in, family.structure, dims):
+        if part[0] == "t":
+            _, _rank, dtype, _device, _layout = part
+            values[index] = torch.empty(probe, dtype=dtype, device="meta")
+        else:
+            values[index] = part[2]
+    return values
 
 
 def abstract_live_ins(live_in: tuple[int, ...], signature: tuple) -> dict[int, object]:
@@ -52,6 +65,7 @@ class Jit:
         self.compiles = 0
         self.compile_seconds = 0.0
         self.compile_failures = 0
+        self.family_compiles = 0
         self._compiled_instructions = 0
         self._lock = threading.Lock()
         self.artifacts: dict[str, Artifact] = {}
@@ -82,25 +96,53 @@ class Jit:
 
     # -- compile pipeline ------------------------------------------------------------
 
-    def key_for(self, region_jit: RegionJit, signature: tuple) -> str:
-        return cache_key(self.program.content_hash, region_jit.region.index,
-                         describe(signature), BACKEND, str(self.interpreter.device),
-                         self._cpu_options.as_key())
+    def key_for(self, region_jit: RegionJit, target) -> str:
+        family_key = target.key if isinstance(target, Family) else describe(target)
+        return cache_key(self.program.content_hash, region_jit.region.index, family_key,
+                         BACKEND, str(self.interpreter.device), self._cpu_options.as_key())
 
-    def promote(self, region_jit: RegionJit, signature: tuple, decision) -> None:
-        key = self.key_for(region_jit, signature)
+    def promote(self, region_jit: RegionJit, target, decision) -> None:
+        """Queue the compile of a signature (exact) or a Family (family kernel)."""
+        if isinstance(target, Family):
+            target = self.clip_to_declared(region_jit, target)
+        key = self.key_for(region_jit, target)
         future = self.queue.submit(key, decision.benefit_seconds,
-                                   lambda: self._compile(region_jit, signature, key))
-        future.add_done_callback(lambda f: self._finished(region_jit, signature, f))
+                                   lambda: self._compile(region_jit, target, key))
+        future.add_done_callback(lambda f: self._finished(region_jit, target, f))
 
-    def _compile(self, region_jit: RegionJit, signature: tuple, key: str) -> Specialization:
+    def clip_to_declared(self, region_jit: RegionJit, family: Family) -> Family:
+        """A family's buckets cut to the program's declared dim ranges where its live-ins
+        are program inputs, so that its kernel never covers inputs the program refuses."""
+        inputs = self.program.inputs
+        bounds = []
+        for register, dims in zip(region_jit.live_in, family.bounds):
+            if dims is None or register >= len(inputs):
+                bounds.append(dims)
+                continue
+            declared = inputs[register].dims
+            bounds.append(tuple((max(low, d.low), min(high, d.high)) if low != high
+                                else (low, high) for (low, high), d in zip(dims, declared)))
+        clipped = tuple(bounds)
+        if clipped == family.bounds:
+            return family
+        return Family(family.structure, clipped)
+
+    def _compile(self, region_jit: RegionJit, target, key: str) -> Specialization:
         start = time.perf_counter()
         region = region_jit.region
-        spec = specialize(self.program, region, abstract_live_ins(region_jit.live_in,
-                                                                  signature))
-        strength = GuardStrength.STRONG if spec.assumes_shapes else GuardStrength.WEAK
+        if isinstance(target, Family):
+            probes = [family_live_ins(region_jit.live_in, target, dims)
+                      for dims in target.probe_dims()]
+            spec = specialize(self.program, region, probes[0], tuple(probes[1:]))
+            strength, described, family = GuardStrength.FAMILY, f"family {target.key}", target
+            signature = ()
+        else:
+            spec = specialize(self.program, region, abstract_live_ins(region_jit.live_in,
+                                                                      target))
+            strength = GuardStrength.STRONG if spec.assumes_shapes else GuardStrength.WEAK
+            described, family, signature = describe(target), None, target
         kernel = compile_kernel(spec, self.program, self._constants, self.interpreter.device,
-                                describe(signature), strength.value, self._cpu_options)
+                                described, strength.value, self._cpu_options)
         seconds = time.perf_counter() - start
         artifact = Artifact(key, BACKEND, str(self.interpreter.device), kernel.name,
                             kernel.source, strength.value, spec.notes, seconds)
@@ -109,11 +151,13 @@ class Jit:
             self.compile_seconds += seconds
             self._compiled_instructions += len(region)
             self.artifacts[key] = artifact
-        return Specialization(signature, strength, kernel.fn, artifact)
+            if family is not None:
+                self.family_compiles += 1
+        return Specialization(signature, strength, kernel.fn, artifact, family)
 
-    def _finished(self, region_jit: RegionJit, signature: tuple, future) -> None:
+    def _finished(self, region_jit: RegionJit, target, future) -> None:
         if future.cancelled():
-            region_jit.forget_pending(signature)
+            region_jit.forget_pending(target)
             return
         error = future.exception()
         if error is None:
@@ -121,7 +165,7 @@ class Jit:
             return
         with self._lock:
             self.compile_failures += 1
-        region_jit.compile_failed(signature)
+        region_jit.compile_failed(target)
         if not isinstance(error, SpecializationError):
             self.guard_failure_log.append(f"compile of region {region_jit.region.index} "
                                           f"failed: {type(error).__name__}: {error}")
@@ -131,6 +175,9 @@ class Jit:
     def on_guard_failure(self, region_jit: RegionJit, explanation: str | None) -> None:
         if explanation:
             self._log(f"region {region_jit.region.index} guard failed: {explanation}")
+
+    def on_evict(self, region_jit: RegionJit, spec: Specialization) -> None:
+        """A specialization left its region's cache (LRU): nothing holds it any more."""
 
     def on_deopt(self, region_jit: RegionJit, spec: Specialization, error: Exception) -> None:
         self._log(f"region {region_jit.region.index} deopt from {spec.artifact.kernel_name}: "
@@ -152,6 +199,7 @@ class Jit:
             regions[index] = {
                 "calls": calls, "hit_rate": c.specialized / calls if calls else 0.0,
                 "specializations": len(region_jit.strong) + len(region_jit.weak),
+                "family_kernels": len(region_jit.family_kernels),
                 "guard_failures": c.guard_failures, "deopts": c.deopts,
                 "last_guard_failure": c.last_guard_failure,
             }
@@ -162,6 +210,7 @@ class Jit:
             "specialized_region_calls": totals["specialized"],
             "promotions": totals["promotions"],
             "compiles": self.compiles,
+            "family_compiles": self.family_compiles,
             "compile_seconds": self.compile_seconds,
             "compile_failures": self.compile_failures,
             "queue_length": len(self.queue),

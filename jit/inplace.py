@@ -45,25 +45,30 @@ _ALIASING = {"MOVE", "RESHAPE_IF"}  # may return their operand itself
 
 
 def reuse_dying_buffers(ops: list[SpecOp], probes: list[dict[int, object]],
-                        notes: list[str]) -> list[SpecOp]:
+                        notes: list[str], leaving: set[int] = frozenset()) -> list[SpecOp]:
+    """`leaving`: the Vars the region outputs (they, and what they view, outlive it)."""
     base: dict[int, int] = {}        # Var -> the Var whose storage it uses
     owned: set[int] = set()          # Vars allocated by this region, not views
     for op in ops:
         spec_is_view = op.opcode in _ALIASING or (
             op.opcode in _known_opcodes() and opcode(op.opcode).is_view)
-        source = next((a.reg for a in op.args if isinstance(a, Var)), None)
+        source = op.args[0] if op.args else None
         for dst in op.dsts:
-            if spec_is_view and source is not None:
-                base[dst] = base.get(source, source)
-            else:
+            if not spec_is_view:
                 base[dst] = dst
                 owned.add(dst)
+            elif isinstance(source, Var):
+                base[dst] = base.get(source.reg, source.reg)
+            else:            # a view of a constant (a weight): never owned
+                base[dst] = dst
     last_use_of_base: dict[int, int] = {}
     for position, op in enumerate(ops):
         for arg in _flat(op.args):
             if isinstance(arg, Var):
                 root = base.get(arg.reg, arg.reg)
                 last_use_of_base[root] = position
+    for reg in leaving:      # an output, or a view of it, is used after the region
+        last_use_of_base[base.get(reg, reg)] = len(ops)
     rewritten = []
     for position, op in enumerate(ops):
         new = _try_inplace(position, op, probes, owned, base, last_use_of_base)

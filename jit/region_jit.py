@@ -1,11 +1,28 @@
 """One region's JIT state: its specializations behind guards, its profile, its slot.
 
 `RegionJit` implements the VM's `RegionSlot` (dynvm.vm.slots). On entry it builds the
-strong signature of the live-ins (about a microsecond per tensor), looks it up (the
-lookup is the strong guard: see Note [Guard strength]), then the weak signature if the
-region has weak specializations. A hit runs the specialization; a miss or a guard
-failure hands the region back to the interpreter, which times it and calls `leave`,
-where the signature is recorded and maybe promoted.
+strong signature of the live-ins (about a microsecond per tensor) and looks it up: among
+exact specializations (the lookup is the strong guard: see Note [Guard strength]), then
+in the memo of signatures already matched to a family kernel, then (once per new
+signature) among the family kernels' bounds, then among weak specializations. A hit runs
+the specialization; a miss or a guard failure hands the region back to the interpreter,
+which times it and calls `leave`, where the signature is recorded and maybe promoted.
+
+Note [Tiering]
+~~~~~~~~~~~~~~
+As in tiered JVMs, a shape first gets the cheapest code that covers it and is promoted
+further only when that pays:
+
+- tier 1, the family kernel: when a signature's family (dynvm.shape_cluster) recurs K
+  times in the window and its benefit beats a compile, the family is compiled once for
+  all its members (varying dims are runtime values, Note [Probes]);
+- tier 2, the exact specialization: a signature that keeps hitting its family kernel is
+  compiled exactly (shape-specific kernels such as packed weights, all shapes folded)
+  when its frequency x family-kernel time x `exact_over_family_gain` over the horizon
+  beats a compile. The check runs every `TIER_CHECK_EVERY` family hits of a signature.
+
+A family that has seen a single member so far is no family yet: its signature is
+promoted as an exact specialization directly.
 """
 
 from __future__ import annotations
@@ -14,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from dynvm.jit.policy import decide, recurrence_threshold
+from dynvm.jit.policy import Decision, decide, recurrence_threshold
 from dynvm.jit.profiler import RegionProfile
 from dynvm.jit.signature import (
     GuardStrength,
@@ -23,17 +40,29 @@ from dynvm.jit.signature import (
     weak_of,
     weak_signer,
 )
+from dynvm.shape_cluster import FamilyIndex
+
+TIER_CHECK_EVERY = 32
+_MEMO_LIMIT = 4096
+_MANY = object()  # a family with more than one member signature so far
 
 
 @dataclass
 class Specialization:
-    signature: tuple
+    signature: tuple            # exact: its signature; family: the one that promoted it
     strength: GuardStrength
     fn: object
     artifact: object
+    family: object = None       # the Family a family kernel serves, else None
     calls: int = 0
     seconds: float = 0.0
     last_used: int = 0
+    installed_at: int = 0       # region calls when it was installed
+
+    @property
+    def target(self):
+        """What was compiled: a signature, or a family's key."""
+        return self.signature if self.family is None else self.family.key
 
     @property
     def guard_key(self) -> tuple:
@@ -62,6 +91,12 @@ class RegionJit:
         self._weak_sign = weak_signer(self.live_in)
         self.strong: dict[tuple, Specialization] = {}
         self.weak: dict[tuple, Specialization] = {}
+        self.family_kernels: dict[str, Specialization] = {}
+        self.families = FamilyIndex(engine.config.bucket_ratio)
+        self.family_profile = RegionProfile(engine.config.window)
+        self._members: dict[str, object] = {}     # family key -> its one signature, or _MANY
+        self._memo: dict[tuple, Specialization] = {}
+        self._family_hits: dict[tuple, int] = {}
         self.profile = RegionProfile(engine.config.window)
         self.threshold = recurrence_threshold(engine.config, len(region))
         self.pending: set[tuple] = set()
@@ -75,8 +110,12 @@ class RegionJit:
     def enter(self, regs: list):
         signature = self._sign(regs)
         spec = self.strong.get(signature)
-        if spec is None and self.weak:
-            spec = self.weak.get(self._weak_sign(regs))
+        if spec is None:
+            spec = self._memo.get(signature)
+            if spec is None and self.family_kernels:
+                spec = self._match_family(signature)
+            if spec is None and self.weak:
+                spec = self.weak.get(self._weak_sign(regs))
         if spec is not None:
             start = self._clock_fn()
             try:
@@ -90,6 +129,8 @@ class RegionJit:
             self._clock += 1
             spec.last_used = self._clock
             self.counters.specialized += 1
+            if spec.family is not None:
+                self._family_hit(signature, spec)
             return None
         if self.strong or self.weak:
             self._guard_failed(signature)
@@ -101,17 +142,68 @@ class RegionJit:
             stats = self.profile.record(signature, seconds)
             if signature in self.pending or signature in self.strong:
                 return
-            failed = self.counters.failed.get(signature)
-            if failed is not None and self.profile.calls < failed[0]:
+            family = self.families.observe(signature) if self.engine.config.families \
+                else None
+            target, recurrence, mean = signature, self.profile.recurrence(signature), \
+                stats.mean_seconds
+            if family is not None:
+                family_stats = self.family_profile.record(family.key, seconds)
+                member = self._members.setdefault(family.key, signature)
+                if member is not signature and member != signature:
+                    self._members[family.key] = member = _MANY
+                if member is _MANY:
+                    target, recurrence = family, self.family_profile.recurrence(family.key)
+                    mean = family_stats.mean_seconds
+            key = target if family is None or target is signature else family.key
+            if key in self.pending or self._backing_off(key):
                 return
-            decision = decide(self.engine.config, self.profile.recurrence(signature),
-                              self.threshold, stats.mean_seconds, self.speedup(),
+            decision = decide(self.engine.config, recurrence, self.threshold, mean,
+                              self.speedup(),
                               self.engine.estimated_compile_seconds(len(self.region)))
             if not decision.promote:
                 return
+            self.pending.add(key)
+            self.counters.promotions += 1
+        self.engine.promote(self, target, decision)
+
+    def _backing_off(self, key) -> bool:
+        failed = self.counters.failed.get(key)
+        return failed is not None and self.profile.calls < failed[0]
+
+    def _match_family(self, signature: tuple) -> Specialization | None:
+        """Find a family kernel whose bounds hold `signature` (once per new signature:
+        the answer is memoized, so the next call is one dict lookup)."""
+        for spec in list(self.family_kernels.values()):
+            if spec.family.contains(signature):
+                if len(self._memo) >= _MEMO_LIMIT:
+                    self._memo.clear()
+                self._memo[signature] = spec
+                return spec
+        return None
+
+    def _family_hit(self, signature: tuple, spec: Specialization) -> None:
+        hits = self._family_hits.get(signature, 0) + 1
+        if len(self._family_hits) >= _MEMO_LIMIT and hits == 1:
+            self._family_hits.clear()
+        self._family_hits[signature] = hits
+        if hits % TIER_CHECK_EVERY:
+            return
+        config = self.engine.config
+        with self._lock:
+            if signature in self.pending or signature in self.strong or \
+                    self._backing_off(signature):
+                return
+            calls = self.counters.interpreted + self.counters.specialized
+            frequency = hits / max(1, calls - spec.installed_at)
+            per_call = spec.seconds / max(1, spec.calls)
+            benefit = frequency * config.horizon_calls * per_call * config.exact_over_family_gain
+            cost = self.engine.estimated_compile_seconds(len(self.region))
+            if benefit <= cost:
+                return
             self.pending.add(signature)
             self.counters.promotions += 1
-        self.engine.promote(self, signature, decision)
+        self.engine.promote(self, signature, Decision(True, hits, TIER_CHECK_EVERY, benefit,
+                                                      cost))
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -122,7 +214,7 @@ class RegionJit:
         if (counters.guard_failures - 1) % self.engine.config.guard_failure_sample_rate:
             return
         # Explain against the most recently used specialization: the likeliest intent.
-        candidates = list(self.strong.values()) + list(self.weak.values())
+        candidates = [s for s in self._all() if s.family is None]
         if not candidates:
             return
         latest = max(candidates, key=lambda s: s.last_used)
@@ -134,7 +226,9 @@ class RegionJit:
     def speedup(self) -> float:
         """Measured fraction of interpreted time the region's specializations save."""
         savings = []
-        for spec in list(self.strong.values()) + list(self.weak.values()):
+        for spec in self._all():
+            if spec.family is not None:
+                continue
             stats = self.profile.table.get(spec.signature)
             if spec.calls >= 8 and stats is not None and stats.mean_seconds > 0:
                 savings.append(1.0 - (spec.seconds / spec.calls) / stats.mean_seconds)
@@ -142,32 +236,48 @@ class RegionJit:
             return self.engine.config.expected_speedup
         return min(0.95, max(0.01, sum(savings) / len(savings)))
 
+    def _all(self) -> list[Specialization]:
+        return [*self.strong.values(), *self.weak.values(), *self.family_kernels.values()]
+
+    def _tables(self):
+        return (self.strong, self.weak, self.family_kernels)
+
     def install(self, spec: Specialization) -> None:
         with self._lock:
-            self.pending.discard(spec.signature)
-            self.counters.failed.pop(spec.signature, None)
-            table = self.strong if spec.strength is GuardStrength.STRONG else self.weak
+            self.pending.discard(spec.target)
+            self.counters.failed.pop(spec.target, None)
+            if spec.family is not None:
+                table, key = self.family_kernels, spec.family.key
+            elif spec.strength is GuardStrength.STRONG:
+                table, key = self.strong, spec.guard_key
+            else:
+                table, key = self.weak, spec.guard_key
             self._clock += 1
             spec.last_used = self._clock
-            table[spec.guard_key] = spec
+            spec.installed_at = self.counters.interpreted + self.counters.specialized
+            table[key] = spec
             limit = self.engine.config.max_specializations_per_region
-            while len(self.strong) + len(self.weak) > limit:
+            while sum(len(t) for t in self._tables()) > limit:
                 self._evict_one()
 
     def _evict_one(self) -> None:
         everything = [(s.last_used, id(s), key, table)
-                      for table in (self.strong, self.weak) for key, s in table.items()]
+                      for table in self._tables() for key, s in table.items()]
         _, _, key, table = min(everything)
-        del table[key]
+        evicted = table.pop(key)
+        if evicted.family is not None:
+            self._memo.clear()  # it may point at the evicted kernel
         self.counters.evictions += 1
+        self.engine.on_evict(self, evicted)
 
-    def compile_failed(self, signature: tuple) -> None:
+    def compile_failed(self, target) -> None:
+        key = getattr(target, "key", target)
         with self._lock:
-            self.pending.discard(signature)
-            _, failures = self.counters.failed.get(signature, (0, 0))
+            self.pending.discard(key)
+            _, failures = self.counters.failed.get(key, (0, 0))
             backoff = self.engine.config.failed_compile_backoff_calls * (2 ** failures)
-            self.counters.failed[signature] = (self.profile.calls + backoff, failures + 1)
+            self.counters.failed[key] = (self.profile.calls + backoff, failures + 1)
 
-    def forget_pending(self, signature: tuple) -> None:
+    def forget_pending(self, target) -> None:
         with self._lock:
-            self.pending.discard(signature)
+            self.pending.discard(getattr(target, "key", target))

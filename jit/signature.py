@@ -15,6 +15,10 @@ A specialization records the guard it needs, chosen from what it assumes:
   device per tensor (dtype and device because generated code may bind dtype-specific
   constants), and scalars by value; one weak specialization serves many shapes.
 
+- family: a code family's kernel (Note [Code families] in dynvm.shape_cluster) checks
+  the structure (rank, dtype, device, contiguous layout) and that every dim lies within
+  the family's bounds; the answer is memoized per strong signature.
+
 A guard is data: a tuple compared by the region cache's dict lookup, which *is* the
 check. No source is generated or eval'd for it. `first_failure` explains, for
 diagnostics, which check of a specialization's guard a call failed.
@@ -35,6 +39,7 @@ _Tensor = torch.Tensor
 class GuardStrength(enum.Enum):
     STRONG = "strong"
     WEAK = "weak"
+    FAMILY = "family"  # structure + per-dim bucket bounds (Note [Code families])
 
 
 def strong_signer(live_in: tuple[int, ...]) -> Callable[[list], tuple]:

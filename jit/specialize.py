@@ -93,15 +93,16 @@ class _Rewriter:
         code = self.program.code
         for pc in range(self.region.start, self.region.stop):
             self.rewrite(pc, code[pc])
-        ops = _fuse_attention(self.ops, self.notes)
+        outputs = tuple((r.index, self.binding[r.index]) for r in self.region.live_out)
+        leaving = {v.reg for _, v in outputs if isinstance(v, Var)}
+        ops = _fuse_attention(self.ops, self.notes, self.values, leaving)
         if len(ops) != len(self.ops):
             self.assumes_shapes = True
         live = live_in_sets(code)
         after = live[self.region.stop] if self.region.stop < len(code) else frozenset()
-        outputs = tuple((r.index, self.binding[r.index]) for r in self.region.live_out)
-        ops = _add_frees(ops, {v.reg for _, v in outputs if isinstance(v, Var)})
+        ops = _add_frees(ops, leaving)
         before = len(self.notes)
-        ops = reuse_dying_buffers(ops, self.probes, self.notes)
+        ops = reuse_dying_buffers(ops, self.probes, self.notes, leaving)
         if len(self.notes) != before:
             self.assumes_shapes = True
         dead_live_ins = tuple(r.index for r in self.region.live_in if r not in after)
@@ -238,11 +239,16 @@ def _flat_values(args):
             yield arg
 
 
-def _fuse_attention(ops: list[SpecOp], notes: list[str]) -> list[SpecOp]:
-    """MATMUL(q, TRANSPOSE(k,-2,-1)) -> MUL/DIV by a literal -> SOFTMAX(-1) -> MATMUL(., v)
-    becomes one SDPA call, when the intermediates have no other use."""
+def _fuse_attention(ops: list[SpecOp], notes: list[str], values: dict[int, object],
+                    leaving: set[int]) -> list[SpecOp]:
+    """MATMUL(q, k with its last two dims swapped) -> MUL/DIV by a literal -> SOFTMAX over
+    the last dim -> MATMUL(., v) becomes one SDPA call, when the intermediates have no
+    other use (in the region or after it: `leaving` are the Vars the region outputs).
+
+    The swap is a TRANSPOSE, or the PERMUTE that torch.export's core ATen decomposition
+    turns `k.transpose(-2, -1)` into."""
     producers = {dst: op for op in ops for dst in op.dsts}
-    uses = _uses(ops)
+    uses = {reg: count + (reg in leaving) for reg, count in _uses(ops).items()}
     removed: set[int] = set()
     replacement: dict[int, SpecOp] = {}
     for final in ops:
@@ -251,7 +257,12 @@ def _fuse_attention(ops: list[SpecOp], notes: list[str]) -> list[SpecOp]:
         softmax = producers.get(final.args[0].reg)
         if softmax is None or softmax.opcode not in ("SOFTMAX", "SOFTMAX_"):
             continue
-        if softmax.args[1] not in (Literal(-1), Literal(3)) or uses.get(softmax.dsts[0]) != 1:
+        if uses.get(softmax.dsts[0]) != 1 or softmax.args[2] not in (Literal(None),
+                                                                      Literal(False)):
+            continue
+        probs = values.get(softmax.dsts[0])
+        if not isinstance(probs, torch.Tensor) or not _is_last_dim(softmax.args[1],
+                                                                    probs.dim()):
             continue
         scaled = producers.get(softmax.args[0].reg) if isinstance(softmax.args[0], Var) else None
         if scaled is None or scaled.opcode not in ("MUL", "DIV") or uses.get(scaled.dsts[0]) != 1:
@@ -264,9 +275,7 @@ def _fuse_attention(ops: list[SpecOp], notes: list[str]) -> list[SpecOp]:
         if scores is None or scores.opcode != "MATMUL" or uses.get(scores.dsts[0]) != 1:
             continue
         kt = producers.get(scores.args[1].reg) if isinstance(scores.args[1], Var) else None
-        if kt is None or kt.opcode != "TRANSPOSE" or uses.get(kt.dsts[0]) != 1:
-            continue
-        if {kt.args[1], kt.args[2]} not in ({Literal(-2), Literal(-1)}, {Literal(2), Literal(3)}):
+        if kt is None or uses.get(kt.dsts[0]) != 1 or not _swaps_last_two(kt, values):
             continue
         q, k, v = scores.args[0], kt.args[0], final.args[1]
         fused = SpecOp("SDPA", final.dsts, (q, k, v, Literal(None), Literal(0.0),
@@ -276,6 +285,26 @@ def _fuse_attention(ops: list[SpecOp], notes: list[str]) -> list[SpecOp]:
         notes.append(f"{scores.source_pc}-{final.source_pc}: attention (matmul, scale, "
                      "softmax, matmul) fused into one SDPA call")
     return [replacement.get(id(op), op) for op in ops if id(op) not in removed]
+
+
+def _is_last_dim(dim, rank: int) -> bool:
+    return (isinstance(dim, Literal) and isinstance(dim.value, int) and rank > 0
+            and dim.value % rank == rank - 1)
+
+
+def _swaps_last_two(op: SpecOp, values: dict[int, object]) -> bool:
+    """A view whose result is its operand with only the last two dims swapped."""
+    result = values.get(op.dsts[0])
+    if not isinstance(result, torch.Tensor) or result.dim() < 2:
+        return False
+    rank = result.dim()
+    if op.opcode == "TRANSPOSE":
+        dims = [a.value for a in op.args[1:3]
+                if isinstance(a, Literal) and isinstance(a.value, int)]
+        return len(dims) == 2 and sorted(d % rank for d in dims) == [rank - 2, rank - 1]
+    if op.opcode == "PERMUTE" and isinstance(op.args[1], Literal):
+        return [d % rank for d in op.args[1].value] == [*range(rank - 2), rank - 1, rank - 2]
+    return False
 
 
 def _add_frees(ops: list[SpecOp], keep: set[int]) -> list[SpecOp]:
