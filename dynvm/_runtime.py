@@ -7,6 +7,7 @@ import threading
 import torch
 from torch.utils import _pytree as pytree
 
+from dynvm.arena import count_allocations
 from dynvm.jit.config import JitConfig
 from dynvm.jit.engine import Jit
 from dynvm.vm.errors import InputError, ShapeError
@@ -40,6 +41,7 @@ class Runtime:
         self._flat_inputs = self._in_spec == pytree.tree_flatten((None,) * self._n_inputs)[1]
         self._lock = threading.Lock()
         self._calls = 0
+        self._last_allocations: int | None = None
 
     def __call__(self, *inputs):
         flat = inputs if self._flat_inputs else self._flatten(inputs)
@@ -65,6 +67,13 @@ class Runtime:
                              f"expected {self._in_spec}")
         return flat
 
+    def measure_allocations(self, *inputs) -> int:
+        """Run one call counting the fresh tensor storages its ATen ops create (a
+        dispatch mode: slow, so only on request); the count also appears in stats()."""
+        _, count = count_allocations(self, *inputs)
+        self._last_allocations = count
+        return count
+
     def stats(self) -> dict:
         """Counters since the runtime was made (JIT counters too when it is on)."""
         stats = {
@@ -74,6 +83,7 @@ class Runtime:
             "instructions": len(self.program.code),
             "device": str(self.device),
             "jit": self.jit is not None,
+            "allocations_per_forward": self._last_allocations,
         }
         if self.jit is not None:
             stats.update(self.jit.stats())

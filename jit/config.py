@@ -79,6 +79,10 @@ class JitConfig:
     Note [Packed weights]); 0 turns it off. Each packed weight is a copy of the weight
     per distinct row count, held while a specialization uses it."""
 
+    arena_budget_bytes: int = 1 << 30
+    """Per-device budget of the arenas that specializations plan their intermediates in
+    (Note [Arena layout]); past it, a call runs without an arena. 0 turns arenas off."""
+
     def __post_init__(self) -> None:
         positive = ("min_recurrence", "max_recurrence", "window", "horizon_calls",
                     "max_specializations_per_region", "compile_threads",

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from dynvm.arena import ArenaPool
 from dynvm.jit.artifact import Artifact, cache_key
 from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
 from dynvm.jit.backends.cpu_variants import PackedWeights
@@ -71,7 +72,10 @@ class Jit:
         self.artifacts: dict[str, Artifact] = {}
         self.guard_failure_log: list[str] = []
         self._constants = [interpreter.constant(i) for i in range(len(program.constants))]
-        self._cpu_options = CpuOptions(PackedWeights(), self.config.packed_linear_max_rows)
+        self.arena_pool = (ArenaPool(interpreter.device, self.config.arena_budget_bytes)
+                           if self.config.arena_budget_bytes > 0 else None)
+        self._cpu_options = CpuOptions(PackedWeights(), self.config.packed_linear_max_rows,
+                                       self.arena_pool)
 
     def attach(self) -> None:
         for region in self.program.regions:
@@ -142,7 +146,7 @@ class Jit:
             strength = GuardStrength.STRONG if spec.assumes_shapes else GuardStrength.WEAK
             described, family, signature = describe(target), None, target
         kernel = compile_kernel(spec, self.program, self._constants, self.interpreter.device,
-                                described, strength.value, self._cpu_options)
+                                described, strength.value, self._cpu_options, owner=key)
         seconds = time.perf_counter() - start
         artifact = Artifact(key, BACKEND, str(self.interpreter.device), kernel.name,
                             kernel.source, strength.value, spec.notes, seconds)
@@ -177,7 +181,9 @@ class Jit:
             self._log(f"region {region_jit.region.index} guard failed: {explanation}")
 
     def on_evict(self, region_jit: RegionJit, spec: Specialization) -> None:
-        """A specialization left its region's cache (LRU): nothing holds it any more."""
+        """A specialization left its region's cache (LRU): release its arenas."""
+        if self.arena_pool is not None:
+            self.arena_pool.drop(spec.artifact.key)
 
     def on_deopt(self, region_jit: RegionJit, spec: Specialization, error: Exception) -> None:
         self._log(f"region {region_jit.region.index} deopt from {spec.artifact.kernel_name}: "
@@ -215,6 +221,7 @@ class Jit:
             "compile_failures": self.compile_failures,
             "queue_length": len(self.queue),
             "dropped_tasks": self.queue.dropped,
+            "arena": self.arena_pool.stats() if self.arena_pool is not None else None,
             "guard_failures": totals["guard_failures"],
             "deopts": totals["deopts"],
             "evictions": totals["evictions"],

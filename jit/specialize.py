@@ -83,6 +83,7 @@ class _Rewriter:
         self.probes = probes
         self.values = probes[0]
         self.kept_checks = kept_checks
+        self.varying = _varying_scalars(program, region, probes) if len(probes) > 1 else set()
         # register -> its value in the specialized code (Var, Literal or ConstRef)
         self.binding: dict[int, Value] = {r.index: Var(r.index) for r in region.live_in}
         self.ops: list[SpecOp] = []
@@ -132,9 +133,9 @@ class _Rewriter:
         raise TypeError(f"unexpected operand {arg!r}")
 
     def known(self, reg: Reg) -> bool:
-        """A scalar with the same value at every probe."""
+        """A scalar with the same value at every probe, not computed from a varying dim."""
         value = self.values.get(reg.index)
-        if value is None or isinstance(value, torch.Tensor):
+        if value is None or isinstance(value, torch.Tensor) or reg.index in self.varying:
             return False
         return all(_same_literal(p.get(reg.index), value) for p in self.probes[1:])
 
@@ -185,7 +186,7 @@ class _Rewriter:
         op = instr.op
         if op in _ALIAS_IF_SAME_SHAPE or op in ("PERMUTE", "TRANSPOSE", "SLICE"):
             reason = "no-op view for this shape"
-        elif op in ("CLONE", "TO_COPY") and instr.dsts[0] not in self.region.live_out:
+        elif op in ("CLONE", "TO_COPY") and not self.may_escape(pc, instr.dsts[0]):
             reason = "copy of an already-laid-out tensor that never leaves the region"
         elif op == "MOVE":
             reason = "register move"
@@ -195,6 +196,17 @@ class _Rewriter:
         self.assumes_shapes = True
         self.notes.append(f"{pc}: {op} dropped ({reason})")
         return True
+
+    def may_escape(self, pc: int, reg: Reg) -> bool:
+        """Whether `reg`, written at `pc`, or a view of it may outlive the region: then a
+        copy into it must stay a copy (else an output could alias the caller's input)."""
+        if reg in self.region.live_out:
+            return True
+        for instr in self.program.code[pc + 1:self.region.stop]:
+            aliasing = instr.spec.is_view or instr.op in ("MOVE", "RESHAPE_IF")
+            if aliasing and reg in instr.reads():
+                return True
+        return False
 
     def reshape_variant(self, pc: int, instr: Instr) -> str:
         for probe in self.probes:
@@ -209,6 +221,24 @@ class _Rewriter:
         self.assumes_shapes = True
         self.notes.append(f"{pc}: RESHAPE_IF is a view for this layout")
         return "VIEW"
+
+
+def _varying_scalars(program, region, probes: list[dict[int, object]]) -> set[int]:
+    """Scalar registers that differ between probes, or are computed from one that does.
+
+    Agreeing at every probe does not make the latter constant over the family: for n in
+    [17, 64], `n == 40` is False at every probe but not at 40 (Note [Probes])."""
+    varying: set[int] = set()
+    for pc in range(region.start, region.stop):
+        instr = program.code[pc]
+        derived = any(r.index in varying for r in instr.reads())
+        for dst in instr.dsts:
+            first = probes[0].get(dst.index)
+            if isinstance(first, torch.Tensor):
+                continue
+            if derived or not all(_same_literal(p.get(dst.index), first) for p in probes[1:]):
+                varying.add(dst.index)
+    return varying
 
 
 def _same_literal(a, b) -> bool:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dynvm.arena import ArenaPool
+from dynvm.jit.backends.cpu_arena import OUT_KERNELS, ArenaBinding, ArenaLayout, plan_layout
 from dynvm.jit.backends.cpu_variants import (
     PackedWeights,
     mkl_linear,
@@ -28,6 +30,7 @@ from dynvm.jit.backends.cpu_variants import (
 )
 from dynvm.jit.inplace import INPLACE
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, Var
+from dynvm.vm.abstract import to_abstract
 from dynvm.vm.opcodes import opcode
 
 
@@ -36,6 +39,7 @@ class CpuKernel:
     name: str
     source: str
     fn: object  # Callable[[list], None]
+    arena: ArenaBinding | None = None
 
 
 class _Emitter:
@@ -89,41 +93,106 @@ def kernel_name(spec: SpecializedRegion, signature_text: str) -> str:
 
 
 def emit_source(spec: SpecializedRegion, program, constants, device: torch.device,
-                name: str, header: str, options: CpuOptions) -> tuple[str, dict]:
-    """The Python source of the kernel, and the globals it runs with."""
+                name: str, header: str, options: CpuOptions,
+                arena: ArenaBinding | None = None) -> tuple[str, dict]:
+    """The Python source of the kernel, and the globals it runs with.
+
+    With an arena, two bodies are emitted: `<name>_arena` writes planned results into
+    the leased buffer (Note [Arena layout]); `<name>_plain` allocates as the interpreter
+    does and runs when the pool refuses a lease. `<name>` picks one per call."""
     emitter = _Emitter()
-    packing = spec.assumes_shapes and options.packed and mkl_packing_available(device)
     for line in header.splitlines():
         emitter.lines.append(f"# {line}")
+    packed = _packed_rows(spec, constants, device, options)
+    if arena is None:
+        emitter.lines.append(f"def {name}(regs):")
+        _emit_body(emitter, spec, program, constants, device, packed, None)
+        return "\n".join(emitter.lines) + "\n", emitter.bindings
+    binding = emitter.bind("arena", arena)
     emitter.lines.append(f"def {name}(regs):")
+    emitter.line(f"lease = {binding}.acquire()")
+    emitter.line("if lease is None:  # over the arena budget: allocate as usual")
+    emitter.line(f"return {name}_plain(regs)", 2)
+    emitter.line("try:")
+    emitter.line(f"{name}_arena(regs, lease.outs)", 2)
+    emitter.line("finally:")
+    emitter.line(f"{binding}.release(lease)", 2)
+    emitter.lines.append("")
+    emitter.lines.append(f"def {name}_arena(regs, A):")
+    _emit_body(emitter, spec, program, constants, device, packed, arena.layout)
+    emitter.lines.append("")
+    emitter.lines.append(f"def {name}_plain(regs):")
+    _emit_body(emitter, spec, program, constants, device, packed, None)
+    return "\n".join(emitter.lines) + "\n", emitter.bindings
+
+
+def _packed_rows(spec, constants, device, options) -> dict[int, tuple[int, torch.Tensor]]:
+    """Op position -> (row count, packed weight), for the LINEARs that use a packed
+    weight (Note [Packed weights])."""
+    if not (spec.assumes_shapes and options.packed and mkl_packing_available(device)):
+        return {}
+    found = {}
+    for position, op in enumerate(spec.ops):
+        rows = packed_linear_rows(op, spec.abstract, constants, options.packed_max_rows)
+        if rows is not None:
+            index = op.args[1].index
+            found[position] = rows, options.packed.get(index, constants[index], rows)
+    return found
+
+
+def plan_arena_layout(spec: SpecializedRegion, constants, device, options):
+    """Note [Arena layout]: which results of `spec` go to the arena, and where."""
+    leaving = {v.reg for _, v in spec.outputs if isinstance(v, Var)}
+    skip = set(_packed_rows(spec, constants, device, options))
+    meta_constants: dict[int, torch.Tensor] = {}
+
+    def operand_values(op, probe):
+        def one(arg):
+            if isinstance(arg, Var):
+                return probe.get(arg.reg)
+            if isinstance(arg, ConstRef):
+                if arg.index not in meta_constants:
+                    meta_constants[arg.index] = to_abstract(constants[arg.index])
+                return meta_constants[arg.index]
+            if isinstance(arg, Literal):
+                return torch.device("meta") if isinstance(arg.value, torch.device) \
+                    else arg.value
+            return [one(item) for item in arg]
+        values = [one(arg) for arg in op.args]
+        if any(isinstance(arg, Var) and value is None for arg, value in zip(op.args, values)):
+            return None
+        return values
+
+    return plan_layout(list(spec.ops), spec.abstract, operand_values, leaving, skip)
+
+
+def _emit_body(emitter, spec, program, constants, device, packed: dict,
+               layout: ArenaLayout | None) -> None:
     for reg in spec.live_in:
         emitter.line(f"v{reg} = regs[{reg}]")
-    for op in spec.ops:
+    for position, op in enumerate(spec.ops):
         emitter.line(f"# {program.code[op.source_pc]}")
-        rows = (packed_linear_rows(op, spec.abstract, constants, options.packed_max_rows)
-                if packing else None)
-        if rows is not None:
-            weight = op.args[1]
-            packed = options.packed.get(weight.index, constants[weight.index], rows)
+        args = [_value(a, emitter, constants) for a in _device_args(op.args, device)]
+        comment = ""
+        if position in packed:
+            rows, weight = packed[position]
             fn = emitter.bind("mkl_linear", mkl_linear)
-            args = ", ".join([_value(op.args[0], emitter, constants),
-                              emitter.bind("packed", packed),
-                              _value(weight, emitter, constants),
-                              _value(op.args[2], emitter, constants), str(rows)])
-            emitter.line(f"v{op.dsts[0]} = {fn}({args})  # weight packed for {rows} rows")
-            if op.frees:
-                emitter.line("del " + ", ".join(f"v{r}" for r in op.frees))
-            continue
-        if op.variant == "inplace":
+            handle = emitter.bind("packed", weight)
+            args = [args[0], handle, args[1], args[2], str(rows)]
+            comment = f"  # weight packed for {rows} rows"
+        elif layout is not None and position in layout.outs:
+            fn = emitter.bind(op.opcode + "_out", OUT_KERNELS[op.opcode].fn)
+            args += [f"A[{k}]" for k in layout.outs[position]]
+            comment = "  # into the arena"
+        elif op.variant == "inplace":
             fn = emitter.bind(op.opcode.lower() + "_", INPLACE[op.opcode])
         else:
             fn = emitter.bind(op.opcode, opcode(op.opcode).impl)
-        args = ", ".join(_value(a, emitter, constants) for a in _device_args(op.args, device))
-        call = f"{fn}({args})"
+        call = f"{fn}({', '.join(args)})"
         if not op.dsts:
             emitter.line(call)
         elif len(op.dsts) == 1:
-            emitter.line(f"v{op.dsts[0]} = {call}")
+            emitter.line(f"v{op.dsts[0]} = {call}{comment}")
         else:
             emitter.line(", ".join(f"v{d}" for d in op.dsts) + f", = {call}")
         if op.frees:
@@ -134,9 +203,8 @@ def emit_source(spec: SpecializedRegion, program, constants, device: torch.devic
         emitter.line(f"regs[{reg}] = None")
     for reg, value in spec.outputs:
         emitter.line(f"regs[{reg}] = {_value(value, emitter, constants)}")
-    if len(emitter.lines) and emitter.lines[-1].endswith(":"):
+    if emitter.lines[-1].endswith(":"):
         emitter.line("pass")
-    return "\n".join(emitter.lines) + "\n", emitter.bindings
 
 
 def _device_args(args, device: torch.device):
@@ -159,20 +227,31 @@ class CpuOptions:
 
     packed: PackedWeights | None = None   # None: no packed weights
     packed_max_rows: int = 0
+    arena_pool: ArenaPool | None = None    # None: no arenas
 
     def as_key(self) -> dict:
-        return {"packed_max_rows": self.packed_max_rows if self.packed else 0}
+        return {"packed_max_rows": self.packed_max_rows if self.packed else 0,
+                "arena": self.arena_pool is not None}
 
 
 def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.device,
                    signature_text: str, guard: str,
-                   options: CpuOptions = CpuOptions()) -> CpuKernel:
+                   options: CpuOptions = CpuOptions(), owner: str = "") -> CpuKernel:
     name = kernel_name(spec, signature_text)
     header = (f"dynvm CPU specialization of program {program.content_hash[:12]}, region "
               f"{spec.region_index} ({spec.instructions} instructions -> {len(spec.ops)} "
               f"operations)\nsignature: {signature_text}\nguard: {guard}")
-    source, bindings = emit_source(spec, program, constants, device, name, header, options)
+    arena = None
+    if options.arena_pool is not None:
+        layout = plan_arena_layout(spec, constants, device, options)
+        if layout is not None:
+            arena = ArenaBinding(options.arena_pool, owner or name, layout, device,
+                                 shapes_vary=len(spec.abstract) > 1)
+            header += (f"\narena: {layout.plan.size:,} bytes for {len(layout.blocks)} "
+                       f"tensors (lower bound {layout.plan.lower_bound:,})")
+    source, bindings = emit_source(spec, program, constants, device, name, header, options,
+                                   arena)
     namespace = dict(bindings)
     code = compile(source, f"<dynvm {name}>", "exec")
     exec(code, namespace)  # safe: source generated above from verified bytecode only
-    return CpuKernel(name, source, namespace[name])
+    return CpuKernel(name, source, namespace[name], arena)
