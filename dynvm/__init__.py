@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from dynvm._runtime import Runtime
+from dynvm.jit.config import JitConfig
 from dynvm.vm.errors import (
     AssembleError,
     DvmFormatError,
@@ -52,6 +53,7 @@ def load(path) -> Program:
 
 __all__ = [
     "AssembleError", "DvmFormatError", "DynvmError", "ExecutionError", "InputError",
+    "JitConfig",
     "Program", "Runtime", "ShapeError", "UnsupportedOpError", "VerifyError", "compile",
     "load", "save",
 ]
