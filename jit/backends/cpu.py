@@ -30,6 +30,7 @@ from dynvm.jit.backends.cpu_variants import (
 )
 from dynvm.jit.inplace import INPLACE
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, Var
+from dynvm.jit.signature import GuardStrength
 from dynvm.vm.abstract import to_abstract
 from dynvm.vm.opcodes import opcode
 
@@ -242,7 +243,9 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
               f"{spec.region_index} ({spec.instructions} instructions -> {len(spec.ops)} "
               f"operations)\nsignature: {signature_text}\nguard: {guard}")
     arena = None
-    if options.arena_pool is not None:
+    # A weak guard admits other shapes of the same element count, whose intermediates
+    # may outgrow blocks planned for this one (Note [Arena layout]): no arena for it.
+    if options.arena_pool is not None and guard != GuardStrength.WEAK.value:
         layout = plan_arena_layout(spec, constants, device, options)
         if layout is not None:
             arena = ArenaBinding(options.arena_pool, owner or name, layout, device,

@@ -14,6 +14,10 @@ allocator for each of them. Which results go to the arena:
   to a kernel without `out=` (SDPA, MKL-packed linear): those allocate as before. SDPA
   was tried in its math form with out= buffers: its strided q/k/v views made matmul
   copy them, which allocated more than the fused kernel does.
+- nothing at all in a specialization with a weak guard (Note [Guard strength]): the
+  guard admits any shape of the same rank and element count, e.g. [1, 32] for a plan
+  made at [4, 8], where a sum over dim 0 gives 32 elements instead of 8; the out=
+  kernel would resize its block past the planned bytes, over its neighbours.
 
 A block lives from the operation that writes it to the last use of anything sharing its
 storage (its views, and the results of in-place operations over it), which is what
