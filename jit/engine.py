@@ -72,6 +72,10 @@ class Jit:
         self.artifacts: dict[str, Artifact] = {}
         self.guard_failure_log: list[str] = []
         self._constants = [interpreter.constant(i) for i in range(len(program.constants))]
+        # Input registers that no instruction overwrites: wherever a region reads one, it
+        # holds the program input, so the input's declared ranges apply to it.
+        written = {dst.index for instr in program.code for dst in instr.dsts}
+        self._input_registers = frozenset(range(len(program.inputs))) - written
         self.arena_pool = (ArenaPool(interpreter.device, self.config.arena_budget_bytes)
                            if self.config.arena_budget_bytes > 0 else None)
         self._cpu_options = CpuOptions(PackedWeights(), self.config.packed_linear_max_rows,
@@ -120,7 +124,7 @@ class Jit:
         inputs = self.program.inputs
         bounds = []
         for register, dims in zip(region_jit.live_in, family.bounds):
-            if dims is None or register >= len(inputs):
+            if dims is None or register not in self._input_registers:
                 bounds.append(dims)
                 continue
             declared = inputs[register].dims

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from dynvm.jit.aliasing import last_use_of_roots, storage_roots
 from dynvm.jit.ir import SpecOp, Var
-from dynvm.vm.opcodes import opcode
 
 _nn = torch._C._nn
 
@@ -41,34 +41,13 @@ INPLACE = {
     "CLAMP": torch.Tensor.clamp_, "MASKED_FILL": torch.Tensor.masked_fill_,
 }
 _COMMUTATIVE = {"ADD", "MUL"}
-_ALIASING = {"MOVE", "RESHAPE_IF"}  # may return their operand itself
 
 
 def reuse_dying_buffers(ops: list[SpecOp], probes: list[dict[int, object]],
                         notes: list[str], leaving: set[int] = frozenset()) -> list[SpecOp]:
     """`leaving`: the Vars the region outputs (they, and what they view, outlive it)."""
-    base: dict[int, int] = {}        # Var -> the Var whose storage it uses
-    owned: set[int] = set()          # Vars allocated by this region, not views
-    for op in ops:
-        spec_is_view = op.opcode in _ALIASING or (
-            op.opcode in _known_opcodes() and opcode(op.opcode).is_view)
-        source = op.args[0] if op.args else None
-        for dst in op.dsts:
-            if not spec_is_view:
-                base[dst] = dst
-                owned.add(dst)
-            elif isinstance(source, Var):
-                base[dst] = base.get(source.reg, source.reg)
-            else:            # a view of a constant (a weight): never owned
-                base[dst] = dst
-    last_use_of_base: dict[int, int] = {}
-    for position, op in enumerate(ops):
-        for arg in _flat(op.args):
-            if isinstance(arg, Var):
-                root = base.get(arg.reg, arg.reg)
-                last_use_of_base[root] = position
-    for reg in leaving:      # an output, or a view of it, is used after the region
-        last_use_of_base[base.get(reg, reg)] = len(ops)
+    base, owned = storage_roots(ops)
+    last_use_of_base = last_use_of_roots(ops, base, leaving)
     rewritten = []
     for position, op in enumerate(ops):
         new = _try_inplace(position, op, probes, owned, base, last_use_of_base)
@@ -104,16 +83,3 @@ def _try_inplace(position, op, probes, owned, base, last_use_of_base) -> SpecOp:
         return SpecOp(op.opcode, op.dsts, args, op.source_pc, op.frees, variant="inplace")
     return op
 
-
-def _flat(args):
-    for arg in args:
-        if isinstance(arg, list):
-            yield from arg
-        else:
-            yield arg
-
-
-def _known_opcodes():
-    from dynvm.vm.opcodes import OPCODES
-
-    return OPCODES

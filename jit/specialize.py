@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from dynvm.jit.aliasing import flat_values
 from dynvm.jit.inplace import reuse_dying_buffers
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Value, Var
 from dynvm.vm.abstract import CheckFailed, evaluate_region
@@ -255,18 +256,11 @@ def _unchanged(source, result) -> bool:
 def _uses(ops: list[SpecOp]) -> dict[int, int]:
     counts: dict[int, int] = {}
     for op in ops:
-        for value in _flat_values(op.args):
+        for value in flat_values(op.args):
             if isinstance(value, Var):
                 counts[value.reg] = counts.get(value.reg, 0) + 1
     return counts
 
-
-def _flat_values(args):
-    for arg in args:
-        if isinstance(arg, list):
-            yield from arg
-        else:
-            yield arg
 
 
 def _fuse_attention(ops: list[SpecOp], notes: list[str], values: dict[int, object],
@@ -341,7 +335,7 @@ def _add_frees(ops: list[SpecOp], keep: set[int]) -> list[SpecOp]:
     """Attach to each op the Vars whose last use it is (outputs are kept)."""
     last_use: dict[int, int] = {}
     for position, op in enumerate(ops):
-        for value in _flat_values(op.args):
+        for value in flat_values(op.args):
             if isinstance(value, Var):
                 last_use[value.reg] = position
         for dst in op.dsts:

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from dynvm.arena import ArenaPlan, Block, plan_arena
-from dynvm.jit.ir import SpecOp, Var
-from dynvm.vm.opcodes import OPCODES
+from dynvm.jit.aliasing import last_use_of_roots, storage_roots
+from dynvm.jit.ir import SpecOp
 
 aten = torch.ops.aten
 _nn = torch._C._nn
@@ -141,34 +141,14 @@ class ArenaLayout:
     notes: tuple[str, ...]
 
 
-def storage_roots(ops: list[SpecOp]) -> dict[int, int]:
-    """Var -> the Var that owns its storage (itself unless it is a view of another, or
-    the result of an in-place operation over another)."""
-    roots: dict[int, int] = {}
-    for op in ops:
-        aliases = op.variant == "inplace" or op.opcode in ("MOVE", "RESHAPE_IF") or (
-            op.opcode in OPCODES and OPCODES[op.opcode].is_view)
-        source = op.args[0] if op.args else None
-        for dst in op.dsts:
-            if aliases and isinstance(source, Var):
-                roots[dst] = roots.get(source.reg, source.reg)
-            else:
-                roots[dst] = dst
-    return roots
-
-
 def plan_layout(ops: list[SpecOp], probes: tuple, operand_values, leaving: set[int],
                 skip: set[int]) -> ArenaLayout | None:
     """Blocks and offsets for the ops that can write into an arena, or None if none can.
 
     `operand_values(op, probe)` gives an op's abstract operands at a probe; `skip` are op
     positions the backend runs another way (packed weights)."""
-    roots = storage_roots(ops)
-    last_use: dict[int, int] = {}
-    for position, op in enumerate(ops):
-        for arg in _flat(op.args):
-            if isinstance(arg, Var):
-                last_use[roots.get(arg.reg, arg.reg)] = position
+    roots, _ = storage_roots(ops)
+    last_use = last_use_of_roots(ops, roots)
     escaping = {roots.get(reg, reg) for reg in leaving}
     blocks: list[Block] = []
     dtypes: list[torch.dtype] = []
@@ -221,14 +201,6 @@ def _planned_tensors(op, kernel, probes, operand_values):
         elif any(n > planned or d != want for (n, d), (planned, want) in zip(here, sizes)):
             return None
     return sizes
-
-
-def _flat(args):
-    for arg in args:
-        if isinstance(arg, list):
-            yield from arg
-        else:
-            yield arg
 
 
 class Lease:
