@@ -1,0 +1,40 @@
+"""Fixtures of the kernel store tests: a real redis-server per test, stores, a secret."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+from _redis_server import REDIS_SERVER, RedisServer, redis_config
+
+from dynvm.cluster import LocalDirStore, RedisStore
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed")
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_store(redis_server):
+    with RedisStore(redis_config(redis_server)) as store:
+        yield store
+
+
+@pytest.fixture(params=["local", "redis"])
+def store(request, tmp_path):
+    """Each KernelStore implementation, for the tests of the shared contract."""
+    if request.param == "local":
+        return LocalDirStore(tmp_path / "kernels")
+    return request.getfixturevalue("redis_store")
+
+
+@pytest.fixture
+def secret() -> bytes:
+    return b"test-secret-" + secrets.token_hex(16).encode()
