@@ -32,7 +32,7 @@ def explain_command(args, program, demo) -> int:
         artifacts = list(runtime.jit.artifacts.values())
         print(f"; {program.name} with {shapes}: {len(artifacts)} specialized region(s) of "
               f"{len(program.regions)}")
-        for line in runtime.jit.guard_failure_log:
+        for line in runtime.jit.event_log:
             print(f"; note: {line}")
         for artifact in artifacts:
             print(f"\n; {artifact.kernel_name}: guard {artifact.guard}, compiled in "

@@ -70,7 +70,9 @@ class Jit:
         self._compiled_instructions = 0
         self._lock = threading.Lock()
         self.artifacts: dict[str, Artifact] = {}
-        self.guard_failure_log: list[str] = []
+        # Explained guard failures (sampled), deopts and failed compiles, newest last;
+        # bounded (see _log).
+        self.event_log: list[str] = []
         self._constants = [interpreter.constant(i) for i in range(len(program.constants))]
         # Input registers that no instruction overwrites: wherever a region reads one, it
         # holds the program input, so the input's declared ranges apply to it.
@@ -175,8 +177,8 @@ class Jit:
             self.compile_failures += 1
         region_jit.compile_failed(target)
         if not isinstance(error, SpecializationError):
-            self.guard_failure_log.append(f"compile of region {region_jit.region.index} "
-                                          f"failed: {type(error).__name__}: {error}")
+            self._log(f"compile of region {region_jit.region.index} failed: "
+                      f"{type(error).__name__}: {error}")
 
     # -- diagnostics -------------------------------------------------------------------
 
@@ -194,7 +196,7 @@ class Jit:
                   f"{type(error).__name__}: {error}")
 
     def _log(self, line: str) -> None:
-        log = self.guard_failure_log
+        log = self.event_log
         log.append(line)
         if len(log) > 100:
             del log[:50]

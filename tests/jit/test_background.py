@@ -252,7 +252,7 @@ def test_failed_compile_backs_off_then_retries():
         stats = rt.stats()
         assert stats["compile_failures"] == 1 and stats["compiles"] == 0
         assert any("compile of region 0 failed: RuntimeError: injected compile failure #1"
-                   in line for line in rt.jit.guard_failure_log), rt.jit.guard_failure_log
+                   in line for line in rt.jit.event_log), rt.jit.event_log
         rj = rt.jit.regions[0]
         assert not rj.pending
         # Within the backoff window (5 region calls) the signature is not retried.
@@ -297,7 +297,7 @@ def test_failing_background_compile_keeps_calls_correct():
         h.wait_drained(rt)
 
         def failures():
-            return [line for line in rt.jit.guard_failure_log if "injected" in line]
+            return [line for line in rt.jit.event_log if "injected" in line]
 
         wait_for(lambda: len(failures()) == 3)
         stats = rt.stats()

@@ -76,7 +76,7 @@ def test_view_of_a_specialized_shape_fails_the_strong_guard(view, check, expecte
         assert stats["specialized_region_calls"] == 1
         message = stats["regions"][0]["last_guard_failure"]
         assert message == f"live-in %0 {check}: expected {expected!r}, got {actual!r}"
-        assert any(message in line for line in rt.jit.guard_failure_log)
+        assert any(message in line for line in rt.jit.event_log)
 
 
 def test_guard_failures_are_sampled():

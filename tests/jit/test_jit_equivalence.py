@@ -145,8 +145,8 @@ def run_scenario(name: str, sync: bool, pool, calls, min_recurrence, families: b
             if name in STRAIGHT_LINE:
                 assert used == 2, f"{name}: the drained compile of {pool[0]} was not used"
         stats = rt.stats()
-        assert stats["deopts"] == 0, rt.jit.guard_failure_log
-        assert stats["compile_failures"] == 0, rt.jit.guard_failure_log
+        assert stats["deopts"] == 0, rt.jit.event_log
+        assert stats["compile_failures"] == 0, rt.jit.event_log
         totals["specialized"] += stats["specialized_region_calls"]
         totals["compiles"] += stats["compiles"]
         totals["guard_failures"] += stats["guard_failures"]
