@@ -173,12 +173,13 @@ def _parse_literal(tokens: _Tokens) -> object:
     if kind == "special":
         return float(text)
     if kind == "str":
-        return ast.literal_eval(text)
+        return ast.literal_eval(text)  # safe: literals only
     if kind == "word":
         return {"None": None, "True": True, "False": False}[text]
     if kind == "torch":
         return _torch_literal(text, tokens)
     if kind == "device":
+        # safe: ast.literal_eval parses literals only
         return torch.device(ast.literal_eval(text[text.index("(") + 1:-1].strip()))
     if text == "(":
         items = []
@@ -354,14 +355,14 @@ def _directive(line: str, line_no: int, header: dict, input_spec) -> None:
     key, value = match.groups()
     try:
         if key in ("program", "in_spec", "out_spec"):
-            header[key] = ast.literal_eval(value.strip())
+            header[key] = ast.literal_eval(value.strip())  # safe: literals only
         elif key == "regs":
             header["regs"] = int(value)
         elif key in ("input", "const"):
             named = _NAMED.fullmatch(value.strip())
             if named is None:
                 raise AssembleError(f"line {line_no}: expected .{key} \"name\" dtype [dims]")
-            name = ast.literal_eval(named.group(1))
+            name = ast.literal_eval(named.group(1))  # safe: literals only
             dtype = dtype_named(named.group(2))
             dims = _parse_dims(named.group(3), line_no)
             if key == "input":

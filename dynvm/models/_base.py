@@ -57,7 +57,7 @@ def generator(rng: random.Random) -> torch.Generator:
 
 def finish(module: nn.Module) -> nn.Module:
     """Eval mode (no dropout/batch-norm updates) and no autograd on the weights."""
-    module.eval()
+    module.eval()  # safe: nn.Module.eval (inference mode), not Python's eval
     for p in module.parameters():
         p.requires_grad_(False)
     return module

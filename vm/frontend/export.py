@@ -43,7 +43,7 @@ def decomposition_table() -> dict:
 
 def export_module(module: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None):
     """torch.export the module in eval mode and decompose all but the kept ops."""
-    module = module.eval()
+    module = module.eval()  # safe: nn.Module.eval, not Python's eval
     with warnings.catch_warnings():
         # torch.export's own deep copies trip a deprecation warning inside torch
         # (LeafSpec); it says nothing about the user's model.
