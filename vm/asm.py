@@ -180,7 +180,8 @@ def _parse_literal(tokens: _Tokens) -> object:
         return _torch_literal(text, tokens)
     if kind == "device":
         # safe: ast.literal_eval parses literals only
-        return torch.device(ast.literal_eval(text[text.index("(") + 1:-1].strip()))
+        inner = text[text.index("(") + 1:-1].strip()
+        return torch.device(ast.literal_eval(inner))  # safe: literals only
     if text == "(":
         items = []
         while not tokens.at(")"):
