@@ -179,7 +179,6 @@ def _parse_literal(tokens: _Tokens) -> object:
     if kind == "torch":
         return _torch_literal(text, tokens)
     if kind == "device":
-        # safe: ast.literal_eval parses literals only
         inner = text[text.index("(") + 1:-1].strip()
         return torch.device(ast.literal_eval(inner))  # safe: literals only
     if text == "(":
