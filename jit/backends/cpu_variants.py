@@ -5,9 +5,14 @@ Note [Packed weights]
 MKL can pre-pack a GEMM operand for one row count, and a specialization knows its row
 count exactly. Measured on this project's 2-core x86 machine, a 32 x 256 @ 256 x 1024
 LINEAR took 103 us through torch's linear and 69 us with the weight packed for 32 rows;
-at 128 rows 247 vs 231 us; from 512 rows on the gain is within a few percent. So a
-strong-guarded specialization whose LINEAR has at most `packed_linear_max_rows` rows
-uses `mkl._mkl_linear` with a weight packed at compile time. Packed weights are shared
+at 128 rows 247 vs 231 us; from 512 rows on the gain is within a few percent. Narrow
+weights lose: the demo GNN's 64x64 and 64x128 LINEARs at 100 rows made a whole call
+545 us packed against 477 us unpacked (the unpacked ones write into the arena; packed
+results cannot). Timing both forms at compile time did not predict that (isolated
+GEMMs favoured packing), so the rule is static: a strong-guarded specialization packs a
+LINEAR with at most `packed_linear_max_rows` rows and a weight of at least
+`PACKED_MIN_WEIGHT` elements, and calls `mkl._mkl_linear` with the weight packed at
+compile time. Packed weights are shared
 between specializations of the same row count and freed with the last one that uses
 them (a weak-valued cache).
 """
@@ -20,6 +25,8 @@ import weakref
 import torch
 
 from dynvm.jit.ir import ConstRef, Literal, SpecOp, Var
+
+PACKED_MIN_WEIGHT = 256 * 256
 
 
 def mkl_packing_available(device: torch.device) -> bool:
@@ -55,7 +62,7 @@ def packed_linear_rows(op: SpecOp, probes: tuple, constants, max_rows: int) -> i
     if not (isinstance(bias, ConstRef) or bias == Literal(None)):
         return None
     w = constants[weight.index]
-    if w.dtype != torch.float32 or w.dim() != 2:
+    if w.dtype != torch.float32 or w.dim() != 2 or w.numel() < PACKED_MIN_WEIGHT:
         return None
     counts = set()
     for probe in probes:

@@ -475,21 +475,25 @@ def test_generated_source_is_readable_python():
 
 
 class SmallMLP(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            self.fc1 = nn.Linear(32, 64)
-            self.fc2 = nn.Linear(64, 16)
+            self.fc1 = nn.Linear(width, width)
+            self.fc2 = nn.Linear(width, width)
 
     def forward(self, x):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-@pytest.mark.parametrize("max_rows, packed", [(4096, True), (0, False), (2, False)])
-def test_small_batch_linear_uses_packed_weights(max_rows, packed):
-    module = SmallMLP().eval()
-    x = torch.randn(4, 32)
+# Weights of PACKED_MIN_WEIGHT (256 x 256) elements and more are worth packing; narrow
+# ones are not (Note [Packed weights]).
+@pytest.mark.parametrize("width, max_rows, packed",
+                         [(256, 4096, True), (256, 0, False), (256, 2, False),
+                          (64, 4096, False)])
+def test_small_batch_linear_uses_packed_weights(width, max_rows, packed):
+    module = SmallMLP(width).eval()
+    x = torch.randn(4, width)
     program = h.compile_module(module, (x,), ({0: batch_dim()},))
     expected = dynvm.Runtime(program, jit=False)(x)
     outs, _, (artifact,) = run_jit(program, (x,), packed_linear_max_rows=max_rows)
