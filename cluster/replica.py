@@ -1,0 +1,431 @@
+"""Ray Serve replicas serving dynvm programs over the Open Inference Protocol (KServe v2).
+
+Layout (one Serve application per model plus one for the server-level routes; Serve's
+proxy routes by longest route prefix):
+
+    app "dynvm-server"        route prefix /v2                 ServerFront
+        GET /v2, /v2/health/live, /v2/health/ready; any /v2/models/<unknown>/... -> 404
+    app "dynvm-model-<name>"  route prefix /v2/models/<name>   ModelReplica
+        GET  /v2/models/<name>[/versions/1]            model metadata (dynamic dims -1)
+        GET  /v2/models/<name>[/versions/1]/ready      200 once loaded
+        POST /v2/models/<name>[/versions/1]/infer      JSON or binary-tensor extension
+        GET  /v2/models/<name>/stats                   runtime.stats() + batching counters
+
+A `ModelReplica` loads its .dvm program (`dynvm.load`) and makes one `Runtime` on its
+device ("auto": the GPU Ray assigned it, `num_gpus=1` per replica when the cluster has
+GPUs, else the CPU). Request bodies go through `dynvm.cluster.v2_protocol`, which
+validates everything before a tensor exists; errors are 4xx with `{"error": "..."}`.
+
+Batching (Note [Request batching]): requests queue in a `@serve.batch` method; a batch
+is cut into groups whose inputs can be concatenated along dim 0 (every input's dim 0 is
+the same dynamic dim, equal non-batch dims, total rows within the declared range); each
+group is ONE Runtime call whose outputs are split back by rows. A group whose outputs do
+not have the batch as dim 0, or whose batched call fails, is re-run request by request so
+that every request gets its own answer (or its own error).
+
+Note [Request batching]: concatenating requests is only correct for models whose rows
+are independent (a recommender, an MLP). A model that mixes rows (the `branchy` demo
+branches on the mean of the whole batch) must be served with `batching=False`; dynvm
+cannot prove row independence from the bytecode, so the caller decides, as with
+Triton's dynamic batcher.
+"""
+
+import asyncio
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from ray import serve
+from ray.serve.api import RunTarget
+from torch.utils import _pytree as pytree
+
+import dynvm
+from dynvm.cluster import v2_protocol as v2
+from dynvm.vm.errors import DynvmError, ExecutionError, InputError, ShapeError
+
+MODEL_VERSION = "1"
+SERVER_APP = "dynvm-server"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def model_app_name(model_name: str) -> str:
+    return f"dynvm-model-{model_name}"
+
+
+def check_model_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"model name {name!r} must match {_NAME_RE.pattern}")
+    return name
+
+
+def pick_device(device: str | None) -> str:
+    """'auto'/None: the (Ray-assigned, hence first visible) GPU when there is one."""
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _json_response(obj, status: int = 200) -> Response:
+    return Response(json.dumps(obj).encode(), status_code=status,
+                    media_type="application/json")
+
+
+def _error_response(error: BaseException | str, status: int) -> Response:
+    return Response(v2.error_body(error), status_code=status, media_type="application/json")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = v2.parse_length(request.headers.get("content-length"))
+    if declared is not None:
+        v2.check_body_size(declared, limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        v2.check_body_size(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class _RootWithoutSlash:
+    """ASGI middleware: `/v2/models/<name>` (the app's route prefix itself, no trailing
+    slash) is routed like `/v2/models/<name>/` instead of answered with a 307 redirect."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            root = scope.get("root_path", "")
+            if scope["path"] in ("", root):
+                scope = dict(scope, path=root + "/")
+        await self.app(scope, receive, send)
+
+
+@dataclass
+class _Outcome:
+    """What the batch method hands back per request: outputs or the error to raise."""
+
+    outputs: list[torch.Tensor] | None = None
+    error: BaseException | None = None
+
+
+model_api = FastAPI(title="dynvm model replica")
+model_api.add_middleware(_RootWithoutSlash)
+
+
+@serve.deployment(max_ongoing_requests=256)
+@serve.ingress(model_api)
+class ModelReplica:
+    """One model on one device, served over the Open Inference Protocol."""
+
+    def __init__(self, model_name: str, dvm_path: str, device: str | None = "auto",
+                 jit: bool = True, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.01,
+                 batching: bool = True, max_body_bytes: int = v2.DEFAULT_MAX_BODY_BYTES,
+                 probe_outputs: bool = True) -> None:
+        self.model_name = check_model_name(model_name)
+        self.program = dynvm.load(dvm_path)
+        self.device = pick_device(device)
+        self.runtime = dynvm.Runtime(self.program, self.device, jit=jit)
+        self.max_body_bytes = int(max_body_bytes)
+        self._batch_dim = self._find_batch_dim() if batching else None
+        self._batched.set_max_batch_size(int(max_batch_size))
+        self._batched.set_batch_wait_timeout_s(float(batch_wait_timeout_s))
+        self.counters = {"requests": 0, "errors": 0, "vm_calls": 0, "batches": 0,
+                         "batched_vm_calls": 0, "batched_requests": 0,
+                         "max_requests_per_vm_call": 0, "unbatched_fallbacks": 0}
+        self.outputs_meta = self._probe_outputs() if probe_outputs else []
+        self.output_names = [m.name for m in self.outputs_meta] or None
+
+    # ------------------------------------------------------------------ setup
+
+    def _find_batch_dim(self) -> tuple[str, int] | None:
+        """(name, high) of the dynamic dim 0 every input shares, or None."""
+        names = set()
+        high = None
+        for spec in self.program.inputs:
+            if not spec.dims or spec.dims[0].is_static:
+                return None
+            names.add(spec.dims[0].name)
+            high = spec.dims[0].high if high is None else min(high, spec.dims[0].high)
+        if len(names) != 1 or high is None:
+            return None
+        return names.pop(), high
+
+    def _probe_inputs(self, bump: bool) -> list[torch.Tensor]:
+        sizes: dict[str, int] = {}
+        for spec in self.program.inputs:
+            for d in spec.dims:
+                if not d.is_static:
+                    size = min(d.low + 1, d.high) if bump else d.low
+                    sizes.setdefault(d.name, size)
+        return [torch.zeros([d.low if d.is_static else sizes[d.name] for d in spec.dims],
+                            dtype=spec.dtype, device=self.device)
+                for spec in self.program.inputs]
+
+    def _probe_outputs(self) -> list[v2.TensorMetadata]:
+        """Output datatypes and shapes (-1 where they vary) from two zero-input runs."""
+        try:
+            probes = [self._run(self._probe_inputs(bump)) for bump in (False, True)]
+        except Exception:  # a model that rejects zeros: outputs are learnt per request
+            return []
+        return v2.output_metadata_from_probes(probes)
+
+    # ------------------------------------------------------------------ running
+
+    def _run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        inputs = [t.to(self.device) for t in tensors]
+        result = self.runtime(*inputs)
+        leaves = pytree.tree_leaves(result)
+        outputs = []
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                leaf = torch.tensor(leaf)
+            outputs.append(leaf.detach().to("cpu"))
+        return outputs
+
+    def _run_one(self, tensors: Sequence[torch.Tensor]) -> _Outcome:
+        try:
+            return _Outcome(outputs=self._run(tensors))
+        except Exception as exc:  # handed to this request's caller
+            return _Outcome(error=exc)
+
+    def _groups(self, requests: Sequence[v2.InferRequest]) -> list[list[int]]:
+        """Indices of requests that can share one VM call, in arrival order."""
+        if self._batch_dim is None:
+            return [[i] for i in range(len(requests))]
+        _, high = self._batch_dim
+        groups: list[list[int]] = []
+        keys: list[tuple] = []
+        rows: list[int] = []
+        for i, req in enumerate(requests):
+            key = tuple((t.dtype, tuple(t.shape[1:])) for t in req.tensors)
+            n = req.tensors[0].shape[0]
+            for g, group in enumerate(groups):
+                if keys[g] == key and rows[g] + n <= high:
+                    group.append(i)
+                    rows[g] += n
+                    break
+            else:
+                groups.append([i])
+                keys.append(key)
+                rows.append(n)
+        return groups
+
+    def _run_batch(self, requests: Sequence[v2.InferRequest]) -> tuple[list[_Outcome], dict]:
+        """Runs in a worker thread: one VM call per group, split back per request."""
+        outcomes: list[_Outcome | None] = [None] * len(requests)
+        counts = {"vm_calls": 0, "batched_vm_calls": 0, "batched_requests": 0,
+                  "max_requests_per_vm_call": 1, "unbatched_fallbacks": 0}
+        for group in self._groups(requests):
+            if len(group) > 1:
+                sizes = [requests[i].tensors[0].shape[0] for i in group]
+                total = sum(sizes)
+                try:
+                    cat = [torch.cat([requests[i].tensors[k] for i in group])
+                           for k in range(len(self.program.inputs))]
+                    outputs = self._run(cat)
+                    counts["vm_calls"] += 1
+                    if all(o.dim() >= 1 and o.shape[0] == total for o in outputs):
+                        pieces = [o.split(sizes) for o in outputs]
+                        for j, i in enumerate(group):
+                            outcomes[i] = _Outcome(outputs=[p[j].clone() for p in pieces])
+                        counts["batched_vm_calls"] += 1
+                        counts["batched_requests"] += len(group)
+                        counts["max_requests_per_vm_call"] = max(
+                            counts["max_requests_per_vm_call"], len(group))
+                        continue
+                except Exception:  # each request re-runs below and gets its own error
+                    pass
+                counts["unbatched_fallbacks"] += 1
+            for i in group:
+                outcomes[i] = self._run_one(requests[i].tensors)
+                counts["vm_calls"] += 1
+        return [o if o is not None else _Outcome(error=RuntimeError("not run"))
+                for o in outcomes], counts
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
+    async def _batched(self, requests: list[v2.InferRequest]) -> list[_Outcome]:
+        outcomes, counts = await asyncio.to_thread(self._run_batch, requests)
+        self.counters["batches"] += 1
+        for key, value in counts.items():
+            if key == "max_requests_per_vm_call":
+                self.counters[key] = max(self.counters[key], value)
+            else:
+                self.counters[key] += value
+        return outcomes
+
+    async def infer_request(self, request: v2.InferRequest) -> list[torch.Tensor]:
+        """Run one validated request through the batcher; raises its error."""
+        outcome = await self._batched(request)
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.outputs
+
+    # ------------------------------------------------------------------ HTTP
+
+    def is_ready(self) -> bool:
+        return True
+
+    def _check_version(self, version: str | None) -> None:
+        if version is not None and version != MODEL_VERSION:
+            raise v2.NotFound(f"model {self.model_name!r} has no version {version!r} "
+                              f"(versions: {MODEL_VERSION})")
+
+    def metadata(self) -> dict:
+        return v2.model_metadata(self.model_name, [MODEL_VERSION], self.program.inputs,
+                                 self.outputs_meta)
+
+    def stats(self) -> dict:
+        return {"model": self.model_name, **self.runtime.stats(), **self.counters}
+
+    async def _handle(self, version: str | None, action) -> Response:
+        try:
+            self._check_version(version)
+            return await action()
+        except v2.ProtocolError as exc:
+            return _error_response(exc, exc.status)
+
+    @model_api.get("/")
+    async def get_metadata(self) -> Response:
+        return await self._handle(None, self._metadata_response)
+
+    @model_api.get("/versions/{version}")
+    async def get_version_metadata(self, version: str) -> Response:
+        return await self._handle(version, self._metadata_response)
+
+    async def _metadata_response(self) -> Response:
+        return _json_response(self.metadata())
+
+    @model_api.get("/ready")
+    async def get_ready(self) -> Response:
+        return await self._handle(None, self._ready_response)
+
+    @model_api.get("/versions/{version}/ready")
+    async def get_version_ready(self, version: str) -> Response:
+        return await self._handle(version, self._ready_response)
+
+    async def _ready_response(self) -> Response:
+        return _json_response({"name": self.model_name, "ready": True})
+
+    @model_api.get("/stats")
+    async def get_stats(self) -> Response:
+        return _json_response(self.stats())
+
+    @model_api.post("/infer")
+    async def post_infer(self, request: Request) -> Response:
+        return await self._handle(None, lambda: self._infer_http(request, None))
+
+    @model_api.post("/versions/{version}/infer")
+    async def post_version_infer(self, version: str, request: Request) -> Response:
+        return await self._handle(version, lambda: self._infer_http(request, version))
+
+    async def _infer_http(self, request: Request, version: str | None) -> Response:
+        self.counters["requests"] += 1
+        try:
+            encoding = request.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                raise v2.BadRequest(f"Content-Encoding {encoding!r} is not supported")
+            body = await _read_body(request, self.max_body_bytes)
+            parsed = v2.parse_infer_request(
+                body, self.program.inputs,
+                header_length=request.headers.get(v2.HEADER_LENGTH),
+                max_body_bytes=self.max_body_bytes, output_names=self.output_names)
+            try:
+                outputs = await self.infer_request(parsed)
+            except (ShapeError, InputError, ExecutionError) as exc:
+                raise v2.BadRequest(f"model {self.model_name!r}: {exc}") from None
+            body, headers = v2.build_infer_response(self.model_name, version or MODEL_VERSION,
+                                                    outputs, parsed)
+        except v2.ProtocolError:
+            self.counters["errors"] += 1
+            raise
+        except (DynvmError, ValueError, RuntimeError) as exc:
+            self.counters["errors"] += 1
+            return _error_response(f"model {self.model_name!r}: internal error: {exc}", 500)
+        media_type = headers.pop("Content-Type")
+        return Response(body, status_code=200, headers=headers, media_type=media_type)
+
+
+server_api = FastAPI(title="dynvm server")
+server_api.add_middleware(_RootWithoutSlash)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(server_api)
+class ServerFront:
+    """Server-level routes, and 404 for models that are not deployed."""
+
+    def __init__(self, model_names: Sequence[str], ready_timeout_s: float = 5.0) -> None:
+        self.model_names = list(model_names)
+        self.ready_timeout_s = ready_timeout_s
+
+    @server_api.get("/")
+    async def get_server(self) -> Response:
+        return _json_response(v2.server_metadata(dynvm.__version__))
+
+    @server_api.get("/health/live")
+    async def get_live(self) -> Response:
+        return _json_response({"live": True})
+
+    @server_api.get("/health/ready")
+    async def get_ready(self) -> Response:
+        not_ready = []
+        for name in self.model_names:
+            try:
+                handle = serve.get_app_handle(model_app_name(name))
+                ok = await asyncio.wait_for(handle.is_ready.remote(), self.ready_timeout_s)
+            except Exception:  # not deployed, unhealthy or too slow: not ready
+                ok = False
+            if not ok:
+                not_ready.append(name)
+        if not_ready:
+            return _json_response({"ready": False, "not_ready": not_ready}, status=503)
+        return _json_response({"ready": True})
+
+    @server_api.api_route("/models/{rest:path}", methods=["GET", "POST"])
+    async def unknown_model(self, rest: str) -> Response:
+        name = rest.split("/", 1)[0]
+        return _error_response(f"unknown model {name!r}; served models: "
+                               f"{', '.join(repr(n) for n in self.model_names) or 'none'}", 404)
+
+
+def serve_models(models: Mapping[str, str], *, device: str | None = "auto", jit: bool = True,
+                 max_batch_size: int = 8, batch_wait_timeout_s: float = 0.01,
+                 batching: bool | Mapping[str, bool] = True,
+                 max_body_bytes: int = v2.DEFAULT_MAX_BODY_BYTES,
+                 num_replicas: int = 1, num_cpus: float = 1.0,
+                 num_gpus: float | None = None) -> dict:
+    """Deploy one Serve application per model (route prefix /v2/models/<name>) plus the
+    server application (route prefix /v2). Serve must already be started (`serve.start`).
+
+    `num_gpus=None`: one GPU per replica when the Ray cluster has GPUs, none otherwise.
+    `batching` may be per model ({name: bool}); see Note [Request batching].
+    Returns {app name: DeploymentHandle}.
+    """
+    import ray
+
+    if num_gpus is None:
+        num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+    targets = []
+    for name, path in models.items():
+        check_model_name(name)
+        batch_on = batching.get(name, True) if isinstance(batching, Mapping) else batching
+        app = ModelReplica.options(
+            name=f"ModelReplica-{name}",
+            num_replicas=num_replicas,
+            max_ongoing_requests=max(256, 4 * max_batch_size),
+            ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+        ).bind(name, str(path), device, jit, max_batch_size, batch_wait_timeout_s,
+               bool(batch_on), max_body_bytes)
+        targets.append(RunTarget(app, name=model_app_name(name),
+                                 route_prefix=f"/v2/models/{name}"))
+    targets.append(RunTarget(ServerFront.bind(list(models)), name=SERVER_APP,
+                             route_prefix="/v2"))
+    # All applications deploy at once (in parallel); returns when all are running.
+    handles = serve.run_many(targets)
+    return {target.name: handle for target, handle in zip(targets, handles, strict=True)}
