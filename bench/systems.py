@@ -1,0 +1,211 @@
+"""The systems compared by `python -m bench`: one small class each, with a uniform
+`__call__(*inputs)` and compile accounting.
+
+Note [Counting compiles]
+Every system reports `setup_seconds` (work done before the first call: dynvm's
+torch.export lowering) and a list of `compile_events` (call index, seconds):
+- TorchScript: a call whose shape has not been traced yet traces it (torch.jit.trace);
+  the event's seconds are the whole of that call (trace + first run).
+- torch.compile: a call during which Dynamo's `counters["stats"]["unique_graphs"]` grew
+  compiled (first compile or recompile); its seconds are the whole of that call, so
+  Dynamo tracing, Inductor codegen and the C++ build all count. Dynamo is reset and
+  Inductor gets a fresh TORCHINDUCTOR_CACHE_DIR with the FX-graph and autotune caches
+  off before each torch.compile system, so no system reuses another's work.
+- dynvm JIT: compiles run on a background thread and never block a call; the count and
+  seconds are the JIT's own (`Runtime.stats()["compiles"/"compile_seconds"]`).
+- eager and the dynvm interpreter never compile.
+Total compile seconds = setup_seconds + the compile seconds above.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import warnings
+
+import torch
+
+import dynvm
+from bench.workloads import shape_key
+from dynvm.models import DemoModel
+
+SYSTEMS = ["eager", "torchscript", "compile-static", "compile-dynamic", "compile-auto",
+           "dynvm-interp", "dynvm-jit"]
+LABELS = {
+    "eager": "eager PyTorch",
+    "torchscript": "TorchScript (trace per shape)",
+    "compile-static": "torch.compile(dynamic=False)",
+    "compile-dynamic": "torch.compile(dynamic=True)",
+    "compile-auto": "torch.compile (default)",
+    "dynvm-interp": "dynvm interpreter",
+    "dynvm-jit": "dynvm JIT",
+}
+
+
+class System:
+    name = "system"
+    interleaved = True
+    """False: Dynamo's code cache is process-wide, so the system runs alone, in its
+    own pass over the same input sequence, after a reset."""
+
+    def __init__(self, demo: DemoModel) -> None:
+        self.demo = demo
+        self.setup_seconds = 0.0
+        self.compile_events: list[tuple[int, float]] = []
+        self.warnings: list[str] = []
+        self.calls = 0
+
+    def _run(self, inputs):
+        raise NotImplementedError
+
+    def __call__(self, *inputs):
+        start = time.perf_counter()
+        out = self._run(inputs)
+        elapsed = time.perf_counter() - start
+        self.calls += 1
+        return out, elapsed
+
+    def compiles(self) -> tuple[int, float]:
+        return len(self.compile_events), sum(s for _, s in self.compile_events)
+
+    def counted_callable(self):
+        """What the allocation count runs (a plain callable on the inputs)."""
+        return lambda *inputs: self._run(inputs)
+
+    def extra(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class Eager(System):
+    name = "eager"
+
+    def _run(self, inputs):
+        with torch.inference_mode():
+            return self.demo.module(*inputs)
+
+
+class TorchScript(System):
+    name = "torchscript"
+
+    def __init__(self, demo: DemoModel) -> None:
+        super().__init__(demo)
+        self.traced: dict = {}
+
+    def _run(self, inputs):
+        key = shape_key(inputs)
+        fn = self.traced.get(key)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if fn is None:
+                start = time.perf_counter()
+                with torch.no_grad():
+                    fn = torch.jit.trace(self.demo.module, inputs, check_trace=False)
+                    out = fn(*inputs)
+                self.traced[key] = fn
+                self.compile_events.append((self.calls, time.perf_counter() - start))
+            else:
+                with torch.no_grad():
+                    out = fn(*inputs)
+        for w in caught:
+            text = f"{w.category.__name__}: {str(w.message).splitlines()[0][:200]}"
+            if text not in self.warnings:
+                self.warnings.append(text)
+        return out
+
+
+def _dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+class TorchCompile(System):
+    interleaved = False
+
+    def __init__(self, demo: DemoModel, name: str, dynamic: bool | None) -> None:
+        super().__init__(demo)
+        self.name = name
+        torch._dynamo.reset()
+        import torch._inductor.config as inductor_config
+        self._cache_dir = tempfile.TemporaryDirectory(prefix=f"bench-{name}-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = self._cache_dir.name
+        inductor_config.fx_graph_cache = False
+        inductor_config.autotune_local_cache = False
+        self.fn = torch.compile(demo.module, dynamic=dynamic)
+        self._graphs_before = _dynamo_graphs()
+        self.recompile_limit = torch._dynamo.config.recompile_limit
+
+    def _run(self, inputs):
+        with torch.inference_mode():
+            return self.fn(*inputs)
+
+    def __call__(self, *inputs):
+        before = _dynamo_graphs()
+        out, elapsed = super().__call__(*inputs)
+        if _dynamo_graphs() > before:
+            self.compile_events.append((self.calls - 1, elapsed))
+        return out, elapsed
+
+    def extra(self) -> dict:
+        # Past recompile_limit graphs for one frame, Dynamo stops compiling that frame
+        # and runs it eagerly: the latency columns then show eager speed.
+        return {"dynamo_graphs": _dynamo_graphs() - self._graphs_before,
+                "recompile_limit": self.recompile_limit}
+
+    def close(self) -> None:
+        torch._dynamo.reset()
+        self._cache_dir.cleanup()
+
+
+class Dynvm(System):
+    def __init__(self, demo: DemoModel, name: str, jit: bool) -> None:
+        super().__init__(demo)
+        self.name = name
+        start = time.perf_counter()
+        program = dynvm.compile(demo.module, demo.example_inputs, demo.dynamic_shapes,
+                                name=demo.name)
+        self.setup_seconds = time.perf_counter() - start
+        self.runtime = dynvm.Runtime(program, jit=jit)
+
+    def _run(self, inputs):
+        return self.runtime(*inputs)
+
+    def compiles(self) -> tuple[int, float]:
+        stats = self.runtime.stats()
+        if not stats["jit"]:
+            return 0, 0.0
+        return stats["compiles"], stats["compile_seconds"]
+
+    def counted_callable(self):
+        return None  # measured with Runtime.measure_allocations instead
+
+    def extra(self) -> dict:
+        stats = self.runtime.stats()
+        keep = ("compiles", "family_compiles", "compile_seconds", "compile_failures",
+                "specialized_region_calls", "interpreted_region_calls", "guard_failures",
+                "deopts", "evictions", "dropped_tasks")
+        return {k: stats[k] for k in keep if k in stats}
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+def make(name: str, demo: DemoModel) -> System:
+    if name == "eager":
+        return Eager(demo)
+    if name == "torchscript":
+        return TorchScript(demo)
+    if name == "compile-static":
+        return TorchCompile(demo, name, dynamic=False)
+    if name == "compile-dynamic":
+        return TorchCompile(demo, name, dynamic=True)
+    if name == "compile-auto":
+        return TorchCompile(demo, name, dynamic=None)
+    if name == "dynvm-interp":
+        return Dynvm(demo, name, jit=False)
+    if name == "dynvm-jit":
+        return Dynvm(demo, name, jit=True)
+    raise KeyError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")

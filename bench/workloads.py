@@ -1,0 +1,108 @@
+"""The side-by-side suite's workloads: a demo model from dynvm.models plus one fixed input
+sequence that every system replays, call by call."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from bench._timing import random_walk
+from dynvm.models import DemoModel, get, transformer
+
+WALK_BATCHES = [1, 4, 16, 64]
+SEQ = 32
+HIDDEN = 256
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One benchmark workload, with its input sequence already drawn."""
+
+    name: str
+    description: str
+    demo: DemoModel
+    inputs: list[tuple[torch.Tensor, ...]]
+    buckets: list[str]
+    """Shape bucket of each call (the per-bucket table groups calls by it)."""
+    bucket_order: list[str]
+    warmup: int
+    """Calls excluded from every steady-state figure."""
+
+
+@dataclass(frozen=True)
+class Size:
+    calls: int
+    warmup: int
+
+
+# Full and --quick sizes per workload (the issue fixes walk at 500 calls, 50 warm-up).
+SIZES = {
+    "walk": (Size(500, 50), Size(120, 20)),
+    "jitter": (Size(200, 40), Size(60, 15)),
+    "nlp": (Size(200, 40), Size(60, 15)),
+    "gnn": (Size(300, 60), Size(80, 20)),
+    "loop": (Size(300, 60), Size(80, 20)),
+}
+NAMES = list(SIZES)
+
+
+def shape_key(inputs: tuple[torch.Tensor, ...]) -> tuple:
+    return tuple(tuple(t.shape) for t in inputs)
+
+
+def _bin(value: int, edges: list[int]) -> str:
+    low = 1
+    for edge in edges:
+        if value <= edge:
+            return f"{low}-{edge}" if low != edge else str(edge)
+        low = edge + 1
+    return f">{edges[-1]}"
+
+
+def _transformer_inputs(shapes: list[tuple[int, int]]) -> list[tuple[torch.Tensor, ...]]:
+    # One tensor per distinct shape, reused: the benchmark measures the model, not randn.
+    gen = torch.Generator().manual_seed(0)
+    cache: dict = {}
+    out = []
+    for shape in shapes:
+        if shape not in cache:
+            cache[shape] = (torch.randn(*shape, HIDDEN, generator=gen),)
+        out.append(cache[shape])
+    return out
+
+
+def build(name: str, quick: bool, seed: int, calls: int | None = None) -> Workload:
+    size = SIZES[name][1 if quick else 0]
+    n = calls or size.calls
+    warmup = min(size.warmup, n // 4) if calls else size.warmup
+    rng = random.Random(seed)
+    if name == "walk":
+        batches = random_walk(WALK_BATCHES, n, seed)
+        return Workload(name, f"6-layer Transformer (hidden 256, 8 heads), seq {SEQ}, batch on "
+                        f"a random walk over {WALK_BATCHES}", transformer(),
+                        _transformer_inputs([(b, SEQ) for b in batches]),
+                        [str(b) for b in batches], [str(b) for b in WALK_BATCHES], warmup)
+    if name == "jitter":
+        edges = [1, 4, 16, 64]
+        batches = [rng.randint(1, 64) for _ in range(n)]
+        return Workload(name, f"6-layer Transformer, batch uniform over 1..64, seq {SEQ}",
+                        transformer(), _transformer_inputs([(b, SEQ) for b in batches]),
+                        [_bin(b, edges) for b in batches], ["1", "2-4", "5-16", "17-64"], warmup)
+    if name == "nlp":
+        edges = [16, 32, 64, 128]
+        seqs = [rng.randint(8, 128) for _ in range(n)]
+        return Workload(name, "6-layer Transformer, batch 8, seq uniform over 8..128",
+                        transformer(), _transformer_inputs([(8, s) for s in seqs]),
+                        ["seq " + _bin(s, edges) for s in seqs],
+                        ["seq 1-16", "seq 17-32", "seq 33-64", "seq 65-128"], warmup)
+    if name in ("gnn", "loop"):
+        demo = get("gnn" if name == "gnn" else "looping")
+        inputs = [demo.sample_inputs(rng) for _ in range(n)]
+        edges = [50, 100, 150, 200] if name == "gnn" else [16, 64, 128, 256]
+        prefix = "nodes " if name == "gnn" else "batch "
+        buckets = [prefix + _bin(x[0].shape[0], edges) for x in inputs]
+        order = [prefix + _bin(e, edges) for e in edges]
+        return Workload(name, demo.description, demo, inputs, buckets, order, warmup)
+    raise KeyError(f"unknown workload {name!r}; known: {', '.join(NAMES)}")
