@@ -38,7 +38,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     demo = transformer()
     runtime = dynvm.Runtime(dynvm.compile(demo.module, demo.example_inputs,
-                                          demo.dynamic_shapes, name="transformer"))
+                                          demo.dynamic_shapes, name="transformer"),
+                            jit=False)
 
     def eager(x):
         with torch.inference_mode():

@@ -236,8 +236,8 @@ their declared lower bound (at least 1).""")
                        formatter_class=raw, description="""\
 Run a program once on random inputs of the given shape, with the JIT compiling at first
 sight, and print for each specialized region its guard, the specializer's rewrites
-(folded shape instructions, dropped views, fused attention, in-place reuse, packed
-weights) and the generated source.
+(folded shape instructions, dropped views, fused attention, in-place reuse, arena
+placement) and the generated source.
 
   dynvm explain transformer --shape "batch=4;seq=32"
   dynvm explain model.dvm --shape "batch=16\"""")

@@ -71,13 +71,8 @@ class JitConfig:
 
     exact_over_family_gain: float = 0.08
     """Fraction of a family kernel's time an exact specialization of one of its members
-    is expected to save (folded shapes, packed weights): the tier-2 benefit factor."""
-
-    packed_linear_max_rows: int = 256
-    """CPU backend: a LINEAR whose input has at most this many rows (all dims but the
-    last, multiplied) uses a weight pre-packed by MKL for exactly that row count (see
-    Note [Packed weights]); 0 turns it off. Each packed weight is a copy of the weight
-    per distinct row count, held while a specialization uses it."""
+    is expected to save (all shapes folded, arena planned for its exact sizes): the tier-2
+    benefit factor."""
 
     arena_budget_bytes: int = 1 << 30
     """Per-device budget of the arenas that specializations plan their intermediates in

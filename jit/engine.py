@@ -17,7 +17,6 @@ import torch
 from dynvm.arena import ArenaPool
 from dynvm.jit.artifact import Artifact, cache_key
 from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
-from dynvm.jit.backends.cpu_variants import PackedWeights
 from dynvm.jit.config import JitConfig
 from dynvm.jit.queue import CompileQueue
 from dynvm.jit.region_jit import RegionJit, Specialization
@@ -80,8 +79,7 @@ class Jit:
         self._input_registers = frozenset(range(len(program.inputs))) - written
         self.arena_pool = (ArenaPool(interpreter.device, self.config.arena_budget_bytes)
                            if self.config.arena_budget_bytes > 0 else None)
-        self._cpu_options = CpuOptions(PackedWeights(), self.config.packed_linear_max_rows,
-                                       self.arena_pool)
+        self._cpu_options = CpuOptions(self.arena_pool)
 
     def attach(self) -> None:
         for region in self.program.regions:

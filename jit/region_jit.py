@@ -17,7 +17,7 @@ further only when that pays:
   times in the window and its benefit beats a compile, the family is compiled once for
   all its members (varying dims are runtime values, Note [Probes]);
 - tier 2, the exact specialization: a signature that keeps hitting its family kernel is
-  compiled exactly (shape-specific kernels such as packed weights, all shapes folded)
+  compiled exactly (all shapes folded, its arena planned for its exact sizes)
   when its frequency x family-kernel time x `exact_over_family_gain` over the horizon
   beats a compile. The check runs every `TIER_CHECK_EVERY` family hits of a signature.
 

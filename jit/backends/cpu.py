@@ -22,12 +22,6 @@ import torch
 
 from dynvm.arena import ArenaPool
 from dynvm.jit.backends.cpu_arena import OUT_KERNELS, ArenaBinding, ArenaLayout, plan_layout
-from dynvm.jit.backends.cpu_variants import (
-    PackedWeights,
-    mkl_linear,
-    mkl_packing_available,
-    packed_linear_rows,
-)
 from dynvm.jit.inplace import INPLACE
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, Var
 from dynvm.jit.signature import GuardStrength
@@ -104,10 +98,9 @@ def emit_source(spec: SpecializedRegion, program, constants, device: torch.devic
     emitter = _Emitter()
     for line in header.splitlines():
         emitter.lines.append(f"# {line}")
-    packed = _packed_rows(spec, constants, device, options)
     if arena is None:
         emitter.lines.append(f"def {name}(regs):")
-        _emit_body(emitter, spec, program, constants, device, packed, None)
+        _emit_body(emitter, spec, program, constants, device, None)
         return "\n".join(emitter.lines) + "\n", emitter.bindings
     binding = emitter.bind("arena", arena)
     emitter.lines.append(f"def {name}(regs):")
@@ -120,31 +113,16 @@ def emit_source(spec: SpecializedRegion, program, constants, device: torch.devic
     emitter.line(f"{binding}.release(lease)", 2)
     emitter.lines.append("")
     emitter.lines.append(f"def {name}_arena(regs, A):")
-    _emit_body(emitter, spec, program, constants, device, packed, arena.layout)
+    _emit_body(emitter, spec, program, constants, device, arena.layout)
     emitter.lines.append("")
     emitter.lines.append(f"def {name}_plain(regs):")
-    _emit_body(emitter, spec, program, constants, device, packed, None)
+    _emit_body(emitter, spec, program, constants, device, None)
     return "\n".join(emitter.lines) + "\n", emitter.bindings
-
-
-def _packed_rows(spec, constants, device, options) -> dict[int, tuple[int, torch.Tensor]]:
-    """Op position -> (row count, packed weight), for the LINEARs that use a packed
-    weight (Note [Packed weights])."""
-    if not (spec.assumes_shapes and options.packed and mkl_packing_available(device)):
-        return {}
-    found = {}
-    for position, op in enumerate(spec.ops):
-        rows = packed_linear_rows(op, spec.abstract, constants, options.packed_max_rows)
-        if rows is not None:
-            index = op.args[1].index
-            found[position] = rows, options.packed.get(index, constants[index], rows)
-    return found
 
 
 def plan_arena_layout(spec: SpecializedRegion, constants, device, options):
     """Note [Arena layout]: which results of `spec` go to the arena, and where."""
     leaving = {v.reg for _, v in spec.outputs if isinstance(v, Var)}
-    skip = set(_packed_rows(spec, constants, device, options))
     meta_constants: dict[int, torch.Tensor] = {}
 
     def operand_values(op, probe):
@@ -164,10 +142,10 @@ def plan_arena_layout(spec: SpecializedRegion, constants, device, options):
             return None
         return values
 
-    return plan_layout(list(spec.ops), spec.abstract, operand_values, leaving, skip)
+    return plan_layout(list(spec.ops), spec.abstract, operand_values, leaving)
 
 
-def _emit_body(emitter, spec, program, constants, device, packed: dict,
+def _emit_body(emitter, spec, program, constants, device,
                layout: ArenaLayout | None) -> None:
     for reg in spec.live_in:
         emitter.line(f"v{reg} = regs[{reg}]")
@@ -175,13 +153,7 @@ def _emit_body(emitter, spec, program, constants, device, packed: dict,
         emitter.line(f"# {program.code[op.source_pc]}")
         args = [_value(a, emitter, constants) for a in _device_args(op.args, device)]
         comment = ""
-        if position in packed:
-            rows, weight = packed[position]
-            fn = emitter.bind("mkl_linear", mkl_linear)
-            handle = emitter.bind("packed", weight)
-            args = [args[0], handle, args[1], args[2], str(rows)]
-            comment = f"  # weight packed for {rows} rows"
-        elif layout is not None and position in layout.outs:
+        if layout is not None and position in layout.outs:
             fn = emitter.bind(op.opcode + "_out", OUT_KERNELS[op.opcode].fn)
             args += [f"A[{k}]" for k in layout.outs[position]]
             comment = "  # into the arena"
@@ -226,13 +198,10 @@ def _device_args(args, device: torch.device):
 class CpuOptions:
     """Backend options (part of the cache key through `as_key`)."""
 
-    packed: PackedWeights | None = None   # None: no packed weights
-    packed_max_rows: int = 0
     arena_pool: ArenaPool | None = None    # None: no arenas
 
     def as_key(self) -> dict:
-        return {"packed_max_rows": self.packed_max_rows if self.packed else 0,
-                "arena": self.arena_pool is not None}
+        return {"arena": self.arena_pool is not None}
 
 
 def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.device,

@@ -11,7 +11,7 @@ allocator for each of them. Which results go to the arena:
 - never a region output, nor anything a region output views: the caller keeps outputs
   after the call, and the arena is handed to the next call (DESIGN.md, Invariants);
 - not an operation rewritten in place (it writes into its operand's storage already) or
-  to a kernel without `out=` (SDPA, MKL-packed linear): those allocate as before. SDPA
+  to a kernel without `out=` (SDPA): those allocate as before. SDPA
   was tried in its math form with out= buffers: its strided q/k/v views made matmul
   copy them, which allocated more than the fused kernel does.
 - nothing at all in a specialization with a weak guard (Note [Guard strength]): the
@@ -141,12 +141,11 @@ class ArenaLayout:
     notes: tuple[str, ...]
 
 
-def plan_layout(ops: list[SpecOp], probes: tuple, operand_values, leaving: set[int],
-                skip: set[int]) -> ArenaLayout | None:
+def plan_layout(ops: list[SpecOp], probes: tuple, operand_values,
+                leaving: set[int]) -> ArenaLayout | None:
     """Blocks and offsets for the ops that can write into an arena, or None if none can.
 
-    `operand_values(op, probe)` gives an op's abstract operands at a probe; `skip` are op
-    positions the backend runs another way (packed weights)."""
+    `operand_values(op, probe)` gives an op's abstract operands at a probe."""
     roots, _ = storage_roots(ops)
     last_use = last_use_of_roots(ops, roots)
     escaping = {roots.get(reg, reg) for reg in leaving}
@@ -156,7 +155,7 @@ def plan_layout(ops: list[SpecOp], probes: tuple, operand_values, leaving: set[i
     notes: list[str] = []
     for position, op in enumerate(ops):
         kernel = OUT_KERNELS.get(op.opcode)
-        if kernel is None or op.variant or position in skip or len(op.dsts) != 1:
+        if kernel is None or op.variant or len(op.dsts) != 1:
             continue
         dst = op.dsts[0]
         if dst in escaping:

@@ -1,7 +1,6 @@
 """The specializer and the CPU backend on real programs: shape instructions folded, no-op
 views dropped, hand-written attention fused into SDPA, dying buffers reused in place only
-where that is safe (Note [In-place reuse]), readable generated source, MKL-packed
-weights for small row counts (Note [Packed weights]).
+where that is safe (Note [In-place reuse]), readable generated source.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from torch import nn
 from torch.export import Dim
 
 import dynvm
-from dynvm.jit.backends.cpu_variants import mkl_packing_available
 from dynvm.jit.ir import Literal, Var
 from dynvm.jit.specialize import specialize
 from dynvm.vm.isa import OpClass
@@ -469,41 +467,6 @@ def test_generated_source_is_readable_python():
     assert "del " in source                      # values die where they die in eager
     assert all(len(line) < 160 for line in source.splitlines())
     assert "regs[" in source.splitlines()[-1]
-
-
-# ---------------------------------------------------------------- packed weights -------
-
-
-class SmallMLP(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            self.fc1 = nn.Linear(width, width)
-            self.fc2 = nn.Linear(width, width)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
-# Weights of PACKED_MIN_WEIGHT (256 x 256) elements and more are worth packing; narrow
-# ones are not (Note [Packed weights]).
-@pytest.mark.parametrize("width, max_rows, packed",
-                         [(256, 4096, True), (256, 0, False), (256, 2, False),
-                          (64, 4096, False)])
-def test_small_batch_linear_uses_packed_weights(width, max_rows, packed):
-    module = SmallMLP(width).eval()
-    x = torch.randn(4, width)
-    program = h.compile_module(module, (x,), ({0: batch_dim()},))
-    expected = dynvm.Runtime(program, jit=False)(x)
-    outs, _, (artifact,) = run_jit(program, (x,), packed_linear_max_rows=max_rows)
-    for out in outs:
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    if packed and not mkl_packing_available(torch.device("cpu")):
-        pytest.skip("this torch build has no MKL packed linear")
-    assert ("mkl_linear" in artifact.source) is packed, artifact.source
-    if packed:
-        assert artifact.source.count("weight packed for 4 rows") == 2
 
 
 # ---------------------------------------------------------------- copies ---------------
