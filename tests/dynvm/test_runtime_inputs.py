@@ -6,28 +6,17 @@ the frontend rejects operators it has no instruction for, naming the user's sour
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import random
-import sys
 from pathlib import Path
 
+import _programs  # tests/conftest.py puts tests/vm on sys.path
 import pytest
 import torch
 from torch.export import Dim
 
 import dynvm
 
-
-def _vm_test_helpers():
-    # The compiled demo programs are cached in tests/vm/_programs.py; share that cache.
-    folder = str(Path(__file__).resolve().parents[1] / "vm")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return importlib.import_module("_programs")
-
-
-_programs = _vm_test_helpers()
 compiled, demo = _programs.compiled, _programs.demo
 
 

@@ -7,27 +7,15 @@ Not a conftest on purpose (as tests/vm/_programs.py): import what you need.
 from __future__ import annotations
 
 import functools
-import importlib
-import sys
 import time
-from pathlib import Path
 
+import _programs  # tests/conftest.py puts tests/vm on sys.path
 import torch
 
 import dynvm
 from dynvm.jit.config import JitConfig
 from dynvm.models import transformer
 
-
-def _vm_test_helpers():
-    # The compiled demo programs are cached in tests/vm/_programs.py; share that cache.
-    folder = str(Path(__file__).resolve().parents[1] / "vm")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return importlib.import_module("_programs")
-
-
-_programs = _vm_test_helpers()
 build = _programs.build
 torch_threads = _programs.torch_threads
 

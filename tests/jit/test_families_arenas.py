@@ -13,15 +13,13 @@ planned forwards allocate far less than interpreted ones; eviction drops buffers
 
 from __future__ import annotations
 
-import importlib
 import random
 import re
-import sys
 import threading
 import time
 import warnings
-from pathlib import Path
 
+import _programs  # tests/conftest.py puts tests/vm on sys.path
 import pytest
 import torch
 from torch import nn
@@ -34,17 +32,6 @@ from dynvm.jit.config import JitConfig
 from dynvm.jit.region_jit import TIER_CHECK_EVERY
 from dynvm.jit.signature import GuardStrength
 from dynvm.models import transformer
-
-
-def _vm_test_helpers():
-    # The compiled demo programs are cached in tests/vm/_programs.py; share that cache.
-    folder = str(Path(__file__).resolve().parents[1] / "vm")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return importlib.import_module("_programs")
-
-
-_programs = _vm_test_helpers()
 
 HIDDEN, SEQ = 64, 8
 SMALL = {"layers": 2, "hidden": HIDDEN, "heads": 4, "ffn": 128}

@@ -9,8 +9,6 @@ from __future__ import annotations
 import functools
 import importlib
 import random
-import sys
-from pathlib import Path
 
 import torch
 
@@ -23,9 +21,7 @@ from dynvm.vm.opcodes import opcode
 
 
 def jit_helpers():
-    folder = str(Path(__file__).resolve().parents[1] / "jit")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
+    # tests/conftest.py puts tests/jit on sys.path.
     return importlib.import_module("_jit_helpers")
 
 

@@ -28,6 +28,7 @@ from dynvm.jit.backends.triton.plan import (
     check_launch,
     decode_plan,
     encode_plan,
+    need,
 )
 
 FORMAT = "dynvm-triton-artifact"
@@ -115,23 +116,23 @@ class TritonArtifact:
     @classmethod
     def from_bytes(cls, data: bytes) -> TritonArtifact:
         envelope = _unpack(data, "envelope")
-        if _get(envelope, "envelope", "format", str) != FORMAT:
+        if need(envelope, "envelope", "format", str) != FORMAT:
             raise ArtifactFormatError(f"envelope.format: expected {FORMAT!r}, got "
                                       f"{envelope['format']!r}")
-        version = _get(envelope, "envelope", "version", int)
+        version = need(envelope, "envelope", "version", int)
         if version != VERSION:
             raise ArtifactFormatError(f"envelope.version: this dynvm reads version {VERSION}, "
                                       f"the artifact is version {version}")
-        packed = _get(envelope, "envelope", "body", bytes)
-        digest = _get(envelope, "envelope", "sha256", str)
+        packed = need(envelope, "envelope", "body", bytes)
+        digest = need(envelope, "envelope", "sha256", str)
         if hashlib.sha256(packed).hexdigest() != digest:
             raise ArtifactFormatError("envelope.sha256: checksum mismatch (corrupt body)")
         body = _unpack(packed, "body")
-        if _get(body, "body", "backend", str) != BACKEND:
+        if need(body, "body", "backend", str) != BACKEND:
             raise ArtifactFormatError(f"body.backend: expected {BACKEND!r}, got "
                                       f"{body['backend']!r}")
-        kernels = tuple(_decode_kernel(k) for k in _get(body, "body", "kernels", list))
-        plan = decode_plan(_get(body, "body", "plan", dict))
+        kernels = tuple(_decode_kernel(k) for k in need(body, "body", "kernels", list))
+        plan = decode_plan(need(body, "body", "plan", dict))
         by_name = {k.name: k for k in kernels}
         names = set(by_name)
         missing = {s.kernel for s in plan.kernels()} - names
@@ -141,11 +142,11 @@ class TritonArtifact:
         for step in plan.kernels():
             kernel = by_name[step.kernel]
             check_launch(step, kernel.arg_names, kernel.constexprs)
-        groups = _get(body, "body", "groups", list)
+        groups = need(body, "body", "groups", list)
         if not all(isinstance(g, dict) for g in groups):
             raise ArtifactFormatError("body.groups: expected a list of maps")
         binaries = {}
-        for target, per in _get(body, "body", "binaries", dict).items():
+        for target, per in need(body, "body", "binaries", dict).items():
             if not isinstance(target, str) or not isinstance(per, dict):
                 raise ArtifactFormatError(f"body.binaries: malformed entry for {target!r}")
             binaries[target] = {name: _decode_binary(b, f"binaries[{target}][{name}]")
@@ -155,17 +156,17 @@ class TritonArtifact:
                 raise ArtifactFormatError(f"body.binaries[{target}]: binaries for unknown "
                                           f"kernels {sorted(unknown)}")
         return cls(
-            key=_get(body, "body", "key", str),
-            program_hash=_get(body, "body", "program_hash", str),
-            region_index=_get(body, "body", "region_index", int),
-            family_key=_get(body, "body", "family_key", str),
-            targets=tuple(_strings(_get(body, "body", "targets", list), "body.targets")),
-            toolchain=_get(body, "body", "toolchain", dict),
-            options=_get(body, "body", "options", dict),
+            key=need(body, "body", "key", str),
+            program_hash=need(body, "body", "program_hash", str),
+            region_index=need(body, "body", "region_index", int),
+            family_key=need(body, "body", "family_key", str),
+            targets=tuple(_strings(need(body, "body", "targets", list), "body.targets")),
+            toolchain=need(body, "body", "toolchain", dict),
+            options=need(body, "body", "options", dict),
             kernels=kernels, plan=plan,
             groups=tuple(groups),
             binaries=binaries,
-            notes=tuple(_strings(_get(body, "body", "notes", list), "body.notes")))
+            notes=tuple(_strings(need(body, "body", "notes", list), "body.notes")))
 
 
 def build_artifact(code: RegionCode, *, program_hash: str, family_key: str,
@@ -203,21 +204,21 @@ def _encode_kernel(k: GeneratedKernel) -> dict:
 
 def _decode_kernel(data) -> GeneratedKernel:
     where = "kernel"
-    name = _get(data, where, "name", str)
+    name = need(data, where, "name", str)
     where = f"kernel {name}"
-    signature = _get(data, where, "signature", dict)
-    arg_names = tuple(_strings(_get(data, where, "arg_names", list), f"{where}.arg_names"))
+    signature = need(data, where, "signature", dict)
+    arg_names = tuple(_strings(need(data, where, "arg_names", list), f"{where}.arg_names"))
     if list(signature) != list(arg_names) or not all(
             isinstance(t, str) for t in signature.values()):
         raise ArtifactFormatError(f"{where}.signature: does not match arg_names")
-    constexprs = _get(data, where, "constexprs", dict)
+    constexprs = need(data, where, "constexprs", dict)
     if not all(isinstance(v, int) and signature.get(k) == "constexpr"
                for k, v in constexprs.items()):
         raise ArtifactFormatError(f"{where}.constexprs: not ints of constexpr parameters")
-    return GeneratedKernel(name, _get(data, where, "kind", str),
-                           _get(data, where, "source", str), arg_names, signature,
-                           constexprs, _get(data, where, "num_warps", int),
-                           _get(data, where, "num_stages", int))
+    return GeneratedKernel(name, need(data, where, "kind", str),
+                           need(data, where, "source", str), arg_names, signature,
+                           constexprs, need(data, where, "num_warps", int),
+                           need(data, where, "num_stages", int))
 
 
 def _encode_binary(b: CompiledBinary) -> dict:
@@ -230,12 +231,12 @@ def _encode_binary(b: CompiledBinary) -> dict:
 
 def _decode_binary(data, where: str) -> CompiledBinary:
     return CompiledBinary(
-        _get(data, where, "kernel", str), _get(data, where, "target", str),
-        _get(data, where, "entry", str), _get(data, where, "binary_ext", str),
-        _get(data, where, "binary", bytes), _get(data, where, "ptx", str),
-        _get(data, where, "metadata_json", str), _get(data, where, "num_warps", int),
-        _get(data, where, "num_stages", int), _get(data, where, "shared", int),
-        _get(data, where, "triton_hash", str), _get(data, where, "compile_seconds", float))
+        need(data, where, "kernel", str), need(data, where, "target", str),
+        need(data, where, "entry", str), need(data, where, "binary_ext", str),
+        need(data, where, "binary", bytes), need(data, where, "ptx", str),
+        need(data, where, "metadata_json", str), need(data, where, "num_warps", int),
+        need(data, where, "num_stages", int), need(data, where, "shared", int),
+        need(data, where, "triton_hash", str), need(data, where, "compile_seconds", float))
 
 
 def _unpack(data, where: str) -> dict:
@@ -248,18 +249,6 @@ def _unpack(data, where: str) -> dict:
             from exc
     if not isinstance(value, dict):
         raise ArtifactFormatError(f"{where}: expected a map, got {type(value).__name__}")
-    return value
-
-
-def _get(data, where: str, name: str, kind: type):
-    if not isinstance(data, dict):
-        raise ArtifactFormatError(f"{where}: expected a map, got {type(data).__name__}")
-    if name not in data:
-        raise ArtifactFormatError(f"{where}: missing field {name!r}")
-    value = data[name]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ArtifactFormatError(f"{where}.{name}: expected {kind.__name__}, got "
-                                  f"{type(value).__name__}")
     return value
 
 

@@ -211,15 +211,15 @@ def decode_plan(data) -> RegionPlan:
     """The plan in `data` (from `encode_plan`), validated; ArtifactFormatError names the
     first field that is missing or of the wrong type."""
     try:
-        steps = tuple(_decode_step(s) for s in _field(data, "plan", "steps", list))
+        steps = tuple(_decode_step(s) for s in need(data, "plan", "steps", list))
         plan = RegionPlan(
-            _field(data, "plan", "region_index", int),
-            tuple(_ints(_field(data, "plan", "live_in", list), "plan.live_in")),
+            need(data, "plan", "region_index", int),
+            tuple(_ints(need(data, "plan", "live_in", list), "plan.live_in")),
             steps,
             tuple((int(reg), decode_value(v)) for reg, v in
-                  _field(data, "plan", "outputs", list)),
-            tuple(_ints(_field(data, "plan", "dead_live_ins", list), "plan.dead_live_ins")),
-            tuple(tuple(_ints(f, "plan.frees")) for f in _field(data, "plan", "frees", list)))
+                  need(data, "plan", "outputs", list)),
+            tuple(_ints(need(data, "plan", "dead_live_ins", list), "plan.dead_live_ins")),
+            tuple(tuple(_ints(f, "plan.frees")) for f in need(data, "plan", "frees", list)))
     except (TypeError, ValueError) as exc:
         raise ArtifactFormatError(f"plan: malformed ({exc})") from exc
     if len(plan.frees) != len(plan.steps):
@@ -262,39 +262,40 @@ def check_launch(step: KernelLaunch, arg_names, constexprs: dict) -> None:
 
 
 def _decode_step(data) -> KernelLaunch | TorchCall:
-    kind = _field(data, "plan step", "step", str)
+    kind = need(data, "plan step", "step", str)
     if kind == "torch":
-        return TorchCall(_field(data, "torch step", "opcode", str),
-                         tuple(_ints(_field(data, "torch step", "dsts", list), "dsts")),
-                         tuple(decode_value(a) for a in _field(data, "torch step", "args", list)),
-                         _field(data, "torch step", "source_pc", int),
-                         _field(data, "torch step", "reason", str))
+        return TorchCall(need(data, "torch step", "opcode", str),
+                         tuple(_ints(need(data, "torch step", "dsts", list), "dsts")),
+                         tuple(decode_value(a) for a in need(data, "torch step", "args", list)),
+                         need(data, "torch step", "source_pc", int),
+                         need(data, "torch step", "reason", str))
     if kind != "kernel":
         raise ArtifactFormatError(f"plan step: unknown step kind {kind!r}")
     where = "kernel step"
     dims = []
-    for entry in _field(data, where, "dims", list):
+    for entry in need(data, where, "dims", list):
         name, rule, static, in_kernel = entry
         if not isinstance(name, str) or not isinstance(rule, list) or not (
                 static is None or isinstance(static, int)):
             raise ArtifactFormatError(f"{where}.dims: malformed entry {entry!r}")
         dims.append(Dim(name, tuple(rule), static, bool(in_kernel)))
-    kind_name = _field(data, where, "kind", str)
+    kind_name = need(data, where, "kind", str)
     if kind_name not in (ELEMENTWISE, ROW, MATMUL):
         raise ArtifactFormatError(f"{where}.kind: unknown kernel kind {kind_name!r}")
     return KernelLaunch(
-        _field(data, where, "kernel", str), kind_name,
-        tuple(decode_value(v) for v in _field(data, where, "inputs", list)),
-        tuple(_ints(_field(data, where, "full_inputs", list), "full_inputs")),
-        tuple(_ints(_field(data, where, "stores", list), "stores")),
+        need(data, where, "kernel", str), kind_name,
+        tuple(decode_value(v) for v in need(data, where, "inputs", list)),
+        tuple(_ints(need(data, where, "full_inputs", list), "full_inputs")),
+        tuple(_ints(need(data, where, "stores", list), "stores")),
         tuple(dims),
-        tuple((str(n), int(s)) for n, s in _field(data, where, "blocks", list)),
-        _field(data, where, "num_warps", int), _field(data, where, "num_stages", int),
-        tuple(str(o) for o in _field(data, where, "opcodes", list)),
-        tuple(_ints(_field(data, where, "source_pcs", list), "source_pcs")))
+        tuple((str(n), int(s)) for n, s in need(data, where, "blocks", list)),
+        need(data, where, "num_warps", int), need(data, where, "num_stages", int),
+        tuple(str(o) for o in need(data, where, "opcodes", list)),
+        tuple(_ints(need(data, where, "source_pcs", list), "source_pcs")))
 
 
-def _field(data, where: str, name: str, kind: type):
+def need(data, where: str, name: str, kind: type):
+    """`data[name]`, checked to be a `kind`; ArtifactFormatError names the field."""
     if not isinstance(data, dict):
         raise ArtifactFormatError(f"{where}: expected a map, got {type(data).__name__}")
     if name not in data:
