@@ -75,11 +75,12 @@ class Runtime:
         return count
 
     def stats(self) -> dict:
-        """Counters since the runtime was made (JIT counters too when it is on)."""
+        """Counters since the runtime was made (JIT counters too when it is on; the JIT's
+        per-region figures are under "regions", keyed by region index)."""
         stats = {
             "calls": self._calls,
             "instructions_executed": self.interpreter.instructions_executed,
-            "regions": len(self.program.regions),
+            "region_count": len(self.program.regions),
             "instructions": len(self.program.code),
             "device": str(self.device),
             "jit": self.jit is not None,

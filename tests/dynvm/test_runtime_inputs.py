@@ -189,7 +189,7 @@ def test_jit_false_runs_the_pure_interpreter_and_counts():
     runtime = dynvm.Runtime(program, jit=False)
     stats = runtime.stats()
     assert stats["calls"] == 0 and stats["instructions_executed"] == 0
-    assert stats["regions"] == len(program.regions)
+    assert stats["region_count"] == len(program.regions)
     assert stats["instructions"] == len(program.code)
     assert stats["device"] == "cpu"
     dm = demo("branchy")
