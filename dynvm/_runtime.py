@@ -10,6 +10,7 @@ from torch.utils import _pytree as pytree
 from dynvm.arena import count_allocations
 from dynvm.jit.config import JitConfig
 from dynvm.jit.engine import Jit
+from dynvm.telemetry import Telemetry
 from dynvm.vm.errors import InputError, ShapeError
 from dynvm.vm.interpreter import Interpreter
 
@@ -22,16 +23,21 @@ class Runtime:
     default) or a `JitConfig` attaches the JIT tier through the VM's region cache slots
     (`dynvm.vm.slots`); `jit=False` always runs the pure interpreter. Calls may come
     from several threads at once.
+
+    `telemetry` (a `dynvm.telemetry.Telemetry`) traces each call, promotion, compile and
+    guard failure (Note [Trace shape]); None or a disabled one: no tracing work at all.
     """
 
     def __init__(self, program, device: str | torch.device = "cpu",
-                 jit: bool | JitConfig = True) -> None:
+                 jit: bool | JitConfig = True, telemetry: Telemetry | None = None) -> None:
         self.program = program
         self.interpreter = Interpreter(program, device)
         self.device = self.interpreter.device
+        self.telemetry = telemetry if telemetry is not None and telemetry.enabled else None
         self.jit: Jit | None = None
         if jit is True or isinstance(jit, JitConfig):
-            self.jit = Jit(program, self.interpreter, jit if jit is not True else None)
+            self.jit = Jit(program, self.interpreter, jit if jit is not True else None,
+                           self.telemetry)
             self.jit.attach()
         elif jit not in (False, None):
             raise TypeError(f"jit must be True, False or a JitConfig, got {jit!r}")
@@ -44,6 +50,17 @@ class Runtime:
         self._last_allocations: int | None = None
 
     def __call__(self, *inputs):
+        if self.telemetry is None:
+            return self._call(inputs)
+        with self.telemetry.tracer.start_as_current_span(
+                "dynvm.call", attributes={"dynvm.program": self.program.name}) as span:
+            outputs = self._call(inputs)
+            span.set_attribute("dynvm.input_shapes", [
+                str(tuple(t.shape)) for t in pytree.tree_leaves(inputs)
+                if isinstance(t, torch.Tensor)])
+            return outputs
+
+    def _call(self, inputs: tuple):
         flat = inputs if self._flat_inputs else self._flatten(inputs)
         if len(flat) != self._n_inputs:
             names = ", ".join(spec.name for spec in self.program.inputs)
@@ -88,6 +105,8 @@ class Runtime:
         }
         if self.jit is not None:
             stats.update(self.jit.stats())
+            if self.jit.event_limiter is not None:
+                stats["telemetry_events_dropped"] = self.jit.event_limiter.dropped
         return stats
 
     def close(self) -> None:

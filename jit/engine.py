@@ -13,6 +13,7 @@ import threading
 import time
 
 import torch
+from opentelemetry import trace
 
 from dynvm.arena import ArenaPool
 from dynvm.jit.artifact import Artifact, cache_key
@@ -55,10 +56,14 @@ def abstract_live_ins(live_in: tuple[int, ...], signature: tuple) -> dict[int, o
 
 
 class Jit:
-    def __init__(self, program, interpreter, config: JitConfig | None = None) -> None:
+    def __init__(self, program, interpreter, config: JitConfig | None = None,
+                 telemetry=None) -> None:
         self.program = program
         self.interpreter = interpreter
         self.config = config or JitConfig()
+        # Note [Trace shape] in dynvm.telemetry; None: no tracing work at all.
+        self.telemetry = telemetry if telemetry is not None and telemetry.enabled else None
+        self.event_limiter = self.telemetry.event_limiter() if self.telemetry else None
         self.queue = CompileQueue(self.config.compile_threads, self.config.max_queue_length,
                                   self.config.sync)
         self.regions: dict[int, RegionJit] = {}
@@ -114,9 +119,18 @@ class Jit:
         if isinstance(target, Family):
             target = self.clip_to_declared(region_jit, target)
         key = self.key_for(region_jit, target)
+        if self.telemetry is None:
+            future = self.queue.submit(key, decision.benefit_seconds,
+                                       lambda: self._compile(region_jit, target, key))
+            future.add_done_callback(lambda f: self._finished(region_jit, target, f))
+            return
+        # Captured here, on the promoting call's thread: the compile and install spans
+        # are its children wherever they run (Note [Trace shape]).
+        parent = self._promote_span(region_jit, target, key, decision)
         future = self.queue.submit(key, decision.benefit_seconds,
-                                   lambda: self._compile(region_jit, target, key))
-        future.add_done_callback(lambda f: self._finished(region_jit, target, f))
+                                   lambda: self._traced_compile(region_jit, target, key,
+                                                                parent))
+        future.add_done_callback(lambda f: self._finished(region_jit, target, f, parent))
 
     def clip_to_declared(self, region_jit: RegionJit, family: Family) -> Family:
         """A family's buckets cut to the program's declared dim ranges where its live-ins
@@ -163,13 +177,15 @@ class Jit:
                 self.family_compiles += 1
         return Specialization(signature, strength, kernel.fn, artifact, family)
 
-    def _finished(self, region_jit: RegionJit, target, future) -> None:
+    def _finished(self, region_jit: RegionJit, target, future, parent=None) -> None:
         if future.cancelled():
             region_jit.forget_pending(target)
             return
         error = future.exception()
         if error is None:
             region_jit.install(future.result())
+            if parent is not None:
+                self._install_span(region_jit, future.result(), parent)
             return
         with self._lock:
             self.compile_failures += 1
@@ -178,11 +194,70 @@ class Jit:
             self._log(f"compile of region {region_jit.region.index} failed: "
                       f"{type(error).__name__}: {error}")
 
+    # -- tracing (only with telemetry enabled) ------------------------------------------
+
+    def _target_attributes(self, region_jit: RegionJit, target, key: str) -> dict:
+        family = target.key if isinstance(target, Family) else None
+        return {"dynvm.program": self.program.name,
+                "dynvm.program_hash": self.program.content_hash[:12],
+                "dynvm.region": region_jit.region.index,
+                "dynvm.specializes": family or describe(target),
+                "dynvm.family_key": family or "",
+                "dynvm.cache_key": key}
+
+    def _promote_span(self, region_jit: RegionJit, target, key: str, decision):
+        attributes = self._target_attributes(region_jit, target, key)
+        attributes.update({"dynvm.recurrence": decision.recurrence,
+                           "dynvm.threshold": decision.threshold,
+                           "dynvm.benefit_seconds": decision.benefit_seconds,
+                           "dynvm.cost_seconds": decision.cost_seconds,
+                           "dynvm.reason": decision.reason})
+        span = self.telemetry.tracer.start_span("dynvm.promote", attributes=attributes)
+        span.end()
+        return trace.set_span_in_context(span)
+
+    def _traced_compile(self, region_jit: RegionJit, target, key: str,
+                        parent) -> Specialization:
+        attributes = self._target_attributes(region_jit, target, key)
+        attributes.update({"dynvm.backend": BACKEND,
+                           "dynvm.target": str(self.interpreter.device),
+                           "dynvm.thread": threading.current_thread().name})
+        with self.telemetry.tracer.start_as_current_span(
+                "dynvm.compile", context=parent, attributes=attributes) as span:
+            spec = self._compile(region_jit, target, key)
+            artifact = spec.artifact
+            span.set_attributes({"dynvm.duration_seconds": artifact.compile_seconds,
+                                 "dynvm.kernel": artifact.kernel_name,
+                                 "dynvm.kernel_count": 1,
+                                 "dynvm.source_bytes": len(artifact.source.encode()),
+                                 "dynvm.guard_strength": spec.strength.value})
+            return spec
+
+    def _install_span(self, region_jit: RegionJit, spec: Specialization, parent) -> None:
+        span = self.telemetry.tracer.start_span(
+            "dynvm.install", context=parent,
+            attributes={"dynvm.region": region_jit.region.index,
+                        "dynvm.kernel": spec.artifact.kernel_name,
+                        "dynvm.guard_strength": spec.strength.value,
+                        "dynvm.thread": threading.current_thread().name})
+        span.end()
+
+    def _span_event(self, name: str, attributes: dict) -> None:
+        """An event on the current (call) span, within the runtime's rate limit."""
+        span = trace.get_current_span()
+        if span.is_recording() and self.event_limiter.allow():
+            span.add_event(name, attributes)
+
     # -- diagnostics -------------------------------------------------------------------
 
     def on_guard_failure(self, region_jit: RegionJit, explanation: str | None) -> None:
         if explanation:
             self._log(f"region {region_jit.region.index} guard failed: {explanation}")
+            if self.telemetry is not None:
+                self._span_event("dynvm.guard_failure", {
+                    "dynvm.region": region_jit.region.index,
+                    "dynvm.first_failing_check": explanation,
+                    "dynvm.sample_rate": self.config.guard_failure_sample_rate})
 
     def on_evict(self, region_jit: RegionJit, spec: Specialization) -> None:
         """A specialization left its region's cache (LRU): release its arenas."""
@@ -192,6 +267,11 @@ class Jit:
     def on_deopt(self, region_jit: RegionJit, spec: Specialization, error: Exception) -> None:
         self._log(f"region {region_jit.region.index} deopt from {spec.artifact.kernel_name}: "
                   f"{type(error).__name__}: {error}")
+        if self.telemetry is not None:
+            self._span_event("dynvm.deopt", {
+                "dynvm.region": region_jit.region.index,
+                "dynvm.kernel": spec.artifact.kernel_name,
+                "dynvm.error": f"{type(error).__name__}: {error}"})
 
     def _log(self, line: str) -> None:
         log = self.event_log
