@@ -116,13 +116,16 @@ class Jit:
 
     def promote(self, region_jit: RegionJit, target, decision) -> None:
         """Queue the compile of a signature (exact) or a Family (family kernel)."""
+        # The region marked the target pending under the key it observed; clipping may
+        # change a family's key, so the bookkeeping keeps the observed one.
+        pending = target.key if isinstance(target, Family) else target
         if isinstance(target, Family):
             target = self.clip_to_declared(region_jit, target)
         key = self.key_for(region_jit, target)
         if self.telemetry is None:
             future = self.queue.submit(key, decision.benefit_seconds,
                                        lambda: self._compile(region_jit, target, key))
-            future.add_done_callback(lambda f: self._finished(region_jit, target, f))
+            future.add_done_callback(lambda f: self._finished(region_jit, pending, f))
             return
         # Captured here, on the promoting call's thread: the compile and install spans
         # are its children wherever they run (Note [Trace shape]).
@@ -130,7 +133,7 @@ class Jit:
         future = self.queue.submit(key, decision.benefit_seconds,
                                    lambda: self._traced_compile(region_jit, target, key,
                                                                 parent))
-        future.add_done_callback(lambda f: self._finished(region_jit, target, f, parent))
+        future.add_done_callback(lambda f: self._finished(region_jit, pending, f, parent))
 
     def clip_to_declared(self, region_jit: RegionJit, family: Family) -> Family:
         """A family's buckets cut to the program's declared dim ranges where its live-ins
@@ -177,19 +180,20 @@ class Jit:
                 self.family_compiles += 1
         return Specialization(signature, strength, kernel.fn, artifact, family)
 
-    def _finished(self, region_jit: RegionJit, target, future, parent=None) -> None:
+    def _finished(self, region_jit: RegionJit, pending, future, parent=None) -> None:
+        """`pending`: the key the region marked pending (a signature or family key)."""
         if future.cancelled():
-            region_jit.forget_pending(target)
+            region_jit.forget_pending(pending)
             return
         error = future.exception()
         if error is None:
-            region_jit.install(future.result())
+            region_jit.install(future.result(), pending)
             if parent is not None:
                 self._install_span(region_jit, future.result(), parent)
             return
         with self._lock:
             self.compile_failures += 1
-        region_jit.compile_failed(target)
+        region_jit.compile_failed(pending)
         if not isinstance(error, SpecializationError):
             self._log(f"compile of region {region_jit.region.index} failed: "
                       f"{type(error).__name__}: {error}")

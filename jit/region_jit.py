@@ -242,10 +242,13 @@ class RegionJit:
     def _tables(self):
         return (self.strong, self.weak, self.family_kernels)
 
-    def install(self, spec: Specialization) -> None:
+    def install(self, spec: Specialization, pending_key=None) -> None:
+        """`pending_key`: the key the target was marked pending under, when it differs
+        from the installed target (a family clipped to the declared ranges)."""
+        pending = spec.target if pending_key is None else pending_key
         with self._lock:
-            self.pending.discard(spec.target)
-            self.counters.failed.pop(spec.target, None)
+            self.pending.discard(pending)
+            self.counters.failed.pop(pending, None)
             if spec.family is not None:
                 table, key = self.family_kernels, spec.family.key
             elif spec.strength is GuardStrength.STRONG:

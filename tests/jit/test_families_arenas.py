@@ -154,6 +154,9 @@ def test_family_bounds_are_clipped_to_declared_ranges(mlp50):
     assert spec.family.bounds[0] == ((17, 50), (16, 16)), spec.family.bounds
     assert "17..50" in spec.family.key
     assert rt.stats()["compile_failures"] == 0
+    # Marked pending under the observed key (17..64), installed under the clipped one:
+    # nothing may stay pending, or the family could never be promoted again.
+    assert not region(rt).pending, region(rt).pending
 
     x = torch.randn(50, 16)
     calls = spec.calls
