@@ -31,3 +31,31 @@ def random_walk(values: list[int], steps: int, seed: int, stay: float = 0.5) -> 
                 step = -step
             position += step
     return walk
+
+
+BATCHES = [1, 4, 16, 64]
+SEQ = 32
+
+
+def walk_setup(description: str, calls: int, warmup: int):
+    """Parse the walk benchmarks' common options, set threads and seed, and lower the
+    demo Transformer once: (args, demo model, program)."""
+    import argparse
+
+    import torch
+
+    import dynvm
+    from dynvm.models import transformer
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--calls", type=int, default=calls)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    demo = transformer()
+    program = dynvm.compile(demo.module, demo.example_inputs, demo.dynamic_shapes,
+                            name="transformer")
+    return args, demo, program

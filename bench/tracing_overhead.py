@@ -10,34 +10,19 @@ Prints steady-state p50 per batch size for both and the ratio enabled / disabled
 
 from __future__ import annotations
 
-import argparse
 import platform
 import time
 
 import torch
 
 import dynvm
-from bench._timing import median, random_walk
+from bench._timing import BATCHES, SEQ, median, random_walk, walk_setup
 from dynvm.jit.config import JitConfig
-from dynvm.models import transformer
 from dynvm.telemetry import Telemetry
-
-BATCHES = [1, 4, 16, 64]
-SEQ = 32
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=40)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    demo = transformer()
-    program = dynvm.compile(demo.module, demo.example_inputs, demo.dynamic_shapes,
-                            name="transformer")
+    args, demo, program = walk_setup(__doc__.splitlines()[0], calls=200, warmup=40)
     telemetry, exporter = Telemetry.in_memory()
     systems = {"disabled": dynvm.Runtime(program, jit=JitConfig()),
                "in-memory": dynvm.Runtime(program, jit=JitConfig(), telemetry=telemetry)}
