@@ -194,7 +194,7 @@ def _parse_raw_input(obj, index: int) -> _RawInput:
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         raise BadRequest(f"inputs[{index}] has no 'name' (a non-empty string)")
-    where = f"input {name!r}"
+    where = f"input {_describe(name)}"  # not yet matched: the client's, maybe huge
     datatype = obj.get("datatype")
     if not isinstance(datatype, str):
         raise BadRequest(f"{where}: missing 'datatype' (a string such as \"FP32\")")
@@ -304,6 +304,14 @@ def _json_tensor(raw: _RawInput, dtype: torch.dtype) -> torch.Tensor:
 def _binary_tensor(raw: _RawInput, dtype: torch.dtype, chunk: bytes) -> torch.Tensor:
     if not chunk:
         return torch.empty(raw.shape, dtype=dtype)
+    if dtype is torch.bool:
+        # torch.frombuffer keeps any byte in a bool tensor, and a C++ bool holding 2 or
+        # 255 is undefined behaviour in the kernels: refuse it, as the JSON path refuses
+        # values other than true/false.
+        bad = len(chunk) - len(chunk.lstrip(b"\x00\x01"))
+        if bad < len(chunk):
+            raise BadRequest(f"input {raw.name!r}: datatype BOOL needs bytes 0 or 1, "
+                             f"byte {bad} of its binary data is {chunk[bad]}")
     # A copy of the validated slice: the tensor owns its memory, the body can go.
     flat = torch.frombuffer(bytearray(chunk), dtype=dtype)
     if sys.byteorder != "little":  # pragma: no cover - every supported host is LE
@@ -367,7 +375,7 @@ def parse_infer_request(
     seen: dict[str, _RawInput] = {}
     for raw in parsed:
         if raw.name not in specs:
-            raise BadRequest(f"unknown input {raw.name!r}; the model's inputs are "
+            raise BadRequest(f"unknown input {_describe(raw.name)}; the model's inputs are "
                              f"{', '.join(repr(s.name) for s in inputs)}")
         if raw.name in seen:
             raise BadRequest(f"input {raw.name!r} is given twice")
@@ -440,10 +448,10 @@ def _parse_requested_outputs(header: Mapping, binary_output: bool,
             raise BadRequest(f"outputs[{i}] must be an object with a 'name'")
         name = obj["name"]
         if output_names is not None and name not in output_names:
-            raise BadRequest(f"unknown output {name!r}; the model's outputs are "
+            raise BadRequest(f"unknown output {_describe(name)}; the model's outputs are "
                              f"{', '.join(repr(n) for n in output_names)}")
-        params = _params(obj, f"output {name!r}")
-        binary = _bool_param(params, "binary_data", f"output {name!r}") \
+        params = _params(obj, f"output {_describe(name)}")
+        binary = _bool_param(params, "binary_data", f"output {_describe(name)}") \
             if "binary_data" in params else binary_output
         result.append(RequestedOutput(name, binary))
     return tuple(result)
@@ -483,7 +491,7 @@ def build_infer_response(model_name: str, model_version: str | None,
         wanted = list(request.outputs)
         for want in wanted:
             if want.name not in by_name:
-                raise BadRequest(f"unknown output {want.name!r}; the model's outputs are "
+                raise BadRequest(f"unknown output {_describe(want.name)}; the model's outputs are "
                                  f"{', '.join(repr(n) for n in by_name)}")
     entries = []
     chunks: list[bytes] = []
