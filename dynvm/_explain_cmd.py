@@ -25,6 +25,9 @@ def explain_command(args, program, demo) -> int:
     shapes = ", ".join(f"{spec.name}={list(t.shape)}" for spec, t in zip(program.inputs,
                                                                          inputs))
     with dynvm.Runtime(program, jit=EXPLAIN_CONFIG) as runtime:
+        if runtime.jit is None:
+            raise CliError(f"the JIT is disabled by {runtime.jit_disabled_by} in the "
+                           f"environment; explain shows what it compiles, unset it")
         try:
             runtime(*inputs)
         except dynvm.DynvmError as exc:

@@ -187,9 +187,12 @@ def make_runtime(program, device: str, jit: bool):
         raise CliError(f"bad --device {device!r}: {exc}", 2) from None
     if where.type == "cuda" and not torch.cuda.is_available():
         raise CliError(f"--device {device}: this machine has no CUDA device", 2)
-    if jit:
-        return dynvm.Runtime(program, where, jit=True), "on"
-    return dynvm.Runtime(program, where, jit=False), "off (--no-jit)"
+    if not jit:
+        return dynvm.Runtime(program, where, jit=False), "off (--no-jit)"
+    runtime = dynvm.Runtime(program, where, jit=True)
+    if runtime.jit_disabled_by:
+        return runtime, f"off ({runtime.jit_disabled_by} in the environment)"
+    return runtime, "on"
 
 
 def percentile(sorted_ms: list[float], p: float) -> float:

@@ -7,6 +7,8 @@ import threading
 import torch
 from torch.utils import _pytree as pytree
 
+from dynvm._env import JIT as JIT_VARIABLE
+from dynvm._env import runtime_settings
 from dynvm.arena import count_allocations
 from dynvm.jit.config import JitConfig
 from dynvm.jit.engine import Jit
@@ -26,6 +28,9 @@ class Runtime:
 
     `telemetry` (a `dynvm.telemetry.Telemetry`) traces each call, promotion, compile and
     guard failure (Note [Trace shape]); None or a disabled one: no tracing work at all.
+
+    DYNVM_JIT=0 in the environment (dynvm._env) turns the JIT off for every Runtime,
+    whatever `jit` says, for debugging; stats()["jit_disabled_by"] then says so.
     """
 
     def __init__(self, program, device: str | torch.device = "cpu",
@@ -35,12 +40,16 @@ class Runtime:
         self.device = self.interpreter.device
         self.telemetry = telemetry if telemetry is not None and telemetry.enabled else None
         self.jit: Jit | None = None
-        if jit is True or isinstance(jit, JitConfig):
+        wants_jit = jit is True or isinstance(jit, JitConfig)
+        if not wants_jit and jit not in (False, None):
+            raise TypeError(f"jit must be True, False or a JitConfig, got {jit!r}")
+        settings = runtime_settings() if wants_jit else None
+        self.jit_disabled_by: str | None = (
+            f"{JIT_VARIABLE}={settings.jit_text}" if settings and not settings.jit else None)
+        if wants_jit and self.jit_disabled_by is None:
             self.jit = Jit(program, self.interpreter, jit if jit is not True else None,
                            self.telemetry)
             self.jit.attach()
-        elif jit not in (False, None):
-            raise TypeError(f"jit must be True, False or a JitConfig, got {jit!r}")
         self._in_spec = pytree.treespec_loads(program.in_spec)
         self._out_spec = pytree.treespec_loads(program.out_spec)
         self._n_inputs = len(program.inputs)
@@ -101,6 +110,7 @@ class Runtime:
             "instructions": len(self.program.code),
             "device": str(self.device),
             "jit": self.jit is not None,
+            **({"jit_disabled_by": self.jit_disabled_by} if self.jit_disabled_by else {}),
             "allocations_per_forward": self._last_allocations,
         }
         if self.jit is not None:

@@ -10,10 +10,9 @@ OpenTelemetry provider is never set). A disabled `Telemetry` (the default, and w
 `from_env` gives when nothing is configured) makes the Runtime skip every tracing call:
 the call path checks `enabled` once and creates no span and no context.
 
-This is the one module that reads OTEL_* variables (Conventions 8), and only to decide
-whether tracing is configured and which exporter entry point to load; the exporter and
-the TracerProvider then read their own OTEL_* settings (endpoint, headers, sampler,
-resource) as the SDK documents.
+Which OTEL_* variables turn tracing on is decided in dynvm._env, the one module that
+reads the environment (Conventions 8); the exporter and the TracerProvider then read
+their own OTEL_* settings (endpoint, headers, sampler, resource) as the SDK documents.
 
 Note [Trace shape]
 ~~~~~~~~~~~~~~~~~~
@@ -31,7 +30,6 @@ on a background thread long after the request returned.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import warnings
@@ -46,12 +44,10 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from dynvm._env import trace_settings
+
 TRACER_NAME = "dynvm"
 DEFAULT_MAX_EVENTS_PER_SECOND = 50
-
-# OTEL_TRACES_EXPORTER "otlp" resolves by protocol, as the SDK's auto-configuration does.
-_OTLP_ENTRY_POINTS = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http",
-                      "http/json": "otlp_proto_http"}
 
 
 class EventLimiter:
@@ -116,31 +112,17 @@ class Telemetry:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Telemetry:
         """Enabled only when OTEL_TRACES_EXPORTER or an OTLP endpoint is set (and the SDK
-        is not disabled). An exporter whose package is not installed gives a warning and
-        a disabled Telemetry, never an error."""
-        env = os.environ if environ is None else environ
-        if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-            return cls.disabled()
-        names = env.get("OTEL_TRACES_EXPORTER", "").strip()
-        endpoint = (env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-                    or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
-        if not names and not endpoint:
-            return cls.disabled()
-        names = names or "otlp"
-        protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-                    or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
+        is not disabled): `dynvm._env.trace_settings` reads them, from `environ` or the
+        process environment. An exporter whose package is not installed gives a warning
+        and is skipped, never an error; with none left, Telemetry is disabled."""
         exporters = []
-        for name in (n.strip() for n in names.split(",")):
-            if not name or name == "none":
-                continue
-            entry = _OTLP_ENTRY_POINTS.get(protocol, "otlp_proto_grpc") if name == "otlp" \
-                else name
-            exporter_class = _load_exporter(entry)
+        for choice in trace_settings(environ).exporters:
+            exporter_class = _load_exporter(choice.entry_point)
             if exporter_class is None:
-                warnings.warn(f"dynvm telemetry: OTEL_TRACES_EXPORTER {name!r} needs the "
-                              f"exporter entry point {entry!r}, which is not installed "
-                              f"(pip install opentelemetry-exporter-otlp); tracing is off",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(f"dynvm telemetry: OTEL_TRACES_EXPORTER {choice.name!r} needs "
+                              f"the exporter entry point {choice.entry_point!r}, which is "
+                              f"not installed (pip install opentelemetry-exporter-otlp); "
+                              f"tracing is off", RuntimeWarning, stacklevel=2)
                 continue
             exporters.append(exporter_class())
         if not exporters:
