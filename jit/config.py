@@ -78,6 +78,12 @@ class JitConfig:
     """Per-device budget of the arenas that specializations plan their intermediates in
     (Note [Arena layout]); past it, a call runs without an arena. 0 turns arenas off."""
 
+    online_compile: bool = True
+    """Compile promoted shapes in this process. False: never compile here; only install
+    specializations compiled elsewhere (the cluster's compile service, `dynvm
+    precompile`) and interpret the rest; `stats()["interpreted_region_calls"]` counts
+    the region calls that missed."""
+
     def __post_init__(self) -> None:
         positive = ("min_recurrence", "max_recurrence", "window", "horizon_calls",
                     "max_specializations_per_region", "compile_threads",

@@ -5,6 +5,17 @@ watching (at least `MIN_TENSOR_OPS` tensor operations: a loop header that only c
 two scalars would pay for a signature on every iteration and never gain). Promotions
 become compile tasks on the queue; a finished compile installs its specialization into
 the region's slot, from whichever thread ran it.
+
+Note [Fleet hooks]
+~~~~~~~~~~~~~~~~~~
+In a cluster, one compile service specializes for every replica (DESIGN.md, Cluster).
+The JIT knows nothing of Ray or Redis; it offers three seams that dynvm.cluster uses:
+`connect(fleet)` lets a replica's link hear every interpreted region call (the
+signature statistics it ships to the service) and decide whether promotions compile
+here (not while the service is reachable, so a shape is compiled once per fleet, not
+once per replica); `install_portable` installs a specialization compiled elsewhere
+(Note [Portable specializations]); `add_compile_listener` lets the service publish what
+its own JIT compiled. With no fleet connected, none of this costs anything.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from dynvm.arena import ArenaPool
 from dynvm.jit.artifact import Artifact, cache_key
 from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
 from dynvm.jit.config import JitConfig
+from dynvm.jit.portable import PortableError, PortableSpecialization
 from dynvm.jit.queue import CompileQueue
 from dynvm.jit.region_jit import RegionJit, Specialization
 from dynvm.jit.signature import GuardStrength, describe
@@ -82,6 +94,12 @@ class Jit:
         # holds the program input, so the input's declared ranges apply to it.
         written = {dst.index for instr in program.code for dst in instr.dsts}
         self._input_registers = frozenset(range(len(program.inputs))) - written
+        # Note [Fleet hooks]: set by `connect` when a cluster shares this JIT's work.
+        self.fleet = None
+        self._compile_listeners: list = []
+        self.installs = 0
+        self.install_seconds = 0.0
+        self.install_rejections = 0
         self.arena_pool = (ArenaPool(interpreter.device, self.config.arena_budget_bytes)
                            if self.config.arena_budget_bytes > 0 else None)
         self._cpu_options = CpuOptions(self.arena_pool)
@@ -97,6 +115,24 @@ class Jit:
 
     def close(self) -> None:
         self.queue.close()
+
+    # -- fleet (Note [Fleet hooks]) -----------------------------------------------------
+
+    def connect(self, fleet) -> None:
+        """Share this JIT's work with a fleet: `fleet.observed(region, signature, seconds)`
+        hears every interpreted region call, and `fleet.compiles_locally()` says whether
+        promotions compile here (False while a compile service does it for everyone)."""
+        self.fleet = fleet
+
+    def add_compile_listener(self, listener) -> None:
+        """`listener(region_jit, specialization)` runs after each local compile installs
+        (on the compile thread); the compile service publishes from there."""
+        self._compile_listeners.append(listener)
+
+    def compiles_locally(self) -> bool:
+        if not self.config.online_compile:
+            return False
+        return self.fleet is None or self.fleet.compiles_locally()
 
     # -- policy inputs ---------------------------------------------------------------
 
@@ -158,27 +194,61 @@ class Jit:
         if isinstance(target, Family):
             probes = [family_live_ins(region_jit.live_in, target, dims)
                       for dims in target.probe_dims()]
-            spec = specialize(self.program, region, probes[0], tuple(probes[1:]))
-            strength, described, family = GuardStrength.FAMILY, f"family {target.key}", target
-            signature = ()
+            ir = specialize(self.program, region, probes[0], tuple(probes[1:]))
+            strength, family, signature = GuardStrength.FAMILY, target, ()
         else:
-            spec = specialize(self.program, region, abstract_live_ins(region_jit.live_in,
+            ir = specialize(self.program, region, abstract_live_ins(region_jit.live_in,
                                                                       target))
-            strength = GuardStrength.STRONG if spec.assumes_shapes else GuardStrength.WEAK
-            described, family, signature = describe(target), None, target
-        kernel = compile_kernel(spec, self.program, self._constants, self.interpreter.device,
+            strength = GuardStrength.STRONG if ir.assumes_shapes else GuardStrength.WEAK
+            family, signature = None, target
+        spec = self._build(ir, strength, signature, family, key, start)
+        with self._lock:
+            self.compiles += 1
+            self.compile_seconds += spec.artifact.compile_seconds
+            self._compiled_instructions += len(region)
+            if family is not None:
+                self.family_compiles += 1
+        return spec
+
+    def _build(self, ir, strength: GuardStrength, signature: tuple, family: Family | None,
+               key: str, start: float) -> Specialization:
+        """Generate and load the backend code of a specialized region."""
+        described = f"family {family.key}" if family is not None else describe(signature)
+        kernel = compile_kernel(ir, self.program, self._constants, self.interpreter.device,
                                 described, strength.value, self._cpu_options, owner=key)
         seconds = time.perf_counter() - start
         artifact = Artifact(key, BACKEND, str(self.interpreter.device), kernel.name,
-                            kernel.source, strength.value, spec.notes, seconds)
+                            kernel.source, strength.value, ir.notes, seconds)
         with self._lock:
-            self.compiles += 1
-            self.compile_seconds += seconds
-            self._compiled_instructions += len(region)
             self.artifacts[key] = artifact
-            if family is not None:
-                self.family_compiles += 1
-        return Specialization(signature, strength, kernel.fn, artifact, family)
+        return Specialization(signature, strength, kernel.fn, artifact, family, ir=ir)
+
+    def install_portable(self, portable: PortableSpecialization, key: str,
+                         compile_seconds: float = 0.0) -> Specialization | None:
+        """Install a specialization compiled elsewhere (Note [Portable specializations]):
+        code is re-emitted from its IR, nothing is specialized here. `key` is the cache key
+        it was stored under; the record's guard must hash to it. Returns None when the
+        region is not watched here or the key is already installed."""
+        region_jit = self.regions.get(portable.region)
+        if region_jit is None:
+            return None
+        target = portable.family if portable.family is not None else portable.signature
+        if self.key_for(region_jit, target) != key:
+            with self._lock:
+                self.install_rejections += 1
+            raise PortableError(f"record for region {portable.region} does not match the "
+                                f"key {key[:16]} it was stored under (another target, "
+                                f"device or options)")
+        if any(s.artifact.key == key for s in region_jit._all()):
+            return None
+        start = time.perf_counter()
+        spec = self._build(portable.ir, portable.strength, portable.signature,
+                           portable.family, key, start)
+        region_jit.install(spec, None)
+        with self._lock:
+            self.installs += 1
+            self.install_seconds += time.perf_counter() - start
+        return spec
 
     def _finished(self, region_jit: RegionJit, pending, future, parent=None) -> None:
         """`pending`: the key the region marked pending (a signature or family key)."""
@@ -190,6 +260,11 @@ class Jit:
             region_jit.install(future.result(), pending)
             if parent is not None:
                 self._install_span(region_jit, future.result(), parent)
+            for listener in self._compile_listeners:
+                try:
+                    listener(region_jit, future.result())
+                except Exception as exc:  # a listener's failure never undoes the install
+                    self._log(f"compile listener failed: {type(exc).__name__}: {exc}")
             return
         with self._lock:
             self.compile_failures += 1
@@ -307,6 +382,10 @@ class Jit:
             "family_compiles": self.family_compiles,
             "compile_seconds": self.compile_seconds,
             "compile_failures": self.compile_failures,
+            "installs": self.installs,
+            "install_seconds": self.install_seconds,
+            "install_rejections": self.install_rejections,
+            "compiles_locally": self.compiles_locally(),
             "queue_length": len(self.queue),
             "dropped_tasks": self.queue.dropped,
             "arena": self.arena_pool.stats() if self.arena_pool is not None else None,

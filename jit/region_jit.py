@@ -58,6 +58,7 @@ class Specialization:
     seconds: float = 0.0
     last_used: int = 0
     installed_at: int = 0       # region calls when it was installed
+    ir: object = None           # the SpecializedRegion it was built from (portable form)
 
     @property
     def target(self):
@@ -137,6 +138,9 @@ class RegionJit:
         return signature
 
     def leave(self, signature: tuple, seconds: float) -> None:
+        fleet = self.engine.fleet
+        if fleet is not None:
+            fleet.observed(self.region.index, signature, seconds)
         with self._lock:
             self.counters.interpreted += 1
             stats = self.profile.record(signature, seconds)
@@ -155,7 +159,8 @@ class RegionJit:
                     target, recurrence = family, self.family_profile.recurrence(family.key)
                     mean = family_stats.mean_seconds
             key = target if family is None or target is signature else family.key
-            if key in self.pending or self._backing_off(key):
+            if key in self.pending or self._backing_off(key) or \
+                    not self.engine.compiles_locally():
                 return
             decision = decide(self.engine.config, recurrence, self.threshold, mean,
                               self.speedup(),
@@ -191,7 +196,7 @@ class RegionJit:
         config = self.engine.config
         with self._lock:
             if signature in self.pending or signature in self.strong or \
-                    self._backing_off(signature):
+                    self._backing_off(signature) or not self.engine.compiles_locally():
                 return
             calls = self.counters.interpreted + self.counters.specialized
             frequency = hits / max(1, calls - spec.installed_at)
