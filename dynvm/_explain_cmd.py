@@ -8,7 +8,13 @@ the guard, the rewrites the specializer made and the generated source.
 from __future__ import annotations
 
 import dynvm
-from dynvm._run_cmd import CliError, check_schedule, input_source, parse_schedule
+from dynvm._run_cmd import (
+    CliError,
+    check_schedule,
+    input_source,
+    make_telemetry,
+    parse_schedule,
+)
 from dynvm.jit.config import JitConfig
 
 # Promote on first sight, whatever the region costs: explain is about what would be
@@ -24,7 +30,15 @@ def explain_command(args, program, demo) -> int:
     inputs = draw()
     shapes = ", ".join(f"{spec.name}={list(t.shape)}" for spec, t in zip(program.inputs,
                                                                          inputs))
-    with dynvm.Runtime(program, jit=EXPLAIN_CONFIG) as runtime:
+    telemetry = make_telemetry(args.trace)
+    try:
+        return _explain(program, inputs, shapes, telemetry)
+    finally:
+        telemetry.shutdown()
+
+
+def _explain(program, inputs, shapes: str, telemetry) -> int:
+    with dynvm.Runtime(program, jit=EXPLAIN_CONFIG, telemetry=telemetry) as runtime:
         if runtime.jit is None:
             raise CliError(f"the JIT is disabled by {runtime.jit_disabled_by} in the "
                            f"environment; explain shows what it compiles, unset it")

@@ -16,6 +16,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 import dynvm
+from dynvm._progress import call_bar
+from dynvm.telemetry import Telemetry
 
 # Integer inputs of a .dvm file carry no hint of their valid range (an embedding table's
 # row count lives in a constant, not in the signature), so they are drawn from a range
@@ -179,7 +181,14 @@ def input_source(program, demo, schedules, seed: int) -> Callable[[], list[torch
     return draw
 
 
-def make_runtime(program, device: str, jit: bool):
+def make_telemetry(trace: bool) -> Telemetry:
+    """--trace: every span printed (JSON) on stderr as it ends, so stdout keeps the
+    report. Otherwise the OTEL_* environment decides (dynvm._env); with no exporter
+    configured the Telemetry is disabled: no provider, no span processor, no spans."""
+    return Telemetry.console(out=sys.stderr) if trace else Telemetry.from_env()
+
+
+def make_runtime(program, device: str, jit: bool, telemetry: Telemetry | None = None):
     """The Runtime and a word on the JIT for the report."""
     try:
         where = torch.device(device)
@@ -188,8 +197,8 @@ def make_runtime(program, device: str, jit: bool):
     if where.type == "cuda" and not torch.cuda.is_available():
         raise CliError(f"--device {device}: this machine has no CUDA device", 2)
     if not jit:
-        return dynvm.Runtime(program, where, jit=False), "off (--no-jit)"
-    runtime = dynvm.Runtime(program, where, jit=True)
+        return dynvm.Runtime(program, where, jit=False, telemetry=telemetry), "off (--no-jit)"
+    runtime = dynvm.Runtime(program, where, jit=True, telemetry=telemetry)
     if runtime.jit_disabled_by:
         return runtime, f"off ({runtime.jit_disabled_by} in the environment)"
     return runtime, "on"
@@ -209,42 +218,22 @@ def run_command(args, program, demo, header: list[str]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     check_schedule(schedules, program)
-    runtime, jit_note = make_runtime(program, args.device, not args.no_jit)
-    draw = input_source(program, demo, schedules, args.seed)
-    in_spec = pytree.treespec_loads(program.in_spec)
-    sync = torch.cuda.synchronize if runtime.device.type == "cuda" else (lambda: None)
-    has_ints = demo is None or bool(schedules)
-    has_ints = has_ints and any(not (s.dtype.is_floating_point or s.dtype.is_complex)
-                                for s in program.inputs)
-    progress = sys.stderr.isatty()
-    latencies: dict[tuple, list[float]] = {}
-    labels: dict[tuple, str] = {}
-    total = args.warmup + args.calls
-    for i in range(total):
-        flat = [t.to(runtime.device) for t in draw()]
-        values = dim_values(program, flat)
-        call_args = pytree.tree_unflatten(flat, in_spec)
-        start = time.perf_counter()
-        try:
-            runtime(*call_args)
-            sync()
-        except dynvm.DynvmError as exc:
-            hint = f"; integer inputs are random in [0, {INT_HIGH})" if has_ints else ""
-            raise CliError(f"call {i + 1} ({_label(values)}): {exc}{hint}", 1) from None
-        elapsed_ms = (time.perf_counter() - start) * 1e3
-        if i >= args.warmup:
-            key = tuple(values.items())
-            latencies.setdefault(key, []).append(elapsed_ms)
-            labels[key] = _label(values)
-        if progress:
-            print(f"\r{i + 1}/{total} calls", end="", file=sys.stderr, flush=True)
-    if progress:
-        print("\r" + " " * 24 + "\r", end="", file=sys.stderr, flush=True)
+    telemetry = make_telemetry(args.trace)
+    runtime, jit_note = make_runtime(program, args.device, not args.no_jit, telemetry)
+    try:
+        latencies, labels = _timed_calls(args, program, demo, schedules, runtime)
+    finally:
+        runtime.close()
+        telemetry.shutdown()
     header.append(f"runtime   device={runtime.device} jit={jit_note} "
                   f"threads={torch.get_num_threads()} warmup={args.warmup} calls={args.calls} "
                   f"seed={args.seed}")
     if schedules:
         header.append("schedule  " + "; ".join(f"{s.text} ({s.mode})" for s in schedules))
+    if args.trace:
+        header.append("trace     spans printed on stderr as they end (--trace)")
+    elif telemetry.enabled:
+        header.append("trace     exported as the OTEL_* environment says")
     print("\n".join(header) + "\n")
     _print_table(latencies, labels, args.max_rows)
     print("\nruntime.stats()")
@@ -253,6 +242,41 @@ def run_command(args, program, demo, header: list[str]) -> int:
     for key, value in stats.items():
         print(f"  {key:<{width}}  {value}")
     return 0
+
+
+def _timed_calls(args, program, demo, schedules, runtime) -> tuple[dict, dict]:
+    """Warm-up and timed calls: latencies (ms) and a label per distinct input shape."""
+    draw = input_source(program, demo, schedules, args.seed)
+    in_spec = pytree.treespec_loads(program.in_spec)
+    sync = torch.cuda.synchronize if runtime.device.type == "cuda" else (lambda: None)
+    has_ints = demo is None or bool(schedules)
+    has_ints = has_ints and any(not (s.dtype.is_floating_point or s.dtype.is_complex)
+                                for s in program.inputs)
+    latencies: dict[tuple, list[float]] = {}
+    labels: dict[tuple, str] = {}
+    total = args.warmup + args.calls
+    # The bar would interleave with --trace's spans on stderr; the spans show progress.
+    with call_bar(total, off=args.trace) as bar:
+        for i in range(total):
+            flat = [t.to(runtime.device) for t in draw()]
+            values = dim_values(program, flat)
+            call_args = pytree.tree_unflatten(flat, in_spec)
+            start = time.perf_counter()
+            try:
+                runtime(*call_args)
+                sync()
+            except dynvm.DynvmError as exc:
+                hint = f"; integer inputs are random in [0, {INT_HIGH})" if has_ints else ""
+                raise CliError(f"call {i + 1} ({_label(values)}): {exc}{hint}", 1) from None
+            elapsed_ms = (time.perf_counter() - start) * 1e3
+            key = tuple(values.items())
+            if i >= args.warmup:
+                latencies.setdefault(key, []).append(elapsed_ms)
+                labels[key] = _label(values)
+            if not bar.disable:
+                bar.set_postfix_str(_label(values), refresh=False)
+                bar.update()
+    return latencies, labels
 
 
 def _print_table(latencies: dict, labels: dict, max_rows: int) -> None:

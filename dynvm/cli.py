@@ -19,6 +19,7 @@ import warnings
 
 import dynvm
 from dynvm._explain_cmd import explain_command
+from dynvm._progress import stage_bar
 from dynvm._run_cmd import INT_HIGH, CliError, run_command
 from dynvm.models import REGISTRY
 
@@ -81,9 +82,13 @@ def _summary(program) -> str:
 
 
 def _compile_demo(name: str):
-    demo = _demo(name)
-    start = time.perf_counter()
-    program = dynvm.compile(demo.module, demo.example_inputs, demo.dynamic_shapes, name=name)
+    with stage_bar(f"compile {name}", ["build model", "export + lower"]) as stage:
+        stage("build model")
+        demo = _demo(name)
+        stage("export + lower")
+        start = time.perf_counter()
+        program = dynvm.compile(demo.module, demo.example_inputs, demo.dynamic_shapes,
+                                name=name)
     return demo, program, time.perf_counter() - start
 
 
@@ -230,6 +235,9 @@ their declared lower bound (at least 1).""")
                    help="run the interpreter only, never specialized code")
     p.add_argument("--max-rows", type=_count(0), default=40, metavar="N",
                    help="show the N most-called shapes (default 40; 0: all)")
+    p.add_argument("--trace", action="store_true",
+                   help="print every span (call, promotion, compile, install) as JSON on "
+                   "stderr; without it, tracing follows the OTEL_* environment")
     p.set_defaults(handler=cmd_run)
 
     p = sub.add_parser("explain", help="show the code the JIT generates for one shape",
@@ -246,6 +254,8 @@ placement) and the generated source.
     p.add_argument("--shape", metavar="SPEC",
                    help="dynamic dims, e.g. 'batch=4;seq=32' (others: as `run` draws them)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the inputs")
+    p.add_argument("--trace", action="store_true",
+                   help="print the call, promotion, compile and install spans on stderr")
     p.set_defaults(handler=cmd_explain)
     return parser
 

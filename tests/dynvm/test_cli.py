@@ -202,3 +202,90 @@ def test_errors_in_a_fresh_process(tmp_path):
     assert result.stderr.startswith("dynvm: error: cannot read ")
     assert "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+# ------------------------------------------------------------------ --trace, progress bars
+
+_OTEL = ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
+         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+
+
+@pytest.fixture
+def processors(monkeypatch):
+    """The span processors every TracerProvider gets during the test (a spy around the
+    real method), with the OTEL_* variables that would configure an exporter unset."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    for name in _OTEL:
+        monkeypatch.delenv(name, raising=False)
+    added = []
+    real = TracerProvider.add_span_processor
+    monkeypatch.setattr(TracerProvider, "add_span_processor",
+                        lambda self, p: added.append(p) or real(self, p))
+    return added
+
+
+def test_no_exporter_configured_means_no_tracing(branchy_dvm, capsys, processors):
+    from opentelemetry import trace
+
+    assert main(["run", str(branchy_dvm), "--calls", "3", "--warmup", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert processors == [] and "dynvm.call" not in out + err and "trace " not in out
+    assert main(["explain", "branchy", "--shape", "batch=2"]) == 0
+    assert processors == [] and "dynvm.compile" not in capsys.readouterr().err
+    # The process-wide provider is never set: tracing stays with the Runtime it was given.
+    assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
+def test_run_trace_prints_spans_on_stderr(branchy_dvm, capsys, processors):
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
+
+    argv = ["run", str(branchy_dvm), "--calls", "3", "--warmup", "1", "--trace"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    (processor,) = processors
+    assert isinstance(processor, SimpleSpanProcessor)
+    assert isinstance(processor.span_exporter, ConsoleSpanExporter)
+    assert err.count('"name": "dynvm.call"') == 4  # one per call, warm-up included
+    assert "dynvm.call" not in out and "trace     spans printed on stderr" in out
+    assert re.search(r"^all calls\s+3\s", out, re.M)
+
+
+def test_explain_trace_shows_the_compile(capsys, processors):
+    assert main(["explain", "branchy", "--shape", "batch=2", "--trace"]) == 0
+    out, err = capsys.readouterr()
+    assert len(processors) == 1
+    assert '"name": "dynvm.compile"' in err and '"name": "dynvm.install"' in err
+    assert "dynvm.compile" not in out
+
+
+def test_progress_bars_only_on_a_terminal(tmp_path):
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    argv = [sys.executable, "-m", "dynvm", "run", "branchy", "--calls", "40", "--warmup", "0"]
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=slave) as child:
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        out = child.stdout.read().decode()
+        assert child.wait(timeout=120) == 0
+    os.close(master)
+    err = b"".join(chunks).decode(errors="replace")
+    assert "compile branchy: export + lower (2/2)" in err
+    assert re.search(r"calls: +\d+%\|.*\| \d+/40 ", err), err[-500:]
+    assert "compile branchy" not in out and "calls:" not in out
+    piped = _cli("run", "branchy", "--calls", "40", "--warmup", "0")
+    assert piped.returncode == 0 and piped.stderr == ""
