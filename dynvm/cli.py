@@ -21,6 +21,7 @@ import dynvm
 from dynvm._explain_cmd import explain_command
 from dynvm._progress import stage_bar
 from dynvm._run_cmd import INT_HIGH, CliError, run_command
+from dynvm._top_cmd import add_parser as add_top_parser
 from dynvm.models import REGISTRY
 
 DEFAULT_MODEL = "transformer"
@@ -257,6 +258,8 @@ placement) and the generated source.
     p.add_argument("--trace", action="store_true",
                    help="print the call, promotion, compile and install spans on stderr")
     p.set_defaults(handler=cmd_explain)
+
+    add_top_parser(sub)
     return parser
 
 

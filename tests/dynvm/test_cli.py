@@ -61,7 +61,7 @@ def test_version(capsys):
 
 
 def test_every_command_has_help(capsys):
-    for command in ("compile", "disasm", "asm", "run"):
+    for command in ("compile", "disasm", "asm", "run", "top"):
         assert main([command, "--help"]) == 0
         assert f"usage: dynvm {command}" in capsys.readouterr().out
 
@@ -289,3 +289,36 @@ def test_progress_bars_only_on_a_terminal(tmp_path):
     assert "compile branchy" not in out and "calls:" not in out
     piped = _cli("run", "branchy", "--calls", "40", "--warmup", "0")
     assert piped.returncode == 0 and piped.stderr == ""
+
+
+# ------------------------------------------------------------------ dynvm top (no server)
+
+
+def test_top_table_and_replica_totals():
+    # The HTTP side runs against real Serve replicas in tests/cluster/test_metrics.py;
+    # here the table is fed real Runtime.stats() as two named replicas would return them.
+    from _jit_helpers import compiled, eager_config
+
+    from dynvm._top_cmd import Row, format_table, specialized_ratio, total
+
+    stats = []
+    for calls in (2, 5):
+        with dynvm.Runtime(compiled("branchy"), jit=eager_config()) as runtime:
+            for _ in range(calls):
+                runtime(torch.randn(3, 32))
+            stats.append({**runtime.stats(), "requests": calls})
+    stats[0]["latency_ms"] = {"p50": 1.234, "p99": 9.5}
+    summed = total(stats)
+    assert summed["calls"] == 7 and summed["requests"] == 7
+    assert summed["compiles"] == stats[0]["compiles"] + stats[1]["compiles"] > 0
+    rows = [Row("branchy", "r1", stats[0]), Row("branchy", "r2", stats[1]),
+            Row("branchy", "all", summed), Row("gnn", "-", error="HTTP 404: unknown model")]
+    lines = format_table(rows).splitlines()
+    assert lines[0].split()[:4] == ["MODEL", "REPLICA", "CALLS", "REQS"]
+    r1, r2, all_, gnn = (re.split(r"\s{2,}", line.strip()) for line in lines[1:])
+    assert r1[:7] == ["branchy", "r1", "2", "2", f"{100 * specialized_ratio(stats[0]):.1f}",
+                      "1.23", "9.50"]
+    assert r2[5:7] == ["-", "-"] and all_[:4] == ["branchy", "all", "7", "7"]
+    assert all_[4] == f"{100 * specialized_ratio(summed):.1f}" and all_[5:7] == ["-", "-"]
+    assert gnn == ["gnn", "-", "HTTP 404: unknown model"]
+    assert len({len(line) for line in lines[:4]}) == 1  # columns line up
