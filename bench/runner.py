@@ -1,11 +1,17 @@
 """Run the systems over one workload's input sequence and reduce the samples to figures.
 
-Interleaving: eager, TorchScript and both dynvm systems run call by call on the same
-input (so machine noise hits them alike). torch.compile systems cannot share a process
+Note [Side by side]
+Eager, TorchScript and both dynvm systems run interleaved, call by call on the same
+input, so machine noise hits them alike. torch.compile systems cannot share a process
 with each other unchanged (Dynamo keeps its code cache per code object, process-wide,
-and counts every system's graphs against one recompile limit), so each runs alone in its
-own pass over the same sequence, after `torch._dynamo.reset()` (Note [Counting compiles]
-in bench.systems).
+and counts every system's graphs against one recompile limit; Inductor keeps loaded
+kernels in memory by source hash), so each runs in its own pass over the same sequence
+after a reset (Note [Counting compiles] in bench.systems). To still compare every
+system side by side, every pass also runs eager PyTorch on each input, right after the
+system (in the first pass eager is itself one of the systems; the order of the
+systems rotates from call to call): "x eager" is the median
+over steady calls of latency / that pass's eager latency on the same input, a paired
+ratio that a noisy neighbour slowing one whole pass does not move.
 """
 
 from __future__ import annotations
@@ -21,12 +27,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench._timing import median, percentile
-from bench.systems import LABELS, System, make
+from bench.systems import LABELS, Eager, System, make
 from bench.workloads import Workload, shape_key
 from dynvm.arena import count_allocations
 
 
-def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+def matmul_peak_gflops(n: int = 2048, repeats: int = 10) -> float:
     """The machine's fp32 matmul throughput: best of `repeats` n x n x n products."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
@@ -87,13 +93,16 @@ def peak_rss_delta(fn, inputs, period: float = 0.001) -> int:
 def run_workload(workload: Workload, system_names: list[str], log=print) -> dict:
     n = len(workload.inputs)
     latency: dict[str, list[float]] = {}
+    reference: dict[str, list[float]] = {}
     results: dict[str, dict] = {}
+    passes = []
     started = time.perf_counter()
     interleaved = [s for s in system_names if make_is_interleaved(s)]
     alone = [s for s in system_names if s not in interleaved]
     groups = ([interleaved] if interleaved else []) + [[s] for s in alone]
     for group in groups:
-        log(f"[{workload.name}] running {', '.join(group)} over {n} calls")
+        log(f"[{workload.name}] running {', '.join(group)} over {n} calls"
+            + ("" if "eager" in group else " (with eager alongside)"))
         systems: dict[str, System] = {}
         failed: dict[str, str] = {}
         for name in group:
@@ -101,13 +110,26 @@ def run_workload(workload: Workload, system_names: list[str], log=print) -> dict
                 systems[name] = make(name, workload.demo)
             except Exception as exc:  # noqa: BLE001 - a system that cannot build is reported
                 failed[name] = f"setup failed: {type(exc).__name__}: {exc}"[:300]
+        # Note [Side by side]: every pass times eager on each input too.
+        ref = systems.get("eager") or Eager(workload.demo)
+        ref_samples: list[float] = []
         for name in systems:
             latency[name] = []
+        hidden_ref = ref is not systems.get("eager")
         group_start = time.perf_counter()
         for i, inputs in enumerate(workload.inputs):
-            for name, system in list(systems.items()):
+            # The order rotates call by call, so no system always runs first on an input
+            # (cold caches) or right after another one's allocations.
+            order = [*systems] + ([None] if hidden_ref else [])
+            shift = i % len(order)
+            for name in order[shift:] + order[:shift]:
+                if name is None:
+                    ref_samples.append(ref(*inputs)[1])
+                    continue
+                if name not in systems:
+                    continue
                 try:
-                    _, elapsed = system(*inputs)
+                    _, elapsed = systems[name](*inputs)
                 except Exception as exc:  # noqa: BLE001
                     failed[name] = f"call {i} failed: {type(exc).__name__}: {exc}"[:300]
                     systems.pop(name).close()
@@ -117,9 +139,14 @@ def run_workload(workload: Workload, system_names: list[str], log=print) -> dict
             if (i + 1) % max(1, n // 5) == 0:
                 log(f"[{workload.name}]   {i + 1}/{n} calls, "
                     f"{time.perf_counter() - group_start:.0f} s")
+        if not hidden_ref:
+            ref_samples = latency.get("eager", [])
         group_wall = time.perf_counter() - group_start
+        passes.append({"systems": group, "eager_alongside": "eager" not in group,
+                       "wall_seconds": group_wall})
         for name, system in systems.items():
-            results[name] = summarize(workload, system, latency[name])
+            reference[name] = ref_samples
+            results[name] = summarize(workload, system, latency[name], ref_samples)
             results[name]["pass_wall_seconds"] = group_wall
             results[name]["memory"] = _memory(system, workload)
             system.close()
@@ -131,7 +158,9 @@ def run_workload(workload: Workload, system_names: list[str], log=print) -> dict
             "warmup": workload.warmup, "distinct_shapes": len({shape_key(x) for x in
                                                                workload.inputs}),
             "buckets": workload.buckets, "bucket_order": workload.bucket_order,
-            "systems": results, "latency": latency, "wall_seconds": wall}
+            "systems": results, "passes": passes, "latency": latency,
+            "eager_same_pass": reference,
+            "wall_seconds": wall}
 
 
 def make_is_interleaved(name: str) -> bool:
@@ -174,36 +203,70 @@ def _switch_pairs(keys: list, start: int) -> list[int]:
             if keys[i] != keys[i - 1] and keys[i + 1] == keys[i]]
 
 
-def summarize(workload: Workload, system: System, samples: list[float]) -> dict:
+def _first_over_second_sight(samples: list[float], keys: list) -> dict:
+    """Per shape seen at least twice (warm-up included: that is where most shapes are
+    new), the latency of its first call over that of its second: what a new shape costs
+    (tracing, compiling) against the same shape once seen."""
+    seen: dict = {}
+    for i, k in enumerate(keys):
+        seen.setdefault(k, []).append(i)
+    ratios = [samples[v[0]] / samples[v[1]] for v in seen.values()
+              if len(v) >= 2 and samples[v[1]] > 0]
+    return {"median": median(ratios) if ratios else None,
+            "max": max(ratios) if ratios else None, "shapes": len(ratios)}
+
+
+def _paired_ratio(samples: list[float], ref: list[float]) -> float | None:
+    ratios = [s / r for s, r in zip(samples, ref) if r > 0]
+    return median(ratios) if ratios else None
+
+
+def same_shape_spread(samples: list[float], keys: list, min_calls: int = 3) -> dict:
+    """p99 over p50 at the same shape, pooled: each steady call's latency over the median
+    of its own shape's steady calls, over shapes with at least `min_calls` steady calls
+    (with 64 or 121 distinct shapes, few shapes alone have enough calls for a p99)."""
+    by_shape: dict = {}
+    for s, k in zip(samples, keys):
+        by_shape.setdefault(k, []).append(s)
+    kept = {k: v for k, v in by_shape.items() if len(v) >= min_calls}
+    pooled = [s / median(v) for v in kept.values() for s in v]
+    return {"p99_over_p50": percentile(pooled, 99) if pooled else None,
+            "calls": len(pooled), "shapes": len(kept), "min_calls_per_shape": min_calls}
+
+
+def summarize(workload: Workload, system: System, samples: list[float],
+              reference: list[float] | None = None) -> dict:
+    """Figures of one system; `reference` is eager's latency on the same inputs in the
+    same pass (Note [Side by side])."""
     warm = workload.warmup
     keys = [shape_key(x) for x in workload.inputs][: len(samples)]
     steady = samples[warm:]
+    ref_steady = (reference or [])[warm: len(samples)]
     per_bucket = {}
     for bucket in workload.bucket_order:
-        chosen = [s for s, b in zip(steady, workload.buckets[warm:]) if b == bucket]
-        if chosen:
+        idx = [i for i, b in enumerate(workload.buckets[warm: len(samples)]) if b == bucket]
+        if idx:
+            chosen = [steady[i] for i in idx]
             per_bucket[bucket] = {"calls": len(chosen), "p50_ms": median(chosen) * 1e3,
                                   "p99_ms": percentile(chosen, 99) * 1e3}
-    by_shape: dict = {}
-    for s, k in zip(steady, keys[warm:]):
-        by_shape.setdefault(k, []).append(s)
-    # p99 / p50 at one shape, over shapes seen at least 5 times after warm-up.
-    shape_ratios = [percentile(v, 99) / median(v) for v in by_shape.values() if len(v) >= 5]
+            if ref_steady:
+                per_bucket[bucket]["x_eager"] = _paired_ratio(
+                    chosen, [ref_steady[i] for i in idx])
     pairs = _switch_pairs(keys, warm)
     first = [samples[i] for i in pairs]
     second = [samples[i + 1] for i in pairs]
+    sights = _first_over_second_sight(samples, keys)
     count, compile_s = system.compiles()
     return {
         "label": LABELS[system.name],
         "status": "ok",
         "p50_ms": median(steady) * 1e3 if steady else None,
         "p99_ms": percentile(steady, 99) * 1e3 if steady else None,
+        "x_eager": _paired_ratio(steady, ref_steady) if ref_steady else None,
         "max_ms_warmup": max(samples[:warm]) * 1e3 if warm else None,
         "max_ms_steady": max(steady) * 1e3 if steady else None,
         "per_bucket": per_bucket,
-        "shape_p99_over_p50_max": max(shape_ratios) if shape_ratios else None,
-        "shape_p99_over_p50_median": statistics.median(shape_ratios) if shape_ratios else None,
-        "shapes_with_5_steady_calls": len(shape_ratios),
+        "same_shape": same_shape_spread(steady, keys[warm:]),
         "compiles": count,
         "compile_seconds": compile_s,
         "setup_seconds": system.setup_seconds,
@@ -212,6 +275,7 @@ def summarize(workload: Workload, system: System, samples: list[float]) -> dict:
         "switch_first_ms": median(first) * 1e3 if first else None,
         "switch_second_ms": median(second) * 1e3 if second else None,
         "switches": len(pairs),
+        "first_over_second_sight": sights,
         "sum_call_seconds": sum(samples),
         "warnings": system.warnings,
         "extra": system.extra(),

@@ -8,9 +8,10 @@ torch.export lowering) and a list of `compile_events` (call index, seconds):
   the event's seconds are the whole of that call (trace + first run).
 - torch.compile: a call during which Dynamo's `counters["stats"]["unique_graphs"]` grew
   compiled (first compile or recompile); its seconds are the whole of that call, so
-  Dynamo tracing, Inductor codegen and the C++ build all count. Dynamo is reset and
-  Inductor gets a fresh TORCHINDUCTOR_CACHE_DIR with the FX-graph and autotune caches
-  off before each torch.compile system, so no system reuses another's work.
+  Dynamo tracing, Inductor codegen and the C++ build all count. Before each
+  torch.compile system Dynamo is reset, Inductor's in-memory code caches are cleared,
+  and it gets a fresh TORCHINDUCTOR_CACHE_DIR with the FX-graph and autotune caches
+  off, so no system reuses another's work.
 - dynvm JIT: compiles run on a background thread and never block a call; the count and
   seconds are the JIT's own (`Runtime.stats()["compiles"/"compile_seconds"]`).
 - eager and the dynvm interpreter never compile.
@@ -117,6 +118,9 @@ class TorchScript(System):
         return out
 
 
+_CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
 def _dynamo_graphs() -> int:
     from torch._dynamo.utils import counters
     return counters["stats"]["unique_graphs"]
@@ -130,10 +134,21 @@ class TorchCompile(System):
         self.name = name
         torch._dynamo.reset()
         import torch._inductor.config as inductor_config
+        from torch._inductor import codecache  # noqa: F401 - registers the in-memory caches
+        from torch._inductor.utils import clear_caches
+
+        self._clear_caches = clear_caches
         self._cache_dir = tempfile.TemporaryDirectory(prefix=f"bench-{name}-")
+        self._saved_env = {k: os.environ.get(k) for k in _CACHE_ENV}
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = self._cache_dir.name
-        inductor_config.fx_graph_cache = False
-        inductor_config.autotune_local_cache = False
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(self._cache_dir.name, "triton")
+        # Inductor also keeps loaded kernels in memory keyed by their source hash
+        # (PyCodeCache, CppCodeCache, ...): dynamo.reset() leaves them, and a later
+        # system compiling the same graph would load the earlier one's kernels for free.
+        clear_caches()
+        self._config = inductor_config.patch(fx_graph_cache=False,
+                                             autotune_local_cache=False)
+        self._config.__enter__()
         self.fn = torch.compile(demo.module, dynamic=dynamic)
         self._graphs_before = _dynamo_graphs()
         self.recompile_limit = torch._dynamo.config.recompile_limit
@@ -157,6 +172,13 @@ class TorchCompile(System):
 
     def close(self) -> None:
         torch._dynamo.reset()
+        self._clear_caches()
+        self._config.__exit__(None, None, None)
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         self._cache_dir.cleanup()
 
 

@@ -18,6 +18,7 @@ import time
 import warnings
 
 import dynvm
+from dynvm._bench_cmd import add_parser as add_bench_parser
 from dynvm._explain_cmd import explain_command
 from dynvm._progress import stage_bar
 from dynvm._run_cmd import INT_HIGH, CliError, run_command
@@ -259,6 +260,7 @@ placement) and the generated source.
                    help="print the call, promotion, compile and install spans on stderr")
     p.set_defaults(handler=cmd_explain)
 
+    add_bench_parser(sub)
     add_top_parser(sub)
     return parser
 

@@ -1,0 +1,85 @@
+"""`dynvm bench`: the side-by-side benchmark suite (bench/ in a source checkout).
+
+The suite compares dynvm with eager PyTorch, TorchScript and torch.compile; it is not
+shipped with the package (it needs the peers, matplotlib and minutes of machine time),
+so the command runs it from the checkout that an editable install points at. The
+options are defined here once; `python -m bench` builds its parser from them too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from dynvm._run_cmd import CliError
+
+# Kept in step with bench.workloads.NAMES and bench.systems.SYSTEMS (a test checks).
+WORKLOADS = ("walk", "jitter", "nlp", "gnn", "loop")
+SYSTEMS = ("eager", "torchscript", "compile-static", "compile-dynamic", "compile-auto",
+           "dynvm-interp", "dynvm-jit")
+
+DESCRIPTION = f"""\
+Run eager PyTorch, TorchScript (traced per shape), torch.compile (dynamic=False,
+dynamic=True, default) and the dynvm interpreter and JIT side by side on dynamic-shape
+workloads; write results.json (machine and versions), report.md (tables, targets met or
+missed) and one latency-over-calls PNG per workload to bench/results/<time>/.
+
+workloads: {", ".join(WORKLOADS)}, or all (default: walk with --quick, all without)
+systems:   {", ".join(SYSTEMS)}
+
+  dynvm bench all --update-docs       regenerate docs/BENCHMARKS.md and its plots
+  dynvm bench walk --quick            about a minute: fewer calls, every system
+  dynvm bench nlp --systems eager,dynvm-jit --quick"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("workloads", nargs="*", metavar="WORKLOAD",
+                        help="workloads to run (see above)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), metavar="A,B,...",
+                        help="comma-separated subset of the systems (default: all)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer calls per workload, for a smoke run (figures are "
+                        "indicative only)")
+    parser.add_argument("--calls", type=int, metavar="N",
+                        help="calls per workload (overrides the size; warm-up a quarter "
+                        "at most)")
+    parser.add_argument("--threads", type=int, metavar="T",
+                        help="torch intra-op threads (default: torch's own choice)")
+    parser.add_argument("--seed", type=int, default=0, metavar="S",
+                        help="seed of the input sequences (default 0)")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="results folder (default bench/results/<time>)")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="copy the report into docs/BENCHMARKS.md and its plots into "
+                        "docs/")
+    parser.add_argument("--from", dest="from_dir", type=Path, metavar="DIR",
+                        help="no run: rebuild report.md and plots from DIR/results.json")
+
+
+def add_parser(sub) -> None:
+    """Register `dynvm bench` on the CLI's subparsers."""
+    p = sub.add_parser("bench", help="benchmark dynvm against eager, TorchScript and "
+                       "torch.compile", description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(handler=bench_command)
+
+
+def _suite():
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / "suite.py").is_file():
+        raise CliError(f"dynvm bench needs a source checkout: no bench/suite.py under "
+                       f"{root} (the suite is not part of the installed package)", 2)
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module("bench.suite")
+
+
+def bench_command(args) -> int:
+    suite = _suite()
+    try:
+        return suite.run(args, prog="dynvm bench")
+    except suite.BenchUsageError as exc:
+        raise CliError(str(exc), 2) from None

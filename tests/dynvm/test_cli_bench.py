@@ -1,0 +1,147 @@
+"""`dynvm bench`: the quick path of one workload with two cheap systems writes the JSON,
+markdown and plot with the fields the benchmark issue asks for. No timing is asserted
+(the machine is shared); only that every figure is there."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dynvm import _bench_cmd
+from dynvm.cli import main
+
+
+@pytest.fixture(scope="module")
+def suite():
+    return _bench_cmd._suite()  # puts the checkout's bench/ on sys.path
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory, suite):
+    out = tmp_path_factory.mktemp("bench")
+    assert main(["bench", "gnn", "--quick", "--calls", "12", "--threads", "1",
+                 "--systems", "eager,dynvm-interp", "--out", str(out)]) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_names_in_step_with_the_suite(suite):
+    import bench.systems
+    import bench.workloads
+
+    assert tuple(bench.workloads.NAMES) == _bench_cmd.WORKLOADS
+    assert tuple(bench.systems.SYSTEMS) == _bench_cmd.SYSTEMS
+
+
+def test_json_records_machine_versions_and_every_figure(quick_run):
+    _, run = quick_run
+    assert run["command"].startswith("dynvm bench gnn")
+    for key in ("python", "torch", "dynvm", "cpus", "torch_threads", "host"):
+        assert key in run["machine"], key
+    assert run["machine"]["torch_threads"] == 1
+    assert run["peak_gflops"] > 0 and run["total_wall_seconds"] > 0
+    (result,) = run["workloads"]
+    assert result["workload"] == "gnn" and result["calls"] == 12
+    assert result["wall_seconds"] > 0 and result["distinct_shapes"] >= 1
+    assert [p["systems"] for p in result["passes"]] == [["eager", "dynvm-interp"]]
+    assert set(result["systems"]) == {"eager", "dynvm-interp"}
+    for name, s in result["systems"].items():
+        assert s["status"] == "ok", s
+        assert len(result["latency"][name]) == 12
+        for key in ("p50_ms", "p99_ms", "max_ms_steady", "x_eager", "per_bucket", "same_shape",
+                    "compiles", "compile_seconds", "total_compile_seconds", "switch_first_ms",
+                    "switch_second_ms", "first_over_second_sight", "steady_gflops",
+                    "fraction_of_peak"):
+            assert key in s, (name, key)
+        assert s["memory"]["allocations_per_forward"] > 0
+        assert s["memory"]["peak_rss_delta_mb"] is not None
+        assert all({"p50_ms", "p99_ms", "x_eager"} <= set(b) for b in s["per_bucket"].values())
+    assert result["systems"]["eager"]["x_eager"] == 1.0
+    assert result["systems"]["dynvm-interp"]["setup_seconds"] > 0  # the lowering
+
+
+def test_markdown_and_plot(quick_run):
+    out, _ = quick_run
+    md = (out / "report.md").read_text()
+    assert "Machine:" in md and "Quick mode" in md
+    for column in ("p50 ms", "x eager", "p99 ms", "max ms after warm-up", "compiles",
+                   "compile s (total)", "1st / 2nd call after switch ms", "allocs / fwd",
+                   "peak RSS +MB", "% of peak"):
+        assert column in md, column
+    assert "| eager PyTorch |" in md and "| dynvm interpreter |" in md
+    assert "Targets:" in md and "dynvm JIT did not run" in md
+    assert (out / "gnn_latency.png").stat().st_size > 1000
+
+
+def test_report_rebuilds_from_json(quick_run, suite, tmp_path, capsys):
+    out, _ = quick_run
+    copy = tmp_path / "again"
+    copy.mkdir()
+    (copy / "results.json").write_text((out / "results.json").read_text())
+    assert main(["bench", "--from", str(copy)]) == 0
+    assert (copy / "report.md").read_text() == (out / "report.md").read_text()
+
+
+def test_update_docs_keeps_the_hand_written_text(quick_run, suite, tmp_path):
+    import bench.report
+
+    out, _ = quick_run
+    docs = tmp_path / "BENCHMARKS.md"
+    docs.write_text("# Benchmarks\n\nintro\n\n<!-- bench:begin old marker -->\nold table\n"
+                    "<!-- bench:end -->\n\n## Reading\n\nprose\n")
+    bench.report.update_docs(out, docs)
+    text = docs.read_text()
+    assert text.startswith("# Benchmarks\n\nintro\n\n" + bench.report.BEGIN)
+    assert "old table" not in text and "| eager PyTorch |" in text
+    assert text.endswith("<!-- bench:end -->\n\n## Reading\n\nprose\n")
+    assert (tmp_path / "gnn_latency.png").exists()
+
+
+def _result(workload: str, jit: dict, others: dict, calls: int = 500) -> dict:
+    def system(label, **fields):
+        base = {"status": "ok", "label": label, "setup_seconds": 0.0, "p99_ms": 10.0,
+                "max_ms_steady": 12.0, "per_bucket": {}, "compiles": 0,
+                "total_compile_seconds": 0.0, "same_shape": {"p99_over_p50": 1.2,
+                                                             "calls": 50, "shapes": 10,
+                                                             "min_calls_per_shape": 3}}
+        return base | fields
+
+    systems = {"dynvm-jit": system("dynvm JIT", **jit)}
+    systems |= {name: system(name, **fields) for name, fields in others.items()}
+    return {"workload": workload, "calls": calls, "warmup": 50, "distinct_shapes": 64,
+            "bucket_order": ["1", "4"], "systems": systems}
+
+
+def test_walk_targets_read_met_and_missed(suite):
+    import bench.report
+
+    jit = {"setup_seconds": 1.0, "total_compile_seconds": 2.0, "max_ms_steady": 30.0,
+           "per_bucket": {"1": {"p50_ms": 3.0, "x_eager": 0.85},
+                          "4": {"p50_ms": 7.0, "x_eager": 0.99}}}
+    others = {"eager": {"per_bucket": {"1": {"p50_ms": 3.5, "x_eager": 1.0},
+                                       "4": {"p50_ms": 7.1, "x_eager": 1.0}}},
+              "compile-static": {"total_compile_seconds": 30.0,
+                                 "per_bucket": {"4": {"p50_ms": 6.0, "x_eager": 0.8}}},
+              "compile-dynamic": {"total_compile_seconds": 5.0}}
+    lines = bench.report.targets(_result("walk", jit, others))
+    verdicts = [line.rsplit(": ", 1)[1] for line in lines]
+    # compile 2.0 <= 30/10 met; 2.0 <= 5/5 missed; spike 30 > 2x10 missed;
+    # batch 1 best met; batch 4 0.99 > 0.8 x 1.05 missed; batch 1 >= 10% below eager met.
+    assert verdicts == ["met", "NOT met", "NOT met", "met", "NOT met", "met"], lines
+
+
+def test_jitter_targets_read_met_and_missed(suite):
+    import bench.report
+
+    jit = {"compiles": 6, "same_shape": {"p99_over_p50": 1.7, "calls": 80, "shapes": 20,
+                                         "min_calls_per_shape": 3}}
+    lines = bench.report.targets(_result("jitter", jit, {"eager": {}}))
+    assert [line.rsplit(": ", 1)[1] for line in lines] == ["met", "NOT met"], lines
+    assert "eager in the same pass: 1.20" in lines[1]
+
+
+def test_unknown_names_are_usage_errors(capsys):
+    assert main(["bench", "walk", "--systems", "eager,nope"]) == 2
+    assert "dynvm: error: unknown system 'nope'" in capsys.readouterr().err
+    assert main(["bench", "sorting"]) == 2
+    assert "dynvm: error: unknown workload 'sorting'" in capsys.readouterr().err
