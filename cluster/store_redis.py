@@ -156,7 +156,7 @@ def _url_options(url: str) -> dict:
     return parse_url(url)
 
 
-def _client(config: RedisConfig) -> redis.Redis:
+def redis_client(config: RedisConfig, name: str = "dynvm-kernel-store") -> redis.Redis:
     options: dict = {
         "host": config.host,
         "port": config.port,
@@ -166,7 +166,7 @@ def _client(config: RedisConfig) -> redis.Redis:
         "socket_timeout": config.socket_timeout_s,
         "socket_connect_timeout": config.connect_timeout_s,
         "retry": Retry(ExponentialBackoff(cap=0.25, base=0.02), config.retries),
-        "client_name": "dynvm-kernel-store",
+        "client_name": name,
     }
     tls = config.tls
     if config.url is not None:
@@ -196,7 +196,7 @@ class RedisStore:
         self.config = config
         self.stats = StoreStats()
         self._secrets = config._password_forms()
-        self._redis = _client(config)
+        self._redis = redis_client(config)
 
     def __repr__(self) -> str:
         return f"RedisStore({self.config.location()!r}, namespace={self.config.namespace!r})"

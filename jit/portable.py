@@ -158,10 +158,10 @@ def encode(ir: SpecializedRegion, strength: GuardStrength, signature: tuple,
 
 
 class _Decoder:
-    def __init__(self, program) -> None:
+    def __init__(self, program=None) -> None:
         self.program = program
-        self.n_regs = program.n_regs
-        self.n_consts = len(program.constants)
+        self.n_regs = program.n_regs if program is not None else 0
+        self.n_consts = len(program.constants) if program is not None else 0
 
     def fail(self, where: str, problem: str):
         raise PortableError(f"{where}: {problem}")
@@ -343,6 +343,14 @@ class _Decoder:
         if text not in ("contiguous", "strided"):
             self.fail(where, f"unknown layout class {text!r}")
         return text
+
+
+def decode_signature(raw, live_ins: int) -> tuple:
+    """A strong signature from `encode_signature`'s form, for a region of `live_ins`."""
+    signature = _Decoder().signature(raw, "signature")
+    if len(signature) != live_ins:
+        raise PortableError(f"signature: {len(signature)} entries for {live_ins} live-ins")
+    return signature
 
 
 def decode(record, program) -> PortableSpecialization:

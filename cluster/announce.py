@@ -1,0 +1,144 @@
+"""Announcing new artifacts: Redis pub/sub from the compile service to every replica.
+
+An announcement says only "the artifact stored under KEY is new for PROGRAM on
+TARGET" (plus, when tracing, the W3C trace context of the compile that made it). It is
+a hint, never trusted content: a replica fetches KEY from the kernel store and verifies
+it there (Note [Signed artifacts]) before anything is installed, so a forged
+announcement can at worst make a replica look up a key. Pub/sub delivers at most once
+and only to connected subscribers; what a replica misses (Redis restarting, the replica
+starting later) it finds in the program's index entry (dynvm.cluster.fleet_index),
+which it reads at start-up and polls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgpack
+import redis
+
+from dynvm.cluster.store_base import check_key
+from dynvm.cluster.store_redis import RedisConfig, redis_client
+
+CHANNEL = "dynvm:announce"
+_MAX_MESSAGE_BYTES = 4096
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Announcement:
+    program: str
+    target: str
+    key: str
+    trace: dict | None = None   # W3C trace-context carrier of the compile, if traced
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"program": self.program, "target": self.target,
+                              "key": self.key, "trace": self.trace}, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> Announcement | None:
+        """The announcement in `data`, or None for anything malformed (ignored)."""
+        if not isinstance(data, bytes) or len(data) > _MAX_MESSAGE_BYTES:
+            return None
+        try:
+            raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+            program, target, key = raw["program"], raw["target"], check_key(raw["key"])
+            trace = raw.get("trace")
+        except Exception:  # any malformed message is dropped, never raised into a replica
+            return None
+        if not isinstance(program, str) or not isinstance(target, str):
+            return None
+        if trace is not None and not (isinstance(trace, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in trace.items())):
+            trace = None
+        return cls(program, target, key, trace)
+
+
+class Announcer:
+    """Publishes announcements; a Redis outage costs only the announcement (counted)."""
+
+    def __init__(self, config: RedisConfig) -> None:
+        self._redis = redis_client(config, "dynvm-announcer")
+        self.sent = 0
+        self.failed = 0
+
+    def publish(self, announcement: Announcement) -> bool:
+        try:
+            self._redis.publish(CHANNEL, announcement.encode())
+        except redis.RedisError as error:
+            self.failed += 1
+            logger.warning("announce failed (%s); replicas will find %s in the index",
+                           type(error).__name__, announcement.key[:16])
+            return False
+        self.sent += 1
+        return True
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+class Subscription:
+    """A thread that hands every well-formed announcement to `on_message`; reconnects
+    with exponential backoff (capped) when Redis goes away, counting reconnects."""
+
+    def __init__(self, config: RedisConfig, on_message: Callable[[Announcement], None],
+                 max_backoff_s: float = 2.0) -> None:
+        self._config = config
+        self._on_message = on_message
+        self._max_backoff_s = max_backoff_s
+        self._stop = threading.Event()
+        self.connected = threading.Event()
+        self.received = 0
+        self.reconnects = 0
+        self._thread = threading.Thread(target=self._run, name="dynvm-announce", daemon=True)
+
+    def start(self) -> Subscription:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._stop.is_set():
+            client = redis_client(self._config, "dynvm-subscriber")
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(CHANNEL)
+                self.connected.set()
+                backoff = 0.05
+                while not self._stop.is_set():
+                    message = pubsub.get_message(timeout=0.5)
+                    if message is None or message.get("type") != "message":
+                        continue
+                    announcement = Announcement.decode(message.get("data"))
+                    if announcement is not None:
+                        self.received += 1
+                        self._deliver(announcement)
+            except (redis.RedisError, OSError) as error:
+                if self.connected.is_set():
+                    logger.warning("announcements lost their Redis connection (%s); "
+                                   "reconnecting", type(error).__name__)
+                self.connected.clear()
+                self.reconnects += 1
+                self._stop.wait(backoff)
+                backoff = min(self._max_backoff_s, backoff * 2)
+            finally:
+                try:
+                    pubsub.close()
+                    client.close()
+                except (redis.RedisError, OSError):
+                    pass
+        self.connected.clear()
+
+    def _deliver(self, announcement: Announcement) -> None:
+        try:
+            self._on_message(announcement)
+        except Exception:  # a failing install must not stop the subscription
+            logger.exception("installing announced artifact %s failed", announcement.key[:16])

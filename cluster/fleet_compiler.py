@@ -1,0 +1,246 @@
+"""`FleetCompiler`: the compile service's work, without Ray (the actor wraps it; `dynvm
+precompile` uses it directly).
+
+Note [Fleet promotion]
+~~~~~~~~~~~~~~~~~~~~~~
+Replicas ship the signature of every interpreted region call (in batches, see
+dynvm.cluster.fleet_link). The compiler feeds them, from all replicas alike, into one
+JIT per program that never runs a model: its regions' profiles, windows, family index
+and promotion policy are exactly a replica's (Note [Promotion], Note [Tiering]), so a
+shape is promoted by the same rule, only counted over the whole fleet. A shape that
+each of four replicas sees twice is seen eight times here, and is promoted although no
+single replica would have. Each compile is published: the artifact (with its portable
+record) is sealed into the kernel store, the program's index is rewritten, and an
+announcement goes out on Redis pub/sub.
+
+The compiler interprets nothing itself and trusts nothing it is sent: observations are
+decoded with the same validation as stored records, and one that does not describe a
+watched region of a known program is counted and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate
+
+from dynvm.cluster.announce import Announcement, Announcer
+from dynvm.cluster.config import StoreConfig
+from dynvm.cluster.fleet_records import (
+    index_fields,
+    index_key,
+    keys_from_index,
+    portable_from_fields,
+    specialization_fields,
+)
+from dynvm.cluster.signed import ArtifactCache
+from dynvm.jit.artifact import toolchain_versions
+from dynvm.jit.config import JitConfig
+from dynvm.jit.engine import Jit
+from dynvm.jit.portable import PortableError, decode_signature
+from dynvm.vm import dvm_file
+from dynvm.vm.errors import DvmFormatError
+from dynvm.vm.interpreter import Interpreter
+
+logger = logging.getLogger(__name__)
+TARGET = "cpu"
+
+
+@dataclass
+class _ProgramState:
+    program: object
+    jit: Jit
+    index: dict[int, OrderedDict] = field(default_factory=dict)   # region -> keys
+    observations: int = 0
+    rejected: int = 0
+
+
+class FleetCompiler:
+    """Aggregates replicas' signature statistics, promotes, compiles and publishes."""
+
+    def __init__(self, store: StoreConfig, jit_config: JitConfig | None = None,
+                 telemetry=None) -> None:
+        self.jit_config = jit_config or JitConfig()
+        self.telemetry = telemetry if telemetry is not None and telemetry.enabled else None
+        self.cache = ArtifactCache(store.open_store(), store.secret,
+                                   {"target": TARGET, "toolchain": toolchain_versions()})
+        self.announcer = Announcer(store.redis) if store.redis is not None else None
+        self._programs: dict[str, _ProgramState] = {}
+        self._lock = threading.RLock()
+        self.published = 0
+        self.publish_failures = 0
+        self._handled = 0       # compiles whose publishing finished (either way)
+        self._publishing = 0    # publishes in progress
+
+    # -- programs ----------------------------------------------------------------------
+
+    def knows(self, program_hash: str) -> bool:
+        return program_hash in self._programs
+
+    def register(self, program_hash: str, dvm_bytes: bytes) -> None:
+        """Load a program (a .dvm file's bytes) so that its signatures can be compiled."""
+        with self._lock:
+            if program_hash in self._programs:
+                return
+            try:
+                program = dvm_file.loads(dvm_bytes)
+            except DvmFormatError as error:
+                raise ValueError(f"program {program_hash[:12]}: {error}") from None
+            if program.content_hash != program_hash:
+                raise ValueError(f"program bytes hash to {program.content_hash[:12]}, "
+                                 f"not {program_hash[:12]}")
+            jit = Jit(program, Interpreter(program, TARGET), self.jit_config, self.telemetry)
+            jit.attach()
+            state = _ProgramState(program, jit)
+            jit.add_compile_listener(lambda region_jit, spec: self._publish(state, spec))
+            self._programs[program_hash] = state
+            self._load_index(state)
+
+    def _load_index(self, state: _ProgramState) -> None:
+        """Resume from the store's index: a restarted service installs what it published
+        before into its own JIT (as a replica would), so it neither forgets nor recompiles."""
+        program_hash = state.program.content_hash
+        key = index_key(program_hash, TARGET)
+        fields = self.cache.fetch([key]).get(key)
+        if fields is None:
+            return
+        listed = keys_from_index(fields, program_hash)
+        for artifact_key, artifact in self.cache.fetch(listed).items():
+            try:
+                portable = portable_from_fields(artifact, state.program)
+                state.jit.install_portable(portable, artifact_key)
+            except PortableError as error:
+                logger.warning("indexed artifact %s skipped: %s", artifact_key[:16], error)
+                continue
+            state.index.setdefault(portable.region, OrderedDict())[artifact_key] = None
+
+    # -- observations (Note [Fleet promotion]) ------------------------------------------
+
+    def report(self, program_hash: str, batch: Sequence) -> dict:
+        """Feed `batch` of [region, signature, seconds, trace carrier or None] observations.
+        Returns {"known": False} when the program must be registered first."""
+        state = self._programs.get(program_hash)
+        if state is None:
+            return {"known": False}
+        for item in batch:
+            try:
+                region, raw, seconds, carrier = item
+                region_jit = state.jit.regions.get(region) if type(region) is int else None
+                if region_jit is None or not isinstance(seconds, int | float):
+                    raise PortableError(f"region {region!r} is not watched")
+                signature = decode_signature(raw, len(region_jit.live_in))
+            except (PortableError, TypeError, ValueError):
+                state.rejected += 1
+                continue
+            state.observations += 1
+            self._observe(region_jit, signature, float(seconds), carrier)
+        return {"known": True}
+
+    def _observe(self, region_jit, signature, seconds: float, carrier) -> None:
+        if carrier and self.telemetry is not None:
+            # The request that caused the observation parents the promotion it may tip.
+            token = otel_context.attach(propagate.extract(carrier))
+            try:
+                region_jit.leave(signature, seconds)
+            finally:
+                otel_context.detach(token)
+            return
+        region_jit.leave(signature, seconds)
+
+    # -- publishing ----------------------------------------------------------------------
+
+    def _publish(self, state: _ProgramState, spec) -> None:
+        with self._lock:
+            self._publishing += 1
+        try:
+            self._publish_one(state, spec)
+        finally:
+            with self._lock:
+                self._publishing -= 1
+                self._handled += 1
+
+    def _publish_one(self, state: _ProgramState, spec) -> None:
+        program_hash = state.program.content_hash
+        start = time.perf_counter()
+        fields = specialization_fields(spec, program_hash)
+        if not self.cache.publish(spec.artifact.key, fields):
+            self.publish_failures += 1
+            return
+        with self._lock:
+            keys = state.index.setdefault(spec.ir.region_index, OrderedDict())
+            keys[spec.artifact.key] = None
+            while len(keys) > self.jit_config.max_specializations_per_region:
+                keys.popitem(last=False)
+            listed = [k for region_keys in state.index.values() for k in region_keys]
+        self.cache.publish(index_key(program_hash, TARGET),
+                           index_fields(program_hash, TARGET, listed))
+        self.published += 1
+        carrier: dict[str, str] = {}
+        if self.telemetry is not None:
+            with self.telemetry.tracer.start_as_current_span(
+                    "dynvm.publish", attributes={
+                        "dynvm.cache_key": spec.artifact.key,
+                        "dynvm.region": spec.ir.region_index,
+                        "dynvm.artifact_bytes": len(spec.artifact.source.encode()),
+                        "dynvm.seconds": time.perf_counter() - start}):
+                propagate.inject(carrier)
+        if self.announcer is not None:
+            self.announcer.publish(Announcement(program_hash, TARGET, spec.artifact.key,
+                                                carrier or None))
+
+    # -- inspection -----------------------------------------------------------------------
+
+    def index(self, program_hash: str) -> list[str]:
+        state = self._programs.get(program_hash)
+        if state is None:
+            return []
+        return [k for keys in state.index.values() for k in keys]
+
+    def wait_idle(self, timeout_s: float = 60.0) -> bool:
+        """Wait until no compile is queued or running (tests, `dynvm precompile`)."""
+        deadline = time.monotonic() + timeout_s
+        quiet_since = None
+        while time.monotonic() < deadline:
+            # A compile leaves `pending` a moment before its publishing starts: idle means
+            # nothing queued, pending or publishing, and no publish finished for 100 ms.
+            states = list(self._programs.values())
+            busy = self._publishing or any(
+                len(s.jit.queue) or any(r.pending for r in s.jit.regions.values())
+                for s in states)
+            mark = (busy, self._handled)
+            if busy or quiet_since is None or quiet_since[1] != mark:
+                quiet_since = (time.monotonic(), mark)
+            elif time.monotonic() - quiet_since[0] >= 0.1:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def stats(self) -> dict:
+        programs = {}
+        for program_hash, state in self._programs.items():
+            jit_stats = state.jit.stats()
+            programs[program_hash[:12]] = {
+                "name": state.program.name, "observations": state.observations,
+                "rejected_observations": state.rejected, "compiles": jit_stats["compiles"],
+                "family_compiles": jit_stats["family_compiles"],
+                "compile_seconds": jit_stats["compile_seconds"],
+                "compile_failures": jit_stats["compile_failures"],
+                "queue_length": jit_stats["queue_length"],
+                "indexed": len(self.index(program_hash))}
+        return {"programs": programs, "published": self.published,
+                "publish_failures": self.publish_failures, "store": self.cache.stats(),
+                "announced": self.announcer.sent if self.announcer else 0,
+                "announce_failures": self.announcer.failed if self.announcer else 0,
+                "trace_enabled": self.telemetry is not None}
+
+    def close(self) -> None:
+        for state in self._programs.values():
+            state.jit.close()
+        if self.announcer is not None:
+            self.announcer.close()

@@ -1,0 +1,228 @@
+"""`FleetLink`: a replica's connection to the compile service and the kernel store.
+
+It implements the JIT's fleet hooks (Note [Fleet hooks] in dynvm.jit.engine):
+
+* every interpreted region call appends (region, signature, seconds) to a bounded
+  buffer, a deque append on the request path; a link thread ships the buffer to the
+  service every `flush_interval_s` (Note [Fleet promotion]). When the buffer is full
+  the oldest observations are dropped and counted: statistics may be lost, requests
+  never wait;
+* while the service answers, promotions do not compile here (the service compiles once
+  for the fleet); when it stops answering they compile locally again, until it is back;
+* new artifacts arrive by announcement (Redis pub/sub) and by polling the program's
+  index; each is fetched, verified (Note [Signed artifacts]), decoded with validation
+  (Note [Portable specializations]) and installed. A rejected entry is counted and
+  never installed;
+* `start()` installs everything the index lists before it returns: a replica that
+  starts after a promotion serves that shape specialized from its first request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate
+
+from dynvm.cluster.announce import Announcement, Subscription
+from dynvm.cluster.config import StoreConfig
+from dynvm.cluster.fleet_compiler import TARGET
+from dynvm.cluster.fleet_records import index_key, keys_from_index, portable_from_fields
+from dynvm.cluster.signed import ArtifactCache
+from dynvm.jit.artifact import toolchain_versions
+from dynvm.jit.portable import PortableError, encode_signature
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FleetOptions:
+    """How a replica takes part in the fleet's compiling."""
+
+    store: StoreConfig
+    """The kernel store and its secret (the same on every process of the cluster)."""
+    service_name: str = "dynvm-compile-service"
+    """Name of the compile service actor (dynvm.cluster.compile_service)."""
+    service_namespace: str = "dynvm"
+    """Ray namespace of that actor."""
+    flush_interval_s: float = 0.05
+    """How often buffered observations are shipped to the service."""
+    poll_interval_s: float = 2.0
+    """How often the program's index is re-read (catches missed announcements)."""
+    max_buffered: int = 8192
+    """Observations kept while the service is slow or away; older ones are dropped."""
+    service_timeout_s: float = 2.0
+    """A service call slower than this counts as unreachable (compile locally)."""
+
+    def __post_init__(self) -> None:
+        for name in ("flush_interval_s", "poll_interval_s", "service_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"FleetOptions.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_buffered < 1:
+            raise ValueError(f"FleetOptions.max_buffered must be >= 1, got {self.max_buffered}")
+
+
+class FleetLink:
+    def __init__(self, runtime, dvm_bytes: bytes, options: FleetOptions, client) -> None:
+        if runtime.jit is None:
+            raise ValueError("a fleet link needs a Runtime with its JIT on")
+        self.runtime = runtime
+        self.jit = runtime.jit
+        self.program = runtime.program
+        self.program_hash = self.program.content_hash
+        self.options = options
+        self.client = client
+        self.target = str(runtime.device)
+        self._dvm_bytes = dvm_bytes
+        self.cache = ArtifactCache(options.store.open_store(), options.store.secret,
+                                   {"target": self.target, "toolchain": toolchain_versions()})
+        # The service compiles for TARGET only; other devices keep their local JIT.
+        self.shared = self.target == TARGET
+        self._buffer: deque = deque()
+        self._buffer_lock = threading.Lock()
+        self._install_lock = threading.Lock()
+        self._installed: set[str] = set()
+        self._service_ok = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dynvm-fleet-link", daemon=True)
+        self._subscription = None
+        self._tracing = runtime.telemetry is not None
+        self.counters = {"reported": 0, "dropped_observations": 0, "service_failures": 0,
+                         "registrations": 0, "installed": 0, "install_rejected": 0,
+                         "announcements": 0, "warm_start_installs": 0}
+        self.warm_start_seconds = 0.0
+
+    # -- life cycle ------------------------------------------------------------------
+
+    def start(self) -> FleetLink:
+        """Connect, install what the index lists (warm start), start the link thread."""
+        if not self.shared:
+            return self
+        self.jit.connect(self)
+        start = time.perf_counter()
+        self.counters["warm_start_installs"] = self._install_indexed()
+        self.warm_start_seconds = time.perf_counter() - start
+        self._flush()  # learn whether the service is there before the first request
+        if self.options.store.redis is not None:
+            self._subscription = Subscription(self.options.store.redis,
+                                              self._on_announcement).start()
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if self._subscription is not None:
+            self._subscription.close()
+
+    # -- fleet hooks (called by the JIT) ---------------------------------------------------
+
+    def observed(self, region: int, signature: tuple, seconds: float) -> None:
+        carrier = None
+        if self._tracing:
+            carrier = {}
+            propagate.inject(carrier)
+        with self._buffer_lock:
+            if len(self._buffer) >= self.options.max_buffered:
+                self._buffer.popleft()
+                self.counters["dropped_observations"] += 1
+            self._buffer.append((region, signature, seconds, carrier or None))
+
+    def compiles_locally(self) -> bool:
+        return not self._service_ok
+
+    # -- the link thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_poll = time.monotonic() + self.options.poll_interval_s
+        while not self._stop.wait(self.options.flush_interval_s):
+            self._flush()
+            if time.monotonic() >= next_poll:
+                self._install_indexed()
+                next_poll = time.monotonic() + self.options.poll_interval_s
+
+    def _flush(self) -> None:
+        with self._buffer_lock:
+            items = list(self._buffer)
+            self._buffer.clear()
+        batch = [[region, encode_signature(signature), seconds, carrier]
+                 for region, signature, seconds, carrier in items]
+        answer = self.client.report(self.program_hash, batch)
+        if answer is not None and not answer.get("known", True):
+            self.counters["registrations"] += 1
+            if self.client.register(self.program_hash, self._dvm_bytes):
+                answer = self.client.report(self.program_hash, batch)
+        if answer is None or not answer.get("known", False):
+            if self._service_ok:
+                logger.warning("compile service unreachable: compiling locally until it "
+                               "answers again")
+            self._service_ok = False
+            self.counters["service_failures"] += 1
+            self.counters["dropped_observations"] += len(batch)
+            return
+        self._service_ok = True
+        self.counters["reported"] += len(batch)
+
+    # -- installing ----------------------------------------------------------------------
+
+    def _install_indexed(self) -> int:
+        key = index_key(self.program_hash, self.target)
+        fields = self.cache.fetch([key]).get(key)
+        if fields is None:
+            return 0
+        return self._install(keys_from_index(fields, self.program_hash))
+
+    def _on_announcement(self, announcement: Announcement) -> None:
+        if announcement.program != self.program_hash or announcement.target != self.target:
+            return
+        self.counters["announcements"] += 1
+        token = None
+        if self._tracing and announcement.trace:
+            token = otel_context.attach(propagate.extract(announcement.trace))
+        try:
+            if self._tracing:
+                with self.runtime.telemetry.tracer.start_as_current_span(
+                        "dynvm.fleet_install", attributes={
+                            "dynvm.cache_key": announcement.key,
+                            "dynvm.program": self.program.name}):
+                    self._install([announcement.key])
+            else:
+                self._install([announcement.key])
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+
+    def _install(self, keys: list[str]) -> int:
+        installed = 0
+        with self._install_lock:
+            wanted = [k for k in keys if k not in self._installed]
+            if not wanted:
+                return 0
+            for key, fields in self.cache.fetch(wanted).items():
+                try:
+                    portable = portable_from_fields(fields, self.program)
+                    spec = self.jit.install_portable(portable, key,
+                                                     float(fields.get("compile_seconds", 0)))
+                except PortableError as error:
+                    self.counters["install_rejected"] += 1
+                    logger.warning("artifact %s not installed: %s", key[:16], error)
+                    continue
+                self._installed.add(key)
+                if spec is not None:
+                    installed += 1
+        self.counters["installed"] += installed
+        return installed
+
+    def stats(self) -> dict:
+        with self._buffer_lock:
+            buffered = len(self._buffer)
+        return {**self.counters, "buffered": buffered, "service_ok": self._service_ok,
+                "shared": self.shared, "warm_start_seconds": self.warm_start_seconds,
+                "store": self.cache.stats(),
+                "announce_reconnects": self._subscription.reconnects
+                if self._subscription is not None else 0}

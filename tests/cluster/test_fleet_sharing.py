@@ -1,0 +1,184 @@
+"""Sharing specializations across a fleet, in one process: a real redis-server (started
+by the fixtures), the real FleetCompiler, real pub/sub; replicas are Runtimes with
+FleetLinks. (tests/cluster/test_fleet_serve.py runs the same over Ray Serve and HTTP.)"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from _redis_server import redis_config
+
+import dynvm
+from dynvm.cluster import StoreConfig
+from dynvm.cluster.compile_service import LocalServiceClient
+from dynvm.cluster.fleet_compiler import FleetCompiler
+from dynvm.cluster.fleet_link import FleetLink, FleetOptions
+from dynvm.cluster.signed import seal
+from dynvm.jit.config import JitConfig
+from dynvm.models import recommender
+
+FAST = {"flush_interval_s": 0.02, "poll_interval_s": 0.2}
+# The recommender's regions take microseconds: with the default horizon a compile would
+# not pay for itself and the policy (rightly) refuses; a long horizon makes it promote.
+CONFIG = JitConfig(min_recurrence=2, max_recurrence=4, horizon_calls=10**7)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    demo = recommender(max_batch=64)
+    program = dynvm.compile(demo.module.eval(), demo.example_inputs, demo.dynamic_shapes,
+                            name="recommender")
+    path = tmp_path_factory.mktemp("fleet") / "recommender.dvm"
+    dynvm.save(program, path)
+    return demo, dynvm.load(path), path.read_bytes()
+
+
+def _draws(demo, n: int, seed: int = 0) -> list[tuple]:
+    return [demo.sample_inputs(random.Random(seed + i)) for i in range(n)]
+
+
+def _replica(program, dvm_bytes, store: StoreConfig, compiler: FleetCompiler,
+             config: JitConfig | None = None) -> FleetLink:
+    runtime = dynvm.Runtime(program, "cpu", jit=config or CONFIG)
+    return FleetLink(runtime, dvm_bytes, FleetOptions(store, **FAST),
+                     LocalServiceClient(compiler)).start()
+
+
+def _wait(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(params=["redis", "local"])
+def store_config(request, tmp_path, secret):
+    if request.param == "local":
+        return StoreConfig(secret=secret, local_dir=str(tmp_path / "kernels"))
+    server = request.getfixturevalue("redis_server")
+    return StoreConfig(secret=secret, redis=redis_config(server))
+
+
+def test_traffic_on_one_replica_is_installed_on_the_others(model, store_config):
+    demo, program, dvm_bytes = model
+    compiler = FleetCompiler(store_config, CONFIG)
+    a = _replica(program, dvm_bytes, store_config, compiler)
+    b = _replica(program, dvm_bytes, store_config, compiler)
+    try:
+        assert a.stats()["service_ok"] and not a.runtime.jit.compiles_locally()
+        draws = _draws(demo, 3)
+        for _ in range(12):
+            for inputs in draws:
+                a.runtime(*inputs)
+        assert compiler.wait_idle()
+        assert compiler.stats()["published"] >= 1
+        # B never saw traffic: it installs what A's traffic promoted, compiling nothing.
+        assert _wait(lambda: b.runtime.stats()["installs"] >= 1)
+        assert _wait(lambda: a.runtime.stats()["installs"] >= 1)
+        assert b.runtime.stats()["compiles"] == 0
+        assert a.runtime.stats()["compiles"] == 0  # the service compiled, not A
+        before = b.runtime.stats()["specialized_region_calls"]
+        reference = dynvm.Runtime(program, "cpu", jit=False)
+        for inputs in draws:
+            torch.testing.assert_close(b.runtime(*inputs), reference(*inputs))
+        assert b.runtime.stats()["specialized_region_calls"] > before
+        # A replica that starts now serves its first call specialized (warm start).
+        c = _replica(program, dvm_bytes, store_config, compiler)
+        try:
+            assert c.stats()["warm_start_installs"] >= 1
+            c.runtime(*draws[0])
+            stats = c.runtime.stats()
+            assert stats["specialized_region_calls"] >= 1
+            assert stats["interpreted_region_calls"] == 0
+            assert stats["compiles"] == 0
+        finally:
+            c.close()
+    finally:
+        a.close()
+        b.close()
+        compiler.close()
+
+
+def test_fleet_wide_recurrence_promotes_what_no_replica_would(model, store_config):
+    """K=4 on every JIT: each of two replicas sees the shape twice (below K alone), the
+    service sees it four times and promotes it."""
+    demo, program, dvm_bytes = model
+    config = JitConfig(min_recurrence=4, max_recurrence=4, families=False,
+                       horizon_calls=10**7)
+    compiler = FleetCompiler(store_config, config)
+    a = _replica(program, dvm_bytes, store_config, compiler, config)
+    b = _replica(program, dvm_bytes, store_config, compiler, config)
+    try:
+        inputs = _draws(demo, 1, seed=7)[0]
+        for link in (a, b, a, b):
+            link.runtime(*inputs)
+            link._flush()
+        assert compiler.wait_idle()
+        assert compiler.stats()["published"] >= 1
+        assert _wait(lambda: a.runtime.stats()["installs"] >= 1
+                     and b.runtime.stats()["installs"] >= 1)
+    finally:
+        a.close()
+        b.close()
+        compiler.close()
+
+
+def test_without_a_service_replicas_compile_locally(model, store_config):
+    demo, program, dvm_bytes = model
+
+    class Unreachable:
+        def report(self, program_hash, batch):
+            return None
+
+        def register(self, program_hash, dvm_bytes):
+            return False
+
+    runtime = dynvm.Runtime(program, "cpu", jit=CONFIG)
+    link = FleetLink(runtime, dvm_bytes, FleetOptions(store_config, **FAST),
+                     Unreachable()).start()
+    try:
+        assert not link.stats()["service_ok"]
+        inputs = _draws(demo, 1)[0]
+        for _ in range(20):
+            runtime(*inputs)
+        assert _wait(lambda: runtime.stats()["compiles"] >= 1)
+    finally:
+        link.close()
+
+
+def test_forged_store_entry_is_rejected_and_requests_still_succeed(model, store_config):
+    demo, program, dvm_bytes = model
+    compiler = FleetCompiler(store_config, CONFIG)
+    a = _replica(program, dvm_bytes, store_config, compiler)
+    try:
+        draws = _draws(demo, 3)
+        for _ in range(12):
+            for inputs in draws:
+                a.runtime(*inputs)
+        assert compiler.wait_idle()
+        keys = compiler.index(program.content_hash)
+        assert keys
+        # An attacker with store access overwrites every entry, with another secret.
+        store = store_config.open_store()
+        for key in store.get(keys):
+            store.put(key, seal(key, {"backend": "cpu", "target": "cpu", "toolchain": {},
+                                      "kernel_name": "x", "source": "import os", "guard": ""},
+                                b"not-the-secret"))
+        fresh = _replica(program, dvm_bytes, store_config, compiler)
+        try:
+            stats = fresh.stats()
+            assert stats["store"]["forged"] >= 1
+            assert stats["warm_start_installs"] == 0
+            reference = dynvm.Runtime(program, "cpu", jit=False)
+            for inputs in draws:
+                torch.testing.assert_close(fresh.runtime(*inputs), reference(*inputs))
+        finally:
+            fresh.close()
+    finally:
+        a.close()
+        compiler.close()
