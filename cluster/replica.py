@@ -33,8 +33,11 @@ Triton's dynamic batcher.
 import asyncio
 import json
 import re
+import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from fastapi import FastAPI, Request
@@ -45,10 +48,16 @@ from torch.utils import _pytree as pytree
 
 import dynvm
 from dynvm.cluster import v2_protocol as v2
+from dynvm.cluster.compile_service import RayServiceClient
+from dynvm.cluster.fleet_link import FleetLink, FleetOptions
+from dynvm.cluster.metrics import ReplicaMetrics
+from dynvm.jit.config import JitConfig
 from dynvm.vm.errors import DynvmError, ExecutionError, InputError, ShapeError
 
 MODEL_VERSION = "1"
 SERVER_APP = "dynvm-server"
+LATENCY_WINDOW = 1024      # recent requests whose latency stats() summarizes
+METRICS_EVERY_S = 1.0      # Prometheus series are refreshed at most this often
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -106,6 +115,25 @@ class _RootWithoutSlash:
         await self.app(scope, receive, send)
 
 
+def _replica_tag() -> str | None:
+    """Serve's id of this replica (the Prometheus `replica` tag), None outside Serve."""
+    try:
+        return serve.get_replica_context().replica_tag
+    except Exception:  # not running inside a Serve replica (a direct test)
+        return None
+
+
+def _percentiles_ms(seconds: list[float]) -> dict:
+    if not seconds:
+        return {"p50": None, "p99": None, "count": 0}
+    ordered = sorted(seconds)
+
+    def at(q: float) -> float:
+        return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+    return {"p50": at(0.50), "p99": at(0.99), "count": len(ordered)}
+
+
 @dataclass
 class _Outcome:
     """What the batch method hands back per request: outputs or the error to raise."""
@@ -124,13 +152,26 @@ class ModelReplica:
     """One model on one device, served over the Open Inference Protocol."""
 
     def __init__(self, model_name: str, dvm_path: str, device: str | None = "auto",
-                 jit: bool = True, max_batch_size: int = 8, batch_wait_timeout_s: float = 0.01,
-                 batching: bool = True, max_body_bytes: int = v2.DEFAULT_MAX_BODY_BYTES,
-                 probe_outputs: bool = True) -> None:
+                 jit: bool | JitConfig = True, max_batch_size: int = 8,
+                 batch_wait_timeout_s: float = 0.01, batching: bool = True,
+                 max_body_bytes: int = v2.DEFAULT_MAX_BODY_BYTES, probe_outputs: bool = True,
+                 fleet: FleetOptions | None = None) -> None:
         self.model_name = check_model_name(model_name)
         self.program = dynvm.load(dvm_path)
         self.device = pick_device(device)
         self.runtime = dynvm.Runtime(self.program, self.device, jit=jit)
+        # Warm start (Note [Fleet promotion]): everything the fleet already compiled for
+        # this program is installed before the replica reports ready.
+        self.link = None
+        if fleet is not None and self.runtime.jit is not None:
+            client = RayServiceClient(fleet.service_name, fleet.service_namespace,
+                                      fleet.service_timeout_s)
+            self.link = FleetLink(self.runtime, Path(dvm_path).read_bytes(), fleet,
+                                  client).start()
+        self.metrics = ReplicaMetrics(self.model_name)
+        self._metrics_at = 0.0
+        self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._replica = _replica_tag()
         self.max_body_bytes = int(max_body_bytes)
         self._batch_dim = self._find_batch_dim() if batching else None
         self._batched.set_max_batch_size(int(max_batch_size))
@@ -257,6 +298,10 @@ class ModelReplica:
                 self.counters[key] = max(self.counters[key], value)
             else:
                 self.counters[key] += value
+        now = time.monotonic()
+        if now - self._metrics_at >= METRICS_EVERY_S:
+            self._metrics_at = now
+            self.metrics.update(self.stats())
         return outcomes
 
     async def infer_request(self, request: v2.InferRequest) -> list[torch.Tensor]:
@@ -281,7 +326,18 @@ class ModelReplica:
                                  self.outputs_meta)
 
     def stats(self) -> dict:
-        return {"model": self.model_name, **self.runtime.stats(), **self.counters}
+        stats = {"model": self.model_name, "replica": self._replica, **self.runtime.stats(),
+                 **self.counters, "latency_ms": _percentiles_ms(list(self._latencies))}
+        if self.link is not None:
+            stats["fleet"] = self.link.stats()
+            stats["store"] = stats["fleet"]["store"]
+        return stats
+
+    def __del__(self) -> None:
+        # Serve calls this when it stops the replica: stop the link's threads.
+        link = getattr(self, "link", None)
+        if link is not None:
+            link.close()
 
     async def _handle(self, version: str | None, action) -> Response:
         try:
@@ -325,6 +381,15 @@ class ModelReplica:
         return await self._handle(version, lambda: self._infer_http(request, version))
 
     async def _infer_http(self, request: Request, version: str | None) -> Response:
+        start = time.perf_counter()
+        try:
+            return await self._infer_http_timed(request, version)
+        finally:
+            seconds = time.perf_counter() - start
+            self._latencies.append(seconds)
+            self.metrics.observe_request(seconds)
+
+    async def _infer_http_timed(self, request: Request, version: str | None) -> Response:
         self.counters["requests"] += 1
         try:
             encoding = request.headers.get("content-encoding", "identity").strip().lower()
@@ -387,6 +452,12 @@ class ServerFront:
             return _json_response({"ready": False, "not_ready": not_ready}, status=503)
         return _json_response({"ready": True})
 
+    @server_api.post("/repository/index")
+    async def repository_index(self) -> Response:
+        """The model repository extension's index: every served model, READY."""
+        return _json_response([{"name": n, "version": MODEL_VERSION, "state": "READY"}
+                               for n in self.model_names])
+
     @server_api.api_route("/models/{rest:path}", methods=["GET", "POST"])
     async def unknown_model(self, rest: str) -> Response:
         name = rest.split("/", 1)[0]
@@ -394,18 +465,54 @@ class ServerFront:
                                f"{', '.join(repr(n) for n in self.model_names) or 'none'}", 404)
 
 
-def serve_models(models: Mapping[str, str], *, device: str | None = "auto", jit: bool = True,
+@dataclass(frozen=True)
+class Autoscaling:
+    """Ray Serve autoscaling of each model's deployment."""
+
+    min_replicas: int = 1
+    """Never fewer replicas than this."""
+    max_replicas: int = 4
+    """Never more replicas than this."""
+    target_ongoing_requests: float = 2.0
+    """Serve adds replicas when requests in flight per replica exceed this."""
+    upscale_delay_s: float = 3.0
+    """How long load must stay above target before a replica is added."""
+    downscale_delay_s: float = 30.0
+    """How long load must stay below target before a replica is removed."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ValueError(f"Autoscaling needs 0 <= min_replicas <= max_replicas, max >= 1; "
+                             f"got {self.min_replicas}..{self.max_replicas}")
+        if self.target_ongoing_requests <= 0:
+            raise ValueError("Autoscaling.target_ongoing_requests must be > 0")
+
+    def as_serve_config(self) -> dict:
+        return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                "initial_replicas": self.min_replicas,
+                "target_ongoing_requests": self.target_ongoing_requests,
+                "upscale_delay_s": self.upscale_delay_s,
+                "downscale_delay_s": self.downscale_delay_s,
+                "metrics_interval_s": 0.5, "look_back_period_s": 2.0}
+
+
+def serve_models(models: Mapping[str, str], *, device: str | None = "auto",
+                 jit: bool | JitConfig = True,
                  max_batch_size: int = 8, batch_wait_timeout_s: float = 0.01,
                  batching: bool | Mapping[str, bool] = True,
                  max_body_bytes: int = v2.DEFAULT_MAX_BODY_BYTES,
                  num_replicas: int = 1, num_cpus: float = 1.0,
-                 num_gpus: float | None = None) -> dict:
+                 num_gpus: float | None = None, fleet: FleetOptions | None = None,
+                 autoscaling: Autoscaling | None = None) -> dict:
     """Deploy one Serve application per model (route prefix /v2/models/<name>) plus the
     server application (route prefix /v2). Serve must already be started (`serve.start`).
 
     `num_gpus=None`: one GPU per replica when the Ray cluster has GPUs, none otherwise.
     `batching` may be per model ({name: bool}); see Note [Request batching].
-    Returns {app name: DeploymentHandle}.
+    `fleet`: share compiled specializations through the compile service and the kernel
+    store (dynvm.cluster.fleet_link); start the service first (`start_compile_service`).
+    `autoscaling`: Serve autoscales each model between its bounds (`num_replicas` is
+    then ignored). Returns {app name: DeploymentHandle}.
     """
     import ray
 
@@ -415,13 +522,15 @@ def serve_models(models: Mapping[str, str], *, device: str | None = "auto", jit:
     for name, path in models.items():
         check_model_name(name)
         batch_on = batching.get(name, True) if isinstance(batching, Mapping) else batching
+        scaling = ({"autoscaling_config": autoscaling.as_serve_config()}
+                   if autoscaling is not None else {"num_replicas": num_replicas})
         app = ModelReplica.options(
             name=f"ModelReplica-{name}",
-            num_replicas=num_replicas,
             max_ongoing_requests=max(256, 4 * max_batch_size),
             ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+            **scaling,
         ).bind(name, str(path), device, jit, max_batch_size, batch_wait_timeout_s,
-               bool(batch_on), max_body_bytes)
+               bool(batch_on), max_body_bytes, True, fleet)
         targets.append(RunTarget(app, name=model_app_name(name),
                                  route_prefix=f"/v2/models/{name}"))
     targets.append(RunTarget(ServerFront.bind(list(models)), name=SERVER_APP,
