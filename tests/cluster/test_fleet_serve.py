@@ -1,0 +1,227 @@
+"""The fleet over real parts: a local Ray cluster, Ray Serve replicas behind HTTP, a real
+redis-server, the compile service actor; clients are tritonclient and plain HTTP.
+
+Apps "ta" and "tb" serve the same Transformer program: two replicas of one program that
+Serve cannot route between, so traffic can be aimed at one of them.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import secrets
+import socket
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from _redis_server import REDIS_SERVER, RedisServer, redis_config
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+httpclient = pytest.importorskip("tritonclient.http")
+
+import dynvm  # noqa: E402
+from dynvm.cluster import StoreConfig  # noqa: E402
+from dynvm.cluster.compile_service import start_compile_service  # noqa: E402
+from dynvm.cluster.fleet_link import FleetOptions  # noqa: E402
+from dynvm.cluster.replica import Autoscaling, serve_models  # noqa: E402
+from dynvm.jit.config import JitConfig  # noqa: E402
+from dynvm.models import recommender, transformer  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SMALL = {"layers": 2, "hidden": 64, "heads": 4, "ffn": 128}
+CONFIG = JitConfig(min_recurrence=2, max_recurrence=4, horizon_calls=10**7)
+SEQ = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, port: int, fleet: FleetOptions, paths: dict, modules: dict) -> None:
+        self.port = port
+        self.fleet = fleet
+        self.paths = paths
+        self.modules = modules
+
+    def request(self, method: str, path: str, body: bytes | None = None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        try:
+            conn.request(method, path, body=body,
+                         headers={"Content-Type": "application/json"} if body else {})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def stats(self, model: str) -> dict:
+        status, body = self.request("GET", f"/v2/models/{model}/stats")
+        assert status == 200, body
+        return json.loads(body)
+
+    def deploy(self, name: str, path: str, **options) -> None:
+        serve_models({name: path}, device="cpu", jit=CONFIG, max_batch_size=4,
+                     batch_wait_timeout_s=0.005, num_cpus=0.1, fleet=self.fleet, **options)
+
+
+def _tokens(batch: int, seed: int) -> np.ndarray:
+    """Inputs of the Transformer: float32 [batch, SEQ, hidden]."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((batch, SEQ, SMALL["hidden"]), dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if REDIS_SERVER is None:
+        pytest.fail("redis-server is not installed (scripts/setup installs it)")
+    tmp = tmp_path_factory.mktemp("fleet-serve")
+    demo = transformer(**SMALL)
+    program = dynvm.compile(demo.module.eval(), demo.example_inputs, demo.dynamic_shapes,
+                            name="transformer_s")
+    dynvm.save(program, tmp / "transformer.dvm")
+    rec = recommender(max_batch=64)
+    dynvm.save(dynvm.compile(rec.module.eval(), rec.example_inputs, rec.dynamic_shapes,
+                             name="recommender"), tmp / "recommender.dvm")
+    redis_server = RedisServer(tmp / "redis").start()
+    store = StoreConfig(secret=secrets.token_bytes(32), redis=redis_config(redis_server))
+    fleet = FleetOptions(store, service_name=f"dynvm-compile-{uuid.uuid4().hex[:8]}",
+                         flush_interval_s=0.02, poll_interval_s=0.5)
+    port = _free_port()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             configure_logging=False, namespace="dynvm-test-fleet")
+    try:
+        start_compile_service(store, CONFIG, name=fleet.service_name)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        paths = {"transformer": str(tmp / "transformer.dvm"),
+                 "recommender": str(tmp / "recommender.dvm")}
+        c = Cluster(port, fleet, paths, {"transformer": demo.module.eval()})
+        c.deploy("ta", paths["transformer"])
+        c.deploy("tb", paths["transformer"])
+        yield c
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            redis_server.stop()
+
+
+def _infer(client, model: str, tokens: np.ndarray, binary: bool) -> np.ndarray:
+    given = httpclient.InferInput("x", list(tokens.shape), "FP32")
+    given.set_data_from_numpy(tokens, binary_data=binary)
+    result = client.infer(model, [given])
+    name = result.get_response()["outputs"][0]["name"]
+    return result.as_numpy(name)
+
+
+def test_tritonclient_gets_the_transformers_outputs(cluster):
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{cluster.port}",
+                                              network_timeout=120)
+    module = cluster.modules["transformer"]
+    for batch, binary in [(1, True), (4, False), (16, True), (3, False)]:
+        tokens = _tokens(batch, seed=batch)
+        got = _infer(client, "ta", tokens, binary)
+        with torch.inference_mode():
+            want = module(torch.from_numpy(tokens))
+        want = want[0] if isinstance(want, tuple) else want
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def _wait(predicate, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_promotion_from_traffic_on_a_is_installed_on_b_without_compiling(cluster):
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{cluster.port}",
+                                              network_timeout=120)
+    shapes = [_tokens(2, seed=1), _tokens(2, seed=2), _tokens(8, seed=3)]
+    b_before = cluster.stats("tb")
+    for _ in range(10):
+        for tokens in shapes:
+            _infer(client, "ta", tokens, binary=True)
+    assert _wait(lambda: cluster.stats("tb")["installs"] > b_before["installs"]), \
+        cluster.stats("tb")
+    assert cluster.stats("ta")["compiles"] == 0, "the service compiles, not replica A"
+    b = cluster.stats("tb")
+    assert b["compiles"] == 0 and b["fleet"]["service_ok"]
+    spec_before = b["specialized_region_calls"]
+    for tokens in shapes:
+        _infer(client, "tb", tokens, binary=False)
+    b_after = cluster.stats("tb")
+    assert b_after["specialized_region_calls"] > spec_before
+    assert b_after["compiles"] == 0
+
+
+def test_a_replica_started_after_promotion_serves_its_first_request_specialized(cluster):
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{cluster.port}",
+                                              network_timeout=120)
+    tokens = _tokens(2, seed=11)
+    for _ in range(8):
+        _infer(client, "ta", tokens, binary=True)
+    # Wait until the promoted shape is in the index (B, a running replica, has it).
+    assert _wait(lambda: cluster.stats("tb")["fleet"]["installed"] >= 1)
+    cluster.deploy("tc", cluster.paths["transformer"])
+    before = cluster.stats("tc")
+    assert before["fleet"]["warm_start_installs"] >= 1 and before["compiles"] == 0
+    _infer(client, "tc", tokens, binary=True)
+    after = cluster.stats("tc")
+    assert after["specialized_region_calls"] > before["specialized_region_calls"]
+    assert after["interpreted_region_calls"] == before["interpreted_region_calls"], \
+        "the first request of a promoted shape ran interpreted"
+    assert after["compiles"] == 0
+
+
+def _running_replicas(app: str) -> int:
+    status = serve.status().applications[app]
+    return sum(d.replica_states.get("RUNNING", 0) for d in status.deployments.values())
+
+
+def test_deployment_scales_up_under_load_and_back(cluster):
+    cluster.deploy("auto", cluster.paths["recommender"], autoscaling=Autoscaling(
+        min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.5,
+        downscale_delay_s=2.0))
+    assert _running_replicas("dynvm-model-auto") == 1
+    rec = recommender(max_batch=64)
+    names = [spec.name for spec in dynvm.load(cluster.paths["recommender"]).inputs]
+    stop = threading.Event()
+    failures = []
+
+    def client_loop(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            tensors = rec.sample_inputs(rng)
+            body = {"inputs": [{"name": n, "shape": list(t.shape),
+                                "datatype": "FP32" if t.dtype == torch.float32 else "INT64",
+                                "data": t.flatten().tolist()} for n, t in zip(names, tensors)]}
+            status, text = cluster.request("POST", "/v2/models/auto/infer",
+                                           json.dumps(body).encode())
+            if status != 200:
+                failures.append((status, text[:200]))
+
+    threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        assert _wait(lambda: _running_replicas("dynvm-model-auto") >= 2, timeout_s=90), \
+            "no scale-up under 8 concurrent clients"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert not failures, failures[:3]
+    assert _wait(lambda: _running_replicas("dynvm-model-auto") == 1, timeout_s=120), \
+        "no scale-down after the load stopped"
