@@ -24,6 +24,7 @@ import threading
 import time
 
 import torch
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from dynvm.arena import ArenaPool
@@ -260,11 +261,19 @@ class Jit:
             region_jit.install(future.result(), pending)
             if parent is not None:
                 self._install_span(region_jit, future.result(), parent)
-            for listener in self._compile_listeners:
+            if self._compile_listeners:
+                # Listeners (the compile service's publish) run in the promotion's trace.
+                token = otel_context.attach(parent) if parent is not None else None
                 try:
-                    listener(region_jit, future.result())
-                except Exception as exc:  # a listener's failure never undoes the install
-                    self._log(f"compile listener failed: {type(exc).__name__}: {exc}")
+                    for listener in self._compile_listeners:
+                        try:
+                            listener(region_jit, future.result())
+                        except Exception as exc:  # a listener never undoes the install
+                            self._log(f"compile listener failed: {type(exc).__name__}: "
+                                      f"{exc}")
+                finally:
+                    if token is not None:
+                        otel_context.detach(token)
             return
         with self._lock:
             self.compile_failures += 1
