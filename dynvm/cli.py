@@ -20,6 +20,7 @@ import warnings
 import dynvm
 from dynvm._bench_cmd import add_parser as add_bench_parser
 from dynvm._explain_cmd import explain_command
+from dynvm._precompile_cmd import add_parser as add_precompile_parser
 from dynvm._progress import stage_bar
 from dynvm._run_cmd import INT_HIGH, CliError, run_command
 from dynvm._top_cmd import add_parser as add_top_parser
@@ -262,6 +263,7 @@ placement) and the generated source.
 
     add_bench_parser(sub)
     add_top_parser(sub)
+    add_precompile_parser(sub)
     return parser
 
 

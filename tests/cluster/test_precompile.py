@@ -1,0 +1,177 @@
+"""`dynvm precompile`: shapes in, families in the store and the index out; a replica that
+may not compile starts warm from them and serves those shapes specialized."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dynvm
+from dynvm._precompile_cmd import (
+    check_shapes,
+    parse_shapes,
+    precompile,
+    read_trace,
+    skeleton_first,
+    sweep,
+)
+from dynvm._run_cmd import CliError
+from dynvm.cluster import StoreConfig
+from dynvm.cluster.compile_service import LocalServiceClient
+from dynvm.cluster.fleet_compiler import FleetCompiler
+from dynvm.cluster.fleet_link import FleetLink, FleetOptions
+from dynvm.jit.config import JitConfig
+from dynvm.models import recommender
+from dynvm.shape_cluster.buckets import bucket_of
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    demo = recommender(max_batch=64)
+    program = dynvm.compile(demo.module.eval(), demo.example_inputs, demo.dynamic_shapes,
+                            name="recommender")
+    path = tmp_path_factory.mktemp("precompile") / "recommender.dvm"
+    dynvm.save(program, path)
+    return demo, dynvm.load(path), path
+
+
+# -- shapes ---------------------------------------------------------------------------
+
+
+def test_sweep_gives_every_bucket_at_least_two_members_where_it_has_room():
+    points = sweep(1, 64)
+    assert points == [1, 2, 3, 4, 5, 9, 16, 17, 33, 64]
+    buckets = {}
+    for n in points:
+        buckets.setdefault(bucket_of(n), []).append(n)
+    assert set(buckets) == {(1, 1), (2, 4), (5, 16), (17, 64)}
+    assert all(len(v) >= 2 for b, v in buckets.items() if b[0] != b[1])
+    assert sweep(20, 30) == [20, 24, 30]   # clipped to the range, inside one bucket
+
+
+def test_parse_shapes_lists_ranges_and_products():
+    assert parse_shapes("batch=4;seq=32") == [{"batch": 4, "seq": 32}]
+    assert parse_shapes("batch=1,4 ; seq=8,2") == [
+        {"batch": 1, "seq": 2}, {"batch": 1, "seq": 8},
+        {"batch": 4, "seq": 2}, {"batch": 4, "seq": 8}]
+    assert [s["batch"] for s in parse_shapes("batch=1..4,9")] == [1, 2, 3, 4, 9]
+    for bad, words in [("batch", "expected NAME=VALUES"), ("batch=4..2", "empty range"),
+                       ("batch=x", "neither a size"), ("b=1;b=2", "twice")]:
+        with pytest.raises(CliError, match=words):
+            parse_shapes(bad)
+
+
+def test_shapes_are_checked_against_the_program(model):
+    _, program, _ = model
+    assert check_shapes([{"batch": 3}, {"batch": 3}], program, "x") == [{"batch": 3}]
+    with pytest.raises(CliError, match="no dynamic dim 'seq'"):
+        check_shapes([{"batch": 3, "seq": 2}], program, "x")
+    with pytest.raises(CliError, match="batch=65 is outside its declared range 1..64"):
+        check_shapes([{"batch": 65}], program, "x")
+    with pytest.raises(CliError, match="does not give 'batch'"):
+        check_shapes([{}], program, "x")
+
+
+def test_trace_file_format(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"batch": 4, "seq": 32}\n\n{"batch": 7, "seq": 2}\n')
+    assert read_trace(str(trace)) == [{"batch": 4, "seq": 32}, {"batch": 7, "seq": 2}]
+    trace.write_text('{"batch": 4}\n{"batch": "4"}\n')
+    with pytest.raises(CliError, match="trace.jsonl:2: expected an object"):
+        read_trace(str(trace))
+    trace.write_text('{"batch": 4\n')
+    with pytest.raises(CliError, match="trace.jsonl:1: not JSON"):
+        read_trace(str(trace))
+
+
+def test_skeleton_first_makes_every_dim_vary_early():
+    shapes = [{"a": 1, "b": 1}, {"a": 1, "b": 2}, {"a": 2, "b": 2}, {"a": 1, "b": 3},
+              {"a": 3, "b": 1}]
+    ordered = skeleton_first(shapes)
+    assert ordered[:3] == [{"a": 1, "b": 1}, {"a": 1, "b": 2}, {"a": 2, "b": 2}]
+    assert sorted(map(str, ordered)) == sorted(map(str, shapes))
+
+
+# -- precompile, then a replica that may not compile -------------------------------------
+
+
+def _inputs(demo, batch: int, seed: int):
+    import random
+
+    rng = random.Random(seed)
+    inputs = demo.sample_inputs(rng)
+    return tuple(t[:batch].contiguous() if t.shape[0] >= batch
+                 else t.repeat((batch + t.shape[0] - 1) // t.shape[0],
+                               *[1] * (t.dim() - 1))[:batch].contiguous()
+                 for t in inputs)
+
+
+def _warm_replica(program, path, store: StoreConfig):
+    runtime = dynvm.Runtime(program, "cpu", jit=JitConfig(online_compile=False))
+    compiler = FleetCompiler(store)  # a real service; it has nothing to do here
+    link = FleetLink(runtime, path.read_bytes(), FleetOptions(store),
+                     LocalServiceClient(compiler)).start()
+    return runtime, link, compiler
+
+
+def test_precompiled_families_serve_a_replica_that_never_compiles(model, tmp_path, secret):
+    demo, program, path = model
+    store = StoreConfig(secret=secret, local_dir=str(tmp_path / "kernels"))
+    shapes = check_shapes(parse_shapes("batch=1..64"), program, "test")
+    outcome = precompile(program, path.read_bytes(), shapes, store)
+    kinds = [row["kind"] for row in outcome.compiled]
+    # One kernel per bucket: [1,1] exact, [2,4], [5,16], [17,64] families.
+    assert kinds.count("family") == 3 and kinds.count("exact") == 1, outcome.compiled
+    assert outcome.misses == 0 and outcome.region_calls == len(shapes)
+
+    runtime, link, compiler = _warm_replica(program, path, store)
+    try:
+        assert link.stats()["warm_start_installs"] == 4
+        reference = dynvm.Runtime(program, "cpu", jit=False)
+        # Shapes precompile never saw, inside the buckets it compiled.
+        for i, batch in enumerate([1, 3, 7, 12, 20, 50, 64]):
+            inputs = _inputs(demo, batch, i)
+            torch.testing.assert_close(runtime(*inputs), reference(*inputs))
+        stats = runtime.stats()
+        assert stats["compiles"] == 0
+        assert stats["interpreted_region_calls"] == 0
+        assert stats["specialized_region_calls"] == 7
+    finally:
+        link.close()
+        runtime.close()
+        compiler.close()
+
+    # Again: everything is already indexed, nothing is compiled twice.
+    again = precompile(program, path.read_bytes(), shapes, store)
+    assert again.compiled == [] and again.already_indexed == 4 and again.rounds == 1
+
+
+def test_command_line_with_a_trace_file(model, tmp_path, secret):
+    _, program, path = model
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"batch": b}) + "\n" for b in (2, 3, 2, 40, 60)))
+    store_dir = tmp_path / "kernels"
+    env = {**os.environ, "DYNVM_STORE_SECRET": secret.decode()}
+    env.pop("DYNVM_REDIS_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "dynvm", "precompile", str(path), "--trace-file", str(trace),
+         "--store-dir", str(store_dir)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "4 shapes" in done.stdout
+    assert "compiled 2 (2 families, 0 exact)" in done.stdout, done.stdout
+    assert secret.decode() not in done.stdout + done.stderr
+    # What the command wrote is what a replica installs.
+    runtime, link, compiler = _warm_replica(program, path,
+                                            StoreConfig(secret=secret,
+                                                        local_dir=str(store_dir)))
+    try:
+        assert link.stats()["warm_start_installs"] == 2
+    finally:
+        link.close()
+        runtime.close()
+        compiler.close()
