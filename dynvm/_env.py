@@ -181,8 +181,8 @@ class StoreSettings:
 
     secret: str = field(repr=False)
     """DYNVM_STORE_SECRET; never shown by repr or in messages."""
-    redis_url: str | None = None
-    """DYNVM_REDIS_URL."""
+    redis_url: str | None = field(default=None, repr=False)
+    """DYNVM_REDIS_URL; not shown by repr (its userinfo may hold a password)."""
     local_dir: str | None = None
     """DYNVM_STORE_DIR, or the default under XDG_CACHE_HOME when no Redis URL is set."""
     redis_username: str | None = None

@@ -40,6 +40,7 @@ from dynvm.shape_cluster import Family
 from dynvm.vm.isa import OpClass
 
 MIN_TENSOR_OPS = 2
+MAX_ARTIFACTS = 256   # artifacts kept for `dynvm explain` and stats (newest)
 BACKEND = "cpu"
 
 
@@ -222,6 +223,8 @@ class Jit:
                             kernel.source, strength.value, ir.notes, seconds)
         with self._lock:
             self.artifacts[key] = artifact
+            while len(self.artifacts) > MAX_ARTIFACTS:  # oldest first (insertion order)
+                del self.artifacts[next(iter(self.artifacts))]
         return Specialization(signature, strength, kernel.fn, artifact, family, ir=ir)
 
     def install_portable(self, portable: PortableSpecialization, key: str,

@@ -3,7 +3,10 @@
 Compiles are futures keyed by the artifact's cache key: asking twice for the same key
 returns the same future, so nothing is compiled twice in a process. Waiting tasks are
 served highest expected benefit first; when more than `max_length` wait, the
-lowest-benefit ones are dropped (their futures cancelled, counted). With `sync=True` a
+lowest-benefit ones are dropped (their futures cancelled, counted). Finished futures are
+kept so that asking again (a specialization evicted and promoted anew) costs nothing,
+but only the newest `keep_finished`: a shape storm must not grow the table forever.
+With `sync=True` a
 task runs on the submitting thread, which makes tests deterministic (and makes that
 call wait: debugging only).
 """
@@ -18,8 +21,10 @@ from concurrent.futures import Future
 
 
 class CompileQueue:
-    def __init__(self, threads: int = 1, max_length: int = 32, sync: bool = False) -> None:
+    def __init__(self, threads: int = 1, max_length: int = 32, sync: bool = False,
+                 keep_finished: int = 256) -> None:
         self.sync = sync
+        self.keep_finished = keep_finished
         self.max_length = max_length
         self._threads_wanted = threads
         self._heap: list[tuple[float, int, str, Callable[[], object]]] = []
@@ -100,3 +105,13 @@ class CompileQueue:
         else:
             self.completed += 1
             future.set_result(result)
+        self._forget_finished()
+
+    def _forget_finished(self) -> None:
+        with self._cond:
+            # dicts keep insertion order: the first finished ones are the oldest.
+            excess = len(self._futures) - self.keep_finished - len(self._heap)
+            if excess <= 0:
+                return
+            for key in [k for k, f in self._futures.items() if f.done()][:excess]:
+                del self._futures[key]

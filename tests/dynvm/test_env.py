@@ -21,7 +21,7 @@ SHIPPED = ("dynvm", "vm", "jit", "shape_cluster", "arena", "cluster")
 _READS_ENV = re.compile(r"\b(environ|environb|getenv|putenv|unsetenv)\b")
 # Copies the environment for its Triton worker subprocess; the jit owner is asked to use
 # dynvm._env.child_environment(without=("TRITON_INTERPRET",)) instead, which empties this.
-_KNOWN_OTHER_READERS = {"jit/backends/triton/aot.py"}
+_KNOWN_OTHER_READERS: set[str] = set()
 
 
 def test_only_env_module_reads_the_environment():

@@ -240,8 +240,6 @@ def test_traced_runtime_with_the_secret_in_the_environment(monkeypatch):
     assert leaks.found() == []
 
 
-@pytest.mark.xfail(strict=True, reason="dynvm/_env.py: StoreSettings shows redis_url in its "
-                   "repr with the URL's userinfo (password); reported to its owner")
 def test_store_settings_repr_hides_the_url_password():
     settings = store_settings({"DYNVM_STORE_SECRET": STORE_SECRET,
                                "DYNVM_REDIS_URL": f"redis://u:{ACL_PASSWORD}@127.0.0.1:1/0"})

@@ -31,7 +31,6 @@ stored cubin (or, for a newer GPU, its PTX through the driver's JIT).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
@@ -40,6 +39,7 @@ from pathlib import Path
 
 import msgpack
 
+from dynvm._env import child_environment
 from dynvm.jit.backends.triton.errors import TritonBackendError
 from dynvm.jit.backends.triton.kernels import GeneratedKernel
 from dynvm.jit.backends.triton.options import DEFAULT_OPTIONS, TritonOptions
@@ -97,8 +97,8 @@ def build_binaries(kernels: Iterable[GeneratedKernel],
                  "constexprs": k.constexprs, "num_warps": k.num_warps,
                  "num_stages": k.num_stages} for k in kernels]
     chunks = [payloads[i::max(1, jobs)] for i in range(max(1, jobs))]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1" if options.fp_fusion else "0"
+    env = child_environment(without=("TRITON_INTERPRET",), extra={
+        "TRITON_DEFAULT_FP_FUSION": "1" if options.fp_fusion else "0"})
     children = []
     for chunk in filter(None, chunks):
         request = msgpack.packb({"kernels": chunk, "targets": [list(t) for t in targets],
