@@ -23,6 +23,7 @@ from dynvm._explain_cmd import explain_command
 from dynvm._precompile_cmd import add_parser as add_precompile_parser
 from dynvm._progress import stage_bar
 from dynvm._run_cmd import INT_HIGH, CliError, run_command
+from dynvm._serve_cmd import add_parser as add_serve_parser
 from dynvm._top_cmd import add_parser as add_top_parser
 from dynvm.models import REGISTRY
 
@@ -264,6 +265,7 @@ placement) and the generated source.
     add_bench_parser(sub)
     add_top_parser(sub)
     add_precompile_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,209 @@
+"""`dynvm serve MODEL.dvm`: the one-command embedded default of DESIGN.md's cluster.
+
+It starts, in order, a local Ray (no dashboard), a private redis-server when the
+environment names no Redis (dynvm.cluster.local_redis), the compile service, Serve's
+HTTP proxy on loopback, and the model's replicas with their fleet links; prints the URL;
+waits for SIGINT or SIGTERM; then stops what it started, in reverse order, and exits 0.
+
+The kernel store's secret comes from DYNVM_STORE_SECRET when it is set (replicas of
+another `dynvm serve`, or `dynvm precompile`, can then share the store). Otherwise it is
+random for this run: nothing outside this run can read what it stores (nor needs to; the
+private Redis dies with it). The secret travels inside the StoreConfig handed to the
+actors and is never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import secrets
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from dynvm._env import REDIS_URL, STORE_SECRET, EnvVarError, child_environment, store_settings
+from dynvm._run_cmd import CliError
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `dynvm serve` was asked for (its flags)."""
+
+    model_path: str
+    """The .dvm file the replicas load (made absolute: replicas are other processes)."""
+    name: str
+    """Model name in the v2 routes: /v2/models/<name>/infer."""
+    port: int = 8000
+    """HTTP port on 127.0.0.1."""
+    replicas: int = 1
+    """Fixed replica count (ignored when `max_replicas` is set)."""
+    min_replicas: int | None = None
+    """Autoscaling lower bound (with `max_replicas`)."""
+    max_replicas: int | None = None
+    """Autoscaling upper bound; set: Serve autoscales the model's deployment."""
+    target_ongoing_requests: float = 2.0
+    """Autoscaling: requests in flight per replica that trigger another replica."""
+    online_compile: bool = True
+    """False: replicas never compile (they install from the store, interpret the rest)."""
+    device: str = "auto"
+    """Replica device: "auto" (a GPU when Ray has one), "cpu", "cuda"."""
+    num_cpus: float = 1.0
+    """CPUs Ray reserves per replica."""
+
+
+def options_from_args(args) -> ServeOptions:
+    path = Path(args.file)
+    if not path.is_file():
+        raise CliError(f"cannot read {args.file}: no such file", 2)
+    if (args.min_replicas is None) != (args.max_replicas is None):
+        raise CliError("give both --min-replicas and --max-replicas (autoscaling), or "
+                       "neither", 2)
+    if args.max_replicas is not None and not 0 <= args.min_replicas <= args.max_replicas:
+        raise CliError(f"--min-replicas {args.min_replicas} must be between 0 and "
+                       f"--max-replicas {args.max_replicas}", 2)
+    from dynvm.cluster.replica import check_model_name
+
+    name = args.name or path.stem
+    try:
+        check_model_name(name)
+    except ValueError as exc:
+        raise CliError(f"bad --name: {exc}", 2) from None
+    return ServeOptions(model_path=str(path.resolve()), name=name, port=args.port,
+                        replicas=args.replicas, min_replicas=args.min_replicas,
+                        max_replicas=args.max_replicas,
+                        target_ongoing_requests=args.target_ongoing_requests,
+                        online_compile=args.online_compile, device=args.device,
+                        num_cpus=args.num_cpus)
+
+
+def _store_config(stack: contextlib.ExitStack, say):
+    """The store: the environment's Redis, else a private redis-server (stopped by
+    `stack`); the environment's secret, else a random one."""
+    from dynvm.cluster.config import StoreConfig, StoreConfigError
+    from dynvm.cluster.local_redis import LocalRedis, LocalRedisError
+
+    env = child_environment()  # dynvm._env reads the environment; we fill in defaults
+    if not env.get(STORE_SECRET, "").strip():
+        env[STORE_SECRET] = secrets.token_hex(32)
+    try:
+        settings = store_settings(env)
+        if settings.redis_url is not None:
+            say(f"store     Redis from {REDIS_URL}")
+            return StoreConfig.from_env(env)
+    except (EnvVarError, StoreConfigError) as exc:
+        raise CliError(str(exc), 2) from None
+    try:
+        local = LocalRedis().start()
+    except LocalRedisError as exc:
+        raise CliError(str(exc), 1) from None
+    stack.callback(local.stop)
+    say(f"store     private redis-server on 127.0.0.1:{local.port} (pid {local.pid})")
+    return StoreConfig(secret=settings.secret.encode(), redis=local.config())
+
+
+def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
+    import ray
+    from ray import serve
+
+    from dynvm.cluster.compile_service import (
+        NAMESPACE,
+        SERVICE_NAME,
+        start_compile_service,
+        stop_compile_service,
+    )
+    from dynvm.cluster.fleet_link import FleetOptions
+    from dynvm.cluster.replica import Autoscaling, serve_models
+    from dynvm.jit.config import JitConfig
+
+    store = _store_config(stack, say)
+    ray.init(include_dashboard=False, log_to_driver=False)
+    stack.callback(ray.shutdown)
+    say(f"ray       local, {int(ray.cluster_resources().get('CPU', 0))} CPUs")
+    start_compile_service(store, name=SERVICE_NAME, namespace=NAMESPACE)
+    stack.callback(stop_compile_service, SERVICE_NAME, NAMESPACE)
+    say("compile   service started")
+    serve.start(http_options={"host": "127.0.0.1", "port": options.port})
+    stack.callback(serve.shutdown)
+    autoscaling = None
+    if options.max_replicas is not None:
+        autoscaling = Autoscaling(min_replicas=options.min_replicas,
+                                  max_replicas=options.max_replicas,
+                                  target_ongoing_requests=options.target_ongoing_requests)
+    serve_models({options.name: options.model_path}, device=options.device,
+                 jit=JitConfig(online_compile=options.online_compile),
+                 num_replicas=options.replicas, num_cpus=options.num_cpus,
+                 fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE), autoscaling=autoscaling)
+
+
+def _hint(options: ServeOptions) -> str:
+    base = f"http://127.0.0.1:{options.port}"
+    model = f"{base}/v2/models/{options.name}"
+    return f"""\
+serving   {options.name} at {model}
+  curl {base}/v2/health/ready
+  curl {model}                  # inputs, datatypes, shapes (-1: dynamic)
+  curl -X POST {model}/infer -H 'Content-Type: application/json' -d '{{"inputs": [...]}}'
+  curl {model}/stats            # runtime and fleet counters
+  python: tritonclient.http.InferenceServerClient("127.0.0.1:{options.port}")
+Ctrl-C stops everything."""
+
+
+def serve_command(args) -> int:
+    options = options_from_args(args)
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        stop.set()
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with contextlib.ExitStack() as stack:
+            try:
+                _start(options, stack, say)
+            except CliError:
+                raise
+            except Exception as exc:  # Ray or Serve failed to start: say what, then unwind
+                raise CliError(f"serve failed to start: {type(exc).__name__}: {exc}") \
+                    from None
+            if not stop.is_set():
+                say(_hint(options))
+            while not stop.wait(0.5):
+                pass
+            say("stopping  (serve, compile service, ray, redis)")
+        say("stopped")
+        return 0
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a .dvm file over HTTP (local Ray, Redis, compile "
+                       "service)", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="""\
+Serve a program over the Open Inference Protocol (KServe v2) on 127.0.0.1: a local Ray,
+a private redis-server as the kernel store (unless DYNVM_REDIS_URL names one), the
+compile service, and the model's replicas, which share every compiled kernel. Prints
+the URL; Ctrl-C (or SIGTERM) stops everything it started.
+
+  dynvm compile recommender -o rec.dvm && dynvm serve rec.dvm --replicas 2""")
+    p.add_argument("file", metavar="MODEL.dvm")
+    p.add_argument("--name", help="model name in the routes (default: the file's stem)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="fixed replica count (default 1)")
+    p.add_argument("--min-replicas", type=int, metavar="A", help="autoscale from A ...")
+    p.add_argument("--max-replicas", type=int, metavar="B", help="... up to B replicas")
+    p.add_argument("--target-ongoing-requests", type=float, default=2.0, metavar="R",
+                   help="autoscaling: requests in flight per replica (default 2)")
+    p.add_argument("--online-compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="whether replicas may compile (--no-online-compile: install "
+                   "from the store only, e.g. after `dynvm precompile`)")
+    p.add_argument("--device", default="auto", help="replica device (default auto)")
+    p.add_argument("--num-cpus", type=float, default=1.0, metavar="C",
+                   help="CPUs reserved per replica (default 1)")
+    p.set_defaults(handler=serve_command)

@@ -1,0 +1,167 @@
+"""`dynvm serve` as a real subprocess: local Ray, private redis-server, compile service,
+HTTP; one tritonclient request; SIGINT stops every process it started."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+from _redis_server import REDIS_SERVER, free_port
+
+import dynvm
+from dynvm.cluster.local_redis import LocalRedis, LocalRedisError, LocalRedisOptions
+from dynvm.models import recommender
+
+httpclient = pytest.importorskip("tritonclient.http")
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        tree.setdefault(ppid, []).append(int(entry))
+    return tree
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    tree, found, todo = _children(), {}, [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            try:
+                with open(f"/proc/{child}/comm") as f:
+                    found[child] = f.read().strip()
+            except OSError:
+                continue
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _get(url: str, timeout: float = 2.0):
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.status, json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    demo = recommender(max_batch=64)
+    program = dynvm.compile(demo.module.eval(), demo.example_inputs, demo.dynamic_shapes,
+                            name="recommender")
+    path = tmp_path_factory.mktemp("serve") / "rec.dvm"
+    dynvm.save(program, path)
+    return demo, program, path
+
+
+@pytest.mark.slow
+def test_serve_answers_and_ctrl_c_stops_everything_it_started(model, tmp_path):
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed")
+    demo, program, path = model
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DYNVM_REDIS_URL", "DYNVM_STORE_SECRET", "DYNVM_STORE_DIR")}
+    out, err = tmp_path / "serve.out", tmp_path / "serve.err"
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "dynvm", "serve", str(path),
+                                    "--port", str(port), "--name", "rec"],
+                                   stdout=stdout, stderr=stderr, env=env)
+    started: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert process.poll() is None, out.read_text() + err.read_text()[-3000:]
+            try:
+                # Ready may answer a moment before the command prints its URL.
+                if _get(f"http://127.0.0.1:{port}/v2/health/ready")[1].get("ready") and \
+                        "Ctrl-C" in out.read_text():
+                    break
+            except (OSError, ValueError):
+                pass
+            assert time.monotonic() < deadline, "not ready in 90 s: " + err.read_text()[-3000:]
+            time.sleep(0.5)
+        started = _descendants(process.pid)
+        names = set(started.values())
+        assert "redis-server" in names and "raylet" in names, started
+        printed = out.read_text()
+        assert f"http://127.0.0.1:{port}/v2/models/rec" in printed
+
+        inputs = demo.sample_inputs(random.Random(3))
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+        infer_inputs = []
+        for spec, tensor in zip(program.inputs, inputs):
+            item = httpclient.InferInput(spec.name, list(tensor.shape),
+                                         "FP32" if tensor.is_floating_point() else "INT64")
+            item.set_data_from_numpy(tensor.numpy(), binary_data=True)
+            infer_inputs.append(item)
+        result = client.infer("rec", infer_inputs)
+        expected = dynvm.Runtime(program, jit=False)(*inputs)
+        torch.testing.assert_close(torch.from_numpy(result.as_numpy("output__0").copy()), expected)
+        stats = _get(f"http://127.0.0.1:{port}/v2/models/rec/stats")[1]
+        assert stats["fleet"]["service_ok"], stats["fleet"]
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            code = process.wait(timeout=45)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            for pid in started:
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            raise
+    assert code == 0, err.read_text()[-3000:]
+    assert "stopped" in out.read_text()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    survivors = {pid: name for pid, name in started.items() if _alive(pid)}
+    assert not survivors, survivors
+
+
+def test_local_redis_keeps_its_password_off_the_command_line():
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed")
+    server = LocalRedis().start()
+    try:
+        with open(f"/proc/{server.pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        assert server.options.password.encode() not in cmdline
+        assert server.options.password not in repr(server.config()) + repr(server.options)
+        from dynvm.cluster import RedisStore
+
+        with RedisStore(server.config()) as store:
+            store.put("a" * 64, b"x")
+            assert store.get(["a" * 64]) == {"a" * 64: b"x"}
+        pid = server.pid
+    finally:
+        server.stop()
+    assert not _alive(pid)
+    server.stop()  # twice is fine
+
+
+def test_local_redis_missing_executable_is_a_clear_error():
+    missing = LocalRedis(LocalRedisOptions(executable="dynvm-no-such-redis-server"))
+    with pytest.raises(LocalRedisError, match="dynvm-no-such-redis-server is not on PATH"):
+        missing.start()
+    assert missing.process is None
