@@ -20,19 +20,19 @@ cannot make a replica run anything its bytecode could not. `decode` checks every
 against the program (region, live-ins, opcodes, registers, constant indices, literal
 types) and raises `PortableError` naming the field; nothing is half-installed.
 
-Records are msgpack-able dicts (no pickle): ints, floats, strings, lists, maps, with
-tagged lists for dtypes, devices, layouts, memory formats, tuples and non-finite floats.
+Records are msgpack-able dicts (no pickle): ints, floats, strings, lists and maps;
+operands use the tagged lists of dynvm.jit.ir_codec, as the Triton artifact's plan does.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from dynvm.jit.inplace import INPLACE
-from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
+from dynvm.jit.ir import ConstRef, SpecializedRegion, SpecOp, Var
+from dynvm.jit.ir_codec import IrCodecError, decode_literal, decode_value, encode_value
 from dynvm.jit.signature import GuardStrength
 from dynvm.shape_cluster import Family
 from dynvm.vm.opcodes import OPCODES
@@ -64,35 +64,6 @@ class PortableSpecialization:
 
 def _torch_name(value) -> str:
     return str(value).removeprefix("torch.")
-
-
-def encode_literal(value):
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else ["float", repr(value)]
-    if isinstance(value, list):
-        return ["list", [encode_literal(v) for v in value]]
-    if isinstance(value, tuple):
-        return ["tuple", [encode_literal(v) for v in value]]
-    if isinstance(value, torch.device):
-        return ["device", str(value)]
-    for tag, kind in _TORCH_ENUMS.items():
-        if isinstance(value, kind):
-            return [tag, _torch_name(value)]
-    raise PortableError(f"literal of type {type(value).__name__} cannot be encoded")
-
-
-def _encode_value(value):
-    if isinstance(value, Var):
-        return ["v", value.reg]
-    if isinstance(value, ConstRef):
-        return ["c", value.index]
-    if isinstance(value, Literal):
-        return ["l", encode_literal(value.value)]
-    if isinstance(value, list):
-        return ["L", [_encode_value(v) for v in value]]
-    raise PortableError(f"operand {value!r} cannot be encoded")
 
 
 def _encode_abstract(value):
@@ -141,9 +112,9 @@ def encode(ir: SpecializedRegion, strength: GuardStrength, signature: tuple,
         "family": _encode_family(family) if family is not None else None,
         "ir": {
             "live_in": list(ir.live_in),
-            "ops": [[op.opcode, list(op.dsts), [_encode_value(a) for a in op.args],
+            "ops": [[op.opcode, list(op.dsts), [encode_value(a) for a in op.args],
                      op.source_pc, list(op.frees), op.variant] for op in ir.ops],
-            "outputs": [[reg, _encode_value(v)] for reg, v in ir.outputs],
+            "outputs": [[reg, encode_value(v)] for reg, v in ir.outputs],
             "dead_live_ins": list(ir.dead_live_ins),
             "assumes_shapes": ir.assumes_shapes,
             "notes": list(ir.notes),
@@ -183,7 +154,10 @@ class _Decoder:
         return tuple(self.reg(v, f"{where}[{i}]") for i, v in enumerate(self.seq(value, where)))
 
     def torch_enum(self, tag: str, name, where: str):
-        value = getattr(torch, name, None) if isinstance(name, str) else None
+        try:
+            value = decode_literal([tag, name])
+        except IrCodecError:
+            value = None
         if not isinstance(value, _TORCH_ENUMS[tag]):
             self.fail(where, f"unknown {tag} {name!r}")
         return value
@@ -194,44 +168,23 @@ class _Decoder:
         except (TypeError, RuntimeError):
             self.fail(where, f"unknown device {text!r}")
 
-    def literal(self, value, where: str):
-        if value is None or isinstance(value, bool | int | str):
-            return value
-        if isinstance(value, float):
-            return value
-        tagged = self.seq(value, where)
-        if len(tagged) != 2 or not isinstance(tagged[0], str):
-            self.fail(where, "expected a [tag, value] pair")
-        tag, body = tagged
-        if tag == "float":
-            if body not in ("inf", "-inf", "nan"):
-                self.fail(where, f"non-finite float {body!r}")
-            return float(body)
-        if tag in ("list", "tuple"):
-            items = [self.literal(v, f"{where}[{i}]") for i, v in
-                     enumerate(self.seq(body, where))]
-            return items if tag == "list" else tuple(items)
-        if tag == "device":
-            return self.device(body, where)
-        if tag in _TORCH_ENUMS:
-            return self.torch_enum(tag, body, where)
-        self.fail(where, f"unknown literal tag {tag!r}")
+    def value(self, raw, where: str):
+        """An operand (dynvm.jit.ir_codec), its registers and constants in range."""
+        try:
+            value = decode_value(raw)
+        except IrCodecError as error:
+            self.fail(where, str(error))
+        self.check_operand(value, where)
+        return value
 
-    def value(self, value, where: str):
-        tagged = self.seq(value, where)
-        if len(tagged) != 2:
-            self.fail(where, "expected a [kind, value] pair")
-        kind, body = tagged
-        if kind == "v":
-            return Var(self.reg(body, where))
-        if kind == "c":
-            return ConstRef(self.int_in(body, self.n_consts, where))
-        if kind == "l":
-            return Literal(self.literal(body, where))
-        if kind == "L":
-            return [self.value(v, f"{where}[{i}]") for i, v in
-                    enumerate(self.seq(body, where))]
-        self.fail(where, f"unknown operand kind {kind!r}")
+    def check_operand(self, value, where: str) -> None:
+        if isinstance(value, Var):
+            self.reg(value.reg, where)
+        elif isinstance(value, ConstRef):
+            self.int_in(value.index, self.n_consts, where)
+        elif isinstance(value, list):
+            for item in value:
+                self.check_operand(item, where)
 
     def op(self, raw, where: str) -> SpecOp:
         fields = self.seq(raw, where)

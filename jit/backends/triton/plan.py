@@ -10,13 +10,11 @@ its kernels without partitioning or generating anything again.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import torch
-
+from dynvm.jit import ir_codec
 from dynvm.jit.backends.triton.errors import ArtifactFormatError
-from dynvm.jit.ir import ConstRef, Literal, Var
+from dynvm.jit.ir import Var
 
 ELEMENTWISE, ROW, MATMUL = "elementwise", "row", "matmul"
 
@@ -106,82 +104,24 @@ def _flat(values):
             yield value
 
 
-# -- encoding (msgpack-ready) --------------------------------------------------------
+# -- encoding (msgpack-ready; the operand codec is dynvm.jit.ir_codec) -----------------
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values()
-           if isinstance(d, torch.dtype)}
-_MEMORY_FORMATS = {str(f).removeprefix("torch."): f for f in (
-    torch.contiguous_format, torch.preserve_format, torch.channels_last,
-    torch.channels_last_3d)}
-_LAYOUTS = {str(x).removeprefix("torch."): x for x in (torch.strided, torch.sparse_coo)}
-
-
-def encode_literal(value) -> list:
-    if value is None or isinstance(value, bool | int | str):
-        return ["py", value]
-    if isinstance(value, float):
-        return ["py", value] if math.isfinite(value) else ["float", repr(value)]
-    if isinstance(value, list | tuple):
-        return ["list" if isinstance(value, list) else "tuple",
-                [encode_literal(v) for v in value]]
-    if isinstance(value, torch.dtype):
-        return ["dtype", str(value).removeprefix("torch.")]
-    if isinstance(value, torch.device):
-        return ["device", str(value)]
-    if isinstance(value, torch.memory_format):
-        return ["memory_format", str(value).removeprefix("torch.")]
-    if isinstance(value, torch.layout):
-        return ["layout", str(value).removeprefix("torch.")]
-    raise ArtifactFormatError(f"literal {value!r} of type {type(value).__name__} cannot be "
-                              "stored in a Triton artifact")
-
-
-def decode_literal(data):
-    tag, payload = _pair(data, "literal")
-    if tag == "py":
-        if payload is not None and not isinstance(payload, bool | int | float | str):
-            raise ArtifactFormatError(f"literal: unexpected {type(payload).__name__}")
-        return payload
-    if tag == "float" and payload in ("inf", "-inf", "nan"):
-        return float(payload)
-    if tag in ("list", "tuple") and isinstance(payload, list):
-        items = [decode_literal(v) for v in payload]
-        return items if tag == "list" else tuple(items)
-    table = {"dtype": _DTYPES, "memory_format": _MEMORY_FORMATS, "layout": _LAYOUTS}.get(tag)
-    if table is not None and payload in table:
-        return table[payload]
-    if tag == "device" and isinstance(payload, str):
-        return torch.device(payload)
-    raise ArtifactFormatError(f"literal: unknown tag {tag!r} or payload {payload!r}")
-
-
-def encode_value(value) -> list:
-    if isinstance(value, Var):
-        return ["var", value.reg]
-    if isinstance(value, ConstRef):
-        return ["const", value.index]
-    if isinstance(value, Literal):
-        return ["lit", encode_literal(value.value)]
-    if isinstance(value, list):
-        return ["values", [encode_value(v) for v in value]]
-    raise ArtifactFormatError(f"value {value!r} cannot be stored in a Triton artifact")
+encode_literal = ir_codec.encode_literal
+encode_value = ir_codec.encode_value
 
 
 def decode_value(data):
-    tag, payload = _pair(data, "value")
-    if tag in ("var", "const") and isinstance(payload, int) and not isinstance(payload, bool):
-        return Var(payload) if tag == "var" else ConstRef(payload)
-    if tag == "lit":
-        return Literal(decode_literal(payload))
-    if tag == "values" and isinstance(payload, list):
-        return [decode_value(v) for v in payload]
-    raise ArtifactFormatError(f"value: unknown tag {tag!r} or payload {payload!r}")
+    try:
+        return ir_codec.decode_value(data)
+    except ir_codec.IrCodecError as error:
+        raise ArtifactFormatError(str(error)) from None
 
 
 def _pair(data, what: str):
-    if not (isinstance(data, list | tuple) and len(data) == 2 and isinstance(data[0], str)):
-        raise ArtifactFormatError(f"{what}: expected [tag, payload], got {data!r}")
-    return data[0], data[1]
+    try:
+        return ir_codec.pair(data, what)
+    except ir_codec.IrCodecError as error:
+        raise ArtifactFormatError(str(error)) from None
 
 
 def encode_plan(plan: RegionPlan) -> dict:

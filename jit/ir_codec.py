@@ -1,0 +1,98 @@
+"""Operands of the specialized-region IR as msgpack-ready data, and back.
+
+Shared by everything that stores the IR outside the process: the Triton artifact's
+launch plan and the portable specializations the compile service sends to replicas.
+Values are tagged lists: [tag, payload]. Literals come from a closed set of types
+(None, bool, int, str, float, lists, tuples, dtypes, devices, memory formats, layouts);
+decoding anything else raises `IrCodecError`, never builds an arbitrary object.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dynvm.jit.ir import ConstRef, Literal, Var
+
+
+class IrCodecError(ValueError):
+    """Data that is not an encoded IR operand (the message names what was wrong)."""
+
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values()
+           if isinstance(d, torch.dtype)}
+_MEMORY_FORMATS = {str(f).removeprefix("torch."): f for f in (
+    torch.contiguous_format, torch.preserve_format, torch.channels_last,
+    torch.channels_last_3d)}
+_LAYOUTS = {str(x).removeprefix("torch."): x for x in (torch.strided, torch.sparse_coo)}
+
+
+def encode_literal(value) -> list:
+    if value is None or isinstance(value, bool | int | str):
+        return ["py", value]
+    if isinstance(value, float):
+        return ["py", value] if math.isfinite(value) else ["float", repr(value)]
+    if isinstance(value, list | tuple):
+        return ["list" if isinstance(value, list) else "tuple",
+                [encode_literal(v) for v in value]]
+    if isinstance(value, torch.dtype):
+        return ["dtype", str(value).removeprefix("torch.")]
+    if isinstance(value, torch.device):
+        return ["device", str(value)]
+    if isinstance(value, torch.memory_format):
+        return ["memory_format", str(value).removeprefix("torch.")]
+    if isinstance(value, torch.layout):
+        return ["layout", str(value).removeprefix("torch.")]
+    raise IrCodecError(f"literal {value!r} of type {type(value).__name__} cannot be encoded")
+
+
+def decode_literal(data):
+    tag, payload = pair(data, "literal")
+    if tag == "py":
+        if payload is not None and not isinstance(payload, bool | int | float | str):
+            raise IrCodecError(f"literal: unexpected {type(payload).__name__}")
+        return payload
+    if tag == "float" and payload in ("inf", "-inf", "nan"):
+        return float(payload)
+    if tag in ("list", "tuple") and isinstance(payload, list):
+        items = [decode_literal(v) for v in payload]
+        return items if tag == "list" else tuple(items)
+    table = {"dtype": _DTYPES, "memory_format": _MEMORY_FORMATS, "layout": _LAYOUTS}.get(tag)
+    if table is not None and payload in table:
+        return table[payload]
+    if tag == "device" and isinstance(payload, str):
+        try:
+            return torch.device(payload)
+        except (RuntimeError, ValueError):
+            raise IrCodecError(f"literal: unknown device {payload!r}") from None
+    raise IrCodecError(f"literal: unknown tag {tag!r} or payload {payload!r}")
+
+
+def encode_value(value) -> list:
+    if isinstance(value, Var):
+        return ["var", value.reg]
+    if isinstance(value, ConstRef):
+        return ["const", value.index]
+    if isinstance(value, Literal):
+        return ["lit", encode_literal(value.value)]
+    if isinstance(value, list):
+        return ["values", [encode_value(v) for v in value]]
+    raise IrCodecError(f"value {value!r} cannot be encoded")
+
+
+def decode_value(data):
+    tag, payload = pair(data, "value")
+    if tag in ("var", "const") and isinstance(payload, int) and not isinstance(payload, bool):
+        return Var(payload) if tag == "var" else ConstRef(payload)
+    if tag == "lit":
+        return Literal(decode_literal(payload))
+    if tag == "values" and isinstance(payload, list):
+        return [decode_value(v) for v in payload]
+    raise IrCodecError(f"value: unknown tag {tag!r} or payload {payload!r}")
+
+
+def pair(data, what: str):
+    if not (isinstance(data, list | tuple) and len(data) == 2 and isinstance(data[0], str)):
+        raise IrCodecError(f"{what}: expected [tag, payload], got {data!r}")
+    return data[0], data[1]
