@@ -103,6 +103,10 @@ def workload_markdown(result: dict, png_name: str | None) -> str:
             notes.append(f"- {s['label']}: {extra['dynamo_graphs']} Dynamo graphs (recompile "
                          f"limit {extra['recompile_limit']} per frame; past it the frame "
                          "runs eagerly).")
+        elif extra.get("dynamo_graphs"):
+            notes.append(f"- {s['label']}: {extra['dynamo_graphs']} Dynamo graphs made during "
+                         "its calls (eager torch.while_loop compiles its body through "
+                         "Dynamo), counted as compiles.")
         if "specialized_region_calls" in extra:
             notes.append(f"- {s['label']}: {extra.get('family_compiles', 0)} family kernels, "
                          f"{extra['specialized_region_calls']} specialized / "
@@ -110,6 +114,9 @@ def workload_markdown(result: dict, png_name: str | None) -> str:
                          f"{extra.get('guard_failures', 0)} guard failures, "
                          f"{extra.get('deopts', 0)} deopts; compile seconds are background "
                          "thread time.")
+        error = s.get("memory", {}).get("allocations_error")
+        if error:
+            notes.append(f"- {s['label']}: allocations not counted ({error.split('.')[0]}).")
         for w in s.get("warnings", [])[:3]:
             notes.append(f"- {s['label']} warned: `{w}`")
     for i, run_pass in enumerate(result.get("passes", []), 1):

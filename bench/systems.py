@@ -14,7 +14,10 @@ torch.export lowering) and a list of `compile_events` (call index, seconds):
   off, so no system reuses another's work.
 - dynvm JIT: compiles run on a background thread and never block a call; the count and
   seconds are the JIT's own (`Runtime.stats()["compiles"/"compile_seconds"]`).
-- eager and the dynvm interpreter never compile.
+- eager PyTorch: torch.while_loop (the loop workload) compiles its body through Dynamo
+  even in eager mode (backend="eager"); a call during which Dynamo made a graph counts
+  as a compile, as for torch.compile. Otherwise eager and the dynvm interpreter never
+  compile.
 Total compile seconds = setup_seconds + the compile seconds above.
 """
 
@@ -44,11 +47,22 @@ LABELS = {
 }
 
 
+_CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+def _dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
 class System:
     name = "system"
     interleaved = True
     """False: Dynamo's code cache is process-wide, so the system runs alone, in its
     own pass over the same input sequence, after a reset."""
+    dynamo_compiles_count = False
+    """True: a call during which Dynamo made a graph is a compile event (torch.compile,
+    and eager PyTorch, whose torch.while_loop compiles through Dynamo)."""
 
     def __init__(self, demo: DemoModel) -> None:
         self.demo = demo
@@ -56,14 +70,23 @@ class System:
         self.compile_events: list[tuple[int, float]] = []
         self.warnings: list[str] = []
         self.calls = 0
+        self.dynamo_graphs = 0
 
     def _run(self, inputs):
         raise NotImplementedError
 
     def __call__(self, *inputs):
+        # Dynamo graphs are counted within this system's own calls: systems share a pass
+        # (Note [Side by side] in bench.runner), and eager torch.while_loop compiles its
+        # body through Dynamo (backend="eager"), which moves the same global counter.
+        before = _dynamo_graphs()
         start = time.perf_counter()
         out = self._run(inputs)
         elapsed = time.perf_counter() - start
+        if (grew := _dynamo_graphs() - before) > 0:
+            self.dynamo_graphs += grew
+            if self.dynamo_compiles_count:
+                self.compile_events.append((self.calls, elapsed))
         self.calls += 1
         return out, elapsed
 
@@ -75,7 +98,7 @@ class System:
         return lambda *inputs: self._run(inputs)
 
     def extra(self) -> dict:
-        return {}
+        return {"dynamo_graphs": self.dynamo_graphs} if self.dynamo_graphs else {}
 
     def close(self) -> None:
         pass
@@ -83,6 +106,7 @@ class System:
 
 class Eager(System):
     name = "eager"
+    dynamo_compiles_count = True
 
     def _run(self, inputs):
         with torch.inference_mode():
@@ -118,16 +142,9 @@ class TorchScript(System):
         return out
 
 
-_CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-
-
-def _dynamo_graphs() -> int:
-    from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"]
-
-
 class TorchCompile(System):
     interleaved = False
+    dynamo_compiles_count = True
 
     def __init__(self, demo: DemoModel, name: str, dynamic: bool | None) -> None:
         super().__init__(demo)
@@ -150,24 +167,16 @@ class TorchCompile(System):
                                              autotune_local_cache=False)
         self._config.__enter__()
         self.fn = torch.compile(demo.module, dynamic=dynamic)
-        self._graphs_before = _dynamo_graphs()
         self.recompile_limit = torch._dynamo.config.recompile_limit
 
     def _run(self, inputs):
         with torch.inference_mode():
             return self.fn(*inputs)
 
-    def __call__(self, *inputs):
-        before = _dynamo_graphs()
-        out, elapsed = super().__call__(*inputs)
-        if _dynamo_graphs() > before:
-            self.compile_events.append((self.calls - 1, elapsed))
-        return out, elapsed
-
     def extra(self) -> dict:
         # Past recompile_limit graphs for one frame, Dynamo stops compiling that frame
         # and runs it eagerly: the latency columns then show eager speed.
-        return {"dynamo_graphs": _dynamo_graphs() - self._graphs_before,
+        return {"dynamo_graphs": self.dynamo_graphs,
                 "recompile_limit": self.recompile_limit}
 
     def close(self) -> None:

@@ -43,8 +43,8 @@ class Size:
 # (walk, every system) near a minute on a 2-core machine.
 SIZES = {
     "walk": (Size(500, 50), Size(60, 10)),
-    "jitter": (Size(300, 50), Size(40, 10)),
-    "nlp": (Size(400, 60), Size(40, 10)),
+    "jitter": (Size(240, 40), Size(40, 10)),
+    "nlp": (Size(300, 50), Size(40, 10)),
     "gnn": (Size(300, 60), Size(40, 10)),
     "loop": (Size(300, 60), Size(40, 10)),
 }
