@@ -13,6 +13,12 @@ single replica would have. Each compile is published: the artifact (with its por
 record) is sealed into the kernel store, the program's index is rewritten, and an
 announcement goes out on Redis pub/sub.
 
+The store is a cache that may lose everything (Redis restarted, flushed, evicting).
+What could not be published while it was away is kept and published again once it
+answers; and every `store_check_s` the compiler checks that each program's index is
+still there, republishing what its JIT holds when it is not, so replicas that start
+after a flush still warm-start, without anything being compiled again.
+
 The compiler interprets nothing itself and trusts nothing it is sent: observations are
 decoded with the same validation as stored records, and one that does not describe a
 watched region of a known program is counted and dropped.
@@ -65,7 +71,11 @@ class FleetCompiler:
     """Aggregates replicas' signature statistics, promotes, compiles and publishes."""
 
     def __init__(self, store: StoreConfig, jit_config: JitConfig | None = None,
-                 telemetry=None) -> None:
+                 telemetry=None, store_check_s: float = 5.0) -> None:
+        self.store_check_s = store_check_s
+        self._next_check = time.monotonic() + store_check_s
+        self._unpublished: list[tuple[_ProgramState, object]] = []
+        self.republished = 0
         self.jit_config = jit_config or JitConfig()
         self.telemetry = telemetry if telemetry is not None and telemetry.enabled else None
         self.cache = ArtifactCache(store.open_store(), store.secret,
@@ -128,6 +138,9 @@ class FleetCompiler:
         state = self._programs.get(program_hash)
         if state is None:
             return {"known": False}
+        if time.monotonic() >= self._next_check:
+            self._next_check = time.monotonic() + self.store_check_s
+            self.repair_store()
         for item in batch:
             try:
                 region, raw, seconds, carrier = item
@@ -171,6 +184,8 @@ class FleetCompiler:
         fields = specialization_fields(spec, program_hash)
         if not self.cache.publish(spec.artifact.key, fields):
             self.publish_failures += 1
+            with self._lock:
+                self._unpublished.append((state, spec))
             return
         with self._lock:
             keys = state.index.setdefault(spec.ir.region_index, OrderedDict())
@@ -193,6 +208,29 @@ class FleetCompiler:
         if self.announcer is not None:
             self.announcer.publish(Announcement(program_hash, TARGET, spec.artifact.key,
                                                 carrier or None))
+
+    def repair_store(self) -> None:
+        """Publish again what the store lost: first what failed to publish, then, for a
+        program whose index is gone (flushed, evicted), everything its JIT holds."""
+        with self._lock:
+            retry, self._unpublished = self._unpublished, []
+        for state, spec in retry:
+            self._publish(state, spec)
+        for state in list(self._programs.values()):
+            if not self.index(state.program.content_hash):
+                continue
+            key = index_key(state.program.content_hash, TARGET)
+            if key in self.cache.store_keys_present([key]):
+                continue
+            held = [s for region_jit in state.jit.regions.values()
+                    for s in region_jit._all() if s.ir is not None]
+            if not held:
+                continue
+            logger.warning("the store lost program %s's index: republishing %d "
+                           "specializations", state.program.content_hash[:12], len(held))
+            for spec in held:
+                self._publish(state, spec)
+                self.republished += 1
 
     # -- inspection -----------------------------------------------------------------------
 
@@ -234,6 +272,7 @@ class FleetCompiler:
                 "queue_length": jit_stats["queue_length"],
                 "indexed": len(self.index(program_hash))}
         return {"programs": programs, "published": self.published,
+                "republished": self.republished, "unpublished": len(self._unpublished),
                 "publish_failures": self.publish_failures, "store": self.cache.stats(),
                 "announced": self.announcer.sent if self.announcer else 0,
                 "announce_failures": self.announcer.failed if self.announcer else 0,

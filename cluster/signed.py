@@ -335,6 +335,16 @@ class ArtifactCache:
             self._count("valid")
         return valid
 
+    def store_keys_present(self, keys: Sequence[str]) -> set[str]:
+        """Which of `keys` the store holds (unverified: a presence check, not a fetch);
+        every key when the store cannot be reached, so that an outage is not mistaken
+        for data loss."""
+        try:
+            return set(self.store.get([check_key(k) for k in keys]))
+        except StoreUnavailable:
+            self._count("unavailable")
+            return set(keys)
+
     def publish(self, key: str, fields: Mapping[str, Any]) -> bool:
         """Seal and store an artifact; False (counted, logged) if the store is unreachable."""
         data = seal(key, fields, self._secret)

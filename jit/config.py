@@ -78,6 +78,10 @@ class JitConfig:
     """Per-device budget of the arenas that specializations plan their intermediates in
     (Note [Arena layout]); past it, a call runs without an arena. 0 turns arenas off."""
 
+    compile_timeout_s: float = 120.0
+    """A compile running longer is abandoned and counts as failed (Note [Compile
+    deadline] in dynvm.jit.queue); its region backs off as after any failure."""
+
     online_compile: bool = True
     """Compile promoted shapes in this process. False: never compile here; only install
     specializations compiled elsewhere (the cluster's compile service, `dynvm
@@ -92,6 +96,9 @@ class JitConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"JitConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"JitConfig.compile_timeout_s must be > 0, "
+                             f"got {self.compile_timeout_s}")
         if self.min_recurrence > self.max_recurrence:
             raise ValueError("JitConfig.min_recurrence must not exceed max_recurrence")
         if self.max_recurrence > self.window:

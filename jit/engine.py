@@ -79,7 +79,7 @@ class Jit:
         self.telemetry = telemetry if telemetry is not None and telemetry.enabled else None
         self.event_limiter = self.telemetry.event_limiter() if self.telemetry else None
         self.queue = CompileQueue(self.config.compile_threads, self.config.max_queue_length,
-                                  self.config.sync)
+                                  self.config.sync, timeout_s=self.config.compile_timeout_s)
         self.regions: dict[int, RegionJit] = {}
         self.compiles = 0
         self.compile_seconds = 0.0
@@ -399,6 +399,7 @@ class Jit:
             "install_rejections": self.install_rejections,
             "compiles_locally": self.compiles_locally(),
             "queue_length": len(self.queue),
+            "compile_timeouts": self.queue.timed_out,
             "dropped_tasks": self.queue.dropped,
             "arena": self.arena_pool.stats() if self.arena_pool is not None else None,
             "guard_failures": totals["guard_failures"],

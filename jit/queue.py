@@ -6,6 +6,16 @@ served highest expected benefit first; when more than `max_length` wait, the
 lowest-benefit ones are dropped (their futures cancelled, counted). Finished futures are
 kept so that asking again (a specialization evicted and promoted anew) costs nothing,
 but only the newest `keep_finished`: a shape storm must not grow the table forever.
+
+Note [Compile deadline]
+~~~~~~~~~~~~~~~~~~~~~~~
+A compile that hangs (a pathological region, a wedged toolchain) must not hold the
+queue: every later promotion would wait behind it forever. A Python thread cannot be
+killed, so past `timeout_s` its future fails with `CompileTimeout` (the region backs
+off as after any failed compile), the worker is abandoned (whatever it finishes later
+is discarded) and a fresh worker takes the next task. The check runs on every submit
+and whenever a worker waits for work (at least every `timeout_s / 4`).
+
 With `sync=True` a
 task runs on the submitting thread, which makes tests deterministic (and makes that
 call wait: debugging only).
@@ -13,18 +23,27 @@ call wait: debugging only).
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
+
+
+class CompileTimeout(TimeoutError):
+    """A compile ran past the queue's deadline (Note [Compile deadline])."""
 
 
 class CompileQueue:
     def __init__(self, threads: int = 1, max_length: int = 32, sync: bool = False,
-                 keep_finished: int = 256) -> None:
+                 keep_finished: int = 256, timeout_s: float | None = None) -> None:
         self.sync = sync
         self.keep_finished = keep_finished
+        self.timeout_s = timeout_s
+        self._running: dict[threading.Thread, tuple[float, str, Future]] = {}
+        self.timed_out = 0
         self.max_length = max_length
         self._threads_wanted = threads
         self._heap: list[tuple[float, int, str, Callable[[], object]]] = []
@@ -48,6 +67,7 @@ class CompileQueue:
                 return future
             future = self._futures[key] = Future()
             if not self.sync:
+                self._expire()  # a hung compile's only worker cannot check for itself
                 heapq.heappush(self._heap, (-benefit, next(self._order), key, task))
                 self._drop_excess()
                 self._ensure_workers()
@@ -82,17 +102,45 @@ class CompileQueue:
             self._workers.append(worker)
             worker.start()
 
+    def _expire(self) -> None:
+        """Fail compiles past the deadline and replace their workers (holding _cond)."""
+        if self.timeout_s is None:
+            return
+        now = time.monotonic()
+        for worker, (started, key, future) in list(self._running.items()):
+            if now - started <= self.timeout_s:
+                continue
+            del self._running[worker]
+            if worker in self._workers:
+                self._workers.remove(worker)
+            self.timed_out += 1
+            self.failed += 1
+            with contextlib.suppress(InvalidStateError):  # it finished at the last moment
+                future.set_exception(CompileTimeout(
+                    f"compile {key[:16]} ran past {self.timeout_s:g} s; abandoned"))
+        if not self._closed:
+            self._ensure_workers()
+
     def _work(self) -> None:
+        me = threading.current_thread()
+        wait_s = self.timeout_s / 4 if self.timeout_s is not None else None
         while True:
             with self._cond:
                 while not self._heap and not self._closed:
-                    self._cond.wait()
-                if self._closed:
+                    self._expire()
+                    self._cond.wait(wait_s)
+                if self._closed or me not in self._workers:
                     return
+                self._expire()
                 _, _, key, task = heapq.heappop(self._heap)
                 future = self._futures[key]
+                self._running[me] = (time.monotonic(), key, future)
             if future.set_running_or_notify_cancel():
                 self._run(key, task, future, started=True)
+            with self._cond:
+                self._running.pop(me, None)
+                if me not in self._workers:
+                    return  # abandoned after its deadline: a replacement took over
 
     def _run(self, key: str, task, future: Future, started: bool = False) -> None:
         if not started and not future.set_running_or_notify_cancel():
@@ -100,11 +148,15 @@ class CompileQueue:
         try:
             result = task()
         except BaseException as exc:  # the task's error belongs to its future
-            self.failed += 1
-            future.set_exception(exc)
+            if not future.done():
+                self.failed += 1
+                future.set_exception(exc)
         else:
-            self.completed += 1
-            future.set_result(result)
+            try:
+                future.set_result(result)
+                self.completed += 1
+            except InvalidStateError:  # timed out meanwhile: the late result is dropped
+                pass
         self._forget_finished()
 
     def _forget_finished(self) -> None:
