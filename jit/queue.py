@@ -13,8 +13,8 @@ A compile that hangs (a pathological region, a wedged toolchain) must not hold t
 queue: every later promotion would wait behind it forever. A Python thread cannot be
 killed, so past `timeout_s` its future fails with `CompileTimeout` (the region backs
 off as after any failed compile), the worker is abandoned (whatever it finishes later
-is discarded) and a fresh worker takes the next task. The check runs on every submit
-and whenever a worker waits for work (at least every `timeout_s / 4`).
+is discarded) and a fresh worker takes the next task. A watchdog thread checks every
+`timeout_s / 4` (the hung worker cannot check for itself).
 
 With `sync=True` a
 task runs on the submitting thread, which makes tests deterministic (and makes that
@@ -43,6 +43,8 @@ class CompileQueue:
         self.keep_finished = keep_finished
         self.timeout_s = timeout_s
         self._running: dict[threading.Thread, tuple[float, str, Future]] = {}
+        self._watchdog: threading.Thread | None = None
+        self._stopped = threading.Event()
         self.timed_out = 0
         self.max_length = max_length
         self._threads_wanted = threads
@@ -67,7 +69,6 @@ class CompileQueue:
                 return future
             future = self._futures[key] = Future()
             if not self.sync:
-                self._expire()  # a hung compile's only worker cannot check for itself
                 heapq.heappush(self._heap, (-benefit, next(self._order), key, task))
                 self._drop_excess()
                 self._ensure_workers()
@@ -81,6 +82,7 @@ class CompileQueue:
 
     def close(self) -> None:
         """Stop the workers after the task each is running; waiting tasks are cancelled."""
+        self._stopped.set()
         with self._cond:
             self._closed = True
             for _, _, key, _ in self._heap:
@@ -101,6 +103,16 @@ class CompileQueue:
             worker = threading.Thread(target=self._work, name="dynvm-compile", daemon=True)
             self._workers.append(worker)
             worker.start()
+        if self.timeout_s is not None and self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="dynvm-compile-watch",
+                                              daemon=True)
+            self._watchdog.start()
+
+    def _watch(self) -> None:
+        # Its own event, not _cond: a notify meant for a worker must never wake it.
+        while not self._stopped.wait(self.timeout_s / 4):
+            with self._cond:
+                self._expire()
 
     def _expire(self) -> None:
         """Fail compiles past the deadline and replace their workers (holding _cond)."""
@@ -123,15 +135,12 @@ class CompileQueue:
 
     def _work(self) -> None:
         me = threading.current_thread()
-        wait_s = self.timeout_s / 4 if self.timeout_s is not None else None
         while True:
             with self._cond:
-                while not self._heap and not self._closed:
-                    self._expire()
-                    self._cond.wait(wait_s)
+                while not self._heap and not self._closed and me in self._workers:
+                    self._cond.wait()
                 if self._closed or me not in self._workers:
                     return
-                self._expire()
                 _, _, key, task = heapq.heappop(self._heap)
                 future = self._futures[key]
                 self._running[me] = (time.monotonic(), key, future)
