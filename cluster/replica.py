@@ -496,6 +496,32 @@ class Autoscaling:
                 "metrics_interval_s": 0.5, "look_back_period_s": 2.0}
 
 
+def model_application(name: str, path, *, device: str | None = "auto",
+                      jit: bool | JitConfig = True, max_batch_size: int = 8,
+                      batch_wait_timeout_s: float = 0.01, batching: bool = True,
+                      max_body_bytes: int = v2.DEFAULT_MAX_BODY_BYTES, num_replicas: int = 1,
+                      num_cpus: float = 1.0, num_gpus: float | None = None,
+                      fleet: FleetOptions | None = None,
+                      autoscaling: Autoscaling | None = None):
+    """The bound Serve deployment of one model (what `serve_models` and the
+    `serve run` builder in dynvm.cluster.serve_app deploy). Ray must be initialized.
+    `num_gpus=None`: one GPU per replica when the Ray cluster has GPUs, none otherwise."""
+    import ray
+
+    check_model_name(name)
+    if num_gpus is None:
+        num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+    scaling = ({"autoscaling_config": autoscaling.as_serve_config()}
+               if autoscaling is not None else {"num_replicas": num_replicas})
+    return ModelReplica.options(
+        name=f"ModelReplica-{name}",
+        max_ongoing_requests=max(256, 4 * max_batch_size),
+        ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+        **scaling,
+    ).bind(name, str(path), device, jit, max_batch_size, batch_wait_timeout_s,
+           bool(batching), max_body_bytes, True, fleet)
+
+
 def serve_models(models: Mapping[str, str], *, device: str | None = "auto",
                  jit: bool | JitConfig = True,
                  max_batch_size: int = 8, batch_wait_timeout_s: float = 0.01,
@@ -514,23 +540,15 @@ def serve_models(models: Mapping[str, str], *, device: str | None = "auto",
     `autoscaling`: Serve autoscales each model between its bounds (`num_replicas` is
     then ignored). Returns {app name: DeploymentHandle}.
     """
-    import ray
-
-    if num_gpus is None:
-        num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
     targets = []
     for name, path in models.items():
-        check_model_name(name)
         batch_on = batching.get(name, True) if isinstance(batching, Mapping) else batching
-        scaling = ({"autoscaling_config": autoscaling.as_serve_config()}
-                   if autoscaling is not None else {"num_replicas": num_replicas})
-        app = ModelReplica.options(
-            name=f"ModelReplica-{name}",
-            max_ongoing_requests=max(256, 4 * max_batch_size),
-            ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
-            **scaling,
-        ).bind(name, str(path), device, jit, max_batch_size, batch_wait_timeout_s,
-               bool(batch_on), max_body_bytes, True, fleet)
+        app = model_application(name, path, device=device, jit=jit,
+                                max_batch_size=max_batch_size,
+                                batch_wait_timeout_s=batch_wait_timeout_s,
+                                batching=bool(batch_on), max_body_bytes=max_body_bytes,
+                                num_replicas=num_replicas, num_cpus=num_cpus,
+                                num_gpus=num_gpus, fleet=fleet, autoscaling=autoscaling)
         targets.append(RunTarget(app, name=model_app_name(name),
                                  route_prefix=f"/v2/models/{name}"))
     targets.append(RunTarget(ServerFront.bind(list(models)), name=SERVER_APP,

@@ -77,12 +77,10 @@ class ModelAppArgs:
 
 def build_model_app(args: Mapping):
     """The Serve application of one model (config `args`: ModelAppArgs' fields)."""
-    import ray
-
     from dynvm.cluster.compile_service import NAMESPACE, SERVICE_NAME, start_compile_service
     from dynvm.cluster.config import StoreConfig
     from dynvm.cluster.fleet_link import FleetOptions
-    from dynvm.cluster.replica import Autoscaling, ModelReplica, check_model_name
+    from dynvm.cluster.replica import Autoscaling, check_model_name, model_application
     from dynvm.jit.config import JitConfig
 
     options = ModelAppArgs.from_args(args)
@@ -90,21 +88,16 @@ def build_model_app(args: Mapping):
     store = StoreConfig.from_env()
     start_compile_service(store, name=SERVICE_NAME, namespace=NAMESPACE,
                           num_cpus=options.service_num_cpus)
-    num_gpus = options.num_gpus
-    if num_gpus is None:
-        num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
-    scaling = ({"autoscaling_config": Autoscaling(**options.autoscaling).as_serve_config()}
-               if options.autoscaling is not None else {"num_replicas": options.num_replicas})
-    # The same binding as serve_models (dynvm.cluster.replica), argument for argument.
-    return ModelReplica.options(
-        name=f"ModelReplica-{options.name}",
-        max_ongoing_requests=max(256, 4 * options.max_batch_size),
-        ray_actor_options={"num_cpus": options.num_cpus, "num_gpus": num_gpus},
-        **scaling,
-    ).bind(options.name, options.path, options.device,
-           JitConfig(online_compile=options.online_compile), options.max_batch_size,
-           options.batch_wait_timeout_s, options.batching, options.max_body_bytes, True,
-           FleetOptions(store, SERVICE_NAME, NAMESPACE))
+    return model_application(
+        options.name, options.path, device=options.device,
+        jit=JitConfig(online_compile=options.online_compile),
+        max_batch_size=options.max_batch_size,
+        batch_wait_timeout_s=options.batch_wait_timeout_s, batching=options.batching,
+        max_body_bytes=options.max_body_bytes, num_replicas=options.num_replicas,
+        num_cpus=options.num_cpus, num_gpus=options.num_gpus,
+        fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE),
+        autoscaling=Autoscaling(**options.autoscaling)
+        if options.autoscaling is not None else None)
 
 
 def build_server_app(args: Mapping):

@@ -162,6 +162,11 @@ class RegionJit:
             if key in self.pending or self._backing_off(key) or \
                     not self.engine.compiles_locally():
                 return
+            if target is family and self.engine.clip_to_declared(
+                    self, family).key in self.family_kernels:
+                # Its kernel is installed (under the clipped key): a late observation,
+                # as the compile service gets them, must not promote it again.
+                return
             decision = decide(self.engine.config, recurrence, self.threshold, mean,
                               self.speedup(),
                               self.engine.estimated_compile_seconds(len(self.region)))
