@@ -14,6 +14,7 @@ import ray
 from dynvm.cluster.config import StoreConfig
 from dynvm.cluster.fleet_compiler import FleetCompiler
 from dynvm.jit.config import JitConfig
+from dynvm.telemetry import Telemetry
 
 SERVICE_NAME = "dynvm-compile-service"
 NAMESPACE = "dynvm"
@@ -23,7 +24,8 @@ class CompileService:
     """The actor's methods: FleetCompiler's, plus `ping`."""
 
     def __init__(self, store: StoreConfig, jit_config: JitConfig | None = None) -> None:
-        self.compiler = FleetCompiler(store, jit_config)
+        # Traced as configured by OTEL_* in the actor's environment (dynvm._env).
+        self.compiler = FleetCompiler(store, jit_config, Telemetry.from_env())
 
     def ping(self) -> bool:
         return True

@@ -179,10 +179,25 @@ class FleetCompiler:
                 self._handled += 1
 
     def _publish_one(self, state: _ProgramState, spec) -> None:
+        if self.telemetry is None:
+            self._write(state, spec, None)
+            return
+        with self.telemetry.tracer.start_as_current_span("dynvm.publish", attributes={
+                "dynvm.cache_key": spec.artifact.key,
+                "dynvm.region": spec.ir.region_index,
+                "dynvm.backend": spec.artifact.backend,
+                "dynvm.target": TARGET}) as span:
+            self._write(state, spec, span)
+
+    def _write(self, state: _ProgramState, spec, span) -> None:
+        """Seal the artifact into the store, rewrite the index, announce."""
         program_hash = state.program.content_hash
-        start = time.perf_counter()
         fields = specialization_fields(spec, program_hash)
-        if not self.cache.publish(spec.artifact.key, fields):
+        stored = self.cache.publish(spec.artifact.key, fields)
+        if span is not None:
+            span.set_attributes({"dynvm.store_written": stored,
+                                 "dynvm.artifact_bytes": len(spec.artifact.source.encode())})
+        if not stored:
             self.publish_failures += 1
             with self._lock:
                 self._unpublished.append((state, spec))
@@ -197,17 +212,13 @@ class FleetCompiler:
                            index_fields(program_hash, TARGET, listed))
         self.published += 1
         carrier: dict[str, str] = {}
-        if self.telemetry is not None:
-            with self.telemetry.tracer.start_as_current_span(
-                    "dynvm.publish", attributes={
-                        "dynvm.cache_key": spec.artifact.key,
-                        "dynvm.region": spec.ir.region_index,
-                        "dynvm.artifact_bytes": len(spec.artifact.source.encode()),
-                        "dynvm.seconds": time.perf_counter() - start}):
-                propagate.inject(carrier)
+        if span is not None:
+            propagate.inject(carrier)  # the announcement carries this publish's context
         if self.announcer is not None:
-            self.announcer.publish(Announcement(program_hash, TARGET, spec.artifact.key,
-                                                carrier or None))
+            sent = self.announcer.publish(Announcement(program_hash, TARGET,
+                                                       spec.artifact.key, carrier or None))
+            if span is not None:
+                span.set_attribute("dynvm.announced", sent)
 
     def repair_store(self) -> None:
         """Publish again what the store lost: first what failed to publish, then, for a

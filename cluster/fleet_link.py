@@ -172,7 +172,7 @@ class FleetLink:
 
     def _install_indexed(self) -> int:
         key = index_key(self.program_hash, self.target)
-        fields = self.cache.fetch([key]).get(key)
+        fields = self._fetch([key]).get(key)
         if fields is None:
             return 0
         return self._install(keys_from_index(fields, self.program_hash))
@@ -197,13 +197,26 @@ class FleetLink:
             if token is not None:
                 otel_context.detach(token)
 
+    def _fetch(self, keys: list[str]) -> dict[str, dict]:
+        """Verified entries among `keys`; traced as a store read when tracing is on."""
+        if not self._tracing:
+            return self.cache.fetch(keys)
+        before = self.cache.stats()
+        with self.runtime.telemetry.tracer.start_as_current_span(
+                "dynvm.store_read", attributes={"dynvm.keys": len(keys)}) as span:
+            found = self.cache.fetch(keys)
+            after = self.cache.stats()
+            span.set_attributes({name: after[name] - before[name] for name in
+                                 ("valid", "missing", "rejected", "unavailable")})
+            return found
+
     def _install(self, keys: list[str]) -> int:
         installed = 0
         with self._install_lock:
             wanted = [k for k in keys if k not in self._installed]
             if not wanted:
                 return 0
-            for key, fields in self.cache.fetch(wanted).items():
+            for key, fields in self._fetch(wanted).items():
                 try:
                     portable = portable_from_fields(fields, self.program)
                     spec = self.jit.install_portable(portable, key,

@@ -52,6 +52,7 @@ from dynvm.cluster.compile_service import RayServiceClient
 from dynvm.cluster.fleet_link import FleetLink, FleetOptions
 from dynvm.cluster.metrics import ReplicaMetrics
 from dynvm.jit.config import JitConfig
+from dynvm.telemetry import Telemetry
 from dynvm.vm.errors import DynvmError, ExecutionError, InputError, ShapeError
 
 MODEL_VERSION = "1"
@@ -159,7 +160,9 @@ class ModelReplica:
         self.model_name = check_model_name(model_name)
         self.program = dynvm.load(dvm_path)
         self.device = pick_device(device)
-        self.runtime = dynvm.Runtime(self.program, self.device, jit=jit)
+        # OTEL_* in the replica's environment configure tracing (dynvm._env); none: off.
+        self.runtime = dynvm.Runtime(self.program, self.device, jit=jit,
+                                     telemetry=Telemetry.from_env())
         # Warm start (Note [Fleet promotion]): everything the fleet already compiled for
         # this program is installed before the replica reports ready.
         self.link = None

@@ -65,6 +65,9 @@ def test_request_promotion_compile_and_remote_install_share_one_trace(tmp_path, 
         assert service["dynvm.publish"].context.trace_id == trace_id
         assert trace_id in {s.context.trace_id for s in installs}, \
             "B's install is not in the request's trace"
+        reads = [s for s in b_spans.get_finished_spans() if s.name == "dynvm.store_read"]
+        assert any(s.attributes["valid"] >= 1 for s in reads), "no traced store hit on B"
+        assert service["dynvm.publish"].attributes["dynvm.store_written"] is True
         assert b.runtime.stats()["compiles"] == 0
     finally:
         a.close()
