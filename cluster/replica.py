@@ -31,6 +31,7 @@ Triton's dynamic batcher.
 """
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -42,6 +43,8 @@ from pathlib import Path
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from opentelemetry import context as otel_context
+from opentelemetry import propagate
 from ray import serve
 from ray.serve.api import RunTarget
 from torch.utils import _pytree as pytree
@@ -114,6 +117,15 @@ class _RootWithoutSlash:
             if scope["path"] in ("", root):
                 scope = dict(scope, path=root + "/")
         await self.app(scope, receive, send)
+
+
+@contextlib.contextmanager
+def _attached(context):
+    token = otel_context.attach(context)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 def _replica_tag() -> str | None:
@@ -260,41 +272,60 @@ class ModelReplica:
                 rows.append(n)
         return groups
 
-    def _run_batch(self, requests: Sequence[v2.InferRequest]) -> tuple[list[_Outcome], dict]:
-        """Runs in a worker thread: one VM call per group, split back per request."""
+    def _trace_parent(self, carrier: dict | None):
+        """Run a VM call as a child of the HTTP request's W3C trace context, if any."""
+        if carrier is None or self.runtime.telemetry is None:
+            return contextlib.nullcontext()
+        return _attached(propagate.extract(carrier))
+
+    def _run_batch(self, requests: Sequence[v2.InferRequest],
+                   traces: Sequence[dict | None]) -> tuple[list[_Outcome], dict]:
+        """Runs in a worker thread: one VM call per group, split back per request. A
+        batched call joins the trace of its first request (a span has one parent)."""
         outcomes: list[_Outcome | None] = [None] * len(requests)
         counts = {"vm_calls": 0, "batched_vm_calls": 0, "batched_requests": 0,
                   "max_requests_per_vm_call": 1, "unbatched_fallbacks": 0}
         for group in self._groups(requests):
-            if len(group) > 1:
-                sizes = [requests[i].tensors[0].shape[0] for i in group]
-                total = sum(sizes)
-                try:
-                    cat = [torch.cat([requests[i].tensors[k] for i in group])
-                           for k in range(len(self.program.inputs))]
-                    outputs = self._run(cat)
-                    counts["vm_calls"] += 1
-                    if all(o.dim() >= 1 and o.shape[0] == total for o in outputs):
-                        pieces = [o.split(sizes) for o in outputs]
-                        for j, i in enumerate(group):
-                            outcomes[i] = _Outcome(outputs=[p[j].clone() for p in pieces])
-                        counts["batched_vm_calls"] += 1
-                        counts["batched_requests"] += len(group)
-                        counts["max_requests_per_vm_call"] = max(
-                            counts["max_requests_per_vm_call"], len(group))
-                        continue
-                except Exception:  # each request re-runs below and gets its own error
-                    pass
-                counts["unbatched_fallbacks"] += 1
-            for i in group:
-                outcomes[i] = self._run_one(requests[i].tensors)
-                counts["vm_calls"] += 1
+            with self._trace_parent(traces[group[0]]):
+                self._run_group(requests, traces, group, outcomes, counts)
         return [o if o is not None else _Outcome(error=RuntimeError("not run"))
                 for o in outcomes], counts
 
+    def _run_group(self, requests, traces, group: list[int], outcomes: list,
+                   counts: dict) -> None:
+        """One batched VM call for `group`, or one call per request when batching does
+        not apply or fails; fills `outcomes` and `counts`."""
+        if len(group) > 1:
+            sizes = [requests[i].tensors[0].shape[0] for i in group]
+            total = sum(sizes)
+            try:
+                cat = [torch.cat([requests[i].tensors[k] for i in group])
+                       for k in range(len(self.program.inputs))]
+                outputs = self._run(cat)
+                counts["vm_calls"] += 1
+                if all(o.dim() >= 1 and o.shape[0] == total for o in outputs):
+                    pieces = [o.split(sizes) for o in outputs]
+                    for j, i in enumerate(group):
+                        outcomes[i] = _Outcome(outputs=[p[j].clone() for p in pieces])
+                    counts["batched_vm_calls"] += 1
+                    counts["batched_requests"] += len(group)
+                    counts["max_requests_per_vm_call"] = max(
+                        counts["max_requests_per_vm_call"], len(group))
+                    return
+            except Exception:  # each request re-runs below and gets its own error
+                pass
+            counts["unbatched_fallbacks"] += 1
+        for i in group:
+            with self._trace_parent(traces[i]):
+                outcomes[i] = self._run_one(requests[i].tensors)
+            counts["vm_calls"] += 1
+
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
-    async def _batched(self, requests: list[v2.InferRequest]) -> list[_Outcome]:
-        outcomes, counts = await asyncio.to_thread(self._run_batch, requests)
+    async def _batched(self, items: list[tuple[v2.InferRequest, dict | None]]
+                       ) -> list[_Outcome]:
+        requests = [request for request, _ in items]
+        traces = [trace for _, trace in items]
+        outcomes, counts = await asyncio.to_thread(self._run_batch, requests, traces)
         self.counters["batches"] += 1
         for key, value in counts.items():
             if key == "max_requests_per_vm_call":
@@ -307,9 +338,11 @@ class ModelReplica:
             self.metrics.update(self.stats())
         return outcomes
 
-    async def infer_request(self, request: v2.InferRequest) -> list[torch.Tensor]:
-        """Run one validated request through the batcher; raises its error."""
-        outcome = await self._batched(request)
+    async def infer_request(self, request: v2.InferRequest,
+                            trace: dict | None = None) -> list[torch.Tensor]:
+        """Run one validated request through the batcher; raises its error. `trace`: the
+        request's W3C trace-context headers (traceparent, tracestate), if it had any."""
+        outcome = await self._batched((request, trace))
         if outcome.error is not None:
             raise outcome.error
         return outcome.outputs
@@ -403,8 +436,10 @@ class ModelReplica:
                 body, self.program.inputs,
                 header_length=request.headers.get(v2.HEADER_LENGTH),
                 max_body_bytes=self.max_body_bytes, output_names=self.output_names)
+            trace = {k: request.headers[k] for k in ("traceparent", "tracestate")
+                     if k in request.headers} or None
             try:
-                outputs = await self.infer_request(parsed)
+                outputs = await self.infer_request(parsed, trace)
             except (ShapeError, InputError, ExecutionError) as exc:
                 raise v2.BadRequest(f"model {self.model_name!r}: {exc}") from None
             body, headers = v2.build_infer_response(self.model_name, version or MODEL_VERSION,
