@@ -20,6 +20,8 @@ its own JIT compiled. With no fleet connected, none of this costs anything.
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 
@@ -41,7 +43,6 @@ from dynvm.vm.isa import OpClass
 
 MIN_TENSOR_OPS = 2
 MAX_ARTIFACTS = 256   # artifacts kept for `dynvm explain` and stats (newest)
-BACKEND = "cpu"
 
 
 def family_live_ins(live_in: tuple[int, ...], family: Family, dims) -> dict[int, object]:
@@ -105,6 +106,19 @@ class Jit:
         self.arena_pool = (ArenaPool(interpreter.device, self.config.arena_budget_bytes)
                            if self.config.arena_budget_bytes > 0 else None)
         self._cpu_options = CpuOptions(self.arena_pool)
+        # "cpu" or "triton" (JitConfig.backend resolved for this device); it enters
+        # every cache key. Triton is imported only when it is chosen.
+        self.backend = self.config.backend_for(interpreter.device)
+        self._options_key = self._cpu_options.as_key()
+        self._triton_options = None
+        self.triton_compiles = 0
+        self.triton_fallbacks = 0
+        if self.backend == "triton":
+            from dynvm.jit.backends.triton.options import DEFAULT_OPTIONS
+
+            self._triton_options = DEFAULT_OPTIONS
+            self._options_key = {"cpu": self._options_key,
+                                 "triton": DEFAULT_OPTIONS.as_key()}
 
     def attach(self) -> None:
         for region in self.program.regions:
@@ -150,7 +164,7 @@ class Jit:
     def key_for(self, region_jit: RegionJit, target) -> str:
         family_key = target.key if isinstance(target, Family) else describe(target)
         return cache_key(self.program.content_hash, region_jit.region.index, family_key,
-                         BACKEND, str(self.interpreter.device), self._cpu_options.as_key())
+                         self.backend, str(self.interpreter.device), self._options_key)
 
     def promote(self, region_jit: RegionJit, target, decision) -> None:
         """Queue the compile of a signature (exact) or a Family (family kernel)."""
@@ -216,16 +230,51 @@ class Jit:
                key: str, start: float) -> Specialization:
         """Generate and load the backend code of a specialized region."""
         described = f"family {family.key}" if family is not None else describe(signature)
+        notes = ir.notes
+        if self.backend == "triton":
+            built = self._build_triton(ir, family.key if family is not None else described,
+                                       key)
+            if not isinstance(built, str):
+                return self._finish_build(key, "triton", built.kernel_name, built.source,
+                                          strength, built.notes, start, built.metadata,
+                                          signature, built.fn, family, ir)
+            notes = (*notes, built)
         kernel = compile_kernel(ir, self.program, self._constants, self.interpreter.device,
                                 described, strength.value, self._cpu_options, owner=key)
+        return self._finish_build(key, "cpu", kernel.name, kernel.source, strength, notes,
+                                  start, {}, signature, kernel.fn, family, ir)
+
+    def _finish_build(self, key, backend, kernel_name, source, strength, notes, start,
+                      metadata, signature, fn, family, ir) -> Specialization:
         seconds = time.perf_counter() - start
-        artifact = Artifact(key, BACKEND, str(self.interpreter.device), kernel.name,
-                            kernel.source, strength.value, ir.notes, seconds)
+        artifact = Artifact(key, backend, str(self.interpreter.device), kernel_name,
+                            source, strength.value, tuple(notes), seconds, metadata)
         with self._lock:
             self.artifacts[key] = artifact
             while len(self.artifacts) > MAX_ARTIFACTS:  # oldest first (insertion order)
                 del self.artifacts[next(iter(self.artifacts))]
-        return Specialization(signature, strength, kernel.fn, artifact, family, ir=ir)
+        return Specialization(signature, strength, fn, artifact, family, ir=ir)
+
+    def _build_triton(self, ir, family_key: str, key: str):
+        """The Triton build of `ir`, or (a str) why the CPU backend compiles it instead."""
+        from dynvm.jit.backends.triton import TritonBackendError
+        from dynvm.jit.backends.triton.specialization import build_specialization
+
+        try:
+            built = build_specialization(ir, self._constants, self.interpreter.device,
+                                         program_hash=self.program.content_hash,
+                                         family_key=family_key,
+                                         options=self._triton_options)
+        except TritonBackendError as exc:
+            reason = (f"triton backend: compiled by the cpu backend instead "
+                      f"({type(exc).__name__}: {exc})")
+            with self._lock:
+                self.triton_fallbacks += 1
+            self._log(f"region {ir.region_index} {key[:12]}: {reason}")
+            return reason
+        with self._lock:
+            self.triton_compiles += 1
+        return built
 
     def install_portable(self, portable: PortableSpecialization, key: str,
                          compile_seconds: float = 0.0) -> Specialization | None:
@@ -310,9 +359,11 @@ class Jit:
     def _traced_compile(self, region_jit: RegionJit, target, key: str,
                         parent) -> Specialization:
         attributes = self._target_attributes(region_jit, target, key)
-        attributes.update({"dynvm.backend": BACKEND,
+        attributes.update({"dynvm.backend": self.backend,
                            "dynvm.target": str(self.interpreter.device),
-                           "dynvm.thread": threading.current_thread().name})
+                           "dynvm.thread": threading.current_thread().name,
+                           # Where it ran: a replica's own JIT, or the compile service.
+                           "dynvm.host": socket.gethostname(), "dynvm.pid": os.getpid()})
         with self.telemetry.tracer.start_as_current_span(
                 "dynvm.compile", context=parent, attributes=attributes) as span:
             spec = self._compile(region_jit, target, key)
@@ -398,6 +449,9 @@ class Jit:
             "install_seconds": self.install_seconds,
             "install_rejections": self.install_rejections,
             "compiles_locally": self.compiles_locally(),
+            "backend": self.backend,
+            "triton_compiles": self.triton_compiles,
+            "triton_fallbacks": self.triton_fallbacks,
             "queue_length": len(self.queue),
             "compile_timeouts": self.queue.timed_out,
             "dropped_tasks": self.queue.dropped,
