@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+BACKENDS = ("auto", "cpu", "triton")
+
 
 @dataclass(frozen=True)
 class JitConfig:
@@ -88,7 +90,17 @@ class JitConfig:
     precompile`) and interpret the rest; `stats()["interpreted_region_calls"]` counts
     the region calls that missed."""
 
+    backend: str = "auto"
+    """Code generator of specializations: "cpu" (generated Python over torch ops, with
+    an arena), "triton" (fused Triton kernels, dynvm.jit.backends.triton; on a CPU device
+    they run in Triton's interpreter, which needs TRITON_INTERPRET=1 before triton is
+    imported: for tests), or "auto": triton on CUDA devices, cpu otherwise. A region the
+    Triton backend cannot handle is compiled by the CPU backend, with a note saying why."""
+
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"JitConfig.backend must be one of {', '.join(BACKENDS)}, "
+                             f"got {self.backend!r}")
         positive = ("min_recurrence", "max_recurrence", "window", "horizon_calls",
                     "max_specializations_per_region", "compile_threads",
                     "max_queue_length", "instructions_per_recurrence_step",
@@ -103,3 +115,10 @@ class JitConfig:
             raise ValueError("JitConfig.min_recurrence must not exceed max_recurrence")
         if self.max_recurrence > self.window:
             raise ValueError("JitConfig.max_recurrence must not exceed window")
+
+    def backend_for(self, device) -> str:
+        """The backend this config selects on `device` ("auto" resolved)."""
+        if self.backend != "auto":
+            return self.backend
+        return "triton" if getattr(device, "type", str(device).split(":")[0]) == "cuda" \
+            else "cpu"

@@ -9,8 +9,11 @@
 Pipeline: `partition` (Note [Fusion groups]) -> `kernels` (readable @triton.jit source,
 Note [Block sizes]) -> `plan` (launch steps as data) -> `aot` (binaries per target in a
 child process, Note [Launching binaries]) -> `artifact` (msgpack, one cache key).
-fp32 only for now. Launching the stored binaries on a GPU is the remaining step (see
-Note [Launching binaries]); `launch.PlanRunner` is the part every runner shares.
+fp32 only for now. The JIT uses this backend with JitConfig(backend="triton"|"auto")
+through `specialization.build_specialization`: Triton's JIT on CUDA (`run_cuda`), the
+interpreter on a CPU (`run_interpreted`); `launch.PlanRunner` is the part every runner
+shares. Launching an artifact's stored binaries without Triton's compiler is the
+remaining step (Note [Launching binaries]).
 """
 
 from __future__ import annotations
