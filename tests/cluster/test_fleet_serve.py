@@ -11,14 +11,13 @@ import http.client
 import json
 import random
 import secrets
-import socket
 import threading
-import time
 import uuid
 
 import numpy as np
 import pytest
 import torch
+from _cluster_helpers import local_serve, saved_recommender, wait_until
 from _redis_server import REDIS_SERVER, RedisServer, redis_config
 
 ray = pytest.importorskip("ray")
@@ -40,10 +39,6 @@ CONFIG = JitConfig(min_recurrence=2, max_recurrence=4, horizon_calls=10**7)
 SEQ = 16
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:
@@ -88,31 +83,22 @@ def cluster(tmp_path_factory):
     program = dynvm.compile(demo.module.eval(), demo.example_inputs, demo.dynamic_shapes,
                             name="transformer_s")
     dynvm.save(program, tmp / "transformer.dvm")
-    rec = recommender(max_batch=64)
-    dynvm.save(dynvm.compile(rec.module.eval(), rec.example_inputs, rec.dynamic_shapes,
-                             name="recommender"), tmp / "recommender.dvm")
+    saved_recommender(tmp)
     redis_server = RedisServer(tmp / "redis").start()
     store = StoreConfig(secret=secrets.token_bytes(32), redis=redis_config(redis_server))
     fleet = FleetOptions(store, service_name=f"dynvm-compile-{uuid.uuid4().hex[:8]}",
                          flush_interval_s=0.02, poll_interval_s=0.5)
-    port = _free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, namespace="dynvm-test-fleet")
     try:
-        start_compile_service(store, CONFIG, name=fleet.service_name)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        paths = {"transformer": str(tmp / "transformer.dvm"),
-                 "recommender": str(tmp / "recommender.dvm")}
-        c = Cluster(port, fleet, paths, {"transformer": demo.module.eval()})
-        c.deploy("ta", paths["transformer"])
-        c.deploy("tb", paths["transformer"])
-        yield c
+        with local_serve("dynvm-test-fleet", num_cpus=8) as port:
+            start_compile_service(store, CONFIG, name=fleet.service_name)
+            paths = {"transformer": str(tmp / "transformer.dvm"),
+                     "recommender": str(tmp / "recommender.dvm")}
+            c = Cluster(port, fleet, paths, {"transformer": demo.module.eval()})
+            c.deploy("ta", paths["transformer"])
+            c.deploy("tb", paths["transformer"])
+            yield c
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            redis_server.stop()
+        redis_server.stop()
 
 
 def _infer(client, model: str, tokens: np.ndarray, binary: bool) -> np.ndarray:
@@ -136,13 +122,6 @@ def test_tritonclient_gets_the_transformers_outputs(cluster):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4)
 
 
-def _wait(predicate, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def test_promotion_from_traffic_on_a_is_installed_on_b_without_compiling(cluster):
@@ -153,7 +132,8 @@ def test_promotion_from_traffic_on_a_is_installed_on_b_without_compiling(cluster
     for _ in range(10):
         for tokens in shapes:
             _infer(client, "ta", tokens, binary=True)
-    assert _wait(lambda: cluster.stats("tb")["installs"] > b_before["installs"]), \
+    installed = wait_until(lambda: cluster.stats("tb")["installs"] > b_before["installs"], 60)
+    assert installed is not None, \
         cluster.stats("tb")
     assert cluster.stats("ta")["compiles"] == 0, "the service compiles, not replica A"
     b = cluster.stats("tb")
@@ -173,7 +153,7 @@ def test_a_replica_started_after_promotion_serves_its_first_request_specialized(
     for _ in range(8):
         _infer(client, "ta", tokens, binary=True)
     # Wait until the promoted shape is in the index (B, a running replica, has it).
-    assert _wait(lambda: cluster.stats("tb")["fleet"]["installed"] >= 1)
+    assert wait_until(lambda: cluster.stats("tb")["fleet"]["installed"] >= 1, 60) is not None
     cluster.deploy("tc", cluster.paths["transformer"])
     before = cluster.stats("tc")
     assert before["fleet"]["warm_start_installs"] >= 1 and before["compiles"] == 0
@@ -216,12 +196,12 @@ def test_deployment_scales_up_under_load_and_back(cluster):
     for t in threads:
         t.start()
     try:
-        assert _wait(lambda: _running_replicas("dynvm-model-auto") >= 2, timeout_s=90), \
-            "no scale-up under 8 concurrent clients"
+        up = wait_until(lambda: _running_replicas("dynvm-model-auto") >= 2, timeout_s=90)
+        assert up is not None, "no scale-up under 8 concurrent clients"
     finally:
         stop.set()
         for t in threads:
             t.join(timeout=60)
     assert not failures, failures[:3]
-    assert _wait(lambda: _running_replicas("dynvm-model-auto") == 1, timeout_s=120), \
-        "no scale-down after the load stopped"
+    down = wait_until(lambda: _running_replicas("dynvm-model-auto") == 1, timeout_s=120)
+    assert down is not None, "no scale-down after the load stopped"

@@ -5,10 +5,10 @@ FleetLinks. (tests/cluster/test_fleet_serve.py runs the same over Ray Serve and 
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
+from _cluster_helpers import saved_recommender, wait_until
 from _redis_server import redis_config
 
 import dynvm
@@ -18,7 +18,6 @@ from dynvm.cluster.fleet_compiler import FleetCompiler
 from dynvm.cluster.fleet_link import FleetLink, FleetOptions
 from dynvm.cluster.signed import seal
 from dynvm.jit.config import JitConfig
-from dynvm.models import recommender
 
 FAST = {"flush_interval_s": 0.02, "poll_interval_s": 0.2}
 # The recommender's regions take microseconds: with the default horizon a compile would
@@ -28,12 +27,8 @@ CONFIG = JitConfig(min_recurrence=2, max_recurrence=4, horizon_calls=10**7)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    demo = recommender(max_batch=64)
-    program = dynvm.compile(demo.module.eval(), demo.example_inputs, demo.dynamic_shapes,
-                            name="recommender")
-    path = tmp_path_factory.mktemp("fleet") / "recommender.dvm"
-    dynvm.save(program, path)
-    return demo, dynvm.load(path), path.read_bytes()
+    demo, program, path = saved_recommender(tmp_path_factory.mktemp("fleet"))
+    return demo, program, path.read_bytes()
 
 
 def _draws(demo, n: int, seed: int = 0) -> list[tuple]:
@@ -47,13 +42,6 @@ def _replica(program, dvm_bytes, store: StoreConfig, compiler: FleetCompiler,
                      LocalServiceClient(compiler)).start()
 
 
-def _wait(predicate, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture(params=["redis", "local"])
@@ -78,8 +66,8 @@ def test_traffic_on_one_replica_is_installed_on_the_others(model, store_config):
         assert compiler.wait_idle()
         assert compiler.stats()["published"] >= 1
         # B never saw traffic: it installs what A's traffic promoted, compiling nothing.
-        assert _wait(lambda: b.runtime.stats()["installs"] >= 1)
-        assert _wait(lambda: a.runtime.stats()["installs"] >= 1)
+        assert wait_until(lambda: b.runtime.stats()["installs"] >= 1) is not None
+        assert wait_until(lambda: a.runtime.stats()["installs"] >= 1) is not None
         assert b.runtime.stats()["compiles"] == 0
         assert a.runtime.stats()["compiles"] == 0  # the service compiled, not A
         before = b.runtime.stats()["specialized_region_calls"]
@@ -120,8 +108,8 @@ def test_fleet_wide_recurrence_promotes_what_no_replica_would(model, store_confi
             link._flush()
         assert compiler.wait_idle()
         assert compiler.stats()["published"] >= 1
-        assert _wait(lambda: a.runtime.stats()["installs"] >= 1
-                     and b.runtime.stats()["installs"] >= 1)
+        assert wait_until(lambda: a.runtime.stats()["installs"] >= 1
+                          and b.runtime.stats()["installs"] >= 1) is not None
     finally:
         a.close()
         b.close()
@@ -146,7 +134,7 @@ def test_without_a_service_replicas_compile_locally(model, store_config):
         inputs = _draws(demo, 1)[0]
         for _ in range(20):
             runtime(*inputs)
-        assert _wait(lambda: runtime.stats()["compiles"] >= 1)
+        assert wait_until(lambda: runtime.stats()["compiles"] >= 1) is not None
     finally:
         link.close()
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from _cluster_helpers import saved_recommender
 
 import dynvm
 from dynvm._precompile_cmd import (
@@ -26,18 +27,12 @@ from dynvm.cluster.compile_service import LocalServiceClient
 from dynvm.cluster.fleet_compiler import FleetCompiler
 from dynvm.cluster.fleet_link import FleetLink, FleetOptions
 from dynvm.jit.config import JitConfig
-from dynvm.models import recommender
 from dynvm.shape_cluster.buckets import bucket_of
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    demo = recommender(max_batch=64)
-    program = dynvm.compile(demo.module.eval(), demo.example_inputs, demo.dynamic_shapes,
-                            name="recommender")
-    path = tmp_path_factory.mktemp("precompile") / "recommender.dvm"
-    dynvm.save(program, path)
-    return demo, dynvm.load(path), path
+    return saved_recommender(tmp_path_factory.mktemp("precompile"))
 
 
 # -- shapes ---------------------------------------------------------------------------

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import random
-import socket
 import threading
 
 import numpy as np
 import pytest
 import torch
+from _cluster_helpers import local_serve
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -30,10 +29,6 @@ pytestmark = pytest.mark.slow
 MAX_BODY = 256 * 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -78,26 +73,11 @@ def server(tmp_path_factory):
         programs[model.name] = dynvm.load(paths[model.name])
         modules[model.name] = model.module
 
-    old_env = os.environ.get("RAY_USAGE_STATS_ENABLED")
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, namespace="dynvm-test-replica")
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve("dynvm-test-replica") as port:
         serve_models(paths, device="cpu", jit=False, max_batch_size=8,
                      batch_wait_timeout_s=0.05, batching={"branchy": False},
                      max_body_bytes=MAX_BODY, num_cpus=0.5)
         yield Server(port, programs, modules)
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            if old_env is None:
-                os.environ.pop("RAY_USAGE_STATS_ENABLED", None)
-            else:
-                os.environ["RAY_USAGE_STATS_ENABLED"] = old_env
 
 
 def _rec_inputs(batch: int, seed: int) -> list[np.ndarray]:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from _cluster_helpers import saved_recommender
 
 import dynvm
 from dynvm.cluster import v2_protocol as v2
 from dynvm.cluster.replica import ModelReplica
-from dynvm.models import recommender
 from dynvm.telemetry import Telemetry
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -20,11 +20,7 @@ PARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
-    demo = recommender(max_batch=64)
-    program = dynvm.compile(demo.module.eval(), demo.example_inputs, demo.dynamic_shapes,
-                            name="recommender")
-    path = tmp_path_factory.mktemp("trace") / "r.dvm"
-    dynvm.save(program, path)
+    demo, _, path = saved_recommender(tmp_path_factory.mktemp("trace"), "r.dvm")
     # Serve's ingress wraps the class in a subclass with an async __init__; the class
     # itself (next in the MRO) builds synchronously.
     cls = ModelReplica.func_or_class.__mro__[1]

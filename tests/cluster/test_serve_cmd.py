@@ -14,11 +14,11 @@ import urllib.request
 
 import pytest
 import torch
+from _cluster_helpers import saved_recommender
 from _redis_server import REDIS_SERVER, free_port
 
 import dynvm
 from dynvm.cluster.local_redis import LocalRedis, LocalRedisError, LocalRedisOptions
-from dynvm.models import recommender
 
 httpclient = pytest.importorskip("tritonclient.http")
 
@@ -66,12 +66,7 @@ def _get(url: str, timeout: float = 2.0):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    demo = recommender(max_batch=64)
-    program = dynvm.compile(demo.module.eval(), demo.example_inputs, demo.dynamic_shapes,
-                            name="recommender")
-    path = tmp_path_factory.mktemp("serve") / "rec.dvm"
-    dynvm.save(program, path)
-    return demo, program, path
+    return saved_recommender(tmp_path_factory.mktemp("serve"), "rec.dvm")
 
 
 @pytest.mark.slow

@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
-import socket
 import time
 
 import numpy as np
 import pytest
-import ray
 import torch
+from _cluster_helpers import local_serve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ray import serve
 
 import dynvm
 from dynvm.cluster.replica import serve_models
@@ -36,10 +33,6 @@ NAMES = ["dense", "sparse0", "sparse1", "sparse2", "sparse3"]
 ROWS_AND_BAGS = ((1000, 3), (800, 5), (1200, 1), (500, 4))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -84,26 +77,11 @@ def server(tmp_path_factory):
                             name=model.name)
     path = tmp_path_factory.mktemp("bad-input") / "recommender.dvm"
     dynvm.save(program, path)
-    old_env = os.environ.get("RAY_USAGE_STATS_ENABLED")
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, namespace="dynvm-test-bad-input")
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve("dynvm-test-bad-input") as port:
         serve_models({"recommender": str(path)}, device="cpu", jit=False,
                      max_batch_size=4, batch_wait_timeout_s=0.005,
                      max_body_bytes=MAX_BODY, num_cpus=0.5)
         yield Server(port, dynvm.Runtime(dynvm.load(path), "cpu", jit=False))
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            if old_env is None:
-                os.environ.pop("RAY_USAGE_STATS_ENABLED", None)
-            else:
-                os.environ["RAY_USAGE_STATS_ENABLED"] = old_env
 
 
 # ------------------------------------------------------------------ requests

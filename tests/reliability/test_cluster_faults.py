@@ -10,19 +10,18 @@ import http.client
 import json
 import random
 import secrets
-import socket
 import threading
 import time
 import uuid
 
 import pytest
 import torch
+from _cluster_helpers import local_serve, saved_recommender, wait_until
 from _redis_server import RedisServer, redis_config
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-import dynvm  # noqa: E402
 from dynvm.cluster import RedisStore, StoreConfig  # noqa: E402
 from dynvm.cluster.compile_service import NAMESPACE, start_compile_service  # noqa: E402
 from dynvm.cluster.fleet_link import FleetOptions  # noqa: E402
@@ -37,10 +36,6 @@ CONFIG = JitConfig(min_recurrence=2, max_recurrence=4, horizon_calls=10**7)
 BATCHES = (3, 5, 9, 17)   # a few shapes, so that promotions happen under the traffic
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Traffic:
@@ -98,31 +93,21 @@ class Traffic:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
-    demo = recommender(max_batch=64)
-    program = dynvm.compile(demo.module.eval(), demo.example_inputs, demo.dynamic_shapes,
-                            name="recommender")
-    path = str(tmp / "recommender.dvm")
-    dynvm.save(program, path)
+    _, program, path = saved_recommender(tmp)
     redis_server = RedisServer(tmp / "redis").start()
     store = StoreConfig(secret=secrets.token_bytes(32), redis=redis_config(redis_server))
     options = FleetOptions(store, service_name=f"dynvm-faults-{uuid.uuid4().hex[:8]}",
                            flush_interval_s=0.05, poll_interval_s=0.5)
-    port = _free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, namespace="dynvm-test-faults")
     try:
-        start_compile_service(store, CONFIG, name=options.service_name)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve_models({"rec": path}, device="cpu", jit=CONFIG, num_replicas=2, num_cpus=0.1,
-                     max_batch_size=4, batch_wait_timeout_s=0.005, fleet=options)
-        yield {"port": port, "redis": redis_server, "store": store, "options": options,
-               "program": dynvm.load(path), "names": [s.name for s in program.inputs]}
+        with local_serve("dynvm-test-faults", num_cpus=8) as port:
+            start_compile_service(store, CONFIG, name=options.service_name)
+            serve_models({"rec": str(path)}, device="cpu", jit=CONFIG, num_replicas=2,
+                         num_cpus=0.1, max_batch_size=4, batch_wait_timeout_s=0.005,
+                         fleet=options)
+            yield {"port": port, "redis": redis_server, "store": store, "options": options,
+                   "program": program, "names": [s.name for s in program.inputs]}
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            redis_server.stop()
+        redis_server.stop()
 
 
 def _stats(port: int) -> dict:
@@ -133,14 +118,6 @@ def _stats(port: int) -> dict:
     return body
 
 
-def _wait(predicate, timeout_s: float = 60.0) -> float | None:
-    """Seconds until `predicate()` held, or None."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if predicate():
-            return time.monotonic() - start
-        time.sleep(0.1)
-    return None
 
 
 def _index_present(fleet) -> bool:
@@ -170,12 +147,12 @@ def _remember_name(fleet):
 
 def test_redis_killed_mid_traffic_then_back(fleet):
     with Traffic(fleet["port"], "rec", fleet["names"]) as traffic:
-        assert _wait(lambda: _index_present(fleet), 90) is not None, "nothing was promoted"
+        assert wait_until(lambda: _index_present(fleet), 90) is not None, "nothing was promoted"
         fleet["redis"].stop()
         time.sleep(3)
         during = traffic.sent
         fleet["redis"].start()
-        recovered = _wait(lambda: _index_present(fleet), 60)
+        recovered = wait_until(lambda: _index_present(fleet), 60)
         time.sleep(1)
     print(f"\nredis kill: {traffic.sent} requests, {len(traffic.failures)} failed, "
           f"{during} sent by the end of the outage, index back after {recovered} s")
@@ -185,9 +162,9 @@ def test_redis_killed_mid_traffic_then_back(fleet):
 
 def test_redis_flushed_mid_traffic(fleet):
     with Traffic(fleet["port"], "rec", fleet["names"]) as traffic:
-        assert _wait(lambda: _index_present(fleet), 90) is not None
+        assert wait_until(lambda: _index_present(fleet), 90) is not None
         fleet["redis"].client().flushall()
-        recovered = _wait(lambda: _index_present(fleet), 60)
+        recovered = wait_until(lambda: _index_present(fleet), 60)
         time.sleep(1)
     print(f"\nredis flush: {traffic.sent} requests, {len(traffic.failures)} failed, "
           f"index republished after {recovered} s")
@@ -209,14 +186,14 @@ def test_compile_service_killed_mid_traffic(fleet):
             except Exception:  # restarting
                 return False
 
-        recovered = _wait(registered_again, 90)
+        recovered = wait_until(registered_again, 90)
         time.sleep(1)
     print(f"\nservice kill: {traffic.sent} requests, {len(traffic.failures)} failed, "
           f"service restarted and re-registered after "
           f"{None if recovered is None else round(time.monotonic() - killed_at, 2)} s")
     assert not traffic.failures, traffic.failures[:3]
     assert recovered is not None, "Ray did not restart the service, or no replica re-registered"
-    assert _wait(lambda: _stats(fleet["port"])["fleet"]["service_ok"], 30) is not None
+    assert wait_until(lambda: _stats(fleet["port"])["fleet"]["service_ok"], 30) is not None
 
 
 def test_replica_killed_is_replaced_and_warm_starts(fleet):
@@ -238,7 +215,7 @@ def test_replica_killed_is_replaced_and_warm_starts(fleet):
                 return True
             return False
 
-        replaced = _wait(new_replica, 90)
+        replaced = wait_until(new_replica, 90)
         time.sleep(1)
         failed_at_kill = len(traffic.failures)
     print(f"\nreplica kill: {traffic.sent} requests, {failed_at_kill} failed, replacement "

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from _cluster_helpers import wait_until
 from _jit_helpers import compiled, demo
 
 import dynvm
@@ -26,13 +27,6 @@ def _inputs(n: int, seed: int = 0) -> list[tuple]:
     return [demo("recommender").sample_inputs(random.Random(seed + i)) for i in range(n)]
 
 
-def _wait(predicate, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_a_raising_compile_is_backed_off_traced_and_harmless(monkeypatch):
@@ -52,7 +46,7 @@ def test_a_raising_compile_is_backed_off_traced_and_harmless(monkeypatch):
     inputs = _inputs(1)[0]
     for _ in range(200):
         torch.testing.assert_close(runtime(*inputs), reference(*inputs))
-    assert _wait(lambda: runtime.stats()["compile_failures"] >= 1)
+    assert wait_until(lambda: runtime.stats()["compile_failures"] >= 1) is not None
     stats = runtime.stats()
     regions = len(runtime.jit.regions)
     # One attempt per region and signature: the backoff (1000 calls) holds for 200.
@@ -67,7 +61,7 @@ def test_a_raising_compile_is_backed_off_traced_and_harmless(monkeypatch):
     monkeypatch.setattr(engine, "specialize", real)
     for _ in range(1100):
         runtime(*inputs)
-    assert _wait(lambda: runtime.stats()["compiles"] >= 1)
+    assert wait_until(lambda: runtime.stats()["compiles"] >= 1) is not None
 
 
 def test_a_hung_compile_is_abandoned_and_the_queue_goes_on(monkeypatch):

@@ -1,0 +1,66 @@
+"""What the cluster and reliability tests share: a local Ray + Serve on a free port, a
+saved demo program, and polling until a condition holds.
+
+Not a conftest on purpose (as tests/vm/_programs.py): import what you need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from _redis_server import free_port
+
+import dynvm
+from dynvm.models import recommender
+
+
+def saved_recommender(directory: Path, filename: str = "recommender.dvm",
+                      max_batch: int = 64):
+    """(demo, program as loaded back, path) of the recommender demo saved in `directory`."""
+    demo = recommender(max_batch=max_batch)
+    program = dynvm.compile(demo.module.eval(), demo.example_inputs, demo.dynamic_shapes,
+                            name="recommender")
+    path = Path(directory) / filename
+    dynvm.save(program, path)
+    return demo, dynvm.load(path), path
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float = 30.0,
+               interval_s: float = 0.05) -> float | None:
+    """Seconds until `predicate()` was true, or None if it never was within `timeout_s`."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(interval_s)
+    return None
+
+
+@contextlib.contextmanager
+def local_serve(namespace: str, num_cpus: int = 2, **ray_options) -> Iterator[int]:
+    """A local Ray cluster with Serve on a free loopback port (yielded); everything is
+    shut down on exit, usage reporting off while it runs."""
+    import ray
+    from ray import serve
+
+    old_env = os.environ.get("RAY_USAGE_STATS_ENABLED")
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    port = free_port()
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             configure_logging=False, namespace=namespace, **ray_options)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield port
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            if old_env is None:
+                os.environ.pop("RAY_USAGE_STATS_ENABLED", None)
+            else:
+                os.environ["RAY_USAGE_STATS_ENABLED"] = old_env
