@@ -23,9 +23,11 @@ NAMESPACE = "dynvm"
 class CompileService:
     """The actor's methods: FleetCompiler's, plus `ping`."""
 
-    def __init__(self, store: StoreConfig, jit_config: JitConfig | None = None) -> None:
+    def __init__(self, store: StoreConfig, jit_config: JitConfig | None = None,
+                 gpu_targets: tuple = ()) -> None:
         # Traced as configured by OTEL_* in the actor's environment (dynvm._env).
-        self.compiler = FleetCompiler(store, jit_config, Telemetry.from_env())
+        self.compiler = FleetCompiler(store, jit_config, Telemetry.from_env(),
+                                      gpu_targets=gpu_targets)
 
     def ping(self) -> bool:
         return True
@@ -51,13 +53,14 @@ class CompileService:
 
 def start_compile_service(store: StoreConfig, jit_config: JitConfig | None = None, *,
                           name: str = SERVICE_NAME, namespace: str = NAMESPACE,
-                          num_cpus: float = 0.0):
+                          num_cpus: float = 0.0, gpu_targets: tuple = ()):
     """The cluster's compile service actor, created if it does not exist yet (Ray must be
-    initialized). Detached: it outlives the driver that started it, as Serve does."""
+    initialized). Detached: it outlives the driver that started it, as Serve does.
+    `gpu_targets` (e.g. [("cuda", 90, 32)]): also build Triton binaries for them."""
     actor = ray.remote(CompileService).options(
         name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
         max_restarts=-1, max_task_retries=0, num_cpus=num_cpus, max_concurrency=1)
-    handle = actor.remote(store, jit_config)
+    handle = actor.remote(store, jit_config, tuple(gpu_targets))
     ray.get(handle.ping.remote())
     return handle
 

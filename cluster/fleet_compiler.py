@@ -71,8 +71,14 @@ class FleetCompiler:
     """Aggregates replicas' signature statistics, promotes, compiles and publishes."""
 
     def __init__(self, store: StoreConfig, jit_config: JitConfig | None = None,
-                 telemetry=None, store_check_s: float = 5.0) -> None:
+                 telemetry=None, store_check_s: float = 5.0,
+                 gpu_targets: tuple = ()) -> None:
+        """`gpu_targets`: GPU targets such as ("cuda", 90, 32) to build Triton binaries
+        for, next to each CPU artifact (dynvm.cluster.fleet_triton; no GPU needed)."""
         self.store_check_s = store_check_s
+        self.gpu_targets = tuple(gpu_targets)
+        self.gpu_published = 0
+        self.gpu_skipped = 0
         self._next_check = time.monotonic() + store_check_s
         self._unpublished: list[tuple[_ProgramState, object]] = []
         self.republished = 0
@@ -219,6 +225,23 @@ class FleetCompiler:
                                                        spec.artifact.key, carrier or None))
             if span is not None:
                 span.set_attribute("dynvm.announced", sent)
+        if self.gpu_targets:
+            self._write_gpu(state, spec)
+
+    def _write_gpu(self, state: _ProgramState, spec) -> None:
+        """The Triton binaries of `spec` for the cluster's GPU targets, after the CPU
+        artifact is out (building them takes seconds: CPU replicas must not wait)."""
+        from dynvm.cluster.fleet_triton import triton_fields
+        from dynvm.jit.backends.triton import TritonBackendError
+
+        try:
+            key, fields = triton_fields(spec, state.program, self.gpu_targets)
+        except TritonBackendError as error:
+            self.gpu_skipped += 1
+            logger.info("no Triton artifact for %s: %s", spec.artifact.key[:16], error)
+            return
+        if self.cache.publish(key, fields):
+            self.gpu_published += 1
 
     def repair_store(self) -> None:
         """Publish again what the store lost: first what failed to publish, then, for a
@@ -284,6 +307,7 @@ class FleetCompiler:
                 "indexed": len(self.index(program_hash))}
         return {"programs": programs, "published": self.published,
                 "republished": self.republished, "unpublished": len(self._unpublished),
+                "gpu_published": self.gpu_published, "gpu_skipped": self.gpu_skipped,
                 "publish_failures": self.publish_failures, "store": self.cache.stats(),
                 "announced": self.announcer.sent if self.announcer else 0,
                 "announce_failures": self.announcer.failed if self.announcer else 0,

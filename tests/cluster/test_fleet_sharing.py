@@ -170,3 +170,45 @@ def test_forged_store_entry_is_rejected_and_requests_still_succeed(model, store_
     finally:
         a.close()
         compiler.close()
+
+
+def test_the_service_also_builds_triton_binaries_for_gpu_targets(model, tmp_path, secret):
+    """With GPU targets configured, each promotion also yields a signed Triton artifact
+    with sm_90 binaries (built here, without a GPU) in the store."""
+    from dynvm.cluster.signed import open_sealed
+    from dynvm.jit.artifact import toolchain_versions
+    from dynvm.jit.backends.triton import TritonArtifact
+
+    demo, program, dvm_bytes = model
+    store_config = StoreConfig(secret=secret, local_dir=str(tmp_path / "kernels"))
+    compiler = FleetCompiler(store_config, JitConfig(min_recurrence=2, max_recurrence=2,
+                                                     horizon_calls=10**7, families=False),
+                             gpu_targets=(("cuda", 90, 32),))
+    a = _replica(program, dvm_bytes, store_config, compiler)
+    try:
+        inputs = _draws(demo, 1, seed=5)[0]
+        for _ in range(3):
+            a.runtime(*inputs)
+            a._flush()
+        assert compiler.wait_idle(120)
+        stats = compiler.stats()
+        assert stats["published"] >= 1
+        assert stats["gpu_published"] + stats["gpu_skipped"] >= stats["published"]
+        assert stats["gpu_published"] >= 1, stats
+        store = store_config.open_store()
+        entries = [p.name for p in (tmp_path / "kernels").rglob("*") if p.is_file()]
+        opened = []
+        for key in {e.split(".")[0] for e in entries if len(e.split(".")[0]) == 64}:
+            data = store.get([key]).get(key)
+            try:
+                opened.append(open_sealed(key, data, secret, {
+                    "target": "cuda:90", "toolchain": toolchain_versions(),
+                    "backend": "triton"}))
+            except Exception:  # CPU artifacts and the index: other backend or target
+                continue
+        assert opened, "no Triton artifact for cuda:90 in the store"
+        artifact = TritonArtifact.from_bytes(opened[0]["triton_artifact"])
+        assert "cuda:90" in artifact.binaries
+    finally:
+        a.close()
+        compiler.close()
