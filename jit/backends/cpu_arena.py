@@ -86,6 +86,13 @@ class OutKernel:
 
 
 def _layer_norm_scratch(x, shape, weight, bias, eps, _cudnn):
+    # mean and rstd keep the leading dims and a 1 per normalized dim, contiguous, in the
+    # input's dtype for fp32/fp64. Computed here: the meta kernel goes through the
+    # Python decomposition, 5 ms a call, and planning asks once per layer norm.
+    if x.dtype in (torch.float32, torch.float64):
+        stats = (*x.shape[:x.dim() - len(shape)], *(1,) * len(shape))
+        return (torch.empty(stats, dtype=x.dtype, device=x.device),
+                torch.empty(stats, dtype=x.dtype, device=x.device))
     _, mean, rstd = aten.native_layer_norm(x, shape, weight, bias, eps)
     return mean, rstd
 
