@@ -116,7 +116,8 @@ def workload_markdown(result: dict, png_name: str | None) -> str:
                          "thread time.")
         error = s.get("memory", {}).get("allocations_error")
         if error:
-            notes.append(f"- {s['label']}: allocations not counted ({error.split('.')[0]}).")
+            why = error.split(" and mode")[0]
+            notes.append(f"- {s['label']}: allocations not counted ({why}).")
         for w in s.get("warnings", [])[:3]:
             notes.append(f"- {s['label']} warned: `{w}`")
     for i, run_pass in enumerate(result.get("passes", []), 1):
@@ -253,8 +254,8 @@ def header(run: dict) -> str:
     return (f"Run of {run['started']}: `{run['command']}`, {run['total_wall_seconds']:.0f} s "
             f"wall in all.{quick} Machine: {host}{m.get('cpu_model', m['processor'])}, "
             f"{m['cpus']} CPUs "
-            f"({m['machine']}, {m['system']} {m['release']}), {m['torch_threads']} torch "
-            f"threads; Python {m['python']}, torch {m['torch']}." + _load(run))
+            f"({m['machine']}, {m['system']} {m['release']}), torch intra-op threads: "
+            f"{m['torch_threads']}; Python {m['python']}, torch {m['torch']}." + _load(run))
 
 
 def _load(run: dict) -> str:
