@@ -30,7 +30,7 @@ workloads: {", ".join(WORKLOADS)}, or all (default: walk with --quick, all witho
 systems:   {", ".join(SYSTEMS)}
 
   dynvm bench all --update-docs       regenerate docs/BENCHMARKS.md and its plots
-  dynvm bench walk --quick            about a minute: fewer calls, every system
+  dynvm bench walk --quick            about 2 min, mostly torch.compile compiling
   dynvm bench nlp --systems eager,dynvm-jit --quick"""
 
 
