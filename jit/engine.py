@@ -24,6 +24,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 
 import torch
 from opentelemetry import context as otel_context
@@ -86,7 +87,8 @@ class Jit:
         self.compile_seconds = 0.0
         self.compile_failures = 0
         self.family_compiles = 0
-        self._compiled_instructions = 0
+        # Seconds per instruction of recent compiles (Note [Compile cost estimate]).
+        self._compile_rates: deque[float] = deque(maxlen=16)
         self._lock = threading.Lock()
         self.artifacts: dict[str, Artifact] = {}
         # Explained guard failures (sampled), deopts and failed compiles, newest last;
@@ -153,8 +155,14 @@ class Jit:
     # -- policy inputs ---------------------------------------------------------------
 
     def estimated_compile_seconds(self, instructions: int) -> float:
-        if self._compiled_instructions:
-            per_instruction = self.compile_seconds / self._compiled_instructions
+        """Note [Compile cost estimate]: the lower median of the recent compiles' seconds
+        per instruction. Not the mean: a process's first compile also pays torch's
+        one-time loading of its meta kernels (about a second here), and averaged in, that
+        one outlier kept every small region's estimated cost above any benefit for the
+        life of the process, so hot small regions were never compiled."""
+        rates = self._compile_rates
+        if rates:
+            per_instruction = sorted(rates)[(len(rates) - 1) // 2]
         else:
             per_instruction = self.config.compile_seconds_per_instruction
         return self.config.compile_seconds_base + per_instruction * instructions
@@ -221,7 +229,7 @@ class Jit:
         with self._lock:
             self.compiles += 1
             self.compile_seconds += spec.artifact.compile_seconds
-            self._compiled_instructions += len(region)
+            self._compile_rates.append(spec.artifact.compile_seconds / max(1, len(region)))
             if family is not None:
                 self.family_compiles += 1
         return spec
@@ -424,7 +432,7 @@ class Jit:
     def stats(self) -> dict:
         regions = {}
         totals = {"interpreted": 0, "specialized": 0, "guard_failures": 0, "deopts": 0,
-                  "evictions": 0, "promotions": 0}
+                  "evictions": 0, "promotions": 0, "cold_periods": 0}
         for index, region_jit in self.regions.items():
             c = region_jit.counters
             calls = c.interpreted + c.specialized
@@ -459,6 +467,7 @@ class Jit:
             "guard_failures": totals["guard_failures"],
             "deopts": totals["deopts"],
             "evictions": totals["evictions"],
+            "cold_periods": totals["cold_periods"],
             "regions": regions,
         }
 

@@ -23,6 +23,20 @@ further only when that pays:
 
 A family that has seen a single member so far is no family yet: its signature is
 promoted as an exact specialization directly.
+
+Note [Cold regions]
+~~~~~~~~~~~~~~~~~~~
+Watching a region costs a signature, a lookup and a profile update per interpreted
+call, a few microseconds. For a region that runs in microseconds (a loop body over small
+tensors) that is a large share, and it buys nothing when no specialization of the region
+could ever pay for its compile: even a signature seen on every call saves at most
+horizon x mean time x speed-up, and if that is below the compile cost of the region no
+promotion will happen. Every `COLD_CHECK_EVERY` interpreted calls a region checks this
+bound (with the slowest signature it has seen); if it holds, its next misses are not
+profiled: with no specialization installed `enter` returns at once, otherwise it still
+looks up the specializations it has and only skips the profiling of a miss. The period
+doubles each time the bound still holds (up to `COLD_CALLS_MAX`), so that a region
+whose shapes grow is looked at again.
 """
 
 from __future__ import annotations
@@ -43,8 +57,12 @@ from dynvm.jit.signature import (
 from dynvm.shape_cluster import FamilyIndex
 
 TIER_CHECK_EVERY = 32
+COLD_CHECK_EVERY = 256
+COLD_CALLS_MAX = 1 << 16
 _MEMO_LIMIT = 4096
-_MANY = object()  # a family with more than one member signature so far
+_MANY = object()       # a family with more than one member signature so far
+_UNMATCHED = object()  # a signature not looked up among the family kernels yet
+_COLD = object()       # the ticket of a call run unwatched (Note [Cold regions])
 
 
 @dataclass
@@ -79,6 +97,7 @@ class RegionCounters:
     deopts: int = 0
     evictions: int = 0
     promotions: int = 0
+    cold_periods: int = 0       # times the region went unwatched (Note [Cold regions])
     last_guard_failure: str | None = None
     failed: dict = field(default_factory=dict)   # signature -> (retry at call, failures)
 
@@ -105,16 +124,24 @@ class RegionJit:
         self._lock = threading.Lock()
         self._clock = 0
         self._clock_fn = time.perf_counter
+        self._cold = 0                          # calls left to run unwatched
+        self._kernels = False                   # any specialization installed
+        self._cold_period = COLD_CHECK_EVERY
+        self._since_cold_check = 0
 
     # -- RegionSlot --------------------------------------------------------------------
 
     def enter(self, regs: list):
+        if self._cold and not self._kernels:
+            self._cold -= 1
+            self.counters.interpreted += 1
+            return _COLD
         signature = self._sign(regs)
         spec = self.strong.get(signature)
         if spec is None:
-            spec = self._memo.get(signature)
-            if spec is None and self.family_kernels:
-                spec = self._match_family(signature)
+            spec = self._memo.get(signature, _UNMATCHED)
+            if spec is _UNMATCHED:
+                spec = self._match_family(signature) if self.family_kernels else None
             if spec is None and self.weak:
                 spec = self.weak.get(self._weak_sign(regs))
         if spec is not None:
@@ -133,17 +160,27 @@ class RegionJit:
             if spec.family is not None:
                 self._family_hit(signature, spec)
             return None
+        if self._cold:  # a miss, not profiled: nothing more can be promoted here
+            self._cold -= 1
+            self.counters.interpreted += 1
+            return _COLD
         if self.strong or self.weak:
             self._guard_failed(signature)
         return signature
 
     def leave(self, signature: tuple, seconds: float) -> None:
+        if signature is _COLD:
+            return
         fleet = self.engine.fleet
         if fleet is not None:
             fleet.observed(self.region.index, signature, seconds)
         with self._lock:
             self.counters.interpreted += 1
             stats = self.profile.record(signature, seconds)
+            self._since_cold_check += 1
+            if self._since_cold_check >= COLD_CHECK_EVERY:
+                self._since_cold_check = 0
+                self._check_cold()
             if signature in self.pending or signature in self.strong:
                 return
             family = self.families.observe(signature) if self.engine.config.families \
@@ -176,20 +213,36 @@ class RegionJit:
             self.counters.promotions += 1
         self.engine.promote(self, target, decision)
 
+    def _check_cold(self) -> None:
+        """Note [Cold regions] (holding the lock)."""
+        if self.pending:
+            return
+        slowest = max((s.mean_seconds for s in self.profile.table.values()), default=0.0)
+        best = self.engine.config.horizon_calls * slowest * self.speedup()
+        if best >= self.engine.estimated_compile_seconds(len(self.region)):
+            self._cold_period = COLD_CHECK_EVERY
+            return
+        self._cold = self._cold_period
+        self._cold_period = min(COLD_CALLS_MAX, 2 * self._cold_period)
+        self.counters.cold_periods += 1
+
     def _backing_off(self, key) -> bool:
         failed = self.counters.failed.get(key)
         return failed is not None and self.profile.calls < failed[0]
 
     def _match_family(self, signature: tuple) -> Specialization | None:
         """Find a family kernel whose bounds hold `signature` (once per new signature:
-        the answer is memoized, so the next call is one dict lookup)."""
+        the answer, a kernel or None, is memoized, so the next call is one dict lookup;
+        installing a family kernel forgets the misses)."""
+        found = None
         for spec in list(self.family_kernels.values()):
             if spec.family.contains(signature):
-                if len(self._memo) >= _MEMO_LIMIT:
-                    self._memo.clear()
-                self._memo[signature] = spec
-                return spec
-        return None
+                found = spec
+                break
+        if len(self._memo) >= _MEMO_LIMIT:
+            self._memo.clear()
+        self._memo[signature] = found
+        return found
 
     def _family_hit(self, signature: tuple, spec: Specialization) -> None:
         hits = self._family_hits.get(signature, 0) + 1
@@ -261,6 +314,7 @@ class RegionJit:
             self.counters.failed.pop(pending, None)
             if spec.family is not None:
                 table, key = self.family_kernels, spec.family.key
+                self._memo.clear()  # signatures it covers may be memoized as misses
             elif spec.strength is GuardStrength.STRONG:
                 table, key = self.strong, spec.guard_key
             else:
@@ -272,6 +326,7 @@ class RegionJit:
             limit = self.engine.config.max_specializations_per_region
             while sum(len(t) for t in self._tables()) > limit:
                 self._evict_one()
+            self._kernels = True
 
     def _evict_one(self) -> None:
         everything = [(s.last_used, id(s), key, table)
@@ -281,6 +336,7 @@ class RegionJit:
         if evicted.family is not None:
             self._memo.clear()  # it may point at the evicted kernel
         self.counters.evictions += 1
+        self._kernels = any(self._tables())
         self.engine.on_evict(self, evicted)
 
     def compile_failed(self, target) -> None:
