@@ -33,6 +33,19 @@ def _aten_call(overload, n_args: int):
     return call
 
 
+def _factory(fn):
+    """A factory op (`fn(*positional, dtype, layout, device)`) through torch's own binding:
+    the same ATen op as the overload, a third of its call cost (the overload parses its
+    keyword arguments against the schema in Python on every call)."""
+
+    def call(*args):
+        *positional, dtype, layout, device = args
+        return fn(*positional, dtype=dtype, layout=layout, device=device)
+
+    call.__name__ = fn.__name__
+    return call
+
+
 def _tensor(name: str, overloads: tuple, args: str, doc: str, impl=None, outs: str = "T",
             **fields) -> OpSpec:
     n_args = len(args.split(",")) if args else 0
@@ -150,9 +163,11 @@ TENSOR_OPS: tuple[OpSpec, ...] = (
     _tensor("MASKED_FILL", (aten.masked_fill.Scalar,), "T,T,S", "fill where mask is true",
             impl=torch.masked_fill),
     # -- reductions --------------------------------------------------------------------
-    _tensor("SUM", (aten.sum.dim_IntList,), "T,L?,K,K", "sum over dims"),
+    _tensor("SUM", (aten.sum.dim_IntList,), "T,L?,K,K", "sum over dims",
+            impl=lambda x, dim, keepdim, dtype: torch.sum(x, dim, keepdim, dtype=dtype)),
     _tensor("SUM_ALL", (aten.sum.default,), "T,K", "sum of all elements"),
-    _tensor("MEAN", (aten.mean.dim,), "T,L?,K,K", "mean over dims"),
+    _tensor("MEAN", (aten.mean.dim,), "T,L?,K,K", "mean over dims",
+            impl=lambda x, dim, keepdim, dtype: torch.mean(x, dim, keepdim, dtype=dtype)),
     _tensor("MEAN_ALL", (aten.mean.default,), "T,K", "mean of all elements"),
     _tensor("AMAX", (aten.amax.default,), "T,L,K", "max over dims", impl=torch.amax),
     _tensor("AMIN", (aten.amin.default,), "T,L,K", "min over dims", impl=torch.amin),
@@ -209,13 +224,20 @@ TENSOR_OPS: tuple[OpSpec, ...] = (
             "out-of-place scatter with a reduction ('sum', 'mean', 'amax', ...)"),
     _tensor("GATHER", (aten.gather.default,), "T,S,T", "gather along a dim"),
     # -- creation (device operands are replaced by the runtime's device) ---------------
-    _tensor("FULL", (aten.full.default,), "L,S,K,K,K", "a tensor filled with a value"),
-    _tensor("ZEROS", (aten.zeros.default,), "L,K,K,K", "a tensor of zeros"),
-    _tensor("ONES", (aten.ones.default,), "L,K,K,K", "a tensor of ones"),
-    _tensor("FULL_LIKE", (aten.full_like.default,), "T,S,K,K,K", "full, shaped like x"),
-    _tensor("ZEROS_LIKE", (aten.zeros_like.default,), "T,K,K,K", "zeros, shaped like x"),
-    _tensor("ONES_LIKE", (aten.ones_like.default,), "T,K,K,K", "ones, shaped like x"),
-    _tensor("ARANGE", (aten.arange.start_step,), "S,S,S,K,K,K", "start, start+step, ..."),
+    _tensor("FULL", (aten.full.default,), "L,S,K,K,K", "a tensor filled with a value",
+            impl=_factory(torch.full)),
+    _tensor("ZEROS", (aten.zeros.default,), "L,K,K,K", "a tensor of zeros",
+            impl=_factory(torch.zeros)),
+    _tensor("ONES", (aten.ones.default,), "L,K,K,K", "a tensor of ones",
+            impl=_factory(torch.ones)),
+    _tensor("FULL_LIKE", (aten.full_like.default,), "T,S,K,K,K", "full, shaped like x",
+            impl=_factory(torch.full_like)),
+    _tensor("ZEROS_LIKE", (aten.zeros_like.default,), "T,K,K,K", "zeros, shaped like x",
+            impl=_factory(torch.zeros_like)),
+    _tensor("ONES_LIKE", (aten.ones_like.default,), "T,K,K,K", "ones, shaped like x",
+            impl=_factory(torch.ones_like)),
+    _tensor("ARANGE", (aten.arange.start_step,), "S,S,S,K,K,K", "start, start+step, ...",
+            impl=_factory(torch.arange)),
     _tensor("SCALAR_TENSOR", (aten.scalar_tensor.default,), "S,K,K,K",
-            "a 0-dim tensor holding a scalar"),
+            "a 0-dim tensor holding a scalar", impl=_factory(torch.scalar_tensor)),
 )
