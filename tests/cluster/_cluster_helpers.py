@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from _redis_server import free_port
+from _redis_server import RedisServer, free_port, redis_config
 
 import dynvm
 from dynvm.models import recommender
@@ -64,3 +66,23 @@ def local_serve(namespace: str, num_cpus: int = 2, **ray_options) -> Iterator[in
                 os.environ.pop("RAY_USAGE_STATS_ENABLED", None)
             else:
                 os.environ["RAY_USAGE_STATS_ENABLED"] = old_env
+
+
+@contextlib.contextmanager
+def serve_fleet(directory: Path, namespace: str, jit_config, **fleet_options):
+    """A private redis-server, a local Ray + Serve (`local_serve`) and a compile service
+    with a unique name; yields (port, the RedisServer, the replicas' FleetOptions)."""
+    from dynvm.cluster import StoreConfig
+    from dynvm.cluster.compile_service import start_compile_service
+    from dynvm.cluster.fleet_link import FleetOptions
+
+    redis_server = RedisServer(Path(directory) / "redis").start()
+    store = StoreConfig(secret=secrets.token_bytes(32), redis=redis_config(redis_server))
+    options = FleetOptions(store, service_name=f"{namespace}-{uuid.uuid4().hex[:8]}",
+                           **fleet_options)
+    try:
+        with local_serve(namespace, num_cpus=8) as port:
+            start_compile_service(store, jit_config, name=options.service_name)
+            yield port, redis_server, options
+    finally:
+        redis_server.stop()

@@ -10,23 +10,19 @@ from __future__ import annotations
 import http.client
 import json
 import random
-import secrets
 import threading
-import uuid
 
 import numpy as np
 import pytest
 import torch
-from _cluster_helpers import local_serve, saved_recommender, wait_until
-from _redis_server import REDIS_SERVER, RedisServer, redis_config
+from _cluster_helpers import saved_recommender, serve_fleet, wait_until
+from _redis_server import REDIS_SERVER
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 httpclient = pytest.importorskip("tritonclient.http")
 
 import dynvm  # noqa: E402
-from dynvm.cluster import StoreConfig  # noqa: E402
-from dynvm.cluster.compile_service import start_compile_service  # noqa: E402
 from dynvm.cluster.fleet_link import FleetOptions  # noqa: E402
 from dynvm.cluster.replica import Autoscaling, serve_models  # noqa: E402
 from dynvm.jit.config import JitConfig  # noqa: E402
@@ -84,21 +80,14 @@ def cluster(tmp_path_factory):
                             name="transformer_s")
     dynvm.save(program, tmp / "transformer.dvm")
     saved_recommender(tmp)
-    redis_server = RedisServer(tmp / "redis").start()
-    store = StoreConfig(secret=secrets.token_bytes(32), redis=redis_config(redis_server))
-    fleet = FleetOptions(store, service_name=f"dynvm-compile-{uuid.uuid4().hex[:8]}",
-                         flush_interval_s=0.02, poll_interval_s=0.5)
-    try:
-        with local_serve("dynvm-test-fleet", num_cpus=8) as port:
-            start_compile_service(store, CONFIG, name=fleet.service_name)
-            paths = {"transformer": str(tmp / "transformer.dvm"),
-                     "recommender": str(tmp / "recommender.dvm")}
-            c = Cluster(port, fleet, paths, {"transformer": demo.module.eval()})
-            c.deploy("ta", paths["transformer"])
-            c.deploy("tb", paths["transformer"])
-            yield c
-    finally:
-        redis_server.stop()
+    with serve_fleet(tmp, "dynvm-test-fleet", CONFIG, flush_interval_s=0.02,
+                     poll_interval_s=0.5) as (port, _, fleet):
+        paths = {"transformer": str(tmp / "transformer.dvm"),
+                 "recommender": str(tmp / "recommender.dvm")}
+        c = Cluster(port, fleet, paths, {"transformer": demo.module.eval()})
+        c.deploy("ta", paths["transformer"])
+        c.deploy("tb", paths["transformer"])
+        yield c
 
 
 def _infer(client, model: str, tokens: np.ndarray, binary: bool) -> np.ndarray:

@@ -9,22 +9,18 @@ from __future__ import annotations
 import http.client
 import json
 import random
-import secrets
 import threading
 import time
-import uuid
 
 import pytest
 import torch
-from _cluster_helpers import local_serve, saved_recommender, wait_until
-from _redis_server import RedisServer, redis_config
+from _cluster_helpers import saved_recommender, serve_fleet, wait_until
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from dynvm.cluster import RedisStore, StoreConfig  # noqa: E402
-from dynvm.cluster.compile_service import NAMESPACE, start_compile_service  # noqa: E402
-from dynvm.cluster.fleet_link import FleetOptions  # noqa: E402
+from dynvm.cluster import RedisStore  # noqa: E402
+from dynvm.cluster.compile_service import NAMESPACE  # noqa: E402
 from dynvm.cluster.fleet_records import index_key  # noqa: E402
 from dynvm.cluster.replica import serve_models  # noqa: E402
 from dynvm.jit.config import JitConfig  # noqa: E402
@@ -94,20 +90,14 @@ class Traffic:
 def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     _, program, path = saved_recommender(tmp)
-    redis_server = RedisServer(tmp / "redis").start()
-    store = StoreConfig(secret=secrets.token_bytes(32), redis=redis_config(redis_server))
-    options = FleetOptions(store, service_name=f"dynvm-faults-{uuid.uuid4().hex[:8]}",
-                           flush_interval_s=0.05, poll_interval_s=0.5)
-    try:
-        with local_serve("dynvm-test-faults", num_cpus=8) as port:
-            start_compile_service(store, CONFIG, name=options.service_name)
-            serve_models({"rec": str(path)}, device="cpu", jit=CONFIG, num_replicas=2,
-                         num_cpus=0.1, max_batch_size=4, batch_wait_timeout_s=0.005,
-                         fleet=options)
-            yield {"port": port, "redis": redis_server, "store": store, "options": options,
-                   "program": program, "names": [s.name for s in program.inputs]}
-    finally:
-        redis_server.stop()
+    with serve_fleet(tmp, "dynvm-test-faults", CONFIG, flush_interval_s=0.05,
+                     poll_interval_s=0.5) as (port, redis_server, options):
+        serve_models({"rec": str(path)}, device="cpu", jit=CONFIG, num_replicas=2,
+                     num_cpus=0.1, max_batch_size=4, batch_wait_timeout_s=0.005,
+                     fleet=options)
+        yield {"port": port, "redis": redis_server, "store": options.store,
+               "options": options, "program": program,
+               "names": [s.name for s in program.inputs]}
 
 
 def _stats(port: int) -> dict:
