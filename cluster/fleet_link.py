@@ -19,9 +19,11 @@ It implements the JIT's fleet hooks (Note [Fleet hooks] in dynvm.jit.engine):
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -37,6 +39,12 @@ from dynvm.jit.artifact import toolchain_versions
 from dynvm.jit.portable import PortableError, encode_signature
 
 logger = logging.getLogger(__name__)
+
+
+def _close_at_exit(link_ref) -> None:
+    link = link_ref()
+    if link is not None:
+        link.close()
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,9 @@ class FleetLink:
             self._subscription = Subscription(self.options.store.redis,
                                               self._on_announcement).start()
         self._thread.start()
+        # An install builds meta tensors; one running while the interpreter finalizes
+        # would abort the process (Note [Exit with a compile running] in dynvm.jit.queue).
+        atexit.register(_close_at_exit, weakref.ref(self))
         return self
 
     def close(self) -> None:

@@ -23,17 +23,34 @@ call wait: debugging only).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import heapq
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
 
 class CompileTimeout(TimeoutError):
     """A compile ran past the queue's deadline (Note [Compile deadline])."""
+
+
+EXIT_WAIT_S = 30.0
+
+
+def _close_at_exit(queue_ref) -> None:
+    """Note [Exit with a compile running]: workers are daemon threads, so that a hung
+    compile can never keep a process alive; but one still inside a torch operation when
+    the interpreter finalizes makes the process abort ("terminate called without an
+    active exception", exit status 134). So at exit, waiting tasks are cancelled and a
+    running compile is given up to EXIT_WAIT_S (at most its deadline) to finish."""
+    queue = queue_ref()
+    if queue is not None:
+        limit = EXIT_WAIT_S if queue.timeout_s is None else min(EXIT_WAIT_S, queue.timeout_s)
+        queue.close(wait_s=limit)
 
 
 class CompileQueue:
@@ -44,6 +61,8 @@ class CompileQueue:
         self.timeout_s = timeout_s
         self._running: dict[threading.Thread, tuple[float, str, Future]] = {}
         self._watchdog: threading.Thread | None = None
+        # Note [Exit with a compile running]
+        atexit.register(_close_at_exit, weakref.ref(self))
         self._stopped = threading.Event()
         self.timed_out = 0
         self.max_length = max_length
@@ -80,8 +99,9 @@ class CompileQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def close(self) -> None:
-        """Stop the workers after the task each is running; waiting tasks are cancelled."""
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop the workers after the task each is running; waiting tasks are cancelled.
+        With `wait_s`, wait up to that long for running compiles to finish."""
         self._stopped.set()
         with self._cond:
             self._closed = True
@@ -89,6 +109,11 @@ class CompileQueue:
                 self._futures[key].cancel()
             self._heap.clear()
             self._cond.notify_all()
+            workers = list(self._workers)
+        deadline = time.monotonic() + wait_s
+        for worker in workers:
+            if worker is not threading.current_thread():
+                worker.join(max(0.0, deadline - time.monotonic()))
 
     def _drop_excess(self) -> None:
         while len(self._heap) > self.max_length:
