@@ -35,8 +35,9 @@ class CompileService:
     def knows(self, program_hash: str) -> bool:
         return self.compiler.knows(program_hash)
 
-    def register(self, program_hash: str, dvm_bytes: bytes) -> None:
+    def register(self, program_hash: str, dvm_bytes: bytes) -> bool:
         self.compiler.register(program_hash, dvm_bytes)
+        return True
 
     def report(self, program_hash: str, batch: list) -> dict:
         return self.compiler.report(program_hash, batch)
@@ -103,8 +104,8 @@ class RayServiceClient:
         return self._call("report", program_hash, batch)
 
     def register(self, program_hash: str, dvm_bytes: bytes) -> bool:
-        return self._call("register", program_hash, dvm_bytes) is not None or \
-            bool(self._call("knows", program_hash))
+        """True once the service holds the program (False: unreachable or refused)."""
+        return bool(self._call("register", program_hash, dvm_bytes))
 
 
 class LocalServiceClient:
