@@ -8,6 +8,7 @@ import traceback
 
 import msgpack
 import pytest
+from _mutations import mutated_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -317,23 +318,8 @@ def test_fuzz_random_bytes(data):
     only_rejections(data)
 
 
-@st.composite
-def mutated(draw) -> bytes:
-    data = bytearray(FUZZ_GOOD)
-    for _ in range(draw(st.integers(1, 4))):
-        kind = draw(st.sampled_from(["flip", "set", "insert", "delete", "truncate"]))
-        at = draw(st.integers(0, max(len(data) - 1, 0)))
-        if kind == "flip" and data:
-            data[at] ^= 1 << draw(st.integers(0, 7))
-        elif kind == "set" and data:
-            data[at] = draw(st.integers(0, 255))
-        elif kind == "insert":
-            data[at:at] = draw(st.binary(min_size=1, max_size=8))
-        elif kind == "delete" and data:
-            del data[at:at + draw(st.integers(1, 8))]
-        elif kind == "truncate":
-            del data[at:]
-    return bytes(data)
+def mutated():
+    return mutated_bytes(FUZZ_GOOD)
 
 
 @FUZZ
