@@ -125,14 +125,15 @@ class RegionJit:
         self._clock = 0
         self._clock_fn = time.perf_counter
         self._cold = 0                          # calls left to run unwatched
-        self._kernels = False                   # any specialization installed
         self._cold_period = COLD_CHECK_EVERY
         self._since_cold_check = 0
 
     # -- RegionSlot --------------------------------------------------------------------
 
     def enter(self, regs: list):
-        if self._cold and not self._kernels:
+        # Cold with nothing installed: no lookup can hit (the tables are read only here,
+        # off the warm path).
+        if self._cold and not (self.strong or self.weak or self.family_kernels):
             self._cold -= 1
             self.counters.interpreted += 1
             return _COLD
@@ -326,7 +327,6 @@ class RegionJit:
             limit = self.engine.config.max_specializations_per_region
             while sum(len(t) for t in self._tables()) > limit:
                 self._evict_one()
-            self._kernels = True
 
     def _evict_one(self) -> None:
         everything = [(s.last_used, id(s), key, table)
@@ -336,7 +336,6 @@ class RegionJit:
         if evicted.family is not None:
             self._memo.clear()  # it may point at the evicted kernel
         self.counters.evictions += 1
-        self._kernels = any(self._tables())
         self.engine.on_evict(self, evicted)
 
     def compile_failed(self, target) -> None:
