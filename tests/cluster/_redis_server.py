@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -16,14 +15,11 @@ from pathlib import Path
 import redis
 
 from dynvm.cluster import RedisConfig
+from dynvm.cluster.local_redis import free_port
 
 REDIS_SERVER = shutil.which("redis-server")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class RedisServer:
