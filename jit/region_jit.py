@@ -36,7 +36,8 @@ bound (with the slowest signature it has seen); if it holds, its next misses are
 profiled: with no specialization installed `enter` returns at once, otherwise it still
 looks up the specializations it has and only skips the profiling of a miss. The period
 doubles each time the bound still holds (up to `COLD_CALLS_MAX`), so that a region
-whose shapes grow is looked at again.
+whose shapes grow is looked at again. A region whose promotions are decided elsewhere
+(a fleet's compile service, Note [Fleet hooks]) never goes cold here.
 """
 
 from __future__ import annotations
@@ -216,7 +217,9 @@ class RegionJit:
 
     def _check_cold(self) -> None:
         """Note [Cold regions] (holding the lock)."""
-        if self.pending:
+        # Only the process that decides promotions may stop watching: while a compile
+        # service (or `dynvm precompile`) decides, every miss is an observation it needs.
+        if self.pending or not self.engine.compiles_locally():
             return
         slowest = max((s.mean_seconds for s in self.profile.table.values()), default=0.0)
         best = self.engine.config.horizon_calls * slowest * self.speedup()

@@ -62,3 +62,17 @@ def test_one_slow_compile_does_not_dominate_the_cost_estimate():
         jit._compile_rates.append(rate)
     estimate = jit.estimated_compile_seconds(10)
     assert estimate == jit.config.compile_seconds_base + 0.0004 * 10
+
+
+def test_a_region_whose_promotions_are_decided_elsewhere_never_goes_cold():
+    """With online_compile=False (a fleet's service or `dynvm precompile` decides), every
+    miss must stay an observation, however small the region."""
+    program = compiled("recommender")
+    runtime = dynvm.Runtime(program, "cpu", jit=JitConfig(horizon_calls=1,
+                                                          online_compile=False))
+    inputs = demo("recommender").sample_inputs(random.Random(2))
+    for _ in range(COLD_CHECK_EVERY + 8):
+        runtime(*inputs)
+    assert runtime.stats()["cold_periods"] == 0
+    region_jit = next(iter(runtime.jit.regions.values()))
+    assert region_jit.profile.calls == COLD_CHECK_EVERY + 8
