@@ -112,9 +112,9 @@ class FleetLink:
             return self
         self.jit.connect(self)
         start = time.perf_counter()
-        self.counters["warm_start_installs"] = self._install_indexed()
+        self.counters["warm_start_installs"] = self.install_indexed()
         self.warm_start_seconds = time.perf_counter() - start
-        self._flush()  # learn whether the service is there before the first request
+        self.flush()  # learn whether the service is there before the first request
         if self.options.store.redis is not None:
             self._subscription = Subscription(self.options.store.redis,
                                               self._on_announcement).start()
@@ -152,12 +152,14 @@ class FleetLink:
     def _run(self) -> None:
         next_poll = time.monotonic() + self.options.poll_interval_s
         while not self._stop.wait(self.options.flush_interval_s):
-            self._flush()
+            self.flush()
             if time.monotonic() >= next_poll:
-                self._install_indexed()
+                self.install_indexed()
                 next_poll = time.monotonic() + self.options.poll_interval_s
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Ship the buffered observations now (the link thread calls this; so does
+        `dynvm precompile`, which drives a link without starting its thread)."""
         with self._buffer_lock:
             items = list(self._buffer)
             self._buffer.clear()
@@ -181,7 +183,9 @@ class FleetLink:
 
     # -- installing ----------------------------------------------------------------------
 
-    def _install_indexed(self) -> int:
+    def install_indexed(self) -> int:
+        """Install what the program's index lists and is not installed yet; returns how
+        many were installed."""
         key = index_key(self.program_hash, self.target)
         fields = self._fetch([key]).get(key)
         if fields is None:

@@ -7,7 +7,8 @@ Note [Precompile rounds]
 Precompile uses the compile service's own code (`FleetCompiler`): the same promotion
 rule, the same families, the same keys and the same index a running fleet would
 produce, only fed on purpose. A local Runtime (which never compiles) interprets each
-requested shape; every interpreted region call is an observation, exactly what a replica
+requested shape through a replica's own FleetLink, driven here in rounds (its thread is
+never started): every interpreted region call is an observation, exactly what a replica
 ships. The feed runs in rounds:
 
   round 1: every shape once. K=2 for every region, so no single call promotes its exact
@@ -49,11 +50,9 @@ import dynvm
 from dynvm._env import EnvVarError, store_settings
 from dynvm._run_cmd import CliError, DimSchedule, declared_dims, input_source
 from dynvm.jit.config import JitConfig
-from dynvm.jit.portable import PortableError, encode_signature
 from dynvm.shape_cluster.buckets import bucket_of
 
 ROUNDS = 3
-REPORT_CHUNK = 512          # observations per compiler.report call
 # A recurrence must stay in the window across a whole round of every shape's region
 # calls (round 2 counts the sightings of round 1); the profile's memory grows with it.
 WINDOW = 1 << 15
@@ -210,20 +209,6 @@ def store_config(store_dir: str | None):
 # -- the rounds -----------------------------------------------------------------------
 
 
-class _Recorder:
-    """The local Runtime's fleet hooks (Note [Fleet hooks]): it hears every interpreted
-    region call and never compiles."""
-
-    def __init__(self) -> None:
-        self.observations: list[tuple] = []
-
-    def observed(self, region: int, signature: tuple, seconds: float) -> None:
-        self.observations.append((region, signature, seconds))
-
-    def compiles_locally(self) -> bool:
-        return False
-
-
 @dataclass
 class Outcome:
     """What a precompile did, for the table and for tests."""
@@ -239,27 +224,6 @@ class Outcome:
     rounds: int = 0
     seconds: float = 0.0
     failures: int = 0
-
-
-def install_indexed(runtime, cache, program, installed: set[str]) -> int:
-    """Install what the program's index lists (as a replica's warm start does)."""
-    from dynvm.cluster.fleet_compiler import TARGET
-    from dynvm.cluster.fleet_records import index_key, keys_from_index, portable_from_fields
-
-    key = index_key(program.content_hash, TARGET)
-    fields = cache.fetch([key]).get(key)
-    if fields is None:
-        return 0
-    wanted = [k for k in keys_from_index(fields, program.content_hash) if k not in installed]
-    count = 0
-    for artifact_key, artifact in cache.fetch(wanted).items():
-        try:
-            runtime.jit.install_portable(portable_from_fields(artifact, program), artifact_key)
-        except PortableError:
-            continue
-        installed.add(artifact_key)
-        count += 1
-    return count
 
 
 def _run_shapes(runtime, program, shapes, seed: int) -> None:
@@ -279,7 +243,9 @@ def _run_shapes(runtime, program, shapes, seed: int) -> None:
 def precompile(program, dvm_bytes: bytes, shapes: list[dict[str, int]], store,
                seed: int = 0, progress=None) -> Outcome:
     """Note [Precompile rounds]; `store` a StoreConfig. Returns what was published."""
+    from dynvm.cluster.compile_service import LocalServiceClient
     from dynvm.cluster.fleet_compiler import FleetCompiler
+    from dynvm.cluster.fleet_link import FleetLink, FleetOptions
     from dynvm.cluster.fleet_records import portable_from_fields
 
     start = time.perf_counter()
@@ -293,29 +259,26 @@ def precompile(program, dvm_bytes: bytes, shapes: list[dict[str, int]], store,
         compiler.register(program_hash, dvm_bytes)
         before = compiler.index(program_hash)
         outcome = Outcome(shapes=len(shapes), already_indexed=len(before))
-        recorder = _Recorder()
-        runtime.jit.connect(recorder)
-        installed: set[str] = set()
-        install_indexed(runtime, compiler.cache, program, installed)
+        # A replica's link driven in rounds here, its thread never started.
+        link = FleetLink(runtime, dvm_bytes, FleetOptions(store, max_buffered=1 << 24),
+                         LocalServiceClient(compiler))
+        runtime.jit.connect(link)
+        link.install_indexed()
         ordered = skeleton_first(shapes)
         # ROUNDS reporting rounds, then one that only checks (when misses remain).
         for round_number in range(1, ROUNDS + 2):
             if progress is not None:
                 progress(f"round {round_number}: {len(ordered)} shapes")
-            recorder.observations.clear()
             calls_before = _region_calls(runtime)
             _run_shapes(runtime, program, ordered, seed)
             outcome.rounds = round_number
-            outcome.misses = len(recorder.observations)
+            outcome.misses = link.stats()["buffered"]
             outcome.region_calls = _region_calls(runtime) - calls_before
-            if not recorder.observations or round_number > ROUNDS:
+            if not outcome.misses or round_number > ROUNDS:
                 break
-            batch = [[region, encode_signature(signature), seconds, None]
-                     for region, signature, seconds in recorder.observations]
-            for i in range(0, len(batch), REPORT_CHUNK):
-                compiler.report(program_hash, batch[i:i + REPORT_CHUNK])
+            link.flush()
             compiler.wait_idle(timeout_s=600)
-            install_indexed(runtime, compiler.cache, program, installed)
+            link.install_indexed()
         stats = compiler.stats()["programs"].get(program_hash[:12], {})
         outcome.failures = stats.get("compile_failures", 0) + compiler.publish_failures
         new = [k for k in compiler.index(program_hash) if k not in set(before)]

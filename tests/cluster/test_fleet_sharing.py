@@ -105,7 +105,7 @@ def test_fleet_wide_recurrence_promotes_what_no_replica_would(model, store_confi
         inputs = _draws(demo, 1, seed=7)[0]
         for link in (a, b, a, b):
             link.runtime(*inputs)
-            link._flush()
+            link.flush()
         assert compiler.wait_idle()
         assert compiler.stats()["published"] >= 1
         assert wait_until(lambda: a.runtime.stats()["installs"] >= 1
@@ -189,7 +189,7 @@ def test_the_service_also_builds_triton_binaries_for_gpu_targets(model, tmp_path
         inputs = _draws(demo, 1, seed=5)[0]
         for _ in range(3):
             a.runtime(*inputs)
-            a._flush()
+            a.flush()
         assert compiler.wait_idle(120)
         stats = compiler.stats()
         assert stats["published"] >= 1

@@ -46,7 +46,7 @@ def test_request_promotion_compile_and_remote_install_share_one_trace(tmp_path, 
         inputs = demo.sample_inputs(random.Random(3))
         for _ in range(3):
             a.runtime(*inputs)
-            a._flush()
+            a.flush()
         assert compiler.wait_idle()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not any(
