@@ -234,8 +234,7 @@ class FleetLink:
             for key, fields in self._fetch(wanted).items():
                 try:
                     portable = portable_from_fields(fields, self.program)
-                    spec = self.jit.install_portable(portable, key,
-                                                     float(fields.get("compile_seconds", 0)))
+                    spec = self.jit.install_portable(portable, key)
                 except PortableError as error:
                     self.counters["install_rejected"] += 1
                     logger.warning("artifact %s not installed: %s", key[:16], error)

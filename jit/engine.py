@@ -284,8 +284,8 @@ class Jit:
             self.triton_compiles += 1
         return built
 
-    def install_portable(self, portable: PortableSpecialization, key: str,
-                         compile_seconds: float = 0.0) -> Specialization | None:
+    def install_portable(self, portable: PortableSpecialization,
+                         key: str) -> Specialization | None:
         """Install a specialization compiled elsewhere (Note [Portable specializations]):
         code is re-emitted from its IR, nothing is specialized here. `key` is the cache key
         it was stored under; the record's guard must hash to it. Returns None when the
