@@ -1,0 +1,43 @@
+"""Note [Calibration]: measured choices, default kept on ties, cached per key."""
+
+import time
+
+import torch
+
+from dynvm.jit.calibration import Calibrator, calibrator_for, size_class
+
+
+def test_a_clearly_faster_candidate_wins_and_is_cached():
+    calls = {"slow": 0, "fast": 0}
+
+    def slow():
+        calls["slow"] += 1
+        time.sleep(0.002)
+
+    def fast():
+        calls["fast"] += 1
+
+    calibrator = Calibrator("cpu", rounds=5)
+    choice = calibrator.choose("OP", 3, {"slow": slow, "fast": fast})
+    assert choice.name == "fast" and choice.default == "slow"
+    assert choice.seconds["slow"] > choice.seconds["fast"]
+    assert 0.5 < choice.gain <= 1.0
+    before = dict(calls)
+    again = calibrator.choose("OP", 3, {"slow": slow, "fast": fast})
+    assert again is choice and calls == before        # cached: nothing re-measured
+    assert calibrator.measurements == 1
+    assert calibrator.known("OP", 3) is choice and calibrator.known("OP", 4) is None
+
+
+def test_the_default_stays_unless_another_beats_it_by_the_margin():
+    def work():
+        time.sleep(0.001)
+
+    # Two identical candidates: the default (first) must win whatever the noise.
+    calibrator = Calibrator("cpu", rounds=5, margin=0.5)
+    assert calibrator.choose("OP", 0, {"a": work, "b": work}).name == "a"
+
+
+def test_size_classes_and_one_calibrator_per_device():
+    assert [size_class(n) for n in (0, 1, 2, 3, 4, 1023, 1024)] == [0, 0, 1, 1, 2, 9, 10]
+    assert calibrator_for("cpu") is calibrator_for(torch.device("cpu"))
