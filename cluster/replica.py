@@ -32,7 +32,6 @@ Triton's dynamic batcher.
 
 import asyncio
 import contextlib
-import json
 import re
 import time
 from collections import deque
@@ -53,10 +52,14 @@ import dynvm
 from dynvm.cluster import v2_protocol as v2
 from dynvm.cluster.compile_service import RayServiceClient
 from dynvm.cluster.fleet_link import FleetLink, FleetOptions
+from dynvm.cluster.http_errors import error_response as _error_response
+from dynvm.cluster.http_errors import json_response as _json_response
+from dynvm.cluster.http_errors import server_fault
+from dynvm.cluster.limits import ServingLimits
 from dynvm.cluster.metrics import ReplicaMetrics
 from dynvm.jit.config import JitConfig
 from dynvm.telemetry import Telemetry
-from dynvm.vm.errors import DynvmError, ExecutionError, InputError, ShapeError
+from dynvm.vm.errors import ExecutionError, InputError, ShapeError
 
 MODEL_VERSION = "1"
 SERVER_APP = "dynvm-server"
@@ -80,15 +83,6 @@ def pick_device(device: str | None) -> str:
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
-
-
-def _json_response(obj, status: int = 200) -> Response:
-    return Response(json.dumps(obj).encode(), status_code=status,
-                    media_type="application/json")
-
-
-def _error_response(error: BaseException | str, status: int) -> Response:
-    return Response(v2.error_body(error), status_code=status, media_type="application/json")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -168,8 +162,11 @@ class ModelReplica:
                  jit: bool | JitConfig = True, max_batch_size: int = 8,
                  batch_wait_timeout_s: float = 0.01, batching: bool = True,
                  max_body_bytes: int = v2.DEFAULT_MAX_BODY_BYTES, probe_outputs: bool = True,
-                 fleet: FleetOptions | None = None) -> None:
+                 fleet: FleetOptions | None = None, limits: ServingLimits | None = None
+                 ) -> None:
         self.model_name = check_model_name(model_name)
+        self.limits = limits if limits is not None else ServingLimits()
+        self._budget = self.limits.call_budget()
         self.program = dynvm.load(dvm_path)
         self.device = pick_device(device)
         # OTEL_* in the replica's environment configure tracing (dynvm._env); none: off.
@@ -235,7 +232,7 @@ class ModelReplica:
 
     def _run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         inputs = [t.to(self.device) for t in tensors]
-        result = self.runtime(*inputs)
+        result = self.runtime(*inputs, budget=self._budget)
         leaves = pytree.tree_leaves(result)
         outputs = []
         for leaf in leaves:
@@ -447,9 +444,9 @@ class ModelReplica:
         except v2.ProtocolError:
             self.counters["errors"] += 1
             raise
-        except (DynvmError, ValueError, RuntimeError) as exc:
+        except Exception as exc:  # a server fault, CallBudgetError included: logged, an id
             self.counters["errors"] += 1
-            return _error_response(f"model {self.model_name!r}: internal error: {exc}", 500)
+            return server_fault(f"model {self.model_name!r}", exc)
         media_type = headers.pop("Content-Type")
         return Response(body, status_code=200, headers=headers, media_type=media_type)
 
@@ -540,7 +537,8 @@ def model_application(name: str, path, *, device: str | None = "auto",
                       max_body_bytes: int = v2.DEFAULT_MAX_BODY_BYTES, num_replicas: int = 1,
                       num_cpus: float = 1.0, num_gpus: float | None = None,
                       fleet: FleetOptions | None = None,
-                      autoscaling: Autoscaling | None = None):
+                      autoscaling: Autoscaling | None = None,
+                      limits: ServingLimits | None = None):
     """The bound Serve deployment of one model (what `serve_models` and the
     `serve run` builder in dynvm.cluster.serve_app deploy). Ray must be initialized.
     `num_gpus=None`: one GPU per replica when the Ray cluster has GPUs, none otherwise."""
@@ -557,7 +555,7 @@ def model_application(name: str, path, *, device: str | None = "auto",
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
         **scaling,
     ).bind(name, str(path), device, jit, max_batch_size, batch_wait_timeout_s,
-           bool(batching), max_body_bytes, True, fleet)
+           bool(batching), max_body_bytes, True, fleet, limits)
 
 
 def serve_models(models: Mapping[str, str], *, device: str | None = "auto",
@@ -567,7 +565,8 @@ def serve_models(models: Mapping[str, str], *, device: str | None = "auto",
                  max_body_bytes: int = v2.DEFAULT_MAX_BODY_BYTES,
                  num_replicas: int = 1, num_cpus: float = 1.0,
                  num_gpus: float | None = None, fleet: FleetOptions | None = None,
-                 autoscaling: Autoscaling | None = None) -> dict:
+                 autoscaling: Autoscaling | None = None,
+                 limits: ServingLimits | None = None) -> dict:
     """Deploy one Serve application per model (route prefix /v2/models/<name>) plus the
     server application (route prefix /v2). Serve must already be started (`serve.start`).
 
@@ -576,7 +575,8 @@ def serve_models(models: Mapping[str, str], *, device: str | None = "auto",
     `fleet`: share compiled specializations through the compile service and the kernel
     store (dynvm.cluster.fleet_link); start the service first (`start_compile_service`).
     `autoscaling`: Serve autoscales each model between its bounds (`num_replicas` is
-    then ignored). Returns {app name: DeploymentHandle}.
+    then ignored). `limits`: per-request bounds (dynvm.cluster.limits.ServingLimits).
+    Returns {app name: DeploymentHandle}.
     """
     targets = []
     for name, path in models.items():
@@ -586,7 +586,8 @@ def serve_models(models: Mapping[str, str], *, device: str | None = "auto",
                                 batch_wait_timeout_s=batch_wait_timeout_s,
                                 batching=bool(batch_on), max_body_bytes=max_body_bytes,
                                 num_replicas=num_replicas, num_cpus=num_cpus,
-                                num_gpus=num_gpus, fleet=fleet, autoscaling=autoscaling)
+                                num_gpus=num_gpus, fleet=fleet, autoscaling=autoscaling,
+                                limits=limits)
         targets.append(RunTarget(app, name=model_app_name(name),
                                  route_prefix=f"/v2/models/{name}"))
     targets.append(RunTarget(ServerFront.bind(list(models)), name=SERVER_APP,

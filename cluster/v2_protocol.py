@@ -115,9 +115,14 @@ def check_body_size(size: int, max_body_bytes: int) -> None:
         raise PayloadTooLarge(f"request body is {size} bytes, the limit is {max_body_bytes}")
 
 
+def cut(text: str, limit: int = 60) -> str:
+    """`text`, cut to at most `limit` characters: every client-chosen string an error
+    message echoes goes through here (or `_describe`), so no answer echoes a body."""
+    return text if len(text) <= limit else text[:max(limit - 3, 0)] + "..."
+
+
 def _describe(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return cut(repr(value))
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dynvm._runtime import Runtime
 from dynvm.jit.config import JitConfig
+from dynvm.vm.budget import CallBudget
 from dynvm.vm.errors import (
     AssembleError,
+    CallBudgetError,
     DvmFormatError,
     DynvmError,
     ExecutionError,
@@ -52,7 +54,8 @@ def load(path) -> Program:
 
 
 __all__ = [
-    "AssembleError", "DvmFormatError", "DynvmError", "ExecutionError", "InputError",
+    "AssembleError", "CallBudget", "CallBudgetError", "DvmFormatError", "DynvmError",
+    "ExecutionError", "InputError",
     "JitConfig",
     "Program", "Runtime", "ShapeError", "UnsupportedOpError", "VerifyError", "compile",
     "load", "save",

@@ -13,6 +13,7 @@ from dynvm.arena import count_allocations
 from dynvm.jit.config import JitConfig
 from dynvm.jit.engine import Jit
 from dynvm.telemetry import Telemetry
+from dynvm.vm.budget import CallBudget
 from dynvm.vm.errors import InputError, ShapeError
 from dynvm.vm.interpreter import Interpreter
 
@@ -29,14 +30,20 @@ class Runtime:
     `telemetry` (a `dynvm.telemetry.Telemetry`) traces each call, promotion, compile and
     guard failure (Note [Trace shape]); None or a disabled one: no tracing work at all.
 
+    `budget` (a `dynvm.CallBudget`: seconds and loop iterations, finite by default)
+    bounds every call; a call past it raises `dynvm.CallBudgetError` naming the loop
+    (Note [Call budget]). `runtime(*inputs, budget=...)` overrides it for one call.
+
     DYNVM_JIT=0 in the environment (dynvm._env) turns the JIT off for every Runtime,
     whatever `jit` says, for debugging; stats()["jit_disabled_by"] then says so.
     """
 
     def __init__(self, program, device: str | torch.device = "cpu",
-                 jit: bool | JitConfig = True, telemetry: Telemetry | None = None) -> None:
+                 jit: bool | JitConfig = True, telemetry: Telemetry | None = None,
+                 budget: CallBudget | None = None) -> None:
         self.program = program
-        self.interpreter = Interpreter(program, device)
+        self.interpreter = Interpreter(program, device, budget)
+        self.budget = self.interpreter.budget
         self.device = self.interpreter.device
         self.telemetry = telemetry if telemetry is not None and telemetry.enabled else None
         self.jit: Jit | None = None
@@ -58,18 +65,18 @@ class Runtime:
         self._calls = 0
         self._last_allocations: int | None = None
 
-    def __call__(self, *inputs):
+    def __call__(self, *inputs, budget: CallBudget | None = None):
         if self.telemetry is None:
-            return self._call(inputs)
+            return self._call(inputs, budget)
         with self.telemetry.tracer.start_as_current_span(
                 "dynvm.call", attributes={"dynvm.program": self.program.name}) as span:
-            outputs = self._call(inputs)
+            outputs = self._call(inputs, budget)
             span.set_attribute("dynvm.input_shapes", [
                 str(tuple(t.shape)) for t in pytree.tree_leaves(inputs)
                 if isinstance(t, torch.Tensor)])
             return outputs
 
-    def _call(self, inputs: tuple):
+    def _call(self, inputs: tuple, budget: CallBudget | None):
         flat = inputs if self._flat_inputs else self._flatten(inputs)
         if len(flat) != self._n_inputs:
             names = ", ".join(spec.name for spec in self.program.inputs)
@@ -81,7 +88,7 @@ class Runtime:
                 raise ShapeError(f"input {self.program.inputs[position].name!r}: expected a "
                                  f"tensor, got {type(value).__name__}")
         with torch.inference_mode():
-            outputs = self.interpreter.run(flat)
+            outputs = self.interpreter.run(flat, budget)
         with self._lock:
             self._calls += 1
         return pytree.tree_unflatten(outputs, self._out_spec)

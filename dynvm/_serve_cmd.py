@@ -50,6 +50,8 @@ class ServeOptions:
     """Replica device: "auto" (a GPU when Ray has one), "cpu", "cuda"."""
     num_cpus: float = 1.0
     """CPUs Ray reserves per replica."""
+    call_seconds: float = 30.0
+    """Budget of one VM call (Note [Call budget]): past it, the request gets a 500."""
 
 
 def options_from_args(args) -> ServeOptions:
@@ -64,6 +66,9 @@ def options_from_args(args) -> ServeOptions:
                        f"--max-replicas {args.max_replicas}", 2)
     from dynvm.cluster.replica import check_model_name
 
+    if not 0 < args.call_seconds < float("inf"):
+        raise CliError(f"--call-seconds must be a finite number > 0, got {args.call_seconds}",
+                       2)
     name = args.name or path.stem
     try:
         check_model_name(name)
@@ -74,7 +79,7 @@ def options_from_args(args) -> ServeOptions:
                         max_replicas=args.max_replicas,
                         target_ongoing_requests=args.target_ongoing_requests,
                         online_compile=args.online_compile, device=args.device,
-                        num_cpus=args.num_cpus)
+                        num_cpus=args.num_cpus, call_seconds=args.call_seconds)
 
 
 def _store_config(stack: contextlib.ExitStack, say):
@@ -113,6 +118,7 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
         stop_compile_service,
     )
     from dynvm.cluster.fleet_link import FleetOptions
+    from dynvm.cluster.limits import ServingLimits
     from dynvm.cluster.replica import Autoscaling, serve_models
     from dynvm.jit.config import JitConfig
 
@@ -133,7 +139,8 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
     serve_models({options.name: options.model_path}, device=options.device,
                  jit=JitConfig(online_compile=options.online_compile),
                  num_replicas=options.replicas, num_cpus=options.num_cpus,
-                 fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE), autoscaling=autoscaling)
+                 fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE), autoscaling=autoscaling,
+                 limits=ServingLimits(call_seconds=options.call_seconds))
 
 
 def _hint(options: ServeOptions) -> str:
@@ -206,4 +213,7 @@ the URL; Ctrl-C (or SIGTERM) stops everything it started.
     p.add_argument("--device", default="auto", help="replica device (default auto)")
     p.add_argument("--num-cpus", type=float, default=1.0, metavar="C",
                    help="CPUs reserved per replica (default 1)")
+    p.add_argument("--call-seconds", type=float, default=30.0, metavar="S",
+                   help="budget of one model call: a call still looping after S seconds "
+                   "stops and its request gets a 500 (default 30)")
     p.set_defaults(handler=serve_command)

@@ -40,6 +40,19 @@ class ExecutionError(DynvmError, RuntimeError):
     data); the message names the instruction and carries the kernel's own message."""
 
 
+class CallBudgetError(DynvmError, TimeoutError):
+    """A call ran past its budget of time or loop iterations (Note [Call budget] in
+    dynvm.vm.budget): a loop that does not end. `pc` is the loop's back edge."""
+
+    def __init__(self, message: str, pc: int = -1, iterations: int = 0,
+                 seconds: float = 0.0) -> None:
+        super().__init__(message)
+        self.pc, self.iterations, self.seconds = pc, iterations, seconds
+
+    def __reduce__(self):
+        return type(self), (str(self), self.pc, self.iterations, self.seconds)
+
+
 # --- .dvm file errors: what exactly is wrong with the bytes (raised by dynvm.vm.dvm_file).
 # Each keeps its facts as attributes; __reduce__ lets them cross process boundaries (Ray).
 

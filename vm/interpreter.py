@@ -21,6 +21,10 @@ that, a call would keep every intermediate tensor alive until it returns: at bat
 the encoder's frame held hundreds of MB, every call paid fresh page faults for it, and
 the interpreter ran ~1.4x slower than eager. With kills, tensors die exactly where they
 would in eager PyTorch and the allocator reuses their memory.
+
+Loops are bounded per call: see Note [Call budget] in dynvm.vm.budget. The register file
+has one slot for the call's loop meter, before the return slot, so that only backward
+edges pay for the budget.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from dynvm.vm.budget import CallBudget
 from dynvm.vm.errors import DynvmError, ExecutionError
 from dynvm.vm.isa import Flow
 from dynvm.vm.operands import Const, Imm, IntList, Operand, Reg, RegList
@@ -43,15 +48,19 @@ _RETURN = -1
 class Interpreter:
     """Runs one program on one device. Thread-safe: each call has its own registers."""
 
-    def __init__(self, program, device: str | torch.device = "cpu") -> None:
+    def __init__(self, program, device: str | torch.device = "cpu",
+                 budget: CallBudget | None = None) -> None:
         self.program = program
+        self.budget = budget if budget is not None else CallBudget()
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._const_base = program.n_regs
-        # The register file: registers, then constants, then the return slot.
+        # The register file: registers, then constants, the loop meter, the return slot.
         self._template = ([None] * program.n_regs
-                          + [c.to(self.device) for c in program.constants] + [None])
+                          + [c.to(self.device) for c in program.constants] + [None, None])
+        self._meter_slot = len(self._template) - 2
+        self._loops = any(_is_back_edge(pc, instr) for pc, instr in enumerate(program.code))
         kills = _dead_after(program.code)
         self._steps = [self._decode(instr, kills[pc]) for pc, instr in enumerate(program.code)]
         self._slots: list[RegionSlot | None] = [None] * len(program.regions)
@@ -65,11 +74,14 @@ class Interpreter:
 
     # -- public ------------------------------------------------------------------------
 
-    def run(self, inputs: Sequence[torch.Tensor]) -> list:
+    def run(self, inputs: Sequence[torch.Tensor], budget: CallBudget | None = None) -> list:
         """Run the program on flat inputs (already validated by count); returns the flat
-        outputs in RETURN order."""
+        outputs in RETURN order. `budget` (default: the interpreter's) bounds its loops;
+        past it, `CallBudgetError` (Note [Call budget])."""
         regs = self._template.copy()
         regs[: len(inputs)] = inputs
+        if self._loops:
+            regs[self._meter_slot] = (budget or self.budget).meter()
         plan = self._plan
         pc = 0
         executed = 0
@@ -179,6 +191,23 @@ class Interpreter:
         self._plan[region.start] = (unit, len(region))
 
     def _control_unit(self, pc: int, instr) -> Callable[[list], int]:
+        unit = self._forward_control_unit(pc, instr)
+        if not _is_back_edge(pc, instr):
+            return unit
+        meter_slot, clock = self._meter_slot, time.monotonic
+
+        def back_edge(regs: list) -> int:
+            target = unit(regs)
+            if target <= pc:  # taken: one more iteration (Note [Call budget])
+                meter = regs[meter_slot]
+                meter.left -= 1
+                if meter.left < 0 or clock() > meter.deadline:
+                    raise meter.over(pc, instr)
+            return target
+
+        return back_edge
+
+    def _forward_control_unit(self, pc: int, instr) -> Callable[[list], int]:
         flow = instr.spec.flow
         if flow is Flow.JUMP:
             target = instr.args[0].target
@@ -210,6 +239,17 @@ class Interpreter:
 
             return finish
         raise AssertionError(f"no control unit for {instr.op}")
+
+
+def _is_back_edge(pc: int, instr) -> bool:
+    """A JUMP or JUMP_IF_FALSE to itself or an earlier instruction: the only way a
+    program loops (Note [Call budget])."""
+    flow = instr.spec.flow
+    if flow is Flow.JUMP:
+        return instr.args[0].target <= pc
+    if flow is Flow.BRANCH_IF_FALSE:
+        return instr.args[1].target <= pc
+    return False
 
 
 def _dead_after(code) -> list[tuple[int, ...]]:

@@ -1,0 +1,116 @@
+"""A program that never ends stops within its call budget (Note [Call budget]): a listing
+edited to end in a backward JUMP, and a real `torch.while_loop` whose condition never
+turns false, in the interpreter and with the JIT; legitimate loops are unaffected. The
+HTTP side (a 500 with an error id, the worker free again, other requests served
+meanwhile) is in test_hostile_http.py."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+import torch
+from _programs import build, compiled
+
+import dynvm
+from dynvm.vm.asm import assemble, disassemble
+
+SPIN = """
+    0  %1 = NEG %0
+    1  JUMP @0
+"""
+
+
+def test_a_backward_jump_forever_stops_at_its_time_budget():
+    program = build(SPIN, regs=2)  # the assembler and the verifier accept it
+    runtime = dynvm.Runtime(program, jit=False, budget=dynvm.CallBudget(seconds=0.3))
+    start = time.monotonic()
+    with pytest.raises(dynvm.CallBudgetError) as info:
+        runtime(torch.randn(3))
+    took = time.monotonic() - start
+    assert 0.3 <= took < 1.3, took
+    assert isinstance(info.value, dynvm.DynvmError)
+    assert info.value.pc == 1 and info.value.iterations > 0
+    assert "instruction 1 (JUMP @0)" in str(info.value)
+    assert "past its budget of 0.3 s" in str(info.value)
+
+
+def test_a_jump_to_itself_stops_at_the_iteration_budget():
+    program = build("""
+        0  %1 = NEG %0
+        1  JUMP @1
+    """, regs=2)
+    runtime = dynvm.Runtime(program, jit=False,
+                            budget=dynvm.CallBudget(loop_iterations=1000))
+    with pytest.raises(dynvm.CallBudgetError, match=r"more than 1,000 loop iterations") as info:
+        runtime(torch.randn(3))
+    assert info.value.iterations == 1000
+    # The runtime is not left in a bad state: a per-call budget still applies.
+    with pytest.raises(dynvm.CallBudgetError, match=r"more than 10 loop"):
+        runtime(torch.randn(3), budget=dynvm.CallBudget(loop_iterations=10))
+
+
+def _never_ending_while_loop() -> dynvm.Program:
+    """The `looping` demo (a torch.while_loop) with its counter's increment edited to 0,
+    so that `i < trips` never turns false; the content hash is recomputed by saving."""
+    program = compiled("looping")
+    text = disassemble(program)
+    edited, count = re.subn(r"= ADD (%\d+), 1\b", r"= ADD \1, 0", text)
+    assert count == 1, text
+    return assemble(edited, tuple(program.constants))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["interpreter", "jit"])
+def test_a_while_loop_whose_condition_never_turns_false_stops(jit):
+    program = _never_ending_while_loop()
+    config = dynvm.JitConfig(sync=True, min_recurrence=1, max_recurrence=1) if jit else False
+    runtime = dynvm.Runtime(program, jit=config,
+                            budget=dynvm.CallBudget(seconds=30, loop_iterations=300))
+    x = torch.randn(4, 32)
+    for _ in range(3):  # with the JIT, later calls run the specialized loop body
+        with pytest.raises(dynvm.CallBudgetError, match=r"JUMP @\d+\): it would take more"):
+            runtime(x)
+    if jit:
+        assert runtime.stats()["specialized_region_calls"] > 0
+    runtime.close()
+
+
+def test_a_loop_within_its_budget_runs_to_the_end():
+    program = compiled("looping")
+    x = torch.full((2, 32), 2.0)  # trip count clamp(round(mean|x| * 4), 1, 8) = 8
+    reference = dynvm.Runtime(program, jit=False)(x)
+    exact = dynvm.Runtime(program, jit=False, budget=dynvm.CallBudget(loop_iterations=8))
+    torch.testing.assert_close(exact(x), reference)
+    with pytest.raises(dynvm.CallBudgetError):
+        exact(x, budget=dynvm.CallBudget(loop_iterations=7))
+
+
+def test_a_runaway_call_does_not_slow_a_concurrent_call():
+    program = build(SPIN, regs=2)
+    runtime = dynvm.Runtime(program, jit=False, budget=dynvm.CallBudget(seconds=1.0))
+    errors: list[BaseException] = []
+
+    def spin() -> None:
+        try:
+            runtime(torch.randn(3))
+        except dynvm.CallBudgetError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    time.sleep(0.1)
+    # Each call has its own meter: a short call's budget is its own, not the spinner's.
+    with pytest.raises(dynvm.CallBudgetError, match="more than 5 loop"):
+        runtime(torch.randn(3), budget=dynvm.CallBudget(loop_iterations=5))
+    thread.join(5)
+    assert not thread.is_alive() and len(errors) == 1
+
+
+@pytest.mark.parametrize("bad", [dict(seconds=0), dict(seconds=float("inf")),
+                                 dict(seconds=float("nan")), dict(loop_iterations=0),
+                                 dict(loop_iterations=1.5)])
+def test_a_budget_is_finite_and_positive(bad):
+    with pytest.raises(ValueError, match="CallBudget"):
+        dynvm.CallBudget(**bad)
