@@ -8,23 +8,49 @@
 
 from __future__ import annotations
 
-from dynvm._runtime import Runtime
-from dynvm.jit.config import JitConfig
-from dynvm.vm.budget import CallBudget
-from dynvm.vm.errors import (
-    AssembleError,
-    CallBudgetError,
-    DvmFormatError,
-    DynvmError,
-    ExecutionError,
-    InputError,
-    ShapeError,
-    UnsupportedOpError,
-    VerifyError,
-)
-from dynvm.vm.program import Program
+import importlib
+from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:  # for readers and type checkers; at run time see __getattr__
+    from dynvm.vm.program import Program
+
+# Note [Lazy top level]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Importing any dynvm.<layer> module first runs this file, so anything it imported
+# eagerly would be loaded by every layer: `import dynvm.vm.isa` used to pull in the
+# Runtime, hence the JIT, the arena, shape clustering and the OpenTelemetry SDK, and
+# jit.artifact -> dynvm -> _runtime -> jit.engine was a cycle that only worked because
+# the version was read late. The public names are therefore resolved on first use
+# (PEP 562 module __getattr__) and cached in the module's namespace, so `dynvm.Runtime`
+# costs one import once and a plain attribute read after that; `import dynvm.vm` loads
+# the VM alone (tests/dynvm/test_layering.py checks both).
+_LAZY: dict[str, str] = {
+    "Runtime": "dynvm._runtime",
+    "JitConfig": "dynvm.jit.config",
+    "CallBudget": "dynvm.vm.budget",
+    "Program": "dynvm.vm.program",
+    **{name: "dynvm.vm.errors" for name in (
+        "AssembleError", "CallBudgetError", "DvmFormatError", "DynvmError",
+        "ExecutionError", "InputError", "ShapeError", "UnsupportedOpError", "VerifyError")},
+}
+
+
+def __getattr__(name: str):
+    if name == "__version__":
+        # One source of truth: the version pyproject.toml gave the installed distribution.
+        from importlib.metadata import version
+
+        value = version("dynvm")
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        raise AttributeError(f"module 'dynvm' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, "__version__"})
 
 
 def compile(module, example_inputs, dynamic_shapes=None, name: str | None = None) -> Program:

@@ -12,7 +12,7 @@ from dynvm._env import runtime_settings
 from dynvm.arena import count_allocations
 from dynvm.jit.config import JitConfig
 from dynvm.jit.engine import Jit
-from dynvm.telemetry import Telemetry
+from dynvm.telemetry import GlobalProviderWatch, Telemetry
 from dynvm.vm.budget import CallBudget
 from dynvm.vm.errors import InputError, ShapeError
 from dynvm.vm.interpreter import Interpreter
@@ -28,7 +28,9 @@ class Runtime:
     from several threads at once.
 
     `telemetry` (a `dynvm.telemetry.Telemetry`) traces each call, promotion, compile and
-    guard failure (Note [Trace shape]); None or a disabled one: no tracing work at all.
+    guard failure (Note [Trace shape]); a disabled one: no tracing work at all. None (the
+    default): the application's global OpenTelemetry provider once it sets one, and no
+    tracing work until then (Note [Global tracer provider]).
 
     `budget` (a `dynvm.CallBudget`: seconds and loop iterations, finite by default)
     bounds every call; a call past it raises `dynvm.CallBudgetError` naming the loop
@@ -45,6 +47,12 @@ class Runtime:
         self.interpreter = Interpreter(program, device, budget)
         self.budget = self.interpreter.budget
         self.device = self.interpreter.device
+        # Note [Global tracer provider]: without an explicit Telemetry, follow the global
+        # one; `_global_watch` stays only while that is still the no-op proxy.
+        self._global_watch: GlobalProviderWatch | None = None
+        if telemetry is None:
+            telemetry = Telemetry.from_global()
+            self._global_watch = GlobalProviderWatch() if telemetry is None else None
         self.telemetry = telemetry if telemetry is not None and telemetry.enabled else None
         self.jit: Jit | None = None
         wants_jit = jit is True or isinstance(jit, JitConfig)
@@ -66,7 +74,8 @@ class Runtime:
         self._last_allocations: int | None = None
 
     def __call__(self, *inputs, budget: CallBudget | None = None):
-        if self.telemetry is None:
+        if self.telemetry is None and (self._global_watch is None
+                                       or not self._follow_global()):
             return self._call(inputs, budget)
         with self.telemetry.tracer.start_as_current_span(
                 "dynvm.call", attributes={"dynvm.program": self.program.name}) as span:
@@ -75,6 +84,20 @@ class Runtime:
                 str(tuple(t.shape)) for t in pytree.tree_leaves(inputs)
                 if isinstance(t, torch.Tensor)])
             return outputs
+
+    def _follow_global(self) -> bool:
+        """True when the application has just set its global provider: from now on this
+        runtime (and its JIT) trace into it (Note [Global tracer provider])."""
+        telemetry = self._global_watch.check()
+        if telemetry is None:
+            return False
+        with self._lock:
+            if self.telemetry is None:
+                if self.jit is not None:
+                    self.jit.trace_with(telemetry)
+                self.telemetry = telemetry
+            self._global_watch = None
+        return True
 
     def _call(self, inputs: tuple, budget: CallBudget | None):
         flat = inputs if self._flat_inputs else self._flatten(inputs)

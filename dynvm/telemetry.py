@@ -5,10 +5,15 @@
     telemetry = Telemetry.from_env()                 # OTEL_* (OTLP over HTTP or gRPC)
     runtime = dynvm.Runtime(program, telemetry=telemetry)
 
-A `Telemetry` owns its tracer; nothing here is a module-level mutable global (the global
-OpenTelemetry provider is never set). A disabled `Telemetry` (the default, and what
-`from_env` gives when nothing is configured) makes the Runtime skip every tracing call:
-the call path checks `enabled` once and creates no span and no context.
+A `Telemetry` owns its tracer; nothing here is a module-level mutable global and nothing
+here sets the global OpenTelemetry provider. A Runtime given no `Telemetry` follows the
+application's global provider (Note [Global tracer provider]); a disabled `Telemetry`
+(what `from_env` gives when nothing is configured) makes the Runtime skip every tracing
+call: the call path checks once and creates no span and no context.
+
+This module is a leaf (DESIGN.md, Layout): it imports nothing above dynvm.vm, and the
+OpenTelemetry SDK only inside the constructors that build an SDK provider, so importing
+it (and every layer that does) costs the OpenTelemetry API alone.
 
 Which OTEL_* variables turn tracing on is decided in dynvm._env, the one module that
 reads the environment (Conventions 8); the exporter and the TracerProvider then read
@@ -26,6 +31,25 @@ Note [Trace shape]
 The promote span's context is captured on the calling thread and handed to the compile
 task, so one trace id covers request -> compile -> install even when the compile runs
 on a background thread long after the request returned.
+
+Note [Global tracer provider]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+OpenTelemetry's library convention (DESIGN.md, Conventions 12): an application that
+configures tracing the standard way (`trace.set_tracer_provider(...)`, or the
+`opentelemetry-instrument` launcher) expects every instrumented library to report to
+that provider with no set-up of its own. So a Runtime with `telemetry=None` traces into
+the global provider once one is set, and does no tracing work while it is still the
+API's no-op proxy: the JIT checks `telemetry is None` on the call path, so a
+`Telemetry` is only made when spans would be recorded (going through the proxy tracer
+instead would cost ~10 us a call in spans that record nothing).
+
+The global provider can be set only once per process, but possibly after a Runtime was
+made. `GlobalProviderWatch` looks at it when the Runtime is made and then at most once
+every `interval_s` from the call path (a clock read and a compare; the API's own
+`get_tracer_provider()` looks up an environment variable, ~1.6 us, too dear for every
+call); when it finds one set, the Runtime starts tracing and stops looking. An explicit
+`Telemetry` (enabled or not) overrides the global provider; `shutdown()` never shuts
+down a provider the application owns.
 """
 
 from __future__ import annotations
@@ -34,20 +58,20 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    ConsoleSpanExporter,
-    SimpleSpanProcessor,
-)
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from dynvm._env import trace_settings
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 TRACER_NAME = "dynvm"
 DEFAULT_MAX_EVENTS_PER_SECOND = 50
+# How often a Runtime without a Telemetry looks for a newly set global provider
+# (Note [Global tracer provider]).
+GLOBAL_PROVIDER_CHECK_S = 1.0
 
 
 class EventLimiter:
@@ -76,26 +100,47 @@ class EventLimiter:
 
 
 class Telemetry:
-    """Where a Runtime's spans go. `provider=None`: disabled (a no-op tracer)."""
+    """Where a Runtime's spans go. `provider=None`: disabled (a no-op tracer).
 
-    def __init__(self, provider: TracerProvider | None = None,
-                 max_events_per_second: float = DEFAULT_MAX_EVENTS_PER_SECOND) -> None:
+    `owns_provider=False` for a provider someone else manages (the application's global
+    one): `shutdown()` then leaves it running."""
+
+    def __init__(self, provider: trace.TracerProvider | None = None,
+                 max_events_per_second: float = DEFAULT_MAX_EVENTS_PER_SECOND,
+                 owns_provider: bool = True) -> None:
         self.provider = provider
         self.enabled = provider is not None
         self.tracer = (provider.get_tracer(TRACER_NAME) if provider is not None
                        else trace.NoOpTracer())
         self.max_events_per_second = max_events_per_second
+        self.owns_provider = owns_provider
 
     # -- constructors ------------------------------------------------------------------
 
     @classmethod
     def disabled(cls) -> Telemetry:
+        """Tracing off, overriding any global provider (no span, no context, no cost)."""
         return cls(None)
+
+    @classmethod
+    def from_global(cls) -> Telemetry | None:
+        """The application's global TracerProvider, or None while it is unset (the API's
+        no-op proxy): Note [Global tracer provider]."""
+        provider = trace.get_tracer_provider()
+        if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
+            return None
+        return cls(provider, owns_provider=False)
 
     @classmethod
     def in_memory(cls, max_events_per_second: float = DEFAULT_MAX_EVENTS_PER_SECOND
                   ) -> tuple[Telemetry, InMemorySpanExporter]:
         """Telemetry exporting synchronously into an InMemorySpanExporter (tests)."""
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+            InMemorySpanExporter,
+        )
+
         exporter = InMemorySpanExporter()
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -104,6 +149,9 @@ class Telemetry:
     @classmethod
     def console(cls, out=None) -> Telemetry:
         """Spans printed as JSON when they end (the CLI's --trace)."""
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
+
         provider = TracerProvider()
         exporter = ConsoleSpanExporter() if out is None else ConsoleSpanExporter(out=out)
         provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -127,6 +175,9 @@ class Telemetry:
             exporters.append(exporter_class())
         if not exporters:
             return cls.disabled()
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
         provider = TracerProvider()  # reads OTEL_TRACES_SAMPLER, OTEL_RESOURCE_ATTRIBUTES
         for exporter in exporters:
             provider.add_span_processor(BatchSpanProcessor(exporter))
@@ -139,9 +190,30 @@ class Telemetry:
         return EventLimiter(self.max_events_per_second)
 
     def shutdown(self) -> None:
-        """Flush and stop the exporters."""
-        if self.provider is not None:
+        """Flush and stop the exporters (not those of a provider it does not own)."""
+        if self.provider is not None and self.owns_provider:
             self.provider.shutdown()
+
+
+class GlobalProviderWatch:
+    """Finds the moment the application sets its global TracerProvider, cheaply enough
+    for every call (Note [Global tracer provider]). Thread-safe: at worst two threads
+    both look and both build a Telemetry for the same provider."""
+
+    def __init__(self, interval_s: float = GLOBAL_PROVIDER_CHECK_S,
+                 clock=time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._next = clock() + interval_s
+
+    def check(self) -> Telemetry | None:
+        """None until the global provider is set (looked at once per interval); then a
+        Telemetry for it."""
+        now = self._clock()
+        if now < self._next:
+            return None
+        self._next = now + self.interval_s
+        return Telemetry.from_global()
 
 
 def _load_exporter(name: str):

@@ -13,14 +13,19 @@ import hashlib
 import json
 import sys
 from dataclasses import dataclass, field
+from importlib.metadata import version
 
 import torch
 
-import dynvm
+# dynvm's own version from its installed metadata (pyproject.toml), the source of
+# `dynvm.__version__` too; importing the top package from here would be an upward edge
+# (Note [Lazy top level] in dynvm/__init__.py). Read once: a metadata lookup costs ~0.5 ms.
+DYNVM_VERSION = version("dynvm")
 
 
 def toolchain_versions() -> dict[str, str]:
-    versions = {"dynvm": dynvm.__version__, "torch": torch.__version__,
+    """The versions of everything that shapes generated code, for `cache_key`."""
+    versions = {"dynvm": DYNVM_VERSION, "torch": torch.__version__,
                 "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
     try:
         import triton

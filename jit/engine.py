@@ -154,12 +154,18 @@ class Jit:
 
     # -- policy inputs ---------------------------------------------------------------
 
+    # Note [Compile cost estimate]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A compile's cost (jit.policy weighs it against the benefit) is estimated from the
+    # lower median of the recent compiles' seconds per instruction, or the config's
+    # per-instruction guess before any. Not the mean: a process's first compile also pays
+    # torch's one-time loading of its meta kernels (about a second here), and averaged
+    # in, that one outlier kept every small region's estimated cost above any benefit for
+    # the life of the process, so hot small regions were never compiled.
+
     def estimated_compile_seconds(self, instructions: int) -> float:
-        """Note [Compile cost estimate]: the lower median of the recent compiles' seconds
-        per instruction. Not the mean: a process's first compile also pays torch's
-        one-time loading of its meta kernels (about a second here), and averaged in, that
-        one outlier kept every small region's estimated cost above any benefit for the
-        life of the process, so hot small regions were never compiled."""
+        """Seconds a compile of a region of `instructions` instructions is expected to
+        take (Note [Compile cost estimate])."""
         rates = self._compile_rates
         if rates:
             per_instruction = sorted(rates)[(len(rates) - 1) // 2]
@@ -343,6 +349,13 @@ class Jit:
                       f"{type(error).__name__}: {error}")
 
     # -- tracing (only with telemetry enabled) ------------------------------------------
+
+    def trace_with(self, telemetry) -> None:
+        """Start tracing into `telemetry` (enabled): the application set its global
+        provider after this JIT was made (Note [Global tracer provider] in
+        dynvm.telemetry). The limiter first: `telemetry` set means it is in place."""
+        self.event_limiter = telemetry.event_limiter()
+        self.telemetry = telemetry
 
     def _target_attributes(self, region_jit: RegionJit, target, key: str) -> dict:
         family = target.key if isinstance(target, Family) else None

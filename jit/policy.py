@@ -17,7 +17,8 @@ K adapts to region size: about 2 for small regions, up to 8 for large ones (a bi
 region's compile is expensive, so its shape must prove itself stable for longer). The
 speed-up starts at `JitConfig.expected_speedup` and becomes the measured saving of the
 region's specializations once one has run; the compile cost starts from the config's
-per-instruction estimate and becomes the measured mean once a compile has finished.
+per-instruction estimate and, once compiles have finished, follows the lower median of
+their measured seconds per instruction (Note [Compile cost estimate] in jit.engine).
 """
 
 from __future__ import annotations
