@@ -1,0 +1,202 @@
+"""The allowed import edges of DESIGN.md's Layout, checked two ways.
+
+Statically: every import statement of every shipped module (function-level and
+TYPE_CHECKING imports included: a lazy upward import is still an upward edge) against
+the layering. Dynamically: a fresh interpreter imports every module of a lower layer
+and must not have loaded anything above it, nor Ray, Redis or the OpenTelemetry SDK
+(Note [Lazy top level] in dynvm/__init__.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+LEAVES = frozenset({"dynvm._env", "dynvm.telemetry"})
+LAYERS = ("vm", "shape_cluster", "arena", "jit", "cluster")
+
+# Which layers each layer may import (besides itself and the two leaves).
+ALLOWED: dict[str, frozenset[str]] = {
+    "vm": frozenset(),
+    "leaf": frozenset({"vm"}),
+    "shape_cluster": frozenset({"vm"}),
+    "arena": frozenset({"vm"}),
+    "jit": frozenset({"vm", "shape_cluster", "arena"}),
+    # An application of the Runtime: anything but the command line.
+    "cluster": frozenset({"vm", "shape_cluster", "arena", "jit", "api"}),
+    "api": frozenset({"vm", "shape_cluster", "arena", "jit", "cluster"}),
+    "cli": frozenset({"vm", "shape_cluster", "arena", "jit", "cluster", "api"}),
+}
+# Third-party packages a layer may not import at all, lazily or not.
+FORBIDDEN_EXTERNAL: dict[str, tuple[str, ...]] = {
+    layer: ("ray", "redis") for layer in ("vm", "leaf", "shape_cluster", "arena", "jit")}
+
+
+def package_dirs() -> dict[str, Path]:
+    """dynvm.<name> -> its folder, from pyproject.toml's package-dir (the one mapping)."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    return {name: REPO / folder
+            for name, folder in config["tool"]["setuptools"]["package-dir"].items()}
+
+
+def shipped_modules() -> dict[str, Path]:
+    """Every shipped module's dotted name -> its file."""
+    modules: dict[str, Path] = {}
+    for package, folder in package_dirs().items():
+        for path in folder.glob("*.py"):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            modules[name] = path
+    return modules
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of a dynvm module; None for anything outside dynvm."""
+    parts = module.split(".")
+    if parts[0] != "dynvm":
+        return None
+    if module in LEAVES:
+        return "leaf"
+    if len(parts) > 1 and parts[1] in LAYERS:
+        return parts[1]
+    name = parts[1] if len(parts) > 1 else ""
+    if name in ("cli", "__main__") or (name.startswith("_") and name.endswith("_cmd")):
+        return "cli"
+    return "api"
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[int, str]]:
+    """(line, imported module) for every import in the file, relative ones resolved;
+    `from package import submodule` counts as importing the submodule."""
+    is_package = path.stem == "__init__"
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base[:len(base) - node.level + (1 if is_package else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.append((node.lineno, sub if sub in modules else target))
+    return found
+
+
+def violations() -> list[str]:
+    modules = shipped_modules()
+    found = []
+    for name, path in sorted(modules.items()):
+        layer = layer_of(name)
+        allowed = ALLOWED[layer] | {layer}
+        for line, target in imports_of(name, path, modules):
+            where = f"{path.relative_to(REPO)}:{line}: {name} ({layer}) imports {target}"
+            target_layer = layer_of(target)
+            if target_layer is None:
+                top = target.split(".")[0]
+                if top in FORBIDDEN_EXTERNAL.get(layer, ()):
+                    found.append(where)
+            elif target == "dynvm" and layer not in ("api", "cli", "cluster"):
+                found.append(where + " (the top package: import what you need from "
+                             "its layer)")
+            elif target_layer != "leaf" and target_layer not in allowed:
+                found.append(f"{where} ({target_layer})")
+    return found
+
+
+def test_every_shipped_module_has_a_layer():
+    modules = shipped_modules()
+    assert {"dynvm.vm.isa", "dynvm.jit.engine", "dynvm.cluster.replica", "dynvm._runtime",
+            "dynvm.shape_cluster.families", "dynvm.arena.planner"} <= set(modules)
+    layers = {layer_of(name) for name in modules}
+    assert layers == {"vm", "leaf", "shape_cluster", "arena", "jit", "cluster", "api", "cli"}
+
+
+def test_the_classifier_knows_the_layers():
+    assert layer_of("dynvm.vm.frontend.lower") == "vm"
+    assert layer_of("dynvm.telemetry") == layer_of("dynvm._env") == "leaf"
+    assert layer_of("dynvm._precompile_cmd") == layer_of("dynvm.cli") == "cli"
+    assert layer_of("dynvm._runtime") == layer_of("dynvm") == "api"
+    assert layer_of("torch.export") is None
+
+
+def test_the_scanner_sees_lazy_relative_and_from_imports(tmp_path):
+    source = tmp_path / "engine.py"
+    source.write_text("from . import queue\nfrom ..vm import isa\n"
+                      "def f():\n    import dynvm.cluster.replica\n")
+    modules = {"dynvm.jit.queue": source, "dynvm.vm.isa": source}
+    assert imports_of("dynvm.jit.engine", source, modules) == [
+        (1, "dynvm.jit.queue"), (2, "dynvm.vm.isa"), (4, "dynvm.cluster.replica")]
+
+
+def test_imports_follow_the_layering():
+    found = violations()
+    assert not found, "imports against DESIGN.md's layering:\n" + "\n".join(found)
+
+
+# -- dynamically: what importing a layer loads ------------------------------------------
+
+CHILD = """
+import importlib, json, pkgutil, sys
+for package in sys.argv[1:]:
+    module = importlib.import_module(package)
+    if hasattr(module, "__path__"):
+        for info in pkgutil.walk_packages(module.__path__, package + "."):
+            importlib.import_module(info.name)
+print(json.dumps(sorted(sys.modules)))
+"""
+
+# What a layer's modules may load, by prefix (its own and lower layers, the leaves).
+MAY_LOAD = {
+    "dynvm.vm": ("dynvm.vm", "dynvm._env", "dynvm.telemetry"),
+    "dynvm.shape_cluster": ("dynvm.vm", "dynvm.shape_cluster", "dynvm._env",
+                            "dynvm.telemetry"),
+    "dynvm.arena": ("dynvm.vm", "dynvm.arena", "dynvm._env", "dynvm.telemetry"),
+    "dynvm.jit": ("dynvm.vm", "dynvm.shape_cluster", "dynvm.arena", "dynvm.jit",
+                  "dynvm._env", "dynvm.telemetry"),
+    "dynvm._env dynvm.telemetry": ("dynvm.vm", "dynvm._env", "dynvm.telemetry"),
+}
+NEVER_BELOW_CLUSTER = ("ray", "redis", "opentelemetry.sdk")
+
+
+def loaded_by(packages: str) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", CHILD, *packages.split()],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def _under(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+@pytest.mark.parametrize("packages", sorted(MAY_LOAD))
+def test_importing_a_layer_loads_nothing_above_it(packages):
+    loaded = loaded_by(packages)
+    assert packages.split()[0] in loaded
+    ours = [m for m in loaded if _under(m, ("dynvm",)) and m != "dynvm"]
+    above = [m for m in ours if not _under(m, MAY_LOAD[packages])]
+    assert not above, f"importing {packages} loaded {above}"
+    heavy = [m for m in loaded if _under(m, NEVER_BELOW_CLUSTER)]
+    assert not heavy, f"importing {packages} loaded {heavy[:10]}"
+
+
+def test_the_top_package_resolves_its_api_on_first_use():
+    loaded = json.loads(subprocess.run(
+        [sys.executable, "-c", "import json, sys, dynvm; before = sorted(sys.modules); "
+         "dynvm.Runtime; print(json.dumps([before, sorted(sys.modules), dynvm.__version__]))"],
+        capture_output=True, text=True, timeout=300, cwd=REPO, check=True).stdout)
+    before, after, version = loaded
+    assert [m for m in before if m.startswith("dynvm")] == ["dynvm"]
+    assert "dynvm._runtime" in after and "dynvm.jit.engine" in after
+    expected = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert version == expected
