@@ -12,9 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from dynvm.jit.ir import SpecOp, Var
-from dynvm.vm.opcodes import OPCODES
+from dynvm.vm.opcodes import ALL_OPS
 
-_ALIASING = {"MOVE", "RESHAPE_IF"}  # may return their operand itself
+# Ops whose result may share operand 0's storage: views, and those that may return
+# operand 0 itself (MOVE, RESHAPE_IF), from the opcode table.
+_SHARES_STORAGE = frozenset(spec.name for spec in ALL_OPS
+                            if spec.is_view or spec.returns_operand)
 
 
 def flat_values(args: Iterable) -> Iterator:
@@ -27,8 +30,7 @@ def flat_values(args: Iterable) -> Iterator:
 
 
 def shares_operand_storage(op: SpecOp) -> bool:
-    return op.variant == "inplace" or op.opcode in _ALIASING or (
-        op.opcode in OPCODES and OPCODES[op.opcode].is_view)
+    return op.variant == "inplace" or op.opcode in _SHARES_STORAGE
 
 
 def storage_roots(ops: list[SpecOp]) -> tuple[dict[int, int], set[int]]:

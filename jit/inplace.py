@@ -13,8 +13,12 @@ An operand may be overwritten only when all of these hold:
   the caller's tensor or another region's value, and never a view of anything);
 - this operation is its last use, and no view of it is used later (views share storage);
 - it is not a live-out of the region;
-- the result has exactly its shape and dtype (no broadcasting up, no type promotion),
-  which needs the concrete shapes: a rewrite here makes the specialization strong-guarded.
+- the result has exactly its shape, dtype and strides (no broadcasting up, no type
+  promotion, no other layout: an elementwise result takes the layout of its operands,
+  e.g. RoPE's `q * cos + rotate_half(q) * sin` comes out in q's transposed layout, and
+  written over the contiguous `rotate_half` product it would not; the attention after
+  it then picked a kernel with another output layout and a later `view` failed), which
+  needs the concrete shapes: a rewrite here makes the specialization strong-guarded.
 Commutative operations (ADD, MUL) may overwrite either operand.
 """
 
@@ -24,23 +28,11 @@ import torch
 
 from dynvm.jit.aliasing import last_use_of_roots, storage_roots
 from dynvm.jit.ir import SpecOp, Var
+from dynvm.vm.opcodes import ALL_OPS
 
-_nn = torch._C._nn
-
-# opcode -> in-place callable taking the same operands.
-INPLACE = {
-    "ADD": torch.Tensor.add_, "SUB": torch.Tensor.sub_, "MUL": torch.Tensor.mul_,
-    "DIV": torch.Tensor.div_, "POW": torch.Tensor.pow_,
-    "RELU": torch.Tensor.relu_, "SIGMOID": torch.Tensor.sigmoid_, "TANH": torch.Tensor.tanh_,
-    "EXP": torch.Tensor.exp_, "LOG": torch.Tensor.log_, "SQRT": torch.Tensor.sqrt_,
-    "RSQRT": torch.Tensor.rsqrt_, "NEG": torch.Tensor.neg_, "ABS": torch.Tensor.abs_,
-    "ERF": torch.Tensor.erf_, "RECIPROCAL": torch.Tensor.reciprocal_,
-    "SIN": torch.Tensor.sin_, "COS": torch.Tensor.cos_, "ROUND": torch.Tensor.round_,
-    "FLOOR": torch.Tensor.floor_, "CEIL": torch.Tensor.ceil_, "SILU": _nn.silu_,
-    "GELU": lambda x, approximate: _nn.gelu_(x, approximate=approximate),
-    "CLAMP": torch.Tensor.clamp_, "MASKED_FILL": torch.Tensor.masked_fill_,
-}
-_COMMUTATIVE = {"ADD", "MUL"}
+# opcode -> in-place callable taking the same operands (the opcode table's `inplace`).
+INPLACE = {spec.name: spec.inplace for spec in ALL_OPS if spec.inplace is not None}
+_COMMUTATIVE = frozenset(spec.name for spec in ALL_OPS if spec.commutative)
 
 
 def reuse_dying_buffers(ops: list[SpecOp], probes: list[dict[int, object]],
@@ -62,7 +54,12 @@ def _fits(probe: dict[int, object], operand_reg: int, result_reg: int) -> bool:
     operand, result = probe.get(operand_reg), probe.get(result_reg)
     return (isinstance(operand, torch.Tensor) and isinstance(result, torch.Tensor)
             and operand.shape == result.shape and operand.dtype == result.dtype
-            and operand.is_contiguous())
+            and operand.is_contiguous() and _strides(operand) == _strides(result))
+
+
+def _strides(t: torch.Tensor) -> tuple:
+    # Strides of the dims with more than one element: only those place elements.
+    return tuple(s if n > 1 else None for n, s in zip(t.shape, t.stride()))
 
 
 def _try_inplace(position, op, probes, owned, base, last_use_of_base) -> SpecOp:

@@ -204,7 +204,7 @@ class _Rewriter:
         if reg in self.region.live_out:
             return True
         for instr in self.program.code[pc + 1:self.region.stop]:
-            aliasing = instr.spec.is_view or instr.op in ("MOVE", "RESHAPE_IF")
+            aliasing = instr.spec.is_view or instr.spec.returns_operand
             if aliasing and reg in instr.reads():
                 return True
         return False

@@ -7,9 +7,14 @@ that must agree on an opcode is derived from that declaration:
 - the shape functions (`shape_fn`, see Note [Shape functions]),
 - the verifier (operand kinds `args`, result kinds `outs`),
 - the text assembler and disassembler and the msgpack serializer (operand kinds),
-- the frontend's lowering (`aten`: the ATen overloads the opcode stands for).
+- the frontend's lowering (`aten`: the ATen overloads the opcode stands for),
+- the backends' per-op properties: the in-place form (`inplace`), the `out=` form
+  (`out`), the formula a generated elementwise kernel computes (`pointwise`), and the
+  alias facts (`is_view`: read from the ATen schema; `returns_operand`; `commutative`).
+  They hold plain callables and data, so the VM imports nothing of the JIT.
 
-tests/vm/test_isa_table.py checks that every opcode has every entry.
+tests/vm/test_isa_table.py checks that every opcode has every entry, and every field
+against real execution.
 
 Note [Shape functions]
 ~~~~~~~~~~~~~~~~~~~~~~
@@ -21,7 +26,9 @@ not restate them); device operands are replaced by "meta" for it, as the interpr
 replaces them by the runtime's device. An opcode whose result depends on tensor *data*
 (ITEM, the condition of a branch) declares `data_dependent=True`; its shape function
 returns `None` for the unknown value, and the JIT treats it as the end of what it can
-fold.
+fold. Tensor ops whose result *size* depends on data (NONZERO, ...) do the same; INDEX,
+data-dependent only with a boolean mask, returns None only then (Note [Data-dependent
+sizes] in dynvm.vm.ops_index).
 """
 
 from __future__ import annotations
@@ -58,6 +65,35 @@ class Outs(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class OutForm:
+    """An op's `out=` form, for results planned into an arena (Note [Arena layout])."""
+
+    fn: Callable
+    """(the opcode's operands..., out, scratch...) -> the result, written into `out`."""
+    scratch: Callable | None = None
+    """abstract operands -> the abstract scratch tensors `fn` also writes (layer norm's
+    mean and rstd), or None when it needs none."""
+    accepts: Callable | None = None
+    """abstract operands -> whether this form applies to them (None: always)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pointwise:
+    """How a generated elementwise kernel computes the op in registers (fp32, Triton).
+
+    `formula` is a template over the value operands (`{x}` for one, `{a}`, `{b}` for
+    two) giving the result, or a callable `(dst, operands, mode) -> lines` for a formula
+    that needs temporaries or depends on a mode operand."""
+
+    arity: int
+    """How many leading operands are values (the rest is at most one mode literal)."""
+    formula: str | Callable
+    modes: tuple[str, ...] = ()
+    """The accepted values of the mode operand after the values (GELU's approximation);
+    empty for ops without one."""
+
+
+@dataclass(frozen=True, slots=True)
 class OpSpec:
     """One opcode of the ISA. See the module docstring for who reads which field."""
 
@@ -70,8 +106,21 @@ class OpSpec:
     flow: Flow = Flow.NEXT
     aten: tuple = ()
     is_view: bool = False
+    """The result shares operand 0's storage (from the ATen schema's alias info)."""
+    returns_operand: bool = False
+    """The result may be operand 0 itself (MOVE; RESHAPE_IF when no reshape is needed)."""
     data_dependent: bool = False
     custom_shape_fn: Callable | None = field(default=None, repr=False)
+    inplace: Callable | None = field(default=None, repr=False)
+    """Same operands, result written over operand 0 (Note [In-place reuse]); only for
+    ops whose result may have operand 0's shape and dtype."""
+    commutative: bool = False
+    """Operands 0 and 1 may be swapped without changing the result."""
+    out: OutForm | None = field(default=None, repr=False)
+    pointwise: Pointwise | None = field(default=None, repr=False)
+    lower_operands: Callable | None = field(default=None, repr=False)
+    """The ATen schema's argument values -> this opcode's operand values, for an opcode
+    whose operands are not the schema's arguments in order (INDEX's `Tensor?[]`)."""
 
     @property
     def shape_fn(self) -> Callable:

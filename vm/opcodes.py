@@ -8,6 +8,9 @@ from types import MappingProxyType
 
 from dynvm.vm.isa import OpSpec
 from dynvm.vm.ops_control import CONTROL_OPS
+from dynvm.vm.ops_elementwise import ELEMENTWISE_OPS
+from dynvm.vm.ops_index import INDEX_OPS
+from dynvm.vm.ops_nn import NN_OPS
 from dynvm.vm.ops_shape import SHAPE_OPS
 from dynvm.vm.ops_tensor import TENSOR_OPS
 
@@ -32,7 +35,8 @@ def _by_source(specs: tuple[OpSpec, ...]) -> MappingProxyType:
     return MappingProxyType(table)
 
 
-ALL_OPS: tuple[OpSpec, ...] = TENSOR_OPS + SHAPE_OPS + CONTROL_OPS
+ALL_OPS: tuple[OpSpec, ...] = (TENSOR_OPS + ELEMENTWISE_OPS + NN_OPS + INDEX_OPS + SHAPE_OPS
+                               + CONTROL_OPS)
 OPCODES = _by_name(ALL_OPS)
 """name -> OpSpec for every opcode."""
 BY_SOURCE = _by_source(ALL_OPS)

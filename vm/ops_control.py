@@ -20,7 +20,7 @@ CONTROL_OPS: tuple[OpSpec, ...] = (
        "continue at the label if the condition (bool, or one-element tensor) is false",
        flow=Flow.BRANCH_IF_FALSE),
     op("MOVE", OpClass.CONTROL, "A", "A", "copy a register (merges of branches and loops)",
-       impl=_identity, custom_shape_fn=_identity),
+       impl=_identity, custom_shape_fn=_identity, returns_operand=True),
     op("RETURN", OpClass.CONTROL, "TL", "", "end the program; the list holds the outputs",
        flow=Flow.RETURN),
 )

@@ -39,6 +39,10 @@ def _dim(x, index):
     return x.shape[index]
 
 
+def _stride(x, index):
+    return x.stride(index)
+
+
 def _shape_of(x):
     return intern_shape(x.shape)
 
@@ -103,6 +107,9 @@ SHAPE_OPS: tuple[OpSpec, ...] = (
            aten=(aten.sym_size.int,)),
     _shape("NUMEL", "T", "S", "element count of a tensor", torch.Tensor.numel,
            aten=(aten.sym_numel.default,)),
+    _shape("STRIDE", "T,K", "S", "one dim's stride", _stride, aten=(aten.sym_stride.int,)),
+    _shape("STORAGE_OFFSET", "T", "S", "a tensor's offset in its storage, in elements",
+           torch.Tensor.storage_offset, aten=(aten.sym_storage_offset.default,)),
     _scalar_binary("SADD", operator.add, operator.add),
     _scalar_binary("SSUB", operator.sub, operator.sub),
     _scalar_binary("SMUL", operator.mul, operator.mul),
@@ -131,7 +138,7 @@ SHAPE_OPS: tuple[OpSpec, ...] = (
     _shape("SHAPE_GUARD", "T,K", "S",
            "true if the shape matches a pattern (-1 matches any dim)", _shape_guard),
     _shape("RESHAPE_IF", "T,L", "T", "reshape, or the tensor itself if already that shape",
-           _reshape_if, aten=(aten.reshape.default,)),
+           _reshape_if, aten=(aten.reshape.default,), returns_operand=True),
     _shape("ITEM", "T", "S", "the value of a one-element tensor (data-dependent)", _item,
            aten=(aten._local_scalar_dense.default, aten.item.default), data_dependent=True),
 )

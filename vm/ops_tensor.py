@@ -1,11 +1,7 @@
-"""Tensor instructions: one opcode per ATen operator the frontend keeps.
+"""Tensor instructions: matrix products, reductions, views, copies and creation.
 
-Operands follow the ATen schema's argument order (keyword-only arguments included), cut
-after the last argument the opcode carries; the frontend checks that every argument past
-the cut has its default value. `impl` is the fastest Python entry to the same kernel
-(a method or `torch._C` binding, not the `torch.ops` overload, which costs about 1 us more
-per call); where no such entry takes the arguments positionally, `_aten_call` adapts the
-ATen overload itself.
+The other families live next door (`ops_elementwise`, `ops_nn`, `ops_index`); how an
+entry is declared, and what its operands are, is in `dynvm.vm.ops_common`.
 """
 
 from __future__ import annotations
@@ -13,54 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dynvm.vm.isa import OpClass, OpSpec, op
+from dynvm.vm.isa import OpSpec, OutForm
+from dynvm.vm.ops_common import factory, tensor_op
 
 aten = torch.ops.aten
-
-
-def _aten_call(overload, n_args: int):
-    """Call `overload` with its first `n_args` schema arguments given positionally."""
-    schema_args = overload._schema.arguments[:n_args]
-    n_positional = sum(1 for a in schema_args if not a.kwarg_only)
-    kw_names = tuple(a.name for a in schema_args[n_positional:])
-    if not kw_names:
-        return overload
-
-    def call(*args):
-        return overload(*args[:n_positional], **dict(zip(kw_names, args[n_positional:])))
-
-    call.__name__ = f"aten_{overload.__name__.replace('.', '_')}"
-    return call
-
-
-def _factory(fn):
-    """A factory op (`fn(*positional, dtype, layout, device)`) through torch's own binding:
-    the same ATen op as the overload, a third of its call cost (the overload parses its
-    keyword arguments against the schema in Python on every call)."""
-
-    def call(*args):
-        *positional, dtype, layout, device = args
-        return fn(*positional, dtype=dtype, layout=layout, device=device)
-
-    call.__name__ = fn.__name__
-    return call
-
-
-def _tensor(name: str, overloads: tuple, args: str, doc: str, impl=None, outs: str = "T",
-            **fields) -> OpSpec:
-    n_args = len(args.split(",")) if args else 0
-    return op(name, OpClass.TENSOR, args, outs, doc,
-              impl=impl if impl is not None else _aten_call(overloads[0], n_args),
-              aten=overloads, **fields)
-
-
-def _elementwise_binary(name: str, fn, *overloads) -> OpSpec:
-    return _tensor(name, overloads, "A,A", f"elementwise {name.lower()} with broadcasting",
-                   impl=fn)
-
-
-def _elementwise_unary(name: str, fn, overload) -> OpSpec:
-    return _tensor(name, (overload,), "T", f"elementwise {name.lower()}", impl=fn)
+_nn = torch._C._nn
 
 
 def _sdpa(q, k, v, mask, dropout_p, is_causal, scale):
@@ -68,17 +21,29 @@ def _sdpa(q, k, v, mask, dropout_p, is_causal, scale):
 
 
 def _sdpa_abstract(q, k, v, mask, dropout_p, is_causal, scale):
-    # The output's strides depend on which kernel runs: the CPU flash kernel (no mask, no
-    # dropout) returns it in the layout of its inputs, the math kernel contiguous. Views
-    # downstream rely on those strides, so the shape function asks the same kernel.
-    if mask is None and dropout_p == 0.0 and q.dim() == 4:
+    # The output's strides depend on which kernel runs: the CPU flash kernel returns it in
+    # the layout of its query (a [B, L, H, E] projection transposed to [B, H, L, E] comes
+    # out that way), the math kernel contiguous. Views downstream rely on those strides
+    # (Llama, Qwen2, T5: a masked SDPA, then transpose and view), so the shape function
+    # asks torch's own kernel choice. It reads only metadata, but on meta tensors it
+    # always answers "math", so it is asked about CPU stand-ins of the operands (never
+    # written, never read). A CUDA runtime chooses among other kernels: not modelled.
+    if q.device.type == "meta" and q.dim() == 4 and _cpu_sdp_choice(
+            q, k, v, mask, dropout_p, is_causal, scale) == _FLASH:
         return aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, dropout_p, is_causal, scale=scale)[0]
+            q, k, v, dropout_p, is_causal, attn_mask=mask, scale=scale)[0]
     return _sdpa(q, k, v, mask, dropout_p, is_causal, scale)
 
 
-def _gelu(x, approximate):
-    return torch._C._nn.gelu(x, approximate=approximate)
+_FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+
+
+def _cpu_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale) -> int:
+    def cpu(t):
+        return None if t is None else torch.empty_strided(t.shape, t.stride(),
+                                                          dtype=t.dtype)
+    return torch._fused_sdp_choice(cpu(q), cpu(k), cpu(v), cpu(mask), dropout_p, is_causal,
+                                   scale=scale)
 
 
 def _clone(x, memory_format):
@@ -89,157 +54,188 @@ def _expand(x, size):
     return x.expand(size)
 
 
-def _index_add(x, dim, index, source):
-    return torch.index_add(x, dim, index, source)
+def _sum(x, dim, keepdim, dtype):
+    return torch.sum(x, dim, keepdim, dtype=dtype)
 
 
-def _embedding(weight, indices, padding_idx):
-    return torch.embedding(weight, indices, padding_idx)
+def _sum_all(x, dtype):
+    return torch.sum(x, dtype=dtype)
+
+
+def _mean(x, dim, keepdim, dtype):
+    return torch.mean(x, dim, keepdim, dtype=dtype)
+
+
+def _mean_all(x, dtype):
+    return torch.mean(x, dtype=dtype)
+
+
+def _prod_all(x, dtype):
+    return torch.prod(x, dtype=dtype)
+
+
+def _prod(x, dim, keepdim, dtype):
+    return torch.prod(x, dim, keepdim, dtype=dtype)
+
+
+def _var(x, dim, correction, keepdim):
+    return torch.var(x, dim, correction=correction, keepdim=keepdim)
+
+
+def _vector_norm(x, order, dim, keepdim, dtype):
+    return torch._C._linalg.linalg_vector_norm(x, order, dim, keepdim, dtype=dtype)
+
+
+def _cumprod(x, dim, dtype):
+    return torch.cumprod(x, dim, dtype=dtype)
+
+
+def _sum_out(x, dims, keepdim, dtype, out):
+    return torch.sum(x, dims, keepdim, dtype=dtype, out=out)
+
+
+def _mean_out(x, dims, keepdim, dtype, out):
+    return torch.mean(x, dims, keepdim, dtype=dtype, out=out)
+
+
+def _with_dims(x, dims, keepdim, dtype):
+    return dims is not None
+
+
+def _linear_out(x, w, b, out):
+    return _nn.linear(x, w, b, out=out)
+
+
+def _addmm_out(bias, a, b, out):
+    return torch.addmm(bias, a, b, out=out)
+
+
+def _matrix_out(fn):
+    return OutForm(lambda a, b, out: fn(a, b, out=out))
+
+
+def _cat_out(tensors, dim, out):
+    return torch.cat(tensors, dim, out=out)
+
+
+def _zeros_out(size, dtype, layout, device, out):
+    return torch.zeros(size, out=out)
+
+
+def _full_out(size, value, dtype, layout, device, out):
+    return torch.full(size, value, out=out)
 
 
 TENSOR_OPS: tuple[OpSpec, ...] = (
     # -- matrix products ------------------------------------------------------------
-    _tensor("LINEAR", (aten.linear.default,), "T,T,T?", "x @ w.T + b",
-            impl=torch._C._nn.linear),
-    _tensor("MATMUL", (aten.matmul.default,), "T,T", "batched matrix product (broadcasting)",
-            impl=torch.matmul),
-    _tensor("MM", (aten.mm.default,), "T,T", "2-D matrix product", impl=torch.mm),
-    _tensor("BMM", (aten.bmm.default,), "T,T", "3-D batched matrix product", impl=torch.bmm),
-    _tensor("ADDMM", (aten.addmm.default,), "T,T,T", "bias + a @ b", impl=torch.addmm),
-    _tensor("SDPA", (aten.scaled_dot_product_attention.default,), "T,T,T,T?,S,K,K",
-            "softmax(q @ k.T * scale + mask) @ v", impl=_sdpa,
-            custom_shape_fn=_sdpa_abstract),
-    # -- normalisation and activations ---------------------------------------------------
-    _tensor("LAYER_NORM", (aten.layer_norm.default,), "T,L,T?,T?,S,K",
-            "layer norm over the trailing dims", impl=torch.layer_norm),
-    _tensor("SOFTMAX", (aten.softmax.int,), "T,S,K", "softmax along a dim",
-            impl=torch.softmax),
-    _tensor("SOFTMAX_", (aten._softmax.default,), "T,S,K", "softmax (core ATen form)",
-            impl=torch._softmax),
-    _tensor("LOG_SOFTMAX", (aten.log_softmax.int,), "T,S,K", "log-softmax along a dim",
-            impl=torch.log_softmax),
-    _tensor("LOG_SOFTMAX_", (aten._log_softmax.default,), "T,S,K",
-            "log-softmax (core ATen form)", impl=torch._log_softmax),
-    _tensor("GELU", (aten.gelu.default,), "T,K", "GELU ('none' or 'tanh')", impl=_gelu),
-    _elementwise_unary("RELU", torch.relu, aten.relu.default),
-    _elementwise_unary("SILU", torch._C._nn.silu, aten.silu.default),
-    _elementwise_unary("SIGMOID", torch.sigmoid, aten.sigmoid.default),
-    _elementwise_unary("TANH", torch.tanh, aten.tanh.default),
-    _elementwise_unary("EXP", torch.exp, aten.exp.default),
-    _elementwise_unary("LOG", torch.log, aten.log.default),
-    _elementwise_unary("SQRT", torch.sqrt, aten.sqrt.default),
-    _elementwise_unary("RSQRT", torch.rsqrt, aten.rsqrt.default),
-    _elementwise_unary("NEG", torch.neg, aten.neg.default),
-    _elementwise_unary("ABS", torch.abs, aten.abs.default),
-    _elementwise_unary("ERF", torch.erf, aten.erf.default),
-    _elementwise_unary("RECIPROCAL", torch.reciprocal, aten.reciprocal.default),
-    _elementwise_unary("SIN", torch.sin, aten.sin.default),
-    _elementwise_unary("COS", torch.cos, aten.cos.default),
-    _elementwise_unary("ROUND", torch.round, aten.round.default),
-    _elementwise_unary("FLOOR", torch.floor, aten.floor.default),
-    _elementwise_unary("CEIL", torch.ceil, aten.ceil.default),
-    _elementwise_unary("LOGICAL_NOT", torch.logical_not, aten.logical_not.default),
-    _tensor("CLAMP", (aten.clamp.default,), "T,S?,S?", "clamp to [min, max]",
-            impl=torch.clamp),
-    # -- elementwise binary (ALPHA != 1 is lowered to a MUL first) -----------------------
-    _elementwise_binary("ADD", torch.add, aten.add.Tensor, aten.add.Scalar),
-    _elementwise_binary("SUB", torch.sub, aten.sub.Tensor, aten.sub.Scalar),
-    _elementwise_binary("MUL", torch.mul, aten.mul.Tensor, aten.mul.Scalar),
-    _elementwise_binary("DIV", torch.div, aten.div.Tensor, aten.div.Scalar),
-    _elementwise_binary("POW", torch.pow, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor),
-    _elementwise_binary("MAXIMUM", torch.maximum, aten.maximum.default),
-    _elementwise_binary("MINIMUM", torch.minimum, aten.minimum.default),
-    _elementwise_binary("EQ", torch.eq, aten.eq.Tensor, aten.eq.Scalar),
-    _elementwise_binary("NE", torch.ne, aten.ne.Tensor, aten.ne.Scalar),
-    _elementwise_binary("LT", torch.lt, aten.lt.Tensor, aten.lt.Scalar),
-    _elementwise_binary("LE", torch.le, aten.le.Tensor, aten.le.Scalar),
-    _elementwise_binary("GT", torch.gt, aten.gt.Tensor, aten.gt.Scalar),
-    _elementwise_binary("GE", torch.ge, aten.ge.Tensor, aten.ge.Scalar),
-    _elementwise_binary("LOGICAL_AND", torch.logical_and, aten.logical_and.default),
-    _elementwise_binary("LOGICAL_OR", torch.logical_or, aten.logical_or.default),
-    _tensor("DIV_MODE", (aten.div.Tensor_mode, aten.div.Scalar_mode), "A,A,K",
-            "division with rounding mode 'trunc' or 'floor'"),
-    _tensor("WHERE", (aten.where.self,), "T,A,A", "cond ? a : b", impl=torch.where),
-    _tensor("MASKED_FILL", (aten.masked_fill.Scalar,), "T,T,S", "fill where mask is true",
-            impl=torch.masked_fill),
+    tensor_op("LINEAR", aten.linear.default, "x @ w.T + b", impl=_nn.linear,
+              out=OutForm(_linear_out)),
+    tensor_op("MATMUL", aten.matmul.default, "batched matrix product (broadcasting)",
+              impl=torch.matmul, out=_matrix_out(torch.matmul)),
+    tensor_op("MM", aten.mm.default, "2-D matrix product", impl=torch.mm,
+              out=_matrix_out(torch.mm)),
+    tensor_op("BMM", aten.bmm.default, "3-D batched matrix product", impl=torch.bmm,
+              out=_matrix_out(torch.bmm)),
+    tensor_op("ADDMM", aten.addmm.default, "bias + a @ b", args="T,T,T", impl=torch.addmm,
+              out=OutForm(_addmm_out)),
+    tensor_op("SDPA", aten.scaled_dot_product_attention.default,
+              "softmax(q @ k.T * scale + mask) @ v", args="T,T,T,T?,S,K,K", impl=_sdpa,
+              custom_shape_fn=_sdpa_abstract),
     # -- reductions --------------------------------------------------------------------
-    _tensor("SUM", (aten.sum.dim_IntList,), "T,L?,K,K", "sum over dims",
-            impl=lambda x, dim, keepdim, dtype: torch.sum(x, dim, keepdim, dtype=dtype)),
-    _tensor("SUM_ALL", (aten.sum.default,), "T,K", "sum of all elements",
-            impl=lambda x, dtype: torch.sum(x, dtype=dtype)),
-    _tensor("MEAN", (aten.mean.dim,), "T,L?,K,K", "mean over dims",
-            impl=lambda x, dim, keepdim, dtype: torch.mean(x, dim, keepdim, dtype=dtype)),
-    _tensor("MEAN_ALL", (aten.mean.default,), "T,K", "mean of all elements",
-            impl=lambda x, dtype: torch.mean(x, dtype=dtype)),
-    _tensor("AMAX", (aten.amax.default,), "T,L,K", "max over dims", impl=torch.amax),
-    _tensor("AMIN", (aten.amin.default,), "T,L,K", "min over dims", impl=torch.amin),
-    _tensor("ARGMAX", (aten.argmax.default,), "T,S?,K", "index of the max",
-            impl=torch.argmax),
-    _tensor("CUMSUM", (aten.cumsum.default,), "T,S,K", "cumulative sum along a dim"),
+    tensor_op("SUM", aten.sum.dim_IntList, "sum over dims", impl=_sum,
+              out=OutForm(_sum_out, accepts=_with_dims)),
+    tensor_op("SUM_ALL", aten.sum.default, "sum of all elements", impl=_sum_all),
+    tensor_op("MEAN", aten.mean.dim, "mean over dims", impl=_mean,
+              out=OutForm(_mean_out, accepts=_with_dims)),
+    tensor_op("MEAN_ALL", aten.mean.default, "mean of all elements", impl=_mean_all),
+    tensor_op("AMAX", aten.amax.default, "max over dims", impl=torch.amax),
+    tensor_op("AMIN", aten.amin.default, "min over dims", impl=torch.amin),
+    tensor_op("ARGMAX", aten.argmax.default, "index of the max", impl=torch.argmax),
+    tensor_op("ARGMIN", aten.argmin.default, "index of the min", impl=torch.argmin),
+    tensor_op("MAX_DIM", aten.max.dim, "max along a dim, with its index", impl=torch.max),
+    tensor_op("MIN_DIM", aten.min.dim, "min along a dim, with its index", impl=torch.min),
+    tensor_op("ANY", aten.any.default, "whether any element is true", impl=torch.any),
+    tensor_op("ANY_DIM", aten.any.dim, "whether any is true along a dim", impl=torch.any),
+    tensor_op("ANY_DIMS", aten.any.dims, "whether any is true over dims", impl=torch.any),
+    tensor_op("PROD_ALL", aten.prod.default, "product of all elements", impl=_prod_all),
+    tensor_op("PROD", aten.prod.dim_int, "product along a dim", impl=_prod),
+    tensor_op("VAR", aten.var.correction, "variance over dims with a correction",
+              impl=_var),
+    tensor_op("VECTOR_NORM", aten.linalg_vector_norm.default, "vector p-norm over dims",
+              impl=_vector_norm),
+    tensor_op("CUMSUM", aten.cumsum.default, "cumulative sum along a dim"),
+    tensor_op("CUMPROD", aten.cumprod.default, "cumulative product along a dim",
+              impl=_cumprod),
     # -- views (no data movement) ----------------------------------------------------
-    _tensor("VIEW", (aten.view.default, aten._unsafe_view.default), "T,L",
-            "view with a new shape", impl=torch.Tensor.view, is_view=True),
-    _tensor("PERMUTE", (aten.permute.default,), "T,L", "reorder dims", impl=torch.permute,
-            is_view=True),
-    _tensor("TRANSPOSE", (aten.transpose.int,), "T,S,S", "swap two dims",
-            impl=torch.transpose, is_view=True),
-    _tensor("T", (aten.t.default,), "T", "transpose a 2-D tensor", impl=torch.t,
-            is_view=True),
-    _tensor("UNSQUEEZE", (aten.unsqueeze.default,), "T,S", "insert a dim of size 1",
-            impl=torch.unsqueeze, is_view=True),
-    _tensor("SQUEEZE", (aten.squeeze.dim,), "T,S", "drop a dim of size 1",
-            impl=torch.squeeze, is_view=True),
-    _tensor("SQUEEZE_DIMS", (aten.squeeze.dims,), "T,L", "drop dims of size 1",
-            impl=torch.squeeze, is_view=True),
-    _tensor("EXPAND", (aten.expand.default,), "T,L", "broadcast to a size", impl=_expand,
-            is_view=True),
-    _tensor("SLICE", (aten.slice.Tensor,), "T,S,S?,S?,S", "x[start:end:step] along a dim",
-            is_view=True),
-    _tensor("SELECT", (aten.select.int,), "T,S,S", "x[index] along a dim",
-            impl=torch.select, is_view=True),
-    _tensor("ALIAS", (aten.alias.default,), "T", "a view of the whole tensor",
-            is_view=True),
-    _tensor("SPLIT", (aten.split.Tensor,), "T,S,S", "split into chunks of a size",
-            impl=torch.split, outs="T*", is_view=True),
-    _tensor("SPLIT_WITH_SIZES", (aten.split_with_sizes.default,), "T,L,S",
-            "split into chunks of given sizes", impl=torch.split, outs="T*", is_view=True),
-    _tensor("UNBIND", (aten.unbind.int,), "T,S", "split into slices along a dim",
-            impl=torch.unbind, outs="T*", is_view=True),
+    tensor_op("VIEW", (aten.view.default, aten._unsafe_view.default), "view with a new shape",
+              impl=torch.Tensor.view),
+    tensor_op("PERMUTE", aten.permute.default, "reorder dims", impl=torch.permute),
+    tensor_op("TRANSPOSE", aten.transpose.int, "swap two dims", impl=torch.transpose),
+    tensor_op("T", aten.t.default, "transpose a 2-D tensor", impl=torch.t),
+    tensor_op("UNSQUEEZE", aten.unsqueeze.default, "insert a dim of size 1",
+              impl=torch.unsqueeze),
+    tensor_op("SQUEEZE", aten.squeeze.dim, "drop a dim of size 1", impl=torch.squeeze),
+    tensor_op("SQUEEZE_DIMS", aten.squeeze.dims, "drop dims of size 1", impl=torch.squeeze),
+    tensor_op("EXPAND", aten.expand.default, "broadcast to a size", args="T,L",
+              impl=_expand),
+    tensor_op("SLICE", aten.slice.Tensor, "x[start:end:step] along a dim"),
+    tensor_op("SELECT", aten.select.int, "x[index] along a dim", impl=torch.select),
+    tensor_op("ALIAS", aten.alias.default, "a view of the whole tensor"),
+    tensor_op("AS_STRIDED", aten.as_strided.default, "a view with given sizes and strides",
+              impl=torch.as_strided),
+    tensor_op("DIAGONAL", aten.diagonal.default, "a diagonal of two dims, as a view",
+              impl=torch.diagonal),
+    tensor_op("UNFOLD", aten.unfold.default, "sliding windows along a dim, as a view",
+              impl=torch.Tensor.unfold),
+    tensor_op("SPLIT", aten.split.Tensor, "split into chunks of a size", impl=torch.split),
+    tensor_op("SPLIT_WITH_SIZES", aten.split_with_sizes.default,
+              "split into chunks of given sizes", impl=torch.split),
+    tensor_op("UNBIND", aten.unbind.int, "split into slices along a dim", impl=torch.unbind),
     # -- copies, concatenation ---------------------------------------------------------
-    _tensor("CLONE", (aten.clone.default,), "T,K", "copy (optionally to a memory format)",
-            impl=_clone),
-    _tensor("CAT", (aten.cat.default,), "TL,S", "concatenate along a dim", impl=torch.cat),
-    _tensor("STACK", (aten.stack.default,), "TL,S", "stack along a new dim",
-            impl=torch.stack),
-    _tensor("TO_COPY", (aten._to_copy.default,), "T,K,K,K",
-            "copy to a dtype/layout/device"),
-    # -- indexing ---------------------------------------------------------------------
-    _tensor("EMBEDDING", (aten.embedding.default,), "T,T,S", "rows of a table",
-            impl=_embedding),
-    _tensor("INDEX_SELECT", (aten.index_select.default,), "T,S,T", "gather slices by index",
-            impl=torch.index_select),
-    _tensor("INDEX_ADD", (aten.index_add.default,), "T,S,T,T",
-            "out-of-place x.index_add(dim, index, source)", impl=_index_add),
-    _tensor("SCATTER_ADD", (aten.scatter_add.default,), "T,S,T,T",
-            "out-of-place scatter-add", impl=torch.scatter_add),
-    _tensor("SCATTER_REDUCE", (aten.scatter_reduce.two,), "T,S,T,T,K,K",
-            "out-of-place scatter with a reduction ('sum', 'mean', 'amax', ...)"),
-    _tensor("GATHER", (aten.gather.default,), "T,S,T", "gather along a dim"),
+    tensor_op("CLONE", aten.clone.default, "copy (optionally to a memory format)",
+              impl=_clone),
+    tensor_op("CAT", aten.cat.default, "concatenate along a dim", impl=torch.cat,
+              out=OutForm(_cat_out)),
+    tensor_op("STACK", aten.stack.default, "stack along a new dim", impl=torch.stack),
+    tensor_op("COPY", aten.copy.default, "src's values in self's shape, dtype and device",
+              n_args=2),
+    tensor_op("FLIP", aten.flip.default, "reverse the order along dims", impl=torch.flip),
+    tensor_op("REPEAT", aten.repeat.default, "tile the tensor", impl=torch.Tensor.repeat),
+    tensor_op("SLICE_SCATTER", aten.slice_scatter.default,
+              "a copy of x with a slice replaced by src", impl=torch.slice_scatter),
+    tensor_op("TO_COPY", aten._to_copy.default, "copy to a dtype/layout/device", n_args=4),
+    # -- spectral (complex results stay inside the program) ---------------------------
+    tensor_op("FFT_R2C", aten._fft_r2c.default, "real-to-complex FFT over dims",
+              impl=torch._fft_r2c),
+    tensor_op("FFT_C2R", aten._fft_c2r.default, "complex-to-real inverse FFT over dims",
+              impl=torch._fft_c2r),
     # -- creation (device operands are replaced by the runtime's device) ---------------
-    _tensor("FULL", (aten.full.default,), "L,S,K,K,K", "a tensor filled with a value",
-            impl=_factory(torch.full)),
-    _tensor("ZEROS", (aten.zeros.default,), "L,K,K,K", "a tensor of zeros",
-            impl=_factory(torch.zeros)),
-    _tensor("ONES", (aten.ones.default,), "L,K,K,K", "a tensor of ones",
-            impl=_factory(torch.ones)),
-    _tensor("FULL_LIKE", (aten.full_like.default,), "T,S,K,K,K", "full, shaped like x",
-            impl=_factory(torch.full_like)),
-    _tensor("ZEROS_LIKE", (aten.zeros_like.default,), "T,K,K,K", "zeros, shaped like x",
-            impl=_factory(torch.zeros_like)),
-    _tensor("ONES_LIKE", (aten.ones_like.default,), "T,K,K,K", "ones, shaped like x",
-            impl=_factory(torch.ones_like)),
-    _tensor("ARANGE", (aten.arange.start_step,), "S,S,S,K,K,K", "start, start+step, ...",
-            impl=_factory(torch.arange)),
-    _tensor("SCALAR_TENSOR", (aten.scalar_tensor.default,), "S,K,K,K",
-            "a 0-dim tensor holding a scalar", impl=_factory(torch.scalar_tensor)),
+    tensor_op("FULL", aten.full.default, "a tensor filled with a value", n_args=5,
+              impl=factory(torch.full), out=OutForm(_full_out)),
+    tensor_op("ZEROS", aten.zeros.default, "a tensor of zeros", n_args=4,
+              impl=factory(torch.zeros), out=OutForm(_zeros_out)),
+    tensor_op("ONES", aten.ones.default, "a tensor of ones", n_args=4,
+              impl=factory(torch.ones)),
+    tensor_op("FULL_LIKE", aten.full_like.default, "full, shaped like x", n_args=5,
+              impl=factory(torch.full_like)),
+    tensor_op("ZEROS_LIKE", aten.zeros_like.default, "zeros, shaped like x", n_args=4,
+              impl=factory(torch.zeros_like)),
+    tensor_op("ONES_LIKE", aten.ones_like.default, "ones, shaped like x", n_args=4,
+              impl=factory(torch.ones_like)),
+    tensor_op("ARANGE", aten.arange.start_step, "start, start+step, ...", n_args=6,
+              impl=factory(torch.arange)),
+    tensor_op("SCALAR_TENSOR", aten.scalar_tensor.default, "a 0-dim tensor holding a scalar",
+              n_args=4, impl=factory(torch.scalar_tensor)),
+    tensor_op("EMPTY", aten.empty.memory_format, "an uninitialized tensor", n_args=4,
+              impl=factory(torch.empty)),
+    tensor_op("EMPTY_STRIDED", aten.empty_strided.default,
+              "an uninitialized tensor with given strides", n_args=5,
+              impl=factory(torch.empty_strided)),
+    # Random tensors: a program may draw noise (sampling, diffusion); never folded.
+    tensor_op("RAND", aten.rand.default, "uniform random numbers in [0, 1)", n_args=4,
+              impl=factory(torch.rand)),
+    tensor_op("RANDN", aten.randn.default, "standard normal random numbers", n_args=4,
+              impl=factory(torch.randn)),
+    tensor_op("RANDPERM", aten.randperm.default, "a random permutation of 0..n-1",
+              n_args=4, impl=factory(torch.randperm)),
 )

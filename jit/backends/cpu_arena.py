@@ -6,8 +6,9 @@ A specialization knows (for a family: bounds) the shape of every intermediate, s
 intermediates can live at planned offsets of one buffer instead of each call asking the
 allocator for each of them. Which results go to the arena:
 
-- results of operations that have an `out=` form here (`OUT_KERNELS`), plus the
-  scratch outputs some of them need (layer norm's mean and rstd);
+- results of operations that have an `out=` form (the opcode table's `out` field,
+  gathered in `OUT_KERNELS`), plus the scratch outputs some of them need (layer norm's
+  mean and rstd);
 - never a region output, nor anything a region output views: the caller keeps outputs
   after the call, and the arena is handed to the next call (DESIGN.md, Invariants);
 - not an operation rewritten in place (it writes into its operand's storage already) or
@@ -39,105 +40,12 @@ import torch
 from dynvm.arena import ArenaPlan, Block, plan_arena
 from dynvm.jit.aliasing import last_use_of_roots, storage_roots
 from dynvm.jit.ir import SpecOp
+from dynvm.vm.isa import OutForm
+from dynvm.vm.opcodes import ALL_OPS
 
-aten = torch.ops.aten
-_nn = torch._C._nn
-
-
-def _unary(fn):
-    return lambda x, out: fn(x, out=out)
-
-
-def _binary(fn):
-    return lambda a, b, out: fn(a, b, out=out)
-
-
-def _layer_norm(x, shape, weight, bias, eps, _cudnn, out, mean, rstd):
-    return aten.native_layer_norm.out(x, shape, weight, bias, eps, out0=out, out1=mean,
-                                      out2=rstd)[0]
-
-
-def _softmax(x, dim, dtype, out):
-    return aten._softmax.out(x, dim, False, out=out)
-
-
-def _log_softmax(x, dim, dtype, out):
-    return aten._log_softmax.out(x, dim, False, out=out)
-
-
-def _embedding(weight, indices, _padding_idx, out):
-    rows = torch.index_select(weight, 0, indices.reshape(-1), out=out)
-    return rows.view(*indices.shape, weight.shape[1])
-
-
-def _sum(x, dims, keepdim, dtype, out):
-    return torch.sum(x, dims, keepdim, dtype=dtype, out=out)
-
-
-def _mean(x, dims, keepdim, dtype, out):
-    return torch.mean(x, dims, keepdim, dtype=dtype, out=out)
-
-
-@dataclass(frozen=True)
-class OutKernel:
-    fn: object                      # the opcode's operands..., out, scratch... -> result
-    scratch: object = None          # abstract operands -> abstract scratch tensors
-    accepts: object = None          # abstract operands -> whether this form applies
-
-
-def _layer_norm_scratch(x, shape, weight, bias, eps, _cudnn):
-    # mean and rstd keep the leading dims and a 1 per normalized dim, contiguous, in the
-    # input's dtype for fp32/fp64. Computed here: the meta kernel goes through the
-    # Python decomposition, 5 ms a call, and planning asks once per layer norm.
-    if x.dtype in (torch.float32, torch.float64):
-        stats = (*x.shape[:x.dim() - len(shape)], *(1,) * len(shape))
-        return (torch.empty(stats, dtype=x.dtype, device=x.device),
-                torch.empty(stats, dtype=x.dtype, device=x.device))
-    _, mean, rstd = aten.native_layer_norm(x, shape, weight, bias, eps)
-    return mean, rstd
-
-
-def _no_dtype(x, dim, dtype):
-    return dtype is None
-
-
-def _with_dims(x, dims, keepdim, dtype):
-    return dims is not None
-
-
-OUT_KERNELS: dict[str, OutKernel] = {
-    "LINEAR": OutKernel(lambda x, w, b, out: _nn.linear(x, w, b, out=out)),
-    "MATMUL": OutKernel(_binary(torch.matmul)),
-    "MM": OutKernel(_binary(torch.mm)),
-    "BMM": OutKernel(_binary(torch.bmm)),
-    "ADDMM": OutKernel(lambda bias, a, b, out: torch.addmm(bias, a, b, out=out)),
-    "GELU": OutKernel(lambda x, approximate, out: _nn.gelu(x, approximate=approximate,
-                                                            out=out)),
-    "SILU": OutKernel(_unary(_nn.silu)),
-    "RELU": OutKernel(lambda x, out: torch.clamp_min(x, 0, out=out)),
-    **{name: OutKernel(_binary(fn)) for name, fn in (
-        ("ADD", torch.add), ("SUB", torch.sub), ("MUL", torch.mul), ("DIV", torch.div),
-        ("MAXIMUM", torch.maximum), ("MINIMUM", torch.minimum), ("POW", torch.pow))},
-    **{name: OutKernel(_unary(fn)) for name, fn in (
-        ("SIGMOID", torch.sigmoid), ("TANH", torch.tanh), ("EXP", torch.exp),
-        ("LOG", torch.log), ("SQRT", torch.sqrt), ("RSQRT", torch.rsqrt),
-        ("NEG", torch.neg), ("ABS", torch.abs), ("ERF", torch.erf),
-        ("RECIPROCAL", torch.reciprocal), ("SIN", torch.sin), ("COS", torch.cos))},
-    "LAYER_NORM": OutKernel(_layer_norm, scratch=_layer_norm_scratch),
-    "SOFTMAX": OutKernel(_softmax, accepts=_no_dtype),
-    "LOG_SOFTMAX": OutKernel(_log_softmax, accepts=_no_dtype),
-    "CAT": OutKernel(lambda tensors, dim, out: torch.cat(tensors, dim, out=out)),
-    "INDEX_SELECT": OutKernel(lambda x, dim, index, out: torch.index_select(x, dim, index,
-                                                                           out=out)),
-    "EMBEDDING": OutKernel(_embedding),
-    "SUM": OutKernel(_sum, accepts=_with_dims),
-    "MEAN": OutKernel(_mean, accepts=_with_dims),
-    "INDEX_ADD": OutKernel(lambda x, dim, index, source, out: torch.index_add(
-        x, dim, index, source, out=out)),
-    "ZEROS": OutKernel(lambda size, dtype, layout, device, out: torch.zeros(size, out=out)),
-    "FULL": OutKernel(lambda size, value, dtype, layout, device, out: torch.full(
-        size, value, out=out)),
-}
+# opcode -> its out= form (the opcode table's `out`: fn, scratch, accepts).
+OUT_KERNELS: dict[str, OutForm] = {spec.name: spec.out for spec in ALL_OPS
+                                   if spec.out is not None}
 
 
 @dataclass(frozen=True)
@@ -196,7 +104,10 @@ def _planned_tensors(op, kernel, probes, operand_values):
         if kernel.accepts is not None and not kernel.accepts(*operands):
             return None
         result = probe.get(op.dsts[0])
-        if not isinstance(result, torch.Tensor):
+        # An out tensor over the arena is contiguous; a result the kernel would lay out
+        # otherwise (an elementwise op over transposed operands keeps their layout)
+        # must keep its own layout: later views and kernel choices depend on it.
+        if not isinstance(result, torch.Tensor) or not result.is_contiguous():
             return None
         tensors = [result]
         if kernel.scratch is not None:

@@ -11,6 +11,7 @@ from dynvm.vm.instr import Instr
 from dynvm.vm.isa import Flow, OpClass, Outs
 from dynvm.vm.opcodes import ALL_OPS, BY_SOURCE, OPCODES
 from dynvm.vm.operands import ArgKind, Const, Imm, IntList, Label, Reg, RegList
+from dynvm.vm.ops_common import aten_call
 from dynvm.vm.serialize import decode_instr, encode_instr, pack, unpack
 
 f32 = torch.float32
@@ -42,7 +43,7 @@ EXAMPLES = {
     "GELU": lambda: (rand(3, 4), "tanh"),
     "CLAMP": lambda: (rand(3, 4), -0.5, 0.5),
     "DIV_MODE": lambda: (rand(3, 4), 2.0, "floor"),
-    "WHERE": lambda: (rand(3, 4) > 0, rand(3, 4), 0.0),
+    "WHERE": lambda: (rand(3, 4) > 0, rand(3, 4), torch.tensor(0.0)),
     "MASKED_FILL": lambda: (rand(3, 4), rand(3, 4) > 0, -1.0),
     "SUM": lambda: (rand(3, 4, 5), [1], True, None),
     "SUM_ALL": lambda: (rand(3, 4), None),
@@ -93,16 +94,96 @@ EXAMPLES = {
     "SHAPE_GUARD": lambda: (rand(2, 3), (-1, 3)),
     "RESHAPE_IF": lambda: (rand(2, 6), [3, 4]),
     "ITEM": lambda: (torch.tensor([2.5]),),
+    "STRIDE": lambda: (rand(3, 4).t(), 0),
+    "STORAGE_OFFSET": lambda: (rand(3, 4)[1:],),
+    # -- elementwise with parameters -----------------------------------------------------
+    "CLAMP_TENSOR": lambda: (rand(3, 4), rand(3, 1), rand(4) + 1.0),
+    "ELU": lambda: (rand(3, 4), 1.0, 1.0, 1.0),
+    "LEAKY_RELU": lambda: (rand(3, 4), 0.2),
+    "HARDTANH": lambda: (rand(3, 4), -0.5, 0.5),
+    # -- reductions ----------------------------------------------------------------------
+    "ARGMIN": lambda: (rand(3, 4), 0, True),
+    "MAX_DIM": lambda: (rand(3, 4), 1, False),
+    "MIN_DIM": lambda: (rand(3, 4), 0, True),
+    "ANY": lambda: (rand(3, 4) > 1,),
+    "ANY_DIM": lambda: (rand(3, 4) > 1, 1, False),
+    "ANY_DIMS": lambda: (rand(3, 4, 5) > 1, [0, 2], True),
+    "PROD_ALL": lambda: (rand(3, 4), None),
+    "PROD": lambda: (rand(3, 4), 1, True, torch.float64),
+    "VAR": lambda: (rand(3, 4, 5), [1, 2], 1, True),
+    "VECTOR_NORM": lambda: (rand(3, 4), 2, [1], False, None),
+    "CUMPROD": lambda: (rand(3, 4), 1, None),
+    # -- views, copies -------------------------------------------------------------------
+    "AS_STRIDED": lambda: (rand(4, 5), [3, 3], [5, 1], 2),
+    "DIAGONAL": lambda: (rand(3, 4, 5), 1, 1, 2),
+    "UNFOLD": lambda: (rand(3, 8), 1, 3, 2),
+    "COPY": lambda: (torch.zeros(3, 4, dtype=torch.float64), rand(4)),
+    "FLIP": lambda: (rand(3, 4, 5), [0, 2]),
+    "REPEAT": lambda: (rand(2, 3), [2, 1, 2]),
+    "SLICE_SCATTER": lambda: (rand(6, 4), rand(2, 4), 0, 1, 5, 2),
+    "FFT_R2C": lambda: (rand(3, 8), [1], 0, True),
+    "FFT_C2R": lambda: (torch.randn(3, 5, dtype=torch.complex64), [1], 2, 8),
+    "EMPTY": lambda: ([2, 3], torch.int64, None, cpu),
+    "EMPTY_STRIDED": lambda: ([2, 3], [1, 2], f32, None, cpu),
+    "RAND": lambda: ([2, 3], f32, None, cpu),
+    "RANDN": lambda: ([2, 3], torch.float64, None, cpu),
+    "RANDPERM": lambda: (7, torch.int64, None, cpu),
+    # -- normalisation, convolution, pooling, resampling ---------------------------------
+    "NATIVE_LAYER_NORM": lambda: (rand(2, 3, 8), [8], rand(8), rand(8), 1e-5),
+    "BATCH_NORM": lambda: (rand(2, 3, 4, 4), rand(3), rand(3), rand(3), rand(3).abs() + 0.5,
+                           0.1, 1e-5),
+    "BATCH_NORM_NO_STATS": lambda: (rand(2, 3, 5), None, None, True, 0.1, 1e-5),
+    "GROUP_NORM": lambda: (rand(2, 6, 4, 4), rand(6), rand(6), 2, 6, 16, 3, 1e-5),
+    "CONVOLUTION": lambda: (rand(2, 4, 9, 9), rand(6, 2, 3, 3), rand(6), [2, 1], [1, 1],
+                            [1, 2], False, [0, 0], 2),
+    "MAX_POOL2D": lambda: (rand(2, 3, 9, 9), [3, 3], [2, 2], [1, 1], [1, 1], True),
+    "MAX_POOL3D": lambda: (rand(1, 2, 6, 6, 6), [2, 2, 2], [2, 2, 2], [0, 0, 0],
+                           [1, 1, 1], False),
+    "AVG_POOL2D": lambda: (rand(2, 3, 9, 9), [3, 3], [2, 2], [1, 1], False, True, None),
+    "AVG_POOL3D": lambda: (rand(1, 2, 6, 6, 6), [2, 2, 2], [2, 2, 2], [0, 0, 0], True,
+                           False, None),
+    "ADAPTIVE_AVG_POOL2D": lambda: (rand(2, 3, 9, 7), [4, 3]),
+    "ADAPTIVE_AVG_POOL3D": lambda: (rand(1, 2, 6, 5, 4), [2, 2, 2]),
+    "ADAPTIVE_MAX_POOL2D": lambda: (rand(2, 3, 9, 7), [4, 3]),
+    "CONSTANT_PAD": lambda: (rand(2, 3, 4), [1, 2, 0, 1], 0.5),
+    "UPSAMPLE_NEAREST2D": lambda: (rand(1, 2, 3, 4), None, (2.0, 1.5)),
+    "UPSAMPLE_BILINEAR2D": lambda: (rand(1, 2, 3, 4), [6, 7], False, None),
+    "GRID_SAMPLER_2D": lambda: (rand(1, 2, 5, 5), rand(1, 3, 4, 2).clamp(-1, 1), 0, 0,
+                                False),
+    "CDIST": lambda: (rand(2, 5, 3), rand(2, 4, 3), 2.0, None),
+    "PDIST": lambda: (rand(5, 3), 2.0),
+    # -- indexing, sorting ---------------------------------------------------------------
+    "SCATTER": lambda: (torch.zeros(5, 4), 0, torch.tensor([[0, 1, 2, 3]]), rand(1, 4)),
+    "SCATTER_VALUE": lambda: (torch.zeros(5, 4), 1, torch.tensor([[0], [3]]), 2.0),
+    "INDEX": lambda: (rand(5, 6, 7), (False, True, True), [idx(6, 3, 1), idx(7, 4)]),
+    "INDEX_PUT": lambda: (rand(5, 6), (True,), [idx(5, 3)], rand(3, 6), True),
+    "MASKED_SCATTER": lambda: (rand(3, 4), rand(3, 4) > 0, rand(12)),
+    "EMBEDDING_BAG": lambda: (rand(10, 4), idx(10, 7), torch.tensor([0, 2, 5]), False, 1,
+                              False, None, False, -1),
+    "SORT": lambda: (rand(3, 5), 1, True),
+    "TOPK": lambda: (rand(3, 5), 2, 1, False, True),
+    "NONZERO": lambda: (rand(3, 4) > 0,),
+    "MASKED_SELECT": lambda: (rand(3, 4), rand(3, 4) > 0),
+    "UNIQUE": lambda: (idx(5, 9), True, True, True),
 }
 _UNARY = ("RELU", "SILU", "SIGMOID", "TANH", "EXP", "LOG", "SQRT", "RSQRT", "NEG", "ABS",
-          "ERF", "RECIPROCAL", "SIN", "COS", "LOGICAL_NOT", "ROUND", "FLOOR", "CEIL")
+          "ERF", "RECIPROCAL", "SIN", "COS", "LOGICAL_NOT", "ROUND", "FLOOR", "CEIL",
+          "ASIN", "ASINH", "ATAN", "TAN", "SINH", "COSH", "EXPM1", "LOG1P", "LOG2",
+          "LOG10", "SIGN", "TRUNC", "ISNAN", "ISINF")
 _BINARY = ("ADD", "SUB", "MUL", "DIV", "POW", "MAXIMUM", "MINIMUM", "EQ", "NE", "LT", "LE",
-           "GT", "GE", "LOGICAL_AND", "LOGICAL_OR")
+           "GT", "GE", "LOGICAL_AND", "LOGICAL_OR", "ATAN2", "FMOD", "REMAINDER",
+           "LOGICAL_XOR")
+_BITWISE = ("BITWISE_AND", "BITWISE_OR", "BITWISE_XOR")
 _SCALAR = ("SADD", "SSUB", "SMUL", "SFLOORDIV", "STRUEDIV", "SMOD", "SPOW", "SMIN", "SMAX",
            "SEQ", "SNE", "SLT", "SLE", "SGT", "SGE", "SAND", "SOR")
 EXAMPLES.update({name: (lambda: (rand(3, 4).abs() + 0.1,)) for name in _UNARY})
 EXAMPLES.update({name: (lambda: (rand(3, 1).abs() + 0.1, rand(4).abs() + 0.1))
                  for name in _BINARY})
+EXAMPLES.update({name: (lambda: (idx(8, 3, 1), idx(8, 4))) for name in _BITWISE})
+EXAMPLES.update({"ACOS": lambda: (rand(3, 4).clamp(-0.9, 0.9),),
+                 "ATANH": lambda: (rand(3, 4).clamp(-0.9, 0.9),),
+                 "ACOSH": lambda: (rand(3, 4).abs() + 1.1,),
+                 "BITWISE_NOT": lambda: (rand(3, 4) > 0,)})
 EXAMPLES.update({name: (lambda: (7, 3)) for name in _SCALAR})
 EXAMPLES.update({"SNEG": lambda: (4,), "SNOT": lambda: (0,)})
 
@@ -160,8 +241,9 @@ def test_serializer_and_text_round_trip(spec):
 
 def _abstract(value):
     if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
-                                   device="meta")
+        storage = torch.empty(value.untyped_storage().nbytes() // value.element_size(),
+                              dtype=value.dtype, device="meta")
+        return storage.as_strided(value.shape, value.stride(), value.storage_offset())
     if isinstance(value, list):
         return [_abstract(v) for v in value]
     if isinstance(value, torch.device):
@@ -188,6 +270,7 @@ def test_shape_function_matches_real_result(spec):
         if isinstance(want, torch.Tensor):
             assert got.device.type == "meta"
             assert got.shape == want.shape and got.dtype == want.dtype
+            assert got.stride() == want.stride(), "strides differ from real execution"
         else:
             assert got == want
 
@@ -196,3 +279,94 @@ def test_opcode_names_are_unique_and_sources_map_back():
     assert len(OPCODES) == len(ALL_OPS)
     for source, spec in BY_SOURCE.items():
         assert source in spec.aten
+
+
+def _clone_args(args):
+    return [a.clone() if isinstance(a, torch.Tensor) else
+            [t.clone() for t in a] if isinstance(a, list) and a and
+            isinstance(a[0], torch.Tensor) else a for a in args]
+
+
+def _assert_same(want, got):
+    for w, g in zip(_as_tuple(want), _as_tuple(got), strict=True):
+        if isinstance(w, torch.Tensor):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            torch.testing.assert_close(g, w, equal_nan=True)
+        else:
+            assert g == w
+
+
+@pytest.mark.parametrize("spec", [s for s in ALL_OPS if s.inplace is not None],
+                         ids=lambda s: s.name)
+def test_inplace_form_matches_impl(spec):
+    args = EXAMPLES[spec.name]()
+    if not isinstance(args[0], torch.Tensor) or spec.impl(*args).shape != args[0].shape:
+        # The example broadcasts up: the in-place form needs operand 0 at the result's
+        # shape (inplace.py checks that at every probe before rewriting).
+        args = (torch.broadcast_to(args[0], spec.impl(*args).shape).clone(), *args[1:])
+    want = spec.impl(*_clone_args(args))
+    operands = _clone_args(args)
+    got = spec.inplace(*operands)
+    _assert_same(want, got)
+    _assert_same(want, operands[0])   # written over operand 0
+
+
+@pytest.mark.parametrize("spec", [s for s in ALL_OPS if s.out is not None],
+                         ids=lambda s: s.name)
+def test_out_form_matches_impl(spec):
+    args = EXAMPLES[spec.name]()
+    want = spec.impl(*_clone_args(args))
+    if spec.out.accepts is not None:
+        assert spec.out.accepts(*[_abstract(a) for a in args])
+    scratch = spec.out.scratch(*[_abstract(a) for a in args]) if spec.out.scratch else ()
+    out = torch.empty(0, dtype=want.dtype)
+    scratch = [torch.empty(0, dtype=s.dtype) for s in scratch]
+    got = spec.out.fn(*_clone_args(args), out, *scratch)
+    _assert_same(want, got)
+
+
+def _schema_aliases(overload) -> bool:
+    ret = overload._schema.returns[0]
+    return ret.alias_info is not None and not ret.alias_info.is_write
+
+
+@pytest.mark.parametrize("spec", [s for s in ALL_OPS if s.aten and isinstance(
+    s.aten[0], torch._ops.OpOverload) and s.opclass is OpClass.TENSOR], ids=lambda s: s.name)
+def test_view_flag_matches_the_schema(spec):
+    assert spec.is_view == _schema_aliases(spec.aten[0])
+    if spec.is_view:   # and the implementation really returns a view of operand 0
+        args = EXAMPLES[spec.name]()
+        for result in _as_tuple(spec.impl(*args)):
+            assert result.untyped_storage().data_ptr() == \
+                args[0].untyped_storage().data_ptr()
+
+
+_UNINITIALIZED_OR_RANDOM = {"EMPTY", "EMPTY_STRIDED", "RAND", "RANDN", "RANDPERM"}
+
+
+@pytest.mark.parametrize("spec", [s for s in EXECUTABLE if s.opclass is OpClass.TENSOR
+                                  and s.lower_operands is None], ids=lambda s: s.name)
+def test_impl_is_the_aten_operator(spec):
+    """`impl` is a faster entry to the kernel of the ATen overload the opcode stands for:
+    both give the same results on the same operands."""
+    args = EXAMPLES[spec.name]()
+    for overload in spec.aten:   # the one whose schema takes these operands
+        try:
+            want = aten_call(overload, len(spec.args))(*_clone_args(args))
+            break
+        except RuntimeError as exc:
+            if "Expected a value of type" not in str(exc):
+                raise
+    got = spec.impl(*_clone_args(args))
+    if spec.name in _UNINITIALIZED_OR_RANDOM:
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert got.stride() == want.stride()
+        return
+    _assert_same(want, got)
+
+
+def test_index_with_a_mask_has_a_data_dependent_shape():
+    spec = OPCODES["INDEX"]
+    x, mask = rand(4, 5), rand(4, 5) > 0
+    assert spec.shape_fn(_abstract(x), (True,), [_abstract(mask)]) is None
+    torch.testing.assert_close(spec.impl(x, (True,), [mask]), x[mask])

@@ -162,6 +162,8 @@ class _Lowering:
                     f"{node.target} with {argument.name}={extra!r} is not supported (dynvm "
                     f"keeps {spec.name} with its default {argument.name}; from "
                     f"{_source_line(node)})")
+        if spec.lower_operands is not None:
+            values = list(spec.lower_operands(*values[:len(arguments)]))
         operands = tuple(self.operand(kind, v, node) for kind, v in zip(spec.args, values))
         if spec.outs.__class__ is tuple:
             dsts = tuple(self.new_reg() for _ in spec.outs)
@@ -210,6 +212,9 @@ class _Lowering:
                 return RegList(tuple(self.operand(ArgKind.TENSOR, v, node) for v in value))
             case ArgKind.TENSOR | ArgKind.TENSORS | ArgKind.LABEL:
                 pass
+            case ArgKind.IMM if isinstance(value, list) and not any(
+                    isinstance(v, Reg | Const | list) for v in value):
+                return Imm(tuple(value))   # a literal list (float scale factors, ...)
             case _ if not isinstance(value, Reg | Const | list):
                 return Imm(tuple(value) if isinstance(value, tuple) else value)
         raise UnsupportedOpError(f"{node.target}: cannot pass {value!r} as a {kind.name} "

@@ -49,6 +49,7 @@ from dynvm.jit.backends.triton.partition import (
 )
 from dynvm.jit.backends.triton.plan import Dim, KernelLaunch
 from dynvm.jit.ir import Literal, SpecOp, Var
+from dynvm.vm.opcodes import OPCODES
 
 _NAME = "__DYNVM_KERNEL_NAME__"
 
@@ -165,7 +166,7 @@ class _Builder:
 
     def elementwise(self, op: SpecOp) -> None:
         operands = [self.operand(a) for a in ew.value_operands(op)]
-        if op.opcode in ("ADD", "MUL"):
+        if OPCODES[op.opcode].commutative:
             # IEEE + and * commute exactly: one spelling, so that x + f(x) and f(x) + x
             # share a kernel.
             operands.sort()

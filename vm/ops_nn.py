@@ -1,0 +1,113 @@
+"""Neural-network layer instructions: softmax, normalisation, convolution, pooling,
+padding and resampling."""
+
+from __future__ import annotations
+
+import torch
+
+from dynvm.vm.isa import OutForm
+from dynvm.vm.ops_common import tensor_op
+
+aten = torch.ops.aten
+_nn = torch._C._nn
+
+
+def _layer_norm_out(x, shape, weight, bias, eps, _cudnn, out, mean, rstd):
+    return aten.native_layer_norm.out(x, shape, weight, bias, eps, out0=out, out1=mean,
+                                      out2=rstd)[0]
+
+
+def _layer_norm_scratch(x, shape, weight, bias, eps, _cudnn):
+    # mean and rstd keep the leading dims and a 1 per normalized dim, contiguous, in the
+    # input's dtype for fp32/fp64. Computed here: the meta kernel goes through the
+    # Python decomposition, 5 ms a call, and planning asks once per layer norm.
+    if x.dtype in (torch.float32, torch.float64):
+        stats = (*x.shape[:x.dim() - len(shape)], *(1,) * len(shape))
+        return (torch.empty(stats, dtype=x.dtype, device=x.device),
+                torch.empty(stats, dtype=x.dtype, device=x.device))
+    _, mean, rstd = aten.native_layer_norm(x, shape, weight, bias, eps)
+    return mean, rstd
+
+
+def _softmax_out(x, dim, dtype, out):
+    return aten._softmax.out(x, dim, False, out=out)
+
+
+def _log_softmax_out(x, dim, dtype, out):
+    return aten._log_softmax.out(x, dim, False, out=out)
+
+
+def _no_dtype(x, dim, dtype):
+    return dtype is None
+
+
+
+def _batch_norm_abstract(x, weight, bias, mean, var, momentum, eps):
+    # In inference the kernel saves no statistics: it returns empty tensors where the
+    # meta kernel says [C]. Graphs read only the output; the shapes follow the kernel.
+    y = torch._native_batch_norm_legit_no_training(x, weight, bias, mean, var, momentum,
+                                                   eps)[0]
+    return y, x.new_empty((0,)), x.new_empty((0,))
+
+
+NN_OPS = (
+    # -- softmax ---------------------------------------------------------------------
+    tensor_op("SOFTMAX", aten.softmax.int, "softmax along a dim", impl=torch.softmax,
+              out=OutForm(_softmax_out, accepts=_no_dtype)),
+    tensor_op("SOFTMAX_", aten._softmax.default, "softmax (core ATen form)",
+              impl=torch._softmax),
+    tensor_op("LOG_SOFTMAX", aten.log_softmax.int, "log-softmax along a dim",
+              impl=torch.log_softmax, out=OutForm(_log_softmax_out, accepts=_no_dtype)),
+    tensor_op("LOG_SOFTMAX_", aten._log_softmax.default, "log-softmax (core ATen form)",
+              impl=torch._log_softmax),
+    # -- normalisation -----------------------------------------------------------------
+    tensor_op("LAYER_NORM", aten.layer_norm.default, "layer norm over the trailing dims",
+              impl=torch.layer_norm,
+              out=OutForm(_layer_norm_out, scratch=_layer_norm_scratch)),
+    tensor_op("NATIVE_LAYER_NORM", aten.native_layer_norm.default,
+              "layer norm with its mean and rstd", impl=torch.native_layer_norm),
+    tensor_op("BATCH_NORM", aten._native_batch_norm_legit_no_training.default,
+              "batch norm with running statistics (inference)",
+              impl=torch._native_batch_norm_legit_no_training,
+              custom_shape_fn=_batch_norm_abstract),
+    tensor_op("BATCH_NORM_NO_STATS", aten._native_batch_norm_legit.no_stats,
+              "batch norm over the batch's own statistics (instance norm)",
+              impl=torch._native_batch_norm_legit),
+    tensor_op("GROUP_NORM", aten.native_group_norm.default,
+              "group norm with its mean and rstd", impl=torch.native_group_norm),
+    # -- convolution -----------------------------------------------------------------
+    tensor_op("CONVOLUTION", aten.convolution.default,
+              "N-d convolution: grouped, dilated, strided, or transposed",
+              impl=torch.convolution),
+    # -- pooling ---------------------------------------------------------------------
+    tensor_op("MAX_POOL2D", aten.max_pool2d_with_indices.default,
+              "2-d max pooling with the argmax indices", impl=_nn.max_pool2d_with_indices),
+    tensor_op("MAX_POOL3D", aten.max_pool3d_with_indices.default,
+              "3-d max pooling with the argmax indices", impl=_nn.max_pool3d_with_indices),
+    tensor_op("AVG_POOL2D", aten.avg_pool2d.default, "2-d average pooling",
+              impl=_nn.avg_pool2d),
+    tensor_op("AVG_POOL3D", aten.avg_pool3d.default, "3-d average pooling",
+              impl=_nn.avg_pool3d),
+    tensor_op("ADAPTIVE_AVG_POOL2D", aten._adaptive_avg_pool2d.default,
+              "2-d average pooling to an output size", impl=torch._adaptive_avg_pool2d),
+    tensor_op("ADAPTIVE_AVG_POOL3D", aten._adaptive_avg_pool3d.default,
+              "3-d average pooling to an output size", impl=torch._adaptive_avg_pool3d),
+    tensor_op("ADAPTIVE_MAX_POOL2D", aten.adaptive_max_pool2d.default,
+              "2-d max pooling to an output size, with indices",
+              impl=_nn.adaptive_max_pool2d),
+    # -- padding and resampling ------------------------------------------------------
+    tensor_op("CONSTANT_PAD", aten.constant_pad_nd.default,
+              "pad the trailing dims with a value", impl=torch.constant_pad_nd),
+    tensor_op("UPSAMPLE_NEAREST2D", aten.upsample_nearest2d.vec,
+              "nearest-neighbour resize to a size or by scale factors",
+              impl=_nn.upsample_nearest2d),
+    tensor_op("UPSAMPLE_BILINEAR2D", aten.upsample_bilinear2d.vec,
+              "bilinear resize to a size or by scale factors",
+              impl=_nn.upsample_bilinear2d),
+    tensor_op("GRID_SAMPLER_2D", aten.grid_sampler_2d.default,
+              "sample an image at grid points", impl=torch.grid_sampler_2d),
+    # -- distances -------------------------------------------------------------------
+    tensor_op("CDIST", aten._cdist_forward.default, "p-norm distance of all row pairs"),
+    tensor_op("PDIST", aten._pdist_forward.default,
+              "p-norm distance of all row pairs of one matrix (upper triangle)"),
+)
