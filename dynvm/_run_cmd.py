@@ -18,11 +18,7 @@ from torch.utils import _pytree as pytree
 import dynvm
 from dynvm._progress import call_bar
 from dynvm.telemetry import Telemetry
-
-# Integer inputs of a .dvm file carry no hint of their valid range (an embedding table's
-# row count lives in a constant, not in the signature), so they are drawn from a range
-# small enough to be a valid index for any plausible table. `--help` says so.
-INT_HIGH = 8
+from dynvm.vm.sample_inputs import INT_HIGH, declared_dims, dim_values, random_inputs
 
 
 class CliError(Exception):
@@ -106,23 +102,6 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(","))
 
 
-def _dim_key(spec, axis: int, dim) -> str:
-    # Files may hold a dynamic dim without a name; it is still addressable.
-    return dim.name or f"{spec.name}.{axis}"
-
-
-def declared_dims(program) -> dict[str, tuple[int, int]]:
-    """Each dynamic dim's key and the range every input using it accepts."""
-    dims: dict[str, tuple[int, int]] = {}
-    for spec in program.inputs:
-        for axis, dim in enumerate(spec.dims):
-            if not dim.is_static:
-                key = _dim_key(spec, axis, dim)
-                low, high = dims.get(key, (dim.low, dim.high))
-                dims[key] = (max(low, dim.low), min(high, dim.high))
-    return dims
-
-
 def check_schedule(schedules, program) -> None:
     dims = declared_dims(program)
     for schedule in schedules:
@@ -134,30 +113,6 @@ def check_schedule(schedules, program) -> None:
         if lo < low or hi > high:
             raise CliError(f"--schedule {schedule.text!r}: {schedule.dim} must stay within "
                            f"its declared range {low}..{high}", 2)
-
-
-def dim_values(program, flat) -> dict[str, int]:
-    """The dynamic dims' sizes in a call's flat inputs."""
-    values: dict[str, int] = {}
-    for spec, tensor in zip(program.inputs, flat):
-        for axis, dim in enumerate(spec.dims):
-            if not dim.is_static and axis < tensor.dim():
-                values.setdefault(_dim_key(spec, axis, dim), int(tensor.shape[axis]))
-    return values
-
-
-def _random_tensor(spec, values: dict[str, int], gen: torch.Generator) -> torch.Tensor:
-    shape = [dim.low if dim.is_static else values[_dim_key(spec, axis, dim)]
-             for axis, dim in enumerate(spec.dims)]
-    dtype = spec.dtype
-    if dtype.is_complex:
-        return torch.randn(shape, dtype=dtype, generator=gen)
-    if dtype.is_floating_point:
-        # randn in float32, then cast: not every low-precision dtype has a CPU randn.
-        return torch.randn(shape, generator=gen).to(dtype)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    return torch.randint(0, INT_HIGH, shape, generator=gen, dtype=dtype)
 
 
 def input_source(program, demo, schedules, seed: int) -> Callable[[], list[torch.Tensor]]:
@@ -177,7 +132,7 @@ def input_source(program, demo, schedules, seed: int) -> Callable[[], list[torch
             sample = pytree.tree_leaves(demo.sample_inputs(rng))
             values = {**dim_values(program, sample), **values}
         values = {**defaults, **values}
-        return [_random_tensor(spec, values, gen) for spec in program.inputs]
+        return random_inputs(program, values, gen)
     return draw
 
 

@@ -22,10 +22,11 @@ from dynvm._bench_cmd import add_parser as add_bench_parser
 from dynvm._explain_cmd import explain_command
 from dynvm._precompile_cmd import add_parser as add_precompile_parser
 from dynvm._progress import stage_bar
-from dynvm._run_cmd import INT_HIGH, CliError, run_command
+from dynvm._run_cmd import CliError, run_command
 from dynvm._serve_cmd import add_parser as add_serve_parser
 from dynvm._top_cmd import add_parser as add_top_parser
 from dynvm.models import REGISTRY
+from dynvm.vm.sample_inputs import INT_HIGH
 
 DEFAULT_MODEL = "transformer"
 

@@ -13,7 +13,13 @@ import torch
 from _cluster_helpers import saved_recommender
 
 import dynvm
-from dynvm._precompile_cmd import (
+from dynvm.cluster import StoreConfig
+from dynvm.cluster.compile_service import LocalServiceClient
+from dynvm.cluster.fleet_compiler import FleetCompiler
+from dynvm.cluster.fleet_link import FleetLink, FleetOptions
+from dynvm.cluster.precompile import (
+    PrecompileError,
+    ShapeSpecError,
     check_shapes,
     parse_shapes,
     precompile,
@@ -21,11 +27,6 @@ from dynvm._precompile_cmd import (
     skeleton_first,
     sweep,
 )
-from dynvm._run_cmd import CliError
-from dynvm.cluster import StoreConfig
-from dynvm.cluster.compile_service import LocalServiceClient
-from dynvm.cluster.fleet_compiler import FleetCompiler
-from dynvm.cluster.fleet_link import FleetLink, FleetOptions
 from dynvm.jit.config import JitConfig
 from dynvm.shape_cluster.buckets import bucket_of
 
@@ -57,18 +58,18 @@ def test_parse_shapes_lists_ranges_and_products():
     assert [s["batch"] for s in parse_shapes("batch=1..4,9")] == [1, 2, 3, 4, 9]
     for bad, words in [("batch", "expected NAME=VALUES"), ("batch=4..2", "empty range"),
                        ("batch=x", "neither a size"), ("b=1;b=2", "twice")]:
-        with pytest.raises(CliError, match=words):
+        with pytest.raises(ShapeSpecError, match=words):
             parse_shapes(bad)
 
 
 def test_shapes_are_checked_against_the_program(model):
     _, program, _ = model
     assert check_shapes([{"batch": 3}, {"batch": 3}], program, "x") == [{"batch": 3}]
-    with pytest.raises(CliError, match="no dynamic dim 'seq'"):
+    with pytest.raises(ShapeSpecError, match="no dynamic dim 'seq'"):
         check_shapes([{"batch": 3, "seq": 2}], program, "x")
-    with pytest.raises(CliError, match="batch=65 is outside its declared range 1..64"):
+    with pytest.raises(ShapeSpecError, match="batch=65 is outside its declared range 1..64"):
         check_shapes([{"batch": 65}], program, "x")
-    with pytest.raises(CliError, match="does not give 'batch'"):
+    with pytest.raises(ShapeSpecError, match="does not give 'batch'"):
         check_shapes([{}], program, "x")
 
 
@@ -77,11 +78,31 @@ def test_trace_file_format(tmp_path):
     trace.write_text('{"batch": 4, "seq": 32}\n\n{"batch": 7, "seq": 2}\n')
     assert read_trace(str(trace)) == [{"batch": 4, "seq": 32}, {"batch": 7, "seq": 2}]
     trace.write_text('{"batch": 4}\n{"batch": "4"}\n')
-    with pytest.raises(CliError, match="trace.jsonl:2: expected an object"):
+    with pytest.raises(ShapeSpecError, match="trace.jsonl:2: expected an object"):
         read_trace(str(trace))
     trace.write_text('{"batch": 4\n')
-    with pytest.raises(CliError, match="trace.jsonl:1: not JSON"):
+    with pytest.raises(ShapeSpecError, match="trace.jsonl:1: not JSON"):
         read_trace(str(trace))
+
+
+def test_library_errors_are_dynvm_errors(model, tmp_path, secret, monkeypatch):
+    _, program, path = model
+    assert issubclass(ShapeSpecError, dynvm.DynvmError) and issubclass(ShapeSpecError,
+                                                                       ValueError)
+    with pytest.raises(PrecompileError, match="cannot read .*missing.jsonl"):
+        read_trace(str(tmp_path / "missing.jsonl"))
+    monkeypatch.setenv("DYNVM_JIT", "0")
+    store = StoreConfig(secret=secret, local_dir=str(tmp_path / "kernels"))
+    with pytest.raises(PrecompileError, match="disabled by DYNVM_JIT=0"):
+        precompile(program, path.read_bytes(), [{"batch": 2}], store)
+
+
+def test_command_line_maps_a_bad_shape_spec_to_a_usage_error(model):
+    _, _, path = model
+    done = subprocess.run([sys.executable, "-m", "dynvm", "precompile", str(path),
+                           "--shapes", "batch=x"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "dynvm: error: bad shape spec part 'batch=x'" in done.stderr
 
 
 def test_skeleton_first_makes_every_dim_vary_early():

@@ -1,0 +1,66 @@
+"""Random inputs that fit a program's declared signature, by dynamic-dim name.
+
+    declared_dims(program)            {"batch": (1, 64), "seq": (2, 512)}
+    random_inputs(program, {"batch": 4, "seq": 32}, generator) -> flat input tensors
+
+`dynvm run` draws its calls with these, and precompile (dynvm.cluster.precompile) the
+calls that make a fleet's families.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Integer inputs of a .dvm file carry no hint of their valid range (an embedding table's
+# row count lives in a constant, not in the signature), so they are drawn from a range
+# small enough to be a valid index for any plausible table. `dynvm run --help` says so.
+INT_HIGH = 8
+
+
+def dim_key(spec, axis: int, dim) -> str:
+    """The name a dynamic dim is addressed by: its own, else `<input>.<axis>` (a file
+    may hold a dynamic dim without a name; it is still addressable)."""
+    return dim.name or f"{spec.name}.{axis}"
+
+
+def declared_dims(program) -> dict[str, tuple[int, int]]:
+    """Each dynamic dim's key and the range every input using it accepts."""
+    dims: dict[str, tuple[int, int]] = {}
+    for spec in program.inputs:
+        for axis, dim in enumerate(spec.dims):
+            if not dim.is_static:
+                key = dim_key(spec, axis, dim)
+                low, high = dims.get(key, (dim.low, dim.high))
+                dims[key] = (max(low, dim.low), min(high, dim.high))
+    return dims
+
+
+def dim_values(program, flat) -> dict[str, int]:
+    """The dynamic dims' sizes in a call's flat inputs."""
+    values: dict[str, int] = {}
+    for spec, tensor in zip(program.inputs, flat):
+        for axis, dim in enumerate(spec.dims):
+            if not dim.is_static and axis < tensor.dim():
+                values.setdefault(dim_key(spec, axis, dim), int(tensor.shape[axis]))
+    return values
+
+
+def random_tensor(spec, values: dict[str, int], generator: torch.Generator) -> torch.Tensor:
+    """One input of `spec`'s dtype, its dynamic dims sized by `values` (by dim key)."""
+    shape = [dim.low if dim.is_static else values[dim_key(spec, axis, dim)]
+             for axis, dim in enumerate(spec.dims)]
+    dtype = spec.dtype
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, generator=generator)
+    if dtype.is_floating_point:
+        # randn in float32, then cast: not every low-precision dtype has a CPU randn.
+        return torch.randn(shape, generator=generator).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    return torch.randint(0, INT_HIGH, shape, generator=generator, dtype=dtype)
+
+
+def random_inputs(program, values: dict[str, int],
+                  generator: torch.Generator) -> list[torch.Tensor]:
+    """A call's flat inputs (on the CPU), every dynamic dim sized by `values`."""
+    return [random_tensor(spec, values, generator) for spec in program.inputs]
