@@ -32,15 +32,17 @@ Triton's dynamic batcher.
 
 import asyncio
 import contextlib
-import re
+import functools
+import os
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
@@ -55,27 +57,23 @@ from dynvm.cluster.fleet_link import FleetLink, FleetOptions
 from dynvm.cluster.http_errors import error_response as _error_response
 from dynvm.cluster.http_errors import json_response as _json_response
 from dynvm.cluster.http_errors import server_fault
+from dynvm.cluster.http_front import (  # noqa: F401 (names of this module's API)
+    MODEL_VERSION,
+    SERVER_APP,
+    check_model_name,
+    model_app_name,
+    protocol_app,
+    read_body,
+)
 from dynvm.cluster.limits import ServingLimits
 from dynvm.cluster.metrics import ReplicaMetrics
+from dynvm.cluster.server_front import ServerFront
 from dynvm.jit.config import JitConfig
 from dynvm.telemetry import Telemetry
 from dynvm.vm.errors import ExecutionError, InputError, ShapeError
 
-MODEL_VERSION = "1"
-SERVER_APP = "dynvm-server"
 LATENCY_WINDOW = 1024      # recent requests whose latency stats() summarizes
 METRICS_EVERY_S = 1.0      # Prometheus series are refreshed at most this often
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-
-
-def model_app_name(model_name: str) -> str:
-    return f"dynvm-model-{model_name}"
-
-
-def check_model_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"model name {name!r} must match {_NAME_RE.pattern}")
-    return name
 
 
 def pick_device(device: str | None) -> str:
@@ -83,34 +81,6 @@ def pick_device(device: str | None) -> str:
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = v2.parse_length(request.headers.get("content-length"))
-    if declared is not None:
-        v2.check_body_size(declared, limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        v2.check_body_size(size, limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-class _RootWithoutSlash:
-    """ASGI middleware: `/v2/models/<name>` (the app's route prefix itself, no trailing
-    slash) is routed like `/v2/models/<name>/` instead of answered with a 307 redirect."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            root = scope.get("root_path", "")
-            if scope["path"] in ("", root):
-                scope = dict(scope, path=root + "/")
-        await self.app(scope, receive, send)
 
 
 @contextlib.contextmanager
@@ -127,6 +97,15 @@ def _replica_tag() -> str | None:
     try:
         return serve.get_replica_context().replica_tag
     except Exception:  # not running inside a Serve replica (a direct test)
+        return None
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident memory (Linux /proc), None where there is none."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -149,8 +128,7 @@ class _Outcome:
     error: BaseException | None = None
 
 
-model_api = FastAPI(title="dynvm model replica")
-model_api.add_middleware(_RootWithoutSlash)
+model_api = protocol_app("dynvm model replica")
 
 
 @serve.deployment(max_ongoing_requests=256)
@@ -190,7 +168,11 @@ class ModelReplica:
         self._batched.set_batch_wait_timeout_s(float(batch_wait_timeout_s))
         self.counters = {"requests": 0, "errors": 0, "vm_calls": 0, "batches": 0,
                          "batched_vm_calls": 0, "batched_requests": 0,
-                         "max_requests_per_vm_call": 0, "unbatched_fallbacks": 0}
+                         "max_requests_per_vm_call": 0, "unbatched_fallbacks": 0,
+                         "rejected_busy": 0}
+        self._in_flight = 0
+        self._parse_pool = ThreadPoolExecutor(self.limits.parse_threads,
+                                              thread_name_prefix="dynvm-parse")
         self.outputs_meta = self._probe_outputs() if probe_outputs else []
         self.output_names = [m.name for m in self.outputs_meta] or None
 
@@ -351,8 +333,8 @@ class ModelReplica:
 
     def _check_version(self, version: str | None) -> None:
         if version is not None and version != MODEL_VERSION:
-            raise v2.NotFound(f"model {self.model_name!r} has no version {version!r} "
-                              f"(versions: {MODEL_VERSION})")
+            raise v2.NotFound(f"model {self.model_name!r} has no version "
+                              f"{v2.cut(repr(version))} (versions: {MODEL_VERSION})")
 
     def metadata(self) -> dict:
         return v2.model_metadata(self.model_name, [MODEL_VERSION], self.program.inputs,
@@ -360,7 +342,9 @@ class ModelReplica:
 
     def stats(self) -> dict:
         stats = {"model": self.model_name, "replica": self._replica, **self.runtime.stats(),
-                 **self.counters, "latency_ms": _percentiles_ms(list(self._latencies))}
+                 **self.counters, "in_flight": self._in_flight,
+                 "latency_ms": _percentiles_ms(list(self._latencies)),
+                 "process": {"pid": os.getpid(), "rss_bytes": _rss_bytes()}}
         if self.link is not None:
             stats["fleet"] = self.link.stats()
             stats["store"] = stats["fleet"]["store"]
@@ -414,33 +398,54 @@ class ModelReplica:
         return await self._handle(version, lambda: self._infer_http(request, version))
 
     async def _infer_http(self, request: Request, version: str | None) -> Response:
+        # Bounded concurrency: past the limit, a quick 503 the client may retry, instead
+        # of one more body held in memory and one more request queued behind the others.
+        if self._in_flight >= self.limits.max_concurrent_requests:
+            self.counters["rejected_busy"] += 1
+            return _error_response(
+                f"model {self.model_name!r} is busy: {self._in_flight} requests in flight "
+                f"on this replica, the limit is {self.limits.max_concurrent_requests}; "
+                f"retry after {self.limits.retry_after_s} s", 503,
+                {"Retry-After": str(self.limits.retry_after_s)})
+        self._in_flight += 1
         start = time.perf_counter()
         try:
             return await self._infer_http_timed(request, version)
         finally:
+            self._in_flight -= 1
             seconds = time.perf_counter() - start
             self._latencies.append(seconds)
             self.metrics.observe_request(seconds)
+
+    async def _off_loop(self, fn, *args, **kwargs):
+        """Run `fn` on the replica's parse threads: decoding a body or encoding a response
+        never blocks the event loop that serves the other requests."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._parse_pool, functools.partial(fn, *args, **kwargs))
 
     async def _infer_http_timed(self, request: Request, version: str | None) -> Response:
         self.counters["requests"] += 1
         try:
             encoding = request.headers.get("content-encoding", "identity").strip().lower()
             if encoding not in ("", "identity"):
-                raise v2.BadRequest(f"Content-Encoding {encoding!r} is not supported")
-            body = await _read_body(request, self.max_body_bytes)
-            parsed = v2.parse_infer_request(
-                body, self.program.inputs,
+                raise v2.BadRequest(f"Content-Encoding {v2.cut(repr(encoding))} is not "
+                                    "supported")
+            body = await read_body(request, self.max_body_bytes)
+            parsed = await self._off_loop(
+                v2.parse_infer_request, body, self.program.inputs,
                 header_length=request.headers.get(v2.HEADER_LENGTH),
-                max_body_bytes=self.max_body_bytes, output_names=self.output_names)
+                max_body_bytes=self.max_body_bytes, output_names=self.output_names,
+                refuse_non_finite=self.limits.refuse_non_finite)
+            del body
             trace = {k: request.headers[k] for k in ("traceparent", "tracestate")
                      if k in request.headers} or None
             try:
                 outputs = await self.infer_request(parsed, trace)
             except (ShapeError, InputError, ExecutionError) as exc:
                 raise v2.BadRequest(f"model {self.model_name!r}: {exc}") from None
-            body, headers = v2.build_infer_response(self.model_name, version or MODEL_VERSION,
-                                                    outputs, parsed)
+            body, headers = await self._off_loop(
+                v2.build_infer_response, self.model_name, version or MODEL_VERSION, outputs,
+                parsed)
         except v2.ProtocolError:
             self.counters["errors"] += 1
             raise
@@ -449,55 +454,6 @@ class ModelReplica:
             return server_fault(f"model {self.model_name!r}", exc)
         media_type = headers.pop("Content-Type")
         return Response(body, status_code=200, headers=headers, media_type=media_type)
-
-
-server_api = FastAPI(title="dynvm server")
-server_api.add_middleware(_RootWithoutSlash)
-
-
-@serve.deployment(ray_actor_options={"num_cpus": 0})
-@serve.ingress(server_api)
-class ServerFront:
-    """Server-level routes, and 404 for models that are not deployed."""
-
-    def __init__(self, model_names: Sequence[str], ready_timeout_s: float = 5.0) -> None:
-        self.model_names = list(model_names)
-        self.ready_timeout_s = ready_timeout_s
-
-    @server_api.get("/")
-    async def get_server(self) -> Response:
-        return _json_response(v2.server_metadata(dynvm.__version__))
-
-    @server_api.get("/health/live")
-    async def get_live(self) -> Response:
-        return _json_response({"live": True})
-
-    @server_api.get("/health/ready")
-    async def get_ready(self) -> Response:
-        not_ready = []
-        for name in self.model_names:
-            try:
-                handle = serve.get_app_handle(model_app_name(name))
-                ok = await asyncio.wait_for(handle.is_ready.remote(), self.ready_timeout_s)
-            except Exception:  # not deployed, unhealthy or too slow: not ready
-                ok = False
-            if not ok:
-                not_ready.append(name)
-        if not_ready:
-            return _json_response({"ready": False, "not_ready": not_ready}, status=503)
-        return _json_response({"ready": True})
-
-    @server_api.post("/repository/index")
-    async def repository_index(self) -> Response:
-        """The model repository extension's index: every served model, READY."""
-        return _json_response([{"name": n, "version": MODEL_VERSION, "state": "READY"}
-                               for n in self.model_names])
-
-    @server_api.api_route("/models/{rest:path}", methods=["GET", "POST"])
-    async def unknown_model(self, rest: str) -> Response:
-        name = rest.split("/", 1)[0]
-        return _error_response(f"unknown model {name!r}; served models: "
-                               f"{', '.join(repr(n) for n in self.model_names) or 'none'}", 404)
 
 
 @dataclass(frozen=True)

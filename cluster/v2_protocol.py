@@ -12,6 +12,23 @@ Every rejection is a `ProtocolError` carrying the HTTP status to answer with (40
 or 413) and a message that names the input and the problem; `error_body` turns one into
 the protocol's `{"error": "..."}`.
 
+JSON is decoded within bounds of work and memory (Note [Bounded JSON] in
+dynvm.cluster.v2_json): unknown fields are skipped without being built, and an input's
+`data` is decoded only once its shape passed the signature. `data` is either flat
+(row-major, the shape's element count) or nested exactly as the shape; ragged rows are
+refused. Numbers must fit their datatype (an FP32 value too large for FP32 is refused,
+not turned into inf).
+
+Note [Non-finite JSON numbers]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+RFC 8259 JSON has no NaN or Infinity, so a response never contains the bare tokens
+Python's json writes: a non-finite float of a JSON output is the string "NaN",
+"Infinity" or "-Infinity", which tritonclient's `as_numpy` (numpy's float parsing)
+reads back as the float. A float input accepts the same three strings; the bare tokens
+are malformed JSON. Binary data carries non-finite values as they are. A model served
+with `ServingLimits(refuse_non_finite=True)` refuses any NaN/Inf in its float inputs,
+JSON or binary, with a 400 naming the input and the first such element.
+
 Binary tensor extension: the body is a JSON header of `Inference-Header-Content-Length`
 bytes followed by the raw bytes of each input that has `parameters.binary_data_size`, in
 the order of the header's `inputs` list, little-endian, row-major. Responses are binary
@@ -30,13 +47,14 @@ from dataclasses import dataclass
 
 import torch
 
+from dynvm.cluster import v2_json
 from dynvm.vm.errors import DynvmError
 from dynvm.vm.program import InputSpec
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 OUTPUT_PREFIX = "output__"
-_MAX_NESTING = 64
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _DIGITS = re.compile(r"[0-9]{1,20}")
 
 # v2 datatype name <-> torch dtype. BYTES (strings) has no tensor counterpart here.
@@ -136,13 +154,6 @@ def datatype_of(dtype: torch.dtype) -> str:
         raise ValueError(f"dtype {dtype} has no Open Inference Protocol datatype") from None
 
 
-def _json_loads(raw: bytes, what: str):
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise BadRequest(f"malformed JSON in {what}: {exc}") from None
-
-
 # ---------------------------------------------------------------------------- requests
 
 
@@ -169,7 +180,7 @@ class _RawInput:
     name: str
     datatype: str
     shape: tuple[int, ...]
-    data: object  # JSON data (list/scalar) or None when binary
+    data: object  # raw JSON of 'data' (msgspec.Raw), or None when binary
     binary_size: int | None
 
 
@@ -181,8 +192,8 @@ def _bool_param(params: Mapping, key: str, where: str) -> bool:
     return value
 
 
-def _params(obj: Mapping, where: str) -> Mapping:
-    params = obj.get("parameters", {})
+def _params(raw, where: str) -> Mapping:
+    params = v2_json.field(raw, f"{where}: 'parameters'", {})
     if params is None:
         return {}
     if not isinstance(params, dict):
@@ -194,25 +205,23 @@ def _params(obj: Mapping, where: str) -> Mapping:
 
 
 def _parse_raw_input(obj, index: int) -> _RawInput:
-    if not isinstance(obj, dict):
-        raise BadRequest(f"inputs[{index}] must be an object, got {_describe(obj)}")
-    name = obj.get("name")
+    name = v2_json.field(obj.name, f"inputs[{index}].name")
     if not isinstance(name, str) or not name:
         raise BadRequest(f"inputs[{index}] has no 'name' (a non-empty string)")
     where = f"input {_describe(name)}"  # not yet matched: the client's, maybe huge
-    datatype = obj.get("datatype")
+    datatype = v2_json.field(obj.datatype, f"{where}: 'datatype'")
     if not isinstance(datatype, str):
         raise BadRequest(f"{where}: missing 'datatype' (a string such as \"FP32\")")
-    shape = obj.get("shape")
+    shape = v2_json.field(obj.shape, f"{where}: 'shape'")
     if not isinstance(shape, list):
         raise BadRequest(f"{where}: missing 'shape' (a list of non-negative integers)")
     for dim in shape:
         if type(dim) is not int or dim < 0:
             raise BadRequest(f"{where}: shape {_describe(shape)} must be a list of "
                              "non-negative integers")
-    params = _params(obj, where)
+    params = _params(obj.parameters, where)
     binary_size = params.get("binary_data_size")
-    has_data = "data" in obj
+    has_data = obj.data is not None
     if binary_size is not None:
         if type(binary_size) is not int or binary_size < 0:
             raise BadRequest(f"{where}: binary_data_size must be a non-negative integer, "
@@ -221,7 +230,7 @@ def _parse_raw_input(obj, index: int) -> _RawInput:
             raise BadRequest(f"{where}: has both 'data' and binary_data_size")
     elif not has_data:
         raise BadRequest(f"{where}: no 'data' and no binary_data_size")
-    return _RawInput(name, datatype, tuple(shape), obj.get("data"), binary_size)
+    return _RawInput(name, datatype, tuple(shape), obj.data, binary_size)
 
 
 def _check_shape(raw: _RawInput, spec: InputSpec, bound: dict[str, tuple[int, str]]) -> None:
@@ -245,24 +254,34 @@ def _check_shape(raw: _RawInput, spec: InputSpec, bound: dict[str, tuple[int, st
         bound.setdefault(dim.name, (size, spec.name))
 
 
-def _flatten_json(data, where: str) -> list:
-    """Row-major flattening of nested JSON lists, iterative (no recursion limit)."""
+def _flatten_json(data, shape: tuple[int, ...], where: str) -> list:
+    """The values of `data`, row-major: a flat list (or, for rank 0, a lone value) is
+    taken as it is; a nested one must be nested exactly as `shape` (no ragged rows)."""
     if not isinstance(data, list):
+        if shape:
+            raise BadRequest(f"{where}: 'data' must be a list, got {_describe(data)}")
         return [data]
+    if len(shape) <= 1 or not any(isinstance(item, list) for item in data):
+        return data
     out: list = []
-    stack = [(iter(data), 0)]
-    while stack:
-        items, depth = stack[-1]
-        for item in items:
-            if isinstance(item, list):
-                if depth + 1 > _MAX_NESTING:
-                    raise BadRequest(f"{where}: 'data' is nested too deeply")
-                stack.append((iter(item), depth + 1))
-                break
-            out.append(item)
-        else:
-            stack.pop()
+    _flatten_nested(data, shape, 0, "data", out, where)
     return out
+
+
+def _flatten_nested(node, shape, depth: int, path: str, out: list, where: str) -> None:
+    if not isinstance(node, list) or len(node) != shape[depth]:
+        got = f"a list of {len(node)}" if isinstance(node, list) else _describe(node)
+        raise BadRequest(f"{where}: 'data' is not nested as its shape {list(shape)}: "
+                         f"{path} should be a list of {shape[depth]}, got {got}")
+    if depth == len(shape) - 1:
+        for i, item in enumerate(node):
+            if isinstance(item, list):
+                raise BadRequest(f"{where}: 'data' is not nested as its shape "
+                                 f"{list(shape)}: {path}[{i}] should be a value, got a list")
+        out.extend(node)
+        return
+    for i, child in enumerate(node):
+        _flatten_nested(child, shape, depth + 1, f"{path}[{i}]", out, where)
 
 
 def _check_json_values(values: list, dtype: torch.dtype, datatype: str, where: str) -> None:
@@ -272,10 +291,20 @@ def _check_json_values(values: list, dtype: torch.dtype, datatype: str, where: s
                 raise BadRequest(f"{where}: datatype BOOL needs true/false values, "
                                  f"got {_describe(v)}")
     elif dtype.is_floating_point:
-        for v in values:
-            if type(v) not in (int, float):
-                raise BadRequest(f"{where}: datatype {datatype} needs numbers, "
-                                 f"got {_describe(v)}")
+        # Beyond the datatype's range a number would become inf (or, for an integer too
+        # big for a double, raise OverflowError): refused, naming the value.
+        top = torch.finfo(dtype).max
+        for i, v in enumerate(values):
+            kind = type(v)
+            if kind is float or kind is int:
+                if not abs(v) <= top:
+                    raise BadRequest(f"{where}: value {_describe(v)} is out of range for "
+                                     f"{datatype} (largest magnitude {top:g})")
+            elif kind is str and v in _NON_FINITE:
+                values[i] = _NON_FINITE[v]  # Note [Non-finite JSON numbers]
+            else:
+                raise BadRequest(f"{where}: datatype {datatype} needs numbers (or "
+                                 f"\"NaN\", \"Infinity\", \"-Infinity\"), got {_describe(v)}")
     else:
         info = torch.iinfo(dtype)
         lo, hi = int(info.min), int(info.max)
@@ -291,8 +320,11 @@ def _check_json_values(values: list, dtype: torch.dtype, datatype: str, where: s
 
 def _json_tensor(raw: _RawInput, dtype: torch.dtype) -> torch.Tensor:
     where = f"input {raw.name!r}"
-    values = _flatten_json(raw.data, where)
     expected = _numel(raw.shape)
+    data = v2_json.decode_data(raw.data, expected, len(raw.shape), where)
+    values = _flatten_json(data, raw.shape, where)
+    if values is data:
+        values = list(data)  # _check_json_values may replace "NaN" & co. in place
     if len(values) != expected:
         raise BadRequest(f"{where}: 'data' has {len(values)} elements, shape "
                          f"{list(raw.shape)} needs {expected}")
@@ -306,10 +338,11 @@ def _json_tensor(raw: _RawInput, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).reshape(raw.shape)
 
 
-def _binary_tensor(raw: _RawInput, dtype: torch.dtype, chunk: bytes) -> torch.Tensor:
-    if not chunk:
+def _binary_tensor(raw: _RawInput, dtype: torch.dtype, chunk: memoryview) -> torch.Tensor:
+    if not len(chunk):
         return torch.empty(raw.shape, dtype=dtype)
     if dtype is torch.bool:
+        chunk = bytes(chunk)
         # torch.frombuffer keeps any byte in a bool tensor, and a C++ bool holding 2 or
         # 255 is undefined behaviour in the kernels: refuse it, as the JSON path refuses
         # values other than true/false.
@@ -325,10 +358,12 @@ def _binary_tensor(raw: _RawInput, dtype: torch.dtype, chunk: bytes) -> torch.Te
     return flat.reshape(raw.shape)
 
 
-def split_binary_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
-    """(JSON header, binary tail) per the `Inference-Header-Content-Length` header."""
+def split_binary_body(body: bytes | bytearray, header_length: str | None
+                      ) -> tuple[bytes, memoryview]:
+    """(JSON header, binary tail) per the `Inference-Header-Content-Length` header; the
+    tail is a view of the body (not a copy of it)."""
     if header_length is None:
-        return body, b""
+        return body, memoryview(b"")
     text = header_length.strip()
     if not _DIGITS.fullmatch(text):
         raise BadRequest(f"{HEADER_LENGTH} must be a non-negative integer, "
@@ -337,7 +372,7 @@ def split_binary_body(body: bytes, header_length: str | None) -> tuple[bytes, by
     if length > len(body):
         raise BadRequest(f"{HEADER_LENGTH} is {length} but the body has only "
                          f"{len(body)} bytes")
-    return body[:length], body[length:]
+    return bytes(memoryview(body)[:length]), memoryview(body)[length:]
 
 
 def parse_infer_request(
@@ -347,33 +382,45 @@ def parse_infer_request(
     header_length: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     output_names: Sequence[str] | None = None,
+    refuse_non_finite: bool = False,
 ) -> InferRequest:
     """Parse and validate an infer request body against the program's inputs.
 
     `header_length` is the `Inference-Header-Content-Length` header (None for a pure JSON
-    body); `output_names`, when known, lets a request naming an unknown output fail here.
-    Raises only `ProtocolError` subclasses.
+    body); `output_names`, when known, lets a request naming an unknown output fail here;
+    `refuse_non_finite`: NaN/Inf in a float input is a 400 (Note [Non-finite JSON
+    numbers]). Work and memory are bounded (Note [Bounded JSON]). Raises only
+    `ProtocolError` subclasses.
     """
+    try:
+        return _parse(body, inputs, header_length, max_body_bytes, output_names,
+                      refuse_non_finite)
+    except v2_json.JsonError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def _parse(body, inputs: Sequence[InputSpec], header_length: str | None,
+           max_body_bytes: int, output_names: Sequence[str] | None,
+           refuse_non_finite: bool) -> InferRequest:
     if not isinstance(body, bytes | bytearray | memoryview):
         raise BadRequest("request body must be bytes")
-    body = bytes(body)
+    if isinstance(body, memoryview):
+        body = bytes(body)  # bytes and bytearray are used as they are: no copy
     check_body_size(len(body), max_body_bytes)
     header_raw, tail = split_binary_body(body, header_length)
     what = "the request" if header_length is None else \
         f"the JSON header (the first {len(header_raw)} bytes, per {HEADER_LENGTH})"
-    header = _json_loads(header_raw, what)
-    if not isinstance(header, dict):
-        raise BadRequest(f"the request must be a JSON object, got {_describe(header)}")
+    header = v2_json.decode_header(header_raw, what)
 
-    request_id = header.get("id")
+    request_id = v2_json.field(header.id, "'id'")
     if request_id is not None and not isinstance(request_id, str):
         raise BadRequest(f"'id' must be a string, got {_describe(request_id)}")
-    params = _params(header, "request")
+    params = _params(header.parameters, "request")
     binary_output = _bool_param(params, "binary_data_output", "request")
 
-    raw_inputs = header.get("inputs")
-    if not isinstance(raw_inputs, list):
+    if not v2_json.starts_with(header.inputs, b"["):
         raise BadRequest("the request has no 'inputs' list")
+    raw_inputs = v2_json.decode_inputs(header.inputs)
     parsed = [_parse_raw_input(obj, i) for i, obj in enumerate(raw_inputs)]
 
     specs = {spec.name: spec for spec in inputs}
@@ -431,6 +478,8 @@ def parse_infer_request(
             tensors[raw.name] = _binary_tensor(raw, dtype, tail[start:end])
         else:
             tensors[raw.name] = _json_tensor(raw, dtype)
+        if refuse_non_finite and dtype.is_floating_point:
+            _check_finite(raw.name, tensors[raw.name])
     return InferRequest(
         id=request_id,
         tensors=tuple(tensors[spec.name] for spec in inputs),
@@ -439,23 +488,30 @@ def parse_infer_request(
     )
 
 
-def _parse_requested_outputs(header: Mapping, binary_output: bool,
+def _check_finite(name: str, tensor: torch.Tensor) -> None:
+    finite = torch.isfinite(tensor.reshape(-1))
+    if not bool(finite.all()):
+        first = int((~finite).nonzero()[0])
+        raise BadRequest(f"input {name!r}: element {first} is "
+                         f"{tensor.reshape(-1)[first].item()}, and this model refuses NaN "
+                         "and Inf in its inputs")
+
+
+def _parse_requested_outputs(header, binary_output: bool,
                              output_names: Sequence[str] | None
                              ) -> tuple[RequestedOutput, ...] | None:
-    outputs = header.get("outputs")
-    if outputs is None:
+    if v2_json.is_null(header.outputs):
         return None
-    if not isinstance(outputs, list):
-        raise BadRequest(f"'outputs' must be a list, got {_describe(outputs)}")
+    outputs = v2_json.decode_outputs(header.outputs)
     result = []
     for i, obj in enumerate(outputs):
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        name = v2_json.field(obj.name, f"outputs[{i}].name")
+        if not isinstance(name, str):
             raise BadRequest(f"outputs[{i}] must be an object with a 'name'")
-        name = obj["name"]
         if output_names is not None and name not in output_names:
             raise BadRequest(f"unknown output {_describe(name)}; the model's outputs are "
                              f"{', '.join(repr(n) for n in output_names)}")
-        params = _params(obj, f"output {_describe(name)}")
+        params = _params(obj.parameters, f"output {_describe(name)}")
         binary = _bool_param(params, "binary_data", f"output {_describe(name)}") \
             if "binary_data" in params else binary_output
         result.append(RequestedOutput(name, binary))
@@ -476,12 +532,19 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
+def _non_finite_text(v: float) -> str:
+    return "NaN" if v != v else "Infinity" if v > 0 else "-Infinity"
+
+
 def _tensor_json(t: torch.Tensor) -> list:
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     if flat.dtype in (torch.uint16, torch.uint32):
         flat = flat.to(torch.int64)
     elif flat.dtype is torch.uint64:
         return [v + 2**64 if v < 0 else v for v in flat.view(torch.int64).tolist()]
+    elif flat.dtype.is_floating_point and not bool(torch.isfinite(flat).all()):
+        # Note [Non-finite JSON numbers]: strings, never the bare NaN token.
+        return [v if math.isfinite(v) else _non_finite_text(v) for v in flat.tolist()]
     return flat.tolist()
 
 
@@ -516,7 +579,7 @@ def build_infer_response(model_name: str, model_version: str | None,
     if request.id is not None:
         response["id"] = request.id
     response["outputs"] = entries
-    header = json.dumps(response).encode()
+    header = json.dumps(response, allow_nan=False).encode()
     if not chunks:
         return header, {"Content-Type": "application/json"}
     return header + b"".join(chunks), {

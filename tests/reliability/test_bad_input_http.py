@@ -144,11 +144,11 @@ def chunks(total: int):
 BAD = [
     # (case, path, body, headers, status, exact error text)
     ("malformed JSON", INFER, b'{"inputs": [', {}, 400,
-     "malformed JSON in the request: Expecting value: line 1 column 13 (char 12)"),
+     "malformed JSON in the request: Input data was truncated"),
     ("not a JSON object", INFER, b"[1, 2, 3]", {}, 400,
      "the request must be a JSON object, got [1, 2, 3]"),
     ("empty body", INFER, b"", {}, 400,
-     "malformed JSON in the request: Expecting value: line 1 column 1 (char 0)"),
+     "malformed JSON in the request: Input data was truncated"),
     ("unknown model", "/v2/models/nope/infer", good(), {}, 404,
      "unknown model 'nope'; served models: 'recommender'"),
     ("unknown model version", "/v2/models/recommender/versions/3/infer", good(), {}, 404,
@@ -186,8 +186,7 @@ BAD = [
         "Inference-Header-Content-Length): ") + ".+")),
     ("binary header length too short", INFER, *binary(-3), 400,
      f"malformed JSON in the JSON header (the first {HEADER_LEN - 3} bytes, per "
-     f"Inference-Header-Content-Length): Expecting ',' delimiter: line 1 column "
-     f"{HEADER_LEN - 2} (char {HEADER_LEN - 3})"),
+     "Inference-Header-Content-Length): Input data was truncated"),
     ("binary header length past the body", INFER, *binary(+10**6), 400,
      f"Inference-Header-Content-Length is {HEADER_LEN + 10**6} but the body has only "
      f"{len(BINARY_BODY)} bytes"),

@@ -134,3 +134,59 @@ def test_a_runaway_request_stops_at_its_budget_and_the_server_serves_on(server):
     assert outputs[0]["data"] == [32.0, -32.0] and outputs[1]["data"] == [5]
     print(f"\nrunaway request: {status} after {answer['seconds']:.2f} s (budget 1 s); "
           f"other model meanwhile: max {max(s for _, s in during):.3f} s")
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/statm", "rb") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_json_amplification_is_bounded_and_others_are_served_meanwhile(server):
+    """A valid request plus an ignored field of 21 million empty lists (63 MB, under the
+    64 MiB limit): accepted without building the junk (Note [Bounded JSON]); the
+    replica's memory grows by less than 4x the body, and requests sent meanwhile to the
+    same replica keep a p99 under 1 s."""
+    status, _, raw = server.request("GET", "/v2/models/recommender/stats")
+    pid = json.loads(raw)["process"]["pid"]
+    doc = server.good_doc(batch=3, seed=5)
+    body = (json.dumps(doc).encode()[:-1] + b', "junk": [' + b"[]," * (21_000_000 - 1)
+            + b"[]]}")
+    assert 60e6 < len(body) < 64 * 2**20
+    baseline = max(_rss_bytes(pid) for _ in range(5))
+    stop = threading.Event()
+    samples: list[int] = []
+    meanwhile: list[tuple[int, float]] = []
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append(_rss_bytes(pid))
+            time.sleep(0.005)
+
+    def others() -> None:
+        while not stop.is_set():
+            meanwhile.append(server.good())
+
+    threads = [threading.Thread(target=sample), threading.Thread(target=others)]
+    for thread in threads:
+        thread.start()
+    start = time.perf_counter()
+    status, _, raw = server.request("POST", REC, body)
+    seconds = time.perf_counter() - start
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    assert status == 200, raw[:300]
+    out = json.loads(raw)["outputs"][0]
+    tensors = [torch.tensor(i["data"]).reshape(i["shape"]) for i in doc["inputs"]]
+    assert np.allclose(np.array(out["data"], np.float32).reshape(out["shape"]),
+                       server.runtime(*tensors).numpy(), atol=1e-5)
+    growth = max(samples) - baseline
+    latencies = sorted(s for _, s in meanwhile)
+    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+    print(f"\n63 MB amplification body: 200 in {seconds:.2f} s; replica RSS growth "
+          f"{growth / 1e6:.1f} MB ({growth / len(body):.2f}x the body, {len(samples)} "
+          f"samples); {len(latencies)} requests meanwhile, p99 {p99:.3f} s, "
+          f"max {latencies[-1]:.3f} s")
+    assert all(s == 200 for s, _ in meanwhile)
+    assert growth < 4 * len(body)
+    assert len(latencies) >= 3 and p99 < 1.0
