@@ -16,6 +16,20 @@ here (not while the service is reachable, so a shape is compiled once per fleet,
 once per replica); `install_portable` installs a specialization compiled elsewhere
 (Note [Portable specializations]); `add_compile_listener` lets the service publish what
 its own JIT compiled. With no fleet connected, none of this costs anything.
+
+Note [Failure accounting]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+A compile may fail for three kinds of reasons. The program's own input checks reject
+the signature (`InputRejected`: every call with it raises in the interpreter too): only
+counted, `specialize_rejections`. It ran past the compile deadline: counted by the
+queue (`compile_timeouts`) and logged. Anything else (the specializer's abstract
+evaluation raising, a rewrite or a backend failing) is a dynvm bug, and a bug must not
+hide behind a silent fallback to the interpreter: it is counted by reason in
+`specialize_failures` (the reason is the root exception's type and the first line of its
+message, so one bug is one entry however many regions and signatures hit it), logged
+once per region and reason in the event log (`dynvm explain` prints it, `dynvm top`
+shows the count), and sent as a `dynvm.specialize_failure` event on the compile span.
+Tests assert zero on the demo models, the zoo on its models.
 """
 
 from __future__ import annotations
@@ -35,10 +49,10 @@ from dynvm.jit.artifact import Artifact, cache_key
 from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
 from dynvm.jit.config import JitConfig
 from dynvm.jit.portable import PortableError, PortableSpecialization
-from dynvm.jit.queue import CompileQueue
+from dynvm.jit.queue import CompileQueue, CompileTimeout
 from dynvm.jit.region_jit import RegionJit, Specialization
 from dynvm.jit.signature import GuardStrength, describe
-from dynvm.jit.specialize import SpecializationError, specialize
+from dynvm.jit.specialize import InputRejected, SpecializationError, specialize
 from dynvm.shape_cluster import Family
 from dynvm.vm.isa import OpClass
 
@@ -71,6 +85,15 @@ def abstract_live_ins(live_in: tuple[int, ...], signature: tuple) -> dict[int, o
     return values
 
 
+def failure_reason(error: BaseException) -> str:
+    """One bug, one key (Note [Failure accounting]): the type of the root exception (a
+    SpecializationError's cause) and the first line of its message."""
+    root = error.__cause__ if isinstance(error, SpecializationError) and \
+        error.__cause__ is not None else error
+    lines = str(root).strip().splitlines()
+    return f"{type(root).__name__}: {lines[0] if lines else ''}"[:240]
+
+
 class Jit:
     def __init__(self, program, interpreter, config: JitConfig | None = None,
                  telemetry=None) -> None:
@@ -86,6 +109,10 @@ class Jit:
         self.compiles = 0
         self.compile_seconds = 0.0
         self.compile_failures = 0
+        # Note [Failure accounting]: reason -> count; (region, reason) already logged.
+        self.specialize_failures: dict[str, int] = {}
+        self.specialize_rejections = 0
+        self._failures_logged: set[tuple[int, str]] = set()
         self.family_compiles = 0
         # Seconds per instruction of recent compiles (Note [Compile cost estimate]).
         self._compile_rates: deque[float] = deque(maxlen=16)
@@ -344,9 +371,26 @@ class Jit:
         with self._lock:
             self.compile_failures += 1
         region_jit.compile_failed(pending)
-        if not isinstance(error, SpecializationError):
-            self._log(f"compile of region {region_jit.region.index} failed: "
-                      f"{type(error).__name__}: {error}")
+        self._account_failure(region_jit, error)
+
+    def _account_failure(self, region_jit: RegionJit, error: BaseException) -> None:
+        """Note [Failure accounting]."""
+        region = region_jit.region.index
+        if isinstance(error, InputRejected):
+            with self._lock:
+                self.specialize_rejections += 1
+            return
+        if isinstance(error, CompileTimeout):
+            self._log(f"compile of region {region} failed: {type(error).__name__}: {error}")
+            return
+        reason = failure_reason(error)
+        with self._lock:
+            self.specialize_failures[reason] = self.specialize_failures.get(reason, 0) + 1
+            first = (region, reason) not in self._failures_logged
+            self._failures_logged.add((region, reason))
+        if first:
+            self._log(f"region {region}: specialization failed (a dynvm bug, reported "
+                      f"once per region and reason): {reason}")
 
     # -- tracing (only with telemetry enabled) ------------------------------------------
 
@@ -387,7 +431,14 @@ class Jit:
                            "dynvm.host": socket.gethostname(), "dynvm.pid": os.getpid()})
         with self.telemetry.tracer.start_as_current_span(
                 "dynvm.compile", context=parent, attributes=attributes) as span:
-            spec = self._compile(region_jit, target, key)
+            try:
+                spec = self._compile(region_jit, target, key)
+            except Exception as exc:
+                if not isinstance(exc, InputRejected | CompileTimeout):
+                    span.add_event("dynvm.specialize_failure", {  # Note [Failure accounting]
+                        "dynvm.region": region_jit.region.index,
+                        "dynvm.reason": failure_reason(exc)})
+                raise
             artifact = spec.artifact
             span.set_attributes({"dynvm.duration_seconds": artifact.compile_seconds,
                                  "dynvm.kernel": artifact.kernel_name,
@@ -466,6 +517,10 @@ class Jit:
             "family_compiles": self.family_compiles,
             "compile_seconds": self.compile_seconds,
             "compile_failures": self.compile_failures,
+            # Note [Failure accounting]: the first two must be zero on every model.
+            "specialize_failures": dict(self.specialize_failures),
+            "specialize_failures_total": sum(self.specialize_failures.values()),
+            "specialize_rejections": self.specialize_rejections,
             "installs": self.installs,
             "install_seconds": self.install_seconds,
             "install_rejections": self.install_rejections,

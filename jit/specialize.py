@@ -51,8 +51,14 @@ _CHECKS = {"SHAPE_ASSERT", "DIMS_EQUAL", "ASSERT_SCALAR"}
 
 
 class SpecializationError(Exception):
-    """The signature cannot be specialized (for example it fails the program's own input
-    checks, so every call with it raises in the interpreter too)."""
+    """The signature cannot be specialized. Unless it is an `InputRejected`, this is a
+    dynvm bug (a shape function or rewrite that disagrees with execution): the engine
+    counts it by reason (Note [Failure accounting] in dynvm.jit.engine)."""
+
+
+class InputRejected(SpecializationError):
+    """The program's own input checks reject the signature, so every call with it raises
+    in the interpreter too: nothing to compile, and no bug."""
 
 
 def specialize(program, region, live_in_values: dict[int, object],
@@ -66,8 +72,8 @@ def specialize(program, region, live_in_values: dict[int, object],
             probes.append(evaluate_region(program, region, live_in))
         except CheckFailed as exc:
             if index == 0:
-                raise SpecializationError(f"region {region.index} rejects this signature: "
-                                          f"{exc}") from exc
+                raise InputRejected(f"region {region.index} rejects this signature: "
+                                    f"{exc}") from exc
             kept_checks.add(exc.pc)
         except Exception as exc:  # a kernel's shape rule rejects it: no code for it
             raise SpecializationError(f"region {region.index} cannot run with this "
