@@ -16,12 +16,20 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dynvm.arena import ArenaPool
 from dynvm.jit.backends.cpu_arena import OUT_KERNELS, ArenaBinding, ArenaLayout, plan_layout
+from dynvm.jit.backends.cpu_fusion import (
+    FUSED_KERNELS,
+    epilogue_pcs,
+    fuse_gemm_epilogues,
+    is_fused,
+)
+from dynvm.jit.backends.cpu_prepack import PrepackCache
+from dynvm.jit.calibration import Calibrator, calibrator_for
 from dynvm.jit.inplace import INPLACE
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, Var
 from dynvm.jit.signature import GuardStrength
@@ -35,6 +43,7 @@ class CpuKernel:
     source: str
     fn: object  # Callable[[list], None]
     arena: ArenaBinding | None = None
+    notes: tuple[str, ...] = ()     # what the backend's own rewrites did (Note [CPU fusion])
 
 
 class _Emitter:
@@ -151,6 +160,8 @@ def _emit_body(emitter, spec, program, constants, device,
         emitter.line(f"v{reg} = regs[{reg}]")
     for position, op in enumerate(spec.ops):
         emitter.line(f"# {program.code[op.source_pc]}")
+        for pc in epilogue_pcs(op) if op.variant else ():  # Note [CPU fusion]
+            emitter.line(f"# {program.code[pc]}")
         args = [_value(a, emitter, constants) for a in _device_args(op.args, device)]
         comment = ""
         if layout is not None and position in layout.outs:
@@ -159,6 +170,8 @@ def _emit_body(emitter, spec, program, constants, device,
             comment = "  # into the arena"
         elif op.variant == "inplace":
             fn = emitter.bind(op.opcode.lower() + "_", INPLACE[op.opcode])
+        elif is_fused(op):  # Note [CPU fusion]
+            fn = emitter.bind(op.opcode.lower(), FUSED_KERNELS[op.opcode])
         else:
             fn = emitter.bind(op.opcode, opcode(op.opcode).impl)
         call = f"{fn}({', '.join(args)})"
@@ -199,9 +212,17 @@ class CpuOptions:
     """Backend options (part of the cache key through `as_key`)."""
 
     arena_pool: ArenaPool | None = None    # None: no arenas
+    fusion: str = "measured"
+    """GEMM + epilogue on oneDNN (Note [CPU fusion]): "measured" where it measures faster
+    on this device, "always" wherever it applies (tests, debugging), "off"."""
+    calibrator: Calibrator | None = None
+    """Who measures for "measured"; None: the device's process-wide calibrator."""
+    prepacked: PrepackCache = field(default_factory=PrepackCache, compare=False, repr=False)
+    """This engine's packed weights (Note [Prepacked weights]); one per CpuOptions, and
+    an engine makes one CpuOptions."""
 
     def as_key(self) -> dict:
-        return {"arena": self.arena_pool is not None}
+        return {"arena": self.arena_pool is not None, "fusion": self.fusion}
 
 
 def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.device,
@@ -211,6 +232,15 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
     header = (f"dynvm CPU specialization of program {program.content_hash[:12]}, region "
               f"{spec.region_index} ({spec.instructions} instructions -> {len(spec.ops)} "
               f"operations)\nsignature: {signature_text}\nguard: {guard}")
+    notes: tuple[str, ...] = ()
+    if options.fusion != "off":
+        calibrator = None if options.fusion == "always" else (
+            options.calibrator or calibrator_for(device))
+        fused = fuse_gemm_epilogues(spec, constants, device, prepacked=options.prepacked,
+                                    calibrator=calibrator,
+                                    weak_guard=guard == GuardStrength.WEAK.value)
+        spec, notes = fused.spec, fused.notes
+        header += "".join(f"\n{note}" for note in notes)
     arena = None
     # A weak guard admits other shapes of the same element count, whose intermediates
     # may outgrow blocks planned for this one (Note [Arena layout]): no arena for it.
@@ -226,4 +256,4 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
     namespace = dict(bindings)
     code = compile(source, f"<dynvm {name}>", "exec")
     exec(code, namespace)  # safe: source generated above from verified bytecode only
-    return CpuKernel(name, source, namespace[name], arena)
+    return CpuKernel(name, source, namespace[name], arena, notes)

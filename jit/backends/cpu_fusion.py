@@ -1,0 +1,448 @@
+"""GEMMs with their epilogues as one oneDNN call: a pass over the specialized IR.
+
+Note [CPU fusion]
+~~~~~~~~~~~~~~~~~
+Eager PyTorch runs `gelu(linear(x, w, b))` as two kernels, the second a full pass over
+the GEMM's result in memory. oneDNN computes the activation (or a residual add) as a
+post-op while the result is still in registers, and its GEMM beat torch's own on this
+project's 2-core AVX-512 machine (one thread, N=1024, K=256: M=512 2.2 vs 4.0 ms with
+GELU; the GEMM alone 2.3 vs 3.1 ms). Torch exposes that path as
+`torch.ops.mkldnn._linear_pointwise` (unary post-op) and its `.binary` overload (add,
+sub, mul with a second tensor), which is what Inductor's CPU freezing passes call.
+
+What is rewritten (`fuse_gemm_epilogues`):
+- a GEMM with a constant weight: LINEAR(x, w, b), ADDMM(b, x, w^T), MM(x, w^T) and
+  MATMUL(x, w^T) with a 2-D constant `w^T` become oneDNN's linear on a packed copy of
+  the weight (Note [Prepacked weights]); fp32 only (oneDNN has no fp64 path here);
+- with its only consumer when that is an activation oneDNN fuses (RELU, GELU both
+  modes, SILU, SIGMOID, TANH, HARDSWISH, HARDSIGMOID) or an ADD/SUB/MUL with a tensor of
+  exactly the result's shape and dtype at every probe (the binary post-op does not
+  broadcast the GEMM's result). Binary fusion needs the shapes the guard proves, so a
+  weak-guarded specialization gets only unary fusion;
+- the fused call takes the GEMM's place in the sequence (its inputs are read where they
+  were read before, so nothing rewritten in place in between can have clobbered them);
+  the second operand of a binary post-op must already exist there, and no op between
+  may write a register the fused call reads or defines. Frees are recomputed.
+
+Every rewrite must measure faster: the pass asks the device's `Calibrator` (Note
+[Calibration]) to time the eager pair against the fused call on operands of the op's
+shapes, per (epilogue, M size class, N, K, threads), at every probe's M (capped, see
+`_CALIBRATION_MAX_M`); the rewrite is made only where oneDNN wins at the planning probe
+and loses at no probe. The choice and both timings become notes in the kernel's source
+header, which `dynvm explain` prints.
+
+oneDNN's linear reads strided and offset views correctly (it copies what it cannot
+read; checked in tests/jit/test_cpu_fusion.py), so no view reaches a kernel that assumes
+contiguity. The fused result is a fresh tensor: it is not an arena `out=` op, so arena
+planning leaves it out (Note [Arena layout]); in-place reuse (Note [In-place reuse]) has
+already run on the IR and stays valid because the fused call reads nothing later than
+the GEMM did.
+
+Note [CPU fusion groups without a vendor op]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Elementwise chains and layer norm with its neighbours have no vendor op that fuses them;
+the alternative is generated C++ (vectorized, OpenMP) built by a compiler. It is left out,
+measured: in the demo Transformer's specialized kernel after the GEMM rewrite, all
+elementwise and layer-norm ops together take the share of the time given in
+docs/BENCHMARKS.md ("CPU backend: oneDNN GEMM epilogues"), which bounds what fusing them
+could save, below the 10% threshold this backend sets for taking on a compiler. Were it
+done, the compile would run in the compile service or at precompile time only, cached by
+source hash: a fleet replica must never run a C++ compiler on the request path (nor on
+its own compile thread, which competes with requests for the same cores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from dynvm.jit.aliasing import flat_values
+from dynvm.jit.backends.cpu_prepack import PrepackCache
+from dynvm.jit.calibration import Calibrator, size_class
+from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
+from dynvm.vm.opcodes import OPCODES
+
+_mkldnn = torch.ops.mkldnn
+
+# The variant of fused SpecOps ("onednn", or "onednn+<pc>" naming the epilogue's
+# instruction for the source listing) and the callables their opcodes name.
+FUSED_VARIANT = "onednn"
+LINEAR_UNARY = "ONEDNN_LINEAR"
+LINEAR_BINARY = "ONEDNN_LINEAR_BINARY"
+FUSED_KERNELS = {
+    LINEAR_UNARY: _mkldnn._linear_pointwise.default,
+    LINEAR_BINARY: _mkldnn._linear_pointwise.binary,
+}
+
+# Activation opcode -> oneDNN post-op attribute (GELU's is chosen by its mode operand).
+_UNARY_ATTRS = {"RELU": "relu", "SILU": "swish", "SIGMOID": "sigmoid", "TANH": "tanh",
+                "HARDSWISH": "hardswish", "HARDSIGMOID": "hardsigmoid", "GELU": "gelu"}
+_BINARY_ATTRS = {"ADD": "add", "SUB": "sub", "MUL": "mul"}
+_COMMUTATIVE = {"ADD", "MUL"}
+# Calibration operands are at most this many rows: past it the choice does not change
+# (oneDNN's lead grows with M) and a family's upper bound (batch 64 x seq 512) would
+# make one calibration cost seconds of a compile thread.
+_CALIBRATION_MAX_M = 2048
+
+
+@dataclass(frozen=True)
+class FusionResult:
+    spec: SpecializedRegion
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Gemm:
+    """A GEMM with a constant weight, in linear's terms."""
+
+    x: object                    # the activation operand (Var)
+    weight: int                  # constant index
+    transpose: bool              # the constant is [K, N]
+    bias: object                 # ConstRef or Literal(None)
+
+
+def is_fused(op: SpecOp) -> bool:
+    return op.variant.split("+")[0] == FUSED_VARIANT
+
+
+def epilogue_pcs(op: SpecOp) -> tuple[int, ...]:
+    """The instructions a fused op also stands for, after its GEMM's (`source_pc`)."""
+    return tuple(int(pc) for pc in op.variant.split("+")[1:])
+
+
+def onednn_available(device: torch.device) -> bool:
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and torch.backends.mkldnn.enabled)
+
+
+def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device, *,
+                        prepacked: PrepackCache, calibrator: Calibrator | None,
+                        weak_guard: bool) -> FusionResult:
+    """`spec` with its GEMMs (and their epilogues) on oneDNN where that measures faster;
+    `calibrator` None: rewrite wherever possible (tests, debugging)."""
+    if not onednn_available(device) or not spec.abstract:
+        return FusionResult(spec, ())
+    ops = list(spec.ops)
+    leaving = {v.reg for _, v in spec.outputs if isinstance(v, Var)}
+    producer_position = {dst: i for i, op in enumerate(ops) for dst in op.dsts}
+    uses = _use_counts(ops, leaving)
+    notes: list[str] = []
+    replaced: dict[int, SpecOp] = {}
+    removed: set[int] = set()
+    for position, op in enumerate(ops):
+        gemm = _as_gemm(op, constants, spec.abstract)
+        if gemm is None:
+            continue
+        consumer_at = _single_consumer(ops, position, uses)
+        epilogue = None
+        if consumer_at is not None and consumer_at not in removed:
+            epilogue = _epilogue(ops, position, consumer_at, spec.abstract, constants,
+                                 producer_position, weak_guard)
+        decision = _decide(op, gemm, epilogue, ops, constants, spec.abstract, calibrator)
+        if decision is None:
+            if epilogue is not None:
+                # The fused form lost: try the GEMM alone (its own calibration).
+                epilogue = None
+                decision = _decide(op, gemm, None, ops, constants, spec.abstract,
+                                   calibrator)
+            if decision is None:
+                notes.append(f"{op.source_pc}: {op.opcode} stays on torch "
+                             f"({_why_not(op, gemm, calibrator)})")
+                continue
+        fused = _fused_op(op, gemm, epilogue, ops, constants, spec.abstract, prepacked)
+        replaced[position] = fused
+        if epilogue is not None:
+            removed.add(epilogue[0])
+        notes.append(f"{op.source_pc}: {_describe(op, epilogue, ops)} -> oneDNN "
+                     f"{_call_text(fused)}{decision}")
+    if not replaced:
+        return FusionResult(spec, tuple(notes))
+    new_ops = [replaced.get(i, op) for i, op in enumerate(ops) if i not in removed]
+    new_ops = _recompute_frees(new_ops, leaving)
+    return FusionResult(dataclasses.replace(spec, ops=tuple(new_ops)), tuple(notes))
+
+
+# -- matching ---------------------------------------------------------------------------
+
+
+def _use_counts(ops: list[SpecOp], leaving: set[int]) -> dict[int, int]:
+    counts = {reg: 1 for reg in leaving}
+    for op in ops:
+        for value in flat_values(op.args):
+            if isinstance(value, Var):
+                counts[value.reg] = counts.get(value.reg, 0) + 1
+    return counts
+
+
+def _probe_tensors(probes, reg: int) -> list | None:
+    values = [probe.get(reg) for probe in probes]
+    return values if all(isinstance(v, torch.Tensor) for v in values) else None
+
+
+def _fp32_const(constants, arg, rank: int) -> torch.Tensor | None:
+    if not isinstance(arg, ConstRef):
+        return None
+    value = constants[arg.index]
+    if (isinstance(value, torch.Tensor) and value.dtype == torch.float32
+            and value.dim() == rank and value.device.type == "cpu"):
+        return value
+    return None
+
+
+def _as_gemm(op: SpecOp, constants, probes) -> _Gemm | None:
+    if op.variant or len(op.dsts) != 1:
+        return None
+    args = op.args
+    if op.opcode == "LINEAR" and len(args) == 3:
+        x, weight, bias = args
+        transpose = False
+        w = _fp32_const(constants, weight, 2)
+        if w is None:
+            return None
+        if not (bias == Literal(None) or _fp32_const(constants, bias, 1) is not None):
+            return None
+    elif op.opcode == "ADDMM" and len(args) == 3:
+        bias, x, weight = args
+        transpose = True
+        w = _fp32_const(constants, weight, 2)
+        if w is None or _fp32_const(constants, bias, 1) is None:
+            return None
+    elif op.opcode in ("MM", "MATMUL") and len(args) == 2:
+        x, weight = args
+        transpose, bias = True, Literal(None)
+        w = _fp32_const(constants, weight, 2)
+        if w is None:
+            return None
+    else:
+        return None
+    if not isinstance(x, Var):
+        return None
+    xs = _probe_tensors(probes, x.reg)
+    results = _probe_tensors(probes, op.dsts[0])
+    if xs is None or results is None:
+        return None
+    if any(t.dtype != torch.float32 or t.dim() < 2 for t in xs):
+        return None
+    if op.opcode == "MM" and any(t.dim() != 2 for t in xs):
+        return None
+    return _Gemm(x, weight.index, transpose, bias)
+
+
+def _single_consumer(ops, position: int, uses) -> int | None:
+    dst = ops[position].dsts[0]
+    if uses.get(dst) != 1:
+        return None
+    for later in range(position + 1, len(ops)):
+        if any(v == Var(dst) for v in flat_values(ops[later].args)):
+            return later
+    return None
+
+
+def _epilogue(ops, position, consumer_at, probes, constants, producer_position,
+              weak_guard: bool):
+    """(consumer position, attr, scalars, algorithm, other operand or None), or None."""
+    consumer = ops[consumer_at]
+    dst = Var(ops[position].dsts[0])
+    if len(consumer.dsts) != 1 or consumer.variant not in ("", "inplace"):
+        return None
+    if not _untouched_between(ops, position, consumer_at, consumer):
+        return None
+    name = consumer.opcode
+    if name in _UNARY_ATTRS and consumer.args and consumer.args[0] == dst:
+        if name == "GELU":
+            mode = consumer.args[1] if len(consumer.args) > 1 else Literal("none")
+            if not (isinstance(mode, Literal) and mode.value in ("none", "tanh")):
+                return None
+            return consumer_at, "gelu", [], mode.value, None
+        if len(consumer.args) != 1:
+            return None
+        return consumer_at, _UNARY_ATTRS[name], [], "", None
+    if name not in _BINARY_ATTRS or weak_guard or len(consumer.args) != 2:
+        return None
+    a, b = consumer.args
+    if a == dst:
+        other = b
+    elif b == dst and name in _COMMUTATIVE:
+        other = a
+    else:
+        return None
+    if other == dst:
+        return None
+    result = _probe_tensors(probes, dst.reg)
+    if isinstance(other, Var):
+        # It must exist where the fused call runs: the GEMM's place.
+        if producer_position.get(other.reg, -1) >= position:
+            return None
+        others = _probe_tensors(probes, other.reg)
+    elif isinstance(other, ConstRef) and isinstance(constants[other.index], torch.Tensor):
+        others = [constants[other.index]] * len(probes)
+    else:
+        return None
+    if others is None or result is None:
+        return None
+    if any(o.shape != r.shape or o.dtype != r.dtype for o, r in zip(others, result)):
+        return None
+    return consumer_at, _BINARY_ATTRS[name], None, None, other
+
+
+def _untouched_between(ops, position: int, consumer_at: int, consumer: SpecOp) -> bool:
+    """No op strictly between writes a register the fused call reads or defines, so that
+    running it at `position` computes what the pair computed."""
+    read = {v.reg for v in flat_values(ops[position].args) if isinstance(v, Var)}
+    read |= {v.reg for v in flat_values(consumer.args) if isinstance(v, Var)}
+    defined = set(consumer.dsts)
+    for op in ops[position + 1:consumer_at]:
+        if set(op.dsts) & (read | defined):
+            return False
+        if any(isinstance(v, Var) and v.reg in defined for v in flat_values(op.args)):
+            return False
+    return True
+
+
+# -- calibration -------------------------------------------------------------------------
+
+
+def _m_of(x: torch.Tensor) -> int:
+    return x.numel() // max(1, x.shape[-1])
+
+
+def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
+            calibrator: Calibrator | None) -> str | None:
+    """A note suffix when the rewrite is kept, None when torch's form stays."""
+    if calibrator is None:
+        return " (not measured: fusion forced on)"
+    weight = constants[gemm.weight]
+    dense = weight.t().contiguous() if gemm.transpose else weight
+    bias = constants[gemm.bias.index] if isinstance(gemm.bias, ConstRef) else None
+    n, k = dense.shape
+    label = _kind(op, epilogue, ops)
+    xs = _probe_tensors(probes, gemm.x.reg)
+    ms = sorted({min(_m_of(x), _CALIBRATION_MAX_M) for x in xs}, reverse=True)
+    threads = torch.get_num_threads()
+    verdicts = []
+    for m in ms:
+        key = (size_class(m), n, k, threads)
+        x = torch.randn(m, k)
+        packed = torch.ops.mkldnn._reorder_linear_weight(dense, max(1, m))
+        eager, fused = _candidates(op, epilogue, ops, x, weight, dense, packed, bias)
+        choice = calibrator.choose(f"onednn {label}", key, {"torch": eager, "onednn": fused})
+        verdicts.append((m, choice))
+    planning_m = min(_m_of(xs[0]), _CALIBRATION_MAX_M)
+    planning = next(choice for m, choice in verdicts if m == planning_m)
+    margin = calibrator.margin
+    loses = any(c.seconds["onednn"] > c.seconds["torch"] * (1.0 + margin)
+                for _, c in verdicts)
+    if planning.name != "onednn" or loses:
+        return None
+    timings = "; ".join(f"M={m} {c.seconds['onednn'] * 1e3:.3f} vs "
+                        f"{c.seconds['torch'] * 1e3:.3f} ms" for m, c in verdicts)
+    return f" (measured, oneDNN vs torch: {timings})"
+
+
+def _candidates(op, epilogue, ops, x, weight, dense, packed, bias):
+    """Zero-argument calls: the pair as the interpreter runs it, and the fused call."""
+    gemm_impl = OPCODES[op.opcode].impl
+    if op.opcode == "LINEAR":
+        def run_gemm():
+            return gemm_impl(x, weight, bias)
+    elif op.opcode == "ADDMM":
+        def run_gemm():
+            return gemm_impl(bias, x, weight)
+    else:
+        def run_gemm():
+            return gemm_impl(x, weight)
+    if epilogue is None:
+        return run_gemm, lambda: FUSED_KERNELS[LINEAR_UNARY](x, packed, bias, "none", [], "")
+    consumer_at, attr, scalars, algorithm, other = epilogue
+    consumer = ops[consumer_at]
+    spec = OPCODES[consumer.opcode]
+    if other is None:
+        extra = [a.value for a in consumer.args[1:]]
+        step = spec.inplace if consumer.variant == "inplace" else spec.impl
+
+        def eager():
+            return step(run_gemm(), *extra)
+
+        def fused():
+            return FUSED_KERNELS[LINEAR_UNARY](x, packed, bias, attr, scalars, algorithm)
+        return eager, fused
+    second = torch.randn(x.shape[0], dense.shape[0])
+    step = spec.inplace if consumer.variant == "inplace" else spec.impl
+
+    def eager_binary():
+        return step(run_gemm(), second)
+
+    def fused_binary():
+        return FUSED_KERNELS[LINEAR_BINARY](x, second, packed, bias, attr)
+    return eager_binary, fused_binary
+
+
+def _why_not(op, gemm, calibrator) -> str:
+    return "oneDNN measured no faster here" if calibrator is not None else "not applicable"
+
+
+# -- the fused op ------------------------------------------------------------------------
+
+
+def _fused_op(op, gemm: _Gemm, epilogue, ops, constants, probes,
+              prepacked: PrepackCache) -> SpecOp:
+    xs = _probe_tensors(probes, gemm.x.reg)
+    packed = prepacked.linear_weight(gemm.weight, constants[gemm.weight], _m_of(xs[0]),
+                                     gemm.transpose)
+    if epilogue is None:
+        return SpecOp(LINEAR_UNARY, op.dsts, (gemm.x, Literal(packed), gemm.bias,
+                                              Literal("none"), Literal([]), Literal("")),
+                      op.source_pc, variant=FUSED_VARIANT)
+    consumer_at, attr, scalars, algorithm, other = epilogue
+    consumer = ops[consumer_at]
+    variant = f"{FUSED_VARIANT}+{consumer.source_pc}"
+    if other is None:
+        return SpecOp(LINEAR_UNARY, consumer.dsts, (gemm.x, Literal(packed), gemm.bias,
+                                                    Literal(attr), Literal(scalars),
+                                                    Literal(algorithm)),
+                      op.source_pc, variant=variant)
+    return SpecOp(LINEAR_BINARY, consumer.dsts, (gemm.x, other, Literal(packed), gemm.bias,
+                                                 Literal(attr)),
+                  op.source_pc, variant=variant)
+
+
+def _kind(op, epilogue, ops) -> str:
+    if epilogue is None:
+        return op.opcode.lower()
+    consumer = ops[epilogue[0]]
+    mode = f"({epilogue[3]})" if consumer.opcode == "GELU" else ""
+    return f"{op.opcode.lower()}+{consumer.opcode.lower()}{mode}"
+
+
+def _describe(op, epilogue, ops) -> str:
+    if epilogue is None:
+        return op.opcode
+    consumer = ops[epilogue[0]]
+    return f"{op.opcode} + {consumer.opcode} (pc {consumer.source_pc})"
+
+
+def _call_text(fused: SpecOp) -> str:
+    if fused.opcode == LINEAR_UNARY:
+        attr = fused.args[3].value
+        return "linear" if attr == "none" else f"linear with post-op {attr}"
+    return f"linear with binary post-op {fused.args[4].value}"
+
+
+def _recompute_frees(ops: list[SpecOp], keep: set[int]) -> list[SpecOp]:
+    """Each op frees the Vars whose last use it is (outputs are kept): the fused calls
+    moved some reads earlier."""
+    last_use: dict[int, int] = {}
+    for position, op in enumerate(ops):
+        for value in flat_values(op.args):
+            if isinstance(value, Var):
+                last_use[value.reg] = position
+        for dst in op.dsts:
+            last_use.setdefault(dst, position)
+    frees: dict[int, list[int]] = {}
+    for reg, position in last_use.items():
+        if reg not in keep:
+            frees.setdefault(position, []).append(reg)
+    return [dataclasses.replace(op, frees=tuple(sorted(frees.get(i, ()))))
+            for i, op in enumerate(ops)]
