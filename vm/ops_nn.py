@@ -19,14 +19,24 @@ def _layer_norm_out(x, shape, weight, bias, eps, _cudnn, out, mean, rstd):
 
 def _layer_norm_scratch(x, shape, weight, bias, eps, _cudnn):
     # mean and rstd keep the leading dims and a 1 per normalized dim, contiguous, in the
-    # input's dtype for fp32/fp64. Computed here: the meta kernel goes through the
-    # Python decomposition, 5 ms a call, and planning asks once per layer norm.
-    if x.dtype in (torch.float32, torch.float64):
-        stats = (*x.shape[:x.dim() - len(shape)], *(1,) * len(shape))
-        return (torch.empty(stats, dtype=x.dtype, device=x.device),
-                torch.empty(stats, dtype=x.dtype, device=x.device))
-    _, mean, rstd = aten.native_layer_norm(x, shape, weight, bias, eps)
-    return mean, rstd
+    # input's dtype: what the CPU kernel returns and its out= form demands for every
+    # dtype (the meta kernel says fp32 for fp16/bf16 inputs, and its Python
+    # decomposition costs 5 ms a call; planning asks once per layer norm).
+    stats = (*x.shape[:x.dim() - len(shape)], *(1,) * len(shape))
+    return (torch.empty(stats, dtype=x.dtype, device=x.device),
+            torch.empty(stats, dtype=x.dtype, device=x.device))
+
+
+def _stats_in_input_dtype(kernel):
+    """A norm's shape function whose saved statistics (results 1 and 2) have the input's
+    dtype, as the CPU kernels give them; their meta kernels say fp32 for fp16/bf16
+    inputs (the CUDA kernels' accumulation type; abstract values follow the CPU)."""
+
+    def abstract(x, *args):
+        y, *stats = kernel(x, *args)
+        return (y, *(s.to(x.dtype) if s.is_floating_point() else s for s in stats))
+
+    return abstract
 
 
 def _softmax_out(x, dim, dtype, out):
@@ -65,14 +75,16 @@ NN_OPS = (
               impl=torch.layer_norm,
               out=OutForm(_layer_norm_out, scratch=_layer_norm_scratch)),
     tensor_op("NATIVE_LAYER_NORM", aten.native_layer_norm.default,
-              "layer norm with its mean and rstd", impl=torch.native_layer_norm),
+              "layer norm with its mean and rstd", impl=torch.native_layer_norm,
+              custom_shape_fn=_stats_in_input_dtype(torch.native_layer_norm)),
     tensor_op("BATCH_NORM", aten._native_batch_norm_legit_no_training.default,
               "batch norm with running statistics (inference)",
               impl=torch._native_batch_norm_legit_no_training,
               custom_shape_fn=_batch_norm_abstract),
     tensor_op("BATCH_NORM_NO_STATS", aten._native_batch_norm_legit.no_stats,
               "batch norm over the batch's own statistics (instance norm)",
-              impl=torch._native_batch_norm_legit),
+              impl=torch._native_batch_norm_legit,
+              custom_shape_fn=_stats_in_input_dtype(torch._native_batch_norm_legit)),
     tensor_op("GROUP_NORM", aten.native_group_norm.default,
               "group norm with its mean and rstd", impl=torch.native_group_norm),
     # -- convolution -----------------------------------------------------------------

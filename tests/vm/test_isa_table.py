@@ -370,3 +370,35 @@ def test_index_with_a_mask_has_a_data_dependent_shape():
     x, mask = rand(4, 5), rand(4, 5) > 0
     assert spec.shape_fn(_abstract(x), (True,), [_abstract(mask)]) is None
     torch.testing.assert_close(spec.impl(x, (True,), [mask]), x[mask])
+
+
+def _to_dtype(value, dtype):
+    if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+        return value.to(dtype)
+    if isinstance(value, list):
+        return [_to_dtype(v, dtype) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_shape_functions_match_in_half_precision(dtype):
+    """fp16/bf16 activations: a meta kernel may give the statistics of a norm in fp32
+    where the CPU kernel keeps the input's dtype."""
+    wrong = []
+    for spec in EXECUTABLE:
+        if spec.data_dependent or spec.opclass is not OpClass.TENSOR or \
+                spec.name.startswith("FFT"):   # complex-half FFTs are experimental
+            continue
+        args = [_to_dtype(a, dtype) for a in EXAMPLES[spec.name]()]
+        try:
+            real = spec.impl(*args)
+        except (RuntimeError, NotImplementedError):
+            continue   # no CPU kernel for this dtype: nothing to agree with
+        abstract = spec.shape_fn(*[_abstract(a) for a in args])
+        for want, got in zip(_as_tuple(real), _as_tuple(abstract), strict=True):
+            if isinstance(want, torch.Tensor) and (
+                    got.shape, got.dtype, got.stride()) != (want.shape, want.dtype,
+                                                            want.stride()):
+                wrong.append(f"{spec.name}: {got.dtype}{tuple(got.shape)} vs "
+                             f"{want.dtype}{tuple(want.shape)}")
+    assert not wrong, wrong
