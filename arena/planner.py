@@ -62,8 +62,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from dynvm.vm.errors import DynvmError
 
-class ArenaPlanError(ValueError):
+
+class ArenaPlanError(DynvmError, ValueError):
     """A block list or an alignment the planner cannot accept."""
 
 

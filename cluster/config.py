@@ -15,11 +15,12 @@ from dynvm._env import STORE_SECRET, EnvVarError, store_settings
 from dynvm.cluster.store_base import KernelStore
 from dynvm.cluster.store_local import LocalDirStore
 from dynvm.cluster.store_redis import RedisConfig, RedisStore
+from dynvm.vm.errors import DynvmError
 
 SECRET_VARIABLE = STORE_SECRET
 
 
-class StoreConfigError(ValueError):
+class StoreConfigError(DynvmError, ValueError):
     """The environment does not describe a usable kernel store (names the variable)."""
 
 

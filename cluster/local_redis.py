@@ -19,9 +19,10 @@ import time
 from dataclasses import dataclass, field
 
 from dynvm.cluster.store_redis import RedisConfig
+from dynvm.vm.errors import DynvmError
 
 
-class LocalRedisError(RuntimeError):
+class LocalRedisError(DynvmError, RuntimeError):
     """redis-server is missing, or did not start (the message says which, and why)."""
 
 

@@ -57,6 +57,7 @@ import msgpack
 
 from dynvm.cluster.store_base import KernelStore, StoreUnavailable, check_key, shorten
 from dynvm.jit.artifact import Artifact
+from dynvm.vm.errors import DynvmError
 
 FORMAT_VERSION = 1
 _ENVELOPE_FIELDS = frozenset({"v", "key", "body", "mac"})
@@ -82,7 +83,7 @@ OPTIONAL_FIELDS: Mapping[str, type | tuple[type, ...]] = {
 logger = logging.getLogger(__name__)
 
 
-class RejectedArtifact(Exception):
+class RejectedArtifact(DynvmError):
     """A kernel store entry that must not be used; `reason` names the subclass's case."""
 
     reason: ClassVar[str] = "rejected"

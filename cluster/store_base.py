@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from dynvm.vm.errors import DynvmError
+
 KEY_PATTERN = re.compile(r"[0-9a-f]{64}")
 """A store key is what `dynvm.jit.artifact.cache_key` returns: a hex sha256 digest."""
 
@@ -23,7 +25,7 @@ _SHOWN = 80
 """How much of a rejected key an error message shows (keys can be attacker-sized)."""
 
 
-class StoreError(Exception):
+class StoreError(DynvmError):
     """Base of the kernel store's errors."""
 
 

@@ -18,10 +18,11 @@ from torch.utils import _pytree as pytree
 import dynvm
 from dynvm._progress import call_bar
 from dynvm.telemetry import Telemetry
+from dynvm.vm.errors import DynvmError
 from dynvm.vm.sample_inputs import INT_HIGH, declared_dims, dim_values, random_inputs
 
 
-class CliError(Exception):
+class CliError(DynvmError):
     """A failure to report as `dynvm: error: <message>`; `code` 2 is a usage error."""
 
     def __init__(self, message: str, code: int = 1) -> None:

@@ -14,9 +14,10 @@ import math
 import torch
 
 from dynvm.jit.ir import ConstRef, Literal, Var
+from dynvm.vm.errors import DynvmError
 
 
-class IrCodecError(ValueError):
+class IrCodecError(DynvmError, ValueError):
     """Data that is not an encoded IR operand (the message names what was wrong)."""
 
 

@@ -35,6 +35,7 @@ from dynvm.jit.ir import ConstRef, SpecializedRegion, SpecOp, Var
 from dynvm.jit.ir_codec import IrCodecError, decode_literal, decode_value, encode_value
 from dynvm.jit.signature import GuardStrength
 from dynvm.shape_cluster import Family
+from dynvm.vm.errors import DynvmError
 from dynvm.vm.opcodes import OPCODES
 from dynvm.vm.shapes import intern_shape
 
@@ -44,7 +45,7 @@ _TORCH_ENUMS = {"dtype": torch.dtype, "layout": torch.layout,
                 "memory_format": torch.memory_format}
 
 
-class PortableError(ValueError):
+class PortableError(DynvmError, ValueError):
     """A record that does not describe a specialization of this program (names the field)."""
 
 

@@ -33,8 +33,10 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
+from dynvm.vm.errors import DynvmError
 
-class CompileTimeout(TimeoutError):
+
+class CompileTimeout(DynvmError, TimeoutError):
     """A compile ran past the queue's deadline (Note [Compile deadline])."""
 
 

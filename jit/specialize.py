@@ -41,6 +41,7 @@ from dynvm.jit.aliasing import flat_values
 from dynvm.jit.inplace import reuse_dying_buffers
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Value, Var
 from dynvm.vm.abstract import CheckFailed, evaluate_region
+from dynvm.vm.errors import DynvmError
 from dynvm.vm.instr import Instr
 from dynvm.vm.isa import OpClass
 from dynvm.vm.operands import Const, Imm, IntList, Reg, RegList
@@ -50,7 +51,7 @@ _ALIAS_IF_SAME_SHAPE = {"VIEW", "RESHAPE_IF", "EXPAND", "ALIAS"}
 _CHECKS = {"SHAPE_ASSERT", "DIMS_EQUAL", "ASSERT_SCALAR"}
 
 
-class SpecializationError(Exception):
+class SpecializationError(DynvmError):
     """The signature cannot be specialized. Unless it is an `InputRejected`, this is a
     dynvm bug (a shape function or rewrite that disagrees with execution): the engine
     counts it by reason (Note [Failure accounting] in dynvm.jit.engine)."""

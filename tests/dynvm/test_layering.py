@@ -13,12 +13,12 @@ import ast
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.dynvm._shipped import REPO, pyproject, shipped_modules
+
 LEAVES = frozenset({"dynvm._env", "dynvm.telemetry"})
 LAYERS = ("vm", "shape_cluster", "arena", "jit", "cluster")
 
@@ -37,23 +37,6 @@ ALLOWED: dict[str, frozenset[str]] = {
 # Third-party packages a layer may not import at all, lazily or not.
 FORBIDDEN_EXTERNAL: dict[str, tuple[str, ...]] = {
     layer: ("ray", "redis") for layer in ("vm", "leaf", "shape_cluster", "arena", "jit")}
-
-
-def package_dirs() -> dict[str, Path]:
-    """dynvm.<name> -> its folder, from pyproject.toml's package-dir (the one mapping)."""
-    config = tomllib.loads((REPO / "pyproject.toml").read_text())
-    return {name: REPO / folder
-            for name, folder in config["tool"]["setuptools"]["package-dir"].items()}
-
-
-def shipped_modules() -> dict[str, Path]:
-    """Every shipped module's dotted name -> its file."""
-    modules: dict[str, Path] = {}
-    for package, folder in package_dirs().items():
-        for path in folder.glob("*.py"):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
-            modules[name] = path
-    return modules
 
 
 def layer_of(module: str) -> str | None:
@@ -198,5 +181,4 @@ def test_the_top_package_resolves_its_api_on_first_use():
     before, after, version = loaded
     assert [m for m in before if m.startswith("dynvm")] == ["dynvm"]
     assert "dynvm._runtime" in after and "dynvm.jit.engine" in after
-    expected = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-    assert version == expected
+    assert version == pyproject()["project"]["version"]

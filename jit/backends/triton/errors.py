@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from dynvm.vm.errors import DynvmError
 
-class TritonBackendError(Exception):
+
+class TritonBackendError(DynvmError):
     """Base class of the Triton backend's errors."""
 
 
