@@ -90,6 +90,31 @@ def _cumprod(x, dim, dtype):
     return torch.cumprod(x, dim, dtype=dtype)
 
 
+def _cumsum(x, dim, dtype):
+    return torch.cumsum(x, dim, dtype=dtype)
+
+
+_aten_slice = aten.slice.Tensor
+
+
+def _slice(x, dim, start, end, step):
+    # Tensor.narrow for unit steps: the same view, about 1 us faster than the overload.
+    # The bounds are normalised as aten.slice does (None, negative, past the end).
+    if step != 1:
+        return _aten_slice(x, dim, start, end, step)
+    size = x.shape[dim]
+    if start is None:
+        start = 0
+    elif start < 0:
+        start = max(start + size, 0)
+    if end is None or end > size:
+        end = size
+    elif end < 0:
+        end = max(end + size, 0)
+    start = min(start, size)
+    return x.narrow(dim, start, max(end - start, 0))
+
+
 def _sum_out(x, dims, keepdim, dtype, out):
     return torch.sum(x, dims, keepdim, dtype=dtype, out=out)
 
@@ -163,7 +188,7 @@ TENSOR_OPS: tuple[OpSpec, ...] = (
               impl=_var),
     tensor_op("VECTOR_NORM", aten.linalg_vector_norm.default, "vector p-norm over dims",
               impl=_vector_norm),
-    tensor_op("CUMSUM", aten.cumsum.default, "cumulative sum along a dim"),
+    tensor_op("CUMSUM", aten.cumsum.default, "cumulative sum along a dim", impl=_cumsum),
     tensor_op("CUMPROD", aten.cumprod.default, "cumulative product along a dim",
               impl=_cumprod),
     # -- views (no data movement) ----------------------------------------------------
@@ -178,7 +203,7 @@ TENSOR_OPS: tuple[OpSpec, ...] = (
     tensor_op("SQUEEZE_DIMS", aten.squeeze.dims, "drop dims of size 1", impl=torch.squeeze),
     tensor_op("EXPAND", aten.expand.default, "broadcast to a size", args="T,L",
               impl=_expand),
-    tensor_op("SLICE", aten.slice.Tensor, "x[start:end:step] along a dim"),
+    tensor_op("SLICE", aten.slice.Tensor, "x[start:end:step] along a dim", impl=_slice),
     tensor_op("SELECT", aten.select.int, "x[index] along a dim", impl=torch.select),
     tensor_op("ALIAS", aten.alias.default, "a view of the whole tensor"),
     tensor_op("AS_STRIDED", aten.as_strided.default, "a view with given sizes and strides",

@@ -402,3 +402,36 @@ def test_shape_functions_match_in_half_precision(dtype):
                 wrong.append(f"{spec.name}: {got.dtype}{tuple(got.shape)} vs "
                              f"{want.dtype}{tuple(want.shape)}")
     assert not wrong, wrong
+
+
+@pytest.mark.parametrize("bounds", [(0, None, None), (0, -3, None), (1, 2, 2**63 - 1),
+                                    (1, -9, -1), (0, 5, 2), (1, 4, 2), (0, 7, 9),
+                                    (1, -2, 5), (0, 3, -8)], ids=str)
+def test_slice_bounds_as_aten(bounds):
+    """SLICE's fast path normalises bounds itself: it agrees with aten.slice on every
+    spelling (None, negative, past either end, empty), values and view alike."""
+    dim, start, end = bounds
+    x = rand(6, 5)
+    want = torch.ops.aten.slice.Tensor(x, dim, start, end, 1)
+    got = OPCODES["SLICE"].impl(x, dim, start, end, 1)
+    assert (got.shape, got.stride(), got.storage_offset()) == \
+        (want.shape, want.stride(), want.storage_offset())
+
+
+@pytest.mark.parametrize("indices", [
+    lambda: [idx(5, 3)], lambda: [torch.tensor(2)], lambda: [rand(5, 6) > 0],
+    lambda: [rand(5) > 0], lambda: [None, idx(6, 2, 2)], lambda: [idx(5, 4), None, idx(7, 4)],
+], ids=["ints", "0-dim", "mask", "row-mask", "second-dim", "two"])
+def test_index_and_index_put_are_aten(indices):
+    from dynvm.vm.ops_index import split_optional_list
+
+    x, items = rand(5, 6, 7), indices()
+    operands = split_optional_list(items)
+    got = OPCODES["INDEX"].impl(x, *operands)
+    want = torch.ops.aten.index.Tensor(x, items)
+    _assert_same(want, got)
+    assert got.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()   # a copy
+    values = torch.randn(want.shape)
+    for accumulate in (False, True):
+        _assert_same(torch.ops.aten.index_put.default(x, items, values, accumulate),
+                     OPCODES["INDEX_PUT"].impl(x, *operands, values, accumulate))
