@@ -97,6 +97,22 @@ class JitConfig:
     imported: for tests), or "auto": triton on CUDA devices, cpu otherwise. A region the
     Triton backend cannot handle is compiled by the CPU backend, with a note saying why."""
 
+    probation: bool = True
+    """Measure every installed specialization against the interpreter on its own calls
+    and keep it only if it is faster (Note [Probation] in dynvm.jit.probation): else
+    re-plan it without the arena, then drop it. Off: installed means kept."""
+
+    probation_shadow_every: int = 4
+    """While on probation, one hit in this many is a shadow call (the interpreter and
+    the specialization both run the call, each timed)."""
+
+    probation_samples: int = 12
+    """Shadow calls before the verdict (the median of their paired ratios)."""
+
+    probation_margin: float = 0.02
+    """A specialization stays only if its measured time over the interpreter's is at
+    most 1 - this: faster by more than the noise of a median of paired ratios."""
+
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"JitConfig.backend must be one of {', '.join(BACKENDS)}, "
@@ -104,13 +120,17 @@ class JitConfig:
         positive = ("min_recurrence", "max_recurrence", "window", "horizon_calls",
                     "max_specializations_per_region", "compile_threads",
                     "max_queue_length", "instructions_per_recurrence_step",
-                    "guard_failure_sample_rate", "failed_compile_backoff_calls")
+                    "guard_failure_sample_rate", "failed_compile_backoff_calls",
+                    "probation_shadow_every", "probation_samples")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"JitConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not self.compile_timeout_s > 0:
             raise ValueError(f"JitConfig.compile_timeout_s must be > 0, "
                              f"got {self.compile_timeout_s}")
+        if not 0.0 <= self.probation_margin < 1.0:
+            raise ValueError(f"JitConfig.probation_margin must be in [0, 1), "
+                             f"got {self.probation_margin}")
         if self.min_recurrence > self.max_recurrence:
             raise ValueError("JitConfig.min_recurrence must not exceed max_recurrence")
         if self.max_recurrence > self.window:

@@ -34,6 +34,7 @@ Tests assert zero on the demo models, the zoo on its models.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
@@ -49,6 +50,7 @@ from dynvm.jit.artifact import Artifact, cache_key
 from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
 from dynvm.jit.config import JitConfig
 from dynvm.jit.portable import PortableError, PortableSpecialization
+from dynvm.jit.probation import CONFIRMED, DEMOTE, ProbationCounters
 from dynvm.jit.queue import CompileQueue, CompileTimeout
 from dynvm.jit.region_jit import RegionJit, Specialization
 from dynvm.jit.signature import GuardStrength, describe
@@ -113,6 +115,7 @@ class Jit:
         self.specialize_failures: dict[str, int] = {}
         self.specialize_rejections = 0
         self._failures_logged: set[tuple[int, str]] = set()
+        self.probation_counters = ProbationCounters()   # Note [Probation]
         self.family_compiles = 0
         # Seconds per instruction of recent compiles (Note [Compile cost estimate]).
         self._compile_rates: deque[float] = deque(maxlen=16)
@@ -202,10 +205,11 @@ class Jit:
 
     # -- compile pipeline ------------------------------------------------------------
 
-    def key_for(self, region_jit: RegionJit, target) -> str:
+    def key_for(self, region_jit: RegionJit, target, options_key=None) -> str:
         family_key = target.key if isinstance(target, Family) else describe(target)
         return cache_key(self.program.content_hash, region_jit.region.index, family_key,
-                         self.backend, str(self.interpreter.device), self._options_key)
+                         self.backend, str(self.interpreter.device),
+                         self._options_key if options_key is None else options_key)
 
     def promote(self, region_jit: RegionJit, target, decision) -> None:
         """Queue the compile of a signature (exact) or a Family (family kernel)."""
@@ -268,8 +272,10 @@ class Jit:
         return spec
 
     def _build(self, ir, strength: GuardStrength, signature: tuple, family: Family | None,
-               key: str, start: float) -> Specialization:
-        """Generate and load the backend code of a specialized region."""
+               key: str, start: float, cpu_options: CpuOptions | None = None
+               ) -> Specialization:
+        """Generate and load the backend code of a specialized region (`cpu_options`:
+        other than the engine's, for a re-plan without the arena)."""
         described = f"family {family.key}" if family is not None else describe(signature)
         notes = ir.notes
         if self.backend == "triton":
@@ -281,12 +287,14 @@ class Jit:
                                           signature, built.fn, family, ir)
             notes = (*notes, built)
         kernel = compile_kernel(ir, self.program, self._constants, self.interpreter.device,
-                                described, strength.value, self._cpu_options, owner=key)
+                                described, strength.value, cpu_options or self._cpu_options,
+                                owner=key)
         return self._finish_build(key, "cpu", kernel.name, kernel.source, strength, notes,
-                                  start, {}, signature, kernel.fn, family, ir)
+                                  start, {}, signature, kernel.fn, family, ir,
+                                  arena=kernel.arena is not None)
 
     def _finish_build(self, key, backend, kernel_name, source, strength, notes, start,
-                      metadata, signature, fn, family, ir) -> Specialization:
+                      metadata, signature, fn, family, ir, arena=False) -> Specialization:
         seconds = time.perf_counter() - start
         artifact = Artifact(key, backend, str(self.interpreter.device), kernel_name,
                             source, strength.value, tuple(notes), seconds, metadata)
@@ -294,7 +302,7 @@ class Jit:
             self.artifacts[key] = artifact
             while len(self.artifacts) > MAX_ARTIFACTS:  # oldest first (insertion order)
                 del self.artifacts[next(iter(self.artifacts))]
-        return Specialization(signature, strength, fn, artifact, family, ir=ir)
+        return Specialization(signature, strength, fn, artifact, family, ir=ir, arena=arena)
 
     def _build_triton(self, ir, family_key: str, key: str):
         """The Triton build of `ir`, or (a str) why the CPU backend compiles it instead."""
@@ -344,8 +352,10 @@ class Jit:
             self.install_seconds += time.perf_counter() - start
         return spec
 
-    def _finished(self, region_jit: RegionJit, pending, future, parent=None) -> None:
-        """`pending`: the key the region marked pending (a signature or family key)."""
+    def _finished(self, region_jit: RegionJit, pending, future, parent=None,
+                  listeners: bool = True) -> None:
+        """`pending`: the key the region marked pending (a signature or family key);
+        `listeners`: False for a local re-plan (Note [Probation]), which no fleet needs."""
         if future.cancelled():
             region_jit.forget_pending(pending)
             return
@@ -354,7 +364,7 @@ class Jit:
             region_jit.install(future.result(), pending)
             if parent is not None:
                 self._install_span(region_jit, future.result(), parent)
-            if self._compile_listeners:
+            if listeners and self._compile_listeners:
                 # Listeners (the compile service's publish) run in the promotion's trace.
                 token = otel_context.attach(parent) if parent is not None else None
                 try:
@@ -473,6 +483,44 @@ class Jit:
                     "dynvm.first_failing_check": explanation,
                     "dynvm.sample_rate": self.config.guard_failure_sample_rate})
 
+    def on_probation(self, region_jit: RegionJit, spec: Specialization, verdict: str,
+                     key=None) -> None:
+        """A probation verdict (Note [Probation]); for a demotion, re-plan `spec` without
+        the arena (in the background) and install it under `key` (its promoted key)."""
+        counters = self.probation_counters
+        with self._lock:
+            if verdict == CONFIRMED:
+                counters.confirmed += 1
+            elif verdict == DEMOTE:
+                counters.demotions += 1
+            else:
+                counters.drops += 1
+        what = {CONFIRMED: "kept", DEMOTE: "demoted: re-planned without the arena",
+                }.get(verdict, "dropped: the interpreter runs its calls, the key backs off")
+        self._log(f"region {region_jit.region.index} {spec.artifact.kernel_name}: "
+                  f"{spec.ratio:.3f}x the interpreter on its calls, {what}")
+        if self.telemetry is not None:
+            self._span_event("dynvm.probation", {
+                "dynvm.region": region_jit.region.index,
+                "dynvm.kernel": spec.artifact.kernel_name,
+                "dynvm.verdict": verdict, "dynvm.ratio": spec.ratio})
+        if verdict == CONFIRMED:
+            return
+        self.on_evict(region_jit, spec)  # it left the region's tables: free its arena
+        if verdict != DEMOTE:
+            return
+        options = dataclasses.replace(self._cpu_options, arena_pool=None)
+        target = spec.family if spec.family is not None else spec.signature
+        plain_key = self.key_for(region_jit, target, options.as_key())
+
+        def replan() -> Specialization:
+            return self._build(spec.ir, spec.strength, spec.signature, spec.family,
+                               plain_key, time.perf_counter(), options)
+
+        future = self.queue.submit(plain_key, 1.0, replan)
+        future.add_done_callback(lambda f: self._finished(region_jit, key, f, None,
+                                                          listeners=False))
+
     def on_evict(self, region_jit: RegionJit, spec: Specialization) -> None:
         """A specialization left its region's cache (LRU): release its arenas."""
         if self.arena_pool is not None:
@@ -521,6 +569,7 @@ class Jit:
             "specialize_failures": dict(self.specialize_failures),
             "specialize_failures_total": sum(self.specialize_failures.values()),
             "specialize_rejections": self.specialize_rejections,
+            "probation": self.probation_counters.as_dict(),
             "installs": self.installs,
             "install_seconds": self.install_seconds,
             "install_rejections": self.install_rejections,

@@ -38,15 +38,22 @@ looks up the specializations it has and only skips the profiling of a miss. The 
 doubles each time the bound still holds (up to `COLD_CALLS_MAX`), so that a region
 whose shapes grow is looked at again. A region whose promotions are decided elsewhere
 (a fleet's compile service, Note [Fleet hooks]) never goes cold here.
+
+A specialization that measured slower than the interpreter (Note [Probation] in
+dynvm.jit.probation) is dropped and its key backs off as after a failed compile: not
+promoted again for `failed_compile_backoff_calls` region calls, doubling each time, so a
+region whose every specialization loses runs interpreted, watched only cheaply.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from dynvm.jit.policy import Decision, decide, recurrence_threshold
+from dynvm.jit.probation import CONFIRMED, DEMOTE, DROP, Probation
 from dynvm.jit.profiler import RegionProfile
 from dynvm.jit.signature import (
     GuardStrength,
@@ -78,6 +85,12 @@ class Specialization:
     last_used: int = 0
     installed_at: int = 0       # region calls when it was installed
     ir: object = None           # the SpecializedRegion it was built from (portable form)
+    arena: bool = False         # its code writes into a planned arena (Note [Arena layout])
+    # Note [Probation]: the measurement in progress (None once decided or when off), the
+    # measured ratio (specialized / interpreted), the key it was promoted under.
+    probation: Probation | None = None
+    ratio: float | None = None
+    promoted_as: object = None
 
     @property
     def target(self):
@@ -128,6 +141,9 @@ class RegionJit:
         self._cold = 0                          # calls left to run unwatched
         self._cold_period = COLD_CHECK_EVERY
         self._since_cold_check = 0
+        # The interpreter's own steps of this region, for shadow calls (Note [Probation]).
+        self._steps = tuple(engine.interpreter.region_steps(region.index))
+        self._verdicts: deque[float] = deque(maxlen=8)   # recent measured ratios
 
     # -- RegionSlot --------------------------------------------------------------------
 
@@ -147,6 +163,8 @@ class RegionJit:
             if spec is None and self.weak:
                 spec = self.weak.get(self._weak_sign(regs))
         if spec is not None:
+            if spec.probation is not None and spec.probation.due():
+                return self._shadow(spec, signature, regs)
             start = self._clock_fn()
             try:
                 spec.fn(regs)
@@ -214,6 +232,80 @@ class RegionJit:
             self.pending.add(key)
             self.counters.promotions += 1
         self.engine.promote(self, target, decision)
+
+    def _shadow(self, spec: Specialization, signature: tuple, regs: list):
+        """A shadow call (Note [Probation]): the interpreter's steps on a copy of the
+        registers and the specialization on the registers, back to back, each timed."""
+        copy = regs.copy()  # before the specialization writes its outputs into regs
+        clock = self._clock_fn
+        probation = spec.probation
+        specialization_first = len(probation.ratios) % 2 == 1
+        interpreted = None if specialization_first else self._interpret(copy)
+        start = clock()
+        try:
+            spec.fn(regs)
+        except Exception as exc:  # deopt, as in enter
+            self.counters.deopts += 1
+            self.engine.on_deopt(self, spec, exc)
+            return signature
+        seconds = clock() - start
+        if specialization_first:
+            interpreted = self._interpret(copy)
+        spec.seconds += seconds
+        spec.calls += 1
+        self._clock += 1
+        spec.last_used = self._clock
+        self.counters.specialized += 1
+        self.engine.probation_counters.shadow_calls += 1
+        if interpreted is not None:
+            ratio = probation.add(seconds, interpreted)
+            if ratio is not None and spec.probation is probation:
+                self._decide(spec, ratio)
+        if spec.family is not None:
+            self._family_hit(signature, spec)
+        return None
+
+    def _interpret(self, regs: list) -> float | None:
+        """Seconds the interpreter takes over the region on `regs` (None if it raised:
+        the specialization's result stands, and this call gives no sample)."""
+        start = self._clock_fn()
+        try:
+            for step in self._steps:
+                step(regs)
+        except Exception:  # noqa: BLE001 — a shadow run must never fail the call
+            return None
+        return self._clock_fn() - start
+
+    def _decide(self, spec: Specialization, ratio: float) -> None:
+        """Note [Probation]: keep, demote (re-plan without the arena) or drop."""
+        passed = spec.probation.passes(ratio)
+        spec.ratio, spec.probation = ratio, None
+        self._verdicts.append(ratio)
+        if passed:
+            self.engine.on_probation(self, spec, CONFIRMED)
+            return
+        key = spec.promoted_as if spec.promoted_as is not None else spec.target
+        with self._lock:
+            if not self._remove(spec):
+                return  # evicted meanwhile
+            if spec.arena:
+                self.pending.add(key)  # the re-plan installs under it
+        if spec.arena:
+            self.engine.on_probation(self, spec, DEMOTE, key)
+        else:
+            self.compile_failed(key)  # backs off (Note [Cold regions])
+            self.engine.on_probation(self, spec, DROP, key)
+
+    def _remove(self, spec: Specialization) -> bool:
+        """Take `spec` out of its table (holding the lock)."""
+        for table in self._tables():
+            for key, installed in table.items():
+                if installed is spec:
+                    del table[key]
+                    if spec.family is not None:
+                        self._memo.clear()
+                    return True
+        return False
 
     def _check_cold(self) -> None:
         """Note [Cold regions] (holding the lock)."""
@@ -292,9 +384,11 @@ class RegionJit:
 
     def speedup(self) -> float:
         """Measured fraction of interpreted time the region's specializations save."""
-        savings = []
+        # Measured against the interpreter (Note [Probation]), dropped ones included: a
+        # region whose specializations keep losing expects little of the next one.
+        savings = [1.0 - ratio for ratio in self._verdicts]
         for spec in self._all():
-            if spec.family is not None:
+            if spec.ratio is not None or spec.family is not None:
                 continue
             stats = self.profile.table.get(spec.signature)
             if spec.calls >= 8 and stats is not None and stats.mean_seconds > 0:
@@ -313,6 +407,11 @@ class RegionJit:
         """`pending_key`: the key the target was marked pending under, when it differs
         from the installed target (a family clipped to the declared ranges)."""
         pending = spec.target if pending_key is None else pending_key
+        spec.promoted_as = pending
+        config = self.engine.config
+        if config.probation:
+            spec.probation = Probation(config.probation_shadow_every,
+                                       config.probation_samples, config.probation_margin)
         with self._lock:
             self.pending.discard(pending)
             self.counters.failed.pop(pending, None)

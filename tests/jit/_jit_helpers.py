@@ -49,11 +49,13 @@ def eager_config(**overrides) -> JitConfig:
     K=1 for every region size (a huge recurrence step), and a horizon so long that the
     benefit always beats the compile cost, even after the first compile in the process
     measured torch's one-time import of its meta kernels (about a second). Code families
-    are off unless asked for: every promotion is an exact specialization.
+    are off unless asked for: every promotion is an exact specialization. Probation is
+    off unless asked for: its verdicts come from timings, and these tests count what is
+    installed and hit (tests/jit/test_probation.py turns it on).
     """
     fields = {"sync": True, "min_recurrence": 1, "max_recurrence": 2,
               "expected_speedup": 1.0, "instructions_per_recurrence_step": 10**6,
-              "horizon_calls": 10**9, "families": False}
+              "horizon_calls": 10**9, "families": False, "probation": False}
     fields.update(overrides)
     return JitConfig(**fields)
 

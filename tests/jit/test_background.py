@@ -251,8 +251,13 @@ def test_failed_compile_backs_off_then_retries():
         assert failing.attempts == 1
         stats = rt.stats()
         assert stats["compile_failures"] == 1 and stats["compiles"] == 0
-        assert any("compile of region 0 failed: RuntimeError: injected compile failure #1"
-                   in line for line in rt.jit.event_log), rt.jit.event_log
+        # Note [Failure accounting]: counted by reason, logged once per region and reason
+        reason = "RuntimeError: injected compile failure #1"
+        assert stats["specialize_failures"] == {reason: 1}
+        assert stats["specialize_failures_total"] == 1
+        assert [line for line in rt.jit.event_log if reason in line] == [
+            f"region 0: specialization failed (a dynvm bug, reported once per region and "
+            f"reason): {reason}"], rt.jit.event_log
         rj = rt.jit.regions[0]
         assert not rj.pending
         # Within the backoff window (5 region calls) the signature is not retried.

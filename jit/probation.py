@@ -1,0 +1,95 @@
+"""Probation: an installed specialization stays only while it measures faster than the
+interpreter on its own calls.
+
+Note [Probation]
+~~~~~~~~~~~~~~~~
+Promotion (Note [Promotion]) bets that a specialization will be faster; installing it
+does not make it so. On this CPU a family kernel of the demo encoder, writing LINEAR and
+LAYER_NORM results into arena blocks, ran 7% slower than the interpreter, and the loop
+body's kernel slower still. So every installed specialization is measured, and the
+measurement decides:
+
+- What is compared. Interpreted times recorded before the install are not comparable:
+  they were taken minutes earlier, under another load, on another mix of shapes (a
+  family kernel serves shapes the interpreter may never have timed). Instead, while on
+  probation, one hit in `probation_shadow_every` is a *shadow* call: the region runs in
+  the interpreter (the interpreter's own pre-decoded steps, on a copy of the register
+  list, so the call's registers are written once, by the specialization) and in the
+  specialization, back to back, on the same inputs, each timed. The order alternates
+  from one shadow call to the next, so neither side always finds the caches warmed by
+  the other. A shadow call costs one extra interpreted run of the region, on that one
+  call, only during probation.
+- The verdict. After `probation_samples` shadow calls, the median of the per-call ratios
+  (specialized / interpreted) is the specialization's measured ratio (a median of
+  paired ratios: a noisy neighbour that slows one call slows both of its halves, and
+  the odd preempted call does not move a median). It stays only if the ratio is at most
+  `1 - probation_margin`: it must be faster by the margin, so that noise alone never
+  keeps a kernel that is really no faster.
+- Failing it. A specialization that planned an arena is first *demoted*: the same IR is
+  re-emitted without the arena (a background task, no re-specialization), installed in
+  its place, and put on probation again. One that fails without an arena is *dropped*:
+  it leaves the region's tables and its key backs off like a failed compile (Note [Cold
+  regions]): not promoted again for `failed_compile_backoff_calls` region calls,
+  doubling each time. Until a demoted kernel's replacement is installed, its calls run
+  in the interpreter.
+
+Each step is counted (stats()["probation"]), logged in the event log and sent as an
+event on the call's span; `dynvm explain` shows each specialization's measured ratio.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+CONFIRMED = "confirmed"
+DEMOTE = "demote"
+DROP = "drop"
+
+
+@dataclass
+class Probation:
+    """One specialization's probation: its paired measurements so far."""
+
+    every: int                  # one hit in this many is a shadow call
+    samples: int                # shadow calls before the verdict
+    margin: float               # the ratio must be <= 1 - margin to stay
+    countdown: int = 0
+    ratios: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.countdown = self.every
+
+    def due(self) -> bool:
+        """Whether this hit is a shadow call (not thread-safe: a lost decrement under a
+        race only shifts one shadow call)."""
+        self.countdown -= 1
+        if self.countdown > 0:
+            return False
+        self.countdown = self.every
+        return True
+
+    def add(self, specialized_seconds: float, interpreted_seconds: float) -> float | None:
+        """Record one shadow call; returns the measured ratio once there are enough."""
+        if interpreted_seconds > 0:
+            self.ratios.append(specialized_seconds / interpreted_seconds)
+        if len(self.ratios) < self.samples:
+            return None
+        return statistics.median(self.ratios)
+
+    def passes(self, ratio: float) -> bool:
+        return ratio <= 1.0 - self.margin
+
+
+@dataclass
+class ProbationCounters:
+    """Engine-wide counts of Note [Probation]'s steps (stats()["probation"])."""
+
+    shadow_calls: int = 0
+    confirmed: int = 0
+    demotions: int = 0          # re-planned without the arena
+    drops: int = 0              # removed, key backing off
+
+    def as_dict(self) -> dict:
+        return {"shadow_calls": self.shadow_calls, "confirmed": self.confirmed,
+                "demotions": self.demotions, "drops": self.drops}

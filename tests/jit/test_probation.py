@@ -1,0 +1,108 @@
+"""Note [Probation]: a specialization that measures slower than the interpreter on its
+own calls is re-planned without the arena, then dropped, with counters and events."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import dynvm
+from dynvm.jit.engine import Jit
+from dynvm.jit.probation import Probation
+from dynvm.telemetry import Telemetry
+from tests.jit._jit_helpers import SMALL_TRANSFORMER, compiled, demo, eager_config, torch_threads
+
+
+def _x(batch: int = 2, seq: int = 8) -> torch.Tensor:
+    return torch.randn(batch, seq, SMALL_TRANSFORMER["hidden"],
+                       generator=torch.Generator().manual_seed(batch))
+
+
+@pytest.fixture
+def slow_kernels(monkeypatch):
+    """Every specialization built from now on sleeps 20 ms in its code."""
+    build = Jit._finish_build
+
+    def slowed(self, *args, **kwargs):
+        spec = build(self, *args, **kwargs)
+        fast = spec.fn
+
+        def fn(regs):
+            time.sleep(0.02)
+            fast(regs)
+
+        spec.fn = fn
+        return spec
+
+    monkeypatch.setattr(Jit, "_finish_build", slowed)
+
+
+PROBATION = {"probation": True, "probation_shadow_every": 1, "probation_samples": 3,
+             "failed_compile_backoff_calls": 1000}
+
+
+def test_a_slow_specialization_is_demoted_then_dropped(slow_kernels):
+    telemetry, exporter = Telemetry.in_memory()
+    program = compiled("transformer")
+    runtime = dynvm.Runtime(program, jit=eager_config(**PROBATION), telemetry=telemetry)
+    x = _x()
+    module = demo("transformer").module
+    with torch_threads(1), torch.inference_mode():
+        expected = module(x)
+        for _ in range(12):
+            torch.testing.assert_close(runtime(x), expected, rtol=1e-4, atol=1e-4)
+    stats = runtime.stats()
+    jit = runtime.jit
+    (region,) = [r for r in jit.regions.values() if r.counters.specialized]
+    assert stats["compiles"] == 1                       # one specialization, with an arena
+    assert stats["probation"]["demotions"] == 1         # re-planned without it
+    assert stats["probation"]["drops"] == 1             # still slow: dropped
+    assert stats["probation"]["confirmed"] == 0
+    assert stats["probation"]["shadow_calls"] == 6      # 3 per probation
+    assert not (region.strong or region.weak or region.family_kernels)
+    # its key backs off: the calls after the drop were interpreted, nothing re-promoted
+    assert stats["promotions"] == 1 and region.counters.failed
+    log = "\n".join(jit.event_log)
+    assert "demoted: re-planned without the arena" in log and "dropped" in log
+    ratios = [float(line.split(": ")[1].split("x ")[0]) for line in jit.event_log
+              if "x the interpreter" in line]
+    assert len(ratios) == 2 and all(r > 1.0 for r in ratios)
+    events = [e for span in exporter.get_finished_spans() for e in span.events
+              if e.name == "dynvm.probation"]
+    assert [e.attributes["dynvm.verdict"] for e in events] == ["demote", "drop"]
+    assert all(e.attributes["dynvm.ratio"] > 1.0 for e in events)
+    runtime.close()
+
+
+def test_without_an_arena_a_slow_specialization_is_dropped_at_once(slow_kernels):
+    runtime = dynvm.Runtime(compiled("transformer"),
+                            jit=eager_config(arena_budget_bytes=0, **PROBATION))
+    with torch_threads(1), torch.inference_mode():
+        for _ in range(8):
+            runtime(_x())
+    assert runtime.stats()["probation"] == {"shadow_calls": 3, "confirmed": 0,
+                                            "demotions": 0, "drops": 1}
+    runtime.close()
+
+
+def test_probation_off_keeps_what_is_installed(slow_kernels):
+    runtime = dynvm.Runtime(compiled("transformer"),
+                            jit=eager_config(**{**PROBATION, "probation": False}))
+    with torch_threads(1), torch.inference_mode():
+        for _ in range(6):
+            runtime(_x())
+    stats = runtime.stats()
+    assert stats["probation"]["shadow_calls"] == 0 and stats["specialized_region_calls"] == 5
+    runtime.close()
+
+
+def test_verdict_is_the_median_of_paired_ratios():
+    probation = Probation(every=2, samples=3, margin=0.1)
+    assert [probation.due() for _ in range(4)] == [False, True, False, True]
+    assert probation.add(1.0, 2.0) is None          # 0.5
+    assert probation.add(9.0, 1.0) is None          # 9.0: one outlier
+    ratio = probation.add(0.8, 1.0)                 # 0.8
+    assert ratio == pytest.approx(0.8)
+    assert probation.passes(ratio) and not probation.passes(0.95)
