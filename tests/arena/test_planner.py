@@ -7,11 +7,11 @@ import itertools
 import statistics
 
 import pytest
-from _arena_blocks import overhead, program_like
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynvm.arena.planner import ArenaPlan, ArenaPlanError, Block, lower_bound, plan_arena
+from tests.arena._arena_blocks import overhead, program_like
 
 KB = 1024
 

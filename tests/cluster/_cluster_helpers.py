@@ -14,10 +14,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from _redis_server import RedisServer, free_port, redis_config
-
 import dynvm
 from dynvm.models import recommender
+from tests.cluster._redis_server import RedisServer, free_port, redis_config
 
 
 def saved_recommender(directory: Path, filename: str = "recommender.dvm",

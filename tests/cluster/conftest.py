@@ -5,9 +5,9 @@ from __future__ import annotations
 import secrets
 
 import pytest
-from _redis_server import REDIS_SERVER, RedisServer, redis_config
 
 from dynvm.cluster import LocalDirStore, RedisStore
+from tests.cluster._redis_server import REDIS_SERVER, RedisServer, redis_config
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import traceback
 
 import msgpack
 import pytest
-from _mutations import mutated_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +27,7 @@ from dynvm.cluster import (
 )
 from dynvm.cluster.signed import _mac
 from dynvm.jit.artifact import Artifact, cache_key
+from tests.cluster._mutations import mutated_bytes
 
 TARGET = "cpu"
 TOOLCHAIN = {"dynvm": "0.1.0", "torch": "2.13.0", "python": "3.11", "triton": "none"}

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import redis
-from _redis_server import RedisServer, free_port, redis_config
 
 from dynvm.cluster import RedisConfig, RedisStore, StoreUnavailable
+from tests.cluster._redis_server import RedisServer, free_port, redis_config
 
 REPO = Path(__file__).resolve().parents[2]
 

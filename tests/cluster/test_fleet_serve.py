@@ -15,8 +15,9 @@ import threading
 import numpy as np
 import pytest
 import torch
-from _cluster_helpers import saved_recommender, serve_fleet, wait_until
-from _redis_server import REDIS_SERVER
+
+from tests.cluster._cluster_helpers import saved_recommender, serve_fleet, wait_until
+from tests.cluster._redis_server import REDIS_SERVER
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")

@@ -8,8 +8,6 @@ import random
 
 import pytest
 import torch
-from _cluster_helpers import saved_recommender, wait_until
-from _redis_server import redis_config
 
 import dynvm
 from dynvm.cluster import StoreConfig
@@ -18,6 +16,8 @@ from dynvm.cluster.fleet_compiler import FleetCompiler
 from dynvm.cluster.fleet_link import FleetLink, FleetOptions
 from dynvm.cluster.signed import seal
 from dynvm.jit.config import JitConfig
+from tests.cluster._cluster_helpers import saved_recommender, wait_until
+from tests.cluster._redis_server import redis_config
 
 FAST = {"flush_interval_s": 0.02, "poll_interval_s": 0.2}
 # The recommender's regions take microseconds: with the default horizon a compile would

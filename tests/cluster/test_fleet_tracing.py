@@ -8,8 +8,6 @@ from __future__ import annotations
 import random
 import time
 
-from _redis_server import redis_config
-
 import dynvm
 from dynvm.cluster import StoreConfig
 from dynvm.cluster.compile_service import LocalServiceClient
@@ -18,6 +16,7 @@ from dynvm.cluster.fleet_link import FleetLink, FleetOptions
 from dynvm.jit.config import JitConfig
 from dynvm.models import recommender
 from dynvm.telemetry import Telemetry
+from tests.cluster._redis_server import redis_config
 
 CONFIG = JitConfig(min_recurrence=2, max_recurrence=2, horizon_calls=10**7,
                    families=False)

@@ -15,7 +15,7 @@ from dynvm.jit.artifact import toolchain_versions
 from dynvm.jit.backends.triton import TritonArtifact
 from dynvm.jit.portable import decode
 
-h = importlib.import_module("_jit_helpers")   # tests/conftest.py puts tests/jit on sys.path
+h = importlib.import_module("tests.jit._jit_helpers")
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,10 @@ import time
 
 import pytest
 import torch
-from _cluster_helpers import local_serve
-from _jit_helpers import compiled, eager_config
-from _redis_server import free_port
+
+from tests.cluster._cluster_helpers import local_serve
+from tests.cluster._redis_server import free_port
+from tests.jit._jit_helpers import compiled, eager_config
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")

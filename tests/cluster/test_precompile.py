@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-from _cluster_helpers import saved_recommender
 
 import dynvm
 from dynvm.cluster import StoreConfig
@@ -29,6 +28,7 @@ from dynvm.cluster.precompile import (
 )
 from dynvm.jit.config import JitConfig
 from dynvm.shape_cluster.buckets import bucket_of
+from tests.cluster._cluster_helpers import saved_recommender
 
 
 @pytest.fixture(scope="module")

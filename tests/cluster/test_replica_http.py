@@ -14,7 +14,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-from _cluster_helpers import local_serve
+
+from tests.cluster._cluster_helpers import local_serve
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")

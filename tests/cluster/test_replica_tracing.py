@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from _cluster_helpers import saved_recommender
 
 import dynvm
 from dynvm.cluster import v2_protocol as v2
 from dynvm.cluster.replica import ModelReplica
 from dynvm.telemetry import Telemetry
+from tests.cluster._cluster_helpers import saved_recommender
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"

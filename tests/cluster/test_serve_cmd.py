@@ -14,11 +14,11 @@ import urllib.request
 
 import pytest
 import torch
-from _cluster_helpers import saved_recommender
-from _redis_server import REDIS_SERVER, free_port
 
 import dynvm
 from dynvm.cluster.local_redis import LocalRedis, LocalRedisError, LocalRedisOptions
+from tests.cluster._cluster_helpers import saved_recommender
+from tests.cluster._redis_server import REDIS_SERVER, free_port
 
 httpclient = pytest.importorskip("tritonclient.http")
 

@@ -297,9 +297,8 @@ def test_progress_bars_only_on_a_terminal(tmp_path):
 def test_top_table_and_replica_totals():
     # The HTTP side runs against real Serve replicas in tests/cluster/test_metrics.py;
     # here the table is fed real Runtime.stats() as two named replicas would return them.
-    from _jit_helpers import compiled, eager_config
-
     from dynvm._top_cmd import Row, format_table, specialized_ratio, total
+    from tests.jit._jit_helpers import compiled, eager_config
 
     stats = []
     for calls in (2, 5):

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _jit_helpers import compiled, eager_config
 
 import dynvm
 from dynvm import _env
 from dynvm._env import EnvVarError, runtime_settings, store_settings, trace_settings
 from dynvm.cli import main
+from tests.jit._jit_helpers import compiled, eager_config
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = ("dynvm", "vm", "jit", "shape_cluster", "arena", "cluster")

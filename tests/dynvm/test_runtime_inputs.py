@@ -10,12 +10,12 @@ import inspect
 import random
 from pathlib import Path
 
-import _programs  # tests/conftest.py puts tests/vm on sys.path
 import pytest
 import torch
 from torch.export import Dim
 
 import dynvm
+from tests.vm import _programs
 
 compiled, demo = _programs.compiled, _programs.demo
 

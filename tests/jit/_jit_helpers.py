@@ -9,12 +9,12 @@ from __future__ import annotations
 import functools
 import time
 
-import _programs  # tests/conftest.py puts tests/vm on sys.path
 import torch
 
 import dynvm
 from dynvm.jit.config import JitConfig
 from dynvm.models import transformer
+from tests.vm import _programs
 
 build = _programs.build
 torch_threads = _programs.torch_threads

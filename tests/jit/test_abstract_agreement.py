@@ -14,12 +14,12 @@ import random
 
 import pytest
 import torch
-from _abstract_check import check_program, significant_strides
-from _jit_helpers import compiled, demo, eager_config, torch_threads
 from torch.export import Dim
 
 import dynvm
 from dynvm.vm.opcodes import opcode
+from tests.jit._abstract_check import check_program, significant_strides
+from tests.jit._jit_helpers import compiled, demo, eager_config, torch_threads
 
 DEMOS = ("transformer", "recommender", "gnn", "branchy", "looping")
 

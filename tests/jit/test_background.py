@@ -7,10 +7,8 @@ first and drops the lowest beyond its length; a failing compile backs off.
 from __future__ import annotations
 
 import importlib
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +17,7 @@ import dynvm
 from dynvm.jit.policy import decide
 from dynvm.jit.queue import CompileQueue
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-h = importlib.import_module("_jit_helpers")
+h = importlib.import_module("tests.jit._jit_helpers")
 
 SLEEP = 1.5
 

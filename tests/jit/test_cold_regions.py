@@ -8,11 +8,11 @@ from __future__ import annotations
 import random
 
 import torch
-from _jit_helpers import compiled, demo
 
 import dynvm
 from dynvm.jit.config import JitConfig
 from dynvm.jit.region_jit import COLD_CHECK_EVERY
+from tests.jit._jit_helpers import compiled, demo
 
 
 def test_a_region_that_cannot_pay_goes_cold_and_stays_correct():

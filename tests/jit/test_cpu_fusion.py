@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import gc
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +25,7 @@ from dynvm.jit.backends.cpu_prepack import PrepackCache
 from dynvm.jit.calibration import Calibrator
 from dynvm.jit.specialize import specialize
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-h = importlib.import_module("_jit_helpers")
+h = importlib.import_module("tests.jit._jit_helpers")
 
 pytestmark = pytest.mark.skipif(not onednn_available(torch.device("cpu")),
                                 reason="this torch build has no oneDNN")

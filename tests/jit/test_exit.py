@@ -9,13 +9,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
     import sys, time
-    sys.path[:0] = [{vm!r}, {jit!r}]
+    sys.path[:0] = [{repo!r}]
     import torch
-    import _jit_helpers as H
+    from tests.jit import _jit_helpers as H
     import dynvm
     import dynvm.jit.engine as engine
 
@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_exit_with_a_compile_in_flight_is_clean():
-    script = SCRIPT.format(vm=str(TESTS / "vm"), jit=str(TESTS / "jit"))
+    script = SCRIPT.format(repo=str(REPO))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

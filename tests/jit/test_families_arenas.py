@@ -19,7 +19,6 @@ import threading
 import time
 import warnings
 
-import _programs  # tests/conftest.py puts tests/vm on sys.path
 import pytest
 import torch
 from torch import nn
@@ -32,6 +31,7 @@ from dynvm.jit.config import JitConfig
 from dynvm.jit.region_jit import TIER_CHECK_EVERY
 from dynvm.jit.signature import GuardStrength
 from dynvm.models import transformer
+from tests.vm import _programs
 
 HIDDEN, SEQ = 64, 8
 SMALL = {"layers": 2, "hidden": HIDDEN, "heads": 4, "ffn": 128}

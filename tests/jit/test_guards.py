@@ -7,8 +7,6 @@ every shape of the same rank and element count.
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +21,7 @@ from dynvm.jit.signature import (
     weak_signer,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-h = importlib.import_module("_jit_helpers")
+h = importlib.import_module("tests.jit._jit_helpers")
 
 BATCH = 8
 

@@ -7,8 +7,6 @@ with a shape that was already specialized (so guards must send them elsewhere).
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +16,7 @@ from hypothesis import strategies as st
 import dynvm
 from dynvm.models import REGISTRY
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-h = importlib.import_module("_jit_helpers")
+h = importlib.import_module("tests.jit._jit_helpers")
 
 STRAIGHT_LINE = {"transformer", "recommender", "gnn"}
 VIEW_KINDS = ("strided", "offset", "transposed")

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import importlib
 import random
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +19,7 @@ from dynvm.jit.config import JitConfig
 from dynvm.jit.policy import decide, recurrence_threshold
 from dynvm.jit.profiler import RegionProfile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-h = importlib.import_module("_jit_helpers")
+h = importlib.import_module("tests.jit._jit_helpers")
 
 FAST = settings(deadline=None, derandomize=True, database=None, max_examples=60)
 

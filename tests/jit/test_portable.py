@@ -10,11 +10,11 @@ import random
 import msgpack
 import pytest
 import torch
-from _jit_helpers import compiled, demo, eager_config
 
 import dynvm
 from dynvm.jit.config import JitConfig
 from dynvm.jit.portable import PortableError, decode, encode
+from tests.jit._jit_helpers import compiled, demo, eager_config
 
 MODELS = ["transformer", "recommender", "gnn", "branchy", "looping"]
 

@@ -9,8 +9,6 @@ import ast
 import importlib
 import math
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,8 +24,7 @@ from dynvm.vm.isa import OpClass
 from dynvm.vm.opcodes import OPCODES, opcode
 from dynvm.vm.operands import IntList
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-h = importlib.import_module("_jit_helpers")
+h = importlib.import_module("tests.jit._jit_helpers")
 
 SHAPE_OPCODES = {name for name, spec in OPCODES.items()
                  if spec.opclass is OpClass.SHAPE and name != "RESHAPE_IF"}

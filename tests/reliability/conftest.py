@@ -1,17 +1,9 @@
 """Fixtures of the reliability tests. tests/cluster/_redis_server.py (a real redis-server
-on a free loopback port) is shared with the kernel store tests: its folder goes on
-sys.path here, as tests/conftest.py does for tests/vm and tests/jit."""
-
-import sys
-from pathlib import Path
+on a free loopback port) is shared with the kernel store tests."""
 
 import pytest
 
-_CLUSTER = str(Path(__file__).resolve().parent.parent / "cluster")
-if _CLUSTER not in sys.path:
-    sys.path.insert(0, _CLUSTER)
-
-from _redis_server import REDIS_SERVER, RedisServer  # noqa: E402
+from tests.cluster._redis_server import REDIS_SERVER, RedisServer
 
 
 @pytest.fixture

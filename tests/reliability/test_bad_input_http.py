@@ -17,13 +17,13 @@ import time
 import numpy as np
 import pytest
 import torch
-from _cluster_helpers import local_serve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dynvm
 from dynvm.cluster.replica import serve_models
 from dynvm.models import recommender
+from tests.cluster._cluster_helpers import local_serve
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,8 @@ import time
 
 import pytest
 import torch
-from _cluster_helpers import saved_recommender, serve_fleet, wait_until
+
+from tests.cluster._cluster_helpers import saved_recommender, serve_fleet, wait_until
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")

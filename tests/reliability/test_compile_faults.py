@@ -10,13 +10,13 @@ import time
 
 import pytest
 import torch
-from _cluster_helpers import wait_until
-from _jit_helpers import compiled, demo
 
 import dynvm
 import dynvm.jit.engine as engine
 from dynvm.jit.config import JitConfig
 from dynvm.telemetry import Telemetry
+from tests.cluster._cluster_helpers import wait_until
+from tests.jit._jit_helpers import compiled, demo
 
 # Promote on sight (K=1, a horizon long enough for any region) so that faults show at once.
 EAGER = {"min_recurrence": 1, "max_recurrence": 2, "instructions_per_recurrence_step": 10**6,

@@ -17,12 +17,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from _cluster_helpers import local_serve, saved_recommender
-from _programs import build
 
 import dynvm
 from dynvm.cluster.limits import ServingLimits
 from dynvm.cluster.replica import serve_models
+from tests.cluster._cluster_helpers import local_serve, saved_recommender
+from tests.vm._programs import build
 
 pytestmark = pytest.mark.slow
 

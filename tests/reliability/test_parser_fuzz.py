@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 
-import _mutations as mutations
 import numpy as np
 import pytest
 import torch
@@ -23,6 +22,7 @@ from hypothesis import strategies as st
 
 from dynvm.cluster import v2_protocol as v2
 from dynvm.vm.program import DimSpec, InputSpec
+from tests.cluster import _mutations as mutations
 
 FUZZ = settings(max_examples=200, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])

@@ -12,10 +12,10 @@ import time
 
 import pytest
 import torch
-from _programs import build, compiled
 
 import dynvm
 from dynvm.vm.asm import assemble, disassemble
+from tests.vm._programs import build, compiled
 
 SPIN = """
     0  %1 = NEG %0

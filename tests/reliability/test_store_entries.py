@@ -29,10 +29,10 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
-from _redis_server import redis_config
 
 from dynvm.cluster import FORMAT_VERSION, ArtifactCache, RedisStore, open_sealed, seal
 from dynvm.cluster.signed import REJECTIONS, RejectedArtifact
+from tests.cluster._redis_server import redis_config
 
 TOOLCHAIN = {"torch": torch.__version__}
 EXPECT = {"target": "cpu", "toolchain": TOOLCHAIN}

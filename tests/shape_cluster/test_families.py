@@ -7,7 +7,6 @@ import pickle
 
 import pytest
 import torch
-from _cluster_sigs import CPU, keys_by_signature, observed, row_major, ssig, tsig
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,6 +18,14 @@ from dynvm.shape_cluster import (
     layout_class,
     structure_key,
     varying_dims,
+)
+from tests.shape_cluster._cluster_sigs import (
+    CPU,
+    keys_by_signature,
+    observed,
+    row_major,
+    ssig,
+    tsig,
 )
 
 # ------------------------------------------------------------------ layout classes ----

@@ -6,11 +6,11 @@ import threading
 
 import pytest
 import torch
-from _cluster_sigs import keys_by_signature, observed, ssig, tsig
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynvm.shape_cluster import FamilyIndex, cluster, family_for
+from tests.shape_cluster._cluster_sigs import keys_by_signature, observed, ssig, tsig
 
 # A small world, so that drawn signatures often share a structure and dims vary.
 tensor_entries = st.builds(

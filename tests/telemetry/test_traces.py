@@ -6,11 +6,11 @@ import io
 
 import pytest
 import torch
-from _jit_helpers import SMALL_TRANSFORMER, compiled, wait_drained
 
 import dynvm
 from dynvm.jit.config import JitConfig
 from dynvm.telemetry import EventLimiter, Telemetry
+from tests.jit._jit_helpers import SMALL_TRANSFORMER, compiled, wait_drained
 
 PROMOTE_AT_ONCE = {"min_recurrence": 1, "max_recurrence": 1, "expected_speedup": 1.0,
                    "horizon_calls": 10**9, "instructions_per_recurrence_step": 10**6}

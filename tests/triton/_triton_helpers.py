@@ -21,8 +21,7 @@ from dynvm.vm.opcodes import opcode
 
 
 def jit_helpers():
-    # tests/conftest.py puts tests/jit on sys.path.
-    return importlib.import_module("_jit_helpers")
+    return importlib.import_module("tests.jit._jit_helpers")
 
 
 def op(name: str, dst: int | None, *args) -> SpecOp:

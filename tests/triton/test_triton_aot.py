@@ -8,8 +8,6 @@ import dataclasses
 import hashlib
 import importlib
 import json
-import sys
-from pathlib import Path
 
 import msgpack
 import pytest
@@ -31,8 +29,7 @@ from dynvm.jit.backends.triton.run_interpreted import InterpretedRegion
 from dynvm.jit.engine import family_live_ins
 from dynvm.jit.specialize import specialize
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-th = importlib.import_module("_triton_helpers")
+th = importlib.import_module("tests.triton._triton_helpers")
 
 TARGETS = [("cuda", 90, 32), "cuda:80"]
 

@@ -15,7 +15,7 @@ import dynvm
 from dynvm.jit.backends.triton.run_interpreted import InterpretedRegion
 from dynvm.jit.config import JitConfig
 
-h = importlib.import_module("_jit_helpers")   # tests/conftest.py puts tests/jit on sys.path
+h = importlib.import_module("tests.jit._jit_helpers")
 HIDDEN = h.SMALL_TRANSFORMER["hidden"]
 BAGS = (3, 5, 1, 4)
 ROWS = (1000, 800, 1200, 500)

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import importlib
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +15,7 @@ from dynvm.jit.backends.triton import LaunchError, TritonOptions, generate_regio
 from dynvm.jit.backends.triton.run_interpreted import InterpretedRegion
 from dynvm.jit.ir import ConstRef, Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-th = importlib.import_module("_triton_helpers")
+th = importlib.import_module("tests.triton._triton_helpers")
 op = th.op
 
 C0, C1, C2 = ConstRef(0), ConstRef(1), ConstRef(2)

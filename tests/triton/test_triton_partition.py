@@ -5,8 +5,6 @@ transformer's family specialization."""
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +12,7 @@ import torch
 from dynvm.jit.backends.triton import TritonOptions, UnsupportedRegion, partition
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-th = importlib.import_module("_triton_helpers")
+th = importlib.import_module("tests.triton._triton_helpers")
 op = th.op
 
 ROWS = th.family({0: (6, 32)}, {(0, 0)})         # x [5..16, 32]

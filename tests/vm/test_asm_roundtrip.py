@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
-from _programs import NAMES, build, compiled, listing
 
 import dynvm
 from dynvm.vm.asm import assemble, disassemble, format_instr, parse_instr
 from dynvm.vm.instr import Instr
 from dynvm.vm.interpreter import Interpreter
 from dynvm.vm.operands import Const, Imm, IntList, Label, Reg, RegList
+from tests.vm._programs import NAMES, build, compiled, listing
 
 # ---------------------------------------------------------------- demo programs --------
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _jit_helpers import eager_config, torch_threads
 from torch import nn
 from torch.export import Dim
 
 import dynvm
 from dynvm.vm.errors import ShapeError
+from tests.jit._jit_helpers import eager_config, torch_threads
 
 
 class Tagger(nn.Module):

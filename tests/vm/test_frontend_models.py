@@ -14,10 +14,10 @@ import random
 
 import pytest
 import torch
-from _programs import NAMES, compiled, demo, torch_threads
 
 import dynvm
 from dynvm.models._base import generator
+from tests.vm._programs import NAMES, compiled, demo, torch_threads
 
 RTOL = ATOL = 1e-5
 DRAWS = 20

@@ -8,12 +8,12 @@ import threading
 
 import pytest
 import torch
-from _programs import build, compiled, demo
 
 import dynvm
 from dynvm.vm.interpreter import Interpreter
 from dynvm.vm.operands import Reg
 from dynvm.vm.regions import live_in_sets, successors
+from tests.vm._programs import build, compiled, demo
 
 # if n > 4: h = relu(x) else: h = -x;  then n times: h = h + 1.0;  return h
 BRANCH_AND_LOOP = """

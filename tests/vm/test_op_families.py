@@ -8,9 +8,6 @@ JIT may reorder nothing here but may pick another kernel for another layout.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,9 +15,7 @@ from torch import nn
 from torch.export import Dim
 
 import dynvm
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jit"))
-import _jit_helpers as h  # noqa: E402
+from tests.jit import _jit_helpers as h
 
 RTOL = ATOL = 1e-5
 

@@ -7,12 +7,12 @@ import re
 
 import pytest
 import torch
-from _programs import LEAF_SPEC, build, tree_spec
 
 import dynvm
 from dynvm.vm.instr import Instr
 from dynvm.vm.operands import Imm, Reg, RegList
 from dynvm.vm.program import DimSpec, InputSpec, Program
+from tests.vm._programs import LEAF_SPEC, build, tree_spec
 
 X = '"x" float32 [n:1..64]'
 

@@ -1,0 +1,1 @@
+"""Tests of dynvm.arena: liveness, offset planning, arena pools."""

@@ -1,0 +1,1 @@
+"""Tests of dynvm.cluster: kernel stores, signing, the fleet, serving, precompile."""

@@ -1,0 +1,1 @@
+"""Tests of dynvm.jit: profiling, promotion, specialization, the CPU backend."""

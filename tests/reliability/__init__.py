@@ -1,0 +1,1 @@
+"""Tests of faults, hostile input, concurrency and soak."""

@@ -1,0 +1,1 @@
+"""Tests of dynvm.shape_cluster: signatures to code families and buckets."""

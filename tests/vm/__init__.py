@@ -1,0 +1,1 @@
+"""Tests of dynvm.vm: the ISA, programs and files, the frontend, the interpreter."""

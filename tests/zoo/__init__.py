@@ -1,0 +1,1 @@
+"""Tests of real architectures from model libraries, against eager."""
