@@ -3,13 +3,13 @@ and the ops whose result size depends on data (see Note [Data-dependent sizes]).
 
 Note [Data-dependent sizes]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-NONZERO, MASKED_SELECT, UNIQUE and INDEX with a boolean mask return as many elements
-as the data says: no meta kernel can know their shape. Their shape functions return
-None (Note [Shape functions]): abstract evaluation then knows nothing of the result or
-of anything computed from it, so the JIT folds no shape and plans no buffer past them,
-and the guard of a specialization never depends on them. The exporter gives the
-result's size an unbacked symbol; the graph reads it with `sym_size`, which lowers to
-DIM on the result register, a value the interpreter reads at run time.
+NONZERO, MASKED_SELECT, UNIQUE(_CONSECUTIVE), BINCOUNT and INDEX with a boolean mask
+return as many elements as the data says: no meta kernel can know their shape. Their
+shape functions return None (Note [Shape functions]): abstract evaluation then knows
+nothing of the result or of anything computed from it, so the JIT folds no shape and
+plans no buffer past them, and the guard of a specialization never depends on them. The
+exporter gives the result's size an unbacked symbol; the graph reads it with
+`sym_size`, which lowers to DIM on the result register, a value read at run time.
 
 Ops taking a list of optional tensors (`Tensor?[] indices` of INDEX and INDEX_PUT) carry
 it as two operands: a literal tuple saying which positions hold a tensor, and the list
@@ -145,6 +145,11 @@ INDEX_OPS = (
               "sums, means or maxima of bags of table rows (with offset2bag, bag sizes, "
               "max indices)", impl=torch._embedding_bag,
               custom_shape_fn=_embedding_bag_abstract),
+    tensor_op("INDEX_REDUCE", aten.index_reduce.default,
+              "out-of-place reduction of source slices into x at an index"),
+    tensor_op("BUCKETIZE", aten.bucketize.Tensor, "the bucket of each value among boundaries"),
+    tensor_op("SEARCHSORTED", aten.searchsorted.Tensor,
+              "insertion points of values into a sorted sequence"),
     # -- sorting -----------------------------------------------------------------------
     tensor_op("SORT", aten.sort.default, "sorted values and their indices",
               impl=torch.sort),
@@ -159,4 +164,10 @@ INDEX_OPS = (
     tensor_op("UNIQUE", aten._unique2.default,
               "the distinct values (with inverse indices and counts)",
               impl=torch._unique2, data_dependent=True),
+    tensor_op("UNIQUE_CONSECUTIVE", aten.unique_consecutive.default,
+              "values with consecutive repeats removed (with inverse and counts)",
+              impl=torch.unique_consecutive, data_dependent=True),
+    tensor_op("BINCOUNT", aten.bincount.default,
+              "count of each value (as many bins as the largest value)", impl=torch.bincount,
+              data_dependent=True),
 )

@@ -107,6 +107,9 @@ NN_OPS = (
     tensor_op("ADAPTIVE_MAX_POOL2D", aten.adaptive_max_pool2d.default,
               "2-d max pooling to an output size, with indices",
               impl=_nn.adaptive_max_pool2d),
+    tensor_op("ADAPTIVE_MAX_POOL3D", aten.adaptive_max_pool3d.default,
+              "3-d max pooling to an output size, with indices",
+              impl=torch._C._nn.adaptive_max_pool3d),
     # -- padding and resampling ------------------------------------------------------
     tensor_op("CONSTANT_PAD", aten.constant_pad_nd.default,
               "pad the trailing dims with a value", impl=torch.constant_pad_nd),
@@ -118,6 +121,8 @@ NN_OPS = (
               impl=_nn.upsample_bilinear2d),
     tensor_op("GRID_SAMPLER_2D", aten.grid_sampler_2d.default,
               "sample an image at grid points", impl=torch.grid_sampler_2d),
+    tensor_op("GRID_SAMPLER_3D", aten.grid_sampler_3d.default,
+              "sample a volume at grid points", impl=torch.grid_sampler_3d),
     # -- distances -------------------------------------------------------------------
     tensor_op("CDIST", aten._cdist_forward.default, "p-norm distance of all row pairs"),
     tensor_op("PDIST", aten._pdist_forward.default,
