@@ -26,10 +26,13 @@ SPECIALIZATION_BACKEND = "cpu"
 
 
 def index_key(program_hash: str, target: str) -> str:
+    """The store key of a program's index for one target (its list of entries)."""
     return cache_key(program_hash, -1, "index", INDEX_BACKEND, target)
 
 
 def index_fields(program_hash: str, target: str, keys: Sequence[str]) -> dict:
+    """The fields of a program's index entry: the keys of every specialization
+    published for it on `target`."""
     return {"backend": INDEX_BACKEND, "target": target, "toolchain": toolchain_versions(),
             "kernel_name": "index", "source": "", "guard": "",
             "metadata": {"program": program_hash, "keys": list(keys)}}

@@ -32,6 +32,7 @@ def store_config(store_dir: str | None):
 
 
 def add_parser(sub) -> None:
+    """Register `dynvm precompile` and its options on the CLI's subparsers."""
     import argparse
 
     p = sub.add_parser("precompile", help="compile the families of given shapes into the "
@@ -63,6 +64,8 @@ environment variables); DYNVM_STORE_SECRET must be the fleet's.
 
 
 def precompile_command(args) -> int:
+    """`dynvm precompile`: read the program and the shapes, run
+    `dynvm.cluster.precompile.precompile`, print its outcome; the exit status."""
     # Imported here: `dynvm --help` need not load the cluster package (Redis, signing).
     from dynvm.cluster.precompile import (
         PrecompileError,

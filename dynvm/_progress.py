@@ -22,6 +22,7 @@ _TICK_SECONDS = 0.5
 
 
 def enabled(stream=None) -> bool:
+    """Whether progress bars go to `stream` (default stderr): only to a terminal."""
     stream = sys.stderr if stream is None else stream
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty())

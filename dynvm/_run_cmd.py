@@ -104,6 +104,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def check_schedule(schedules, program) -> None:
+    """Every scheduled dim exists in `program` and stays within its declared range
+    (a usage error naming the dim otherwise)."""
     dims = declared_dims(program)
     for schedule in schedules:
         if schedule.dim not in dims:
@@ -170,6 +172,8 @@ def _label(values: dict[str, int]) -> str:
 
 
 def run_command(args, program, demo, header: list[str]) -> int:
+    """`dynvm run`: time calls of `program` on inputs drawn per the schedule and
+    print latency per shape and the runtime's counters; the exit status."""
     schedules = parse_schedule(args.schedule) if args.schedule else ()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -98,6 +98,7 @@ def _compile_demo(name: str):
 
 
 def cmd_compile(args) -> int:
+    """`dynvm compile`: lower a demo model and save it as a .dvm file."""
     out = args.output or f"{args.model}.dvm"
     _check_output(out)
     start = time.perf_counter()
@@ -109,6 +110,7 @@ def cmd_compile(args) -> int:
 
 
 def cmd_disasm(args) -> int:
+    """`dynvm disasm`: print a .dvm file's bytecode listing."""
     from dynvm.vm.asm import disassemble
 
     sys.stdout.write(disassemble(_load(args.file)))
@@ -116,6 +118,7 @@ def cmd_disasm(args) -> int:
 
 
 def cmd_asm(args) -> int:
+    """`dynvm asm`: assemble a listing (constants from --weights) into a .dvm file."""
     from dynvm.vm.asm import assemble
 
     _check_output(args.output)
@@ -153,11 +156,13 @@ def _resolve_target(target: str):
 
 
 def cmd_run(args) -> int:
+    """`dynvm run`: a demo model or .dvm file on random inputs (dynvm._run_cmd)."""
     demo, program, header = _resolve_target(args.target)
     return run_command(args, program, demo, [header])
 
 
 def cmd_explain(args) -> int:
+    """`dynvm explain`: guards, rewrites and code for one shape (dynvm._explain_cmd)."""
     demo, program, _ = _resolve_target(args.target)
     return explain_command(args, program, demo)
 
@@ -175,6 +180,7 @@ def _count(minimum: int):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `dynvm` argument parser with every command's subparser."""
     parser = _Parser(prog="dynvm", description=__doc__.split("\n\n")[0],
                      epilog="`dynvm COMMAND --help` describes each command.")
     parser.add_argument("--version", action="version", version=f"dynvm {dynvm.__version__}")

@@ -30,6 +30,8 @@ def flat_values(args: Iterable) -> Iterator:
 
 
 def shares_operand_storage(op: SpecOp) -> bool:
+    """Whether `op`'s result may share storage with its first operand (an
+    in-place variant, a view, or an op that may return the operand itself)."""
     return op.variant == "inplace" or op.opcode in _SHARES_STORAGE
 
 

@@ -38,6 +38,8 @@ def toolchain_versions() -> dict[str, str]:
 
 def cache_key(program_hash: str, region: int, family_key: str, backend: str, target: str,
               options: dict | None = None, toolchain: dict | None = None) -> str:
+    """The one cache key of a compiled artifact (module docstring): a sha256 of
+    everything that affects its code; `toolchain` defaults to this process's versions."""
     material = {
         "program": program_hash,
         "region": region,

@@ -48,6 +48,11 @@ class SpecOp:
 
 @dataclass(frozen=True)
 class SpecializedRegion:
+    """A region specialized for one signature or family: the straight-line ops
+    that replace its instructions, where each live-out comes from, which live-ins die, and
+    the notes of the rewrites applied. What backends emit code from and what travels to
+    other replicas (Note [Portable specializations])."""
+
     region_index: int
     live_in: tuple[int, ...]
     ops: tuple[SpecOp, ...]

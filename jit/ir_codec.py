@@ -30,6 +30,8 @@ _LAYOUTS = {str(x).removeprefix("torch."): x for x in (torch.strided, torch.spar
 
 
 def encode_literal(value) -> list:
+    """A literal operand (None, bool, int, float, str, list, tuple, dtype, device,
+    memory format, layout) as tagged, msgpack-ready data; non-finite floats by name."""
     if value is None or isinstance(value, bool | int | str):
         return ["py", value]
     if isinstance(value, float):
@@ -49,6 +51,7 @@ def encode_literal(value) -> list:
 
 
 def decode_literal(data):
+    """A literal from `encode_literal`'s form; anything else raises IrCodecError."""
     tag, payload = pair(data, "literal")
     if tag == "py":
         if payload is not None and not isinstance(payload, bool | int | float | str):
@@ -71,6 +74,7 @@ def decode_literal(data):
 
 
 def encode_value(value) -> list:
+    """A specialized op's operand (Var, ConstRef, Literal or a list of them), tagged."""
     if isinstance(value, Var):
         return ["var", value.reg]
     if isinstance(value, ConstRef):
@@ -83,6 +87,7 @@ def encode_value(value) -> list:
 
 
 def decode_value(data):
+    """An operand from `encode_value`'s form; anything else raises IrCodecError."""
     tag, payload = pair(data, "value")
     if tag in ("var", "const") and isinstance(payload, int) and not isinstance(payload, bool):
         return Var(payload) if tag == "var" else ConstRef(payload)
@@ -94,6 +99,8 @@ def decode_value(data):
 
 
 def pair(data, what: str):
+    """`data` as (tag, payload), checking that it is a two-element list whose first
+    element is a string (IrCodecError naming `what` otherwise)."""
     if not (isinstance(data, list | tuple) and len(data) == 2 and isinstance(data[0], str)):
         raise IrCodecError(f"{what}: expected [tag, payload], got {data!r}")
     return data[0], data[1]

@@ -56,6 +56,12 @@ def _close_at_exit(queue_ref) -> None:
 
 
 class CompileQueue:
+    """Background compiles as futures keyed by cache key (module docstring):
+    `submit(key, benefit, task)` returns the key's future, running the task on one of
+    `threads` workers, highest benefit first, at most `max_length` waiting; `sync=True`
+    runs it on the caller's thread; `timeout_s` bounds each compile (Note [Compile
+    deadline])."""
+
     def __init__(self, threads: int = 1, max_length: int = 32, sync: bool = False,
                  keep_finished: int = 256, timeout_s: float | None = None) -> None:
         self.sync = sync

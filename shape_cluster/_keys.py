@@ -68,10 +68,13 @@ def scalar_text(kind: type, value: object) -> str | None:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.float32` -> `float32`: the dtype as family keys spell it."""
     return str(dtype).removeprefix("torch.")
 
 
 def tensor_text(dtype: torch.dtype, device: torch.device, layout: str,
                 bounds: tuple[tuple[int, int], ...]) -> str:
+    """A tensor live-in's part of a family key: dtype, device, layout and each
+    dim's bounds (`n` for a fixed dim, `low..high` for a varying one)."""
     dims = ",".join(str(low) if low == high else f"{low}..{high}" for low, high in bounds)
     return f"t:{dtype_name(dtype)}:{device}:{layout}[{dims}]"

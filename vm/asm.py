@@ -37,6 +37,7 @@ from dynvm.vm.serialize import _LAYOUTS, _MEMORY_FORMATS, dtype_named, literal_n
 
 
 def format_literal(value: object) -> str:
+    """An immediate as the listing writes it (the assembler reads it back)."""
     if isinstance(value, bool) or value is None:
         return repr(value)
     if isinstance(value, float):
@@ -58,6 +59,7 @@ def format_literal(value: object) -> str:
 
 
 def format_operand(operand: Operand) -> str:
+    """An operand as the listing writes it: `%3`, `c0`, `@12`, a literal, a list."""
     match operand:
         case Reg() | Const() | Label():
             return str(operand)
@@ -71,6 +73,7 @@ def format_operand(operand: Operand) -> str:
 
 
 def format_instr(instr: Instr) -> str:
+    """One instruction as a listing line without its index: `%2 = ADD %0, %1`."""
     args = ", ".join(format_operand(a) for a in instr.args)
     text = f"{instr.op} {args}" if args else instr.op
     if instr.dsts:
@@ -79,6 +82,8 @@ def format_instr(instr: Instr) -> str:
 
 
 def disassemble(program) -> str:
+    """The program's text listing (directives, then one numbered instruction a
+    line, regions marked), which `assemble` reads back into the same program."""
     lines = [f".program {program.name!r}", f".regs {program.n_regs}"]
     for spec in program.inputs:
         dims = ", ".join(str(d) for d in spec.dims)

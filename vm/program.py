@@ -39,6 +39,9 @@ class DimSpec:
 
 @dataclass(frozen=True, slots=True)
 class InputSpec:
+    """One positional input of a program: its name, dtype and per-dim declared
+    range (`DimSpec`: static, or dynamic between `low` and `high`)."""
+
     name: str
     dtype: torch.dtype
     dims: tuple[DimSpec, ...]
@@ -54,6 +57,8 @@ class InputSpec:
 
 @dataclass(frozen=True, slots=True)
 class ConstSpec:
+    """A constant's name, dtype and shape, as listings and the file's header show it."""
+
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -61,6 +66,10 @@ class ConstSpec:
 
 @dataclass(frozen=True, eq=False)
 class Program:
+    """A lowered model: register bytecode, the inputs' declared signature, the
+    constants (weights) and the pytree specs that give inputs and outputs the module's
+    structure. Immutable; `regions` and `content_hash` are computed once, on first use."""
+
     code: tuple[Instr, ...]
     n_regs: int
     inputs: tuple[InputSpec, ...]

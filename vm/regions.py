@@ -19,6 +19,10 @@ from dynvm.vm.operands import Label, Reg
 
 @dataclass(frozen=True, slots=True)
 class Region:
+    """One region of a program's code: instructions `start` to `stop` (exclusive), the
+    registers it reads before writing (`live_in`) and those it writes that are read later
+    (`live_out`). `index` is its position in `Program.regions`."""
+
     index: int
     start: int                 # first instruction
     stop: int                  # one past the last instruction
@@ -43,6 +47,7 @@ def successors(code: Sequence[Instr], pc: int) -> tuple[int, ...]:
 
 
 def jump_targets(code: Sequence[Instr]) -> frozenset[int]:
+    """Every instruction index some jump or branch of `code` can go to."""
     return frozenset(arg.target for instr in code for arg in instr.args
                      if isinstance(arg, Label))
 
@@ -69,6 +74,8 @@ def live_in_sets(code: Sequence[Instr]) -> list[frozenset[Reg]]:
 
 
 def compute_regions(code: Sequence[Instr]) -> tuple[Region, ...]:
+    """The regions of `code` (module docstring), in code order, each with its
+    live-ins and live-outs."""
     live = live_in_sets(code)
     targets = jump_targets(code)
     bounds: list[tuple[int, int]] = []

@@ -34,6 +34,7 @@ def literal_name(value: object) -> str:
 
 
 def dtype_named(name: str) -> torch.dtype:
+    """The torch dtype a .dvm file names `name` (DvmFormatError for an unknown one)."""
     try:
         return _DTYPES[name]
     except KeyError:
@@ -77,6 +78,7 @@ def _unpack_literal(value: object) -> object:
 
 
 def encode_operand(operand: Operand) -> list:
+    """An operand as msgpack-ready data: a one-letter tag and its payload."""
     match operand:
         case Reg(index):
             return ["r", index]
@@ -101,6 +103,8 @@ def _index(value: object) -> int:
 
 
 def decode_operand(data: object) -> Operand:
+    """An operand from `encode_operand`'s form; malformed data raises DvmFormatError
+    naming what was found."""
     if not (isinstance(data, list) and len(data) == 2 and isinstance(data[0], str)):
         raise DvmFormatError(f"malformed operand {data!r}")
     tag, payload = data
@@ -135,10 +139,13 @@ def decode_operand(data: object) -> Operand:
 
 
 def encode_instr(instr: Instr) -> list:
+    """An instruction as `[opcode, destination registers, encoded operands]`."""
     return [instr.op, [d.index for d in instr.dsts], [encode_operand(a) for a in instr.args]]
 
 
 def decode_instr(data: object, pc: int) -> Instr:
+    """The instruction at `pc` from `encode_instr`'s form; DvmFormatError names the
+    instruction and what is wrong with it."""
     try:
         if not (isinstance(data, list) and len(data) == 3):
             raise DvmFormatError("expected [opcode, dsts, args]")
@@ -154,10 +161,13 @@ def decode_instr(data: object, pc: int) -> Instr:
 
 
 def pack(obj: object) -> bytes:
+    """msgpack bytes of `obj` (binary strings kept as bytes)."""
     return msgpack.packb(obj, use_bin_type=True)
 
 
 def unpack(data: bytes, what: str) -> object:
+    """The object in msgpack `data`; bytes that are not msgpack raise DvmFormatError
+    naming the section `what`."""
     try:
         return msgpack.unpackb(data, raw=False, ext_hook=_ext_hook, strict_map_key=True)
     except DvmFormatError:

@@ -20,6 +20,10 @@ from typing import Protocol
 
 
 class RegionSlot(Protocol):
+    """What a region's cache slot implements (the JIT's RegionJit): `enter(regs)`
+    returns None when specialized code ran the region, else a ticket that the interpreter
+    hands back to `leave(ticket, seconds)` after running the region itself."""
+
     def enter(self, regs: list) -> object | None: ...
 
     def leave(self, ticket: object, seconds: float) -> None: ...

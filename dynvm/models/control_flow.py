@@ -28,6 +28,8 @@ if _while_loop is None:  # pragma: no cover - depends on the torch build
 
 
 class Branchy(nn.Module):
+    """Picks a deep or a shallow sub-network with torch.cond on the input's mean."""
+
     def __init__(self) -> None:
         super().__init__()
         # The two branches differ in depth and ops so that taking the wrong one is
@@ -51,6 +53,9 @@ class Branchy(nn.Module):
 
 
 class Looping(nn.Module):
+    """Runs a residual block a data-dependent number of times (torch.while_loop),
+    the trip count derived from the input's magnitude."""
+
     def __init__(self) -> None:
         super().__init__()
         self.block = nn.Linear(FEATURES, FEATURES)

@@ -22,6 +22,9 @@ LAYERS = 3
 
 
 class MessagePassing(nn.Module):
+    """One message-passing layer: messages from source nodes (index_select),
+    summed at destination nodes (index_add), then a node update."""
+
     def __init__(self, d_in: int, d_out: int) -> None:
         super().__init__()
         self.message = nn.Linear(d_in, d_out)
@@ -37,6 +40,8 @@ class MessagePassing(nn.Module):
 
 
 class GNN(nn.Module):
+    """Message-passing layers and a mean readout: [nodes, F] graph -> [OUT_FEATURES]."""
+
     def __init__(self) -> None:
         super().__init__()
         dims = [IN_FEATURES] + [HIDDEN] * LAYERS

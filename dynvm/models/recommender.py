@@ -33,6 +33,9 @@ def _mlp(*sizes: int) -> nn.Sequential:
 
 
 class Recommender(nn.Module):
+    """DLRM-style: a dense bottom MLP, one pooled embedding bag per sparse
+    feature, their concatenation through a top MLP to one score per row."""
+
     def __init__(self) -> None:
         super().__init__()
         self.bottom = nn.Sequential(_mlp(DENSE_FEATURES, 64, EMBED_DIM), nn.ReLU())

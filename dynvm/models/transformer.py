@@ -18,6 +18,9 @@ from ._base import DemoModel, finish, generator, seeded
 
 
 class EncoderLayer(nn.Module):
+    """A post-norm encoder layer: fused QKV projection, scaled dot-product
+    attention, residual + LayerNorm, GELU feed-forward, residual + LayerNorm."""
+
     def __init__(self, hidden: int, heads: int, ffn: int) -> None:
         super().__init__()
         if hidden % heads:
@@ -44,6 +47,8 @@ class EncoderLayer(nn.Module):
 
 
 class Encoder(nn.Module):
+    """A stack of EncoderLayers over [batch, seq, hidden]."""
+
     def __init__(self, layers: int, hidden: int, heads: int, ffn: int) -> None:
         super().__init__()
         self.layers = nn.ModuleList(EncoderLayer(hidden, heads, ffn) for _ in range(layers))

@@ -66,6 +66,8 @@ def _compile(kernel, target, options):
 
 
 def main():
+    """Read the request from stdin, compile every kernel for every target, write the
+    reply (or the error) to stdout (module docstring)."""
     # The reply owns the real stdout; anything else printed (by Triton, ptxas, ...) goes
     # to stderr, at the file-descriptor level, so it cannot corrupt the reply.
     reply_fd = os.dup(1)

@@ -23,6 +23,9 @@ Shapes = tuple[tuple[int, ...], ...]   # one shape per probe
 
 @dataclass(frozen=True)
 class TensorFacts:
+    """What the planner knows of a tensor operand across a family's probes: its
+    shape at each probe, its dtype, and whether it was contiguous at all of them."""
+
     shapes: Shapes
     dtype: torch.dtype
     contiguous: bool        # at every probe
@@ -42,6 +45,7 @@ def static_or_none(values: Sequence[int]) -> int | None:
 
 
 def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= `n` (1 for n <= 1): a Triton block size."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 

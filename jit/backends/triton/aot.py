@@ -71,6 +71,7 @@ class CompiledBinary:
 
 
 def target_text(target: Sequence) -> str:
+    """A (backend, arch, ...) target as its text form, `cuda:90`."""
     backend, arch = target[0], target[1]
     return f"{backend}:{arch}"
 

@@ -50,6 +50,9 @@ def artifact_key(program_hash: str, region_index: int, family_key: str, targets,
 
 @dataclass(frozen=True)
 class TritonArtifact:
+    """A compiled Triton region as the store keeps it: its key and what went into
+    it, the generated kernels, the launch plan, the fusion groups and the target binaries."""
+
     key: str
     program_hash: str
     region_index: int
@@ -172,6 +175,8 @@ class TritonArtifact:
 def build_artifact(code: RegionCode, *, program_hash: str, family_key: str,
                    binaries: dict, options: TritonOptions,
                    toolchain: dict | None = None, notes=()) -> TritonArtifact:
+    """The TritonArtifact of generated `code` with its `binaries` (per target),
+    keyed by everything that affects them."""
     toolchain = toolchain if toolchain is not None else toolchain_versions()
     targets = tuple(sorted(binaries))
     key = artifact_key(program_hash, code.plan.region_index, family_key, targets, options,

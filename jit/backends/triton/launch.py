@@ -26,6 +26,9 @@ INDEX_LIMIT = 2**31 - 1   # kernels index with 32-bit integers
 
 @dataclass(frozen=True)
 class PreparedLaunch:
+    """One kernel launch resolved for a call's shapes: grid, runtime dims,
+    constexprs and the output's shape."""
+
     grid: tuple[int, ...]
     runtime_args: tuple[int, ...]   # the runtime dims, in parameter order
     constexprs: dict[str, int]      # static dims and block sizes

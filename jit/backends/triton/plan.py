@@ -36,6 +36,9 @@ class Dim:
 
 @dataclass(frozen=True)
 class KernelLaunch:
+    """One generated kernel in a region plan: which values it reads and which
+    registers it writes, its dims and block sizes, and the ops it computes."""
+
     kernel: str
     kind: str                            # ELEMENTWISE, ROW or MATMUL
     inputs: tuple[object, ...]           # Var / ConstRef per input pointer, in order
@@ -57,6 +60,8 @@ class KernelLaunch:
 
 @dataclass(frozen=True)
 class TorchCall:
+    """An op a region plan runs through torch (the vendor library), and why."""
+
     opcode: str
     dsts: tuple[int, ...]
     args: tuple[object, ...]
@@ -66,6 +71,9 @@ class TorchCall:
 
 @dataclass(frozen=True)
 class RegionPlan:
+    """How a specialized region runs on the Triton backend: its steps (kernel launches
+    and torch calls) in order, where each live-out comes from and which registers die when."""
+
     region_index: int
     live_in: tuple[int, ...]
     steps: tuple[KernelLaunch | TorchCall, ...]
@@ -111,6 +119,7 @@ encode_value = ir_codec.encode_value
 
 
 def decode_value(data):
+    """`ir_codec.decode_value`, its error reported as an ArtifactFormatError."""
     try:
         return ir_codec.decode_value(data)
     except ir_codec.IrCodecError as error:
@@ -125,6 +134,7 @@ def _pair(data, what: str):
 
 
 def encode_plan(plan: RegionPlan) -> dict:
+    """A RegionPlan as msgpack-ready fields (the inverse of its decoder)."""
     steps = []
     for step in plan.steps:
         if isinstance(step, KernelLaunch):

@@ -27,6 +27,9 @@ from dynvm.jit.ir import SpecializedRegion
 
 @dataclass(frozen=True)
 class TritonSpecialization:
+    """What the Triton backend gives the engine for one region: the function that
+    runs it on a register file, plus its name, sources, notes and metadata."""
+
     fn: Callable[[list], None]
     kernel_name: str
     """The region's name in diagnostics (its kernels are listed in `metadata`)."""
@@ -42,6 +45,8 @@ class TritonSpecialization:
 def build_specialization(ir: SpecializedRegion, constants: Sequence[torch.Tensor],
                          device: torch.device, *, program_hash: str, family_key: str,
                          options: TritonOptions = DEFAULT_OPTIONS) -> TritonSpecialization:
+    """Generate, compile and wrap the Triton code of `ir` for `device` (CUDA, or
+    interpreted on a CPU); UnsupportedRegion when nothing of it fuses into a kernel."""
     device = torch.device(device)
     if device.type not in ("cuda", "cpu"):
         raise UnsupportedRegion(f"region {ir.region_index}: the Triton backend runs on "
