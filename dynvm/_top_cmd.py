@@ -135,7 +135,8 @@ def poll(client: _Client, models: Sequence[str], samples: int) -> list[Row]:
 
 
 _SUMMED = ("calls", "requests", "errors", "specialized_region_calls",
-           "interpreted_region_calls", "compiles", "guard_failures", "deopts", "queue_length")
+           "interpreted_region_calls", "compiles", "guard_failures", "deopts",
+           "specialize_failures_total", "queue_length")
 
 
 def total(replicas) -> dict:
@@ -177,7 +178,7 @@ def _count(value) -> str:
 
 
 COLUMNS = ("MODEL", "REPLICA", "CALLS", "REQS", "SPEC%", "P50 ms", "P99 ms", "COMPILES",
-           "FAMILIES", "GUARD FAIL", "DEOPTS", "QUEUE")
+           "FAMILIES", "GUARD FAIL", "DEOPTS", "SPEC FAIL", "QUEUE")
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -194,7 +195,10 @@ def format_table(rows: Sequence[Row]) -> str:
                       "-" if ratio is None else f"{100 * ratio:.1f}",
                       _latency(s, "p50"), _latency(s, "p99"), _count(s.get("compiles")),
                       _count(families(s)), _count(s.get("guard_failures")),
-                      _count(s.get("deopts")), _count(s.get("queue_length"))])
+                      _count(s.get("deopts")),
+                      # Note [Failure accounting]: anything but 0 is a dynvm bug
+                      _count(s.get("specialize_failures_total")),
+                      _count(s.get("queue_length"))])
     full = [cells for cells in lines if len(cells) == len(COLUMNS)]
     widths = [max([len(c), *(len(cells[i]) for cells in full)]) for i, c in enumerate(COLUMNS)]
     for i in (0, 1):  # error rows share the first two columns
@@ -273,7 +277,9 @@ def add_parser(sub) -> None:
                        description="""\
 Poll a dynvm server (Ray Serve, Open Inference Protocol v2) and show per model and
 replica: calls, requests, specialized-call ratio, p50/p99 when the replicas report them,
-compiles, code families, guard failures, deopts and the compile queue.
+compiles, code families, guard failures, deopts, specialization failures (SPEC FAIL:
+a dynvm bug whenever not 0; the replica's /stats names the reasons) and the compile
+queue.
 
 Stats are per replica and Serve sends each poll to one replica: each model is polled
 --samples times a refresh; replicas that name themselves get a row each, otherwise a

@@ -106,3 +106,14 @@ def test_verdict_is_the_median_of_paired_ratios():
     ratio = probation.add(0.8, 1.0)                 # 0.8
     assert ratio == pytest.approx(0.8)
     assert probation.passes(ratio) and not probation.passes(0.95)
+
+
+def test_explain_shows_each_specializations_measured_ratio(capsys):
+    from dynvm.cli import main
+
+    assert main(["explain", "branchy", "--shape", "batch=2"]) == 0
+    out = capsys.readouterr().out
+    measured = [line for line in out.splitlines() if line.startswith("; measured: ")]
+    assert measured and len(measured) == out.count("; kernel_region")
+    for line in measured:  # a verdict for each, or why there is none
+        assert "x the interpreter on its calls" in line or "not installed" in line
