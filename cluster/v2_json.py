@@ -33,6 +33,8 @@ import re
 
 import msgspec
 
+from dynvm.vm.errors import DynvmError
+
 MAX_OBJECTS = 4096
 """JSON objects (`{`) a request header may contain."""
 FIELD_BYTES = 64 * 1024
@@ -40,7 +42,7 @@ FIELD_BYTES = 64 * 1024
 _INDEX = re.compile(r"\$\[(\d+)\]")
 
 
-class JsonError(ValueError):
+class JsonError(DynvmError, ValueError):
     """A decoding problem, phrased for the client; v2_protocol turns it into a 400."""
 
 
@@ -81,7 +83,7 @@ def describe_raw(raw, limit: int = 60) -> str:
     if len(data) <= 4 * limit:
         try:
             text = repr(_ANY.decode(data))
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, ValueError):
             text = data.decode("utf-8", "replace")
     else:
         text = data[:limit].decode("utf-8", "replace")
@@ -101,6 +103,8 @@ def is_null(raw: msgspec.Raw | None) -> bool:
 def _malformed(exc: Exception) -> str:
     if isinstance(exc, RecursionError):
         return "nested too deeply"
+    if isinstance(exc, UnicodeDecodeError):  # msgspec checks UTF-8 only when it decodes
+        return f"a string is not UTF-8 ({exc.reason} at byte {exc.start} of it)"
     return str(exc)
 
 
@@ -114,7 +118,7 @@ def decode_header(raw: bytes | bytearray, what: str) -> _Header:
         return _HEADER.decode(raw)
     except msgspec.ValidationError:
         raise JsonError(f"{what} must be a JSON object, got {describe_raw(raw)}") from None
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
         raise JsonError(f"malformed JSON in {what}: {_malformed(exc)}") from None
 
 
@@ -126,8 +130,8 @@ def _object_list(raw: msgspec.Raw, decoder, what: str) -> list:
         if found is None:  # the value itself is not a list
             raise JsonError(f"'{what}' must be a list, got {describe_raw(raw)}") from None
         raise JsonError(f"{what}[{found.group(1)}] must be an object ({exc})") from None
-    except RecursionError:
-        raise JsonError(f"'{what}' is nested too deeply") from None
+    except (RecursionError, UnicodeDecodeError) as exc:
+        raise JsonError(f"'{what}': {_malformed(exc)}") from None
 
 
 def decode_inputs(raw: msgspec.Raw) -> list[_Input]:
@@ -146,7 +150,7 @@ def field(raw: msgspec.Raw | None, what: str, default=None):
         raise JsonError(f"{what} is {len(raw)} bytes of JSON, the limit is {FIELD_BYTES}")
     try:
         return _ANY.decode(raw)
-    except (msgspec.ValidationError, RecursionError) as exc:
+    except (msgspec.ValidationError, RecursionError, UnicodeDecodeError) as exc:
         raise JsonError(f"{what}: {_malformed(exc)}") from None
 
 
@@ -167,5 +171,5 @@ def decode_data(raw: msgspec.Raw, numel: int, rank: int, where: str):
         return _ANY.decode(raw)
     except msgspec.ValidationError as exc:  # "Number out of range" (e.g. 1e400)
         raise JsonError(f"{where}: 'data': {exc}") from None
-    except RecursionError:
-        raise JsonError(f"{where}: 'data' is nested too deeply") from None
+    except (RecursionError, UnicodeDecodeError) as exc:
+        raise JsonError(f"{where}: 'data': {_malformed(exc)}") from None

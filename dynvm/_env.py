@@ -6,7 +6,9 @@ optional mapping instead of the real environment, so tests never touch os.enviro
     runtime_settings(environ=None) -> RuntimeSettings   DYNVM_JIT
     trace_settings(environ=None)   -> TraceSettings     OTEL_* (what dynvm decides itself)
     store_settings(environ=None)   -> StoreSettings     DYNVM_STORE_*, DYNVM_REDIS_*
+    proxy_settings(environ=None)   -> ProxySettings     DYNVM_PROXY_*
     child_environment(...)         -> dict              a copy for a subprocess
+    export(variables)                                   set for processes started later
 
 A bad value raises `EnvVarError`, whose message names the variable and never contains a
 secret (DYNVM_STORE_SECRET, DYNVM_REDIS_PASSWORD).
@@ -32,6 +34,11 @@ Variables (the README's "Environment variables" section lists the same):
     DYNVM_REDIS_NAMESPACE  key prefix in Redis (default "dynvm:k:").
     DYNVM_STORE_TTL_S      expire Redis entries after this many seconds (default: never,
                            LRU eviction only).
+    DYNVM_PROXY_MAX_BODY_BYTES, DYNVM_PROXY_BODY_TIMEOUT_S
+                           limits of dynvm's guard in Ray Serve's HTTP proxy (Note
+                           [Limits at the proxy] in dynvm.cluster.proxy_guard): largest
+                           body (default 64 MiB), seconds for the whole body to arrive
+                           (default 30). Launchers set them for the proxy process.
     OTEL_SDK_DISABLED      "true": no tracing, whatever else is set.
     OTEL_TRACES_EXPORTER   comma-separated exporters ("otlp", "console", "none", or any
                            installed opentelemetry_traces_exporter entry point).
@@ -68,6 +75,8 @@ REDIS_TLS_CERT = "DYNVM_REDIS_TLS_CERT"
 REDIS_TLS_KEY = "DYNVM_REDIS_TLS_KEY"
 REDIS_NAMESPACE = "DYNVM_REDIS_NAMESPACE"
 STORE_TTL_S = "DYNVM_STORE_TTL_S"
+PROXY_MAX_BODY_BYTES = "DYNVM_PROXY_MAX_BODY_BYTES"
+PROXY_BODY_TIMEOUT_S = "DYNVM_PROXY_BODY_TIMEOUT_S"
 OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
 OTEL_TRACES_EXPORTER = "OTEL_TRACES_EXPORTER"
 OTEL_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
@@ -249,7 +258,41 @@ def store_settings(environ: Mapping[str, str] | None = None) -> StoreSettings:
     )
 
 
+# -- the HTTP proxy --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """What the environment says about the HTTP proxy's guard (None: its default)."""
+
+    max_body_bytes: int | None = None
+    body_timeout_s: float | None = None
+
+
+def proxy_settings(environ: Mapping[str, str] | None = None) -> ProxySettings:
+    env = _environ(environ)
+    timeout = None
+    text = env.get(PROXY_BODY_TIMEOUT_S)
+    if text:
+        try:
+            timeout = float(text)
+        except ValueError:
+            timeout = 0.0
+        if not 0 < timeout < float("inf"):
+            raise EnvVarError(f"{PROXY_BODY_TIMEOUT_S} must be a number of seconds > 0, "
+                              f"got {text!r}")
+    return ProxySettings(max_body_bytes=_positive_int(env, PROXY_MAX_BODY_BYTES),
+                         body_timeout_s=timeout)
+
+
 # -- subprocesses ----------------------------------------------------------------------
+
+
+def export(variables: Mapping[str, str]) -> None:
+    """Set `variables` in this process's environment, for the processes it starts later
+    to inherit (Ray's, whose HTTP proxy reads RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
+    and DYNVM_PROXY_*)."""
+    os.environ.update(variables)
 
 
 def child_environment(without: Iterable[str] = (),

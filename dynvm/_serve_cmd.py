@@ -22,7 +22,14 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynvm._env import REDIS_URL, STORE_SECRET, EnvVarError, child_environment, store_settings
+from dynvm._env import (
+    REDIS_URL,
+    STORE_SECRET,
+    EnvVarError,
+    child_environment,
+    export,
+    store_settings,
+)
 from dynvm._run_cmd import CliError
 
 
@@ -119,17 +126,22 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
     )
     from dynvm.cluster.fleet_link import FleetOptions
     from dynvm.cluster.limits import ServingLimits
+    from dynvm.cluster.proxy_guard import ProxyLimits
     from dynvm.cluster.replica import Autoscaling, serve_models
     from dynvm.jit.config import JitConfig
 
     store = _store_config(stack, say)
+    proxy = ProxyLimits()
+    # Serve's proxy takes dynvm's guard only from its environment, which Ray's
+    # processes inherit from this one (Note [Limits at the proxy]).
+    export(proxy.environment())
     ray.init(include_dashboard=False, log_to_driver=False)
     stack.callback(ray.shutdown)
     say(f"ray       local, {int(ray.cluster_resources().get('CPU', 0))} CPUs")
     start_compile_service(store, name=SERVICE_NAME, namespace=NAMESPACE)
     stack.callback(stop_compile_service, SERVICE_NAME, NAMESPACE)
     say("compile   service started")
-    serve.start(http_options={"host": "127.0.0.1", "port": options.port})
+    serve.start(http_options=proxy.http_options("127.0.0.1", options.port))
     stack.callback(serve.shutdown)
     autoscaling = None
     if options.max_replicas is not None:

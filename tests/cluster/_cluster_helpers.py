@@ -42,29 +42,37 @@ def wait_until(predicate: Callable[[], object], timeout_s: float = 30.0,
 
 
 @contextlib.contextmanager
-def local_serve(namespace: str, num_cpus: int = 2, **ray_options) -> Iterator[int]:
+def local_serve(namespace: str, num_cpus: int = 2, proxy_limits=None,
+                **ray_options) -> Iterator[int]:
     """A local Ray cluster with Serve on a free loopback port (yielded); everything is
-    shut down on exit, usage reporting off while it runs."""
+    shut down on exit, usage reporting off while it runs. The proxy runs dynvm's guard
+    (dynvm.cluster.proxy_guard) with `proxy_limits` (default ProxyLimits()), as `dynvm
+    serve` does."""
     import ray
     from ray import serve
 
-    old_env = os.environ.get("RAY_USAGE_STATS_ENABLED")
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    from dynvm.cluster.proxy_guard import ProxyLimits
+
+    limits = proxy_limits if proxy_limits is not None else ProxyLimits()
+    variables = {"RAY_USAGE_STATS_ENABLED": "0", **limits.environment()}
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)  # Ray's processes (its proxy too) inherit them
     port = free_port()
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              configure_logging=False, namespace=namespace, **ray_options)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options=limits.http_options("127.0.0.1", port))
         yield port
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
-            if old_env is None:
-                os.environ.pop("RAY_USAGE_STATS_ENABLED", None)
-            else:
-                os.environ["RAY_USAGE_STATS_ENABLED"] = old_env
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 @contextlib.contextmanager

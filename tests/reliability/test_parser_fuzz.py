@@ -13,6 +13,7 @@ can go wrong. The HTTP endpoint gets its own (smaller) fuzz in test_bad_input_ht
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -234,6 +235,121 @@ def test_fuzz_shapes_against_declared_ranges(data):
 @given(st.binary(max_size=MAX_BODY + 64), st.one_of(st.none(), st.text(max_size=8)))
 def test_fuzz_random_bytes(body, length):
     parse(body, length)
+
+
+# ------------------------------------------------------------------ numbers, nesting, encodings
+
+_NUMBER_TEXTS = st.one_of(
+    st.integers(-(2**80), 2**80).map(str),
+    st.floats(allow_nan=False, allow_infinity=False).map(repr),
+    st.sampled_from([
+        "1e400", "-1e400", "1e39", "-1e39", "3.4028235e38", "3.5e38", "65504", "65520",
+        "70000", "-70000", "1e-400", "-0", "-0.0", "0e0", "1E+2", "1" * 400, "1." + "0" * 400,
+        "NaN", "Infinity", "-Infinity", '"NaN"', '"Infinity"', '"-Infinity"', '"nan"',
+        '"1.5"', "0x10", "01", "+1", ".5", "1.", "true", "null", "[]", "{}"]))
+_STRING_VALUES = {'"NaN"': math.nan, '"Infinity"': math.inf, '"-Infinity"': -math.inf}
+_SENTINEL = 4242
+
+
+@FUZZ
+@given(st.data())
+def test_fuzz_numbers(data):
+    """Any number text in any input's data: accepted only when it fits the datatype
+    (never an inf or a wrapped integer the client did not write), else a 400 naming
+    the input."""
+    doc = json_request()
+    index = data.draw(st.sampled_from([0, 2, 3, 4]))  # x FP32, ids UINT64, h FP16, b UINT8
+    entry = doc["inputs"][index]
+    flat = np.array(entry["data"], dtype=object).reshape(-1)
+    flat[0] = _SENTINEL
+    entry["data"] = flat.tolist()
+    token = data.draw(_NUMBER_TEXTS)
+    body = json.dumps(doc).replace(str(_SENTINEL), token, 1).encode()
+    request = parse(body, None)
+    if request is None:
+        return
+    got = request.tensors[index].reshape(-1)[0]
+    if entry["datatype"] in ("FP32", "FP16"):
+        if token in _STRING_VALUES:
+            expected = _STRING_VALUES[token]
+            assert math.isnan(expected) if got.isnan() else float(got) == expected
+        else:  # a plain number: finite, and the value written (to the dtype's rounding)
+            value = float(token)
+            assert torch.isfinite(got) and math.isfinite(value)
+            assert float(got) == float(torch.tensor(value, dtype=got.dtype))
+    else:
+        assert int(got.to(torch.int64) if entry["datatype"] != "UINT64" else
+                   got.view(torch.int64)) % 2**64 == int(token) % 2**64
+        assert 0 <= int(token) < 2**(64 if entry["datatype"] == "UINT64" else 8)
+
+
+def _nestings(values: list, shape: tuple[int, int]):
+    """Ways to write `values` (row-major, shape [a, b]) in JSON: (data, valid)."""
+    a, b = shape
+    rows = [values[i * b:(i + 1) * b] for i in range(a)]
+    ragged = [list(r) for r in rows]
+    ragged[-1] = ragged[-1][:-1] + [ragged[-1][-1:]]  # last value one level deeper
+    short = [list(r) for r in rows]
+    short[0] = short[0][:-1]
+    return st.sampled_from([
+        (values, True), (rows, True),
+        ([values[i * a:(i + 1) * a] for i in range(b)], a == b),  # nested as [b, a]
+        ([[v] for v in values], b == 1),                            # one level too deep
+        ([rows], False), (ragged, False), (short + [[values[-1]]], False),
+        (values[0], False), (values + values[:1], False)])
+
+
+@FUZZ
+@given(st.data())
+def test_fuzz_nesting(data):
+    """`data` flat or nested exactly as the shape is accepted with the same tensor;
+    any other nesting (ragged rows, transposed, too deep) is a 400 naming the input."""
+    batch, seq = data.draw(st.integers(1, 8)), data.draw(st.integers(2, 6))
+    doc = json_request(batch, seq)
+    values = np.array(doc["inputs"][0]["data"], dtype=np.float32).reshape(-1).tolist()
+    nested, valid = data.draw(_nestings(values, (batch, seq)))
+    doc["inputs"][0]["data"] = nested
+    try:
+        request = v2.parse_infer_request(json.dumps(doc).encode(), INPUTS)
+    except v2.BadRequest as error:
+        assert not valid, (nested, error.message)
+        assert "input 'x'" in error.message
+        return
+    assert valid, nested
+    assert torch.equal(request.tensors[0],
+                       torch.tensor(values, dtype=torch.float32).reshape(batch, seq))
+
+
+_ENCODINGS = st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-16-be", "utf-32",
+                              "latin-1", "escaped", "surrogate", "overlong", "nul"])
+
+
+@FUZZ
+@given(st.data())
+def test_fuzz_encodings(data):
+    """The same request in other text encodings and with escapes: only UTF-8 JSON (RFC
+    8259) is read; escapes decode to the same names; everything else is a 400."""
+    doc = json_request(data.draw(st.integers(1, 4)), data.draw(st.integers(2, 6)))
+    encoding = data.draw(_ENCODINGS)
+    text = json.dumps(doc)
+    if encoding == "escaped":  # "x" written as \u0078: the same request
+        body = text.replace('"name": "x"', '"name": "\\u0078"', 1).encode()
+    elif encoding == "surrogate":  # a lone surrogate escape in a name
+        body = text.replace('"name": "x"', '"name": "x\\ud800"', 1).encode()
+    elif encoding == "overlong":  # an overlong UTF-8 "/" inside a string
+        body = text.replace('"fuzz"', '"fu\xc0\xafzz"', 1).encode("latin-1")
+    elif encoding == "nul":
+        body = text.replace('"fuzz"', '"fu\x00zz"', 1).encode()
+    elif encoding == "latin-1":
+        body = text.replace('"fuzz"', '"f\xfczz"', 1).encode("latin-1")
+    else:
+        body = text.encode(encoding)
+    request = parse(body, None)
+    if encoding in ("utf-8", "escaped"):
+        assert request is not None
+    if encoding in ("utf-16", "utf-16-be", "utf-32", "utf-8-sig", "surrogate", "overlong",
+                    "latin-1", "nul"):
+        assert request is None, encoding
 
 
 # ------------------------------------------------------------------ what the fuzz found
