@@ -43,12 +43,18 @@ class CompileTimeout(DynvmError, TimeoutError):
 EXIT_WAIT_S = 30.0
 
 
+# Note [Exit with a compile running]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Workers are daemon threads, so that a hung compile can never keep a process alive; but
+# one still inside a torch operation when the interpreter finalizes makes the process
+# abort ("terminate called without an active exception", exit status 134). So at exit,
+# waiting tasks are cancelled and a running compile is given up to EXIT_WAIT_S (at most
+# its deadline) to finish.
+
+
 def _close_at_exit(queue_ref) -> None:
-    """Note [Exit with a compile running]: workers are daemon threads, so that a hung
-    compile can never keep a process alive; but one still inside a torch operation when
-    the interpreter finalizes makes the process abort ("terminate called without an
-    active exception", exit status 134). So at exit, waiting tasks are cancelled and a
-    running compile is given up to EXIT_WAIT_S (at most its deadline) to finish."""
+    """Close the queue, if it still exists, at interpreter exit (Note [Exit with a
+    compile running])."""
     queue = queue_ref()
     if queue is not None:
         limit = EXIT_WAIT_S if queue.timeout_s is None else min(EXIT_WAIT_S, queue.timeout_s)
