@@ -15,6 +15,8 @@ import dynvm
 from dynvm.jit.backends.triton.run_interpreted import InterpretedRegion
 from dynvm.jit.config import JitConfig
 
+pytestmark = pytest.mark.interpreted   # kernels run in Triton's interpreter (conftest.py)
+
 h = importlib.import_module("tests.jit._jit_helpers")
 HIDDEN = h.SMALL_TRANSFORMER["hidden"]
 BAGS = (3, 5, 1, 4)

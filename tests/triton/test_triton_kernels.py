@@ -15,6 +15,8 @@ from dynvm.jit.backends.triton import LaunchError, TritonOptions, generate_regio
 from dynvm.jit.backends.triton.run_interpreted import InterpretedRegion
 from dynvm.jit.ir import ConstRef, Literal
 
+pytestmark = pytest.mark.interpreted   # kernels run in Triton's interpreter (conftest.py)
+
 th = importlib.import_module("tests.triton._triton_helpers")
 op = th.op
 

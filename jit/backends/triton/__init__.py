@@ -12,8 +12,9 @@ child process, Note [Launching binaries]) -> `artifact` (msgpack, one cache key)
 fp32 only for now. The JIT uses this backend with JitConfig(backend="triton"|"auto")
 through `specialization.build_specialization`: Triton's JIT on CUDA (`run_cuda`), the
 interpreter on a CPU (`run_interpreted`); `launch.PlanRunner` is the part every runner
-shares. Launching an artifact's stored binaries without Triton's compiler is the
-remaining step (Note [Launching binaries]).
+shares. A GPU replica of the fleet launches an artifact's stored binaries without
+Triton's compiler: `loader` builds Triton's kernel objects from them, `run_binary` runs
+the plan with them (Note [Launching binaries]).
 """
 
 from __future__ import annotations

@@ -13,17 +13,18 @@ What a GPU process needs to launch a kernel is all in the artifact, so it never 
 Triton's compiler: the cubin, the metadata JSON Triton wrote next to it (name, num_warps,
 shared memory, scratch sizes, target, ...), the parameter order and types (`arg_names`,
 `signature`, `constexprs` of the kernel) and, per call, the grid and arguments from
-`dynvm.jit.backends.triton.launch.prepare_launch`. The loader (not built yet: there is
-no GPU on the machines this was written on) will
+`dynvm.jit.backends.triton.launch.prepare_launch`. The loader
+(dynvm.jit.backends.triton.loader, run by run_binary.BinaryRegion; which binary a GPU
+takes: Note [Stored binaries on other GPUs])
 
-1. write `<entry>.json` and `<entry>.cubin` from the artifact into a private directory
-   and build `triton.compiler.CompiledKernel(src, metadata_group, hash)` over them, `src`
+1. writes `<entry>.json` and `<entry>.cubin` from the artifact into a private directory
+   and builds `triton.compiler.CompiledKernel(src, metadata_group, hash)` over them, `src`
    being a small object with the kernel's `signature` and `constants` (what Triton's
    launcher reads); or call `triton.runtime.driver.active.utils.load_binary(entry,
    cubin, shared, device)` directly for the CUfunction;
-2. launch with `compiled[grid](*pointers, *runtime_dims)` or, lower down,
+2. launches with `compiled[grid](*pointers, *runtime_dims)` or, lower down,
    `compiled.run(gx, gy, gz, stream, function, packed_metadata, launch_metadata, None,
-   None, *args)`, allocating global scratch when the metadata asks for it.
+   None, *args)` on the caller's stream (binaries that need global scratch are refused).
 
 Triton's launcher stub is host C code built once per signature; the kernel itself is the
 stored cubin (or, for a newer GPU, its PTX through the driver's JIT).
