@@ -22,6 +22,8 @@ import torch
 
 from dynvm.arena import ArenaPool
 from dynvm.jit.backends.cpu_arena import OUT_KERNELS, ArenaBinding, ArenaLayout, plan_layout
+from dynvm.jit.backends.cpu_arena_choice import out_form_pays, zeros_like_abstract
+from dynvm.jit.backends.cpu_conv import fuse_conv_epilogues
 from dynvm.jit.backends.cpu_fusion import (
     FUSED_KERNELS,
     epilogue_pcs,
@@ -151,7 +153,27 @@ def plan_arena_layout(spec: SpecializedRegion, constants, device, options):
             return None
         return values
 
-    return plan_layout(list(spec.ops), spec.abstract, operand_values, leaving)
+    pays = None
+    if options.arena_ops == "measured":  # Note [Arena by measurement]
+        calibrator = options.calibrator or calibrator_for(device)
+        planning = spec.abstract[0]
+
+        def real(arg):
+            if isinstance(arg, Var):
+                return zeros_like_abstract(planning.get(arg.reg), device)
+            if isinstance(arg, ConstRef):
+                return constants[arg.index]
+            if isinstance(arg, Literal):
+                return arg.value
+            return [real(item) for item in arg]
+
+        def pays(op, form) -> bool:
+            return out_form_pays(op.opcode, form, operand_values(op, planning),
+                                 planning[op.dsts[0]],
+                                 lambda: [real(a) for a in _device_args(op.args, device)],
+                                 device, calibrator)
+
+    return plan_layout(list(spec.ops), spec.abstract, operand_values, leaving, pays)
 
 
 def _emit_body(emitter, spec, program, constants, device,
@@ -221,8 +243,14 @@ class CpuOptions:
     """This engine's packed weights (Note [Prepacked weights]); one per CpuOptions, and
     an engine makes one CpuOptions."""
 
+    arena_ops: str = "measured"
+    """Which ops write into the arena: "measured" where their out= form measures faster
+    on this device (Note [Arena by measurement]), "all" wherever one applies (tests of
+    the arena's mechanics)."""
+
     def as_key(self) -> dict:
-        return {"arena": self.arena_pool is not None, "fusion": self.fusion}
+        return {"arena": self.arena_pool is not None, "fusion": self.fusion,
+                "arena_ops": self.arena_ops}
 
 
 def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.device,
@@ -236,10 +264,10 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
     if options.fusion != "off":
         calibrator = None if options.fusion == "always" else (
             options.calibrator or calibrator_for(device))
-        fused = fuse_gemm_epilogues(spec, constants, device, prepacked=options.prepacked,
-                                    calibrator=calibrator,
-                                    weak_guard=guard == GuardStrength.WEAK.value)
-        spec, notes = fused.spec, fused.notes
+        for rewrite in (fuse_gemm_epilogues, fuse_conv_epilogues):
+            fused = rewrite(spec, constants, device, prepacked=options.prepacked,
+                            calibrator=calibrator, weak_guard=guard == GuardStrength.WEAK.value)
+            spec, notes = fused.spec, notes + fused.notes
         header += "".join(f"\n{note}" for note in notes)
     arena = None
     # A weak guard admits other shapes of the same element count, whose intermediates

@@ -71,14 +71,24 @@ _mkldnn = torch.ops.mkldnn
 FUSED_VARIANT = "onednn"
 LINEAR_UNARY = "ONEDNN_LINEAR"
 LINEAR_BINARY = "ONEDNN_LINEAR_BINARY"
+CONV_UNARY = "ONEDNN_CONV"            # Note [CPU conv fusion]
+CONV_BINARY = "ONEDNN_CONV_BINARY"
+CONV_KERNELS = {
+    CONV_UNARY: _mkldnn._convolution_pointwise.default,
+    CONV_BINARY: _mkldnn._convolution_pointwise.binary,
+}
 FUSED_KERNELS = {
     LINEAR_UNARY: _mkldnn._linear_pointwise.default,
     LINEAR_BINARY: _mkldnn._linear_pointwise.binary,
+    **CONV_KERNELS,
 }
 
-# Activation opcode -> oneDNN post-op attribute (GELU's is chosen by its mode operand).
-_UNARY_ATTRS = {"RELU": "relu", "SILU": "swish", "SIGMOID": "sigmoid", "TANH": "tanh",
-                "HARDSWISH": "hardswish", "HARDSIGMOID": "hardsigmoid", "GELU": "gelu"}
+# Activation opcode -> oneDNN post-op attribute, and how many literal operands follow
+# the tensor (they become the post-op's scalars; GELU's mode becomes its algorithm).
+_UNARY_ATTRS = {"RELU": ("relu", 0), "SILU": ("swish", 0), "SIGMOID": ("sigmoid", 0),
+                "TANH": ("tanh", 0), "HARDSWISH": ("hardswish", 0),
+                "HARDSIGMOID": ("hardsigmoid", 0), "GELU": ("gelu", 0),
+                "LEAKY_RELU": ("leaky_relu", 1), "HARDTANH": ("hardtanh", 2)}
 _BINARY_ATTRS = {"ADD": "add", "SUB": "sub", "MUL": "mul"}
 _COMMUTATIVE = {"ADD", "MUL"}
 # Calibration operands are at most this many rows: past it the choice does not change
@@ -127,7 +137,7 @@ def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device
     ops = list(spec.ops)
     leaving = {v.reg for _, v in spec.outputs if isinstance(v, Var)}
     producer_position = {dst: i for i, op in enumerate(ops) for dst in op.dsts}
-    uses = _use_counts(ops, leaving)
+    uses = use_counts(ops, leaving)
     notes: list[str] = []
     replaced: dict[int, SpecOp] = {}
     removed: set[int] = set()
@@ -135,7 +145,7 @@ def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device
         gemm = _as_gemm(op, constants, spec.abstract)
         if gemm is None:
             continue
-        consumer_at = _single_consumer(ops, position, uses)
+        consumer_at = single_consumer(ops, position, uses)
         epilogue = None
         if consumer_at is not None and consumer_at not in removed:
             epilogue = _epilogue(ops, position, consumer_at, spec.abstract, constants,
@@ -160,14 +170,14 @@ def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device
     if not replaced:
         return FusionResult(spec, tuple(notes))
     new_ops = [replaced.get(i, op) for i, op in enumerate(ops) if i not in removed]
-    new_ops = _recompute_frees(new_ops, leaving)
+    new_ops = recompute_frees(new_ops, leaving)
     return FusionResult(dataclasses.replace(spec, ops=tuple(new_ops)), tuple(notes))
 
 
 # -- matching ---------------------------------------------------------------------------
 
 
-def _use_counts(ops: list[SpecOp], leaving: set[int]) -> dict[int, int]:
+def use_counts(ops: list[SpecOp], leaving: set[int]) -> dict[int, int]:
     counts = {reg: 1 for reg in leaving}
     for op in ops:
         for value in flat_values(op.args):
@@ -176,7 +186,7 @@ def _use_counts(ops: list[SpecOp], leaving: set[int]) -> dict[int, int]:
     return counts
 
 
-def _probe_tensors(probes, reg: int) -> list | None:
+def probe_tensors(probes, reg: int) -> list | None:
     values = [probe.get(reg) for probe in probes]
     return values if all(isinstance(v, torch.Tensor) for v in values) else None
 
@@ -219,8 +229,8 @@ def _as_gemm(op: SpecOp, constants, probes) -> _Gemm | None:
         return None
     if not isinstance(x, Var):
         return None
-    xs = _probe_tensors(probes, x.reg)
-    results = _probe_tensors(probes, op.dsts[0])
+    xs = probe_tensors(probes, x.reg)
+    results = probe_tensors(probes, op.dsts[0])
     if xs is None or results is None:
         return None
     if any(t.dtype != torch.float32 or t.dim() < 2 for t in xs):
@@ -230,7 +240,7 @@ def _as_gemm(op: SpecOp, constants, probes) -> _Gemm | None:
     return _Gemm(x, weight.index, transpose, bias)
 
 
-def _single_consumer(ops, position: int, uses) -> int | None:
+def single_consumer(ops, position: int, uses) -> int | None:
     dst = ops[position].dsts[0]
     if uses.get(dst) != 1:
         return None
@@ -247,18 +257,14 @@ def _epilogue(ops, position, consumer_at, probes, constants, producer_position,
     dst = Var(ops[position].dsts[0])
     if len(consumer.dsts) != 1 or consumer.variant not in ("", "inplace"):
         return None
-    if not _untouched_between(ops, position, consumer_at, consumer):
+    if not untouched_between(ops, position, consumer_at, consumer):
         return None
     name = consumer.opcode
     if name in _UNARY_ATTRS and consumer.args and consumer.args[0] == dst:
-        if name == "GELU":
-            mode = consumer.args[1] if len(consumer.args) > 1 else Literal("none")
-            if not (isinstance(mode, Literal) and mode.value in ("none", "tanh")):
-                return None
-            return consumer_at, "gelu", [], mode.value, None
-        if len(consumer.args) != 1:
+        post_op = unary_post_op(consumer)
+        if post_op is None:
             return None
-        return consumer_at, _UNARY_ATTRS[name], [], "", None
+        return consumer_at, *post_op, None
     if name not in _BINARY_ATTRS or weak_guard or len(consumer.args) != 2:
         return None
     a, b = consumer.args
@@ -270,12 +276,12 @@ def _epilogue(ops, position, consumer_at, probes, constants, producer_position,
         return None
     if other == dst:
         return None
-    result = _probe_tensors(probes, dst.reg)
+    result = probe_tensors(probes, dst.reg)
     if isinstance(other, Var):
         # It must exist where the fused call runs: the GEMM's place.
         if producer_position.get(other.reg, -1) >= position:
             return None
-        others = _probe_tensors(probes, other.reg)
+        others = probe_tensors(probes, other.reg)
     elif isinstance(other, ConstRef) and isinstance(constants[other.index], torch.Tensor):
         others = [constants[other.index]] * len(probes)
     else:
@@ -287,7 +293,24 @@ def _epilogue(ops, position, consumer_at, probes, constants, producer_position,
     return consumer_at, _BINARY_ATTRS[name], None, None, other
 
 
-def _untouched_between(ops, position: int, consumer_at: int, consumer: SpecOp) -> bool:
+def unary_post_op(op: SpecOp) -> tuple[str, list, str] | None:
+    """(attr, scalars, algorithm) of oneDNN's post-op computing activation `op` on its
+    operand 0, or None when there is none."""
+    if op.opcode not in _UNARY_ATTRS:
+        return None
+    attr, n_scalars = _UNARY_ATTRS[op.opcode]
+    rest = op.args[1:]
+    if not all(isinstance(a, Literal) for a in rest):
+        return None
+    if op.opcode == "GELU":
+        mode = rest[0].value if rest else "none"
+        return ("gelu", [], mode) if mode in ("none", "tanh") and len(rest) <= 1 else None
+    if len(rest) != n_scalars or not all(isinstance(a.value, int | float) for a in rest):
+        return None
+    return attr, [float(a.value) for a in rest], ""
+
+
+def untouched_between(ops, position: int, consumer_at: int, consumer: SpecOp) -> bool:
     """No op strictly between writes a register the fused call reads or defines, so that
     running it at `position` computes what the pair computed."""
     read = {v.reg for v in flat_values(ops[position].args) if isinstance(v, Var)}
@@ -318,7 +341,7 @@ def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
     bias = constants[gemm.bias.index] if isinstance(gemm.bias, ConstRef) else None
     n, k = dense.shape
     label = _kind(op, epilogue, ops)
-    xs = _probe_tensors(probes, gemm.x.reg)
+    xs = probe_tensors(probes, gemm.x.reg)
     ms = sorted({min(_m_of(x), _CALIBRATION_MAX_M) for x in xs}, reverse=True)
     threads = torch.get_num_threads()
     verdicts = []
@@ -379,6 +402,29 @@ def _candidates(op, epilogue, ops, x, weight, dense, packed, bias):
     return eager_binary, fused_binary
 
 
+def run_original(ops: list[SpecOp], values: dict[int, object], constants) -> object:
+    """Run `ops` as the unfused kernel would (in-place variants in place) on `values`
+    (Var register -> tensor); returns the last op's first result. For calibration."""
+    env = dict(values)
+
+    def value(arg):
+        if isinstance(arg, Var):
+            return env[arg.reg]
+        if isinstance(arg, ConstRef):
+            return constants[arg.index]
+        if isinstance(arg, Literal):
+            return arg.value
+        return [value(item) for item in arg]
+    result = None
+    for op in ops:
+        spec = OPCODES[op.opcode]
+        fn = spec.inplace if op.variant == "inplace" else spec.impl
+        result = fn(*(value(arg) for arg in op.args))
+        results = result if len(op.dsts) > 1 else (result,)
+        env.update(zip(op.dsts, results))
+    return env[ops[-1].dsts[0]]
+
+
 def _why_not(op, gemm, calibrator) -> str:
     return "oneDNN measured no faster here" if calibrator is not None else "not applicable"
 
@@ -388,7 +434,7 @@ def _why_not(op, gemm, calibrator) -> str:
 
 def _fused_op(op, gemm: _Gemm, epilogue, ops, constants, probes,
               prepacked: PrepackCache) -> SpecOp:
-    xs = _probe_tensors(probes, gemm.x.reg)
+    xs = probe_tensors(probes, gemm.x.reg)
     packed = prepacked.linear_weight(gemm.weight, constants[gemm.weight], _m_of(xs[0]),
                                      gemm.transpose)
     if epilogue is None:
@@ -430,7 +476,7 @@ def _call_text(fused: SpecOp) -> str:
     return f"linear with binary post-op {fused.args[4].value}"
 
 
-def _recompute_frees(ops: list[SpecOp], keep: set[int]) -> list[SpecOp]:
+def recompute_frees(ops: list[SpecOp], keep: set[int]) -> list[SpecOp]:
     """Each op frees the Vars whose last use it is (outputs are kept): the fused calls
     moved some reads earlier."""
     last_use: dict[int, int] = {}

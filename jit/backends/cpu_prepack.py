@@ -48,15 +48,21 @@ class PrepackCache:
                       transpose: bool = False) -> torch.Tensor:
         """Constant `index` (`weight`) as oneDNN linear's packed [N, K] weight; with
         `transpose` the constant is [K, N]."""
-        key = (index, "linear", transpose, int(batch_hint))
+        def build():
+            dense = weight.t() if transpose else weight
+            # A transposed or strided constant is made contiguous first (once per pack).
+            return _mkldnn._reorder_linear_weight(dense.contiguous(), max(1, int(batch_hint)))
+        return self.get((index, "linear", transpose, int(batch_hint)), build)
+
+    def get(self, key: tuple, build) -> torch.Tensor:
+        """The packed tensor cached under `key`, made by `build()` if none is alive. The
+        key names everything the packed tensor is computed from (constant indices,
+        transforms, hints): the cache serves one engine, whose constants never change."""
         with self._lock:
             found = self._packed.get(key)
         if found is not None:
             return found
-        dense = weight.t() if transpose else weight
-        # A transposed or otherwise strided constant is made contiguous first: the
-        # reorder reads the tensor's strides, but a plain copy is cheap once per pack.
-        packed = _mkldnn._reorder_linear_weight(dense.contiguous(), max(1, int(batch_hint)))
+        packed = build()
         with self._lock:
             # Two compile threads may pack the same weight; the first stored is shared.
             existing = self._packed.get(key)
