@@ -182,3 +182,12 @@ def test_the_top_package_resolves_its_api_on_first_use():
     assert [m for m in before if m.startswith("dynvm")] == ["dynvm"]
     assert "dynvm._runtime" in after and "dynvm.jit.engine" in after
     assert version == pyproject()["project"]["version"]
+
+
+def test_every_name_in_all_resolves_and_others_raise_attribute_error():
+    import dynvm
+
+    assert all(getattr(dynvm, name) is not None for name in dynvm.__all__)
+    assert set(dynvm.__all__) <= set(dir(dynvm))
+    with pytest.raises(AttributeError, match="no_such_name"):
+        dynvm.no_such_name  # noqa: B018 (the attribute access is the test)
