@@ -63,6 +63,7 @@ class _ProgramState:
     program: object
     jit: Jit
     index: dict[int, OrderedDict] = field(default_factory=dict)   # region -> keys
+    gpu_index: dict[int, OrderedDict] = field(default_factory=dict)   # Triton entries
     observations: int = 0
     rejected: int = 0
 
@@ -240,8 +241,25 @@ class FleetCompiler:
             self.gpu_skipped += 1
             logger.info("no Triton artifact for %s: %s", spec.artifact.key[:16], error)
             return
-        if self.cache.publish(key, fields):
-            self.gpu_published += 1
+        if not self.cache.publish(key, fields):
+            return
+        self.gpu_published += 1
+        # GPU replicas read their own index and announcements (Note [GPU replicas in the
+        # fleet] in dynvm.cluster.fleet_gpu): the target is the configured targets' text.
+        from dynvm.cluster.fleet_gpu import gpu_fleet_target
+
+        target = gpu_fleet_target(self.gpu_targets)
+        program_hash = state.program.content_hash
+        with self._lock:
+            keys = state.gpu_index.setdefault(spec.ir.region_index, OrderedDict())
+            keys[key] = None
+            while len(keys) > self.jit_config.max_specializations_per_region:
+                keys.popitem(last=False)
+            listed = [k for region_keys in state.gpu_index.values() for k in region_keys]
+        self.cache.publish(index_key(program_hash, target),
+                           index_fields(program_hash, target, listed))
+        if self.announcer is not None:
+            self.announcer.publish(Announcement(program_hash, target, key, None))
 
     def repair_store(self) -> None:
         """Publish again what the store lost: first what failed to publish, then, for a

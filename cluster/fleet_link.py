@@ -14,7 +14,11 @@ It implements the JIT's fleet hooks (Note [Fleet hooks] in dynvm.jit.engine):
   (Note [Portable specializations]) and installed. A rejected entry is counted and
   never installed;
 * `start()` installs everything the index lists before it returns: a replica that
-  starts after a promotion serves that shape specialized from its first request.
+  starts after a promotion serves that shape specialized from its first request;
+* a CUDA replica (with `FleetOptions.gpu_targets`, the compile service's) installs the
+  service's Triton artifacts from their stored binaries instead of CPU records, and
+  compiles locally only when none fits its GPU (Note [GPU replicas in the fleet] in
+  dynvm.cluster.fleet_gpu).
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ class FleetOptions:
     """Observations kept while the service is slow or away; older ones are dropped."""
     service_timeout_s: float = 2.0
     """A service call slower than this counts as unreachable (compile locally)."""
+    gpu_targets: tuple = ()
+    """The cluster's GPU targets, as the compile service builds Triton binaries for them
+    (("cuda", 90, 32) or "cuda:90"); a CUDA replica without them does not share."""
 
     def __post_init__(self) -> None:
         for name in ("flush_interval_s", "poll_interval_s", "service_timeout_s"):
@@ -75,7 +82,11 @@ class FleetOptions:
 
 
 class FleetLink:
-    def __init__(self, runtime, dvm_bytes: bytes, options: FleetOptions, client) -> None:
+    def __init__(self, runtime, dvm_bytes: bytes, options: FleetOptions, client,
+                 gpu_boundary=None) -> None:
+        """`gpu_boundary`: where a GPU replica's kernels launch (default: a
+        `run_binary.CudaBoundary` on a CUDA runtime's device); a test on a machine
+        without a GPU gives a stand-in, and the link behaves as a CUDA replica's."""
         if runtime.jit is None:
             raise ValueError("a fleet link needs a Runtime with its JIT on")
         self.runtime = runtime
@@ -85,11 +96,20 @@ class FleetLink:
         self.options = options
         self.client = client
         self.target = str(runtime.device)
+        self.gpu = None
+        if options.gpu_targets and (gpu_boundary is not None or runtime.device.type == "cuda"):
+            from dynvm.cluster.fleet_gpu import GpuInstaller
+            from dynvm.jit.backends.triton.run_binary import CudaBoundary
+
+            boundary = gpu_boundary if gpu_boundary is not None else CudaBoundary(runtime.device)
+            self.gpu = GpuInstaller(runtime, options.gpu_targets, boundary)
+            self.target = self.gpu.target
         self._dvm_bytes = dvm_bytes
         self.cache = ArtifactCache(options.store.open_store(), options.store.secret,
                                    {"target": self.target, "toolchain": toolchain_versions()})
-        # The service compiles for TARGET only; other devices keep their local JIT.
-        self.shared = self.target == TARGET
+        # The service compiles for TARGET, and for its GPU targets when configured; other
+        # devices keep their local JIT.
+        self.shared = self.target == TARGET or self.gpu is not None
         self._buffer: deque = deque()
         self._buffer_lock = threading.Lock()
         self._install_lock = threading.Lock()
@@ -145,7 +165,7 @@ class FleetLink:
             self._buffer.append((region, signature, seconds, carrier or None))
 
     def compiles_locally(self) -> bool:
-        return not self._service_ok
+        return not self._service_ok or (self.gpu is not None and self.gpu.needs_local_compile)
 
     # -- the link thread -------------------------------------------------------------------
 
@@ -165,6 +185,11 @@ class FleetLink:
             self._buffer.clear()
         batch = [[region, encode_signature(signature), seconds, carrier]
                  for region, signature, seconds, carrier in items]
+        if self.gpu is not None:
+            # The service specializes on its own device (Note [GPU replicas in the fleet]).
+            from dynvm.cluster.fleet_gpu import fleet_signature
+
+            batch = [[r, fleet_signature(sig, TARGET), s, c] for r, sig, s, c in batch]
         answer = self.client.report(self.program_hash, batch)
         if answer is not None and not answer.get("known", True):
             self.counters["registrations"] += 1
@@ -233,8 +258,11 @@ class FleetLink:
                 return 0
             for key, fields in self._fetch(wanted).items():
                 try:
-                    portable = portable_from_fields(fields, self.program)
-                    spec = self.jit.install_portable(portable, key)
+                    if self.gpu is not None:
+                        spec = self.gpu.install(key, fields)
+                    else:
+                        portable = portable_from_fields(fields, self.program)
+                        spec = self.jit.install_portable(portable, key)
                 except PortableError as error:
                     self.counters["install_rejected"] += 1
                     logger.warning("artifact %s not installed: %s", key[:16], error)
@@ -248,7 +276,8 @@ class FleetLink:
     def stats(self) -> dict:
         with self._buffer_lock:
             buffered = len(self._buffer)
-        return {**self.counters, "buffered": buffered, "service_ok": self._service_ok,
+        gpu = self.gpu.stats() if self.gpu is not None else {}
+        return {**self.counters, **gpu, "buffered": buffered, "service_ok": self._service_ok,
                 "shared": self.shared, "warm_start_seconds": self.warm_start_seconds,
                 "store": self.cache.stats(),
                 "announce_reconnects": self._subscription.reconnects

@@ -137,7 +137,7 @@ class Jit:
         self.install_rejections = 0
         self.arena_pool = (ArenaPool(interpreter.device, self.config.arena_budget_bytes)
                            if self.config.arena_budget_bytes > 0 else None)
-        self._cpu_options = CpuOptions(self.arena_pool)
+        self._cpu_options = CpuOptions(self.arena_pool, arena_ops=self.config.arena_ops)
         # "cpu" or "triton" (JitConfig.backend resolved for this device); it enters
         # every cache key. Triton is imported only when it is chosen.
         self.backend = self.config.backend_for(interpreter.device)
@@ -350,6 +350,28 @@ class Jit:
         with self._lock:
             self.installs += 1
             self.install_seconds += time.perf_counter() - start
+        return spec
+
+    def install_loaded(self, portable: PortableSpecialization, key: str, fn, *,
+                       backend: str, kernel_name: str, source: str, notes: tuple,
+                       metadata: dict, load_seconds: float) -> Specialization | None:
+        """Install a specialization compiled elsewhere whose code arrives built: a GPU
+        replica's kernels loaded from an artifact's stored binaries
+        (dynvm.cluster.fleet_gpu), so nothing is specialized, generated or compiled here.
+        The caller has checked that `portable` is the record `key` was built from.
+        Returns None when the region is not watched here or `key` is installed."""
+        region_jit = self.regions.get(portable.region)
+        if region_jit is None:
+            return None
+        if any(s.artifact.key == key for s in region_jit._all()):
+            return None
+        spec = self._finish_build(key, backend, kernel_name, source, portable.strength,
+                                  notes, time.perf_counter() - load_seconds, metadata,
+                                  portable.signature, fn, portable.family, portable.ir)
+        region_jit.install(spec, None)
+        with self._lock:
+            self.installs += 1
+            self.install_seconds += load_seconds
         return spec
 
     def _finished(self, region_jit: RegionJit, pending, future, parent=None,

@@ -359,3 +359,21 @@ def decode(record, program) -> PortableSpecialization:
     if len(signature) != len(live_in):
         d.fail("signature", f"{len(signature)} entries for {len(live_in)} live-ins")
     return PortableSpecialization(region_index, strength, signature, None, specialized)
+
+
+def retarget(portable: PortableSpecialization, device: torch.device) -> PortableSpecialization:
+    """The same specialization guarded for tensors on `device`. The compile service
+    specializes from signatures on its own device (a CPU); a GPU replica installing the
+    record (dynvm.cluster.fleet_gpu) guards on its device instead. Only the guard's device
+    changes: shapes, dtypes, strides, bounds and the IR (whose abstract values are device
+    free; device literals mean "the runtime's device") stay as they were."""
+    device = torch.device(device)
+    signature = tuple((*entry[:4], device) if len(entry) == 5 else entry
+                      for entry in portable.signature)
+    family = portable.family
+    if family is not None:
+        structure = tuple((*part[:3], device, *part[4:]) if part[0] == "t" else part
+                          for part in family.structure)
+        family = Family(structure, family.bounds)
+    return PortableSpecialization(portable.region, portable.strength, signature, family,
+                                  portable.ir)
