@@ -113,6 +113,12 @@ class JitConfig:
     """A specialization stays only if its measured time over the interpreter's is at
     most 1 - this: faster by more than the noise of a median of paired ratios."""
 
+    cuda_graphs_max_batch: int = 16
+    """On a CUDA device, an exact specialization whose batch (first dim of its first
+    tensor live-in) is at most this is captured into a CUDA graph where it is built and
+    replayed per call (Note [CUDA graph outputs] in dynvm.jit.backends.triton.graphs).
+    0 turns CUDA graphs off."""
+
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"JitConfig.backend must be one of {', '.join(BACKENDS)}, "
@@ -131,6 +137,9 @@ class JitConfig:
         if not 0.0 <= self.probation_margin < 1.0:
             raise ValueError(f"JitConfig.probation_margin must be in [0, 1), "
                              f"got {self.probation_margin}")
+        if self.cuda_graphs_max_batch < 0:
+            raise ValueError(f"JitConfig.cuda_graphs_max_batch must be >= 0, "
+                             f"got {self.cuda_graphs_max_batch}")
         if self.min_recurrence > self.max_recurrence:
             raise ValueError("JitConfig.min_recurrence must not exceed max_recurrence")
         if self.max_recurrence > self.window:

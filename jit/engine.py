@@ -295,6 +295,14 @@ class Jit:
 
     def _finish_build(self, key, backend, kernel_name, source, strength, notes, start,
                       metadata, signature, fn, family, ir, arena=False) -> Specialization:
+        if self.interpreter.device.type == "cuda" and not arena:
+            # Captured here, on the building thread, never on a request (Note [CUDA graph
+            # outputs]); code that takes an arena per call is never captured.
+            from dynvm.jit.backends.triton.graphs import maybe_capture
+
+            fn, note = maybe_capture(fn, strength, signature, ir, self.interpreter.device,
+                                     self.config.cuda_graphs_max_batch)
+            notes = (*notes, note) if note else notes
         seconds = time.perf_counter() - start
         artifact = Artifact(key, backend, str(self.interpreter.device), kernel_name,
                             source, strength.value, tuple(notes), seconds, metadata)
