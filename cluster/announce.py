@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Announcement:
+    """A message on the fleet's announce channel: a new specialization `key` for
+    `program` on `target`, with the compile's trace context when it was traced."""
+
     program: str
     target: str
     key: str

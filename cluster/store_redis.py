@@ -157,6 +157,8 @@ def _url_options(url: str) -> dict:
 
 
 def redis_client(config: RedisConfig, name: str = "dynvm-kernel-store") -> redis.Redis:
+    """A redis-py client for `config` (timeouts, bounded retries with backoff, TLS,
+    ACL user), named `name` in CLIENT LIST."""
     options: dict = {
         "host": config.host,
         "port": config.port,

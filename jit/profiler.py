@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 @dataclass
 class SignatureStats:
+    """How often a signature was seen in a region and how long its calls took."""
+
     count: int = 0
     total_seconds: float = 0.0
     last_seen: int = 0          # the region call number of its latest call

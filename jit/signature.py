@@ -37,6 +37,8 @@ _Tensor = torch.Tensor
 
 
 class GuardStrength(enum.Enum):
+    """What a guard checks (Note [Guard strength])."""
+
     STRONG = "strong"
     WEAK = "weak"
     FAMILY = "family"  # structure + per-dim bucket bounds (Note [Code families])
@@ -60,6 +62,8 @@ def strong_signer(live_in: tuple[int, ...]) -> Callable[[list], tuple]:
 
 
 def weak_signer(live_in: tuple[int, ...]) -> Callable[[list], tuple]:
+    """A function building the weak signature of the live-ins in a register file:
+    rank, element count, dtype and device of each tensor, type and value of each scalar."""
     def sign(regs: list) -> tuple:
         key = []
         for index in live_in:

@@ -35,6 +35,8 @@ KEPT_OPS = (
 
 
 def decomposition_table() -> dict:
+    """torch.export's default decompositions minus the composite ops the
+    bytecode keeps whole (KEPT_OPS)."""
     table = torch.export.default_decompositions()
     for kept in KEPT_OPS:
         table.pop(kept, None)
