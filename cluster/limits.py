@@ -28,6 +28,9 @@ class ServingLimits:
     parse_threads: int = 2
     """Threads that decode request bodies and encode responses, off the event loop
     (Note [Bounded JSON]); they also bound how many bodies are decoded at once."""
+    require_signed_programs: bool = False
+    """True: the replica loads its .dvm file only with a signature made with the fleet's
+    store secret (Note [Signed programs] in dynvm.vm.dvm_signature); needs `fleet`."""
     refuse_non_finite: bool = False
     """True: NaN or Inf in a float input is a 400 naming the input (Note [Non-finite
     JSON numbers]); False: they are values like any other."""

@@ -70,6 +70,7 @@ from dynvm.cluster.metrics import ReplicaMetrics
 from dynvm.cluster.server_front import ServerFront
 from dynvm.jit.config import JitConfig
 from dynvm.telemetry import Telemetry
+from dynvm.vm import dvm_file
 from dynvm.vm.errors import ExecutionError, InputError, ShapeError
 
 LATENCY_WINDOW = 1024      # recent requests whose latency stats() summarizes
@@ -145,7 +146,7 @@ class ModelReplica:
         self.model_name = check_model_name(model_name)
         self.limits = limits if limits is not None else ServingLimits()
         self._budget = self.limits.call_budget()
-        self.program = dynvm.load(dvm_path)
+        self.program = dvm_file.load(dvm_path, signing_secret=self._signing_secret(fleet))
         self.device = pick_device(device)
         # OTEL_* in the replica's environment configure tracing (dynvm._env); none: off.
         self.runtime = dynvm.Runtime(self.program, self.device, jit=jit,
@@ -177,6 +178,14 @@ class ModelReplica:
         self.output_names = [m.name for m in self.outputs_meta] or None
 
     # ------------------------------------------------------------------ setup
+
+    def _signing_secret(self, fleet: FleetOptions | None) -> bytes | None:
+        if not self.limits.require_signed_programs:
+            return None
+        if fleet is None:
+            raise ValueError("ServingLimits.require_signed_programs needs the fleet's store "
+                             "secret: serve with fleet=FleetOptions(store)")
+        return fleet.store.secret
 
     def _find_batch_dim(self) -> tuple[str, int] | None:
         """(name, high) of the dynamic dim 0 every input shares, or None."""

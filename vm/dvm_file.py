@@ -38,6 +38,7 @@ from types import MappingProxyType
 import safetensors.torch
 import torch
 
+from dynvm.vm import dvm_signature
 from dynvm.vm.errors import (
     ChecksumError,
     CorruptSectionError,
@@ -132,9 +133,11 @@ def dumps(program: Program) -> bytes:
     return body + hashlib.sha256(body).digest()
 
 
-def save(program: Program, path: str | os.PathLike) -> None:
+def save(program: Program, path: str | os.PathLike,
+         signing_secret: bytes | None = None) -> None:
     """Write `program` to `path` atomically: readers see the old file or the new one,
-    never a part of it (a temporary file in the same directory, then `os.replace`)."""
+    never a part of it (a temporary file in the same directory, then `os.replace`).
+    `signing_secret`: also write its signature, `<path>.sig` (Note [Signed programs])."""
     data = dumps(program)
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
@@ -153,6 +156,8 @@ def save(program: Program, path: str | os.PathLike) -> None:
             os.unlink(tmp)
         raise
     _fsync_directory(directory)
+    if signing_secret is not None:
+        dvm_signature.sign_file(path, signing_secret)
 
 
 def _fsync_directory(directory: str) -> None:
@@ -215,10 +220,14 @@ def _meta() -> dict[str, str]:
 # ---------------------------------------------------------------- reading ------------
 
 
-def load(path: str | os.PathLike) -> Program:
-    """Read and validate the .dvm file at `path` (see `loads`)."""
+def load(path: str | os.PathLike, signing_secret: bytes | None = None) -> Program:
+    """Read and validate the .dvm file at `path` (see `loads`). With `signing_secret`,
+    its signature `<path>.sig` must match before anything is parsed (Note [Signed
+    programs]); a mismatch or no signature raises DvmSignatureError."""
     with open(path, "rb") as f:
         data = f.read()
+    if signing_secret is not None:
+        dvm_signature.check_file(path, data, signing_secret)
     try:
         return loads(data)
     except DvmFormatError as exc:

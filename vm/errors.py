@@ -108,6 +108,18 @@ class VersionError(DvmFormatError):
         return type(self), (self.section, self.expected, self.actual)
 
 
+class DvmSignatureError(DvmFormatError):
+    """A .dvm file that must be signed is unsigned, or its signature does not match
+    (Note [Signed programs] in dynvm.vm.dvm_signature). `path` names the file."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path, self.problem = path, problem
+        super().__init__(f"untrusted .dvm file {path!r}: {problem}")
+
+    def __reduce__(self):
+        return type(self), (self.path, self.problem)
+
+
 class CorruptSectionError(DvmFormatError):
     """A section of a .dvm file (or its section table) is malformed or disagrees with
     another section. `section` names it ("section table" for the table itself)."""

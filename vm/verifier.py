@@ -6,6 +6,23 @@ Checks, from the opcode table: operand count and kinds, result count, register a
 constant indices in range, jump targets inside the code, control never falling off the
 end, every read register defined on every path to it, and each register holding one kind
 of value (tensor or scalar) throughout.
+
+The signature is checked too, not only the code (Note [Program signature]).
+
+Note [Program signature]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Everything downstream trusts the declared signature: the HTTP parser validates requests
+against it, the JIT buckets its dim ranges, the interpreter sizes each call's register
+file from `n_regs`. A .dvm file whose content hash was recomputed after an edit passes
+the checksum (it is an integrity check, not a proof of origin: see Note [Signed
+programs] in dynvm.vm.dvm_signature), so the verifier checks the signature itself: input
+names non-empty and unique (two inputs named alike would make a request's second one
+silently replace the first); each dim 0 <= low <= high <= MAX_DIM (2**31 - 1: a bound of
+2**62 would let a request declare a tensor no machine can allocate, and element counts
+overflow int64), static dims unnamed, dynamic dims named, a dim name shared by several
+inputs with one range; and `n_regs` at most MAX_UNUSED_REGS more
+than the code's highest register (each call copies a register file of `n_regs` slots:
+2**20 declared registers for 19 used cost 8 MB and milliseconds per call).
 """
 
 from __future__ import annotations
@@ -26,6 +43,11 @@ from dynvm.vm.operands import (
 )
 from dynvm.vm.regions import successors
 
+MAX_DIM = 2**31 - 1
+"""Largest declared dim bound (Note [Program signature])."""
+MAX_UNUSED_REGS = 64
+"""Registers a program may declare beyond the highest one its code uses."""
+
 
 def verify(program) -> None:
     code = program.code
@@ -36,14 +58,55 @@ def verify(program) -> None:
         raise VerifyError(f"{n_consts} constants but {len(program.constant_names)} names")
     if len(program.inputs) > n_regs:
         raise VerifyError(f"{len(program.inputs)} inputs but only {n_regs} registers")
+    _check_signature(program)
     kinds: dict[int, ValueKind] = {i: ValueKind.TENSOR for i in range(len(program.inputs))}
     for pc, instr in enumerate(code):
         _check_instr(pc, instr, n_regs, n_consts, len(code), kinds)
+    _check_register_count(program)
     if code[-1].spec.flow not in (Flow.RETURN, Flow.JUMP):
         raise VerifyError(f"instruction {len(code) - 1} ({code[-1]}): control falls off "
                           "the end of the code (last instruction must be RETURN or JUMP)")
     _check_operand_kinds(code, kinds)
     _check_defined_before_use(program)
+
+
+def _check_signature(program) -> None:
+    """Note [Program signature]: input names, dim bounds, shared dims."""
+    seen: dict[str, int] = {}
+    ranges: dict[str, tuple[int, int, str]] = {}
+    for position, spec in enumerate(program.inputs):
+        if not isinstance(spec.name, str) or not spec.name:
+            raise VerifyError(f"input {position} has no name (a non-empty string)")
+        if spec.name in seen:
+            raise VerifyError(f"inputs {seen[spec.name]} and {position} are both named "
+                              f"{spec.name!r}: input names must be unique")
+        seen[spec.name] = position
+        for axis, dim in enumerate(spec.dims):
+            where = f"input {spec.name!r} dim {axis}"
+            if not (type(dim.low) is int and type(dim.high) is int
+                    and 0 <= dim.low <= dim.high <= MAX_DIM):
+                raise VerifyError(f"{where}: bounds [{dim.low}, {dim.high}], expected "
+                                  f"0 <= low <= high <= {MAX_DIM}")
+            if dim.low != dim.high and not dim.name:
+                raise VerifyError(f"{where}: a dynamic dim [{dim.low}, {dim.high}] needs "
+                                  "a name")
+            if dim.name:
+                low, high, first = ranges.setdefault(dim.name, (dim.low, dim.high, spec.name))
+                if (low, high) != (dim.low, dim.high):
+                    raise VerifyError(f"{where}: dim {dim.name!r} is [{dim.low}, "
+                                      f"{dim.high}] here but [{low}, {high}] in input "
+                                      f"{first!r}")
+
+
+def _check_register_count(program) -> None:
+    highest = len(program.inputs) - 1
+    for instr in program.code:
+        for reg in (*instr.reads(), *instr.dsts):
+            highest = max(highest, reg.index)
+    if program.n_regs > highest + 1 + MAX_UNUSED_REGS:
+        raise VerifyError(f"program declares {program.n_regs} registers but its code uses "
+                          f"registers up to %{highest} only (at most {MAX_UNUSED_REGS} "
+                          "unused registers allowed)")
 
 
 def _fail(pc: int, instr, message: str) -> VerifyError:
