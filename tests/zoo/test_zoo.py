@@ -1,0 +1,70 @@
+"""The model zoo against eager PyTorch: every entry, exported with its dynamic dims,
+through dynvm.compile -> save -> load -> Runtime, on its held-out shapes, in the
+interpreter and in the JIT with promotion forced (Notes [Zoo tolerance] and
+[Zoo JIT forcing] in _zoo_harness)."""
+
+from __future__ import annotations
+
+import pytest
+
+import dynvm
+from tests.zoo import _zoo_harness as harness
+from tests.zoo._zoo import entries
+
+ENTRIES = {entry.name: entry for entry in entries()}
+LIBRARIES = {"transformers", "torchvision", "timm", "torch_geometric"}
+
+
+@pytest.fixture(scope="session")
+def zoo_program(tmp_path_factory):
+    """compile_entry(name), once per session for both the interpreter and JIT tests."""
+    folder = tmp_path_factory.mktemp("zoo")
+    cache: dict[str, harness.Compiled] = {}
+
+    def get(name: str) -> harness.Compiled:
+        if name not in cache:
+            cache[name] = harness.compile_entry(ENTRIES[name], folder)
+        return cache[name]
+
+    return get
+
+
+def test_zoo_covers_the_libraries():
+    assert len(ENTRIES) >= 30
+    assert {entry.library for entry in ENTRIES.values()} == LIBRARIES
+
+
+def _points(entry):
+    # Seeds differ per point and from the export's (0): no input is one the model saw.
+    return [(point, 1 + index) for index, point in enumerate(entry.held_out)]
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_interpreter_matches_eager(zoo_program, name):
+    compiled = zoo_program(name)
+    with dynvm.Runtime(compiled.program, jit=False) as runtime:
+        for point, seed in _points(compiled.entry):
+            inputs = compiled.built.make_inputs(point, seed)
+            expected = harness.eager(compiled.built, inputs)
+            harness.assert_matches(compiled.entry, runtime(*inputs), expected,
+                                   f"{name} interpreter at {point}")
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_jit_specializes_and_matches_eager(zoo_program, name):
+    compiled = zoo_program(name)
+    with dynvm.Runtime(compiled.program, jit=harness.jit_config()) as runtime:
+        for point, seed in _points(compiled.entry):
+            inputs = compiled.built.make_inputs(point, seed)
+            expected = harness.eager(compiled.built, inputs)
+            harness.assert_matches(compiled.entry, runtime(*inputs), expected,
+                                   f"{name} JIT first call at {point}")
+            before = runtime.stats()["specialized_region_calls"]
+            harness.assert_matches(compiled.entry, runtime(*inputs), expected,
+                                   f"{name} JIT second call at {point}")
+            stats = runtime.stats()
+            assert stats["specialized_region_calls"] > before, \
+                f"{name} at {point}: the second call ran no specialized code"
+            assert not harness.jit_failures(stats), f"{name} at {point}: " \
+                f"{harness.jit_failures(stats)}"
+        assert stats["compiles"] >= 1
