@@ -30,6 +30,8 @@ workloads: {", ".join(WORKLOADS)}, or all (default: walk with --quick, all witho
 systems:   {", ".join(SYSTEMS)}
 
   dynvm bench all --update-docs       regenerate docs/BENCHMARKS.md and its plots
+  dynvm bench zoo --update-docs       the model zoo (tests/zoo): eager vs interpreter vs
+                                      JIT per model, regenerates docs/MODELS.md
   dynvm bench walk --quick            about 2 min, mostly torch.compile compiling
   dynvm bench nlp --systems eager,dynvm-jit --quick"""
 
@@ -54,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--update-docs", action="store_true",
                         help="copy the report into docs/BENCHMARKS.md and its plots into "
                         "docs/")
+    parser.add_argument("--models", metavar="A,B,...",
+                        help="zoo only: comma-separated zoo models (default: all)")
     parser.add_argument("--from", dest="from_dir", type=Path, metavar="DIR",
                         help="no run: rebuild report.md and plots from DIR/results.json")
 
@@ -77,7 +81,24 @@ def _suite():
     return importlib.import_module("bench.suite")
 
 
+def _zoo_command(args) -> int:
+    # The zoo is a workload of its own (bench/zoo.py over tests/zoo's registry), with
+    # its own table (docs/MODELS.md), so it is dispatched before the suite sees it.
+    if args.workloads != ["zoo"]:
+        raise CliError("dynvm bench zoo runs alone: name no other workload with it", 2)
+    if args.from_dir:
+        raise CliError("dynvm bench zoo has no --from", 2)
+    _suite()  # puts the checkout on sys.path, or says that there is none
+    zoo = importlib.import_module("bench.zoo")
+    try:
+        return zoo.run(args)
+    except zoo.ZooUsageError as exc:
+        raise CliError(str(exc), 2) from None
+
+
 def bench_command(args) -> int:
+    if "zoo" in args.workloads:
+        return _zoo_command(args)
     suite = _suite()
     try:
         return suite.run(args, prog="dynvm bench")

@@ -1,0 +1,198 @@
+"""`dynvm bench zoo`: every model of the zoo (tests/zoo) in eager PyTorch, the dynvm
+interpreter and the dynvm JIT, interleaved call by call on the same inputs; writes
+results.json and report.md, and with --update-docs docs/MODELS.md.
+
+Note [Zoo timing]
+~~~~~~~~~~~~~~~~~
+Per model: dynvm.compile is timed once (torch.export, decompositions, lowering). Then a
+shape sequence cycles through the entry's export point and held-out points; each call
+runs eager, the interpreter and the JIT on the same inputs, in an order that rotates
+call by call (so no system always runs right after another's cache traffic), and each
+system's time is divided by eager's time of the same call. The figure is the median of
+these per-call ratios over the steady calls: after `warmup` rounds, and after the JIT's
+compile queue drained. The JIT runs its default JitConfig (background compiles, the
+promotion policy a server uses), so where the policy finds a region not worth
+specializing the JIT column is the interpreter with profiling; the specialized share
+of its steady region calls says which. One torch thread by default (as the suite, see
+README's Benchmarks): the machine is shared, and ratios taken in the same instant are
+what stays comparable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+ZOO = ROOT / "tests" / "zoo"
+DOCS = ROOT / "docs" / "MODELS.md"
+
+
+class ZooUsageError(ValueError):
+    """The zoo is not there (not a checkout) or the options do not fit."""
+
+
+def _registry():
+    """Import the zoo registry and harness from the checkout's tests/ (not shipped)."""
+    if not (ZOO / "_zoo.py").is_file():
+        raise ZooUsageError(f"dynvm bench zoo needs a source checkout: no tests/zoo/_zoo.py "
+                            f"under {ROOT} (the zoo is not part of the installed package)")
+    for folder in (ZOO, ROOT / "tests" / "jit", ROOT / "tests" / "vm"):
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+    try:
+        import _zoo
+        import _zoo_harness
+    except ImportError as exc:
+        raise ZooUsageError(f"the zoo needs its model libraries: pip install -e '.[zoo]' "
+                            f"(see scripts/setup) ({exc})") from None
+    return _zoo, _zoo_harness
+
+
+def _timed(fn, inputs) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = fn(*inputs)
+    return time.perf_counter() - start, out
+
+
+def _specialized_share(before: dict, after: dict) -> float | None:
+    hits = after["specialized_region_calls"] - before["specialized_region_calls"]
+    misses = after["interpreted_region_calls"] - before["interpreted_region_calls"]
+    return hits / (hits + misses) if hits + misses else None
+
+
+def measure(entry, harness, warmup: int, rounds: int, log) -> dict:
+    """One model's row (Note [Zoo timing])."""
+    import dynvm
+
+    compiled = harness.compile_entry(entry)
+    built = compiled.built
+    points = [entry.export_point, *entry.held_out]
+    inputs = [built.make_inputs(p, 100 + i) for i, p in enumerate(points)]
+    expected = [harness.eager(built, x) for x in inputs]
+    interp = dynvm.Runtime(compiled.program, jit=False)
+    jit = dynvm.Runtime(compiled.program, jit=dynvm.JitConfig())
+    systems = {"eager": lambda *x: harness.eager(built, x), "interp": interp, "jit": jit}
+    order = list(systems)
+    ratios = {"interp": [], "jit": []}
+    times = {name: [] for name in systems}
+    try:
+        for round_ in range(warmup + rounds):
+            if round_ == warmup:
+                _drain(jit)
+                jit_before = jit.stats()
+            for index, x in enumerate(inputs):
+                call = round_ * len(inputs) + index
+                seconds, outputs = {}, {}
+                for name in order[call % 3:] + order[:call % 3]:
+                    seconds[name], outputs[name] = _timed(systems[name], x)
+                if round_ == warmup:  # the first steady outputs are checked against eager
+                    for name in ("interp", "jit"):
+                        harness.assert_matches(entry, outputs[name], expected[index],
+                                               f"{entry.name} {name} at {points[index]}")
+                if round_ >= warmup:
+                    for name in systems:
+                        times[name].append(seconds[name])
+                    for name in ratios:
+                        ratios[name].append(seconds[name] / seconds["eager"])
+        stats = jit.stats()
+    finally:
+        interp.close()
+        jit.close()
+    failures = harness.jit_failures(stats)
+    row = {
+        "name": entry.name, "library": entry.library, "note": entry.note,
+        "parameters": sum(p.numel() for p in built.module.parameters()),
+        "dims": {d: _dim_range(compiled.program, d) for d in entry.dims},
+        "opcodes": dict(sorted(compiled.opcodes.items())),
+        "instructions": len(compiled.program.code),
+        "compile_seconds": compiled.compile_seconds,
+        "eager_ms": 1e3 * statistics.median(times["eager"]),
+        "interp_x_eager": statistics.median(ratios["interp"]),
+        "jit_x_eager": statistics.median(ratios["jit"]),
+        "jit_specialized_share": _specialized_share(jit_before, stats),
+        "jit_compiles": stats["compiles"],
+        "steady_calls": len(ratios["jit"]),
+        "status": "ok" if not failures else f"JIT: {failures}",
+    }
+    log(f"{entry.name}: interp {row['interp_x_eager']:.3f}x, JIT {row['jit_x_eager']:.3f}x "
+        f"eager ({row['eager_ms']:.2f} ms), compile {row['compile_seconds']:.1f} s")
+    return row
+
+
+def _dim_range(program, name: str) -> str:
+    for spec in program.inputs:
+        for dim in spec.dims:
+            if dim.name == name:
+                return f"{dim.low}..{dim.high}"
+    return "?"
+
+
+def _drain(runtime, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while runtime.stats()["queue_length"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _command(prog: str, args) -> str:
+    words = prog.split()
+    for flag, value in (("--models", args.models), ("--calls", args.calls),
+                        ("--threads", args.threads)):
+        if value:
+            words += [flag, str(value)]
+    words += ["--quick"] * bool(args.quick) + ["--update-docs"] * bool(args.update_docs)
+    return " ".join(map(shlex.quote, words))
+
+
+def run(args, prog: str = "dynvm bench zoo", log=None) -> int:
+    """Measure the zoo (all of it, or args.models); returns the exit status: 1 when a
+    model failed (its row says why), else 0."""
+    from bench import report, zoo_report
+
+    log = log or (lambda m: print(m, flush=True))
+    zoo, harness = _registry()
+    torch.set_num_threads(args.threads or 1)
+    wanted = [m.strip() for m in (args.models or "").split(",") if m.strip()]
+    known = {e.name for e in zoo.entries()}
+    unknown = [m for m in wanted if m not in known]
+    if unknown:
+        raise ZooUsageError(f"unknown zoo model {unknown[0]!r}; known: {', '.join(sorted(known))}")
+    chosen = [e for e in zoo.entries() if not wanted or e.name in wanted]
+    warmup, rounds = (2, 3) if args.quick else (8, 10)
+    if args.calls:
+        rounds = max(1, args.calls // 4)
+    out = args.out or ROOT / "bench" / "results" / time.strftime("zoo-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    load_start = os.getloadavg()
+    rows = []
+    for entry in chosen:
+        try:
+            rows.append(measure(entry, harness, warmup, rounds, log))
+        except Exception as exc:  # a failing model is a row of the table, not the end
+            log(traceback.format_exc())
+            rows.append({"name": entry.name, "library": entry.library, "note": entry.note,
+                         "status": f"failed: {type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:200] if str(exc) else ''}"})
+    run_ = {"command": _command(prog, args),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
+            "total_wall_seconds": time.time() - started, "machine": report.machine(),
+            "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+            "warmup_rounds": warmup, "rounds": rounds, "quick": bool(args.quick),
+            "models": rows}
+    (out / "results.json").write_text(json.dumps(run_, indent=1))
+    markdown = zoo_report.markdown(run_)
+    (out / "report.md").write_text(markdown)
+    log(markdown)
+    if args.update_docs:
+        DOCS.write_text(markdown)
+        log(f"updated {DOCS}")
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
