@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,6 +60,30 @@ class Announcement:
                 isinstance(k, str) and isinstance(v, str) for k, v in trace.items())):
             trace = None
         return cls(program, target, key, trace)
+
+
+class RateLimit:
+    """A token bucket: at most `rate` events a second on average, `burst` at once.
+    Thread-safe. Bounds what announcements (which anyone who can publish on the channel
+    can send) make a replica fetch from the store each second."""
+
+    def __init__(self, rate: float, burst: int, clock=time.monotonic) -> None:
+        if not rate > 0 or burst < 1:
+            raise ValueError(f"RateLimit needs rate > 0 and burst >= 1, got {rate}, {burst}")
+        self.rate, self.burst, self._clock = float(rate), int(burst), clock
+        self._tokens = float(burst)
+        self._at = clock()
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+            self._at = now
+            if self._tokens >= 1:
+                self._tokens -= 1
+                return True
+            return False
 
 
 class Announcer:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
-from dynvm.cluster.announce import Announcement, Subscription
+from dynvm.cluster.announce import Announcement, RateLimit, Subscription
 from dynvm.cluster.config import StoreConfig
 from dynvm.cluster.fleet_compiler import TARGET
 from dynvm.cluster.fleet_records import index_key, keys_from_index, portable_from_fields
@@ -73,8 +73,13 @@ class FleetOptions:
     """The cluster's GPU targets, as the compile service builds Triton binaries for them
     (("cuda", 90, 32) or "cuda:90"); a CUDA replica without them does not share."""
 
+    max_announced_fetches_per_s: float = 20.0
+    """Store lookups announcements may cause per second (a burst of as many); beyond it
+    an announcement is dropped (counted) and the index poll finds the artifact."""
+
     def __post_init__(self) -> None:
-        for name in ("flush_interval_s", "poll_interval_s", "service_timeout_s"):
+        for name in ("flush_interval_s", "poll_interval_s", "service_timeout_s",
+                     "max_announced_fetches_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"FleetOptions.{name} must be > 0, got {getattr(self, name)}")
         if self.max_buffered < 1:
@@ -121,7 +126,10 @@ class FleetLink:
         self._tracing = runtime.telemetry is not None
         self.counters = {"reported": 0, "dropped_observations": 0, "service_failures": 0,
                          "registrations": 0, "installed": 0, "install_rejected": 0,
-                         "announcements": 0, "warm_start_installs": 0}
+                         "announcements": 0, "announcements_dropped": 0,
+                         "warm_start_installs": 0}
+        rate = options.max_announced_fetches_per_s
+        self._announce_rate = RateLimit(rate, burst=max(1, round(rate)))
         self.warm_start_seconds = 0.0
 
     # -- life cycle ------------------------------------------------------------------
@@ -221,6 +229,11 @@ class FleetLink:
         if announcement.program != self.program_hash or announcement.target != self.target:
             return
         self.counters["announcements"] += 1
+        if announcement.key in self._installed:
+            return
+        if not self._announce_rate.allow():
+            self.counters["announcements_dropped"] += 1
+            return
         token = None
         if self._tracing and announcement.trace:
             token = otel_context.attach(propagate.extract(announcement.trace))

@@ -58,10 +58,30 @@ def check_key(key: object) -> str:
     return key
 
 
-def check_value(key: str, value: object) -> bytes:
+MAX_ENTRY_BYTES = 16 * 2**20
+"""Default cap on one entry's size (Note [Entry size cap])."""
+
+# Note [Entry size cap]
+# ~~~~~~~~~~~~~~~~~~~~~
+# An entry is read by every replica, before its signature can be checked; whoever can
+# write to the store could otherwise make each replica download and decode a value as
+# large as Redis allows (512 MB). So a store has a cap (an artifact is source text plus
+# a few cubins, well under MAX_ENTRY_BYTES): `put` refuses a larger value, and `get`
+# learns each size before it downloads (Redis: STRLEN; a directory: stat) and treats a
+# larger entry as absent, counted in StoreStats.oversized.
+
+
+class EntryTooLarge(StoreError, ValueError):
+    """A value larger than the store's entry size cap (Note [Entry size cap])."""
+
+
+def check_value(key: str, value: object, max_bytes: int = MAX_ENTRY_BYTES) -> bytes:
     if not isinstance(value, bytes | bytearray | memoryview):
         raise TypeError(f"kernel store value for key {key} must be bytes, "
                         f"got {type(value).__name__}")
+    if len(value) > max_bytes:
+        raise EntryTooLarge(f"kernel store value for key {key} is {len(value)} bytes, "
+                            f"the cap is {max_bytes}")
     return bytes(value)
 
 
@@ -94,6 +114,8 @@ class StoreStats:
     """Values written."""
     errors: int = 0
     """Operations that raised `StoreUnavailable`."""
+    oversized: int = 0
+    """Entries not downloaded because they were larger than the cap."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record_get(self, hits: int, misses: int) -> None:
@@ -109,7 +131,11 @@ class StoreStats:
         with self._lock:
             self.errors += 1
 
+    def record_oversized(self, count: int) -> None:
+        with self._lock:
+            self.oversized += count
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return {"hits": self.hits, "misses": self.misses, "puts": self.puts,
-                    "errors": self.errors}
+                    "errors": self.errors, "oversized": self.oversized}

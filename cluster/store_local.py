@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dynvm.cluster.store_base import (
+    MAX_ENTRY_BYTES,
     StoreStats,
     StoreUnavailable,
     check_key,
@@ -30,8 +31,9 @@ _TMP_PREFIX = ".tmp-"
 class LocalDirStore:
     """A `KernelStore` over a directory (created if missing)."""
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], max_entry_bytes: int = MAX_ENTRY_BYTES):
         self.path = Path(path)
+        self.max_entry_bytes = max_entry_bytes
         self.stats = StoreStats()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -46,20 +48,33 @@ class LocalDirStore:
     def get(self, keys: Sequence[str]) -> dict[str, bytes]:
         keys = [check_key(key) for key in keys]
         found: dict[str, bytes] = {}
+        oversized = 0
         for key in keys:
             try:
-                found[key] = (self.path / key).read_bytes()
+                with open(self.path / key, "rb") as f:
+                    # Note [Entry size cap]: the size before the bytes; read at most the
+                    # cap plus one byte in case the file grew in between.
+                    if os.fstat(f.fileno()).st_size > self.max_entry_bytes:
+                        oversized += 1
+                        continue
+                    value = f.read(self.max_entry_bytes + 1)
             except FileNotFoundError:
                 continue
             except OSError as error:
                 self.stats.record_error()
                 raise StoreUnavailable(self._describe("read", key, error)) from None
+            if len(value) > self.max_entry_bytes:
+                oversized += 1
+                continue
+            found[key] = value
+        if oversized:
+            self.stats.record_oversized(oversized)
         self.stats.record_get(len(found), len(keys) - len(found))
         return found
 
     def put(self, key: str, value: bytes) -> None:
         key = check_key(key)
-        value = check_value(key, value)
+        value = check_value(key, value, self.max_entry_bytes)
         try:
             self._write_atomically(key, value)
         except OSError as error:

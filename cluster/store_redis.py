@@ -24,6 +24,7 @@ from redis.connection import parse_url
 from redis.retry import Retry
 
 from dynvm.cluster.store_base import (
+    MAX_ENTRY_BYTES,
     StoreStats,
     StoreUnavailable,
     check_key,
@@ -194,8 +195,9 @@ def redis_client(config: RedisConfig, name: str = "dynvm-kernel-store") -> redis
 class RedisStore:
     """A `KernelStore` in Redis (see the module docstring)."""
 
-    def __init__(self, config: RedisConfig):
+    def __init__(self, config: RedisConfig, max_entry_bytes: int = MAX_ENTRY_BYTES):
         self.config = config
+        self.max_entry_bytes = max_entry_bytes
         self.stats = StoreStats()
         self._secrets = config._password_forms()
         self._redis = redis_client(config)
@@ -208,15 +210,28 @@ class RedisStore:
         if not keys:
             return {}
         namespace = self.config.namespace
-        values = self._call("get", self._redis.mget, [namespace + key for key in keys])
-        found = {key: bytes(value) for key, value in zip(keys, values, strict=True)
-                 if value is not None}
+        # Note [Entry size cap]: sizes first (one pipelined round trip), then only the
+        # entries within the cap; a value that grew in between is dropped after all.
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.strlen(namespace + key)
+        sizes = self._call("get", pipe.execute)
+        small = [key for key, size in zip(keys, sizes, strict=True)
+                 if size <= self.max_entry_bytes]
+        values = self._call("get", self._redis.mget, [namespace + key for key in small]) \
+            if small else []
+        found = {key: bytes(value) for key, value in zip(small, values, strict=True)
+                 if value is not None and len(value) <= self.max_entry_bytes}
+        oversized = (len(keys) - len(small)) + sum(
+            1 for value in values if value is not None and len(value) > self.max_entry_bytes)
+        if oversized:
+            self.stats.record_oversized(oversized)
         self.stats.record_get(len(found), len(keys) - len(found))
         return found
 
     def put(self, key: str, value: bytes) -> None:
         key = check_key(key)
-        value = check_value(key, value)
+        value = check_value(key, value, self.max_entry_bytes)
         self._call("put", self._redis.set, self.config.namespace + key, value,
                    ex=self.config.ttl_seconds)
         self.stats.record_put()

@@ -92,4 +92,5 @@ def test_stats_count_hits_misses_puts(store):
     store.put(key(2), b"b")
     store.get([key(1), key(2), key(3)])
     store.get([key(4)])
-    assert store.stats.snapshot() == {"hits": 2, "misses": 2, "puts": 2, "errors": 0}
+    assert store.stats.snapshot() == {"hits": 2, "misses": 2, "puts": 2, "errors": 0,
+                                     "oversized": 0}

@@ -105,7 +105,7 @@ def test_acl_user_is_supported(redis_server):
     with redis_server.client() as admin:
         admin.acl_setuser("kernels", enabled=True, passwords=["+kernel-pw"],
                           keys=["dynvm:k:*"], commands=["+@connection", "+get", "+mget",
-                                                        "+set"])
+                                                        "+strlen", "+set"])
     with RedisStore(redis_config(redis_server, username="kernels",
                                  password="kernel-pw")) as store:
         store.put(key(1), b"v")

@@ -124,8 +124,8 @@ def test_store_errors_never_show_the_secret_or_a_password(redis_server, all_logs
     admin = redis_server.client()
     # An ACL user that may read but not write the store's keys.
     admin.acl_setuser("reader", enabled=True, passwords=[f"+{ACL_PASSWORD}"],
-                      keys=["dynvm:k:*"], commands=["+get", "+mget", "+ping", "+hello",
-                                                    "+client"])
+                      keys=["dynvm:k:*"], commands=["+get", "+mget", "+strlen", "+ping",
+                                                    "+hello", "+client"])
 
     configs = {
         "wrong password (fields)": RedisConfig(port=port, password=WRONG_PASSWORD,
