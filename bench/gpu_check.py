@@ -1,4 +1,4 @@
-"""The Triton backend's check on a GPU (issue 5, "with a GPU"): one prepared script.
+"""The Triton backend's check on a GPU (issues 5 and 19): one prepared script.
 
     python bench/gpu_check.py --out bench/results/gpu_check            # CUDA (the real run)
     python bench/gpu_check.py --device cpu --calls 20 --out /tmp/gc    # smoke run, no GPU
@@ -8,18 +8,27 @@
    for several members (varying dims included) against eager PyTorch on the device. On
    CUDA the kernels run through Triton's JIT (`run_cuda.CudaRegion`); on a CPU through
    Triton's interpreter (TRITON_INTERPRET=1, set below before triton is imported).
-2. The Transformer random walk (batch over {1, 4, 16, 64}, seq 32, 500 calls of which 50
+2. Stored artifacts loaded without compiling (issue 19): the same kernels compiled ahead
+   of time for this GPU's architecture (sm_90 on a CPU) in a child process, as the
+   compile service does; then, with Triton's compiler made to raise in this process,
+   loaded from the artifact bytes (dynvm.jit.backends.triton.loader) and launched against
+   eager. On a CPU the launch goes through the fake device boundary of the tests
+   (tests/triton/_fake_device.py: the same launcher arguments, interpreted).
+3. The Transformer random walk (batch over {1, 4, 16, 64}, seq 32, 500 calls of which 50
    warm-up; `--calls`/`--warmup` shorten it) for eager, torch.compile(dynamic=False),
-   torch.compile(dynamic=True), the dynvm interpreter and the dynvm JIT. Each system runs
+   torch.compile(dynamic=True), torch.compile(mode="reduce-overhead"), the dynvm
+   interpreter, the dynvm JIT, and the dynvm JIT with CUDA graphs (exact
+   specializations of batch <= 16 captured, Note [CUDA graph outputs]). Each system runs
    alone over the same walk and inputs (Dynamo's caches are process-wide); every call is
    timed to completion (the device is synchronized). On CUDA the JIT uses the Triton
    backend; on a CPU it uses the CPU backend (interpreted Triton would take minutes per
    call at batch 64), and the table says which. After the walk, the JIT's output at each
    batch size is compared with eager.
 
-Writes `gpu_check.json` and `gpu_check.md` to `--out`. CUDA graphs are not built yet
-(there is no "dynvm JIT + CUDA graphs" row). Nothing here has been run on a GPU by the
-session that wrote it.
+Writes `gpu_check.json` and `gpu_check.md` to `--out`; exits 1 if a kernel or a loaded
+artifact disagrees with eager. tests/triton/test_gpu_check.py runs it with --device cpu
+and tiny sizes so it cannot rot. Nothing here has been run on a GPU by the sessions that
+wrote it.
 """
 
 from __future__ import annotations
@@ -30,7 +39,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEM_NAMES = ("eager", "compile-static", "compile-dynamic", "dynvm-interp", "dynvm-jit")
+SYSTEM_NAMES = ("eager", "compile-static", "compile-dynamic", "compile-reduce-overhead",
+                "dynvm-interp", "dynvm-jit", "dynvm-jit-graphs")
 
 
 def parse_args(argv=None):
@@ -45,9 +55,17 @@ def parse_args(argv=None):
     parser.add_argument("--systems", default=",".join(SYSTEM_NAMES),
                         help=f"comma-separated subset of {','.join(SYSTEM_NAMES)}")
     parser.add_argument("--skip-kernels", action="store_true",
-                        help="skip part 1 (kernel correctness)")
+                        help="skip parts 1 and 2 (kernels, stored artifacts)")
+    parser.add_argument("--members", type=int, default=4,
+                        help="family members each kernel case is checked on")
+    parser.add_argument("--cases", default="",
+                        help="comma-separated kernel cases to check (default: all)")
+    parser.add_argument("--batches", default="1,4,16,64",
+                        help="batch sizes of the walk (the issue's: 1,4,16,64)")
     args = parser.parse_args(argv)
     args.systems = [s for s in args.systems.split(",") if s]
+    args.cases = [c for c in args.cases.split(",") if c]
+    args.batches = [int(b) for b in args.batches.split(",") if b]
     unknown = set(args.systems) - set(SYSTEM_NAMES)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEM_NAMES)}")
@@ -71,28 +89,30 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-for _folder in ("tests/triton", "tests/jit", "tests/vm", ""):
-    if str(ROOT / _folder) not in sys.path:
-        sys.path.insert(0, str(ROOT / _folder))
-
-import _triton_helpers as th  # noqa: E402  (hand-built regions and eager references)
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))   # bench and tests (hand-built regions, eager references)
 
 import dynvm  # noqa: E402
-from bench._timing import BATCHES, SEQ, median, percentile, random_walk  # noqa: E402
-from bench.systems import LABELS, Dynvm, System, make  # noqa: E402
+from bench._timing import SEQ, median, percentile, random_walk  # noqa: E402
+from bench.systems import LABELS as BENCH_LABELS  # noqa: E402
+from bench.systems import Dynvm, System, TorchCompile, make  # noqa: E402
 from dynvm.jit.backends.triton import generate_region  # noqa: E402
+from dynvm.jit.backends.triton.options import DEFAULT_OPTIONS  # noqa: E402
 from dynvm.jit.config import JitConfig  # noqa: E402
 from dynvm.jit.ir import ConstRef, Literal  # noqa: E402
 from dynvm.models import transformer  # noqa: E402
+from tests.triton import _triton_helpers as th  # noqa: E402
 
 op = th.op
+LABELS = {**BENCH_LABELS, "compile-reduce-overhead": 'torch.compile(mode="reduce-overhead")',
+          "dynvm-jit-graphs": "dynvm JIT + CUDA graphs"}
 C0, C1, C2 = ConstRef(0), ConstRef(1), ConstRef(2)
 
 
 # -- part 1: kernels -----------------------------------------------------------------------
 
 
-def kernel_cases():
+def kernel_cases(only=()):
     """(name, family, ops, outputs, constants, expected group kind) per kernel kind, two
     families each (rows vary; batch and sequence vary)."""
     rows = th.family({0: (6, 64)}, {(0, 0)})
@@ -117,13 +137,16 @@ def kernel_cases():
         cases.append((f"matmul-epilogue-{tag}", fam, [
             op("LINEAR", 1, 0, C0, C1), op("GELU", 2, 1, "none"), op("ADD", 3, 2, 1.0),
             op("MUL", 4, 3, 0.5)], (4,), [weight, torch.randn(96)], "matmul"))
-    return cases
+    unknown = set(only) - {c[0] for c in cases}
+    if unknown:
+        raise SystemExit(f"unknown kernel cases {sorted(unknown)}")
+    return [c for c in cases if not only or c[0] in only]
 
 
-def check_kernels(device: torch.device, members: int = 4) -> list[dict]:
+def check_kernels(device: torch.device, members: int, only=()) -> list[dict]:
     rng = random.Random(0)
     rows = []
-    for name, fam, ops, outputs, constants, kind in kernel_cases():
+    for name, fam, ops, outputs, constants, kind in kernel_cases(only):
         spec = th.build_region(ops, fam, (0,), outputs, constants)
         code = generate_region(spec, constants)
         kinds = sorted({s.kind for s in code.plan.kernels()})
@@ -162,7 +185,99 @@ def make_runner(code, constants, device: torch.device):
     return InterpretedRegion(code.plan, code.kernels, constants)
 
 
-# -- part 2: the walk ----------------------------------------------------------------------
+# -- part 2: stored artifacts, loaded without compiling -------------------------------------
+
+
+class CompilerCalled(AssertionError):
+    """Triton's compiler ran while stored binaries were being loaded or launched."""
+
+
+def forbid_compiler() -> list:
+    """Make every way into Triton's compiler raise in this process (the ahead-of-time
+    compiles run in child processes); returns the list the attempts are recorded in."""
+    import triton
+    import triton.compiler.compiler
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import JITFunction
+
+    calls: list[str] = []
+
+    def forbidden(what):
+        def raise_(*args, **kwargs):
+            calls.append(what)
+            raise CompilerCalled(f"{what} was called")
+        return raise_
+
+    triton.compile = forbidden("triton.compile")
+    triton.compiler.compile = forbidden("triton.compiler.compile")
+    triton.compiler.compiler.compile = forbidden("triton.compiler.compiler.compile")
+    CUDABackend.add_stages = forbidden("CUDABackend.add_stages")
+    JITFunction._do_compile = forbidden("JITFunction._do_compile")
+    return calls
+
+
+def check_stored(device: torch.device, members: int, only=()) -> list[dict]:
+    """Every kernel case as a stored artifact: built for this GPU (sm_90 on a CPU) in a
+    child process, then loaded and launched here with the compiler forbidden."""
+    from dynvm.jit.backends.triton import TritonArtifact, build_binaries
+    from dynvm.jit.backends.triton.artifact import build_artifact
+    from dynvm.jit.backends.triton.loader import choose_binary, load_kernels
+    from dynvm.jit.backends.triton.run_binary import BinaryRegion, CudaBoundary
+
+    if device.type == "cuda":
+        boundary = CudaBoundary(device)
+    else:
+        from tests.triton._fake_device import InterpretedBoundary
+
+        boundary = InterpretedBoundary(arch=90)
+    cases = []
+    for name, fam, ops, outputs, constants, _kind in kernel_cases(only):
+        spec = th.build_region(ops, fam, (0,), outputs, constants)
+        cases.append((name, fam, spec, constants, generate_region(spec, constants)))
+    kernels = {k.name: k for *_, code in cases for k in code.kernels}
+    start = time.perf_counter()
+    binaries = build_binaries(kernels.values(), [("cuda", boundary.arch, 32)], jobs=2)
+    build_s = time.perf_counter() - start
+    target = f"cuda:{boundary.arch}"
+    stored = []
+    for name, fam, spec, constants, code in cases:
+        mine = {target: {k.name: binaries[target][k.name] for k in code.kernels}}
+        data = build_artifact(code, program_hash="0" * 64, family_key=fam.key,
+                              binaries=mine, options=DEFAULT_OPTIONS).to_bytes()
+        stored.append((name, fam, spec, constants, data))
+    print(f"  {len(kernels)} kernels built for {target} in a child process in "
+          f"{build_s:.1f} s; loading with Triton's compiler forbidden", flush=True)
+    calls = forbid_compiler()
+    rng = random.Random(1)
+    rows = []
+    for name, fam, spec, constants, data in stored:
+        on_device = [c.to(boundary.device) for c in constants]
+        start = time.perf_counter()
+        artifact = TritonArtifact.from_bytes(data)
+        choice = choose_binary(artifact, boundary.arch)
+        runner = BinaryRegion(artifact.plan, load_kernels(artifact, choice), on_device,
+                              boundary)
+        runner.prepare()
+        load_ms = (time.perf_counter() - start) * 1e3
+        worst, ok = 0.0, True
+        for dims in th.member_dims(fam, rng, members):
+            x = torch.randn(dims[0], device=boundary.device)
+            got = th.run_region(runner, spec, {0: x})
+            want = th.eager(spec, {0: x}, on_device)
+            for reg in want:
+                err = (got[reg] - want[reg]).abs().max().item() if want[reg].numel() else 0.0
+                worst = max(worst, err)
+                ok = ok and torch.allclose(got[reg], want[reg], rtol=1e-4, atol=1e-4)
+        ok = ok and not calls and runner.launches > 0
+        rows.append({"case": name, "how": choice.how, "target": choice.target,
+                     "load_ms": load_ms, "launches": runner.launches, "max_abs_err": worst,
+                     "compiler_calls": list(calls), "ok": bool(ok)})
+        print(f"  {name:28s} {'ok' if ok else 'FAIL'}  {choice.how} of {choice.target}  "
+              f"load {load_ms:.1f} ms  max|err| {worst:.2e}", flush=True)
+    return rows
+
+
+# -- part 3: the walk ----------------------------------------------------------------------
 
 
 class DynvmOn(Dynvm):
@@ -188,12 +303,33 @@ def on_device(demo, device: torch.device):
     return dataclasses.replace(demo, module=copy.deepcopy(demo.module).to(device))
 
 
+class ReduceOverhead(TorchCompile):
+    """torch.compile(mode="reduce-overhead"): Inductor with CUDA graphs (on a CPU Inductor
+    skips the graphs, and says so in a warning)."""
+
+    def __init__(self, demo) -> None:
+        super().__init__(demo, "compile-reduce-overhead", dynamic=False)
+        self.fn = torch.compile(demo.module, mode="reduce-overhead")
+
+
 def build_system(name: str, demo, device: torch.device, jit_backend: str):
     if name == "dynvm-interp":
         return DynvmOn(demo, name, False, device)
     if name == "dynvm-jit":
-        return DynvmOn(demo, name, JitConfig(backend=jit_backend), device)
+        return DynvmOn(demo, name, JitConfig(backend=jit_backend, cuda_graphs_max_batch=0),
+                       device)
+    if name == "dynvm-jit-graphs":
+        return DynvmOn(demo, name, JitConfig(backend=jit_backend, cuda_graphs_max_batch=16),
+                       device)
+    if name == "compile-reduce-overhead":
+        return ReduceOverhead(on_device(demo, device))
     return make(name, on_device(demo, device))
+
+
+def captured_graphs(runtime) -> int:
+    """Specializations the JIT captured into CUDA graphs (their artifact notes say so)."""
+    return sum(any(n.startswith("cuda graph: captured") for n in a.notes)
+               for a in runtime.jit.artifacts.values())
 
 
 def sync(device: torch.device) -> None:
@@ -205,9 +341,9 @@ def run_walk(args, device: torch.device, jit_backend: str) -> dict:
     torch.manual_seed(args.seed)
     demo = transformer()
     hidden = demo.example_inputs[0].shape[-1]
-    walk = random_walk(BATCHES, args.calls, args.seed)
+    walk = random_walk(args.batches, args.calls, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    inputs = {b: torch.randn(b, SEQ, hidden, generator=gen).to(device) for b in BATCHES}
+    inputs = {b: torch.randn(b, SEQ, hidden, generator=gen).to(device) for b in args.batches}
     with torch.inference_mode():
         reference = {b: on_device(demo, device).module(x) for b, x in inputs.items()}
     results = {}
@@ -232,12 +368,15 @@ def run_walk(args, device: torch.device, jit_backend: str) -> dict:
                  "compile_seconds": seconds, "setup_seconds": system.setup_seconds,
                  "wall_s": time.perf_counter() - start, "max_abs_err_vs_eager": errors,
                  "extra": system.extra()}
-        if name == "dynvm-jit":
+        if name in ("dynvm-jit", "dynvm-jit-graphs"):
             stats = system.runtime.stats()
             entry["backend"] = stats["backend"]
             entry["triton_compiles"] = stats["triton_compiles"]
             entry["triton_fallbacks"] = stats["triton_fallbacks"]
+            entry["cuda_graphs"] = captured_graphs(system.runtime)
             entry["label"] = f"dynvm JIT ({stats['backend']} backend)"
+            if name == "dynvm-jit-graphs":
+                entry["label"] += f" + CUDA graphs ({entry['cuda_graphs']} captured)"
             entry["event_log"] = list(system.runtime.jit.event_log[-10:])
         system.close()
         results[name] = entry
@@ -251,7 +390,7 @@ def run_walk(args, device: torch.device, jit_backend: str) -> dict:
 
 def summarize(walk: list[int], latency: list[float], warmup: int) -> dict:
     rows = {}
-    for batch in BATCHES:
+    for batch in sorted(set(walk)):
         steady = [s for s, b in zip(latency[warmup:], walk[warmup:]) if b == batch]
         if steady:
             rows[batch] = {"calls": len(steady), "p50_ms": median(steady) * 1e3,
@@ -262,15 +401,24 @@ def summarize(walk: list[int], latency: list[float], warmup: int) -> dict:
 def markdown(report: dict) -> str:
     lines = [f"# gpu_check: {report['device_name']}", "",
              f"torch {report['torch']}, triton {report['triton']}, {report['calls']} calls "
-             f"({report['warmup']} warm-up), seq {SEQ}, batches {BATCHES}, seed "
-             f"{report['seed']}; dynvm JIT backend: {report['jit_backend']}. CUDA graphs: "
-             "not built.", ""]
+             f"({report['warmup']} warm-up), seq {SEQ}, batches {report['batches']}, seed "
+             f"{report['seed']}; dynvm JIT backend: {report['jit_backend']}.", ""]
     if report["kernels"]:
         lines += ["## Kernels vs eager", "", "| case | kinds | members | max abs err | ok |",
                   "|---|---|---|---:|---|"]
         for row in report["kernels"]:
             lines.append(f"| {row['case']} | {', '.join(row['kernel_kinds'])} | "
                          f"{len(row['members'])} | {row['max_abs_err']:.2e} | "
+                         f"{'yes' if row['ok'] else 'NO'} |")
+        lines.append("")
+    if report["stored"]:
+        lines += ["## Stored artifacts, loaded without compiling", "",
+                  "| case | binary | load ms | launches | max abs err | compiler calls | ok |",
+                  "|---|---|---:|---:|---:|---:|---|"]
+        for row in report["stored"]:
+            lines.append(f"| {row['case']} | {row['how']} of {row['target']} | "
+                         f"{row['load_ms']:.1f} | {row['launches']} | "
+                         f"{row['max_abs_err']:.2e} | {len(row['compiler_calls'])} | "
                          f"{'yes' if row['ok'] else 'NO'} |")
         lines.append("")
     lines += ["## Transformer random walk (steady state)", "",
@@ -314,18 +462,20 @@ def main(args) -> int:
     import triton
 
     started = time.perf_counter()
-    kernels = []
+    kernels, stored = [], []
     if not args.skip_kernels:
         print(f"kernels on {device_name}:", flush=True)
-        kernels = check_kernels(device)
+        kernels = check_kernels(device, args.members, args.cases)
+        print(f"stored artifacts on {device_name}:", flush=True)
+        stored = check_stored(device, args.members, args.cases)
     print(f"walk on {device_name}:", flush=True)
     walk = run_walk(args, device, jit_backend)
     for entry in walk["systems"].values():
         entry["steady"] = summarize(walk["walk"], entry["latency_s"], args.warmup)
     report = {"device": str(device), "device_name": device_name, "torch": torch.__version__,
               "triton": triton.__version__, "calls": args.calls, "warmup": args.warmup,
-              "seed": args.seed, "jit_backend": jit_backend, "cuda_graphs": "not built",
-              "kernels": kernels, "walk": walk,
+              "seed": args.seed, "jit_backend": jit_backend, "batches": args.batches,
+              "kernels": kernels, "stored": stored, "walk": walk,
               "wall_s": time.perf_counter() - started}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
@@ -333,7 +483,7 @@ def main(args) -> int:
     (args.out / "gpu_check.md").write_text(text)
     print(text)
     print(f"wrote {args.out / 'gpu_check.json'} and gpu_check.md in {report['wall_s']:.0f} s")
-    kernels_ok = all(row["ok"] for row in kernels)
+    kernels_ok = all(row["ok"] for row in (*kernels, *stored))
     return 0 if kernels_ok else 1
 
 
