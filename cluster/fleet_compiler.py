@@ -87,6 +87,16 @@ class FleetCompiler:
         self.telemetry = telemetry if telemetry is not None and telemetry.enabled else None
         self.cache = ArtifactCache(store.open_store(), store.secret,
                                    {"target": TARGET, "toolchain": toolchain_versions()})
+        # The Triton entries and their index are sealed for the GPU targets' text (Note
+        # [GPU replicas in the fleet]); reading them back needs that expectation.
+        self.gpu_target = None
+        self.gpu_cache = None
+        if self.gpu_targets:
+            from dynvm.cluster.fleet_gpu import gpu_fleet_target
+
+            self.gpu_target = gpu_fleet_target(self.gpu_targets)
+            self.gpu_cache = ArtifactCache(store.open_store(), store.secret, {
+                "target": self.gpu_target, "toolchain": toolchain_versions()})
         self.announcer = Announcer(store.redis) if store.redis is not None else None
         self._programs: dict[str, _ProgramState] = {}
         self._lock = threading.RLock()
@@ -136,6 +146,22 @@ class FleetCompiler:
                 logger.warning("indexed artifact %s skipped: %s", artifact_key[:16], error)
                 continue
             state.index.setdefault(portable.region, OrderedDict())[artifact_key] = None
+        if self.gpu_cache is not None:
+            self._load_gpu_index(state)
+
+    def _load_gpu_index(self, state: _ProgramState) -> None:
+        """Resume the GPU index too, so that rewriting it keeps what was listed before."""
+        program_hash = state.program.content_hash
+        key = index_key(program_hash, self.gpu_target)
+        fields = self.gpu_cache.fetch([key]).get(key)
+        if fields is None:
+            return
+        for artifact_key, entry in self.gpu_cache.fetch(
+                keys_from_index(fields, program_hash)).items():
+            record = entry.get("metadata", {}).get("portable")
+            region = record.get("region") if isinstance(record, dict) else None
+            if type(region) is int:
+                state.gpu_index.setdefault(region, OrderedDict())[artifact_key] = None
 
     # -- observations (Note [Fleet promotion]) ------------------------------------------
 
@@ -246,9 +272,7 @@ class FleetCompiler:
         self.gpu_published += 1
         # GPU replicas read their own index and announcements (Note [GPU replicas in the
         # fleet] in dynvm.cluster.fleet_gpu): the target is the configured targets' text.
-        from dynvm.cluster.fleet_gpu import gpu_fleet_target
-
-        target = gpu_fleet_target(self.gpu_targets)
+        target = self.gpu_target
         program_hash = state.program.content_hash
         with self._lock:
             keys = state.gpu_index.setdefault(spec.ir.region_index, OrderedDict())
@@ -326,6 +350,8 @@ class FleetCompiler:
         return {"programs": programs, "published": self.published,
                 "republished": self.republished, "unpublished": len(self._unpublished),
                 "gpu_published": self.gpu_published, "gpu_skipped": self.gpu_skipped,
+                "gpu_indexed": sum(len(k) for s in self._programs.values()
+                                   for k in s.gpu_index.values()),
                 "publish_failures": self.publish_failures, "store": self.cache.stats(),
                 "announced": self.announcer.sent if self.announcer else 0,
                 "announce_failures": self.announcer.failed if self.announcer else 0,

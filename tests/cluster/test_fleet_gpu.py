@@ -115,6 +115,14 @@ def test_a_cuda_replica_installs_the_services_triton_binaries_with_no_compile(
         torch.testing.assert_close(late.runtime(*inputs), expected)
         assert late.runtime.stats()["specialized_region_calls"] >= 1
         assert late.runtime.stats()["compiles"] == 0 and late_device.launched
+        # A restarted service resumes the GPU index with the CPU one (nothing rebuilt).
+        restarted = FleetCompiler(store, CONFIG, gpu_targets=TARGETS)
+        try:
+            restarted.register(program.content_hash, dvm_bytes)
+            assert restarted.stats()["gpu_indexed"] == compiler.stats()["gpu_indexed"] >= 1
+            assert restarted.stats()["gpu_published"] == 0
+        finally:
+            restarted.close()
     finally:
         for link in links:
             link.close()
