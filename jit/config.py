@@ -80,6 +80,11 @@ class JitConfig:
     """Per-device budget of the arenas that specializations plan their intermediates in
     (Note [Arena layout]); past it, a call runs without an arena. 0 turns arenas off."""
 
+    arena_ops: str = "measured"
+    """Which results go to the arena: "measured" (an op's out= form only where it
+    measures faster on this device, Note [Arena by measurement] in
+    dynvm.jit.backends.cpu_arena_choice) or "all" (wherever an out= form applies)."""
+
     compile_timeout_s: float = 120.0
     """A compile running longer is abandoned and counts as failed (Note [Compile
     deadline] in dynvm.jit.queue); its region backs off as after any failure."""
@@ -134,6 +139,9 @@ class JitConfig:
         if not self.compile_timeout_s > 0:
             raise ValueError(f"JitConfig.compile_timeout_s must be > 0, "
                              f"got {self.compile_timeout_s}")
+        if self.arena_ops not in ("measured", "all"):
+            raise ValueError(f"JitConfig.arena_ops must be 'measured' or 'all', "
+                             f"got {self.arena_ops!r}")
         if not 0.0 <= self.probation_margin < 1.0:
             raise ValueError(f"JitConfig.probation_margin must be in [0, 1), "
                              f"got {self.probation_margin}")

@@ -246,11 +246,12 @@ class CpuOptions:
     arena_ops: str = "measured"
     """Which ops write into the arena: "measured" where their out= form measures faster
     on this device (Note [Arena by measurement]), "all" wherever one applies (tests of
-    the arena's mechanics)."""
+    the arena's mechanics). Not part of the key: under "measured" the choice is made by
+    whoever emits the code, on its own device, from the same IR (a replica re-emits
+    what it installs, Note [Portable specializations]), so no key could name it."""
 
     def as_key(self) -> dict:
-        return {"arena": self.arena_pool is not None, "fusion": self.fusion,
-                "arena_ops": self.arena_ops}
+        return {"arena": self.arena_pool is not None, "fusion": self.fusion}
 
 
 def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.device,

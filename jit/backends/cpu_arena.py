@@ -7,8 +7,9 @@ intermediates can live at planned offsets of one buffer instead of each call ask
 allocator for each of them. Which results go to the arena:
 
 - results of operations that have an `out=` form (the opcode table's `out` field,
-  gathered in `OUT_KERNELS`), plus the scratch outputs some of them need (layer norm's
-  mean and rstd);
+  gathered in `OUT_KERNELS`) and, by default, measured faster with it on this device
+  (Note [Arena by measurement]), plus the scratch outputs some of them need (layer
+  norm's mean and rstd);
 - never a region output, nor anything a region output views: the caller keeps outputs
   after the call, and the arena is handed to the next call (DESIGN.md, Invariants);
 - not an operation rewritten in place (it writes into its operand's storage already) or
@@ -57,10 +58,12 @@ class ArenaLayout:
 
 
 def plan_layout(ops: list[SpecOp], probes: tuple, operand_values,
-                leaving: set[int]) -> ArenaLayout | None:
+                leaving: set[int], pays=None) -> ArenaLayout | None:
     """Blocks and offsets for the ops that can write into an arena, or None if none can.
 
-    `operand_values(op, probe)` gives an op's abstract operands at a probe."""
+    `operand_values(op, probe)` gives an op's abstract operands at a probe; `pays(op,
+    form)` whether an op that can use its out= form should (Note [Arena by
+    measurement]; None: every one that can)."""
     roots, _ = storage_roots(ops)
     last_use = last_use_of_roots(ops, roots)
     escaping = {roots.get(reg, reg) for reg in leaving}
@@ -77,6 +80,10 @@ def plan_layout(ops: list[SpecOp], probes: tuple, operand_values,
             continue
         tensors = _planned_tensors(op, kernel, probes, operand_values)
         if tensors is None:
+            continue
+        if pays is not None and not pays(op, kernel):
+            notes.append(f"{op.source_pc}: {op.opcode} allocates (measured faster here "
+                         f"than into the arena)")
             continue
         keys = []
         for index, (nbytes, dtype) in enumerate(tensors):

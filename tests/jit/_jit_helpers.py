@@ -50,12 +50,14 @@ def eager_config(**overrides) -> JitConfig:
     benefit always beats the compile cost, even after the first compile in the process
     measured torch's one-time import of its meta kernels (about a second). Code families
     are off unless asked for: every promotion is an exact specialization. Probation is
-    off unless asked for: its verdicts come from timings, and these tests count what is
-    installed and hit (tests/jit/test_probation.py turns it on).
+    off unless asked for, and every op with an out= form writes into the arena: both
+    would otherwise come from timings, and these tests count what is installed, hit and
+    allocated (tests/jit/test_probation.py and test_arena_choice.py turn them on).
     """
     fields = {"sync": True, "min_recurrence": 1, "max_recurrence": 2,
               "expected_speedup": 1.0, "instructions_per_recurrence_step": 10**6,
-              "horizon_calls": 10**9, "families": False, "probation": False}
+              "horizon_calls": 10**9, "families": False, "probation": False,
+              "arena_ops": "all"}
     fields.update(overrides)
     return JitConfig(**fields)
 

@@ -40,9 +40,11 @@ RTOL, ATOL = 1e-4, 1e-5
 
 def family_config(**overrides) -> JitConfig:
     """K = 2 for every region, and a horizon so long that every promotion pays; no
-    probation (its verdicts come from timings; these tests count hits)."""
+    probation and every out= form into the arena (both would come from timings; these
+    tests count hits and allocations)."""
     fields = {"sync": True, "min_recurrence": 2, "max_recurrence": 2,
-              "expected_speedup": 1.0, "horizon_calls": 10**9, "probation": False}
+              "expected_speedup": 1.0, "horizon_calls": 10**9, "probation": False,
+              "arena_ops": "all"}
     fields.update(overrides)
     return JitConfig(**fields)
 
