@@ -87,6 +87,9 @@ class FleetOptions:
 
 
 class FleetLink:
+    """A replica's connection to the compile service and the kernel store: reports its
+    observations, installs what the fleet compiled (see the module docstring)."""
+
     def __init__(self, runtime, dvm_bytes: bytes, options: FleetOptions, client,
                  gpu_boundary=None) -> None:
         """`gpu_boundary`: where a GPU replica's kernels launch (default: a
