@@ -99,15 +99,21 @@ def fuse_conv_epilogues(spec: SpecializedRegion, constants, device: torch.device
                        weak_guard)
         if any(p in removed for p in chain.positions()):
             continue
-        weight, bias = _folded(ops, chain, constants)
-        verdict = _decide(ops, chain, weight, bias, constants, spec.abstract, calibrator)
         label = " + ".join(ops[p].opcode for p in chain.positions())
+        try:
+            weight, bias = _folded(ops, chain, constants)
+            verdict = _decide(ops, chain, weight, bias, constants, spec.abstract, calibrator)
+            fused = None if verdict is None else _fused(ops, chain, weight, bias,
+                                                        spec.abstract, prepacked, constants)
+        except RuntimeError as exc:   # oneDNN refused these operands: torch keeps them
+            notes.append(f"{op.source_pc}: {label} stays on torch (oneDNN refused it: "
+                         f"{str(exc)[:120]})")
+            continue
         if verdict is None:
             notes.append(f"{op.source_pc}: {label} stays on torch (oneDNN measured no "
                          "faster here)")
             continue
-        replaced[position] = _fused(ops, chain, weight, bias, spec.abstract, prepacked,
-                                    constants)
+        replaced[position] = fused
         removed.update(p for p in chain.positions() if p != position)
         folded = " (batch norm folded into the weight)" if chain.bn is not None else ""
         notes.append(f"{op.source_pc}: {label} -> oneDNN convolution{folded}{verdict}")

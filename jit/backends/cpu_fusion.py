@@ -150,18 +150,23 @@ def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device
         if consumer_at is not None and consumer_at not in removed:
             epilogue = _epilogue(ops, position, consumer_at, spec.abstract, constants,
                                  producer_position, weak_guard)
-        decision = _decide(op, gemm, epilogue, ops, constants, spec.abstract, calibrator)
-        if decision is None:
-            if epilogue is not None:
+        try:
+            decision = _decide(op, gemm, epilogue, ops, constants, spec.abstract, calibrator)
+            if decision is None and epilogue is not None:
                 # The fused form lost: try the GEMM alone (its own calibration).
                 epilogue = None
                 decision = _decide(op, gemm, None, ops, constants, spec.abstract,
                                    calibrator)
-            if decision is None:
-                notes.append(f"{op.source_pc}: {op.opcode} stays on torch "
-                             f"({_why_not(op, gemm, calibrator)})")
-                continue
-        fused = _fused_op(op, gemm, epilogue, ops, constants, spec.abstract, prepacked)
+            fused = None if decision is None else _fused_op(
+                op, gemm, epilogue, ops, constants, spec.abstract, prepacked)
+        except RuntimeError as exc:   # oneDNN refused these operands: torch keeps them
+            notes.append(f"{op.source_pc}: {op.opcode} stays on torch (oneDNN refused "
+                         f"it: {str(exc)[:120]})")
+            continue
+        if decision is None:
+            notes.append(f"{op.source_pc}: {op.opcode} stays on torch "
+                         f"({_why_not(op, gemm, calibrator)})")
+            continue
         replaced[position] = fused
         if epilogue is not None:
             removed.add(epilogue[0])
@@ -348,7 +353,7 @@ def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
     for m in ms:
         key = (size_class(m), n, k, threads)
         x = torch.randn(m, k)
-        packed = torch.ops.mkldnn._reorder_linear_weight(dense, max(1, m))
+        packed = torch.ops.mkldnn._reorder_linear_weight(dense.contiguous(), max(1, m))
         eager, fused = _candidates(op, epilogue, ops, x, weight, dense, packed, bias)
         choice = calibrator.choose(f"onednn {label}", key, {"torch": eager, "onednn": fused})
         verdicts.append((m, choice))
