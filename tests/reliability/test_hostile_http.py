@@ -137,7 +137,8 @@ def test_a_runaway_request_stops_at_its_budget_and_the_server_serves_on(server):
     assert status == 200, raw
     outputs = json.loads(raw)["outputs"]
     assert outputs[0]["data"] == [32.0, -32.0] and outputs[1]["data"] == [5]
-    print(f"\nrunaway request: {status} after {answer['seconds']:.2f} s (budget 1 s); "
+    print(f"\nrunaway request: {answer['reply'][0]} after {answer['seconds']:.2f} s "
+          f"(budget 1 s); "
           f"other model meanwhile: max {max(s for _, s in during):.3f} s")
 
 
@@ -417,3 +418,40 @@ def test_json_amplification_is_bounded_and_others_are_served_meanwhile(server):
     assert all(s == 200 for s, _ in meanwhile)
     assert growth < 4 * len(body)
     assert len(latencies) >= 5 and p99 < 1.0
+
+
+def test_past_its_concurrency_limit_a_replica_answers_503_with_retry_after(server, tmp_path):
+    from ray import serve
+
+    from dynvm.cluster.replica import model_application
+
+    path = tmp_path / "spin2.dvm"
+    dynvm.save(build(SPIN_LOOP, regs=8, inputs=('"n" int64 []', '"x" float32 [m:1..64]'),
+                     outputs=2, name="spin"), path)
+    serve.run(model_application("spin2", path, device="cpu", jit=False, num_cpus=0.25,
+                                limits=ServingLimits(call_seconds=1.0,
+                                                     max_concurrent_requests=2)),
+              name="dynvm-model-spin2", route_prefix="/v2/models/spin2")
+    replies: list = []
+
+    def runaway() -> None:
+        start = time.perf_counter()
+        status, headers, raw = server.request("POST", "/v2/models/spin2/infer",
+                                              _spin_body(2**62))
+        replies.append((status, headers, json.loads(raw), time.perf_counter() - start))
+
+    threads = [threading.Thread(target=runaway) for _ in range(5)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join(30)
+    busy = [r for r in replies if r[0] == 503]
+    print(f"\n5 runaway requests, limit 2: statuses {sorted(r[0] for r in replies)}; 503s "
+          f"answered in <= {max(r[3] for r in busy):.3f} s")
+    assert sorted(r[0] for r in replies) == [500, 500, 503, 503, 503]
+    for _, headers, doc, seconds in busy:
+        assert headers["retry-after"] == "1" and "is busy" in doc["error"] and seconds < 1.0
+    status, _, raw = server.request("POST", "/v2/models/spin2/infer", _spin_body(3))
+    assert status == 200, raw
+    serve.delete("dynvm-model-spin2")
