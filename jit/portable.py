@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dynvm.jit.inplace import INPLACE
 from dynvm.jit.ir import ConstRef, SpecializedRegion, SpecOp, Var
 from dynvm.jit.ir_codec import IrCodecError, decode_literal, decode_value, encode_value
 from dynvm.jit.signature import GuardStrength
@@ -194,7 +193,8 @@ class _Decoder:
         name, dsts, args, source_pc, frees, variant = fields
         if name not in OPCODES:
             self.fail(where, f"unknown opcode {name!r}")
-        if variant not in ("", "inplace") or (variant == "inplace" and name not in INPLACE):
+        if variant not in ("", "inplace") or (variant == "inplace"
+                                               and OPCODES[name].inplace is None):
             self.fail(where, f"opcode {name} has no variant {variant!r}")
         return SpecOp(name, self.regs(dsts, f"{where}.dsts"),
                       tuple(self.value(a, f"{where}.args[{i}]")
