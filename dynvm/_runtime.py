@@ -88,9 +88,10 @@ class Runtime:
     def _follow_global(self) -> bool:
         """True when the application has just set its global provider: from now on this
         runtime (and its JIT) trace into it (Note [Global tracer provider])."""
-        telemetry = self._global_watch.check()
+        watch = self._global_watch  # another thread may drop it meanwhile (below)
+        telemetry = watch.check() if watch is not None else None
         if telemetry is None:
-            return False
+            return self.telemetry is not None
         with self._lock:
             if self.telemetry is None:
                 if self.jit is not None:

@@ -122,6 +122,15 @@ def test_without_a_global_provider_a_runtime_does_no_tracing_work():
     assert runtime.telemetry is None   # still the no-op proxy: nothing was made
 
 
+def test_a_watch_dropped_by_another_thread_is_no_error():
+    # Thread A saw the watch, thread B adopted the provider and dropped it, then A asks.
+    runtime = dynvm.Runtime(build(PROGRAM, regs=3), jit=False)
+    runtime._global_watch = None
+    assert runtime._follow_global() is False
+    runtime.telemetry = Telemetry.disabled()
+    assert runtime._follow_global() is True
+
+
 def test_the_watch_looks_once_per_interval(monkeypatch):
     now = [0.0]
     watch = GlobalProviderWatch(interval_s=1.0, clock=lambda: now[0])
