@@ -50,6 +50,10 @@ def stored(tmp_path_factory):
 @pytest.fixture
 def no_compiler(monkeypatch):
     """Every way into Triton's compiler raises (and is counted if anything tries)."""
+    return _forbid_compiler(monkeypatch)
+
+
+def _forbid_compiler(monkeypatch) -> list:
     import triton
     import triton.compiler
     import triton.compiler.compiler
@@ -165,3 +169,32 @@ def test_stored_binaries_launch_on_the_gpu_and_match_eager(stored, no_compiler):
                                            msg=lambda m, n=name: f"{n}: {m}")
         assert runner.launches >= 3, (name, choice)
     assert no_compiler == []
+
+
+@pytest.mark.gpu
+def test_an_older_targets_ptx_is_compiled_by_the_driver_on_a_newer_gpu(stored, monkeypatch):
+    """Note [Stored binaries on other GPUs]: sm_80 binaries only, on a newer GPU, load
+    through the driver's PTX compiler and match eager."""
+    from dynvm.jit.backends.triton.run_binary import CudaBoundary
+
+    device = CudaBoundary("cuda")
+    if device.arch <= 80:
+        pytest.skip(f"needs a GPU newer than sm_80, this one is sm_{device.arch}")
+    spec, constants, fam, data = stored["matmul-linear-epilogue"]
+    artifact = TritonArtifact.from_bytes(data)
+    sm80 = build_binaries(artifact.kernels, [("cuda", 80, 32)])    # a child process
+    calls = _forbid_compiler(monkeypatch)
+    older = build_artifact(generate_region(spec, constants, kernel_cases.OPTIONS),
+                           program_hash="0" * 64, family_key=fam.key, binaries=sm80,
+                           options=kernel_cases.OPTIONS)
+    choice = choose_binary(older, device.arch)
+    assert (choice.target, choice.how) == ("cuda:80", "ptx")
+    on_device = [c.to(device.device) for c in constants]
+    runner = BinaryRegion(older.plan, load_kernels(older, choice), on_device, device)
+    runner.prepare()
+    x = torch.randn(3, 7, 32, device=device.device)
+    got = th.run_region(runner, spec, {0: x})
+    want = th.eager(spec, {0: x}, on_device)
+    for reg in want:
+        torch.testing.assert_close(got[reg], want[reg], rtol=1e-4, atol=1e-4)
+    assert calls == []
