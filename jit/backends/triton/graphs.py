@@ -26,7 +26,8 @@ copy-out, which runs on the same stream.
 
 Capture happens where the specialization is built (the JIT's compile thread, or the
 fleet link's install thread), on a side stream, after one warm-up run (lazy module loads
-and library handles must not happen inside a capture); never on a request. A capture
+and library handles must not happen inside a capture); never on a request. The capture
+is thread-local: requests that run meanwhile on other threads are not disturbed. A capture
 that fails leaves the specialization uncaptured, with the reason as a note. Only exact
 (strong-guard) specializations whose batch (first dim of the first tensor live-in) is at
 most `JitConfig.cuda_graphs_max_batch` are captured: small batches are where launch
@@ -128,7 +129,9 @@ class GraphedRegion:
             fn(self._regs(size))            # warm-up: module loads, library handles
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=side):
+        # thread_local: requests running meanwhile on other threads may allocate and
+        # synchronize; only this thread's capture-unsafe calls are refused.
+        with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
             fn(regs)
         torch.cuda.current_stream(self.device).wait_stream(side)
         self._static_outputs = [(reg, regs[reg]) for reg in self.outputs]
