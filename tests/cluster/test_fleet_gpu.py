@@ -20,6 +20,7 @@ from dynvm.cluster.compile_service import LocalServiceClient
 from dynvm.cluster.fleet_compiler import FleetCompiler
 from dynvm.cluster.fleet_link import FleetLink, FleetOptions
 from dynvm.jit.config import JitConfig
+from dynvm.jit.portable import PortableError
 from tests.cluster._cluster_helpers import saved_recommender, wait_until
 from tests.cluster._redis_server import redis_config
 
@@ -123,6 +124,15 @@ def test_a_cuda_replica_installs_the_services_triton_binaries_with_no_compile(
             assert restarted.stats()["gpu_published"] == 0
         finally:
             restarted.close()
+        # An entry whose binaries are not the ones its record describes is refused.
+        key = sorted(gpu._installed)[0]
+        fields = gpu.cache.fetch([key])[key]
+        with pytest.raises(PortableError, match=r"does not match its record \(key differ"):
+            gpu.gpu.install("f" * 64, fields)
+        with pytest.raises(PortableError, match="Triton artifact: .*checksum|not msgpack"):
+            data = bytearray(fields["triton_artifact"])
+            data[len(data) // 2] ^= 0xFF
+            gpu.gpu.install(key, {**fields, "triton_artifact": bytes(data)})
     finally:
         for link in links:
             link.close()
