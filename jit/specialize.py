@@ -47,9 +47,6 @@ from dynvm.vm.isa import OpClass
 from dynvm.vm.operands import Const, Imm, IntList, Reg, RegList
 from dynvm.vm.regions import live_in_sets
 
-_ALIAS_IF_SAME_SHAPE = {"VIEW", "RESHAPE_IF", "EXPAND", "ALIAS"}
-_CHECKS = {"SHAPE_ASSERT", "DIMS_EQUAL", "ASSERT_SCALAR"}
-
 
 class SpecializationError(DynvmError):
     """The signature cannot be specialized. Unless it is an `InputRejected`, this is a
@@ -149,7 +146,7 @@ class _Rewriter:
 
     def rewrite(self, pc: int, instr: Instr) -> None:
         spec = instr.spec
-        if instr.op in _CHECKS:
+        if spec.is_check:
             if pc not in self.kept_checks and all(self.is_static(a) for a in instr.args):
                 self.assumes_shapes = True
                 self.notes.append(f"{pc}: {instr.op} proven for this signature, dropped")
@@ -192,12 +189,12 @@ class _Rewriter:
                    for p in self.probes):
             return False
         op = instr.op
-        if op in _ALIAS_IF_SAME_SHAPE or op in ("PERMUTE", "TRANSPOSE", "SLICE"):
+        if op == "MOVE":
+            reason = "register move"
+        elif instr.spec.is_view or instr.spec.returns_operand:
             reason = "no-op view for this shape"
         elif op in ("CLONE", "TO_COPY") and not self.may_escape(pc, instr.dsts[0]):
             reason = "copy of an already-laid-out tensor that never leaves the region"
-        elif op == "MOVE":
-            reason = "register move"
         else:
             return False
         self.binding[instr.dsts[0].index] = self.binding[instr.args[0].index]
@@ -254,9 +251,10 @@ def _same_literal(a, b) -> bool:
 
 
 def _unchanged(source, result) -> bool:
-    """The result is its source itself: same shape, strides and dtype."""
+    """The result is its source itself: same shape, strides, storage offset and dtype."""
     return (isinstance(source, torch.Tensor) and isinstance(result, torch.Tensor)
             and source.shape == result.shape and source.stride() == result.stride()
+            and source.storage_offset() == result.storage_offset()
             and source.dtype == result.dtype)
 
 

@@ -109,6 +109,9 @@ class OpSpec:
     """The result shares operand 0's storage (from the ATen schema's alias info)."""
     returns_operand: bool = False
     """The result may be operand 0 itself (MOVE; RESHAPE_IF when no reshape is needed)."""
+    is_check: bool = False
+    """Only validates its operands (no result): a specialization drops it where its
+    guard proves it (SHAPE_ASSERT, DIMS_EQUAL, ASSERT_SCALAR)."""
     data_dependent: bool = False
     custom_shape_fn: Callable | None = field(default=None, repr=False)
     inplace: Callable | None = field(default=None, repr=False)

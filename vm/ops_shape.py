@@ -132,9 +132,9 @@ SHAPE_OPS: tuple[OpSpec, ...] = (
            aten=(torch.sym_not, operator.not_)),
     _shape("SHAPE_ASSERT", "T,K,K,K,K", "",
            "validate a program input: name, dtype, device, (low, high, name) per dim",
-           check_input, custom_shape_fn=_check_input_abstract),
+           check_input, custom_shape_fn=_check_input_abstract, is_check=True),
     _shape("ASSERT_SCALAR", "S,K", "", "raise ShapeError unless the scalar is true",
-           _assert_scalar, aten=(aten._assert_scalar.default,)),
+           _assert_scalar, aten=(aten._assert_scalar.default,), is_check=True),
     _shape("SHAPE_GUARD", "T,K", "S",
            "true if the shape matches a pattern (-1 matches any dim)", _shape_guard),
     _shape("RESHAPE_IF", "T,L", "T", "reshape, or the tensor itself if already that shape",
@@ -151,5 +151,6 @@ def _dims_equal(a: int, b: int, what: str) -> None:
 
 SHAPE_OPS = SHAPE_OPS + (
     _shape("DIMS_EQUAL", "S,S,K", "",
-           "raise ShapeError naming both places unless two dims are equal", _dims_equal),
+           "raise ShapeError naming both places unless two dims are equal", _dims_equal,
+           is_check=True),
 )
