@@ -34,6 +34,7 @@ wrote it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -192,9 +193,11 @@ class CompilerCalled(AssertionError):
     """Triton's compiler ran while stored binaries were being loaded or launched."""
 
 
-def forbid_compiler() -> list:
-    """Make every way into Triton's compiler raise in this process (the ahead-of-time
-    compiles run in child processes); returns the list the attempts are recorded in."""
+@contextlib.contextmanager
+def compiler_forbidden():
+    """Every way into Triton's compiler raises in this process while inside (the
+    ahead-of-time compiles run in child processes); yields the list of attempts. Restored
+    on exit: the walk's JIT and torch.compile compile with Triton."""
     import triton
     import triton.compiler.compiler
     from triton.backends.nvidia.compiler import CUDABackend
@@ -208,21 +211,25 @@ def forbid_compiler() -> list:
             raise CompilerCalled(f"{what} was called")
         return raise_
 
-    triton.compile = forbidden("triton.compile")
-    triton.compiler.compile = forbidden("triton.compiler.compile")
-    triton.compiler.compiler.compile = forbidden("triton.compiler.compiler.compile")
-    CUDABackend.add_stages = forbidden("CUDABackend.add_stages")
-    JITFunction._do_compile = forbidden("JITFunction._do_compile")
-    return calls
+    places = [(triton, "compile"), (triton.compiler, "compile"),
+              (triton.compiler.compiler, "compile"), (CUDABackend, "add_stages"),
+              (JITFunction, "_do_compile")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in places]
+    for owner, name in places:
+        setattr(owner, name, forbidden(f"{getattr(owner, '__name__', owner)}.{name}"))
+    try:
+        yield calls
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
 
 
 def check_stored(device: torch.device, members: int, only=()) -> list[dict]:
     """Every kernel case as a stored artifact: built for this GPU (sm_90 on a CPU) in a
     child process, then loaded and launched here with the compiler forbidden."""
-    from dynvm.jit.backends.triton import TritonArtifact, build_binaries
+    from dynvm.jit.backends.triton import build_binaries
     from dynvm.jit.backends.triton.artifact import build_artifact
-    from dynvm.jit.backends.triton.loader import choose_binary, load_kernels
-    from dynvm.jit.backends.triton.run_binary import BinaryRegion, CudaBoundary
+    from dynvm.jit.backends.triton.run_binary import CudaBoundary
 
     if device.type == "cuda":
         boundary = CudaBoundary(device)
@@ -247,34 +254,40 @@ def check_stored(device: torch.device, members: int, only=()) -> list[dict]:
         stored.append((name, fam, spec, constants, data))
     print(f"  {len(kernels)} kernels built for {target} in a child process in "
           f"{build_s:.1f} s; loading with Triton's compiler forbidden", flush=True)
-    calls = forbid_compiler()
+    with compiler_forbidden() as calls:
+        return [_load_and_run(row, boundary, members, calls) for row in stored]
+
+
+def _load_and_run(stored, boundary, members: int, calls: list) -> dict:
+    from dynvm.jit.backends.triton import TritonArtifact
+    from dynvm.jit.backends.triton.loader import choose_binary, load_kernels
+    from dynvm.jit.backends.triton.run_binary import BinaryRegion
+
+    name, fam, spec, constants, data = stored
     rng = random.Random(1)
-    rows = []
-    for name, fam, spec, constants, data in stored:
-        on_device = [c.to(boundary.device) for c in constants]
-        start = time.perf_counter()
-        artifact = TritonArtifact.from_bytes(data)
-        choice = choose_binary(artifact, boundary.arch)
-        runner = BinaryRegion(artifact.plan, load_kernels(artifact, choice), on_device,
-                              boundary)
-        runner.prepare()
-        load_ms = (time.perf_counter() - start) * 1e3
-        worst, ok = 0.0, True
-        for dims in th.member_dims(fam, rng, members):
-            x = torch.randn(dims[0], device=boundary.device)
-            got = th.run_region(runner, spec, {0: x})
-            want = th.eager(spec, {0: x}, on_device)
-            for reg in want:
-                err = (got[reg] - want[reg]).abs().max().item() if want[reg].numel() else 0.0
-                worst = max(worst, err)
-                ok = ok and torch.allclose(got[reg], want[reg], rtol=1e-4, atol=1e-4)
-        ok = ok and not calls and runner.launches > 0
-        rows.append({"case": name, "how": choice.how, "target": choice.target,
-                     "load_ms": load_ms, "launches": runner.launches, "max_abs_err": worst,
-                     "compiler_calls": list(calls), "ok": bool(ok)})
-        print(f"  {name:28s} {'ok' if ok else 'FAIL'}  {choice.how} of {choice.target}  "
-              f"load {load_ms:.1f} ms  max|err| {worst:.2e}", flush=True)
-    return rows
+    on_device = [c.to(boundary.device) for c in constants]
+    start = time.perf_counter()
+    artifact = TritonArtifact.from_bytes(data)
+    choice = choose_binary(artifact, boundary.arch)
+    runner = BinaryRegion(artifact.plan, load_kernels(artifact, choice), on_device,
+                          boundary)
+    runner.prepare()
+    load_ms = (time.perf_counter() - start) * 1e3
+    worst, ok = 0.0, True
+    for dims in th.member_dims(fam, rng, members):
+        x = torch.randn(dims[0], device=boundary.device)
+        got = th.run_region(runner, spec, {0: x})
+        want = th.eager(spec, {0: x}, on_device)
+        for reg in want:
+            err = (got[reg] - want[reg]).abs().max().item() if want[reg].numel() else 0.0
+            worst = max(worst, err)
+            ok = ok and torch.allclose(got[reg], want[reg], rtol=1e-4, atol=1e-4)
+    ok = ok and not calls and runner.launches > 0
+    print(f"  {name:28s} {'ok' if ok else 'FAIL'}  {choice.how} of {choice.target}  "
+          f"load {load_ms:.1f} ms  max|err| {worst:.2e}", flush=True)
+    return {"case": name, "how": choice.how, "target": choice.target, "load_ms": load_ms,
+            "launches": runner.launches, "max_abs_err": worst,
+            "compiler_calls": list(calls), "ok": bool(ok)}
 
 
 # -- part 3: the walk ----------------------------------------------------------------------
