@@ -48,6 +48,7 @@ SIZES = {
     "nlp": (Size(300, 50), Size(40, 10)),
     "gnn": (Size(300, 60), Size(40, 10)),
     "loop": (Size(300, 60), Size(40, 10)),
+    "heldout": (Size(240, 40), Size(40, 10)),
 }
 NAMES = list(SIZES)
 
@@ -101,6 +102,16 @@ def build(name: str, quick: bool, seed: int, calls: int | None = None) -> Worklo
                         transformer(), _transformer_inputs([(8, s) for s in seqs]),
                         ["seq " + _bin(s, edges) for s in seqs],
                         ["seq 1-16", "seq 17-32", "seq 33-64", "seq 65-128"], warmup)
+    if name == "heldout":
+        # issue 14's held-out encoder (bench/heldout.py) on jitter's batch schedule
+        from bench.heldout import heldout_encoder
+
+        edges = [1, 4, 16, 64]
+        batches = [rng.randint(1, 64) for _ in range(n)]
+        return Workload(name, "held-out 6-layer encoder (hand-written attention), batch "
+                        f"uniform over 1..64, seq {SEQ}", heldout_encoder(),
+                        _transformer_inputs([(b, SEQ) for b in batches]),
+                        [_bin(b, edges) for b in batches], ["1", "2-4", "5-16", "17-64"], warmup)
     if name in ("gnn", "loop"):
         demo = get("gnn" if name == "gnn" else "looping")
         inputs = [demo.sample_inputs(rng) for _ in range(n)]

@@ -16,7 +16,7 @@ from pathlib import Path
 from dynvm._run_cmd import CliError
 
 # Kept in step with bench.workloads.NAMES and bench.systems.SYSTEMS (a test checks).
-WORKLOADS = ("walk", "jitter", "nlp", "gnn", "loop")
+WORKLOADS = ("walk", "jitter", "nlp", "gnn", "loop", "heldout")
 SYSTEMS = ("eager", "torchscript", "compile-static", "compile-dynamic", "compile-auto",
            "dynvm-interp", "dynvm-jit")
 

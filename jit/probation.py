@@ -17,8 +17,15 @@ measurement decides:
   list, so the call's registers are written once, by the specialization) and in the
   specialization, back to back, on the same inputs, each timed. The order alternates
   from one shadow call to the next, so neither side always finds the caches warmed by
-  the other. A shadow call costs one extra interpreted run of the region, on that one
-  call, only during probation.
+  the other. The specialized side is also charged the time of building the call's
+  signature (measured in the same shadow call): the interpreter alone, with no JIT,
+  pays none, and in a region of a few microseconds (a loop body: ~5 us of signing
+  and bookkeeping against ~20 us of work) that is what decides. It is also charged its
+  share of the signatures of the region's misses since the install (misses per hit x
+  one signature): a kernel that serves one bucket of a loop body whose other buckets
+  miss pays for their signing too, which the interpreter alone never does. A shadow
+  call costs
+  one extra interpreted run of the region, on that one call, only during probation.
 - The verdict. After `probation_samples` shadow calls, the median of the per-call ratios
   (specialized / interpreted) is the specialization's measured ratio (a median of
   paired ratios: a noisy neighbour that slows one call slows both of its halves, and
@@ -31,7 +38,10 @@ measurement decides:
   it leaves the region's tables and its key backs off like a failed compile (Note [Cold
   regions]): not promoted again for `failed_compile_backoff_calls` region calls,
   doubling each time. Until a demoted kernel's replacement is installed, its calls run
-  in the interpreter.
+  in the interpreter. A region whose specializations were dropped expects no saving
+  from the next (its speed-up estimate is the measured ratios), so its cold check
+  (Note [Cold regions]) soon stops watching it, and its calls no longer pay for a
+  signature either.
 
 Each step is counted (stats()["probation"]), logged in the event log and sent as an
 event on the call's span; `dynvm explain` shows each specialization's measured ratio.

@@ -32,7 +32,9 @@ tensors) that is a large share, and it buys nothing when no specialization of th
 could ever pay for its compile: even a signature seen on every call saves at most
 horizon x mean time x speed-up, and if that is below the compile cost of the region no
 promotion will happen. Every `COLD_CHECK_EVERY` interpreted calls a region checks this
-bound (with the slowest signature it has seen); if it holds, its next misses are not
+bound (with the slowest signature it has seen, by that signature's fastest call among
+signatures seen at least twice: a single call preempted for 27 ms on the loaded test
+machine once kept a 25 us loop region watched forever); if it holds, its next misses are not
 profiled: with no specialization installed `enter` returns at once, otherwise it still
 looks up the specializations it has and only skips the profiling of a miss. The period
 doubles each time the bound still holds (up to `COLD_CALLS_MAX`), so that a region
@@ -238,6 +240,12 @@ class RegionJit:
         registers and the specialization on the registers, back to back, each timed."""
         copy = regs.copy()  # before the specialization writes its outputs into regs
         clock = self._clock_fn
+        # The specialized side is charged its signature too: a call the interpreter
+        # runs alone (no JIT) pays none, and in a region of a few microseconds (a loop
+        # body) the signature is what decides (Note [Probation]).
+        start = clock()
+        self._sign(regs)
+        signing = clock() - start
         probation = spec.probation
         specialization_first = len(probation.ratios) % 2 == 1
         interpreted = None if specialization_first else self._interpret(copy)
@@ -258,7 +266,11 @@ class RegionJit:
         self.counters.specialized += 1
         self.engine.probation_counters.shadow_calls += 1
         if interpreted is not None:
-            ratio = probation.add(seconds, interpreted)
+            # Each hit also carries its share of the signatures of the region's misses
+            # since the install (they buy nothing without this specialization's hits).
+            calls = self.counters.interpreted + self.counters.specialized - spec.installed_at
+            share = max(0, calls - spec.calls) / max(1, spec.calls)
+            ratio = probation.add(seconds + signing * (1.0 + share), interpreted)
             if ratio is not None and spec.probation is probation:
                 self._decide(spec, ratio)
         if spec.family is not None:
@@ -313,7 +325,8 @@ class RegionJit:
         # service (or `dynvm precompile`) decides, every miss is an observation it needs.
         if self.pending or not self.engine.compiles_locally():
             return
-        slowest = max((s.mean_seconds for s in self.profile.table.values()), default=0.0)
+        slowest = max((s.min_seconds for s in self.profile.table.values() if s.count > 1),
+                      default=0.0)
         best = self.engine.config.horizon_calls * slowest * self.speedup()
         if best >= self.engine.estimated_compile_seconds(len(self.region)):
             self._cold_period = COLD_CHECK_EVERY
