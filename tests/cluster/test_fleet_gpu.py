@@ -169,3 +169,27 @@ def test_on_a_gpu_the_replica_launches_the_stored_binaries(model, tmp_path, secr
         gpu.close()
         cpu.close()
         compiler.close()
+
+
+def test_a_record_is_retargeted_to_the_replicas_device():
+    """The service specializes on its CPU; a GPU replica guards on its own device, with
+    every shape, dtype, stride and bound unchanged (portable.retarget)."""
+    from dynvm.jit.portable import PortableSpecialization, retarget
+    from dynvm.jit.signature import GuardStrength, strong_signer
+    from dynvm.shape_cluster import family_for
+
+    regs = [torch.empty(4, 8), torch.empty(8, 3).t(), 5]
+    signature = strong_signer((0, 1, 2))(regs)
+    contiguous = strong_signer((0, 1))([torch.empty(4, 8), torch.empty(8, 3)])
+    family = family_for(contiguous, {(0, 0)}, 4)
+    cuda = torch.device("cuda", 0)
+    exact = retarget(PortableSpecialization(0, GuardStrength.STRONG, signature, None, None),
+                     cuda)
+    assert [e[4] for e in exact.signature[:2]] == [cuda, cuda]
+    assert [e[:4] for e in exact.signature[:2]] == [e[:4] for e in signature[:2]]
+    assert exact.signature[2] == signature[2]
+    grouped = retarget(PortableSpecialization(0, GuardStrength.FAMILY, (), family, None), cuda)
+    assert grouped.family.bounds == family.bounds
+    assert [p[3] for p in grouped.family.structure if p[0] == "t"] == [cuda, cuda]
+    assert [p[:3] + p[4:] for p in grouped.family.structure] == \
+        [p[:3] + p[4:] for p in family.structure]
