@@ -15,7 +15,8 @@ dynvm.jit.backends.triton.aot) and returns the store key and the sealable fields
   (its guard and IR, Note [Portable specializations]);
 * `triton_artifact`: the `TritonArtifact` bytes (source, plan, sm_XX binaries, its own
   checksum), which a GPU replica reads with `TritonArtifact.from_bytes` after
-  `open_sealed` verified the entry.
+  `open_sealed` verified the entry, and installs without compiling (Note [GPU replicas
+  in the fleet] in dynvm.cluster.fleet_gpu).
 
 The key is the Triton artifact's one cache key (`artifact_key`: program hash, region,
 family key or signature, backend "triton", the targets, toolchain, Triton options), so it
