@@ -34,6 +34,22 @@ def test_demo_models(name):
             assert check_program(runtime, *inputs) == []
 
 
+@pytest.mark.parametrize("name", DEMOS)
+def test_demo_models_specialize_without_failures(name):
+    """Note [Failure accounting]: with promotion forced (families on), no specializer or
+    backend failure and no deopt on any demo model."""
+    dm = demo(name)
+    runtime = dynvm.Runtime(compiled(name), jit=eager_config(families=True))
+    rng = random.Random(1)
+    with torch_threads(1), torch.inference_mode():
+        for _ in range(6):
+            runtime(*dm.sample_inputs(rng))
+    stats = runtime.stats()
+    assert stats["specialize_failures_total"] == 0, stats["specialize_failures"]
+    assert stats["deopts"] == 0 and stats["compiles"] >= 1
+    runtime.close()
+
+
 # -- Hugging Face decoder/encoder blocks (tiny configs, random weights) ------------------
 
 _TORCHVISION_LIBRARY = []   # keeps the definitions alive (a dropped Library undoes them)
