@@ -29,8 +29,9 @@ When no stored binary fits (an older GPU than every target), or loading fails (t
 driver cannot compile the PTX, too little shared memory), the entry is not installed and
 the replica compiles its promotions itself, in the background (`compiles_locally()`
 answers True from then on). Which way each artifact went is counted (`stats()`:
-gpu_cubin, gpu_ptx, gpu_local_compile, gpu_load_failures) and set on the install span
-(`dynvm.gpu_load`).
+gpu_cubin, gpu_ptx, gpu_local_compile, gpu_load_failures) and, with telemetry on, is the
+`dynvm.gpu_load` attribute of a `dynvm.gpu_install` span (a child of the announcement's
+`dynvm.fleet_install`, or on its own at warm start).
 
 Its observations are reported with the CPU as their device (`fleet_signature`): the
 service aggregates one shape from every replica, whatever its device, and promotes it
@@ -82,6 +83,7 @@ class GpuInstaller:
         self.target = gpu_fleet_target(targets)
         self.constants = [runtime.interpreter.constant(i)
                           for i in range(len(self.program.constants))]
+        self.tracer = runtime.telemetry.tracer if runtime.telemetry is not None else None
         self.needs_local_compile = False
         self.load_seconds = 0.0
         self.counters = {"gpu_cubin": 0, "gpu_ptx": 0, "gpu_local_compile": 0,
@@ -91,6 +93,13 @@ class GpuInstaller:
         """Install the opened entry `fields` stored under `key`; the Specialization, or
         None (already installed, region not watched, or compiled locally instead).
         Raises PortableError for an entry that is not what it claims to be."""
+        if self.tracer is None:
+            return self._install(key, fields)
+        with self.tracer.start_as_current_span("dynvm.gpu_install", attributes={
+                "dynvm.cache_key": key, "dynvm.gpu_arch": self.arch}):
+            return self._install(key, fields)
+
+    def _install(self, key: str, fields: Mapping):
         from dynvm.jit.backends.triton import TritonArtifact, TritonBackendError
         from dynvm.jit.backends.triton.loader import choose_binary, load_kernels
         from dynvm.jit.backends.triton.run_binary import BinaryRegion

@@ -21,6 +21,7 @@ from dynvm.cluster.fleet_compiler import FleetCompiler
 from dynvm.cluster.fleet_link import FleetLink, FleetOptions
 from dynvm.jit.config import JitConfig
 from dynvm.jit.portable import PortableError
+from dynvm.telemetry import Telemetry
 from tests.cluster._cluster_helpers import saved_recommender, wait_until
 from tests.cluster._redis_server import redis_config
 
@@ -40,8 +41,9 @@ def model(tmp_path_factory):
     return demo, program, path.read_bytes()
 
 
-def _link(program, dvm_bytes, store, compiler, device="cpu", boundary=None) -> FleetLink:
-    runtime = dynvm.Runtime(program, device, jit=CONFIG)
+def _link(program, dvm_bytes, store, compiler, device="cpu", boundary=None,
+          telemetry=None) -> FleetLink:
+    runtime = dynvm.Runtime(program, device, jit=CONFIG, telemetry=telemetry)
     options = FleetOptions(store, gpu_targets=TARGETS, **FAST)
     return FleetLink(runtime, dvm_bytes, options, LocalServiceClient(compiler),
                      gpu_boundary=boundary).start()
@@ -77,8 +79,11 @@ def test_a_cuda_replica_installs_the_services_triton_binaries_with_no_compile(
     compiler = FleetCompiler(store, CONFIG, gpu_targets=TARGETS)
     cpu = _link(program, dvm_bytes, store, compiler)
     sm90 = InterpretedBoundary(arch=90)
-    gpu = _link(program, dvm_bytes, store, compiler, boundary=sm90)
-    old = _link(program, dvm_bytes, store, compiler, boundary=InterpretedBoundary(arch=75))
+    telemetry, spans = Telemetry.in_memory()
+    old_telemetry, old_spans = Telemetry.in_memory()
+    gpu = _link(program, dvm_bytes, store, compiler, boundary=sm90, telemetry=telemetry)
+    old = _link(program, dvm_bytes, store, compiler, boundary=InterpretedBoundary(arch=75),
+                telemetry=old_telemetry)
     links = [cpu, gpu, old]
     try:
         assert gpu.shared and gpu.target == "cuda:90" and not gpu.compiles_locally()
@@ -98,6 +103,11 @@ def test_a_cuda_replica_installs_the_services_triton_binaries_with_no_compile(
         assert stats["announcements"] >= 1 and stats["install_rejected"] == 0
         assert sorted(sm90.prepared)                      # modules loaded at install
         assert old.compiles_locally() and old.stats()["gpu_compiles_locally"]
+        # Which way each went is on the install spans too.
+        for recorded, how in ((spans, "cubin"), (old_spans, "local-compile")):
+            installs = [s for s in recorded.get_finished_spans()
+                        if s.name == "dynvm.gpu_install"]
+            assert installs and installs[0].attributes["dynvm.gpu_load"] == how
         # The CUDA replica's first request on the hot shape runs specialized: the loaded
         # kernels launch, nothing was compiled here.
         launched = len(sm90.launched)
