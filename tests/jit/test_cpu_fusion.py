@@ -198,3 +198,25 @@ def test_demo_transformer_in_the_runtime_agrees_with_eager():
         sources = [a.source for a in rt.jit.artifacts.values()]
     assert stats["specialized_region_calls"] > 0
     assert all("oneDNN" in s or "stays on torch" in s for s in sources)
+
+
+def test_a_family_kernel_fused_at_its_upper_bound_runs_every_member():
+    """A family is specialized at several probes (the upper bound plans, Note [Probes]);
+    the weights are packed for the upper bound's M and serve every M in the family."""
+    model, program = _program()
+    region = program.regions[0]
+    reg = region.live_in[0].index
+    probes = [{reg: torch.empty(b, s, 32, device="meta")} for b, s in ((16, 33), (1, 2),
+                                                                        (2, 3))]
+    spec = specialize(program, region, probes[0], tuple(probes[1:]))
+    constants = [t.detach() for t in program.constants]
+    options = CpuOptions(None, fusion="always")
+    kernel = compile_kernel(spec, program, constants, torch.device("cpu"), "test", "family",
+                            options)
+    assert "onednn_linear_binary" in kernel.source
+    gen = torch.Generator().manual_seed(3)
+    for b, s in ((16, 33), (1, 2), (5, 7), (9, 20)):
+        x = torch.randn(b, s, 32, generator=gen)
+        with torch.no_grad():
+            torch.testing.assert_close(_run(kernel, region, x)[0], model(x), **TOL,
+                                       msg=f"family member {(b, s)}")
