@@ -45,12 +45,10 @@ def _registry():
     if not (ZOO / "_zoo.py").is_file():
         raise ZooUsageError(f"dynvm bench zoo needs a source checkout: no tests/zoo/_zoo.py "
                             f"under {ROOT} (the zoo is not part of the installed package)")
-    for folder in (ZOO, ROOT / "tests" / "jit", ROOT / "tests" / "vm"):
-        if str(folder) not in sys.path:
-            sys.path.insert(0, str(folder))
+    if str(ROOT) not in sys.path:  # tests/ is a package of the checkout (tests.zoo...)
+        sys.path.insert(0, str(ROOT))
     try:
-        import _zoo
-        import _zoo_harness
+        from tests.zoo import _zoo, _zoo_harness
     except ImportError as exc:
         raise ZooUsageError(f"the zoo needs its model libraries: pip install -e '.[zoo]' "
                             f"(see scripts/setup) ({exc})") from None
