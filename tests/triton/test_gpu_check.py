@@ -32,9 +32,10 @@ def test_gpu_check_runs_in_cpu_mode(tmp_path):
     report = json.loads((out / "gpu_check.json").read_text())
     assert [r["case"] for r in report["kernels"]] == ["softmax-rows"]
     assert all(r["ok"] for r in report["kernels"])
+    assert [(r["how"], r["target"]) for r in report["stored"]] == [
+        ("cubin", "cuda:90"), ("ptx", "cuda:80")]
     for row in report["stored"]:
-        assert row["ok"] and row["how"] == "cubin" and row["target"] == "cuda:90"
-        assert row["compiler_calls"] == [] and row["launches"] >= 1
+        assert row["ok"] and row["compiler_calls"] == [] and row["launches"] >= 1
     systems = report["walk"]["systems"]
     assert list(systems) == SYSTEMS
     for entry in systems.values():
