@@ -246,7 +246,8 @@ def check_stored(device: torch.device, members: int, only=()) -> list[dict]:
     # GPU: Note [Stored binaries on other GPUs]).
     targets = [f"cuda:{boundary.arch}"] + (["cuda:80"] if boundary.arch > 80 else [])
     start = time.perf_counter()
-    binaries = build_binaries(kernels.values(), targets, jobs=2)
+    binaries = build_binaries(kernels.values(), targets,
+                              jobs=max(1, min(8, (os.cpu_count() or 2) // 2)))
     build_s = time.perf_counter() - start
     stored = []
     for target in targets:
