@@ -220,3 +220,17 @@ def test_a_family_kernel_fused_at_its_upper_bound_runs_every_member():
         with torch.no_grad():
             torch.testing.assert_close(_run(kernel, region, x)[0], model(x), **TOL,
                                        msg=f"family member {(b, s)}")
+
+
+def test_demo_transformer_forced_onto_onednn_agrees_with_eager_on_views():
+    demo = h.demo("transformer")
+    program = h.compiled("transformer")
+    gen = torch.Generator().manual_seed(11)
+    for b, s in ((1, 2), (3, 9)):
+        base = torch.randn(b, s, h.SMALL_TRANSFORMER["hidden"], generator=gen)
+        for kind, x in _views(base).items():
+            kernel, _, region = _kernel(program, x, "always")
+            assert kernel.source.count("onednn_linear_binary") == 2 * 2   # 2 per layer
+            with torch.no_grad():
+                torch.testing.assert_close(_run(kernel, region, x)[0], demo.module(x),
+                                           **TOL, msg=f"{kind} {(b, s)}")
