@@ -149,6 +149,48 @@ def test_a_cuda_replica_installs_the_services_triton_binaries_with_no_compile(
         compiler.close()
 
 
+def test_family_kernels_reach_a_cuda_replica_too(model, tmp_path, secret,
+                                                 in_process_compiler_forbidden):
+    """With code families on, the service's family kernels (runtime dims) are loaded
+    under the family's guard: every member the CPU replica's traffic covered runs
+    specialized on the CUDA replica, none compiled there."""
+    from dynvm.jit.backends.triton._loading import interpreter_ready
+    from tests.triton._fake_device import InterpretedBoundary
+
+    if not interpreter_ready():
+        pytest.skip("the fake device needs Triton's interpreter (no GPU here)")
+    demo, program, dvm_bytes = model
+    config = JitConfig(min_recurrence=2, max_recurrence=2, horizon_calls=10**7)
+    store = StoreConfig(secret=secret, local_dir=str(tmp_path / "kernels"))
+    compiler = FleetCompiler(store, config, gpu_targets=TARGETS)
+    options = FleetOptions(store, gpu_targets=TARGETS, **FAST)
+    cpu = FleetLink(dynvm.Runtime(program, "cpu", jit=config), dvm_bytes, options,
+                    LocalServiceClient(compiler)).start()
+    gpu = FleetLink(dynvm.Runtime(program, "cpu", jit=config), dvm_bytes, options,
+                    LocalServiceClient(compiler),
+                    gpu_boundary=InterpretedBoundary(arch=90)).start()
+    try:
+        draws = [demo.sample_inputs(random.Random(i)) for i in range(4)]
+        for _ in range(6):
+            for inputs in draws:
+                cpu.runtime(*inputs)
+            cpu.flush()
+        assert compiler.wait_idle(180)
+        assert wait_until(lambda: gpu.stats()["gpu_cubin"] >= 1, 60) is not None
+        assert any(s.family is not None for rj in gpu.runtime.jit.regions.values()
+                   for s in rj._all())
+        reference = dynvm.Runtime(program, "cpu", jit=False)
+        for inputs in draws:
+            torch.testing.assert_close(gpu.runtime(*inputs), reference(*inputs))
+        stats = gpu.runtime.stats()
+        assert stats["interpreted_region_calls"] == 0 and stats["compiles"] == 0
+        assert stats["specialized_region_calls"] == len(draws)
+    finally:
+        gpu.close()
+        cpu.close()
+        compiler.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_the_replica_launches_the_stored_binaries(model, tmp_path, secret,
