@@ -47,6 +47,7 @@ from dynvm.jit.backends.cpu_fusion import (
     FUSED_VARIANT,
     FusionResult,
     onednn_available,
+    pin_openmp_team,
     probe_tensors,
     recompute_frees,
     run_original,
@@ -85,6 +86,7 @@ def fuse_conv_epilogues(spec: SpecializedRegion, constants, device: torch.device
     measures faster; `calibrator` None: wherever possible."""
     if not onednn_available(device) or not spec.abstract:
         return FusionResult(spec, ())
+    pin_openmp_team()   # Note [OpenMP team of the compile thread]
     ops = list(spec.ops)
     leaving = {v.reg for _, v in spec.outputs if isinstance(v, Var)}
     uses = use_counts(ops, leaving)

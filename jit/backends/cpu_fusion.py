@@ -32,6 +32,14 @@ same check with oneDNN (eager timed before and after a background compile that
 calibrated and packed, one thread) showed no slowdown. BMM of two run-time tensors has
 no oneDNN pointwise op; attention goes through SDPA (jit/specialize.py) instead.
 
+Note [OpenMP team of the compile thread]: oneDNN sizes its OpenMP team from the calling
+thread's own setting, and a compile thread (not torch's main thread) starts with the
+OpenMP default, every core: measured here, a oneDNN call on a Python thread with
+torch.set_num_threads(1) in the main thread left an extra OpenMP thread behind, so its
+calibration would have timed oneDNN on two threads against torch on one. Both passes
+therefore first set the current thread's count to torch's (`pin_openmp_team`): the
+measurement then runs as the serving thread will, and no second team is started.
+
 Every rewrite must measure faster: the pass asks the device's `Calibrator` (Note
 [Calibration]) to time the eager pair against the fused call on operands of the op's
 shapes, per (epilogue, M size class, N, K, threads), at every probe's M (capped, see
@@ -130,6 +138,12 @@ def epilogue_pcs(op: SpecOp) -> tuple[int, ...]:
     return tuple(int(pc) for pc in op.variant.split("+")[1:])
 
 
+def pin_openmp_team() -> None:
+    """Note [OpenMP team of the compile thread]: this thread's OpenMP team to torch's
+    intra-op thread count (the value is process-wide; this makes it hold here too)."""
+    torch.set_num_threads(torch.get_num_threads())
+
+
 def onednn_available(device: torch.device) -> bool:
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and torch.backends.mkldnn.enabled)
@@ -142,6 +156,7 @@ def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device
     `calibrator` None: rewrite wherever possible (tests, debugging)."""
     if not onednn_available(device) or not spec.abstract:
         return FusionResult(spec, ())
+    pin_openmp_team()
     ops = list(spec.ops)
     leaving = {v.reg for _, v in spec.outputs if isinstance(v, Var)}
     producer_position = {dst: i for i, op in enumerate(ops) for dst in op.dsts}

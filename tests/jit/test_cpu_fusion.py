@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import gc
 import importlib
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,3 +236,22 @@ def test_demo_transformer_forced_onto_onednn_agrees_with_eager_on_views():
             with torch.no_grad():
                 torch.testing.assert_close(_run(kernel, region, x)[0], demo.module(x),
                                            **TOL, msg=f"{kind} {(b, s)}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts Linux threads")
+def test_calibrating_on_a_compile_thread_starts_no_second_openmp_team():
+    """Note [OpenMP team of the compile thread]: with one torch thread, a compile on a
+    fresh thread measures and packs through oneDNN without leaving OpenMP threads."""
+    _, program = _program()
+    x = torch.randn(4, 16, 32)
+
+    def compile_once():
+        _kernel(program, x, "measured", calibrator=Calibrator("cpu", rounds=1))
+
+    with h.torch_threads(1):
+        before = len(list(Path("/proc/self/task").iterdir()))
+        thread = threading.Thread(target=compile_once)
+        thread.start()
+        thread.join()
+        after = len(list(Path("/proc/self/task").iterdir()))
+    assert after == before
