@@ -23,16 +23,19 @@ logger = logging.getLogger("dynvm.cluster.http")
 
 def error_response(error: BaseException | str, status: int,
                    headers: dict[str, str] | None = None) -> Response:
+    """The protocol's error body with `status` (and extra `headers`)."""
     return Response(v2.error_body(error), status_code=status, headers=headers,
                     media_type="application/json")
 
 
 def json_response(obj, status: int = 200) -> Response:
+    """`obj` as a JSON response."""
     return Response(json.dumps(obj).encode(), status_code=status,
                     media_type="application/json")
 
 
 def new_error_id() -> str:
+    """A fresh id for one server fault (16 hex digits)."""
     return secrets.token_hex(8)
 
 

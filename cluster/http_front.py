@@ -11,6 +11,7 @@ import re
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from dynvm.cluster import v2_protocol as v2
 from dynvm.cluster.http_errors import error_response, server_fault
@@ -21,10 +22,12 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 def model_app_name(model_name: str) -> str:
+    """The Serve application name of a model."""
     return f"dynvm-model-{model_name}"
 
 
 def check_model_name(name: str) -> str:
+    """`name` if it is a valid model name (it becomes a route), else ValueError."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ValueError(f"model name {v2.cut(repr(name))} must match {_NAME_RE.pattern}")
     return name
@@ -33,7 +36,15 @@ def check_model_name(name: str) -> str:
 async def read_body(request: Request, limit: int) -> bytearray:
     """The body, refused (413) as soon as its declared or read size passes `limit`. With
     a Content-Length, read into a buffer of exactly that size: a growing buffer would
-    briefly hold two copies of a large body each time it is reallocated."""
+    briefly hold two copies of a large body each time it is reallocated. A client that
+    goes away mid-body is a client fault (400), not a server one."""
+    try:
+        return await _read_body(request, limit)
+    except ClientDisconnect:
+        raise v2.BadRequest("the client disconnected before the end of the body") from None
+
+
+async def _read_body(request: Request, limit: int) -> bytearray:
     declared = v2.parse_length(request.headers.get("content-length"))
     if declared is None:
         body = bytearray()

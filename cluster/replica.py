@@ -23,7 +23,9 @@ group is ONE Runtime call whose outputs are split back by rows. A group whose ou
 not have the batch as dim 0, or whose batched call fails, is re-run request by request so
 that every request gets its own answer (or its own error).
 
-Note [Request batching]: concatenating requests is only correct for models whose rows
+Note [Request batching]
+~~~~~~~~~~~~~~~~~~~~~~~
+Concatenating requests is only correct for models whose rows
 are independent (a recommender, an MLP). A model that mixes rows (the `branchy` demo
 branches on the mean of the whole batch) must be served with `batching=False`; dynvm
 cannot prove row independence from the bytecode, so the caller decides, as with

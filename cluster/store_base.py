@@ -76,6 +76,7 @@ class EntryTooLarge(StoreError, ValueError):
 
 
 def check_value(key: str, value: object, max_bytes: int = MAX_ENTRY_BYTES) -> bytes:
+    """`value` as bytes, if it is bytes-like and within `max_bytes` (Note [Entry size cap])."""
     if not isinstance(value, bytes | bytearray | memoryview):
         raise TypeError(f"kernel store value for key {key} must be bytes, "
                         f"got {type(value).__name__}")

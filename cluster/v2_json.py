@@ -135,10 +135,12 @@ def _object_list(raw: msgspec.Raw, decoder, what: str) -> list:
 
 
 def decode_inputs(raw: msgspec.Raw) -> list[_Input]:
+    """The request's `inputs` list, each object's fields kept raw."""
     return _object_list(raw, _INPUTS, "inputs")
 
 
 def decode_outputs(raw: msgspec.Raw) -> list[_Output]:
+    """The request's `outputs` list, each object's fields kept raw."""
     return _object_list(raw, _OUTPUTS, "outputs")
 
 

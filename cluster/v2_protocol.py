@@ -148,6 +148,7 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def datatype_of(dtype: torch.dtype) -> str:
+    """The v2 datatype name of a torch dtype (ValueError when it has none)."""
     try:
         return TORCH_TO_V2[dtype]
     except KeyError:
@@ -159,6 +160,8 @@ def datatype_of(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class RequestedOutput:
+    """An output a request asks for, and whether it wants it as binary data."""
+
     name: str
     binary: bool
 
@@ -522,6 +525,7 @@ def _parse_requested_outputs(header, binary_output: bool,
 
 
 def output_name(index: int) -> str:
+    """The name of output `index`: output__0, output__1, ..."""
     return f"{OUTPUT_PREFIX}{index}"
 
 
@@ -593,6 +597,8 @@ def build_infer_response(model_name: str, model_version: str | None,
 
 @dataclass(frozen=True)
 class TensorMetadata:
+    """An input's or output's entry in the model metadata."""
+
     name: str
     datatype: str
     shape: tuple[int, ...]  # -1 for a dynamic dim
@@ -602,6 +608,7 @@ class TensorMetadata:
 
 
 def input_metadata(spec: InputSpec) -> TensorMetadata:
+    """An input's metadata: its datatype and shape, -1 for each dynamic dim."""
     shape = tuple(d.low if d.is_static else -1 for d in spec.dims)
     return TensorMetadata(spec.name, TORCH_TO_V2.get(spec.dtype, str(spec.dtype)), shape)
 
@@ -627,6 +634,7 @@ def output_metadata_from_probes(probes: Sequence[Sequence[torch.Tensor]]
 
 def model_metadata(name: str, versions: Sequence[str], inputs: Sequence[InputSpec],
                    outputs: Sequence[TensorMetadata], platform: str = "dynvm") -> dict:
+    """The body of GET /v2/models/<name>."""
     return {
         "name": name,
         "versions": list(versions),
@@ -637,4 +645,5 @@ def model_metadata(name: str, versions: Sequence[str], inputs: Sequence[InputSpe
 
 
 def server_metadata(version: str) -> dict:
+    """The body of GET /v2."""
     return {"name": "dynvm", "version": version, "extensions": ["binary_tensor_data"]}

@@ -62,6 +62,7 @@ class ServeOptions:
 
 
 def options_from_args(args) -> ServeOptions:
+    """`dynvm serve`'s flags, checked, as ServeOptions (CliError for a bad one)."""
     path = Path(args.file)
     if not path.is_file():
         raise CliError(f"cannot read {args.file}: no such file", 2)
@@ -169,6 +170,7 @@ Ctrl-C stops everything."""
 
 
 def serve_command(args) -> int:
+    """Run `dynvm serve` until SIGINT or SIGTERM; returns the exit status."""
     options = options_from_args(args)
     stop = threading.Event()
 
@@ -201,6 +203,7 @@ def serve_command(args) -> int:
 
 
 def add_parser(sub) -> None:
+    """Add the `serve` subcommand to the CLI's subparsers."""
     p = sub.add_parser("serve", help="serve a .dvm file over HTTP (local Ray, Redis, compile "
                        "service)", formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="""\

@@ -38,6 +38,7 @@ MAX_SIGNATURE_BYTES = 4096
 
 
 def signature_path(path: str | os.PathLike) -> Path:
+    """Where the signature of the .dvm file at `path` lives: `<path>.sig`."""
     return Path(os.fspath(path) + SUFFIX)
 
 

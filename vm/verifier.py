@@ -50,6 +50,7 @@ MAX_UNUSED_REGS = 64
 
 
 def verify(program) -> None:
+    """Raise VerifyError naming the first problem, unless `program` is well formed."""
     code = program.code
     if not code:
         raise VerifyError("program has no instructions")
