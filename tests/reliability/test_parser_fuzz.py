@@ -384,3 +384,92 @@ def test_a_huge_client_name_is_not_echoed_whole():
                                    output_names=["output__0"])
         assert f"unknown {field[:-1]} 'nnnn" in caught.value.message
         assert len(caught.value.message) < 300, len(caught.value.message)
+
+
+# ------------------------------------------------------------------ bounds (Note [Bounded JSON])
+
+
+def _time_and_peak(fn):
+    import time
+    import tracemalloc
+
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        fn()
+    finally:
+        seconds = time.perf_counter() - start
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    return seconds, peak
+
+
+AMPLIFIERS = [
+    # (case, the JSON text spliced in, where, the error expected or None = accepted)
+    ("junk top-level field", b'"junk": [' + b"[]," * 2_000_000 + b"[]]", "top", None),
+    ("junk field in an input", b'"junk": [' + b"[]," * 2_000_000 + b"[]]", "input", None),
+    ("a million objects in outputs", b'"outputs": [' + b"{}," * 1_000_000 + b"{}]", "top",
+     "JSON objects, the limit is 4096"),
+    ("a million numbers as inputs", b'"inputs": [' + b"0," * 1_000_000 + b"0]", "replace",
+     "inputs[0] must be an object"),
+    ("deep nesting", b'"junk": ' + b"[" * 100_000 + b"]" * 100_000, "top", "nested too deeply"),
+    ("huge parameters", b'"parameters": {"x": [' + b"0," * 100_000 + b"0]}", "input",
+     "'parameters' is 200010 bytes of JSON, the limit is 65536"),
+    ("data far longer than its shape", b'"data": [' + b"0," * 1_000_000 + b"0]", "x data",
+     "more than the 6 elements of its shape can take"),
+]
+
+
+@pytest.mark.parametrize("case,splice,where,error", AMPLIFIERS, ids=[a[0] for a in AMPLIFIERS])
+def test_amplifying_bodies_cost_little_work_and_memory(case, splice, where, error):
+    """Each body is a few MB; decoding it takes well under a second and allocates well
+    under the body's size, whether it is accepted (junk skipped) or refused."""
+    body = json.dumps(json_request(2, 3)).encode()
+    if where == "top":
+        body = body[:-1] + b", " + splice + b"}"
+    elif where == "input":
+        body = body.replace(b'"name": "mask"', splice + b', "name": "mask"', 1)
+    elif where == "replace":
+        body = b'{"id": "fuzz", ' + splice + b"}"
+    else:
+        start = body.index(b'"data": ', body.index(b'"name": "x"'))
+        end = body.index(b"]]", start) + 2
+        body = body[:start] + splice + body[end:]
+    outcome = {}
+
+    def run() -> None:
+        try:
+            outcome["request"] = v2.parse_infer_request(body, INPUTS, max_body_bytes=2**26)
+        except v2.BadRequest as exc:
+            outcome["error"] = exc.message
+
+    seconds, peak = _time_and_peak(run)
+    print(f"\n{case}: {len(body) / 1e6:.1f} MB body, {seconds * 1000:.0f} ms, peak "
+          f"{peak / 1e6:.2f} MB allocated: {outcome.get('error', 'accepted')[:70]}")
+    if error is None:
+        assert "request" in outcome, outcome
+        check_accepted(outcome["request"])
+    else:
+        assert error in outcome.get("error", ""), outcome
+    assert peak < len(body) / 2
+
+
+def test_non_finite_inputs_are_values_unless_the_model_refuses_them():
+    doc = json_request(2, 3)
+    doc["inputs"][0]["data"][0][0] = "NaN"
+    doc["inputs"][0]["data"][0][1] = "-Infinity"
+    body = json.dumps(doc).encode()
+    x = v2.parse_infer_request(body, INPUTS).tensors[0]
+    assert torch.isnan(x[0, 0]) and x[0, 1] == -math.inf
+    with pytest.raises(v2.BadRequest, match=r"input 'x': element 0 is nan, and this model "
+                                            r"refuses NaN and Inf"):
+        v2.parse_infer_request(body, INPUTS, refuse_non_finite=True)
+    binary, length = binary_request(2, 3)
+    head = int(length)
+    bad = bytearray(binary)
+    bad[head + 4:head + 8] = np.array([np.inf], np.float32).tobytes()  # x[0, 1]
+    assert v2.parse_infer_request(bytes(bad), INPUTS, header_length=length).tensors[0][0, 1] \
+        == math.inf
+    with pytest.raises(v2.BadRequest, match=r"input 'x': element 1 is inf"):
+        v2.parse_infer_request(bytes(bad), INPUTS, header_length=length,
+                               refuse_non_finite=True)
