@@ -307,6 +307,26 @@ class FleetCompiler:
             for spec in held:
                 self._publish(state, spec)
                 self.republished += 1
+        if self.gpu_cache is not None:
+            self._repair_gpu_index()
+
+    def _repair_gpu_index(self) -> None:
+        """Rewrite a program's GPU index that the store lost on its own (evicted), listing
+        the Triton entries still there; a flushed store loses the entries too, and the
+        republishing above rebuilds them, index included."""
+        for state in list(self._programs.values()):
+            with self._lock:
+                listed = [k for keys in state.gpu_index.values() for k in keys]
+            key = index_key(state.program.content_hash, self.gpu_target)
+            if not listed or key in self.cache.store_keys_present([key]):
+                continue
+            present = self.cache.store_keys_present(listed)
+            kept = [k for k in listed if k in present]
+            if kept:
+                logger.warning("the store lost program %s's GPU index: relisting %d "
+                               "entries", state.program.content_hash[:12], len(kept))
+                self.cache.publish(key, index_fields(state.program.content_hash,
+                                                     self.gpu_target, kept))
 
     # -- inspection -----------------------------------------------------------------------
 

@@ -185,6 +185,19 @@ def test_family_kernels_reach_a_cuda_replica_too(model, tmp_path, secret,
         stats = gpu.runtime.stats()
         assert stats["interpreted_region_calls"] == 0 and stats["compiles"] == 0
         assert stats["specialized_region_calls"] == len(draws)
+        # The store evicts the GPU index alone: the service lists its entries again, and
+        # a CUDA replica that starts afterwards still warm-starts from them.
+        from dynvm.cluster.fleet_records import index_key
+
+        (tmp_path / "kernels" / index_key(program.content_hash, "cuda:90")).unlink()
+        compiler.repair_store()
+        late = FleetLink(dynvm.Runtime(program, "cpu", jit=config), dvm_bytes, options,
+                         LocalServiceClient(compiler),
+                         gpu_boundary=InterpretedBoundary(arch=90)).start()
+        try:
+            assert late.stats()["warm_start_installs"] == gpu.stats()["gpu_cubin"]
+        finally:
+            late.close()
     finally:
         gpu.close()
         cpu.close()
