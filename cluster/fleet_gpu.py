@@ -84,6 +84,7 @@ class GpuInstaller:
         self.constants = [runtime.interpreter.constant(i)
                           for i in range(len(self.program.constants))]
         self.tracer = runtime.telemetry.tracer if runtime.telemetry is not None else None
+        self._loaded: dict = {}      # one loaded object per binary, across artifacts
         self.needs_local_compile = False
         self.load_seconds = 0.0
         self.counters = {"gpu_cubin": 0, "gpu_ptx": 0, "gpu_local_compile": 0,
@@ -126,7 +127,7 @@ class GpuInstaller:
             return self._local(key, choice.how, f"no binary for sm_{self.arch} in "
                                                 f"{sorted(artifact.binaries)}", span)
         try:
-            loaded = load_kernels(artifact, choice)
+            loaded = load_kernels(artifact, choice, self._loaded)
             runner = BinaryRegion(artifact.plan, loaded, self.constants, self.boundary)
             runner.prepare()
         # The driver raises RuntimeError (a PTX it cannot compile, out of resources).

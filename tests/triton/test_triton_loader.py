@@ -198,3 +198,16 @@ def test_an_older_targets_ptx_is_compiled_by_the_driver_on_a_newer_gpu(stored, m
     for reg in want:
         torch.testing.assert_close(got[reg], want[reg], rtol=1e-4, atol=1e-4)
     assert calls == []
+
+
+def test_one_loaded_object_per_binary_across_artifacts(stored):
+    spec, constants, fam, data = stored["softmax-rows"]
+    artifact = TritonArtifact.from_bytes(data)
+    choice = choose_binary(artifact, 90)
+    cache = {}
+    first = load_kernels(artifact, choice, cache)
+    again = load_kernels(TritonArtifact.from_bytes(data), choice, cache)
+    assert first and all(again[name] is first[name] for name in first)
+    assert len(cache) == len(first)
+    fresh = load_kernels(artifact, choice)
+    assert all(fresh[name] is not first[name] for name in first)

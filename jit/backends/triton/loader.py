@@ -37,6 +37,7 @@ and loads every kernel kind.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import tempfile
 from collections.abc import Sequence
@@ -174,13 +175,26 @@ def load_kernel(kernel: GeneratedKernel, binary: CompiledBinary, how: str) -> Lo
     return LoadedKernel(kernel, compiled, binary, how)
 
 
-def load_kernels(artifact: TritonArtifact, choice: BinaryChoice) -> dict[str, LoadedKernel]:
-    """Every kernel the artifact's plan launches, loaded from `choice.target`'s binaries."""
+def load_kernels(artifact: TritonArtifact, choice: BinaryChoice,
+                 cache: dict | None = None) -> dict[str, LoadedKernel]:
+    """Every kernel the artifact's plan launches, loaded from `choice.target`'s binaries.
+    `cache` (kept by the caller across artifacts) shares one loaded object per binary:
+    the same layer norm in several regions' artifacts is one module on the device."""
     if choice.target is None:
         raise ArtifactTargetError(f"artifact {artifact.key[:12]} has no binary an sm_"
                                   f"{choice.arch} GPU can load (targets "
                                   f"{sorted(artifact.binaries)})")
     by_name = {k.name: k for k in artifact.kernels}
     needed = sorted({step.kernel for step in artifact.plan.kernels()})
-    return {name: load_kernel(by_name[name], artifact.binary(choice.target, name), choice.how)
-            for name in needed}
+    loaded = {}
+    for name in needed:
+        binary = artifact.binary(choice.target, name)
+        key = (binary.triton_hash, binary.entry, choice.how,
+               hashlib.sha256(binary.binary).hexdigest())
+        kernel = cache.get(key) if cache is not None else None
+        if kernel is None or kernel.kernel != by_name[name]:
+            kernel = load_kernel(by_name[name], binary, choice.how)
+            if cache is not None:
+                cache[key] = kernel
+        loaded[name] = kernel
+    return loaded
