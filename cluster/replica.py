@@ -34,6 +34,7 @@ Triton's dynamic batcher.
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import os
 import time
@@ -73,7 +74,8 @@ from dynvm.cluster.server_front import ServerFront
 from dynvm.jit.config import JitConfig
 from dynvm.telemetry import Telemetry
 from dynvm.vm import dvm_file
-from dynvm.vm.errors import ExecutionError, InputError, ShapeError
+from dynvm.vm.budget import CallBudget
+from dynvm.vm.errors import CallBudgetError, ExecutionError, InputError, ShapeError
 
 LATENCY_WINDOW = 1024      # recent requests whose latency stats() summarizes
 METRICS_EVERY_S = 1.0      # Prometheus series are refreshed at most this often
@@ -223,9 +225,10 @@ class ModelReplica:
 
     # ------------------------------------------------------------------ running
 
-    def _run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _run(self, tensors: Sequence[torch.Tensor],
+             budget: CallBudget | None = None) -> list[torch.Tensor]:
         inputs = [t.to(self.device) for t in tensors]
-        result = self.runtime(*inputs, budget=self._budget)
+        result = self.runtime(*inputs, budget=budget or self._budget)
         leaves = pytree.tree_leaves(result)
         outputs = []
         for leaf in leaves:
@@ -234,9 +237,10 @@ class ModelReplica:
             outputs.append(leaf.detach().to("cpu"))
         return outputs
 
-    def _run_one(self, tensors: Sequence[torch.Tensor]) -> _Outcome:
+    def _run_one(self, tensors: Sequence[torch.Tensor],
+                 budget: CallBudget | None = None) -> _Outcome:
         try:
-            return _Outcome(outputs=self._run(tensors))
+            return _Outcome(outputs=self._run(tensors, budget))
         except Exception as exc:  # handed to this request's caller
             return _Outcome(error=exc)
 
@@ -284,7 +288,11 @@ class ModelReplica:
     def _run_group(self, requests, traces, group: list[int], outcomes: list,
                    counts: dict) -> None:
         """One batched VM call for `group`, or one call per request when batching does
-        not apply or fails; fills `outcomes` and `counts`."""
+        not apply or fails; fills `outcomes` and `counts`. After a batched call that ran
+        past its budget, the re-runs share one budget between them (each gets its share),
+        so that a runaway request holds the worker for about two budgets, not one per
+        request of its batch (Note [Call budget])."""
+        budget = None
         if len(group) > 1:
             sizes = [requests[i].tensors[0].shape[0] for i in group]
             total = sum(sizes)
@@ -302,12 +310,15 @@ class ModelReplica:
                     counts["max_requests_per_vm_call"] = max(
                         counts["max_requests_per_vm_call"], len(group))
                     return
+            except CallBudgetError:
+                budget = dataclasses.replace(
+                    self._budget, seconds=self._budget.seconds / len(group))
             except Exception:  # each request re-runs below and gets its own error
                 pass
             counts["unbatched_fallbacks"] += 1
         for i in group:
             with self._trace_parent(traces[i]):
-                outcomes[i] = self._run_one(requests[i].tensors)
+                outcomes[i] = self._run_one(requests[i].tensors, budget)
             counts["vm_calls"] += 1
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)

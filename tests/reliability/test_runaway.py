@@ -6,6 +6,7 @@ meanwhile) is in test_hostile_http.py."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -114,3 +115,51 @@ def test_a_runaway_call_does_not_slow_a_concurrent_call():
 def test_a_budget_is_finite_and_positive(bad):
     with pytest.raises(ValueError, match="CallBudget"):
         dynvm.CallBudget(**bad)
+
+
+# n (per row) and x, batched along b: the loop runs sum(n) times, so one request with a
+# huge n makes its whole batch run away.
+BATCH_LOOP = """
+    0  %2 = SUM_ALL %0, None
+    1  %3 = ITEM %2
+    2  %4 = MOVE 0
+    3  %5 = MOVE %1
+    4  %6 = SLT %4, %3
+    5  JUMP_IF_FALSE %6, @10
+    6  %7 = ADD %5, 1.0
+    7  %5 = MOVE %7
+    8  %4 = SADD %4, 1
+    9  JUMP @4
+    10  RETURN {%5}
+"""
+
+
+def test_a_runaway_batch_holds_its_replica_for_about_two_budgets(tmp_path):
+    """The batched call runs away (1 s budget); its requests then re-run one by one
+    sharing one more budget, so 4 runaway requests and a good one take <= ~2 s, not ~5."""
+    from dynvm.cluster import v2_protocol as v2
+    from dynvm.cluster.limits import ServingLimits
+    from dynvm.cluster.replica import ModelReplica
+
+    path = tmp_path / "batch_loop.dvm"
+    dynvm.save(build(BATCH_LOOP, regs=8, inputs=('"n" int64 [b:1..8]', '"x" float32 [b:1..8]'),
+                     name="batch_loop"), path)
+    cls = ModelReplica.func_or_class.__mro__[1]  # the class itself, without Serve
+    replica = cls("loop", str(path), device="cpu", jit=False, probe_outputs=False,
+                  limits=ServingLimits(call_seconds=1.0))
+    assert replica._batch_dim == ("b", 8)
+
+    def request(n: int) -> v2.InferRequest:
+        body = {"inputs": [{"name": "n", "datatype": "INT64", "shape": [1], "data": [n]},
+                           {"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}]}
+        return v2.parse_infer_request(json.dumps(body).encode(), replica.program.inputs)
+
+    requests = [request(2**40)] * 4 + [request(2)]
+    start = time.monotonic()
+    outcomes, counts = replica._run_batch(requests, [None] * len(requests))
+    took = time.monotonic() - start
+    assert counts["unbatched_fallbacks"] == 1 and counts["vm_calls"] == len(requests)
+    assert all(isinstance(o.error, dynvm.CallBudgetError) for o in outcomes[:4])
+    assert outcomes[4].error is None and outcomes[4].outputs[0].tolist() == [3.0]
+    print(f"\n4 runaway requests and a good one batched (budget 1 s): {took:.2f} s in all")
+    assert 1.0 <= took < 3.0, took  # before the shared budget: 1 + 4 x 1 s
