@@ -59,6 +59,9 @@ class ServeOptions:
     """CPUs Ray reserves per replica."""
     call_seconds: float = 30.0
     """Budget of one VM call (Note [Call budget]): past it, the request gets a 500."""
+    require_signed: bool = False
+    """Replicas load the .dvm file only with a signature made with DYNVM_STORE_SECRET
+    (Note [Signed programs]); needs that variable set."""
 
 
 def options_from_args(args) -> ServeOptions:
@@ -77,6 +80,10 @@ def options_from_args(args) -> ServeOptions:
     if not 0 < args.call_seconds < float("inf"):
         raise CliError(f"--call-seconds must be a finite number > 0, got {args.call_seconds}",
                        2)
+    if args.require_signed and not child_environment().get(STORE_SECRET, "").strip():
+        raise CliError(f"--require-signed checks the .dvm file's signature with "
+                       f"{STORE_SECRET}, which is not set (sign the file with the same "
+                       f"secret: dynvm.vm.dvm_signature.sign_file)", 2)
     name = args.name or path.stem
     try:
         check_model_name(name)
@@ -87,7 +94,8 @@ def options_from_args(args) -> ServeOptions:
                         max_replicas=args.max_replicas,
                         target_ongoing_requests=args.target_ongoing_requests,
                         online_compile=args.online_compile, device=args.device,
-                        num_cpus=args.num_cpus, call_seconds=args.call_seconds)
+                        num_cpus=args.num_cpus, call_seconds=args.call_seconds,
+                        require_signed=args.require_signed)
 
 
 def _store_config(stack: contextlib.ExitStack, say):
@@ -153,7 +161,8 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
                  jit=JitConfig(online_compile=options.online_compile),
                  num_replicas=options.replicas, num_cpus=options.num_cpus,
                  fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE), autoscaling=autoscaling,
-                 limits=ServingLimits(call_seconds=options.call_seconds))
+                 limits=ServingLimits(call_seconds=options.call_seconds,
+                                      require_signed_programs=options.require_signed))
 
 
 def _hint(options: ServeOptions) -> str:
@@ -231,4 +240,7 @@ the URL; Ctrl-C (or SIGTERM) stops everything it started.
     p.add_argument("--call-seconds", type=float, default=30.0, metavar="S",
                    help="budget of one model call: a call still looping after S seconds "
                    "stops and its request gets a 500 (default 30)")
+    p.add_argument("--require-signed", action="store_true",
+                   help="load the .dvm file only if MODEL.dvm.sig holds its signature "
+                   "with DYNVM_STORE_SECRET (dynvm.vm.dvm_signature.sign_file)")
     p.set_defaults(handler=serve_command)

@@ -142,3 +142,28 @@ def test_a_replica_that_requires_signed_programs_refuses_an_unsigned_one(tmp_pat
     assert replica.program.name == "looping"
     with pytest.raises(ValueError, match="needs the fleet's store secret"):
         cls("m", str(path), device="cpu", jit=False, probe_outputs=False, limits=limits)
+
+
+def _serve_args(*argv: str):
+    import argparse
+
+    from dynvm._serve_cmd import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_dynvm_serve_require_signed_needs_the_store_secret(tmp_path, monkeypatch):
+    from dynvm._run_cmd import CliError
+    from dynvm._serve_cmd import options_from_args
+
+    path = tmp_path / "m.dvm"
+    dvm_file.save(compiled("looping"), path)
+    monkeypatch.delenv("DYNVM_STORE_SECRET", raising=False)
+    with pytest.raises(CliError, match="--require-signed checks .* DYNVM_STORE_SECRET, "
+                                       "which is not set"):
+        options_from_args(_serve_args(str(path), "--require-signed"))
+    monkeypatch.setenv("DYNVM_STORE_SECRET", "s" * 32)
+    assert options_from_args(_serve_args(str(path), "--require-signed")).require_signed
+    assert not options_from_args(_serve_args(str(path))).require_signed
