@@ -76,8 +76,42 @@ def specialize(program, region, live_in_values: dict[int, object],
         except Exception as exc:  # a kernel's shape rule rejects it: no code for it
             raise SpecializationError(f"region {region.index} cannot run with this "
                                       f"signature: {type(exc).__name__}: {exc}") from exc
+    reassigned = _reassigned(program, region)
+    if reassigned:
+        # Note [Reassigned registers]
+        for probe in probes:
+            for reg in reassigned:
+                probe.pop(reg, None)
     rewriter = _Rewriter(program, region, probes, kept_checks)
     return rewriter.run()
+
+
+def _reassigned(program, region) -> set[int]:
+    """Registers the region writes more than once, or writes after reading them.
+
+    Note [Reassigned registers]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    A probe maps each register to one abstract value: the last one written. Every rewrite
+    reads it as *the* value of the register, which holds only if the register is written
+    once in the region and not read before that write (a live-in it overwrites). The
+    frontend emits such code, but hand-written or assembled programs may reuse a
+    register: `%1 = UNSQUEEZE %0; %0 = RELU %1` made the UNSQUEEZE look like a no-op
+    view ([1, n] -> [1, n]) and dropped it, so the region returned [n]. Such registers
+    are left out of every probe (unknown): nothing is folded, dropped, fused, reused or
+    planned on their account, and the code keeps the general operations."""
+    written: set[int] = set()
+    read_first: set[int] = set()
+    found: set[int] = set()
+    for pc in range(region.start, region.stop):
+        instr = program.code[pc]
+        for reg in instr.reads():
+            if reg.index not in written:
+                read_first.add(reg.index)
+        for dst in instr.dsts:
+            if dst.index in written or dst.index in read_first:
+                found.add(dst.index)
+            written.add(dst.index)
+    return found
 
 
 class _Rewriter:

@@ -52,6 +52,17 @@ def _no_dtype(x, dim, dtype):
 
 
 
+def _convolution_abstract(x, weight, *rest):
+    # The CPU kernel (oneDNN) writes a channels-last result for a channels-last input
+    # (ConvNeXt's blocks permute to [N, C, H, W] views of NHWC data); the meta kernel
+    # gives it contiguous, and the permute + view after it disagreed with execution.
+    result = torch.convolution(x, weight, *rest)
+    if x.dim() == 4 and not x.is_contiguous() and \
+            x.is_contiguous(memory_format=torch.channels_last):
+        return result.contiguous(memory_format=torch.channels_last)
+    return result
+
+
 def _batch_norm_abstract(x, weight, bias, mean, var, momentum, eps):
     # In inference the kernel saves no statistics: it returns empty tensors where the
     # meta kernel says [C]. Graphs read only the output; the shapes follow the kernel.
@@ -90,7 +101,7 @@ NN_OPS = (
     # -- convolution -----------------------------------------------------------------
     tensor_op("CONVOLUTION", aten.convolution.default,
               "N-d convolution: grouped, dilated, strided, or transposed",
-              impl=torch.convolution),
+              impl=torch.convolution, custom_shape_fn=_convolution_abstract),
     # -- pooling ---------------------------------------------------------------------
     tensor_op("MAX_POOL2D", aten.max_pool2d_with_indices.default,
               "2-d max pooling with the argmax indices", impl=_nn.max_pool2d_with_indices),
