@@ -1,12 +1,13 @@
 """One region's JIT state: its specializations behind guards, its profile, its slot.
 
 `RegionJit` implements the VM's `RegionSlot` (dynvm.vm.slots). On entry it builds the
-strong signature of the live-ins (about a microsecond per tensor) and looks it up: among
-exact specializations (the lookup is the strong guard: see Note [Guard strength]), then
-in the memo of signatures already matched to a family kernel, then (once per new
-signature) among the family kernels' bounds, then among weak specializations. A hit runs
-the specialization; a miss or a guard failure hands the region back to the interpreter,
-which times it and calls `leave`, where the signature is recorded and maybe promoted.
+layout key of the live-ins (Note [Layout keys]) and looks it up in its memo of resolved
+layouts: one dict lookup on the warm path. A new layout is resolved once: its strong
+signature is looked up among exact specializations (the lookup is the strong guard: see
+Note [Guard strength]), then among the family kernels' bounds, then among weak
+specializations. A hit runs the specialization; a miss or a guard failure hands the
+region back to the interpreter, which times it and calls `leave`, where the signature is
+recorded and maybe promoted.
 
 Note [Tiering]
 ~~~~~~~~~~~~~~
@@ -60,6 +61,7 @@ from dynvm.jit.profiler import RegionProfile
 from dynvm.jit.signature import (
     GuardStrength,
     first_failure,
+    layout_signer,
     strong_signer,
     weak_of,
     weak_signer,
@@ -124,6 +126,10 @@ class RegionJit:
         self.region = region
         self.live_in = tuple(r.index for r in region.live_in)
         self._sign = strong_signer(self.live_in)
+        # Note [Layout keys]: layout key -> (strong signature, its specialization or None)
+        self._layout_sign = layout_signer(self.live_in)
+        self._resolved: dict[tuple, tuple] = {}
+        self._generation = 0   # bumped with every change of the tables
         self._weak_sign = weak_signer(self.live_in)
         self.strong: dict[tuple, Specialization] = {}
         self.weak: dict[tuple, Specialization] = {}
@@ -156,14 +162,11 @@ class RegionJit:
             self._cold -= 1
             self.counters.interpreted += 1
             return _COLD
-        signature = self._sign(regs)
-        spec = self.strong.get(signature)
-        if spec is None:
-            spec = self._memo.get(signature, _UNMATCHED)
-            if spec is _UNMATCHED:
-                spec = self._match_family(signature) if self.family_kernels else None
-            if spec is None and self.weak:
-                spec = self.weak.get(self._weak_sign(regs))
+        key = self._layout_sign(regs)
+        resolved = self._resolved.get(key)
+        if resolved is None:
+            resolved = self._resolve(key, regs)
+        signature, spec = resolved
         if spec is not None:
             if spec.probation is not None and spec.probation.due():
                 return self._shadow(spec, signature, regs)
@@ -189,6 +192,32 @@ class RegionJit:
         if self.strong or self.weak:
             self._guard_failed(signature)
         return signature
+
+    def _resolve(self, key: tuple, regs: list) -> tuple:
+        """A new layout: its strong signature and the specialization serving it (Note
+        [Layout keys]), memoized until the region's tables change."""
+        generation = self._generation
+        signature = self._sign(regs)
+        spec = self.strong.get(signature)
+        if spec is None:
+            spec = self._memo.get(signature, _UNMATCHED)
+            if spec is _UNMATCHED:
+                spec = self._match_family(signature) if self.family_kernels else None
+            if spec is None and self.weak:
+                spec = self.weak.get(self._weak_sign(regs))
+        found = (signature, spec)
+        # Not memoized if the tables changed meanwhile (an install on the compile
+        # thread): the answer may already be stale.
+        if generation == self._generation:
+            resolved = self._resolved
+            if len(resolved) >= _MEMO_LIMIT:
+                resolved.clear()
+            resolved[key] = found
+        return found
+
+    def _tables_changed(self) -> None:
+        self._generation += 1
+        self._resolved.clear()
 
     def leave(self, signature: tuple, seconds: float) -> None:
         if signature is _COLD:
@@ -244,7 +273,7 @@ class RegionJit:
         # runs alone (no JIT) pays none, and in a region of a few microseconds (a loop
         # body) the signature is what decides (Note [Probation]).
         start = clock()
-        self._sign(regs)
+        self._resolved.get(self._layout_sign(regs))
         signing = clock() - start
         probation = spec.probation
         specialization_first = len(probation.ratios) % 2 == 1
@@ -314,6 +343,7 @@ class RegionJit:
             for key, installed in table.items():
                 if installed is spec:
                     del table[key]
+                    self._tables_changed()
                     if spec.family is not None:
                         self._memo.clear()
                     return True
@@ -439,6 +469,7 @@ class RegionJit:
             spec.last_used = self._clock
             spec.installed_at = self.counters.interpreted + self.counters.specialized
             table[key] = spec
+            self._tables_changed()  # layouts resolved as misses may hit now
             limit = self.engine.config.max_specializations_per_region
             while sum(len(t) for t in self._tables()) > limit:
                 self._evict_one()
@@ -448,6 +479,7 @@ class RegionJit:
                       for table in self._tables() for key, s in table.items()]
         _, _, key, table = min(everything)
         evicted = table.pop(key)
+        self._tables_changed()
         if evicted.family is not None:
             self._memo.clear()  # it may point at the evicted kernel
         self.counters.evictions += 1

@@ -22,6 +22,23 @@ A specialization records the guard it needs, chosen from what it assumes:
 A guard is data: a tuple compared by the region cache's dict lookup, which *is* the
 check. No source is generated or eval'd for it. `first_failure` explains, for
 diagnostics, which check of a specialization's guard a call failed.
+
+Note [Layout keys]
+~~~~~~~~~~~~~~~~~~
+The strong signature interns each shape (Note [Interned shapes]) so that profiles,
+families and portable records share one Shape per dims; on the request path that costs
+a table lookup per tensor (and, for a shape no one holds any more, an insert under a
+lock). The hot path therefore looks up a cheaper key first: the same facts (per tensor
+its torch.Size, strides, storage offset, dtype and device; per scalar its type and
+value), in one flat tuple, not interned. A region resolves each new layout key once, to
+its strong signature and to the specialization that serves it (exact, family or weak, or
+none), and memoizes that; the memo is cleared whenever the region's tables change. So a
+guard stays one dict lookup, on a key that compares the same facts as the strong
+signature: two calls share a key only if they share a signature. Measured (timeit,
+key + dict lookup, interleaved, median of 15, on the loaded 2-core box where both run
+~3x their quiet cost): 1 tensor live-in 3.9 us against 4.0 us for sign + lookup, 3
+tensors 8.5 against 10.2, 5 tensors 14.8 against 17.5. What is left is torch's five
+attribute reads per tensor (shape, strides, offset, dtype, device).
 """
 
 from __future__ import annotations
@@ -56,6 +73,29 @@ def strong_signer(live_in: tuple[int, ...]) -> Callable[[list], tuple]:
                             value.storage_offset(), value.device))
             else:
                 key.append((type(value), value))
+        return tuple(key)
+
+    return sign
+
+
+def layout_signer(live_in: tuple[int, ...]) -> Callable[[list], tuple]:
+    """The hot path's key (Note [Layout keys]): the facts of the strong signature, flat
+    and uninterned."""
+
+    def sign(regs: list) -> tuple:
+        key: list = []
+        append = key.append
+        for index in live_in:
+            value = regs[index]
+            if isinstance(value, _Tensor):
+                append(value.shape)
+                append(value.stride())
+                append(value.storage_offset())
+                append(value.dtype)
+                append(value.device)
+            else:
+                append(type(value))
+                append(value)
         return tuple(key)
 
     return sign
