@@ -157,6 +157,7 @@ def parse_args(codes: str) -> tuple[ArgKind, ...]:
 
 
 def parse_outs(codes: str) -> tuple[ValueKind, ...] | Outs:
+    """'T,S' -> (TENSOR, SCALAR); 'T*' and 'A' -> the `Outs` arity they name."""
     if codes in (o.value for o in Outs):
         return Outs(codes)
     if not codes:

@@ -50,6 +50,7 @@ def extra_of(op: SpecOp) -> str | None:
 
 
 def emit_lines(op: SpecOp, dst: str, operands: list[str]) -> list[str]:
+    """The source lines computing `op` into `dst` from the operand expressions."""
     _, emit = ELEMENTWISE[op.opcode]
     return emit(dst, operands, extra_of(op) or "")
 
