@@ -9,9 +9,12 @@ shape sequence cycles through the entry's export point and held-out points; each
 runs eager, the interpreter and the JIT on the same inputs, in an order that rotates
 call by call (so no system always runs right after another's cache traffic), and each
 system's time is divided by eager's time of the same call. The figure is the median of
-these per-call ratios over the steady calls: after `warmup` rounds, and after the JIT's
-compile queue drained. The JIT runs its default JitConfig (background compiles, the
-promotion policy a server uses), so where the policy finds a region not worth
+these per-call ratios over the steady calls: after `warmup` rounds. No call is timed
+while the JIT's background compile runs (it holds the GIL for long stretches, and made
+eager look 10x slower on BART in a first run): each call waits for the queue to drain,
+and a call during which the JIT promoted a signature is discarded (counted). The JIT
+runs its default JitConfig (background compiles, the promotion policy a server uses),
+so where the policy finds a region not worth
 specializing the JIT column is the interpreter with profiling; the specialized share
 of its steady region calls says which. One torch thread by default (as the suite, see
 README's Benchmarks): the machine is shared, and ratios taken in the same instant are
@@ -67,6 +70,18 @@ def _specialized_share(before: dict, after: dict) -> float | None:
     return hits / (hits + misses) if hits + misses else None
 
 
+def _busy(runtime) -> bool:
+    """A compile is queued or running (a promoted signature not yet installed)."""
+    return bool(runtime.stats()["queue_length"]
+                or any(rj.pending for rj in runtime.jit.regions.values()))
+
+
+def _drain(runtime, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _busy(runtime) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def measure(entry, harness, warmup: int, rounds: int, log) -> dict:
     """One model's row (Note [Zoo timing])."""
     import dynvm
@@ -82,6 +97,7 @@ def measure(entry, harness, warmup: int, rounds: int, log) -> dict:
     order = list(systems)
     ratios = {"interp": [], "jit": []}
     times = {name: [] for name in systems}
+    discarded = 0
     try:
         for round_ in range(warmup + rounds):
             if round_ == warmup:
@@ -90,17 +106,25 @@ def measure(entry, harness, warmup: int, rounds: int, log) -> dict:
             for index, x in enumerate(inputs):
                 call = round_ * len(inputs) + index
                 seconds, outputs = {}, {}
+                # A background compile holds the GIL for long stretches: never time a call
+                # while one runs (Note [Zoo timing]).
+                _drain(jit)
+                promotions = jit.stats()["promotions"]
                 for name in order[call % 3:] + order[:call % 3]:
                     seconds[name], outputs[name] = _timed(systems[name], x)
                 if round_ == warmup:  # the first steady outputs are checked against eager
                     for name in ("interp", "jit"):
                         harness.assert_matches(entry, outputs[name], expected[index],
                                                f"{entry.name} {name} at {points[index]}")
-                if round_ >= warmup:
-                    for name in systems:
-                        times[name].append(seconds[name])
-                    for name in ratios:
-                        ratios[name].append(seconds[name] / seconds["eager"])
+                if round_ < warmup:
+                    continue
+                if jit.stats()["promotions"] != promotions or _busy(jit):
+                    discarded += 1  # this call started a compile, which ran beside it
+                    continue
+                for name in systems:
+                    times[name].append(seconds[name])
+                for name in ratios:
+                    ratios[name].append(seconds[name] / seconds["eager"])
         stats = jit.stats()
     finally:
         interp.close()
@@ -114,16 +138,26 @@ def measure(entry, harness, warmup: int, rounds: int, log) -> dict:
         "instructions": len(compiled.program.code),
         "compile_seconds": compiled.compile_seconds,
         "eager_ms": 1e3 * statistics.median(times["eager"]),
+        # How much eager itself moved during the steady calls (p90 / p10 of its times,
+        # mixed shapes): on a shared host a model's window can catch a burst of load.
+        "eager_spread": _spread(times["eager"]),
+        "ms_per_call": {name: [round(1e3 * t, 4) for t in ts] for name, ts in times.items()},
         "interp_x_eager": statistics.median(ratios["interp"]),
         "jit_x_eager": statistics.median(ratios["jit"]),
         "jit_specialized_share": _specialized_share(jit_before, stats),
         "jit_compiles": stats["compiles"],
         "steady_calls": len(ratios["jit"]),
+        "discarded_calls": discarded,
         "status": "ok" if not failures else f"JIT: {failures}",
     }
     log(f"{entry.name}: interp {row['interp_x_eager']:.3f}x, JIT {row['jit_x_eager']:.3f}x "
         f"eager ({row['eager_ms']:.2f} ms), compile {row['compile_seconds']:.1f} s")
     return row
+
+
+def _spread(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[int(0.9 * (len(ordered) - 1))] / ordered[int(0.1 * (len(ordered) - 1))]
 
 
 def _dim_range(program, name: str) -> str:
@@ -132,12 +166,6 @@ def _dim_range(program, name: str) -> str:
             if dim.name == name:
                 return f"{dim.low}..{dim.high}"
     return "?"
-
-
-def _drain(runtime, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while runtime.stats()["queue_length"] and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def _command(prog: str, args) -> str:

@@ -22,11 +22,12 @@ def _params(n: int) -> str:
 
 def _row(r: dict) -> str:
     if "interp_x_eager" not in r:
-        return f"| {r['name']} | {r['library']} | | | | | | | | {r['status']} |"
+        return f"| {r['name']} | {r['library']} | | | | | | | | | {r['status']} |"
     dims = ", ".join(f"{d} {span}" for d, span in r["dims"].items())
     return (f"| {r['name']} | {r['library']} | {_params(r['parameters'])} | {dims} | "
             f"{len(r['opcodes'])} ({r['instructions']} instr) | {r['compile_seconds']:.1f} | "
-            f"{r['eager_ms']:.2f} | {_x(r['interp_x_eager'])} | {_x(r['jit_x_eager'])} | "
+            f"{r['eager_ms']:.2f} | {r['eager_spread']:.1f} | {_x(r['interp_x_eager'])} | "
+            f"{_x(r['jit_x_eager'])} | "
             f"{_share(r['jit_specialized_share'])} | {r['status']} |")
 
 
@@ -61,13 +62,17 @@ def markdown(run: dict) -> str:
         f"entry's shapes (export point + held-out points) after {run['warmup_rounds']} "
         f"warm-up rounds and the JIT's compile queue drained. The JIT runs its default "
         f"config; 'JIT spec.' is the share of its steady region calls that ran "
-        f"specialized code. The host is shared with other work: figures move by several "
-        f"percent between runs; the ratios, taken call by call, move least.",
+        f"specialized code. 'eager p90/p10' is the spread of eager's own steady times "
+        f"(over the entry's mixed shapes): where it is large, load from other processes "
+        f"hit that model's window and its ratios are the least trustworthy. The host is "
+        f"shared with other work: figures move between runs (on this 2-core host under "
+        f"other engineers' tests, a tiny HF model's eager median moved from about 1 ms "
+        f"to 8 ms between two runs); the ratios, taken call by call, move least.",
         "## Summary", "\n".join(_summary(rows)),
         "## Models",
         "| model | library | parameters | dynamic dims | opcodes (distinct) | compile s "
-        "| eager ms | interpreter | JIT | JIT spec. | status |\n"
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|\n"
+        "| eager ms | eager p90/p10 | interpreter | JIT | JIT spec. | status |\n"
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|\n"
         + "\n".join(_row(r) for r in rows),
     ]
     notes = [f"- **{r['name']}**: {r['note']}" for r in rows if r.get("note")]

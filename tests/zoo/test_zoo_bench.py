@@ -19,7 +19,11 @@ def test_bench_zoo_writes_the_models_table(tmp_path):
     assert row["parameters"] > 0 and row["compile_seconds"] > 0 and row["eager_ms"] > 0
     assert row["interp_x_eager"] > 0 and row["jit_x_eager"] > 0
     assert row["dims"] == {"nodes": "2..1024", "edges": "2..8192"}
-    assert "SCATTER_ADD" in row["opcodes"] and row["steady_calls"] == 3 * 4
+    assert "SCATTER_ADD" in row["opcodes"]
+    # quick: 3 rounds of 4 shapes; a call that started a background compile is dropped
+    assert row["steady_calls"] + row["discarded_calls"] == 3 * 4 and row["steady_calls"] > 0
+    assert row["eager_spread"] >= 1
+    assert len(row["ms_per_call"]["eager"]) == row["steady_calls"]
     report = (tmp_path / "report.md").read_text()
     assert "| gin | torch_geometric |" in report and "SCATTER_ADD" in report
 
