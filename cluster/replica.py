@@ -16,10 +16,12 @@ device ("auto": the GPU Ray assigned it, `num_gpus=1` per replica when the clust
 GPUs, else the CPU). Request bodies go through `dynvm.cluster.v2_protocol`, which
 validates everything before a tensor exists; errors are 4xx with `{"error": "..."}`.
 
-Batching (Note [Request batching]): requests queue in a `@serve.batch` method; a batch
-is cut into groups whose inputs can be concatenated along dim 0 (every input's dim 0 is
-the same dynamic dim, equal non-batch dims, total rows within the declared range); each
-group is ONE Runtime call whose outputs are split back by rows. A group whose outputs do
+Batching (Note [Request batching]): requests go through an `OpportunisticBatcher`
+(dynvm.cluster.batcher, Note [Opportunistic batching]): one that finds the model idle
+runs at once, those that arrive while it is busy form the next batch of requests whose
+inputs can be concatenated along dim 0 (every input's dim 0 is the same dynamic dim,
+equal non-batch dims, total rows within the declared range); a batch is ONE Runtime
+call on the batcher's worker thread, whose outputs are split back by rows. A group whose outputs do
 not have the batch as dim 0, or whose batched call fails, is re-run request by request so
 that every request gets its own answer (or its own error).
 
@@ -55,7 +57,9 @@ from torch.utils import _pytree as pytree
 
 import dynvm
 from dynvm.cluster import v2_protocol as v2
+from dynvm.cluster.batcher import OpportunisticBatcher, Overloaded
 from dynvm.cluster.compile_service import RayServiceClient
+from dynvm.cluster.config import BatchingOptions
 from dynvm.cluster.fleet_link import FleetLink, FleetOptions
 from dynvm.cluster.http_errors import error_response as _error_response
 from dynvm.cluster.http_errors import json_response as _json_response
@@ -142,8 +146,8 @@ class ModelReplica:
     """One model on one device, served over the Open Inference Protocol."""
 
     def __init__(self, model_name: str, dvm_path: str, device: str | None = "auto",
-                 jit: bool | JitConfig = True, max_batch_size: int = 8,
-                 batch_wait_timeout_s: float = 0.01, batching: bool = True,
+                 jit: bool | JitConfig = True,
+                 batch_options: BatchingOptions | None = None, batching: bool = True,
                  max_body_bytes: int = v2.DEFAULT_MAX_BODY_BYTES, probe_outputs: bool = True,
                  fleet: FleetOptions | None = None, limits: ServingLimits | None = None
                  ) -> None:
@@ -169,8 +173,10 @@ class ModelReplica:
         self._replica = _replica_tag()
         self.max_body_bytes = int(max_body_bytes)
         self._batch_dim = self._find_batch_dim() if batching else None
-        self._batched.set_max_batch_size(int(max_batch_size))
-        self._batched.set_batch_wait_timeout_s(float(batch_wait_timeout_s))
+        self.batch_options = batch_options if batch_options is not None else BatchingOptions()
+        self.batcher = OpportunisticBatcher(
+            self._execute, self.batch_options,
+            high_rows=self._batch_dim[1] if self._batch_dim is not None else None)
         self.counters = {"requests": 0, "errors": 0, "vm_calls": 0, "batches": 0,
                          "batched_vm_calls": 0, "batched_requests": 0,
                          "max_requests_per_vm_call": 0, "unbatched_fallbacks": 0,
@@ -237,10 +243,22 @@ class ModelReplica:
             outputs.append(leaf.detach().to("cpu"))
         return outputs
 
+    def _run_recorded(self, tensors: Sequence[torch.Tensor],
+                      budget: CallBudget | None = None) -> list[torch.Tensor]:
+        """`_run`, telling the batcher whether this row count ran entirely specialized
+        (what shape-aware batching learns from, Note [Opportunistic batching])."""
+        specialized, interpreted = self.runtime.region_calls()
+        outputs = self._run(tensors, budget)
+        if self._batch_dim is not None:
+            now_specialized, now_interpreted = self.runtime.region_calls()
+            self.batcher.record(tensors[0].shape[0], now_interpreted == interpreted
+                                and now_specialized > specialized)
+        return outputs
+
     def _run_one(self, tensors: Sequence[torch.Tensor],
                  budget: CallBudget | None = None) -> _Outcome:
         try:
-            return _Outcome(outputs=self._run(tensors, budget))
+            return _Outcome(outputs=self._run_recorded(tensors, budget))
         except Exception as exc:  # handed to this request's caller
             return _Outcome(error=exc)
 
@@ -299,7 +317,7 @@ class ModelReplica:
             try:
                 cat = [torch.cat([requests[i].tensors[k] for i in group])
                        for k in range(len(self.program.inputs))]
-                outputs = self._run(cat)
+                outputs = self._run_recorded(cat)
                 counts["vm_calls"] += 1
                 if all(o.dim() >= 1 and o.shape[0] == total for o in outputs):
                     pieces = [o.split(sizes) for o in outputs]
@@ -321,18 +339,20 @@ class ModelReplica:
                 outcomes[i] = self._run_one(requests[i].tensors, budget)
             counts["vm_calls"] += 1
 
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
-    async def _batched(self, items: list[tuple[v2.InferRequest, dict | None]]
-                       ) -> list[_Outcome]:
+    def _execute(self, items: list[tuple[v2.InferRequest, dict | None]]) -> list[_Outcome]:
+        """One batch, on the batcher's worker thread (Note [Opportunistic batching]).
+        The counters it bumps are bumped only here; the Prometheus refresh (a walk of
+        stats()) happens here at most once a second, never on the event loop."""
         requests = [request for request, _ in items]
         traces = [trace for _, trace in items]
-        outcomes, counts = await asyncio.to_thread(self._run_batch, requests, traces)
-        self.counters["batches"] += 1
+        outcomes, counts = self._run_batch(requests, traces)
+        counters = self.counters
+        counters["batches"] += 1
         for key, value in counts.items():
             if key == "max_requests_per_vm_call":
-                self.counters[key] = max(self.counters[key], value)
+                counters[key] = max(counters[key], value)
             else:
-                self.counters[key] += value
+                counters[key] += value
         now = time.monotonic()
         if now - self._metrics_at >= METRICS_EVERY_S:
             self._metrics_at = now
@@ -341,9 +361,17 @@ class ModelReplica:
 
     async def infer_request(self, request: v2.InferRequest,
                             trace: dict | None = None) -> list[torch.Tensor]:
-        """Run one validated request through the batcher; raises its error. `trace`: the
-        request's W3C trace-context headers (traceparent, tracestate), if it had any."""
-        outcome = await self._batched((request, trace))
+        """Run one validated request through the batcher; raises its error (Overloaded
+        when too many wait already). `trace`: the request's W3C trace-context headers
+        (traceparent, tracestate), if it had any."""
+        tensors = request.tensors
+        if self._batch_dim is not None and tensors:
+            rows = tensors[0].shape[0]
+            key = tuple((t.dtype, tuple(t.shape[1:])) for t in tensors)
+        else:
+            rows, key = 1, None
+        outcome = await self.batcher.submit((request, trace), rows, key,
+                                            sum(t.nbytes for t in tensors))
         if outcome.error is not None:
             raise outcome.error
         return outcome.outputs
@@ -365,6 +393,7 @@ class ModelReplica:
     def stats(self) -> dict:
         stats = {"model": self.model_name, "replica": self._replica, **self.runtime.stats(),
                  **self.counters, "in_flight": self._in_flight,
+                 "batching": self.batcher.stats(),
                  "latency_ms": _percentiles_ms(list(self._latencies)),
                  "process": {"pid": os.getpid(), "rss_bytes": _rss_bytes()}}
         if self.link is not None:
@@ -373,10 +402,13 @@ class ModelReplica:
         return stats
 
     def __del__(self) -> None:
-        # Serve calls this when it stops the replica: stop the link's threads.
+        # Serve calls this when it stops the replica: stop the link's and batcher's threads.
         link = getattr(self, "link", None)
         if link is not None:
             link.close()
+        batcher = getattr(self, "batcher", None)
+        if batcher is not None:
+            batcher.close()
 
     async def _handle(self, version: str | None, action) -> Response:
         try:
@@ -423,12 +455,9 @@ class ModelReplica:
         # Bounded concurrency: past the limit, a quick 503 the client may retry, instead
         # of one more body held in memory and one more request queued behind the others.
         if self._in_flight >= self.limits.max_concurrent_requests:
-            self.counters["rejected_busy"] += 1
-            return _error_response(
-                f"model {self.model_name!r} is busy: {self._in_flight} requests in flight "
-                f"on this replica, the limit is {self.limits.max_concurrent_requests}; "
-                f"retry after {self.limits.retry_after_s} s", 503,
-                {"Retry-After": str(self.limits.retry_after_s)})
+            return self._busy_response(
+                f"{self._in_flight} requests in flight on this replica, the limit is "
+                f"{self.limits.max_concurrent_requests}")
         self._in_flight += 1
         start = time.perf_counter()
         try:
@@ -438,6 +467,14 @@ class ModelReplica:
             seconds = time.perf_counter() - start
             self._latencies.append(seconds)
             self.metrics.observe_request(seconds)
+
+    def _busy_response(self, why: str) -> Response:
+        """503 + Retry-After: the replica is full (`why`), the client may retry."""
+        self.counters["rejected_busy"] += 1
+        return _error_response(
+            f"model {self.model_name!r} is busy: {why}; retry after "
+            f"{self.limits.retry_after_s} s", 503,
+            {"Retry-After": str(self.limits.retry_after_s)})
 
     async def _off_loop(self, fn, *args, **kwargs):
         """Run `fn` on the replica's parse threads: decoding a body or encoding a response
@@ -471,6 +508,8 @@ class ModelReplica:
         except v2.ProtocolError:
             self.counters["errors"] += 1
             raise
+        except Overloaded as exc:  # the batcher's queue is full (BatchingOptions.max_queued)
+            return self._busy_response(str(exc))
         except Exception as exc:  # a server fault, CallBudgetError included: logged, an id
             self.counters["errors"] += 1
             return server_fault(f"model {self.model_name!r}", exc)
@@ -509,9 +548,26 @@ class Autoscaling:
                 "metrics_interval_s": 0.5, "look_back_period_s": 2.0}
 
 
+def batching_options(options: BatchingOptions | None = None,
+                     max_batch_size: int | None = None,
+                     batch_wait_timeout_s: float | None = None) -> BatchingOptions:
+    """`options` (default BatchingOptions()) with the older keyword overrides applied:
+    `batch_wait_timeout_s` is now the longest hold (`max_delay_s`), never a wait that a
+    lone request pays (Note [Opportunistic batching])."""
+    options = options if options is not None else BatchingOptions()
+    changes = {}
+    if max_batch_size is not None:
+        changes["max_batch_size"] = int(max_batch_size)
+    if batch_wait_timeout_s is not None:
+        changes["max_delay_s"] = float(batch_wait_timeout_s)
+    return dataclasses.replace(options, **changes) if changes else options
+
+
 def model_application(name: str, path, *, device: str | None = "auto",
-                      jit: bool | JitConfig = True, max_batch_size: int = 8,
-                      batch_wait_timeout_s: float = 0.01, batching: bool = True,
+                      jit: bool | JitConfig = True,
+                      batch_options: BatchingOptions | None = None,
+                      max_batch_size: int | None = None,
+                      batch_wait_timeout_s: float | None = None, batching: bool = True,
                       max_body_bytes: int = v2.DEFAULT_MAX_BODY_BYTES, num_replicas: int = 1,
                       num_cpus: float = 1.0, num_gpus: float | None = None,
                       fleet: FleetOptions | None = None,
@@ -519,26 +575,30 @@ def model_application(name: str, path, *, device: str | None = "auto",
                       limits: ServingLimits | None = None):
     """The bound Serve deployment of one model (what `serve_models` and the
     `serve run` builder in dynvm.cluster.serve_app deploy). Ray must be initialized.
-    `num_gpus=None`: one GPU per replica when the Ray cluster has GPUs, none otherwise."""
+    `num_gpus=None`: one GPU per replica when the Ray cluster has GPUs, none otherwise.
+    `batch_options`: Note [Opportunistic batching]; `max_batch_size` and
+    `batch_wait_timeout_s` override its fields (`batching_options`)."""
     import ray
 
     check_model_name(name)
+    options = batching_options(batch_options, max_batch_size, batch_wait_timeout_s)
     if num_gpus is None:
         num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
     scaling = ({"autoscaling_config": autoscaling.as_serve_config()}
                if autoscaling is not None else {"num_replicas": num_replicas})
     return ModelReplica.options(
         name=f"ModelReplica-{name}",
-        max_ongoing_requests=max(256, 4 * max_batch_size),
+        max_ongoing_requests=max(256, 4 * options.max_batch_size),
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
         **scaling,
-    ).bind(name, str(path), device, jit, max_batch_size, batch_wait_timeout_s,
-           bool(batching), max_body_bytes, True, fleet, limits)
+    ).bind(name, str(path), device, jit, options, bool(batching), max_body_bytes, True,
+           fleet, limits)
 
 
 def serve_models(models: Mapping[str, str], *, device: str | None = "auto",
                  jit: bool | JitConfig = True,
-                 max_batch_size: int = 8, batch_wait_timeout_s: float = 0.01,
+                 batch_options: BatchingOptions | None = None,
+                 max_batch_size: int | None = None, batch_wait_timeout_s: float | None = None,
                  batching: bool | Mapping[str, bool] = True,
                  max_body_bytes: int = v2.DEFAULT_MAX_BODY_BYTES,
                  num_replicas: int = 1, num_cpus: float = 1.0,
@@ -550,6 +610,8 @@ def serve_models(models: Mapping[str, str], *, device: str | None = "auto",
 
     `num_gpus=None`: one GPU per replica when the Ray cluster has GPUs, none otherwise.
     `batching` may be per model ({name: bool}); see Note [Request batching].
+    `batch_options` (Note [Opportunistic batching]): sizes, hold and queue bound;
+    `max_batch_size` and `batch_wait_timeout_s` override its fields.
     `fleet`: share compiled specializations through the compile service and the kernel
     store (dynvm.cluster.fleet_link); start the service first (`start_compile_service`).
     `autoscaling`: Serve autoscales each model between its bounds (`num_replicas` is
@@ -560,7 +622,7 @@ def serve_models(models: Mapping[str, str], *, device: str | None = "auto",
     for name, path in models.items():
         batch_on = batching.get(name, True) if isinstance(batching, Mapping) else batching
         app = model_application(name, path, device=device, jit=jit,
-                                max_batch_size=max_batch_size,
+                                batch_options=batch_options, max_batch_size=max_batch_size,
                                 batch_wait_timeout_s=batch_wait_timeout_s,
                                 batching=bool(batch_on), max_body_bytes=max_body_bytes,
                                 num_replicas=num_replicas, num_cpus=num_cpus,

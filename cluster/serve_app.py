@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from dynvm.cluster import v2_protocol as v2
+from dynvm.cluster.config import BatchingOptions
 
 _AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "target_ongoing_requests",
                      "upscale_delay_s", "downscale_delay_s")
@@ -36,10 +37,14 @@ class ModelAppArgs:
     online_compile: bool = True
     """False: replicas never compile; they install from the store (fill it with `dynvm
     precompile`) and interpret the rest."""
-    max_batch_size: int = 8
+    max_batch_size: int = BatchingOptions.max_batch_size
     """Requests batched into one VM call at most (Note [Request batching])."""
-    batch_wait_timeout_s: float = 0.01
-    """How long a batch waits to fill."""
+    batch_wait_timeout_s: float = BatchingOptions.max_delay_s
+    """Longest hold of a batch of two or more for one more request that would reach a
+    preferred size (BatchingOptions.max_delay_s); a lone request is never held."""
+    preferred_batch_sizes: tuple[int, ...] = ()
+    """Row counts batches aim for besides the specialized ones
+    (BatchingOptions.preferred_sizes)."""
     batching: bool = True
     """Off for models whose rows are not independent."""
     max_body_bytes: int = v2.DEFAULT_MAX_BODY_BYTES
@@ -91,8 +96,10 @@ def build_model_app(args: Mapping):
     return model_application(
         options.name, options.path, device=options.device,
         jit=JitConfig(online_compile=options.online_compile),
-        max_batch_size=options.max_batch_size,
-        batch_wait_timeout_s=options.batch_wait_timeout_s, batching=options.batching,
+        batch_options=BatchingOptions(max_batch_size=options.max_batch_size,
+                                      max_delay_s=options.batch_wait_timeout_s,
+                                      preferred_sizes=tuple(options.preferred_batch_sizes)),
+        batching=options.batching,
         max_body_bytes=options.max_body_bytes, num_replicas=options.num_replicas,
         num_cpus=options.num_cpus, num_gpus=options.num_gpus,
         fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE),

@@ -124,6 +124,18 @@ class Runtime:
                              f"expected {self._in_spec}")
         return flat
 
+    def region_calls(self) -> tuple[int, int]:
+        """(specialized, interpreted) region calls so far, from the JIT's per-region
+        counters: a few reads, cheap enough to take around every call (a serving replica
+        learns from it which batch sizes run specialized). Without the JIT: (0, calls)."""
+        if self.jit is None:
+            return 0, self._calls
+        specialized = interpreted = 0
+        for region in list(self.jit.regions.values()):
+            specialized += region.counters.specialized
+            interpreted += region.counters.interpreted
+        return specialized, interpreted
+
     def measure_allocations(self, *inputs) -> int:
         """Run one call counting the fresh tensor storages its ATen ops create (a
         dispatch mode: slow, so only on request); the count also appears in stats()."""

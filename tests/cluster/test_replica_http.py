@@ -221,6 +221,24 @@ def test_concurrent_requests_are_batched(server):
     assert stats["calls"] >= stats["vm_calls"] and stats["jit"] is False
 
 
+def test_lone_requests_run_at_once_and_batches_are_reported(server):
+    """Sequential requests each find the model idle: none is held for the batch delay
+    (0.05 s here), each is its own batch; stats report the batcher's counters."""
+    before = server.get_json("/v2/models/recommender/stats")[1]["batching"]
+    client = httpclient.InferenceServerClient(server.url)
+    for k in range(5):
+        arrays = _rec_inputs(1 + k % 3, seed=500 + k)
+        got = _triton_infer(client, arrays, binary=False)
+        assert np.allclose(got, _reference(server, "recommender", arrays), atol=1e-5)
+    after = server.get_json("/v2/models/recommender/stats")[1]["batching"]
+    assert after["held_batches"] == before["held_batches"]
+    assert after["batches"] - before["batches"] == 5
+    assert after["batched_requests"] - before["batched_requests"] == 5
+    assert after["recorded_batches"] - before["recorded_batches"] == 5
+    assert after["specialized_batch_ratio"] == 0.0  # jit=False: nothing specialized
+    assert after["queued"] == 0
+
+
 # ------------------------------------------------------------------ bad input
 
 
