@@ -44,8 +44,15 @@ whose shapes grow is looked at again. A region whose promotions are decided else
 
 A specialization that measured slower than the interpreter (Note [Probation] in
 dynvm.jit.probation) is dropped and its key backs off as after a failed compile: not
-promoted again for `failed_compile_backoff_calls` region calls, doubling each time, so a
-region whose every specialization loses runs interpreted, watched only cheaply.
+promoted again for `failed_compile_backoff_calls` region calls, doubling each time; the
+region checks the bound at once (its speed-up estimate now includes the loss), so a
+region whose every specialization loses runs interpreted, watched only cheaply. The
+check comes every 64 profiled calls (it was 256: gnn's 300-call workload, a new shape
+every call, paid for watching its one region on every call and was never checked). A
+cold period also skips the lookups, not only the profiling, when the region's
+specializations served less than half of its calls since the last check: on a shape
+storm (gnn) most calls are new layouts whose resolution (a strong signature with new
+interned shapes) costs more than the few hits save.
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ from dynvm.jit.signature import (
 from dynvm.shape_cluster import FamilyIndex
 
 TIER_CHECK_EVERY = 32
-COLD_CHECK_EVERY = 256
+COLD_CHECK_EVERY = 64
 COLD_CALLS_MAX = 1 << 16
 _MEMO_LIMIT = 4096
 _MANY = object()       # a family with more than one member signature so far
@@ -149,6 +156,8 @@ class RegionJit:
         self._cold = 0                          # calls left to run unwatched
         self._cold_period = COLD_CHECK_EVERY
         self._since_cold_check = 0
+        self._cold_unlooked = False   # a cold period that skips the lookups too
+        self._marks = (0, 0)          # (region calls, hits) at the last cold check
         # The interpreter's own steps of this region, for shadow calls (Note [Probation]).
         self._steps = tuple(engine.interpreter.region_steps(region.index))
         self._verdicts: deque[float] = deque(maxlen=8)   # recent measured ratios
@@ -157,8 +166,10 @@ class RegionJit:
 
     def enter(self, regs: list):
         # Cold with nothing installed: no lookup can hit (the tables are read only here,
-        # off the warm path).
-        if self._cold and not (self.strong or self.weak or self.family_kernels):
+        # off the warm path); or cold with specializations that served less than half
+        # of the calls before (Note [Cold regions]): looking up costs more than it finds.
+        if self._cold and (self._cold_unlooked or
+                           not (self.strong or self.weak or self.family_kernels)):
             self._cold -= 1
             self.counters.interpreted += 1
             return _COLD
@@ -336,6 +347,9 @@ class RegionJit:
         else:
             self.compile_failed(key)  # backs off (Note [Cold regions])
             self.engine.on_probation(self, spec, DROP, key)
+            with self._lock:  # the measured loss lowers the region's best saving: look now
+                self._since_cold_check = 0
+                self._check_cold()
 
     def _remove(self, spec: Specialization) -> bool:
         """Take `spec` out of its table (holding the lock)."""
@@ -358,9 +372,14 @@ class RegionJit:
         slowest = max((s.min_seconds for s in self.profile.table.values() if s.count > 1),
                       default=0.0)
         best = self.engine.config.horizon_calls * slowest * self.speedup()
+        counters = self.counters
+        calls, hits = counters.interpreted + counters.specialized, counters.specialized
+        since_calls, since_hits = calls - self._marks[0], hits - self._marks[1]
+        self._marks = (calls, hits)
         if best >= self.engine.estimated_compile_seconds(len(self.region)):
             self._cold_period = COLD_CHECK_EVERY
             return
+        self._cold_unlooked = since_hits * 2 < since_calls
         self._cold = self._cold_period
         self._cold_period = min(COLD_CALLS_MAX, 2 * self._cold_period)
         self.counters.cold_periods += 1

@@ -22,7 +22,7 @@ def test_a_region_that_cannot_pay_goes_cold_and_stays_correct():
     reference = dynvm.Runtime(program, "cpu", jit=False)
     rng = random.Random(0)
     draws = [demo("recommender").sample_inputs(rng) for _ in range(4)]
-    calls = COLD_CHECK_EVERY + 8   # the check after 256 profiled calls, then 8 cold ones
+    calls = COLD_CHECK_EVERY + 8   # the check after COLD_CHECK_EVERY profiled calls, then 8 cold
     for i in range(calls):
         inputs = draws[i % len(draws)]
         torch.testing.assert_close(runtime(*inputs), reference(*inputs))
