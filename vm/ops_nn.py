@@ -4,6 +4,7 @@ padding and resampling."""
 from __future__ import annotations
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 from dynvm.vm.isa import OutForm
 from dynvm.vm.ops_common import tensor_op
@@ -39,6 +40,23 @@ def _stats_in_input_dtype(kernel):
     return abstract
 
 
+def _convolution_abstract(x, w, b, stride, padding, dilation, transposed, output_padding,
+                          groups):
+    # The meta kernel answers contiguous; the CPU kernels (oneDNN) answer channels-last
+    # (3d) when the input or the weight is laid out so, except the 3-d path that batch 1
+    # with groups 1 takes, whose result is contiguous. Views after a convolution depend
+    # on it (ConvNeXt's blocks permute to [N, C, H, W] views of NHWC data).
+    # test_isa_table sweeps the rule against the real kernels.
+    y = torch.convolution(x, w, b, stride, padding, dilation, transposed, output_padding,
+                          groups)
+    layout = {4: torch.channels_last, 5: torch.channels_last_3d}.get(y.dim())
+    if layout is None or (y.dim() == 5 and x.shape[0] == 1 and groups == 1):
+        return y
+    if suggest_memory_format(x) == layout or suggest_memory_format(w) == layout:
+        return y.contiguous(memory_format=layout)
+    return y
+
+
 def _softmax_out(x, dim, dtype, out):
     return aten._softmax.out(x, dim, False, out=out)
 
@@ -49,18 +67,6 @@ def _log_softmax_out(x, dim, dtype, out):
 
 def _no_dtype(x, dim, dtype):
     return dtype is None
-
-
-
-def _convolution_abstract(x, weight, *rest):
-    # The CPU kernel (oneDNN) writes a channels-last result for a channels-last input
-    # (ConvNeXt's blocks permute to [N, C, H, W] views of NHWC data); the meta kernel
-    # gives it contiguous, and the permute + view after it disagreed with execution.
-    result = torch.convolution(x, weight, *rest)
-    if x.dim() == 4 and not x.is_contiguous() and \
-            x.is_contiguous(memory_format=torch.channels_last):
-        return result.contiguous(memory_format=torch.channels_last)
-    return result
 
 
 def _batch_norm_abstract(x, weight, bias, mean, var, momentum, eps):

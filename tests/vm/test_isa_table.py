@@ -471,3 +471,24 @@ def test_index_and_index_put_are_aten(indices):
     for accumulate in (False, True):
         _assert_same(torch.ops.aten.index_put.default(x, items, values, accumulate),
                      OPCODES["INDEX_PUT"].impl(x, *operands, values, accumulate))
+
+
+def test_shape_functions_match_for_channels_last_inputs():
+    """Every op whose example takes a 4-d or 5-d float input agrees with the real kernel
+    on that input laid out channels-last (CPU kernels often keep that layout)."""
+    wrong = []
+    for spec in EXECUTABLE:
+        args = list(EXAMPLES[spec.name]())
+        if spec.data_dependent or spec.opclass is not OpClass.TENSOR or not (
+                isinstance(args[0], torch.Tensor) and args[0].dim() in (4, 5)
+                and args[0].is_floating_point()):
+            continue
+        layout = torch.channels_last if args[0].dim() == 4 else torch.channels_last_3d
+        args[0] = args[0].contiguous(memory_format=layout)
+        real = spec.impl(*args)
+        abstract = spec.shape_fn(*[_abstract(a) for a in args])
+        for want, got in zip(_as_tuple(real), _as_tuple(abstract), strict=True):
+            if isinstance(want, torch.Tensor) and (got.shape, got.stride()) != (
+                    want.shape, want.stride()):
+                wrong.append(spec.name)
+    assert not wrong
