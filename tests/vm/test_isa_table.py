@@ -492,3 +492,27 @@ def test_shape_functions_match_for_channels_last_inputs():
                     want.shape, want.stride()):
                 wrong.append(spec.name)
     assert not wrong
+
+
+@pytest.mark.parametrize("rank", [4, 5])
+def test_convolution_layout_follows_the_cpu_kernel(rank):
+    """The CPU convolution keeps a channels-last input's (or weight's) layout, which the
+    meta kernel does not: CONVOLUTION's shape function must, in every case here."""
+    import itertools
+
+    layout = torch.channels_last if rank == 4 else torch.channels_last_3d
+    spatial = rank - 2
+    spec, wrong = OPCODES["CONVOLUTION"], []
+    for x_last, w_last, transposed, groups, batch in itertools.product(
+            (False, True), (False, True), (False, True), (1, 8), (1, 2)):
+        x = rand(batch, 8, *(5,) * spatial)
+        w = rand(8, 8 // groups, *(3,) * spatial)
+        x = x.contiguous(memory_format=layout) if x_last else x
+        w = w.contiguous(memory_format=layout) if w_last else w
+        args = (x, w, None, [2] * spatial, [1] * spatial, [1] * spatial, transposed,
+                [0] * spatial, groups)
+        real = spec.impl(*args)
+        abstract = spec.shape_fn(*[_abstract(a) for a in args])
+        if (abstract.shape, abstract.stride()) != (real.shape, real.stride()):
+            wrong.append((x_last, w_last, transposed, groups, batch))
+    assert not wrong
