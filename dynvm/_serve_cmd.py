@@ -21,6 +21,7 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dynvm._env import (
     REDIS_URL,
@@ -31,6 +32,9 @@ from dynvm._env import (
     store_settings,
 )
 from dynvm._run_cmd import CliError
+
+if TYPE_CHECKING:
+    from dynvm.cluster.config import BatchingOptions
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,10 @@ class ServeOptions:
     require_signed: bool = False
     """Replicas load the .dvm file only with a signature made with DYNVM_STORE_SECRET
     (Note [Signed programs]); needs that variable set."""
+    batching: BatchingOptions | None = None
+    """Request batching (Note [Opportunistic batching]): the --max-batch-size,
+    --max-batch-delay-ms, --preferred-batch-sizes, --shape-aware-batching and
+    --max-queued flags over BatchingOptions' defaults; None: the defaults."""
 
 
 def options_from_args(args) -> ServeOptions:
@@ -89,13 +97,42 @@ def options_from_args(args) -> ServeOptions:
         check_model_name(name)
     except ValueError as exc:
         raise CliError(f"bad --name: {exc}", 2) from None
+    batching = _batching_from_args(args)
     return ServeOptions(model_path=str(path.resolve()), name=name, port=args.port,
                         replicas=args.replicas, min_replicas=args.min_replicas,
                         max_replicas=args.max_replicas,
                         target_ongoing_requests=args.target_ongoing_requests,
                         online_compile=args.online_compile, device=args.device,
                         num_cpus=args.num_cpus, call_seconds=args.call_seconds,
-                        require_signed=args.require_signed)
+                        require_signed=args.require_signed, batching=batching)
+
+
+def _batching_from_args(args):
+    """BatchingOptions from the batching flags that were given (None: all defaults)."""
+    from dynvm.cluster.config import BatchingOptions
+
+    changes = {}
+    if args.max_batch_size is not None:
+        changes["max_batch_size"] = args.max_batch_size
+    if args.max_batch_delay_ms is not None:
+        changes["max_delay_s"] = args.max_batch_delay_ms / 1000.0
+    if args.preferred_batch_sizes is not None:
+        try:
+            changes["preferred_sizes"] = tuple(
+                int(n) for n in args.preferred_batch_sizes.split(",") if n.strip())
+        except ValueError:
+            raise CliError(f"--preferred-batch-sizes takes integers separated by commas, "
+                           f"got {args.preferred_batch_sizes!r}", 2) from None
+    if args.shape_aware_batching is not None:
+        changes["shape_aware"] = args.shape_aware_batching
+    if args.max_queued is not None:
+        changes["max_queued"] = args.max_queued
+    if not changes:
+        return None
+    try:
+        return BatchingOptions(**changes)
+    except ValueError as exc:
+        raise CliError(f"bad batching flag: {exc}", 2) from None
 
 
 def _store_config(stack: contextlib.ExitStack, say):
@@ -160,6 +197,7 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
     serve_models({options.name: options.model_path}, device=options.device,
                  jit=JitConfig(online_compile=options.online_compile),
                  num_replicas=options.replicas, num_cpus=options.num_cpus,
+                 batch_options=options.batching,
                  fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE), autoscaling=autoscaling,
                  limits=ServingLimits(call_seconds=options.call_seconds,
                                       require_signed_programs=options.require_signed))
@@ -243,4 +281,21 @@ the URL; Ctrl-C (or SIGTERM) stops everything it started.
     p.add_argument("--require-signed", action="store_true",
                    help="load the .dvm file only if MODEL.dvm.sig holds its signature "
                    "with DYNVM_STORE_SECRET (dynvm.vm.dvm_signature.sign_file)")
+    batching = p.add_argument_group(
+        "batching", "Note [Opportunistic batching]: a request that finds the model idle "
+        "runs at once; requests arriving while it is busy form the next batch")
+    batching.add_argument("--max-batch-size", type=int, metavar="N",
+                          help="requests per batch at most (default 8)")
+    batching.add_argument("--max-batch-delay-ms", type=float, metavar="MS",
+                          help="longest hold of a batch of two or more for one more request "
+                          "that reaches a preferred size; a lone request is never held "
+                          "(default 2)")
+    batching.add_argument("--preferred-batch-sizes", metavar="N,N,...",
+                          help="row counts batches aim for, e.g. the precompiled ones")
+    batching.add_argument("--shape-aware-batching", action=argparse.BooleanOptionalAction,
+                          default=None, help="prefer batch sizes that ran specialized "
+                          "(default on)")
+    batching.add_argument("--max-queued", type=int, metavar="N",
+                          help="requests waiting for the model at most; more get 503 + "
+                          "Retry-After (default 64)")
     p.set_defaults(handler=serve_command)

@@ -160,3 +160,35 @@ def test_local_redis_missing_executable_is_a_clear_error():
     with pytest.raises(LocalRedisError, match="dynvm-no-such-redis-server is not on PATH"):
         missing.start()
     assert missing.process is None
+
+
+def _serve_args(*flags: str):
+    import argparse
+
+    from dynvm._serve_cmd import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *flags])
+
+
+def test_batching_flags_map_to_one_batching_config(tmp_path):
+    from dynvm._run_cmd import CliError
+    from dynvm._serve_cmd import options_from_args
+    from dynvm.cluster.config import BatchingOptions
+
+    path = tmp_path / "m.dvm"
+    path.write_bytes(b"x")  # options_from_args only checks that the file exists
+    assert options_from_args(_serve_args(str(path))).batching is None
+    options = options_from_args(_serve_args(
+        str(path), "--max-batch-size", "16", "--max-batch-delay-ms", "1.5",
+        "--preferred-batch-sizes", "8,4,16", "--no-shape-aware-batching",
+        "--max-queued", "32"))
+    assert options.batching == BatchingOptions(max_batch_size=16, max_delay_s=0.0015,
+                                               preferred_sizes=(4, 8, 16),
+                                               shape_aware=False, max_queued=32)
+    for bad in (["--max-batch-size", "0"], ["--preferred-batch-sizes", "4,x"],
+                ["--max-batch-delay-ms", "5000"]):
+        with pytest.raises(CliError) as error:
+            options_from_args(_serve_args(str(path), *bad))
+        assert error.value.args[0].startswith(("bad batching flag", "--preferred"))
