@@ -25,6 +25,17 @@ call on the batcher's worker thread, whose outputs are split back by rows. A gro
 not have the batch as dim 0, or whose batched call fails, is re-run request by request so
 that every request gets its own answer (or its own error).
 
+Note [Lean request path]
+~~~~~~~~~~~~~~~~~~~~~~~~
+A request crosses threads twice: the parse threads decode its body (off the event loop,
+Note [Bounded JSON]), the batcher's one worker thread runs its batch and, when the
+outputs are small (WORKER_ENCODE_ELEMENTS), encodes its response in the same hop; the
+loop only hands bytes to Serve. (Before: a parse hop, a hop to asyncio's default pool
+for the batch, and a third, to the parse threads, for the response; plus serve.batch's
+own task and queue.) Counters are plain dict entries, each bumped by one thread (the
+loop: requests, errors, rejections; the worker: the batch counters); the Prometheus
+refresh walks stats() at most once a second, on the worker, never per request.
+
 Note [Request batching]
 ~~~~~~~~~~~~~~~~~~~~~~~
 Concatenating requests is only correct for models whose rows
@@ -82,6 +93,10 @@ from dynvm.vm.budget import CallBudget
 from dynvm.vm.errors import CallBudgetError, ExecutionError, InputError, ShapeError
 
 LATENCY_WINDOW = 1024      # recent requests whose latency stats() summarizes
+# Responses of at most this many output elements are encoded on the model's worker
+# thread right after the batch (Note [Lean request path]); larger ones on the parse
+# threads, so that a big JSON encode does not hold the model.
+WORKER_ENCODE_ELEMENTS = 4096
 METRICS_EVERY_S = 1.0      # Prometheus series are refreshed at most this often
 
 
@@ -135,6 +150,7 @@ class _Outcome:
 
     outputs: list[torch.Tensor] | None = None
     error: BaseException | None = None
+    response: tuple[bytes, dict[str, str]] | None = None   # encoded on the worker thread
 
 
 model_api = protocol_app("dynvm model replica")
@@ -346,6 +362,14 @@ class ModelReplica:
         requests = [request for request, _ in items]
         traces = [trace for _, trace in items]
         outcomes, counts = self._run_batch(requests, traces)
+        for request, outcome in zip(requests, outcomes, strict=True):
+            outputs = outcome.outputs
+            if outputs is not None and sum(o.numel() for o in outputs) \
+                    <= WORKER_ENCODE_ELEMENTS:
+                # A ProtocolError is raised again, as a 4xx, by the handler's own encode.
+                with contextlib.suppress(v2.ProtocolError):
+                    outcome.response = v2.build_infer_response(
+                        self.model_name, MODEL_VERSION, outputs, request)
         counters = self.counters
         counters["batches"] += 1
         for key, value in counts.items():
@@ -364,17 +388,20 @@ class ModelReplica:
         """Run one validated request through the batcher; raises its error (Overloaded
         when too many wait already). `trace`: the request's W3C trace-context headers
         (traceparent, tracestate), if it had any."""
+        outcome = await self._submit(request, trace)
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.outputs
+
+    async def _submit(self, request: v2.InferRequest, trace: dict | None) -> _Outcome:
         tensors = request.tensors
         if self._batch_dim is not None and tensors:
             rows = tensors[0].shape[0]
             key = tuple((t.dtype, tuple(t.shape[1:])) for t in tensors)
         else:
             rows, key = 1, None
-        outcome = await self.batcher.submit((request, trace), rows, key,
-                                            sum(t.nbytes for t in tensors))
-        if outcome.error is not None:
-            raise outcome.error
-        return outcome.outputs
+        return await self.batcher.submit((request, trace), rows, key,
+                                         sum(t.nbytes for t in tensors))
 
     # ------------------------------------------------------------------ HTTP
 
@@ -498,13 +525,18 @@ class ModelReplica:
             del body
             trace = {k: request.headers[k] for k in ("traceparent", "tracestate")
                      if k in request.headers} or None
-            try:
-                outputs = await self.infer_request(parsed, trace)
-            except (ShapeError, InputError, ExecutionError) as exc:
-                raise v2.BadRequest(f"model {self.model_name!r}: {exc}") from None
-            body, headers = await self._off_loop(
-                v2.build_infer_response, self.model_name, version or MODEL_VERSION, outputs,
-                parsed)
+            outcome = await self._submit(parsed, trace)
+            if outcome.error is not None:
+                if isinstance(outcome.error, ShapeError | InputError | ExecutionError):
+                    raise v2.BadRequest(f"model {self.model_name!r}: {outcome.error}")
+                raise outcome.error
+            if outcome.response is not None:  # Note [Lean request path]
+                body, headers = outcome.response
+                headers = dict(headers)
+            else:
+                body, headers = await self._off_loop(
+                    v2.build_infer_response, self.model_name, version or MODEL_VERSION,
+                    outcome.outputs, parsed)
         except v2.ProtocolError:
             self.counters["errors"] += 1
             raise
