@@ -516,3 +516,20 @@ def test_convolution_layout_follows_the_cpu_kernel(rank):
         if (abstract.shape, abstract.stride()) != (real.shape, real.stride()):
             wrong.append((x_last, w_last, transposed, groups, batch))
     assert not wrong
+
+
+@pytest.mark.parametrize("make", [lambda: rand(3, 4), lambda: rand(4, 3).t(),
+                                  lambda: rand(3, 1).expand(3, 4), lambda: rand(5, 4)[1:],
+                                  lambda: rand(2, 3, 4, 5).contiguous(
+                                      memory_format=torch.channels_last)],
+                         ids=["contiguous", "transposed", "expanded", "offset", "nhwc"])
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.float16, torch.int64], ids=str)
+def test_to_copy_is_aten_to_copy(make, dtype):
+    """TO_COPY's fast path always copies (even to the same dtype) with the strides
+    aten._to_copy gives."""
+    x = make()
+    want = torch.ops.aten._to_copy.default(x, dtype=dtype)
+    got = OPCODES["TO_COPY"].impl(x, dtype, None, None)
+    _assert_same(want, got)
+    assert got.stride() == want.stride()
+    assert got.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
