@@ -516,12 +516,18 @@ class ModelReplica:
             if encoding not in ("", "identity"):
                 raise v2.BadRequest(f"Content-Encoding {v2.cut(repr(encoding))} is not "
                                     "supported")
-            body = await read_body(request, self.max_body_bytes)
-            parsed = await self._off_loop(
-                v2.parse_infer_request, body, self.program.inputs,
-                header_length=request.headers.get(v2.HEADER_LENGTH),
-                max_body_bytes=self.max_body_bytes, output_names=self.output_names,
-                refuse_non_finite=self.limits.refuse_non_finite)
+            # On its way to the batcher: the next batch may wait for it (Note
+            # [Opportunistic batching]); no await between the -1 and the submit below.
+            self.batcher.arriving(1)
+            try:
+                body = await read_body(request, self.max_body_bytes)
+                parsed = await self._off_loop(
+                    v2.parse_infer_request, body, self.program.inputs,
+                    header_length=request.headers.get(v2.HEADER_LENGTH),
+                    max_body_bytes=self.max_body_bytes, output_names=self.output_names,
+                    refuse_non_finite=self.limits.refuse_non_finite)
+            finally:
+                self.batcher.arriving(-1)
             del body
             trace = {k: request.headers[k] for k in ("traceparent", "tracestate")
                      if k in request.headers} or None

@@ -226,3 +226,33 @@ def test_record_reports_the_specialized_share():
 def test_options_are_checked(bad):
     with pytest.raises(ValueError):
         BatchingOptions(**bad)
+
+
+def test_next_batch_waits_for_requests_on_their_way_only():
+    model = Model()
+    batcher = OpportunisticBatcher(model, BatchingOptions(max_delay_s=0.5))
+
+    async def main():
+        model.gate.clear()
+        first = asyncio.ensure_future(batcher.submit(0, rows=1, key="k"))
+        await _started(model)
+        second = asyncio.ensure_future(batcher.submit(1, rows=1, key="k"))
+        batcher.arriving(1)      # a third is being parsed
+        batcher.arriving(1)      # and a fourth, which will turn out malformed
+        await asyncio.sleep(0.01)
+        model.gate.set()
+        await first
+        await asyncio.sleep(0.02)
+        assert model.batches == [[0]]   # [1] waits for the requests on their way
+        batcher.arriving(-1)
+        third = asyncio.ensure_future(batcher.submit(2, rows=1, key="k"))
+        await asyncio.sleep(0.02)
+        assert model.batches == [[0]]   # still one on its way
+        start = time.monotonic()
+        batcher.arriving(-1)             # dropped (a 400): the batch runs now
+        await asyncio.gather(second, third)
+        return time.monotonic() - start
+
+    seconds = run(main())
+    assert model.batches == [[0], [1, 2]]
+    assert seconds < 0.4  # released by the drop, not by the 0.5 s bound
