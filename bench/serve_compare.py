@@ -1,0 +1,305 @@
+"""dynvm's serving path vs a plain Ray Serve deployment of the same model, side by side.
+
+    python bench/serve_compare.py [--seconds 8] [--repeats 2] [--models recommender,transformer]
+                                  [--clients 1,8] [--encodings json,binary] [--json out.json]
+
+One local Ray + Serve (dynvm's proxy guard on, as `dynvm serve` runs it), two
+applications at once, one replica each (1 CPU each):
+
+- dynvm: `serve_models` with the JIT on (online compile, no fleet: one replica has
+  nothing to share) and the default BatchingOptions (Note [Opportunistic batching]);
+- plain: a Serve deployment running the same nn.Module in eager under
+  `@serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)`, parsing the v2 JSON and
+  binary-tensor bodies itself on its event loop (what a plain Serve user writes).
+
+The client sends the same pre-serialized v2 bodies (random batch 1..4; the transformer
+at seq 32) to both, from `--clients` threads in a closed loop over keep-alive
+connections, for `--seconds` per run; runs of the two systems alternate (dynvm, plain,
+dynvm, plain, ...) so that both see the same host load. Each system is warmed up
+(JIT compiles included) before the timed runs. Prints req/s and p50/p99 per run and the
+median over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+SEQ = 32
+PLAIN_PREFIX = "/plain"
+
+
+def _model(name: str):
+    from dynvm.models import recommender, transformer
+
+    return recommender(max_batch=64) if name == "recommender" else transformer(
+        max_batch=64, max_seq=128)
+
+
+def _inputs(demo, name: str, batch: int, seed: int) -> list[torch.Tensor]:
+    rng = random.Random(seed)
+    if name == "transformer":
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.randn(batch, SEQ, demo.example_inputs[0].shape[2], generator=gen)]
+    sample = demo.sample_inputs(rng)
+    return [t[:batch] if t.shape[0] >= batch else
+            t.repeat((batch + t.shape[0] - 1) // t.shape[0], *[1] * (t.dim() - 1))[:batch]
+            for t in sample]
+
+
+def _datatype(t: torch.Tensor) -> str:
+    return {torch.float32: "FP32", torch.int64: "INT64"}[t.dtype]
+
+
+def _bodies(demo, name: str, names: list[str], binary: bool, count: int = 32):
+    """(body bytes, headers) pairs: v2 JSON, or the binary-tensor extension."""
+    out = []
+    for k in range(count):
+        tensors = _inputs(demo, name, 1 + k % 4, seed=k)
+        if not binary:
+            doc = {"inputs": [{"name": n, "shape": list(t.shape), "datatype": _datatype(t),
+                               "data": t.flatten().tolist()} for n, t in zip(names, tensors)]}
+            out.append((json.dumps(doc).encode(), {"Content-Type": "application/json"}))
+            continue
+        raws = [t.contiguous().numpy().tobytes() for t in tensors]
+        doc = {"inputs": [{"name": n, "shape": list(t.shape), "datatype": _datatype(t),
+                           "parameters": {"binary_data_size": len(raw)}}
+                          for n, t, raw in zip(names, tensors, raws)],
+               "parameters": {"binary_data_output": True}}
+        header = json.dumps(doc).encode()
+        out.append((header + b"".join(raws),
+                    {"Content-Type": "application/octet-stream",
+                     "Inference-Header-Content-Length": str(len(header))}))
+    return out
+
+
+# ---------------------------------------------------------------------- plain Serve
+
+
+def _plain_deployment():
+    from ray import serve
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    dtypes = {"FP32": np.float32, "INT64": np.int64}
+
+    @serve.deployment(max_ongoing_requests=256)
+    class PlainV2:
+        """The same module in eager, @serve.batch(8, 0.01), v2 parsed on the loop."""
+
+        def __init__(self, module) -> None:
+            self.module = module.eval()
+
+        @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
+        async def run(self, items: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+            sizes = [item[0].shape[0] for item in items]
+            with torch.inference_mode():
+                out = self.module(*[torch.cat([item[k] for item in items])
+                                    for k in range(len(items[0]))])
+            return list(out.split(sizes))
+
+        async def __call__(self, request: Request) -> Response:
+            body = await request.body()
+            length = request.headers.get("inference-header-content-length")
+            header = json.loads(body[:int(length)] if length else body)
+            tensors, offset = [], int(length or 0)
+            for spec in header["inputs"]:
+                dtype = dtypes[spec["datatype"]]
+                if length:
+                    size = spec["parameters"]["binary_data_size"]
+                    arr = np.frombuffer(body, dtype, size // np.dtype(dtype).itemsize, offset)
+                    offset += size
+                else:
+                    arr = np.asarray(spec["data"], dtype=dtype)
+                tensors.append(torch.from_numpy(arr.reshape(spec["shape"]).copy()))
+            out = await self.run(tensors)
+            binary = header.get("parameters", {}).get("binary_data_output", False)
+            entry = {"name": "output__0", "datatype": "FP32", "shape": list(out.shape)}
+            if binary:
+                raw = out.contiguous().numpy().tobytes()
+                entry["parameters"] = {"binary_data_size": len(raw)}
+                head = json.dumps({"model_name": "plain", "outputs": [entry]}).encode()
+                return Response(head + raw, media_type="application/octet-stream",
+                                headers={"Inference-Header-Content-Length": str(len(head))})
+            entry["data"] = out.flatten().tolist()
+            return Response(json.dumps({"model_name": "plain", "outputs": [entry]}).encode(),
+                            media_type="application/json")
+
+    return PlainV2
+
+
+# ---------------------------------------------------------------------- client
+
+
+def _closed_loop(port: int, path: str, bodies, clients: int, seconds: float) -> dict:
+    latencies: list[list[float]] = [[] for _ in range(clients)]
+    failures = [0] * clients
+    start_gate = threading.Barrier(clients + 1)
+
+    def worker(c: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        rng = random.Random(c)
+        start_gate.wait()
+        stop = time.perf_counter() + seconds
+        while time.perf_counter() < stop:
+            body, headers = bodies[rng.randrange(len(bodies))]
+            sent = time.perf_counter()
+            try:
+                conn.request("POST", path, body=body, headers=headers)
+                response = conn.getresponse()
+                response.read()
+                ok = response.status == 200
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                ok = False
+            if ok:
+                latencies[c].append(time.perf_counter() - sent)
+            else:
+                failures[c] += 1
+        conn.close()
+
+    threads = [threading.Thread(target=worker, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    start_gate.wait()
+    for t in threads:
+        t.join()
+    flat = sorted(x for xs in latencies for x in xs)
+    if not flat:
+        return {"rps": 0.0, "p50_ms": None, "p99_ms": None, "failures": sum(failures)}
+    return {"rps": round(len(flat) / seconds, 1),
+            "p50_ms": round(1000 * flat[len(flat) // 2], 2),
+            "p99_ms": round(1000 * flat[min(len(flat) - 1, int(0.99 * len(flat)))], 2),
+            "failures": sum(failures)}
+
+
+def _check_same_answer(port: int, paths: dict, body) -> None:
+    """Both systems answer the same body with the same numbers (within float noise)."""
+    got = {}
+    for system, path in paths.items():
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", path, body=body[0], headers=body[1])
+        response = conn.getresponse()
+        raw = response.read()
+        conn.close()
+        if response.status != 200:
+            raise SystemExit(f"{system} answered {response.status}: {raw[:300]!r}")
+        got[system] = np.asarray(json.loads(raw)["outputs"][0]["data"], dtype=np.float32)
+    if not np.allclose(got["dynvm"], got["plain"], atol=1e-4, rtol=1e-4):
+        raise SystemExit("dynvm and plain Serve disagree on the same request")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup", type=float, default=8.0,
+                        help="seconds of 8-client load per system before timing")
+    parser.add_argument("--models", default="recommender,transformer")
+    parser.add_argument("--clients", default="1,8")
+    parser.add_argument("--encodings", default="json,binary")
+    parser.add_argument("--json", help="write the runs here")
+    args = parser.parse_args(argv)
+
+    import ray
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    import dynvm
+    from dynvm.cluster.proxy_guard import ProxyLimits
+    from dynvm.cluster.replica import serve_models
+    from dynvm.jit.config import JitConfig
+    from tests.cluster._redis_server import free_port
+
+    limits = ProxyLimits()
+    os.environ.update({"RAY_USAGE_STATS_ENABLED": "0", **limits.environment()})
+    port = free_port()
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             configure_logging=False, namespace="serve-compare")
+    runs = []
+    try:
+        serve.start(http_options=limits.http_options("127.0.0.1", port))
+        tmp = tempfile.mkdtemp(prefix="serve-compare-")
+        demos, paths = {}, {}
+        for name in args.models.split(","):
+            demo = _model(name)
+            program = dynvm.compile(demo.module.eval(), demo.example_inputs,
+                                    demo.dynamic_shapes, name=name)
+            paths[name] = os.path.join(tmp, f"{name}.dvm")
+            dynvm.save(program, paths[name])
+            demos[name] = (demo, [spec.name for spec in program.inputs])
+        started = time.perf_counter()
+        serve_models(paths, device="cpu", num_cpus=1.0,
+                     jit=JitConfig(min_recurrence=2, max_recurrence=4, horizon_calls=10**7))
+        print(f"dynvm deployed in {time.perf_counter() - started:.1f} s", flush=True)
+        plain = _plain_deployment()
+        started = time.perf_counter()
+        serve.run_many([RunTarget(plain.options(name=f"Plain-{name}",
+                                                ray_actor_options={"num_cpus": 1.0}
+                                                ).bind(demos[name][0].module),
+                                  name=f"plain-{name}",
+                                  route_prefix=f"{PLAIN_PREFIX}/v2/models/{name}")
+                        for name in paths])
+        print(f"plain deployed in {time.perf_counter() - started:.1f} s", flush=True)
+        print("model        enc     clients system  run  req/s    p50_ms   p99_ms  fails",
+              flush=True)
+        for name in paths:
+            demo, names = demos[name]
+            routes = {"dynvm": f"/v2/models/{name}/infer",
+                      "plain": f"{PLAIN_PREFIX}/v2/models/{name}/infer"}
+            _check_same_answer(port, routes, _bodies(demo, name, names, False, 1)[0])
+            for encoding in args.encodings.split(","):
+                bodies = _bodies(demo, name, names, encoding == "binary")
+                for path in routes.values():  # warm-up (JIT compiles) untimed
+                    _closed_loop(port, path, bodies, 8, args.warmup)
+                for clients in (int(c) for c in args.clients.split(",")):
+                    for repeat in range(args.repeats):
+                        for system, path in routes.items():
+                            result = _closed_loop(port, path, bodies, clients, args.seconds)
+                            row = {"model": name, "encoding": encoding, "clients": clients,
+                                   "system": system, "repeat": repeat,
+                                   "load": round(os.getloadavg()[0], 1), **result}
+                            runs.append(row)
+                            print(f"{name:12} {encoding:7} {clients:7} {system:7} "
+                                  f"{repeat:3}  {result['rps']:7}  {result['p50_ms']!s:7}  "
+                                  f"{result['p99_ms']!s:7}  {result['failures']:5}",
+                                  flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print("\nmedian over repeats (req/s, p50 ms):")
+    keys = sorted({(r["model"], r["encoding"], r["clients"]) for r in runs})
+    for key in keys:
+        line = []
+        for system in ("dynvm", "plain"):
+            rows = [r for r in runs if (r["model"], r["encoding"], r["clients"]) == key
+                    and r["system"] == system]
+            rps = statistics.median(r["rps"] for r in rows)
+            p50 = statistics.median(r["p50_ms"] or float("nan") for r in rows)
+            line.append(f"{system} {rps:.1f} req/s p50 {p50:.1f} ms")
+        print(f"  {key[0]:12} {key[1]:7} {key[2]} clients: " + " | ".join(line))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"runs": runs}, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
