@@ -32,13 +32,15 @@ same check with oneDNN (eager timed before and after a background compile that
 calibrated and packed, one thread) showed no slowdown. BMM of two run-time tensors has
 no oneDNN pointwise op; attention goes through SDPA (jit/specialize.py) instead.
 
-Note [OpenMP team of the compile thread]: oneDNN sizes its OpenMP team from the calling
-thread's own setting, and a compile thread (not torch's main thread) starts with the
-OpenMP default, every core: measured here, a oneDNN call on a Python thread with
-torch.set_num_threads(1) in the main thread left an extra OpenMP thread behind, so its
-calibration would have timed oneDNN on two threads against torch on one. Both passes
-therefore first set the current thread's count to torch's (`pin_openmp_team`): the
-measurement then runs as the serving thread will, and no second team is started.
+Note [OpenMP team of the compile thread]: OpenMP's thread count is per thread, and
+torch.set_num_threads sets it for the calling thread only. Measured here: in a process
+where oneDNN first ran with two threads and torch was then set to one, a oneDNN call on
+a new Python thread started a second OpenMP team of its own that outlived the call, so a
+calibration there would have timed oneDNN on two threads against torch on one (in a
+process set to one thread from the start, no team appeared). Both passes therefore first
+set the current thread's count to torch's (`pin_openmp_team`): the measurement then runs
+as the serving thread will, and no second team is started (tested in a fresh process,
+tests/jit/test_cpu_fusion.py).
 
 Every rewrite must measure faster: the pass asks the device's `Calibrator` (Note
 [Calibration]) to time the eager pair against the fused call on operands of the op's
