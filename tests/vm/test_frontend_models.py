@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import dynvm
+import dynvm.vm.verifier
 from dynvm.models._base import generator
 from tests.vm._programs import NAMES, compiled, demo, torch_threads
 
@@ -138,3 +139,18 @@ def test_strided_and_offset_views_as_inputs(name):
                 # ... and it is also the result for the same values laid out densely.
                 assert_same(out, eager(name, (view.contiguous(), *inputs[1:])))
                 assert torch.equal(view, snapshot), f"{label}: the VM wrote into its input"
+
+
+@pytest.mark.parametrize("dim", [torch.export.Dim("rows"), torch.export.Dim.AUTO],
+                         ids=["Dim without bounds", "Dim.AUTO"])
+def test_a_dim_declared_without_bounds_compiles_and_runs(dim, tmp_path):
+    # torch reports such a dim's upper bound as its own infinity (int_oo), whose
+    # is_finite is True: the frontend once crashed on int(int_oo).
+    model = torch.nn.Linear(4, 3).eval()
+    program = dynvm.compile(model, (torch.randn(2, 4),), dynamic_shapes=({0: dim},))
+    rows = program.inputs[0].dims[0]
+    assert rows.low <= 2 and rows.high == dynvm.vm.verifier.MAX_DIM
+    dynvm.save(program, tmp_path / "m.dvm")
+    runtime = dynvm.Runtime(dynvm.load(tmp_path / "m.dvm"), jit=False)
+    x = torch.randn(37, 4)
+    torch.testing.assert_close(runtime(x), model(x), rtol=RTOL, atol=ATOL)

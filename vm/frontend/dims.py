@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 import inspect
-import sys
 
 import sympy
 import torch
 
 from dynvm.vm.errors import UnsupportedOpError
 from dynvm.vm.program import DimSpec, InputSpec
+from dynvm.vm.verifier import MAX_DIM
 
-_UNBOUNDED = sys.maxsize
+# A dim declared without a bound (`Dim("batch")`, `Dim.AUTO`) gets the largest bound a
+# program may declare (the verifier refuses more), not an unbounded one.
+_UNBOUNDED = MAX_DIM
 
 
 def user_dim_names(module, example_inputs: tuple, dynamic_shapes) -> list[dict[int, str]]:
@@ -40,9 +42,16 @@ def _bounds(exported, expr) -> tuple[int, int]:
     ranges = exported.range_constraints.get(expr)
     if ranges is None:
         return 0, _UNBOUNDED
-    low = int(ranges.lower) if ranges.lower.is_finite else 0
-    high = int(ranges.upper) if ranges.upper.is_finite else _UNBOUNDED
-    return low, min(high, _UNBOUNDED)
+    return max(0, _finite_int(ranges.lower, 0)), min(_finite_int(ranges.upper, _UNBOUNDED),
+                                                     _UNBOUNDED)
+
+
+def _finite_int(bound, default: int) -> int:
+    """A range bound as an int, `default` when unbounded. torch's own infinity for sizes
+    (`int_oo`) says `is_finite` is True, so the test is for an integer, not for finiteness."""
+    if isinstance(bound, int | sympy.Integer):
+        return int(bound)
+    return default
 
 
 def input_specs(exported, placeholders, names: list[str],
