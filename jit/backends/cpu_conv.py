@@ -61,8 +61,9 @@ from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
 
 _mkldnn = torch.ops.mkldnn
 # Calibration inputs are cut to at most this many batch rows (a family's upper bound
-# would make one calibration cost seconds).
-_CALIBRATION_MAX_BATCH = 8
+# would make one calibration cost seconds, and oneDNN holds the GIL while it runs: Note
+# [oneDNN holds the GIL]).
+_CALIBRATION_MAX_BATCH = 4
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,13 @@ set the current thread's count to torch's (`pin_openmp_team`): the measurement t
 as the serving thread will, and no second team is started (tested in a fresh process,
 tests/jit/test_cpu_fusion.py).
 
+Note [oneDNN holds the GIL]: unlike torch's own ops, a `torch.ops.mkldnn` call did not
+release the GIL here (a thread looping a 2048x1024x1024 oneDNN GEMM left the main
+thread's Python 15% of its solo progress; looping F.linear, 54%, on the same loaded
+2 cores). A specialized kernel runs on the request thread anyway; what matters is the
+compile thread's calibration, whose calls are kept to a few milliseconds each
+(`_CALIBRATION_MAX_M`) so that a request waits at most that long for the GIL.
+
 Every rewrite must measure faster: the pass asks the device's `Calibrator` (Note
 [Calibration]) to time the eager pair against the fused call on operands of the op's
 shapes, per (epilogue, M size class, N, K, threads), at every probe's M (capped, see
@@ -110,9 +117,10 @@ _UNARY_ATTRS = {"RELU": ("relu", 0), "SILU": ("swish", 0), "SIGMOID": ("sigmoid"
 _BINARY_ATTRS = {"ADD": "add", "SUB": "sub", "MUL": "mul"}
 _COMMUTATIVE = {"ADD", "MUL"}
 # Calibration operands are at most this many rows: past it the choice does not change
-# (oneDNN's lead grows with M) and a family's upper bound (batch 64 x seq 512) would
-# make one calibration cost seconds of a compile thread.
-_CALIBRATION_MAX_M = 2048
+# (oneDNN's lead grows with M), a family's upper bound (batch 64 x seq 512) would make
+# one calibration cost seconds of a compile thread, and each oneDNN call holds the GIL
+# (Note [oneDNN holds the GIL]): a few ms per call at most keeps request threads moving.
+_CALIBRATION_MAX_M = 512
 
 
 @dataclass(frozen=True)

@@ -255,15 +255,18 @@ torch.set_num_threads(2)
 torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")   # main thread, 2
 torch.set_num_threads(1)                                              # then serving on 1
 for pin in (False, True):
-    before = tids()
+    started = []
     def compile_thread():
         if pin:
             pin_openmp_team()
+        before = tids()
         torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+        # counted while this thread lives: its OpenMP team ends with it
+        started.append(len(tids() - before))
     thread = threading.Thread(target=compile_thread)
     thread.start()
     thread.join()
-    print(pin, len(tids() - before - {str(thread.native_id)}))
+    print(pin, started[0])
 """
 
 
@@ -272,7 +275,7 @@ for pin in (False, True):
 def test_pinning_the_compile_thread_starts_no_second_openmp_team():
     """Note [OpenMP team of the compile thread], in a fresh process (what oneDNN does
     depends on what ran first): after a 2-thread start and a switch to one thread, oneDNN
-    on an unpinned thread starts its own team; pinned, it starts none."""
+    on an unpinned thread starts a team of its own; pinned, it starts none."""
     result = subprocess.run([sys.executable, "-c", _TEAM_SCRIPT], capture_output=True,
                             text=True, timeout=120, check=True)
     left = dict(line.split() for line in result.stdout.splitlines())
