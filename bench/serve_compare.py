@@ -6,8 +6,9 @@
 One local Ray + Serve (dynvm's proxy guard on, as `dynvm serve` runs it), two
 applications at once, one replica each (1 CPU each):
 
-- dynvm: `serve_models` with the JIT on (online compile, no fleet: one replica has
-  nothing to share) and the default BatchingOptions (Note [Opportunistic batching]);
+- dynvm: `serve_models` with the JIT on as `dynvm serve` has it (its policy decides what
+  to compile; online compile, no fleet: one replica has nothing to share) and the
+  default BatchingOptions (Note [Opportunistic batching]);
 - plain: a Serve deployment running the same nn.Module in eager under
   `@serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)`, parsing the v2 JSON and
   binary-tensor bodies itself on its event loop (what a plain Serve user writes).
@@ -214,6 +215,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="recommender,transformer")
     parser.add_argument("--clients", default="1,8")
     parser.add_argument("--encodings", default="json,binary")
+    parser.add_argument("--force-promote", action="store_true",
+                        help="JIT promotes every recurring shape (default: its policy)")
     parser.add_argument("--json", help="write the runs here")
     args = parser.parse_args(argv)
 
@@ -246,8 +249,11 @@ def main(argv=None) -> int:
             dynvm.save(program, paths[name])
             demos[name] = (demo, [spec.name for spec in program.inputs])
         started = time.perf_counter()
-        serve_models(paths, device="cpu", num_cpus=1.0,
-                     jit=JitConfig(min_recurrence=2, max_recurrence=4, horizon_calls=10**7))
+        # What `dynvm serve` runs: the JIT's own policy decides what pays to compile
+        # (`--force-promote`: the tests' settings, which promote every recurring shape).
+        jit = (JitConfig(min_recurrence=2, max_recurrence=4, horizon_calls=10**7)
+               if args.force_promote else JitConfig())
+        serve_models(paths, device="cpu", num_cpus=1.0, jit=jit)
         print(f"dynvm deployed in {time.perf_counter() - started:.1f} s", flush=True)
         plain = _plain_deployment()
         started = time.perf_counter()
