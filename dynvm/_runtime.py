@@ -115,6 +115,12 @@ class Runtime:
             outputs = self.interpreter.run(flat, budget)
         with self._lock:
             self._calls += 1
+            calls = self._calls
+        jit = self.jit
+        if jit is not None:  # Note [Detached regions] in dynvm.jit.region_jit
+            jit.program_calls = calls
+            if calls >= jit.reattach_at:
+                jit.reattach_due(calls)
         return pytree.tree_unflatten(outputs, self._out_spec)
 
     def _flatten(self, inputs: tuple) -> list:
@@ -134,7 +140,17 @@ class Runtime:
         for region in list(self.jit.regions.values()):
             specialized += region.counters.specialized
             interpreted += region.counters.interpreted
+        if self.jit.detached:
+            # A detached region's calls are counted nowhere (Note [Detached regions] in
+            # dynvm.jit.region_jit); each program call counts as one of its interpreted
+            # calls, so that no call looks entirely specialized while one is detached.
+            interpreted += self._calls
         return specialized, interpreted
+
+    def settled(self) -> bool:
+        """True when the JIT has no compile queued or running and no specialization on
+        probation (always True without the JIT): its steady state, e.g. for benchmarks."""
+        return self.jit is None or self.jit.settled()
 
     def measure_allocations(self, *inputs) -> int:
         """Run one call counting the fresh tensor storages its ATen ops create (a

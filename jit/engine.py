@@ -58,6 +58,8 @@ from dynvm.jit.specialize import InputRejected, SpecializationError, specialize
 from dynvm.shape_cluster import Family
 from dynvm.vm.isa import OpClass
 
+_NEVER = 1 << 62   # `reattach_at` with no region detached
+
 MIN_TENSOR_OPS = 2
 MAX_ARTIFACTS = 256   # artifacts kept for `dynvm explain` and stats (newest)
 
@@ -132,6 +134,15 @@ class Jit:
         # Note [Fleet hooks]: set by `connect` when a cluster shares this JIT's work.
         self.fleet = None
         self._compile_listeners: list = []
+        # Note [Detached regions] in dynvm.jit.region_jit: region index -> the program call
+        # at which it is re-attached; the Runtime stores its call count in `program_calls`
+        # and calls `reattach_due` once it reaches `reattach_at`.
+        self._detach_lock = threading.Lock()   # never held while taking a region's lock
+        self.detached: dict[int, int] = {}
+        self.program_calls = 0
+        self.reattach_at = _NEVER
+        self.detachments = 0
+        self.reattachments = 0
         self.installs = 0
         self.install_seconds = 0.0
         self.install_rejections = 0
@@ -164,6 +175,43 @@ class Jit:
     def close(self) -> None:
         self.queue.close()
 
+    # -- detached regions (Note [Detached regions] in dynvm.jit.region_jit) -------------
+
+    def detach(self, region_jit: RegionJit, period: int) -> None:
+        """Give `region_jit`'s region the interpreter's plain unit back for `period`
+        program calls (called by the region, holding its lock)."""
+        index = region_jit.region.index
+        with self._detach_lock:
+            if index in self.detached or self.regions.get(index) is not region_jit:
+                return
+            # One list-item store in the interpreter's plan: a call on another thread
+            # runs either the old unit (the slot still works) or the plain one.
+            self.interpreter.install_slot(index, None)
+            at = self.program_calls + 1 + period   # the call in progress is not counted yet
+            self.detached[index] = at
+            self.reattach_at = min(self.reattach_at, at)
+            self.detachments += 1
+        self._log(f"region {index} detached: no specialization can pay for its compile; "
+                  f"looked at again in {period} calls")
+
+    def reattach_due(self, program_calls: int) -> None:
+        """Re-attach the detached regions whose period has ended (the Runtime calls it
+        when `program_calls` reaches `reattach_at`)."""
+        with self._detach_lock:
+            due = [index for index, at in self.detached.items() if at <= program_calls]
+            for index in due:
+                del self.detached[index]
+                region_jit = self.regions[index]
+                region_jit.reattached()
+                self.interpreter.install_slot(index, region_jit)
+                self.reattachments += 1
+            self.reattach_at = min(self.detached.values(), default=_NEVER)
+        for index in due:
+            self._log(f"region {index} re-attached after its detached period")
+
+    def _reattach_all(self) -> None:
+        self.reattach_due(_NEVER)
+
     # -- fleet (Note [Fleet hooks]) -----------------------------------------------------
 
     def connect(self, fleet) -> None:
@@ -171,11 +219,23 @@ class Jit:
         hears every interpreted region call, and `fleet.compiles_locally()` says whether
         promotions compile here (False while a compile service does it for everyone)."""
         self.fleet = fleet
+        self._reattach_all()  # the fleet hears every interpreted call (Note [Detached regions])
 
     def add_compile_listener(self, listener) -> None:
         """`listener(region_jit, specialization)` runs after each local compile installs
         (on the compile thread); the compile service publishes from there."""
         self._compile_listeners.append(listener)
+
+    def settled(self) -> bool:
+        """True when no compile is queued or running and no installed specialization is
+        still on probation (Note [Probation]): the JIT's steady state, as far as it knows."""
+        if len(self.queue):
+            return False
+        for region_jit in list(self.regions.values()):
+            if region_jit.pending or any(spec.probation is not None
+                                         for spec in region_jit._all()):
+                return False
+        return True
 
     def compiles_locally(self) -> bool:
         if not self.config.online_compile:
@@ -584,6 +644,7 @@ class Jit:
                 "family_kernels": len(region_jit.family_kernels),
                 "guard_failures": c.guard_failures, "deopts": c.deopts,
                 "last_guard_failure": c.last_guard_failure,
+                "detached": index in self.detached,
             }
             for name in totals:
                 totals[name] += getattr(c, name)
@@ -615,6 +676,10 @@ class Jit:
             "deopts": totals["deopts"],
             "evictions": totals["evictions"],
             "cold_periods": totals["cold_periods"],
+            # Note [Detached regions]: detached now, detachments and re-attachments so far.
+            "detached_regions": len(self.detached),
+            "detachments": self.detachments,
+            "reattachments": self.reattachments,
             "regions": regions,
         }
 

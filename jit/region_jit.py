@@ -53,6 +53,21 @@ cold period also skips the lookups, not only the profiling, when the region's
 specializations served less than half of its calls since the last check: on a shape
 storm (gnn) most calls are new layouts whose resolution (a strong signature with new
 interned shapes) costs more than the few hits save.
+
+Note [Detached regions]
+~~~~~~~~~~~~~~~~~~~~~~~
+Even a cold slot costs its region an `enter`, a ticket and a `leave` per entry (about a
+microsecond: on gnn's and loop's tiny regions that alone kept the JIT slower than the
+interpreter). So a region that goes cold with nothing installed and nothing pending (it
+never promoted, or probation dropped all it had) is detached: the engine puts the
+interpreter's plain unit back (`install_slot(index, None)`), and its entries cost exactly
+what they cost without the JIT; they are not counted in the region's counters any more.
+It is re-attached after a period of *program* calls (the Runtime counts them: one integer
+compare per call, nothing per region), doubling each time it is detached again (from
+`DETACH_CALLS` up to `COLD_CALLS_MAX`), so that changing traffic is looked at again; once
+re-attached its calls are profiled until the next cold check decides again. A region whose
+promotions are decided elsewhere (a fleet's compile service, `online_compile=False`) never
+goes cold, so it is never detached; connecting a fleet re-attaches every detached region.
 """
 
 from __future__ import annotations
@@ -78,6 +93,7 @@ from dynvm.shape_cluster import FamilyIndex
 TIER_CHECK_EVERY = 32
 COLD_CHECK_EVERY = 64
 COLD_CALLS_MAX = 1 << 16
+DETACH_CALLS = 64   # program calls a region first stays detached (Note [Detached regions])
 _MEMO_LIMIT = 4096
 _MANY = object()       # a family with more than one member signature so far
 _UNMATCHED = object()  # a signature not looked up among the family kernels yet
@@ -158,6 +174,7 @@ class RegionJit:
         self._since_cold_check = 0
         self._cold_unlooked = False   # a cold period that skips the lookups too
         self._marks = (0, 0)          # (region calls, hits) at the last cold check
+        self._detach_period = DETACH_CALLS   # program calls (Note [Detached regions])
         # The interpreter's own steps of this region, for shadow calls (Note [Probation]).
         self._steps = tuple(engine.interpreter.region_steps(region.index))
         self._verdicts: deque[float] = deque(maxlen=8)   # recent measured ratios
@@ -383,6 +400,17 @@ class RegionJit:
         self._cold = self._cold_period
         self._cold_period = min(COLD_CALLS_MAX, 2 * self._cold_period)
         self.counters.cold_periods += 1
+        if not (self.strong or self.weak or self.family_kernels):
+            # Note [Detached regions]: nothing here can hit; not even a cold slot pays.
+            period = self._detach_period
+            self._detach_period = min(COLD_CALLS_MAX, 2 * period)
+            self.engine.detach(self, period)
+
+    def reattached(self) -> None:
+        """The engine put this slot back (Note [Detached regions]): profile the next
+        calls, and check the bound again after `COLD_CHECK_EVERY` of them."""
+        self._cold = 0
+        self._since_cold_check = 0
 
     def _backing_off(self, key) -> bool:
         failed = self.counters.failed.get(key)

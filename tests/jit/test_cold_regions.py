@@ -29,18 +29,16 @@ def test_a_region_that_cannot_pay_goes_cold_and_stays_correct():
     stats = runtime.stats()
     assert stats["cold_periods"] >= 1
     assert stats["compiles"] == 0 and stats["promotions"] == 0
-    # Unprofiled calls are still counted as interpreted region calls.
+    # Cold with nothing installed: detached (Note [Detached regions]), so its later calls
+    # are neither counted nor profiled; tests/jit/test_detach.py follows it further.
     watched = len(runtime.jit.regions)
-    assert stats["interpreted_region_calls"] == watched * calls
+    assert stats["detached_regions"] == watched
+    assert stats["interpreted_region_calls"] == watched * COLD_CHECK_EVERY
     region_jit = next(iter(runtime.jit.regions.values()))
     profiled = region_jit.profile.calls
     runtime(*draws[0])
     assert profiled == COLD_CHECK_EVERY
     assert region_jit.profile.calls == profiled, "a cold region's call was profiled"
-    # The cold period ends: after it, calls are profiled again (and checked again).
-    for _ in range(COLD_CHECK_EVERY):
-        runtime(*draws[0])
-    assert region_jit.profile.calls > profiled
 
 
 def test_a_region_that_can_pay_never_goes_cold():

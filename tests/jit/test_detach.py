@@ -1,0 +1,120 @@
+"""Note [Detached regions]: a region whose JIT cannot pay gives the interpreter its plain
+unit back (its calls no longer reach the slot), is re-attached after a doubling period of
+program calls, and results stay equal to the interpreter's throughout; a region whose
+promotions are decided elsewhere is never detached."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+import dynvm
+from dynvm.jit.config import JitConfig
+from dynvm.jit.region_jit import COLD_CHECK_EVERY, DETACH_CALLS
+from tests.jit._jit_helpers import compiled, demo
+
+
+def _region_calls(runtime) -> int:
+    return sum(r.counters.interpreted + r.counters.specialized
+               for r in runtime.jit.regions.values())
+
+
+def test_a_region_that_cannot_pay_is_detached_and_reattached():
+    program = compiled("recommender")
+    # A horizon of one call: no saving can ever beat a compile.
+    runtime = dynvm.Runtime(program, "cpu", jit=JitConfig(horizon_calls=1))
+    reference = dynvm.Runtime(program, "cpu", jit=False)
+    rng = random.Random(0)
+    draws = [demo("recommender").sample_inputs(rng) for _ in range(4)]
+    calls = 0
+
+    def call():
+        nonlocal calls
+        inputs = draws[calls % len(draws)]
+        torch.testing.assert_close(runtime(*inputs), reference(*inputs))
+        calls += 1
+
+    for _ in range(COLD_CHECK_EVERY):
+        call()
+    watched = len(runtime.jit.regions)
+    stats = runtime.stats()
+    assert stats["detached_regions"] == watched and stats["detachments"] == watched
+    assert all(r["detached"] for r in stats["regions"].values())
+    assert any("detached" in line for line in runtime.jit.event_log)
+    detached_at = _region_calls(runtime)
+    slots = runtime.interpreter._slots
+    assert all(slots[index] is None for index in runtime.jit.regions)
+    # Detached: the calls do not reach the slot.
+    for _ in range(DETACH_CALLS - 1):
+        call()
+    assert _region_calls(runtime) == detached_at
+    assert runtime.stats()["reattachments"] == 0
+    # The period (in program calls) ends: re-attached, and the slot sees calls again.
+    call()
+    stats = runtime.stats()
+    assert stats["reattachments"] == watched and stats["detached_regions"] == 0
+    assert all(slots[index] is runtime.jit.regions[index] for index in runtime.jit.regions)
+    assert any("re-attached" in line for line in runtime.jit.event_log)
+    call()
+    assert _region_calls(runtime) == detached_at + watched
+    # Still cannot pay: after the next check it is detached again, for twice as long.
+    for _ in range(COLD_CHECK_EVERY):
+        call()
+    stats = runtime.stats()
+    assert stats["detached_regions"] == watched and stats["detachments"] == 2 * watched
+    assert runtime.jit.reattach_at - runtime.jit.program_calls > DETACH_CALLS
+    assert stats["compiles"] == 0
+
+
+def test_promotions_decided_elsewhere_never_detach():
+    program = compiled("recommender")
+    runtime = dynvm.Runtime(program, "cpu", jit=JitConfig(horizon_calls=1,
+                                                          online_compile=False))
+    inputs = demo("recommender").sample_inputs(random.Random(2))
+    for _ in range(2 * COLD_CHECK_EVERY):
+        runtime(*inputs)
+    stats = runtime.stats()
+    assert stats["detachments"] == 0 and stats["cold_periods"] == 0
+    assert _region_calls(runtime) == 2 * COLD_CHECK_EVERY * len(runtime.jit.regions)
+
+
+def test_connecting_a_fleet_reattaches():
+    program = compiled("recommender")
+    runtime = dynvm.Runtime(program, "cpu", jit=JitConfig(horizon_calls=1))
+    inputs = demo("recommender").sample_inputs(random.Random(3))
+    for _ in range(COLD_CHECK_EVERY):
+        runtime(*inputs)
+    assert runtime.stats()["detached_regions"] == len(runtime.jit.regions)
+
+    class Fleet:
+        observed_calls = 0
+
+        def observed(self, region, signature, seconds):
+            Fleet.observed_calls += 1
+
+        def compiles_locally(self):
+            return False
+
+    runtime.jit.connect(Fleet())
+    assert runtime.stats()["detached_regions"] == 0
+    runtime(*inputs)
+    assert Fleet.observed_calls == len(runtime.jit.regions)
+
+
+def test_settled_waits_for_compiles_and_probation():
+    program = compiled("recommender")
+    runtime = dynvm.Runtime(program, "cpu", jit=JitConfig(sync=True, horizon_calls=10**9,
+                                                          expected_speedup=1.0))
+    assert runtime.settled()
+    inputs = demo("recommender").sample_inputs(random.Random(4))
+    installed_on_probation = False
+    for _ in range(200):
+        runtime(*inputs)
+        on_probation = any(s.probation is not None for r in runtime.jit.regions.values()
+                           for s in r._all())
+        installed_on_probation |= on_probation
+        assert runtime.settled() == (not on_probation and not any(
+            r.pending for r in runtime.jit.regions.values()) and not len(runtime.jit.queue))
+    assert installed_on_probation
+    assert runtime.settled()
