@@ -31,7 +31,11 @@ measurement decides:
   paired ratios: a noisy neighbour that slows one call slows both of its halves, and
   the odd preempted call does not move a median). It stays only if the ratio is at most
   `1 - probation_margin`: it must be faster by the margin, so that noise alone never
-  keeps a kernel that is really no faster.
+  keeps a kernel that is really no faster. A clear loser is decided early: once
+  `EARLY_SAMPLES` shadow calls all measured it at least `EARLY_LOSS` times the
+  interpreter, the median of those is its ratio (a gnn family kernel hit on a quarter
+  of the region's calls measured 3x the interpreter, yet waited ~170 calls for its 12th
+  sample, slower all along). Nothing is confirmed early: staying needs every sample.
 - Failing it. A specialization that planned an arena is first *demoted*: the same IR is
   re-emitted without the arena (a background task, no re-specialization), installed in
   its place, and put on probation again. One that fails without an arena is *dropped*:
@@ -55,6 +59,8 @@ from dataclasses import dataclass, field
 CONFIRMED = "confirmed"
 DEMOTE = "demote"
 DROP = "drop"
+EARLY_SAMPLES = 4    # Note [Probation]: a clear loser is decided after this many samples
+EARLY_LOSS = 1.25    # ... when every one of them is at least this ratio
 
 
 @dataclass
@@ -84,7 +90,8 @@ class Probation:
         if interpreted_seconds > 0:
             self.ratios.append(specialized_seconds / interpreted_seconds)
         if len(self.ratios) < self.samples:
-            return None
+            early = len(self.ratios) >= EARLY_SAMPLES and min(self.ratios) >= EARLY_LOSS
+            return statistics.median(self.ratios) if early else None
         return statistics.median(self.ratios)
 
     def passes(self, ratio: float) -> bool:

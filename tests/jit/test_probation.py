@@ -117,3 +117,19 @@ def test_explain_shows_each_specializations_measured_ratio(capsys):
     assert measured and len(measured) == out.count("; kernel_region")
     for line in measured:  # a verdict for each, or why there is none
         assert "x the interpreter on its calls" in line or "not installed" in line
+
+
+def test_a_clear_loser_is_decided_early_and_nothing_is_confirmed_early():
+    from dynvm.jit.probation import EARLY_LOSS, EARLY_SAMPLES
+
+    losing = Probation(every=1, samples=12, margin=0.02)
+    for _ in range(EARLY_SAMPLES - 1):
+        assert losing.add(2.0 * EARLY_LOSS, 1.0) is None
+    ratio = losing.add(3.0 * EARLY_LOSS, 1.0)
+    assert ratio == 2.0 * EARLY_LOSS and not losing.passes(ratio)
+    # One sample below the bar: no early verdict, the full count decides.
+    mixed = Probation(every=1, samples=12, margin=0.02)
+    assert [mixed.add(s, 1.0) for s in [2.0, 2.0, 2.0, 1.0, 2.0, 2.0]] == [None] * 6
+    winning = Probation(every=1, samples=12, margin=0.02)
+    assert [winning.add(0.1, 1.0) for _ in range(11)] == [None] * 11
+    assert winning.add(0.1, 1.0) == 0.1
