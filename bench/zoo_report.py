@@ -22,13 +22,19 @@ def _params(n: int) -> str:
 
 def _row(r: dict) -> str:
     if "interp_x_eager" not in r:
-        return f"| {r['name']} | {r['library']} | | | | | | | | | {r['status']} |"
+        return f"| {r['name']} | {r['library']} | | | | | | | | | | | {r['status']} |"
     dims = ", ".join(f"{d} {span}" for d, span in r["dims"].items())
     return (f"| {r['name']} | {r['library']} | {_params(r['parameters'])} | {dims} | "
             f"{len(r['opcodes'])} ({r['instructions']} instr) | {r['compile_seconds']:.1f} | "
             f"{r['eager_ms']:.2f} | {r['eager_spread']:.1f} | {_x(r['interp_x_eager'])} | "
             f"{_x(r['jit_x_eager'])} | "
-            f"{_share(r['jit_specialized_share'])} | {r['status']} |")
+            f"{_share(r['jit_specialized_share'])} | {_warmup(r)} | {r['status']} |")
+
+
+def _warmup(r: dict) -> str:
+    if "warmup_calls" not in r:  # a run from before the settled warm-up
+        return "—"
+    return f"{r['warmup_calls']}" + ("" if r["settled"] else " (cap)")
 
 
 def _summary(rows: list[dict]) -> list[str]:
@@ -60,7 +66,10 @@ def markdown(run: dict) -> str:
         f"interpreter and the JIT run on the same inputs in rotating order; the columns "
         f"are medians of per-call ratios to eager over {run['rounds']} rounds of the "
         f"entry's shapes (export point + held-out points) after {run['warmup_rounds']} "
-        f"warm-up rounds and the JIT's compile queue drained. The JIT runs its default "
+        f"warm-up rounds and then until the JIT is settled (no compile queued, no "
+        f"specialization on probation; the JIT alone, untimed, capped): 'JIT warm-up' is "
+        f"how many calls the JIT had before the timed ones, '(cap)' where it was not "
+        f"settled by the cap. The JIT runs its default "
         f"config; 'JIT spec.' is the share of its steady region calls that ran "
         f"specialized code. 'eager p90/p10' is the spread of eager's own steady times "
         f"(over the entry's mixed shapes): where it is large, load from other processes "
@@ -71,8 +80,8 @@ def markdown(run: dict) -> str:
         "## Summary", "\n".join(_summary(rows)),
         "## Models",
         "| model | library | parameters | dynamic dims | opcodes (distinct) | compile s "
-        "| eager ms | eager p90/p10 | interpreter | JIT | JIT spec. | status |\n"
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|\n"
+        "| eager ms | eager p90/p10 | interpreter | JIT | JIT spec. | JIT warm-up | status |\n"
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
         + "\n".join(_row(r) for r in rows),
     ]
     notes = [f"- **{r['name']}**: {r['note']}" for r in rows if r.get("note")]
