@@ -93,7 +93,10 @@ class Interpreter:
         return regs[-1]
 
     def install_slot(self, region_index: int, slot: RegionSlot | None) -> None:
-        """Attach (or with None, detach) the JIT's cache slot of a region."""
+        """Attach (or with None, detach) the JIT's cache slot of a region. Safe while
+        other threads run the program: the new unit is built first, then bound with one
+        list-item store into the plan; a call in flight finishes with the unit it read
+        (a detached slot still works), the next one reads the new unit."""
         self._slots[region_index] = slot
         self._plan_region(self.program.regions[region_index])
 
