@@ -20,7 +20,8 @@ of its steady region calls says which.
 
 Steady means settled, not a fixed count: after the `warmup` rounds, the JIT alone runs
 more rounds of the shapes (untimed, each call after the queue drained) until
-`Runtime.settled()` (no compile queued or running, no specialization still on
+`Runtime.settled()` (no compile queued or running, every region with nothing
+installed past its first cold check, Note [Cold regions], no specialization still on
 probation, Note [Probation]: a verdict needs about 48 hits of a specialization, more
 than 8 rounds give a model with one or two shapes), at most `SETTLE_ROUNDS` rounds or
 `SETTLE_SECONDS` per model; the doc reports each model's warm-up calls of the JIT and

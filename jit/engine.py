@@ -227,13 +227,19 @@ class Jit:
         self._compile_listeners.append(listener)
 
     def settled(self) -> bool:
-        """True when no compile is queued or running and no installed specialization is
-        still on probation (Note [Probation]): the JIT's steady state, as far as it knows."""
+        """True when no compile is queued or running, no installed specialization is
+        still on probation (Note [Probation]) and every region with nothing installed has
+        had its first cold check (Note [Cold regions]: until then it is profiled on
+        every call; after it, it is watched, cold or detached for good reason): the JIT's
+        steady state, as far as it knows."""
         if len(self.queue):
             return False
+        local = self.compiles_locally()
         for region_jit in list(self.regions.values()):
-            if region_jit.pending or any(spec.probation is not None
-                                         for spec in region_jit._all()):
+            installed = region_jit._all()
+            if region_jit.pending or any(spec.probation is not None for spec in installed):
+                return False
+            if local and not installed and not region_jit.checked:
                 return False
         return True
 

@@ -175,6 +175,7 @@ class RegionJit:
         self._cold_unlooked = False   # a cold period that skips the lookups too
         self._marks = (0, 0)          # (region calls, hits) at the last cold check
         self._detach_period = DETACH_CALLS   # program calls (Note [Detached regions])
+        self.checked = False   # its first cold check has run (Jit.settled)
         # The interpreter's own steps of this region, for shadow calls (Note [Probation]).
         self._steps = tuple(engine.interpreter.region_steps(region.index))
         self._verdicts: deque[float] = deque(maxlen=8)   # recent measured ratios
@@ -386,6 +387,7 @@ class RegionJit:
         # service (or `dynvm precompile`) decides, every miss is an observation it needs.
         if self.pending or not self.engine.compiles_locally():
             return
+        self.checked = True
         slowest = max((s.min_seconds for s in self.profile.table.values() if s.count > 1),
                       default=0.0)
         best = self.engine.config.horizon_calls * slowest * self.speedup()

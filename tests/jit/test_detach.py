@@ -102,19 +102,29 @@ def test_connecting_a_fleet_reattaches():
     assert Fleet.observed_calls == len(runtime.jit.regions)
 
 
-def test_settled_waits_for_compiles_and_probation():
+def test_settled_waits_for_compiles_probation_and_first_cold_checks():
     program = compiled("recommender")
     runtime = dynvm.Runtime(program, "cpu", jit=JitConfig(sync=True, horizon_calls=10**9,
                                                           expected_speedup=1.0))
-    assert runtime.settled()
+    assert not runtime.settled(), "no region has been looked at yet"
+    assert dynvm.Runtime(program, "cpu", jit=False).settled()
     inputs = demo("recommender").sample_inputs(random.Random(4))
     installed_on_probation = False
     for _ in range(200):
         runtime(*inputs)
-        on_probation = any(s.probation is not None for r in runtime.jit.regions.values()
-                           for s in r._all())
+        regions = runtime.jit.regions.values()
+        on_probation = any(s.probation is not None for r in regions for s in r._all())
         installed_on_probation |= on_probation
-        assert runtime.settled() == (not on_probation and not any(
-            r.pending for r in runtime.jit.regions.values()) and not len(runtime.jit.queue))
+        unchecked = any(not r._all() and not r.checked for r in regions)
+        assert runtime.settled() == (not on_probation and not unchecked and not any(
+            r.pending for r in regions) and not len(runtime.jit.queue))
     assert installed_on_probation
     assert runtime.settled()
+    # While detached, no call looks entirely specialized to Runtime.region_calls.
+    cold = dynvm.Runtime(program, "cpu", jit=JitConfig(horizon_calls=1))
+    for _ in range(COLD_CHECK_EVERY):
+        cold(*inputs)
+    assert cold.settled() and cold.stats()["detached_regions"]
+    before = cold.region_calls()
+    cold(*inputs)
+    assert cold.region_calls()[1] > before[1]
