@@ -42,8 +42,10 @@ import torch
 from dynvm.jit.aliasing import flat_values
 from dynvm.jit.backends.cpu_fusion import (
     CONV_BINARY,
+    CONV_BINARY_NCHW,
     CONV_KERNELS,
     CONV_UNARY,
+    CONV_UNARY_NCHW,
     FUSED_VARIANT,
     FusionResult,
     onednn_available,
@@ -268,20 +270,37 @@ def _post_ops(ops, chain: _Chain) -> tuple[str, list, str]:
     return unary_post_op(ops[chain.unary])
 
 
-def _call(ops, chain: _Chain, x, other, weight, bias):
+def _kernel_names(ops, chain: _Chain, probes) -> tuple[str, str] | None:
+    """The (unary, binary) fused kernels that give the chain's result the layout the
+    original ops give it at every probe (Note [CPU conv fusion]); None: neither does."""
+    results = probe_tensors(probes, ops[chain.positions()[-1]].dsts[0])
+    if results is None:
+        return None
+    if all(r.is_contiguous() for r in results):
+        return CONV_UNARY_NCHW, CONV_BINARY_NCHW
+    if all(r.is_contiguous(memory_format=torch.channels_last) for r in results):
+        return CONV_UNARY, CONV_BINARY
+    return None
+
+
+def _call(ops, chain: _Chain, x, other, weight, bias, kernels: tuple[str, str]):
     padding, stride, dilation, groups = _geometry(ops[chain.conv])
     attr, scalars, algorithm = _post_ops(ops, chain)
+    unary_kernel, binary_kernel = kernels
     if chain.add is None:
-        return CONV_KERNELS[CONV_UNARY](x, weight, bias, padding, stride, dilation, groups,
-                                        attr, scalars, algorithm)
+        return CONV_KERNELS[unary_kernel](x, weight, bias, padding, stride, dilation,
+                                          groups, attr, scalars, algorithm)
     unary = None if attr == "none" else attr
-    return CONV_KERNELS[CONV_BINARY](x, other, weight, bias, padding, stride, dilation,
-                                     groups, "add", None, unary, scalars,
-                                     algorithm if unary else None)
+    return CONV_KERNELS[binary_kernel](x, other, weight, bias, padding, stride, dilation,
+                                       groups, "add", None, unary, scalars,
+                                       algorithm if unary else None)
 
 
 def _decide(ops, chain: _Chain, weight, bias, constants, probes,
             calibrator: Calibrator | None) -> str | None:
+    kernels = _kernel_names(ops, chain, probes)
+    if kernels is None:
+        return None
     if calibrator is None:
         return " (not measured: fusion forced on)"
     conv = ops[chain.conv]
@@ -306,7 +325,7 @@ def _decide(ops, chain: _Chain, weight, bias, constants, probes,
     choice = calibrator.choose(
         f"onednn {label}", key,
         {"torch": lambda: run_original(chain_ops, values, constants),
-         "onednn": lambda: _call(ops, chain, x, other, packed, bias)})
+         "onednn": lambda: _call(ops, chain, x, other, packed, bias, kernels)})
     if choice.name != "onednn":
         return None
     return (f" (measured, oneDNN vs torch: batch {shape[0]} "
@@ -332,12 +351,13 @@ def _fused(ops, chain: _Chain, weight, bias, probes, prepacked: PrepackCache,
                                          for p in chain.positions()[1:])])
     geometry = (Literal(padding), Literal(stride), Literal(dilation), Literal(groups))
     bias_value = Literal(bias)
+    unary_kernel, binary_kernel = _kernel_names(ops, chain, probes)
     if chain.add is None:
         args = (x, Literal(packed), bias_value, *geometry, Literal(attr), Literal(scalars),
                 Literal(algorithm))
-        return SpecOp(CONV_UNARY, dsts, args, conv.source_pc, variant=variant)
+        return SpecOp(unary_kernel, dsts, args, conv.source_pc, variant=variant)
     unary = None if attr == "none" else attr
     args = (x, chain.other, Literal(packed), bias_value, *geometry, Literal("add"),
             Literal(None), Literal(unary), Literal(scalars),
             Literal(algorithm if unary else None))
-    return SpecOp(CONV_BINARY, dsts, args, conv.source_pc, variant=variant)
+    return SpecOp(binary_kernel, dsts, args, conv.source_pc, variant=variant)

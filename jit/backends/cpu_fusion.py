@@ -98,9 +98,28 @@ LINEAR_UNARY = "ONEDNN_LINEAR"
 LINEAR_BINARY = "ONEDNN_LINEAR_BINARY"
 CONV_UNARY = "ONEDNN_CONV"            # Note [CPU conv fusion]
 CONV_BINARY = "ONEDNN_CONV_BINARY"
+# With a packed weight oneDNN returns its result channels-last even for an NCHW input,
+# while the program's CONVOLUTION gives NCHW there (and its shape function, which the
+# specializer trusts, says so): a later VIEW of the result would then fail. Where the
+# original result is NCHW-contiguous the fused call converts back (the calibration
+# times the conversion too).
+CONV_UNARY_NCHW = "ONEDNN_CONV_NCHW"
+CONV_BINARY_NCHW = "ONEDNN_CONV_BINARY_NCHW"
+
+
+def _nchw(kernel):
+    def call(*args):
+        return kernel(*args).contiguous()
+
+    call.__name__ = f"{kernel.__name__}_nchw"
+    return call
+
+
 CONV_KERNELS = {
     CONV_UNARY: _mkldnn._convolution_pointwise.default,
     CONV_BINARY: _mkldnn._convolution_pointwise.binary,
+    CONV_UNARY_NCHW: _nchw(_mkldnn._convolution_pointwise.default),
+    CONV_BINARY_NCHW: _nchw(_mkldnn._convolution_pointwise.binary),
 }
 FUSED_KERNELS = {
     LINEAR_UNARY: _mkldnn._linear_pointwise.default,

@@ -117,3 +117,29 @@ def test_measurement_can_refuse_a_conv_rewrite(block):
     assert "onednn_conv" not in kernel.source
     assert sum("stays on torch (oneDNN measured no faster here)" in n
                for n in kernel.notes) == 5
+
+
+class ConvThenFlatten(nn.Module):
+    """conv + relu, then a view that is valid only on an NCHW-contiguous result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        return y.view(y.shape[0], -1)
+
+
+def test_a_fused_conv_gives_its_result_the_layout_the_program_expects():
+    # oneDNN returns a channels-last result for an NCHW input once the weight is packed;
+    # the program's CONVOLUTION gives NCHW, and the VIEW after it relies on that.
+    model = ConvThenFlatten().eval()
+    x = torch.randn(2, 3, 10, 12)
+    program = dynvm.compile(model, (x,), ({0: Dim("batch", min=1, max=16)},))
+    kernel, region = _kernel(program, x, "always")
+    assert "onednn_conv_nchw" in kernel.source
+    with torch.no_grad():
+        got = _run(kernel, region, x)
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, model(x), **TOL)
