@@ -85,6 +85,11 @@ class JitConfig:
     measures faster on this device, Note [Arena by measurement] in
     dynvm.jit.backends.cpu_arena_choice) or "all" (wherever an out= form applies)."""
 
+    cpu_fusion: str = "measured"
+    """CPU backend: GEMM and convolution chains with their epilogues as one oneDNN call
+    (Note [CPU fusion] in dynvm.jit.backends.cpu_fusion): "measured" where that measures
+    faster on this device, "always" wherever it applies (debugging), "off" never."""
+
     compile_timeout_s: float = 120.0
     """A compile running longer is abandoned and counts as failed (Note [Compile
     deadline] in dynvm.jit.queue); its region backs off as after any failure."""
@@ -142,6 +147,9 @@ class JitConfig:
         if self.arena_ops not in ("measured", "all"):
             raise ValueError(f"JitConfig.arena_ops must be 'measured' or 'all', "
                              f"got {self.arena_ops!r}")
+        if self.cpu_fusion not in ("measured", "always", "off"):
+            raise ValueError(f"JitConfig.cpu_fusion must be 'measured', 'always' or 'off', "
+                             f"got {self.cpu_fusion!r}")
         if not 0.0 <= self.probation_margin < 1.0:
             raise ValueError(f"JitConfig.probation_margin must be in [0, 1), "
                              f"got {self.probation_margin}")

@@ -148,7 +148,8 @@ class Jit:
         self.install_rejections = 0
         self.arena_pool = (ArenaPool(interpreter.device, self.config.arena_budget_bytes)
                            if self.config.arena_budget_bytes > 0 else None)
-        self._cpu_options = CpuOptions(self.arena_pool, arena_ops=self.config.arena_ops)
+        self._cpu_options = CpuOptions(self.arena_pool, fusion=self.config.cpu_fusion,
+                                       arena_ops=self.config.arena_ops)
         # "cpu" or "triton" (JitConfig.backend resolved for this device); it enters
         # every cache key. Triton is imported only when it is chosen.
         self.backend = self.config.backend_for(interpreter.device)

@@ -206,6 +206,20 @@ def test_demo_transformer_in_the_runtime_agrees_with_eager():
     assert all("oneDNN" in s or "stays on torch" in s for s in sources)
 
 
+@pytest.mark.parametrize("fusion", ["always", "off"])
+def test_jit_config_cpu_fusion_reaches_the_backend(fusion):
+    program = h.compiled("transformer")
+    x = torch.randn(2, 8, h.SMALL_TRANSFORMER["hidden"])
+    with dynvm.Runtime(program, jit=h.eager_config(cpu_fusion=fusion)) as rt:
+        rt(x)
+        rt(x)
+        sources = "".join(a.source for a in rt.jit.artifacts.values())
+    assert sources
+    assert ("onednn_linear" in sources) == (fusion == "always")
+    with pytest.raises(ValueError, match="cpu_fusion"):
+        h.eager_config(cpu_fusion="sometimes")
+
+
 def test_a_family_kernel_fused_at_its_upper_bound_runs_every_member():
     """A family is specialized at several probes (the upper bound plans, Note [Probes]);
     the weights are packed for the upper bound's M and serve every M in the family."""

@@ -40,11 +40,12 @@ RTOL, ATOL = 1e-4, 1e-5
 
 def family_config(**overrides) -> JitConfig:
     """K = 2 for every region, and a horizon so long that every promotion pays; no
-    probation and every out= form into the arena (both would come from timings; these
-    tests count hits and allocations)."""
+    probation, every out= form into the arena and no oneDNN fusion (all three would come
+    from timings, and a fused oneDNN call allocates its result: these tests count hits and
+    allocations of the arena's own plan)."""
     fields = {"sync": True, "min_recurrence": 2, "max_recurrence": 2,
               "expected_speedup": 1.0, "horizon_calls": 10**9, "probation": False,
-              "arena_ops": "all"}
+              "arena_ops": "all", "cpu_fusion": "off"}
     fields.update(overrides)
     return JitConfig(**fields)
 
