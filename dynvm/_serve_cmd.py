@@ -66,6 +66,10 @@ class ServeOptions:
     require_signed: bool = False
     """Replicas load the .dvm file only with a signature made with DYNVM_STORE_SECRET
     (Note [Signed programs]); needs that variable set."""
+    gpu_targets: tuple = ()
+    """GPU targets, e.g. (("cuda", 90, 32),): the compile service also builds Triton
+    binaries for them, and CUDA replicas install those instead of compiling (Note [GPU
+    replicas in the fleet]); CPU replicas ignore them."""
     batching: BatchingOptions | None = None
     """Request batching (Note [Opportunistic batching]): the --max-batch-size,
     --max-batch-delay-ms, --preferred-batch-sizes, --shape-aware-batching and
@@ -98,13 +102,29 @@ def options_from_args(args) -> ServeOptions:
     except ValueError as exc:
         raise CliError(f"bad --name: {exc}", 2) from None
     batching = _batching_from_args(args)
+    gpu_targets = _gpu_targets_from_args(args)
     return ServeOptions(model_path=str(path.resolve()), name=name, port=args.port,
                         replicas=args.replicas, min_replicas=args.min_replicas,
                         max_replicas=args.max_replicas,
                         target_ongoing_requests=args.target_ongoing_requests,
                         online_compile=args.online_compile, device=args.device,
                         num_cpus=args.num_cpus, call_seconds=args.call_seconds,
-                        require_signed=args.require_signed, batching=batching)
+                        require_signed=args.require_signed, batching=batching,
+                        gpu_targets=gpu_targets)
+
+
+def _gpu_targets_from_args(args) -> tuple:
+    """--gpu-targets cuda:90,cuda:80 as (backend, arch, warp size) tuples."""
+    if not args.gpu_targets:
+        return ()
+    targets = []
+    for text in args.gpu_targets.split(","):
+        backend, _, arch = text.strip().partition(":")
+        if backend != "cuda" or not arch.isdigit():
+            raise CliError(f"--gpu-targets: each target looks like cuda:90, got "
+                           f"{text.strip()[:40]!r}", 2)
+        targets.append(("cuda", int(arch), 32))
+    return tuple(targets)
 
 
 def _batching_from_args(args):
@@ -184,7 +204,8 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
     ray.init(include_dashboard=False, log_to_driver=False)
     stack.callback(ray.shutdown)
     say(f"ray       local, {int(ray.cluster_resources().get('CPU', 0))} CPUs")
-    start_compile_service(store, name=SERVICE_NAME, namespace=NAMESPACE)
+    start_compile_service(store, name=SERVICE_NAME, namespace=NAMESPACE,
+                          gpu_targets=options.gpu_targets)
     stack.callback(stop_compile_service, SERVICE_NAME, NAMESPACE)
     say("compile   service started")
     serve.start(http_options=proxy.http_options("127.0.0.1", options.port))
@@ -198,7 +219,9 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
                  jit=JitConfig(online_compile=options.online_compile),
                  num_replicas=options.replicas, num_cpus=options.num_cpus,
                  batch_options=options.batching,
-                 fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE), autoscaling=autoscaling,
+                 fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE,
+                                    gpu_targets=options.gpu_targets),
+                 autoscaling=autoscaling,
                  limits=ServingLimits(call_seconds=options.call_seconds,
                                       require_signed_programs=options.require_signed))
 
@@ -281,6 +304,9 @@ the URL; Ctrl-C (or SIGTERM) stops everything it started.
     p.add_argument("--require-signed", action="store_true",
                    help="load the .dvm file only if MODEL.dvm.sig holds its signature "
                    "with DYNVM_STORE_SECRET (dynvm.vm.dvm_signature.sign_file)")
+    p.add_argument("--gpu-targets", metavar="cuda:NN,...",
+                   help="GPU architectures the compile service builds Triton binaries for; "
+                   "CUDA replicas install them without compiling (e.g. cuda:90,cuda:80)")
     batching = p.add_argument_group(
         "batching", "Note [Opportunistic batching]: a request that finds the model idle "
         "runs at once; requests arriving while it is busy form the next batch")

@@ -192,3 +192,16 @@ def test_batching_flags_map_to_one_batching_config(tmp_path):
         with pytest.raises(CliError) as error:
             options_from_args(_serve_args(str(path), *bad))
         assert error.value.args[0].startswith(("bad batching flag", "--preferred"))
+
+
+def test_gpu_targets_flag_reaches_the_options(tmp_path):
+    from dynvm._run_cmd import CliError
+    from dynvm._serve_cmd import options_from_args
+
+    path = tmp_path / "m.dvm"
+    path.write_bytes(b"x")
+    assert options_from_args(_serve_args(str(path))).gpu_targets == ()
+    options = options_from_args(_serve_args(str(path), "--gpu-targets", "cuda:90, cuda:80"))
+    assert options.gpu_targets == (("cuda", 90, 32), ("cuda", 80, 32))
+    with pytest.raises(CliError, match="cuda:90"):
+        options_from_args(_serve_args(str(path), "--gpu-targets", "rocm:90"))
