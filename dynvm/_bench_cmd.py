@@ -37,6 +37,7 @@ systems:   {", ".join(SYSTEMS)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `dynvm bench` (workloads, systems, sizes, output)."""
     parser.add_argument("workloads", nargs="*", metavar="WORKLOAD",
                         help="workloads to run (see above)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), metavar="A,B,...",
@@ -97,6 +98,8 @@ def _zoo_command(args) -> int:
 
 
 def bench_command(args) -> int:
+    """`dynvm bench`: the zoo timings, or the benchmark suite under bench/; the
+    exit status."""
     if "zoo" in args.workloads:
         return _zoo_command(args)
     suite = _suite()

@@ -1,4 +1,5 @@
-"""The one module that reads the process environment (DESIGN.md, Conventions 8).
+"""The one module that reads the process environment (DESIGN.md, Conventions 8). A leaf
+(DESIGN.md, Layout): it imports nothing above dynvm.vm, so every layer may use it.
 
 Everything else asks this module for parsed, frozen settings, and every parser takes an
 optional mapping instead of the real environment, so tests never touch os.environ:
@@ -134,6 +135,7 @@ class RuntimeSettings:
 
 
 def runtime_settings(environ: Mapping[str, str] | None = None) -> RuntimeSettings:
+    """The Runtime's settings (DYNVM_JIT) from `environ` or the process."""
     env = _environ(environ)
     return RuntimeSettings(jit=_flag(env, JIT, True), jit_text=env.get(JIT, ""))
 
@@ -232,6 +234,8 @@ def _positive_int(environ: Mapping[str, str], name: str) -> int | None:
 
 
 def store_settings(environ: Mapping[str, str] | None = None) -> StoreSettings:
+    """The kernel store's settings (DYNVM_STORE_*, DYNVM_REDIS_*) from `environ` or
+    the process; EnvVarError names a missing or bad variable, never a secret."""
     env = _environ(environ)
     secret = env.get(STORE_SECRET, "")
     if not secret.strip():
@@ -270,6 +274,8 @@ class ProxySettings:
 
 
 def proxy_settings(environ: Mapping[str, str] | None = None) -> ProxySettings:
+    """The HTTP proxy guard's limits (DYNVM_PROXY_*) from `environ` or the
+    process; EnvVarError names a bad variable."""
     env = _environ(environ)
     timeout = None
     text = env.get(PROXY_BODY_TIMEOUT_S)

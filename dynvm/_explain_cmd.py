@@ -32,6 +32,8 @@ MEASURE_CALLS = 2 * EXPLAIN_CONFIG.probation_samples + 1
 
 
 def explain_command(args, program, demo) -> int:
+    """`dynvm explain`: run one call of the given shape through a JIT that
+    compiles at once and print the guards, rewrites and generated code; the exit status."""
     schedules = parse_schedule(args.shape) if args.shape else ()
     check_schedule(schedules, program)
     draw = input_source(program, demo, schedules, args.seed)

@@ -95,6 +95,7 @@ def discover_models(client: _Client) -> list[str]:
 
 
 def check_server(client: _Client) -> None:
+    """Raise CliError unless the URL answers GET /v2 as a dynvm server."""
     status, doc = client.request("GET", "/v2")
     if status == 200 and isinstance(doc, Mapping) and doc.get("name") == "dynvm":
         return
@@ -150,6 +151,8 @@ def total(replicas) -> dict:
 
 
 def families(stats: Mapping) -> int | None:
+    """The number of code families in a model's stats (summed over its regions when
+    the total is absent); None when the stats do not say."""
     if "families" in stats:
         return stats["families"]
     regions = stats.get("regions")
@@ -159,6 +162,8 @@ def families(stats: Mapping) -> int | None:
 
 
 def specialized_ratio(stats: Mapping) -> float | None:
+    """The share of region calls that ran specialized code, or None before any
+    (or when the stats lack the counters)."""
     specialized = stats.get("specialized_region_calls")
     interpreted = stats.get("interpreted_region_calls")
     if not isinstance(specialized, int | float) or not isinstance(interpreted, int | float):
@@ -225,6 +230,8 @@ def _notes(rows: Sequence[Row]) -> list[str]:
 
 
 def top_command(args, out=None) -> int:
+    """`dynvm top`: poll the server's models and print their table, once or every
+    interval until Ctrl-C; the exit status."""
     out = sys.stdout if out is None else out
     client = _Client(args.url, args.timeout)
     check_server(client)

@@ -15,6 +15,9 @@ BACKENDS = ("auto", "cpu", "triton")
 
 @dataclass(frozen=True)
 class JitConfig:
+    """The JIT's knobs (promotion, families, arena, compile threads and deadline,
+    backend), one documented field each; `Runtime(program, jit=JitConfig(...))`."""
+
     min_recurrence: int = 2
     """K for the smallest regions: a signature must be seen this many times within the
     window before it may be promoted."""

@@ -99,6 +99,9 @@ def failure_reason(error: BaseException) -> str:
 
 
 class Jit:
+    """The JIT tier of one Runtime (module docstring): a RegionJit in every region
+    worth watching, the compile queue, the backends, and the counters of `stats()`."""
+
     def __init__(self, program, interpreter, config: JitConfig | None = None,
                  telemetry=None) -> None:
         self.program = program

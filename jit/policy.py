@@ -36,6 +36,8 @@ def recurrence_threshold(config: JitConfig, region_instructions: int) -> int:
 
 @dataclass(frozen=True)
 class Decision:
+    """Whether a signature is promoted, and the figures that decided it (Note [Promotion])."""
+
     promote: bool
     recurrence: int
     threshold: int
@@ -52,6 +54,7 @@ class Decision:
 
 def decide(config: JitConfig, recurrence: int, threshold: int, mean_seconds: float,
            speedup: float, compile_seconds: float) -> Decision:
+    """Promote when seen at least K times and the benefit beats the compile cost."""
     benefit = recurrence / config.window * config.horizon_calls * mean_seconds * speedup
     promote = recurrence >= threshold and benefit > compile_seconds
     return Decision(promote, recurrence, threshold, benefit, compile_seconds)

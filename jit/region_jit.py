@@ -102,6 +102,9 @@ _COLD = object()       # the ticket of a call run unwatched (Note [Cold regions]
 
 @dataclass
 class Specialization:
+    """An installed specialization of a region: its guard (signature or family)
+    and strength, the code, its artifact, and its measured calls and time."""
+
     signature: tuple            # exact: its signature; family: the one that promoted it
     strength: GuardStrength
     fn: object
@@ -132,6 +135,9 @@ class Specialization:
 
 @dataclass
 class RegionCounters:
+    """A region's counters: calls interpreted and specialized, guard failures,
+    deopts, evictions, promotions, cold periods, and the back-off of failed signatures."""
+
     interpreted: int = 0
     specialized: int = 0
     guard_failures: int = 0
@@ -144,6 +150,9 @@ class RegionCounters:
 
 
 class RegionJit:
+    """A region's cache slot (dynvm.vm.slots): guards the installed specializations,
+    profiles the misses, and asks the engine to promote what keeps coming back."""
+
     def __init__(self, engine, region) -> None:
         self.engine = engine
         self.region = region

@@ -41,6 +41,9 @@ from dynvm.vm.opcodes import opcode
 
 @dataclass(frozen=True)
 class CpuKernel:
+    """A compiled CPU specialization: its name, generated source, the function that
+    runs it on a register file, its arena binding if any, and its rewrites' notes."""
+
     name: str
     source: str
     fn: object  # Callable[[list], None]
@@ -94,6 +97,7 @@ def _value(value, emitter: _Emitter, constants) -> str:
 
 
 def kernel_name(spec: SpecializedRegion, signature_text: str) -> str:
+    """The kernel's name: its region and a digest of the signature it serves."""
     digest = hashlib.sha256(signature_text.encode()).hexdigest()[:10]
     return f"kernel_region{spec.region_index}_{digest}"
 
@@ -257,6 +261,8 @@ class CpuOptions:
 def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.device,
                    signature_text: str, guard: str,
                    options: CpuOptions = CpuOptions(), owner: str = "") -> CpuKernel:
+    """Generate and compile the CPU kernel of `spec` (fusion rewrites and the
+    arena plan as `options` say) for `device`."""
     name = kernel_name(spec, signature_text)
     header = (f"dynvm CPU specialization of program {program.content_hash[:12]}, region "
               f"{spec.region_index} ({spec.instructions} instructions -> {len(spec.ops)} "

@@ -51,6 +51,9 @@ OUT_KERNELS: dict[str, OutForm] = {spec.name: spec.out for spec in ALL_OPS
 
 @dataclass(frozen=True)
 class ArenaLayout:
+    """Where a specialization's arena results live (Note [Arena layout]): the plan,
+    each op's blocks, each block's offset and dtype, and what was left out and why."""
+
     plan: ArenaPlan
     outs: dict[int, tuple[int, ...]]     # op position -> its blocks (result, scratch...)
     blocks: tuple[tuple[int, torch.dtype], ...]   # block key -> (offset, dtype), key order

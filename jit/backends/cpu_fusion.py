@@ -32,22 +32,25 @@ same check with oneDNN (eager timed before and after a background compile that
 calibrated and packed, one thread) showed no slowdown. BMM of two run-time tensors has
 no oneDNN pointwise op; attention goes through SDPA (jit/specialize.py) instead.
 
-Note [OpenMP team of the compile thread]: OpenMP's thread count is per thread, and
-torch.set_num_threads sets it for the calling thread only. Measured here: in a process
-where oneDNN first ran with two threads and torch was then set to one, a oneDNN call on
-a new Python thread started a second OpenMP team of its own that outlived the call, so a
-calibration there would have timed oneDNN on two threads against torch on one (in a
-process set to one thread from the start, no team appeared). Both passes therefore first
-set the current thread's count to torch's (`pin_openmp_team`): the measurement then runs
-as the serving thread will, and no second team is started (tested in a fresh process,
-tests/jit/test_cpu_fusion.py).
+Note [OpenMP team of the compile thread]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+OpenMP's thread count is per thread, and torch.set_num_threads sets it for the calling
+thread only. Measured here: in a process where oneDNN first ran with two threads and
+torch was then set to one, a oneDNN call on a new Python thread started a second OpenMP
+team of its own that outlived the call, so a calibration there would have timed oneDNN
+on two threads against torch on one (in a process set to one thread from the start, no
+team appeared). Both passes therefore first set the current thread's count to torch's
+(`pin_openmp_team`): the measurement then runs as the serving thread will, and no second
+team is started (tested in a fresh process, tests/jit/test_cpu_fusion.py).
 
-Note [oneDNN holds the GIL]: unlike torch's own ops, a `torch.ops.mkldnn` call did not
-release the GIL here (a thread looping a 2048x1024x1024 oneDNN GEMM left the main
-thread's Python 15% of its solo progress; looping F.linear, 54%, on the same loaded
-2 cores). A specialized kernel runs on the request thread anyway; what matters is the
-compile thread's calibration, whose calls are kept to a few milliseconds each
-(`_CALIBRATION_MAX_M`) so that a request waits at most that long for the GIL.
+Note [oneDNN holds the GIL]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Unlike torch's own ops, a `torch.ops.mkldnn` call did not release the GIL here (a thread
+looping a 2048x1024x1024 oneDNN GEMM left the main thread's Python 15% of its solo
+progress; looping F.linear, 54%, on the same loaded 2 cores). A specialized kernel runs
+on the request thread anyway; what matters is the compile thread's calibration, whose
+calls are kept to a few milliseconds each (`_CALIBRATION_MAX_M`) so that a request waits
+at most that long for the GIL.
 
 Every rewrite must measure faster: the pass asks the device's `Calibrator` (Note
 [Calibration]) to time the eager pair against the fused call on operands of the op's
@@ -144,6 +147,8 @@ _CALIBRATION_MAX_M = 512
 
 @dataclass(frozen=True)
 class FusionResult:
+    """A region after a fusion rewrite, with notes on what was fused or why not."""
+
     spec: SpecializedRegion
     notes: tuple[str, ...]
 
@@ -159,6 +164,7 @@ class _Gemm:
 
 
 def is_fused(op: SpecOp) -> bool:
+    """Whether `op` runs as a fused oneDNN kernel."""
     return op.variant.split("+")[0] == FUSED_VARIANT
 
 
@@ -174,6 +180,7 @@ def pin_openmp_team() -> None:
 
 
 def onednn_available(device: torch.device) -> bool:
+    """Whether oneDNN (mkldnn) kernels can run on `device`."""
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and torch.backends.mkldnn.enabled)
 
@@ -235,6 +242,8 @@ def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device
 
 
 def use_counts(ops: list[SpecOp], leaving: set[int]) -> dict[int, int]:
+    """Uses of each register in `ops` (a register in `leaving`, a region output,
+    counts one more)."""
     counts = {reg: 1 for reg in leaving}
     for op in ops:
         for value in flat_values(op.args):
@@ -244,6 +253,7 @@ def use_counts(ops: list[SpecOp], leaving: set[int]) -> dict[int, int]:
 
 
 def probe_tensors(probes, reg: int) -> list | None:
+    """Register `reg`'s value at each probe, if it is a tensor at all of them."""
     values = [probe.get(reg) for probe in probes]
     return values if all(isinstance(v, torch.Tensor) for v in values) else None
 
@@ -298,6 +308,8 @@ def _as_gemm(op: SpecOp, constants, probes) -> _Gemm | None:
 
 
 def single_consumer(ops, position: int, uses) -> int | None:
+    """The position of the one later op that reads op `position`'s result, or
+    None when it has other uses (or leaves the region)."""
     dst = ops[position].dsts[0]
     if uses.get(dst) != 1:
         return None
