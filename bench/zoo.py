@@ -25,9 +25,9 @@ installed past its first cold check, Note [Cold regions], no specialization stil
 probation, Note [Probation]: a verdict needs about 48 hits of a specialization, more
 than 8 rounds give a model with one or two shapes), at most `SETTLE_ROUNDS` rounds or
 `SETTLE_SECONDS` per model; the doc reports each model's warm-up calls of the JIT and
-whether it settled within the cap. Nothing else about what is timed changes. One torch thread by default (as the suite, see
-README's Benchmarks): the machine is shared, and ratios taken in the same instant are
-what stays comparable.
+whether it settled within the cap. Nothing else about what is timed changes. One torch
+thread by default (as the suite, see README's Benchmarks): the machine is shared, and
+ratios taken in the same instant are what stays comparable.
 """
 
 from __future__ import annotations
