@@ -142,6 +142,8 @@ class Jit:
         # and calls `reattach_due` once it reaches `reattach_at`.
         self._detach_lock = threading.Lock()   # never held while taking a region's lock
         self.detached: dict[int, int] = {}
+        self._detached_from: dict[int, int] = {}   # index -> first program call not seen
+        self._detached_calls: dict[int, int] = {}  # index -> program calls not seen, ended
         self.program_calls = 0
         self.reattach_at = _NEVER
         self.detachments = 0
@@ -193,18 +195,22 @@ class Jit:
             self.interpreter.install_slot(index, None)
             at = self.program_calls + 1 + period   # the call in progress is not counted yet
             self.detached[index] = at
+            self._detached_from[index] = self.program_calls + 2
             self.reattach_at = min(self.reattach_at, at)
             self.detachments += 1
         self._log(f"region {index} detached: no specialization can pay for its compile; "
                   f"looked at again in {period} calls")
 
-    def reattach_due(self, program_calls: int) -> None:
+    def reattach_due(self, program_calls: int, everything: bool = False) -> None:
         """Re-attach the detached regions whose period has ended (the Runtime calls it
         when `program_calls` reaches `reattach_at`)."""
         with self._detach_lock:
-            due = [index for index, at in self.detached.items() if at <= program_calls]
+            due = [index for index, at in self.detached.items()
+                   if everything or at <= program_calls]
             for index in due:
                 del self.detached[index]
+                self._detached_calls[index] = self._detached_calls.get(index, 0) + max(
+                    0, program_calls + 1 - self._detached_from.pop(index))
                 region_jit = self.regions[index]
                 region_jit.reattached()
                 self.interpreter.install_slot(index, region_jit)
@@ -213,8 +219,16 @@ class Jit:
         for index in due:
             self._log(f"region {index} re-attached after its detached period")
 
+    def detached_program_calls(self, index: int) -> int:
+        """Program calls that ran region `index` without its slot (its entries in them
+        are counted nowhere else): a straight-line region's interpreted + specialized +
+        this is its entries."""
+        since = self._detached_from.get(index)
+        current = max(0, self.program_calls + 1 - since) if since is not None else 0
+        return self._detached_calls.get(index, 0) + current
+
     def _reattach_all(self) -> None:
-        self.reattach_due(_NEVER)
+        self.reattach_due(self.program_calls, everything=True)
 
     # -- fleet (Note [Fleet hooks]) -----------------------------------------------------
 
@@ -655,6 +669,7 @@ class Jit:
                 "guard_failures": c.guard_failures, "deopts": c.deopts,
                 "last_guard_failure": c.last_guard_failure,
                 "detached": index in self.detached,
+                "detached_program_calls": self.detached_program_calls(index),
             }
             for name in totals:
                 totals[name] += getattr(c, name)
@@ -690,6 +705,8 @@ class Jit:
             "detached_regions": len(self.detached),
             "detachments": self.detachments,
             "reattachments": self.reattachments,
+            "detached_program_calls": sum(self.detached_program_calls(i)
+                                          for i in self.regions),
             "regions": regions,
         }
 

@@ -58,6 +58,9 @@ def test_a_region_that_cannot_pay_is_detached_and_reattached():
     assert any("re-attached" in line for line in runtime.jit.event_log)
     call()
     assert _region_calls(runtime) == detached_at + watched
+    # Every entry is counted once: by the slot, or as a call run detached.
+    assert _region_calls(runtime) + runtime.stats()["detached_program_calls"] == \
+        watched * calls
     # Still cannot pay: after the next check it is detached again, for twice as long.
     for _ in range(COLD_CHECK_EVERY):
         call()
