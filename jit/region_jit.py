@@ -30,15 +30,12 @@ Note [Cold regions]
 Watching a region costs a signature, a lookup and a profile update per interpreted
 call, a few microseconds. For a region that runs in microseconds (a loop body over small
 tensors) that is a large share, and it buys nothing when no specialization of the region
-could pay for its compile at the traffic it sees: a signature (or family) saves at
-most its share of the window's calls x horizon x time x speed-up (the policy's benefit,
-jit.policy decide), and if the best of these is below the compile cost of the region no
+could ever pay for its compile: even a signature seen on every call saves at most
+horizon x mean time x speed-up, and if that is below the compile cost of the region no
 promotion will happen. Every `COLD_CHECK_EVERY` interpreted calls a region checks this
-bound (time: each key's fastest call, among keys seen at least twice: a single call
-preempted for 27 ms on the loaded test machine once kept a 25 us loop region watched
-forever; the bound once took the slowest signature as if seen on every call, which kept
-phi's one 149-instruction region, four shapes, none ever promoted, profiled on every
-call at 1.05x the interpreter); if it holds, its next misses are not
+bound (with the slowest signature it has seen, by that signature's fastest call among
+signatures seen at least twice: a single call preempted for 27 ms on the loaded test
+machine once kept a 25 us loop region watched forever); if it holds, its next misses are not
 profiled: with no specialization installed `enter` returns at once, otherwise it still
 looks up the specializations it has and only skips the profiling of a miss. The period
 doubles each time the bound still holds (up to `COLD_CALLS_MAX`), so that a region
@@ -101,15 +98,6 @@ _MEMO_LIMIT = 4096
 _MANY = object()       # a family with more than one member signature so far
 _UNMATCHED = object()  # a signature not looked up among the family kernels yet
 _COLD = object()       # the ticket of a call run unwatched (Note [Cold regions])
-
-
-def _best_rate(profile: RegionProfile) -> float:
-    """Max over the keys seen at least twice of (share of the window's calls) x (fastest
-    call seconds): the time per region call a specialization of one key could save at
-    most (Note [Cold regions])."""
-    window = max(1, min(profile.window, profile.calls))
-    return max((profile.recurrence(key) / window * stats.min_seconds
-                for key, stats in profile.table.items() if stats.count > 1), default=0.0)
 
 
 @dataclass
@@ -409,12 +397,9 @@ class RegionJit:
         if self.pending or not self.engine.compiles_locally():
             return
         self.checked = True
-        # The best benefit any signature or family could show the policy (jit.policy
-        # decide: frequency x horizon x time x speed-up) at the traffic of the window,
-        # with each one's fastest call (robust to a preempted one). A region whose
-        # traffic shifts is looked at again after its cold or detached period.
-        best = self.engine.config.horizon_calls * self.speedup() * max(
-            _best_rate(self.profile), _best_rate(self.family_profile))
+        slowest = max((s.min_seconds for s in self.profile.table.values() if s.count > 1),
+                      default=0.0)
+        best = self.engine.config.horizon_calls * slowest * self.speedup()
         counters = self.counters
         calls, hits = counters.interpreted + counters.specialized, counters.specialized
         since_calls, since_hits = calls - self._marks[0], hits - self._marks[1]
