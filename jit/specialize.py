@@ -35,6 +35,8 @@ first probe is the one memory is planned for (the bucket's upper bounds).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from dynvm.jit.aliasing import flat_values
@@ -140,7 +142,7 @@ class _Rewriter:
             self.assumes_shapes = True
         live = live_in_sets(code)
         after = live[self.region.stop] if self.region.stop < len(code) else frozenset()
-        ops = _add_frees(ops, leaving)
+        ops = add_frees(ops, leaving)
         before = len(self.notes)
         ops = reuse_dying_buffers(ops, self.probes, self.notes, leaving)
         if len(self.notes) != before:
@@ -370,8 +372,9 @@ def _swaps_last_two(op: SpecOp, values: dict[int, object]) -> bool:
     return False
 
 
-def _add_frees(ops: list[SpecOp], keep: set[int]) -> list[SpecOp]:
-    """Attach to each op the Vars whose last use it is (outputs are kept)."""
+def add_frees(ops: list[SpecOp], keep: set[int]) -> list[SpecOp]:
+    """Attach to each op the Vars whose last use it is (`keep`, the outputs, are never
+    freed). Backend passes that move reads (the oneDNN fusions) call it again."""
     last_use: dict[int, int] = {}
     for position, op in enumerate(ops):
         for value in flat_values(op.args):
@@ -383,6 +386,6 @@ def _add_frees(ops: list[SpecOp], keep: set[int]) -> list[SpecOp]:
     for reg, position in last_use.items():
         if reg not in keep:
             frees.setdefault(position, []).append(reg)
-    return [SpecOp(op.opcode, op.dsts, op.args, op.source_pc, tuple(sorted(frees.get(i, ()))),
-                   op.variant) for i, op in enumerate(ops)]
+    return [dataclasses.replace(op, frees=tuple(sorted(frees.get(i, ()))))
+            for i, op in enumerate(ops)]
 

@@ -51,7 +51,6 @@ from dynvm.jit.backends.cpu_fusion import (
     onednn_available,
     pin_openmp_team,
     probe_tensors,
-    recompute_frees,
     run_original,
     single_consumer,
     unary_post_op,
@@ -60,6 +59,7 @@ from dynvm.jit.backends.cpu_fusion import (
 from dynvm.jit.backends.cpu_prepack import PrepackCache
 from dynvm.jit.calibration import Calibrator, size_class
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
+from dynvm.jit.specialize import add_frees
 
 _mkldnn = torch.ops.mkldnn
 # Calibration inputs are cut to at most this many batch rows (a family's upper bound
@@ -125,7 +125,7 @@ def fuse_conv_epilogues(spec: SpecializedRegion, constants, device: torch.device
     if not replaced:
         return FusionResult(spec, tuple(notes))
     new_ops = [replaced.get(i, op) for i, op in enumerate(ops) if i not in removed]
-    new_ops = recompute_frees(new_ops, leaving)
+    new_ops = add_frees(new_ops, leaving)
     return FusionResult(dataclasses.replace(spec, ops=tuple(new_ops)), tuple(notes))
 
 

@@ -90,6 +90,7 @@ from dynvm.jit.aliasing import flat_values
 from dynvm.jit.backends.cpu_prepack import PrepackCache
 from dynvm.jit.calibration import Calibrator, size_class
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
+from dynvm.jit.specialize import add_frees
 from dynvm.vm.opcodes import OPCODES
 
 _mkldnn = torch.ops.mkldnn
@@ -234,7 +235,7 @@ def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device
     if not replaced:
         return FusionResult(spec, tuple(notes))
     new_ops = [replaced.get(i, op) for i, op in enumerate(ops) if i not in removed]
-    new_ops = recompute_frees(new_ops, leaving)
+    new_ops = add_frees(new_ops, leaving)
     return FusionResult(dataclasses.replace(spec, ops=tuple(new_ops)), tuple(notes))
 
 
@@ -544,20 +545,3 @@ def _call_text(fused: SpecOp) -> str:
         return "linear" if attr == "none" else f"linear with post-op {attr}"
     return f"linear with binary post-op {fused.args[4].value}"
 
-
-def recompute_frees(ops: list[SpecOp], keep: set[int]) -> list[SpecOp]:
-    """Each op frees the Vars whose last use it is (outputs are kept): the fused calls
-    moved some reads earlier."""
-    last_use: dict[int, int] = {}
-    for position, op in enumerate(ops):
-        for value in flat_values(op.args):
-            if isinstance(value, Var):
-                last_use[value.reg] = position
-        for dst in op.dsts:
-            last_use.setdefault(dst, position)
-    frees: dict[int, list[int]] = {}
-    for reg, position in last_use.items():
-        if reg not in keep:
-            frees.setdefault(position, []).append(reg)
-    return [dataclasses.replace(op, frees=tuple(sorted(frees.get(i, ()))))
-            for i, op in enumerate(ops)]
