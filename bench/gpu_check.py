@@ -44,6 +44,7 @@ SYSTEM_NAMES = ("eager", "compile-static", "compile-dynamic", "compile-reduce-ov
                 "dynvm-interp", "dynvm-jit", "dynvm-jit-graphs")
 
 
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -104,6 +105,22 @@ from dynvm.jit.ir import ConstRef, Literal  # noqa: E402
 from dynvm.models import transformer  # noqa: E402
 from tests.triton import _triton_helpers as th  # noqa: E402
 
+
+def _members_against_eager(runner, spec, fam, rng, members, device, on_device):
+    """Run `members` drawn from the family through `runner` and eager: (largest absolute
+    error, whether every output is within rtol/atol 1e-4, the members' shapes)."""
+    worst, ok, tested = 0.0, True, []
+    for dims in th.member_dims(fam, rng, members):
+        x = torch.randn(dims[0], device=device)
+        got = th.run_region(runner, spec, {0: x})
+        want = th.eager(spec, {0: x}, on_device)
+        for reg in want:
+            err = (got[reg] - want[reg]).abs().max().item() if want[reg].numel() else 0.0
+            worst = max(worst, err)
+            ok = ok and torch.allclose(got[reg], want[reg], rtol=1e-4, atol=1e-4)
+        tested.append(list(dims[0]))
+    return worst, ok, tested
+
 op = th.op
 LABELS = {**BENCH_LABELS, "compile-reduce-overhead": 'torch.compile(mode="reduce-overhead")',
           "dynvm-jit-graphs": "dynvm JIT + CUDA graphs"}
@@ -155,17 +172,9 @@ def check_kernels(device: torch.device, members: int, only=()) -> list[dict]:
         start = time.perf_counter()
         runner = make_runner(code, on_device, device)
         compile_s = time.perf_counter() - start
-        worst, tested = 0.0, []
-        ok = kind in kinds
-        for dims in th.member_dims(fam, rng, members):
-            x = torch.randn(dims[0], device=device)
-            got = th.run_region(runner, spec, {0: x})
-            want = th.eager(spec, {0: x}, on_device)
-            for reg in want:
-                err = (got[reg] - want[reg]).abs().max().item() if want[reg].numel() else 0.0
-                worst = max(worst, err)
-                ok = ok and torch.allclose(got[reg], want[reg], rtol=1e-4, atol=1e-4)
-            tested.append(list(dims[0]))
+        worst, agrees, tested = _members_against_eager(runner, spec, fam, rng, members,
+                                                       device, on_device)
+        ok = kind in kinds and agrees
         rows.append({"case": name, "family": fam.key, "kernel_kinds": kinds, "expected": kind,
                      "members": tested, "max_abs_err": worst, "ok": bool(ok),
                      "compile_s": compile_s, "launches": runner.launches})
@@ -277,15 +286,8 @@ def _load_and_run(stored, boundary, members: int, calls: list) -> dict:
                           boundary)
     runner.prepare()
     load_ms = (time.perf_counter() - start) * 1e3
-    worst, ok = 0.0, True
-    for dims in th.member_dims(fam, rng, members):
-        x = torch.randn(dims[0], device=boundary.device)
-        got = th.run_region(runner, spec, {0: x})
-        want = th.eager(spec, {0: x}, on_device)
-        for reg in want:
-            err = (got[reg] - want[reg]).abs().max().item() if want[reg].numel() else 0.0
-            worst = max(worst, err)
-            ok = ok and torch.allclose(got[reg], want[reg], rtol=1e-4, atol=1e-4)
+    worst, ok, _ = _members_against_eager(runner, spec, fam, rng, members, boundary.device,
+                                          on_device)
     ok = ok and not calls and runner.launches > 0
     print(f"  {name:28s} {'ok' if ok else 'FAIL'}  {choice.how} of {choice.target}  "
           f"load {load_ms:.1f} ms  max|err| {worst:.2e}", flush=True)
