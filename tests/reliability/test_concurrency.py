@@ -38,6 +38,10 @@ CONFIG = dynvm.JitConfig(
     max_specializations_per_region=4,   # evictions while calls run
     arena_budget_bytes=1 << 20,         # buffers evicted and refused under load
     compile_threads=1,
+    # The arena's and the cache's mechanics under threads, not timings: every out= form
+    # into the arena, no oneDNN rewrite, no probation (each would come from measurements
+    # and could leave nothing to lease or evict).
+    arena_ops="all", cpu_fusion="off", probation=False,
 )
 
 

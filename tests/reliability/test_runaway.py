@@ -16,6 +16,7 @@ import torch
 
 import dynvm
 from dynvm.vm.asm import assemble, disassemble
+from tests.jit._jit_helpers import eager_config
 from tests.vm._programs import build, compiled
 
 SPIN = """
@@ -66,7 +67,9 @@ def _never_ending_while_loop() -> dynvm.Program:
 @pytest.mark.parametrize("jit", [False, True], ids=["interpreter", "jit"])
 def test_a_while_loop_whose_condition_never_turns_false_stops(jit):
     program = _never_ending_while_loop()
-    config = dynvm.JitConfig(sync=True, min_recurrence=1, max_recurrence=1) if jit else False
+    # Promotion forced and probation off: the point is that specialized loop bodies are
+    # metered too, so the region must not be judged too cheap to compile (and detached).
+    config = eager_config() if jit else False
     runtime = dynvm.Runtime(program, jit=config,
                             budget=dynvm.CallBudget(seconds=30, loop_iterations=300))
     x = torch.randn(4, 32)
