@@ -112,7 +112,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     demo = recommender(max_batch=64)
-    program = dynvm.compile(demo.module.eval(), demo.example_inputs, demo.dynamic_shapes,
+    module = demo.module.eval()  # safe: nn.Module.eval, not Python's eval
+    program = dynvm.compile(module, demo.example_inputs, demo.dynamic_shapes,
                             name="recommender")
     runs = []
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

@@ -128,7 +128,8 @@ def main(argv=None) -> int:
 
     config = JitConfig(min_recurrence=2, max_recurrence=4, horizon_calls=HORIZON)
     demo = recommender(max_batch=64)
-    program = dynvm.compile(demo.module.eval(), demo.example_inputs, demo.dynamic_shapes,
+    module = demo.module.eval()  # safe: nn.Module.eval, not Python's eval
+    program = dynvm.compile(module, demo.example_inputs, demo.dynamic_shapes,
                             name="recommender")
     workdir = tempfile.mkdtemp(prefix="dynvm-bench-")
     path = os.path.join(workdir, "rec.dvm")

@@ -104,7 +104,7 @@ def _plain_deployment():
         """The same module in eager, @serve.batch(8, 0.01), v2 parsed on the loop."""
 
         def __init__(self, module) -> None:
-            self.module = module.eval()
+            self.module = module.eval()  # safe: nn.Module.eval
 
         @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
         async def run(self, items: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
         demos, paths = {}, {}
         for name in args.models.split(","):
             demo = _model(name)
-            program = dynvm.compile(demo.module.eval(), demo.example_inputs,
+            program = dynvm.compile(demo.module.eval(), demo.example_inputs,  # safe: nn.Module.eval
                                     demo.dynamic_shapes, name=name)
             paths[name] = os.path.join(tmp, f"{name}.dvm")
             dynvm.save(program, paths[name])
