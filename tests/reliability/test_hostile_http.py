@@ -26,26 +26,13 @@ from dynvm.cluster.limits import ServingLimits
 from dynvm.cluster.proxy_guard import ProxyLimits
 from dynvm.cluster.replica import serve_models
 from tests.cluster._cluster_helpers import local_serve, saved_recommender
-from tests.vm._programs import build
+from tests.vm._programs import DATA_LOOP, DATA_LOOP_INPUTS, build
 
 pytestmark = pytest.mark.slow
 
 PROXY = ProxyLimits(body_timeout_s=2.0)
 REC = "/v2/models/recommender/infer"
 SPIN = "/v2/models/spin/infer"
-SPIN_LOOP = """
-    0  %2 = ITEM %0
-    1  %3 = MOVE 0
-    2  %4 = MOVE %1
-    3  %5 = SLT %3, %2
-    4  JUMP_IF_FALSE %5, @9
-    5  %6 = MUL %4, 2.0
-    6  %4 = MOVE %6
-    7  %3 = SADD %3, 1
-    8  JUMP @3
-    9  %7 = SCALAR_TENSOR %3, torch.int64, None, None
-    10  RETURN {%4, %7}
-"""
 
 
 class Server:
@@ -95,7 +82,7 @@ def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hostile")
     demo, program, rec_path = saved_recommender(folder, max_batch=1024)
     spin_path = folder / "spin.dvm"
-    dynvm.save(build(SPIN_LOOP, regs=8, inputs=('"n" int64 []', '"x" float32 [m:1..64]'),
+    dynvm.save(build(DATA_LOOP, regs=8, inputs=DATA_LOOP_INPUTS,
                      outputs=2, name="spin"), spin_path)
     with local_serve("dynvm-test-hostile", proxy_limits=PROXY) as port:
         serve_models({"recommender": str(rec_path), "spin": str(spin_path)}, device="cpu",
@@ -426,7 +413,7 @@ def test_past_its_concurrency_limit_a_replica_answers_503_with_retry_after(serve
     from dynvm.cluster.replica import model_application
 
     path = tmp_path / "spin2.dvm"
-    dynvm.save(build(SPIN_LOOP, regs=8, inputs=('"n" int64 []', '"x" float32 [m:1..64]'),
+    dynvm.save(build(DATA_LOOP, regs=8, inputs=DATA_LOOP_INPUTS,
                      outputs=2, name="spin"), path)
     serve.run(model_application("spin2", path, device="cpu", jit=False, num_cpus=0.25,
                                 limits=ServingLimits(call_seconds=1.0,

@@ -57,6 +57,25 @@ def listing(body: str, *, regs: int, inputs: tuple[str, ...] = ('"x" float32 [n:
     return "\n".join(lines) + "\n" + textwrap.dedent(body).strip("\n") + "\n"
 
 
+
+# trips = n.item(); h = x; i = 0; while i < trips: h = h * 2; i += 1
+# returns (h, i as a tensor): a trip count that depends on tensor data, not on shapes.
+DATA_LOOP = """
+    0  %2 = ITEM %0
+    1  %3 = MOVE 0
+    2  %4 = MOVE %1
+    3  %5 = SLT %3, %2
+    4  JUMP_IF_FALSE %5, @9
+    5  %6 = MUL %4, 2.0
+    6  %4 = MOVE %6
+    7  %3 = SADD %3, 1
+    8  JUMP @3
+    9  %7 = SCALAR_TENSOR %3, torch.int64, None, None
+    10  RETURN {%4, %7}
+"""
+DATA_LOOP_INPUTS = ('"n" int64 []', '"x" float32 [m:1..64]')
+
+
 def build(body: str, constants: tuple[torch.Tensor, ...] = (), **kwargs) -> dynvm.Program:
     """assemble(listing(body, **kwargs), constants): a verified Program."""
     return assemble(listing(body, **kwargs), constants)

@@ -13,7 +13,7 @@ import dynvm
 from dynvm.vm.interpreter import Interpreter
 from dynvm.vm.operands import Reg
 from dynvm.vm.regions import live_in_sets, successors
-from tests.vm._programs import build, compiled, demo
+from tests.vm._programs import DATA_LOOP, DATA_LOOP_INPUTS, build, compiled, demo
 
 # if n > 4: h = relu(x) else: h = -x;  then n times: h = h + 1.0;  return h
 BRANCH_AND_LOOP = """
@@ -34,22 +34,6 @@ BRANCH_AND_LOOP = """
     14  RETURN {%4}
 """
 
-# trips = n.item(); h = x; i = 0; while i < trips: h = h * 2; i += 1
-# returns (h, i as a tensor): a trip count that depends on tensor data, not on shapes.
-DATA_LOOP = """
-    0  %2 = ITEM %0
-    1  %3 = MOVE 0
-    2  %4 = MOVE %1
-    3  %5 = SLT %3, %2
-    4  JUMP_IF_FALSE %5, @9
-    5  %6 = MUL %4, 2.0
-    6  %4 = MOVE %6
-    7  %3 = SADD %3, 1
-    8  JUMP @3
-    9  %7 = SCALAR_TENSOR %3, torch.int64, None, None
-    10  RETURN {%4, %7}
-"""
-DATA_LOOP_INPUTS = ('"n" int64 []', '"x" float32 [m:1..64]')
 DATA_LOOP_BODY = 2  # region index of instructions 5..7
 
 
