@@ -11,22 +11,14 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from dynvm.jit.ir import ConstRef, Literal, Var
+from dynvm.vm import torch_literals
 from dynvm.vm.errors import DynvmError
+from dynvm.vm.torch_literals import UnknownTorchLiteral
 
 
 class IrCodecError(DynvmError, ValueError):
     """Data that is not an encoded IR operand (the message names what was wrong)."""
-
-
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values()
-           if isinstance(d, torch.dtype)}
-_MEMORY_FORMATS = {str(f).removeprefix("torch."): f for f in (
-    torch.contiguous_format, torch.preserve_format, torch.channels_last,
-    torch.channels_last_3d)}
-_LAYOUTS = {str(x).removeprefix("torch."): x for x in (torch.strided, torch.sparse_coo)}
 
 
 def encode_literal(value) -> list:
@@ -39,14 +31,9 @@ def encode_literal(value) -> list:
     if isinstance(value, list | tuple):
         return ["list" if isinstance(value, list) else "tuple",
                 [encode_literal(v) for v in value]]
-    if isinstance(value, torch.dtype):
-        return ["dtype", str(value).removeprefix("torch.")]
-    if isinstance(value, torch.device):
-        return ["device", str(value)]
-    if isinstance(value, torch.memory_format):
-        return ["memory_format", str(value).removeprefix("torch.")]
-    if isinstance(value, torch.layout):
-        return ["layout", str(value).removeprefix("torch.")]
+    kind = torch_literals.kind_of(value)
+    if kind is not None:
+        return [kind, torch_literals.literal_name(value)]
     raise IrCodecError(f"literal {value!r} of type {type(value).__name__} cannot be encoded")
 
 
@@ -62,14 +49,11 @@ def decode_literal(data):
     if tag in ("list", "tuple") and isinstance(payload, list):
         items = [decode_literal(v) for v in payload]
         return items if tag == "list" else tuple(items)
-    table = {"dtype": _DTYPES, "memory_format": _MEMORY_FORMATS, "layout": _LAYOUTS}.get(tag)
-    if table is not None and payload in table:
-        return table[payload]
-    if tag == "device" and isinstance(payload, str):
+    if tag in torch_literals.KINDS:
         try:
-            return torch.device(payload)
-        except (RuntimeError, ValueError):
-            raise IrCodecError(f"literal: unknown device {payload!r}") from None
+            return torch_literals.literal_named(tag, payload)
+        except UnknownTorchLiteral as exc:
+            raise IrCodecError(f"literal: {exc}") from None
     raise IrCodecError(f"literal: unknown tag {tag!r} or payload {payload!r}")
 
 

@@ -31,17 +31,17 @@ from dataclasses import dataclass
 import torch
 
 from dynvm.jit.ir import ConstRef, SpecializedRegion, SpecOp, Var
-from dynvm.jit.ir_codec import IrCodecError, decode_literal, decode_value, encode_value
+from dynvm.jit.ir_codec import IrCodecError, decode_value, encode_value
 from dynvm.jit.signature import GuardStrength
 from dynvm.shape_cluster import Family
+from dynvm.vm import torch_literals
 from dynvm.vm.errors import DynvmError
 from dynvm.vm.opcodes import OPCODES
 from dynvm.vm.shapes import intern_shape
+from dynvm.vm.torch_literals import UnknownTorchLiteral, literal_name
 
 RECORD_VERSION = 1
 _SCALAR_TYPES = {"int": int, "float": float, "bool": bool}
-_TORCH_ENUMS = {"dtype": torch.dtype, "layout": torch.layout,
-                "memory_format": torch.memory_format}
 
 
 class PortableError(DynvmError, ValueError):
@@ -62,14 +62,10 @@ class PortableSpecialization:
 # -- encoding ------------------------------------------------------------------------
 
 
-def _torch_name(value) -> str:
-    return str(value).removeprefix("torch.")
-
-
 def _encode_abstract(value):
     if isinstance(value, torch.Tensor):
         return ["T", list(value.shape), list(value.stride()), value.storage_offset(),
-                _torch_name(value.dtype)]
+                literal_name(value.dtype)]
     if isinstance(value, bool | int | float):
         return ["S", value]
     raise PortableError(f"abstract value of type {type(value).__name__} cannot be encoded")
@@ -81,7 +77,7 @@ def encode_signature(signature: tuple) -> list:
     for entry in signature:
         if len(entry) == 5:
             shape, dtype, strides, offset, device = entry
-            out.append(["t", list(shape.dims), _torch_name(dtype), list(strides), offset,
+            out.append(["t", list(shape.dims), literal_name(dtype), list(strides), offset,
                         str(device)])
         else:
             kind, value = entry
@@ -94,7 +90,7 @@ def _encode_family(family: Family) -> dict:
     for part in family.structure:
         if part[0] == "t":
             _, rank, dtype, device, layout = part
-            structure.append(["t", rank, _torch_name(dtype), str(device), layout])
+            structure.append(["t", rank, literal_name(dtype), str(device), layout])
         else:
             structure.append(["s", part[1].__name__, part[2]])
     bounds = [None if dims is None else [list(b) for b in dims] for dims in family.bounds]
@@ -153,20 +149,15 @@ class _Decoder:
     def regs(self, value, where: str) -> tuple[int, ...]:
         return tuple(self.reg(v, f"{where}[{i}]") for i, v in enumerate(self.seq(value, where)))
 
-    def torch_enum(self, tag: str, name, where: str):
+    def torch_enum(self, kind: str, name, where: str):
+        """The dtype, layout, memory format or device `name` names."""
         try:
-            value = decode_literal([tag, name])
-        except IrCodecError:
-            value = None
-        if not isinstance(value, _TORCH_ENUMS[tag]):
-            self.fail(where, f"unknown {tag} {name!r}")
-        return value
+            return torch_literals.literal_named(kind, name)
+        except UnknownTorchLiteral as exc:
+            self.fail(where, str(exc))
 
     def device(self, text, where: str) -> torch.device:
-        try:
-            return torch.device(text)
-        except (TypeError, RuntimeError):
-            self.fail(where, f"unknown device {text!r}")
+        return self.torch_enum("device", text, where)
 
     def value(self, raw, where: str):
         """An operand (dynvm.jit.ir_codec), its registers and constants in range."""

@@ -31,7 +31,8 @@ import torch
 from dynvm.vm.errors import AssembleError, DvmFormatError
 from dynvm.vm.instr import Instr
 from dynvm.vm.operands import Const, Imm, IntList, Label, Operand, Reg, RegList
-from dynvm.vm.serialize import _LAYOUTS, _MEMORY_FORMATS, dtype_named, literal_name
+from dynvm.vm.serialize import dtype_named
+from dynvm.vm.torch_literals import UnknownTorchLiteral, any_literal_named, literal_name
 
 # ---------------------------------------------------------------- formatting --------
 
@@ -158,14 +159,9 @@ class _Tokens:
 
 
 def _torch_literal(name: str, tokens: _Tokens) -> object:
-    short = name.removeprefix("torch.")
-    if short in _LAYOUTS:
-        return _LAYOUTS[short]
-    if short in _MEMORY_FORMATS:
-        return _MEMORY_FORMATS[short]
     try:
-        return dtype_named(short)
-    except DvmFormatError:
+        return any_literal_named(name.removeprefix("torch."))
+    except UnknownTorchLiteral:
         raise tokens.error(f"unknown torch literal {name!r}") from None
 
 

@@ -11,64 +11,42 @@ from __future__ import annotations
 import msgpack
 import torch
 
+from dynvm.vm import torch_literals
 from dynvm.vm.errors import DvmFormatError
 from dynvm.vm.instr import Instr
 from dynvm.vm.opcodes import OPCODES
 from dynvm.vm.operands import Const, Imm, IntList, Label, Operand, Reg, RegList
+from dynvm.vm.torch_literals import UnknownTorchLiteral, literal_name
 
-# msgpack extension type codes for torch literals.
-_EXT_DTYPE, _EXT_DEVICE, _EXT_LAYOUT, _EXT_MEMFMT = 1, 2, 3, 4
-
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
-    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)}
-_LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo}
-_MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format,
-                   "channels_last": torch.channels_last,
-                   "preserve_format": torch.preserve_format}
-
-
-def literal_name(value: object) -> str:
-    """Name of a torch literal, as used in files and in the text form."""
-    return str(value).removeprefix("torch.")
+# msgpack extension type codes for torch literals; names from dynvm.vm.torch_literals.
+_EXT_KINDS = {1: "dtype", 2: "device", 3: "layout", 4: "memory_format"}
+_EXT_CODES = {kind: code for code, kind in _EXT_KINDS.items()}
 
 
 def dtype_named(name: str) -> torch.dtype:
     """The torch dtype a .dvm file names `name` (DvmFormatError for an unknown one)."""
     try:
-        return _DTYPES[name]
-    except KeyError:
-        raise DvmFormatError(f"unknown dtype {name!r}") from None
+        return torch_literals.dtype_named(name)
+    except UnknownTorchLiteral as exc:
+        raise DvmFormatError(str(exc)) from None
 
 
 def _pack_literal(value: object) -> object:
-    if isinstance(value, torch.dtype):
-        return msgpack.ExtType(_EXT_DTYPE, literal_name(value).encode())
-    if isinstance(value, torch.device):
-        return msgpack.ExtType(_EXT_DEVICE, str(value).encode())
-    if isinstance(value, torch.layout):
-        return msgpack.ExtType(_EXT_LAYOUT, literal_name(value).encode())
-    if isinstance(value, torch.memory_format):
-        return msgpack.ExtType(_EXT_MEMFMT, literal_name(value).encode())
+    kind = torch_literals.kind_of(value)
+    if kind is not None:
+        return msgpack.ExtType(_EXT_CODES[kind], literal_name(value).encode())
     if isinstance(value, tuple):
         return [_pack_literal(item) for item in value]
     return value
 
 
 def _ext_hook(code: int, data: bytes) -> object:
+    if code not in _EXT_KINDS:
+        raise DvmFormatError(f"unknown msgpack extension type {code}")
     try:
-        name = data.decode()
-        if code == _EXT_DTYPE:
-            return dtype_named(name)
-        if code == _EXT_DEVICE:
-            return torch.device(name)
-        if code == _EXT_LAYOUT:
-            return _LAYOUTS[name]
-        if code == _EXT_MEMFMT:
-            return _MEMORY_FORMATS[name]
-    except (UnicodeDecodeError, KeyError, RuntimeError) as exc:
-        raise DvmFormatError(f"bad literal of extension type {code}: {data!r}") from exc
-    raise DvmFormatError(f"unknown msgpack extension type {code}")
+        return torch_literals.literal_named(_EXT_KINDS[code], data.decode())
+    except (UnicodeDecodeError, UnknownTorchLiteral) as exc:
+        raise DvmFormatError(f"bad literal of extension type {code}: {data!r} ({exc})") from exc
 
 
 def _unpack_literal(value: object) -> object:
