@@ -17,8 +17,8 @@ passed; loading `source` is the caller's job. The entry is
   body alone would accept the copy, and a replica would run a kernel built for another
   region, family or target under a guard that does not describe it. Binding the key into
   the MAC (and checking the envelope's key against the requested one) makes a moved
-  entry fail as Forged. The 0 byte separates key and body (keys are fixed-length hex,
-  so it is belt and braces).
+  entry fail as Forged. The 0 byte separates key and body (keys are hex digits and a
+  braced program tag, never a 0 byte, so it is belt and braces).
 * Why msgpack and never pickle: unpickling runs code chosen by whoever wrote the bytes,
   before any check could look at them; msgpack only ever produces maps, lists, strings,
   numbers and bytes, so a forged entry can at worst fail validation. The body is its own
@@ -337,11 +337,12 @@ class ArtifactCache:
         return valid
 
     def store_keys_present(self, keys: Sequence[str]) -> set[str]:
-        """Which of `keys` the store holds (unverified: a presence check, not a fetch);
+        """Which of `keys` the store holds (unverified: a presence check, not a fetch, and
+        not a use that would keep a retired program alive, Note [Artifact lifetime]);
         every key when the store cannot be reached, so that an outage is not mistaken
         for data loss."""
         try:
-            return set(self.store.get([check_key(k) for k in keys]))
+            return self.store.contains([check_key(k) for k in keys])
         except StoreUnavailable:
             self._count("unavailable")
             return set(keys)

@@ -10,16 +10,15 @@ Two implementations: `RedisStore` for a cluster, `LocalDirStore` for one machine
 
 from __future__ import annotations
 
-import re
+import math
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from dynvm.jit.artifact_keys import KEY_PATTERN, program_tag_of
 from dynvm.vm.errors import DynvmError
-
-KEY_PATTERN = re.compile(r"[0-9a-f]{64}")
-"""A store key is what `dynvm.jit.artifact.cache_key` returns: a hex sha256 digest."""
 
 _SHOWN = 80
 """How much of a rejected key an error message shows (keys can be attacker-sized)."""
@@ -30,7 +29,8 @@ class StoreError(DynvmError):
 
 
 class InvalidKey(StoreError, ValueError):
-    """A key that is not a lowercase hex sha256 digest (64 characters of [0-9a-f])."""
+    """A key that is not what `dynvm.jit.artifact.cache_key` returns: 64 lowercase hex
+    digits, then (optionally) a program tag of 16 in braces (Note [Program hash tags])."""
 
 
 class StoreUnavailable(StoreError):
@@ -54,7 +54,7 @@ def check_key(key: object) -> str:
     if not isinstance(key, str) or KEY_PATTERN.fullmatch(key) is None:
         raise InvalidKey(
             f"invalid kernel store key {shorten(key)}: expected 64 lowercase hex characters "
-            "(a sha256 from dynvm.jit.artifact.cache_key)")
+            "and an optional {16 hex characters} program tag (dynvm.jit.artifact.cache_key)")
     return key
 
 
@@ -86,6 +86,46 @@ def check_value(key: str, value: object, max_bytes: int = MAX_ENTRY_BYTES) -> by
     return bytes(value)
 
 
+DEFAULT_MAX_ENTRIES_PER_PROGRAM = 4096
+"""Entries one program may hold in a store by default (Note [Artifact lifetime])."""
+
+DEFAULT_REFRESH_INTERVAL_S = 60.0
+"""How often, at most, a store instance marks a program it reads as in use."""
+
+# Note [Artifact lifetime]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# A fleet deploys programs and retires them (a model redeployed with new weights is a
+# new program, with a new hash and new keys). The store must keep what live programs
+# use and let the rest go, without anyone deciding which program is "live":
+#
+# * Every key names its program (Note [Program hash tags]); the store groups entries by
+#   that tag. Keys without a tag belong to no program and only ever expire or get evicted
+#   by Redis's LRU.
+# * Time to live: with a TTL configured, an entry that nobody marks as in use expires
+#   TTL seconds after it was written. Reading any entry of a program marks the whole
+#   program in use: every entry of it gets a fresh TTL. Replicas read their program's
+#   index every few seconds (dynvm.cluster.fleet_link), so a deployed program's entries,
+#   those that no replica has fetched for days included, never expire; once no replica
+#   of a program runs, its index is no longer read, and TTL seconds later the program is
+#   gone, index and artifacts together. The marking is rate-limited per store instance
+#   and program (at most every refresh interval, and at least four times per TTL), so it
+#   costs one or two round trips per program per interval, not one per read.
+# * A presence check (`contains`) is not a use: the compile service checks that the
+#   indexes of the programs it knows are still there (to republish a lost one), and must
+#   not keep a retired program alive by looking at it.
+# * Size bound: a program holds at most `max_entries_per_program` entries. A write past
+#   the bound deletes the program's least recently used entries (last written or marked
+#   in use; Redis: a sorted set per program next to its entries, same hash tag; a
+#   directory: the files' access times), counted in StoreStats.evicted. An evicted entry
+#   that an index still lists is a miss for the replica that looks for it (it runs the
+#   interpreter for that shape), never an error. The compile service already keeps each
+#   region's index to the JIT's `max_specializations_per_region` newest entries; the
+#   store's bound is the backstop for what falls out of indexes and for programs that
+#   compile without end.
+# * The bound and the TTL are per store, not global: Redis's own memory cap and LRU
+#   (deploy/redis.conf) still decide across programs when memory is short.
+
+
 @runtime_checkable
 class KernelStore(Protocol):
     """Where compiled artifacts live between processes (Triton's `CacheManager` in spirit).
@@ -100,6 +140,10 @@ class KernelStore(Protocol):
 
     def put(self, key: str, value: bytes) -> None:
         """Store `value` under `key`, replacing any previous value, atomically."""
+        ...
+
+    def contains(self, keys: Sequence[str]) -> set[str]:
+        """Which of `keys` have a value; unlike `get`, not a use (Note [Artifact lifetime])."""
         ...
 
 
@@ -117,6 +161,11 @@ class StoreStats:
     """Operations that raised `StoreUnavailable`."""
     oversized: int = 0
     """Entries not downloaded because they were larger than the cap."""
+    evicted: int = 0
+    """Entries deleted to keep a program within its size bound (Note [Artifact lifetime])."""
+    expired: int = 0
+    """Entries this instance found past their TTL and deleted (a directory; Redis expires
+    entries by itself and does not report them)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record_get(self, hits: int, misses: int) -> None:
@@ -136,7 +185,43 @@ class StoreStats:
         with self._lock:
             self.oversized += count
 
+    def record_evicted(self, count: int) -> None:
+        with self._lock:
+            self.evicted += count
+
+    def record_expired(self, count: int) -> None:
+        with self._lock:
+            self.expired += count
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return {"hits": self.hits, "misses": self.misses, "puts": self.puts,
-                    "errors": self.errors, "oversized": self.oversized}
+                    "errors": self.errors, "oversized": self.oversized,
+                    "evicted": self.evicted, "expired": self.expired}
+
+
+class UseMarks:
+    """When this store instance last marked each program in use (Note [Artifact
+    lifetime]): `due` says which programs to mark now, at most every `interval_s`."""
+
+    def __init__(self, interval_s: float, ttl_s: float | None) -> None:
+        # At least four marks per TTL, so that a live program's entries never get close
+        # to expiring between two of them.
+        self.interval_s = interval_s if ttl_s is None else min(interval_s, ttl_s / 4)
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def due(self, keys: Iterable[str]) -> dict[str, list[str]]:
+        """`keys` grouped by program tag, for the programs whose mark is due (and taken)."""
+        groups: dict[str, list[str]] = {}
+        for key in keys:
+            tag = program_tag_of(key)
+            if tag is not None:
+                groups.setdefault(tag, []).append(key)
+        now = time.monotonic()
+        with self._lock:
+            due = {tag: members for tag, members in groups.items()
+                   if now - self._last.get(tag, -math.inf) >= self.interval_s}
+            for tag in due:
+                self._last[tag] = now
+        return due

@@ -2,7 +2,11 @@
 
 Redis is run as a cache (deploy/redis.conf: maxmemory + allkeys-lru, no persistence):
 an evicted or lost entry only costs a recompile. `get` is one MGET round trip for any
-number of keys; `put` is one SET (with EX when a TTL is configured).
+number of keys (after the sizes, Note [Entry size cap]); `put` is one transaction: the SET
+(with EX when a TTL is configured) and the program's use record. Expiry and the size
+bound per program follow Note [Artifact lifetime] (dynvm.cluster.store_base): a program's
+use record is the sorted set `<namespace>{<tag>}:used` (member: key, score: last use in
+Unix seconds), which shares its entries' hash tag and so their Redis Cluster slot.
 
 Credentials never reach a message: redis-py's errors can quote the connection URL, so
 every error text is scrubbed of the password (raw and URL-decoded) and of any URL
@@ -13,7 +17,9 @@ it carries no `__context__`: the original exception is neither printed nor reach
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -24,12 +30,18 @@ from redis.connection import parse_url
 from redis.retry import Retry
 
 from dynvm.cluster.store_base import (
+    DEFAULT_MAX_ENTRIES_PER_PROGRAM,
+    DEFAULT_REFRESH_INTERVAL_S,
     MAX_ENTRY_BYTES,
     StoreStats,
     StoreUnavailable,
+    UseMarks,
     check_key,
     check_value,
 )
+from dynvm.jit.artifact_keys import program_tag_of
+
+logger = logging.getLogger(__name__)
 
 _URL_USERINFO = re.compile(r"(?i)\b((?:rediss?|unix)://)[^@/\s]*@")
 _REDACTED = "***"
@@ -74,7 +86,14 @@ class RedisConfig:
     a broken connection is replaced on the next call, so the store recovers by itself
     once Redis is back."""
     ttl_seconds: int | None = None
-    """Expire entries after this many seconds (None: keep until evicted by LRU)."""
+    """Expire entries after this many seconds without a use of their program (Note
+    [Artifact lifetime]); None: keep them until the size bound or Redis's LRU evicts them."""
+    max_entries_per_program: int = DEFAULT_MAX_ENTRIES_PER_PROGRAM
+    """Entries one program may hold; a write past it deletes the program's least recently
+    used ones (Note [Artifact lifetime])."""
+    refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S
+    """Mark a program in use (renew its TTLs, update its use times) at most this often,
+    and at most every ttl_seconds / 4."""
 
     def __post_init__(self) -> None:
         if self.url is not None:
@@ -93,6 +112,16 @@ class RedisConfig:
             raise ValueError(f"RedisConfig.db must be >= 0, got {self.db}")
         if not self.namespace:
             raise ValueError("RedisConfig.namespace must not be empty")
+        if "{" in self.namespace or "}" in self.namespace:
+            # Redis Cluster would hash the namespace's braces instead of the program tag.
+            raise ValueError(f"RedisConfig.namespace must not contain braces, "
+                             f"got {self.namespace!r} (Note [Program hash tags])")
+        if type(self.max_entries_per_program) is not int or self.max_entries_per_program < 1:
+            raise ValueError(f"RedisConfig.max_entries_per_program must be an int >= 1, "
+                             f"got {self.max_entries_per_program!r}")
+        if not self.refresh_interval_s > 0:
+            raise ValueError(f"RedisConfig.refresh_interval_s must be > 0, "
+                             f"got {self.refresh_interval_s!r}")
         for name in ("socket_timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RedisConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -201,6 +230,7 @@ class RedisStore:
         self.stats = StoreStats()
         self._secrets = config._password_forms()
         self._redis = redis_client(config)
+        self._marks = UseMarks(config.refresh_interval_s, config.ttl_seconds)
 
     def __repr__(self) -> str:
         return f"RedisStore({self.config.location()!r}, namespace={self.config.namespace!r})"
@@ -227,14 +257,80 @@ class RedisStore:
         if oversized:
             self.stats.record_oversized(oversized)
         self.stats.record_get(len(found), len(keys) - len(found))
+        self._mark_used(found)
         return found
 
     def put(self, key: str, value: bytes) -> None:
         key = check_key(key)
         value = check_value(key, value, self.max_entry_bytes)
-        self._call("put", self._redis.set, self.config.namespace + key, value,
-                   ex=self.config.ttl_seconds)
+        namespace, ttl = self.config.namespace, self.config.ttl_seconds
+        tag = program_tag_of(key)
+        if tag is None:
+            self._call("put", self._redis.set, namespace + key, value, ex=ttl)
+            self.stats.record_put()
+            return
+        used = self._used_key(tag)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.set(namespace + key, value, ex=ttl)
+        pipe.zadd(used, {key: time.time()})
+        if ttl is not None:
+            pipe.expire(used, ttl)  # the record lives as long as the newest entry
+        pipe.zcard(used)
+        held = self._call("put", pipe.execute)[-1]
         self.stats.record_put()
+        if held > self.config.max_entries_per_program:
+            self._evict(used, held - self.config.max_entries_per_program)
+
+    def contains(self, keys: Sequence[str]) -> set[str]:
+        keys = [check_key(key) for key in keys]
+        if not keys:
+            return set()
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self.config.namespace + key)
+        found = self._call("contains", pipe.execute)
+        return {key for key, count in zip(keys, found, strict=True) if count}
+
+    def _used_key(self, tag: str) -> str:
+        return f"{self.config.namespace}{{{tag}}}:used"
+
+    def _evict(self, used: str, count: int) -> None:
+        """Delete a program's `count` least recently used entries and their records."""
+        oldest = [member.decode() for member in
+                  self._call("put", self._redis.zrange, used, 0, count - 1)]
+        if not oldest:
+            return
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(*(self.config.namespace + key for key in oldest))
+        pipe.zrem(used, *oldest)
+        self._call("put", pipe.execute)
+        self.stats.record_evicted(len(oldest))
+
+    def _mark_used(self, found: Sequence[str]) -> None:
+        """Mark the programs of the entries just read as in use (Note [Artifact lifetime]):
+        the entries read get a new use time, and with a TTL every entry of those programs
+        a fresh one. Best effort: the values are already read, so a failure is counted and
+        logged, not raised."""
+        due = self._marks.due(found)
+        if not due:
+            return
+        namespace, ttl, now = self.config.namespace, self.config.ttl_seconds, time.time()
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for tag, keys in due.items():
+                pipe.zadd(self._used_key(tag), dict.fromkeys(keys, now))
+                pipe.zrange(self._used_key(tag), 0, -1)
+            answers = self._call("mark", pipe.execute)
+            if ttl is None:
+                return
+            pipe = self._redis.pipeline(transaction=False)
+            for tag, members in zip(due, answers[1::2], strict=True):
+                for member in members:
+                    pipe.expire(namespace + member.decode(), ttl)
+                pipe.expire(self._used_key(tag), ttl)
+            self._call("mark", pipe.execute)
+        except StoreUnavailable as error:
+            logger.warning("%s", error)
 
     def ping(self) -> None:
         """Raise `StoreUnavailable` unless Redis answers."""

@@ -17,6 +17,8 @@ from importlib.metadata import version
 
 import torch
 
+from dynvm.jit.artifact_keys import tagged_key
+
 # dynvm's own version from its installed metadata (pyproject.toml), the source of
 # `dynvm.__version__` too; importing the top package from here would be an upward edge
 # (Note [Lazy top level] in dynvm/__init__.py). Read once: a metadata lookup costs ~0.5 ms.
@@ -39,7 +41,8 @@ def toolchain_versions() -> dict[str, str]:
 def cache_key(program_hash: str, region: int, family_key: str, backend: str, target: str,
               options: dict | None = None, toolchain: dict | None = None) -> str:
     """The one cache key of a compiled artifact (module docstring): a sha256 of
-    everything that affects its code; `toolchain` defaults to this process's versions."""
+    everything that affects its code, tagged with its program (Note [Program hash tags]);
+    `toolchain` defaults to this process's versions."""
     material = {
         "program": program_hash,
         "region": region,
@@ -50,7 +53,7 @@ def cache_key(program_hash: str, region: int, family_key: str, backend: str, tar
         "options": options or {},
     }
     blob = json.dumps(material, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
+    return tagged_key(hashlib.sha256(blob.encode()).hexdigest(), program_hash)
 
 
 @dataclass(frozen=True)

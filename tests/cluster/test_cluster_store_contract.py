@@ -93,4 +93,4 @@ def test_stats_count_hits_misses_puts(store):
     store.get([key(1), key(2), key(3)])
     store.get([key(4)])
     assert store.stats.snapshot() == {"hits": 2, "misses": 2, "puts": 2, "errors": 0,
-                                     "oversized": 0}
+                                     "oversized": 0, "evicted": 0, "expired": 0}
