@@ -56,6 +56,7 @@ from dynvm.vm.interpreter import Interpreter
 
 logger = logging.getLogger(__name__)
 TARGET = "cpu"
+_MAX_COUNT = 1 << 30   # observations one aggregated record may stand for
 
 
 @dataclass
@@ -166,7 +167,9 @@ class FleetCompiler:
     # -- observations (Note [Fleet promotion]) ------------------------------------------
 
     def report(self, program_hash: str, batch: Sequence) -> dict:
-        """Feed `batch` of [region, signature, seconds, trace carrier or None] observations.
+        """Feed `batch` of observation records: [region, signature, seconds, trace
+        carrier or None], or pre-aggregated [region, signature, total seconds, carrier,
+        count] (Note [Pre-aggregated observations] in dynvm.cluster.fleet_link).
         Returns {"known": False} when the program must be registered first."""
         state = self._programs.get(program_hash)
         if state is None:
@@ -176,28 +179,36 @@ class FleetCompiler:
             self.repair_store()
         for item in batch:
             try:
-                region, raw, seconds, carrier = item
+                region, raw, seconds, carrier, *rest = item
+                count = rest[0] if len(rest) == 1 else 1 if not rest else None
                 region_jit = state.jit.regions.get(region) if type(region) is int else None
                 if region_jit is None or not isinstance(seconds, int | float):
                     raise PortableError(f"region {region!r} is not watched")
+                if type(count) is not int or not 1 <= count <= _MAX_COUNT:
+                    raise PortableError(f"count {count!r} is not in 1..{_MAX_COUNT}")
                 signature = decode_signature(raw, len(region_jit.live_in))
             except (PortableError, TypeError, ValueError):
                 state.rejected += 1
                 continue
-            state.observations += 1
-            self._observe(region_jit, signature, float(seconds), carrier)
+            state.observations += count
+            self._observe(region_jit, signature, float(seconds) / count, carrier,
+                          min(count, self.jit_config.window))
         return {"known": True}
 
-    def _observe(self, region_jit, signature, seconds: float, carrier) -> None:
+    def _observe(self, region_jit, signature, seconds: float, carrier, count: int) -> None:
+        """`count` observations of `signature` taking `seconds` each. Promotion reads only
+        a signature's recurrence in the window and its mean time, so more than `window`
+        in a row decide nothing that `window` of them do not: the caller caps `count`."""
+        token = None
         if carrier and self.telemetry is not None:
             # The request that caused the observation parents the promotion it may tip.
             token = otel_context.attach(propagate.extract(carrier))
-            try:
+        try:
+            for _ in range(count):
                 region_jit.leave(signature, seconds)
-            finally:
+        finally:
+            if token is not None:
                 otel_context.detach(token)
-            return
-        region_jit.leave(signature, seconds)
 
     # -- publishing ----------------------------------------------------------------------
 

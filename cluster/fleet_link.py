@@ -2,11 +2,14 @@
 
 It implements the JIT's fleet hooks (Note [Fleet hooks] in dynvm.jit.engine):
 
-* every interpreted region call appends (region, signature, seconds) to a bounded
-  buffer, a deque append on the request path; a link thread ships the buffer to the
-  service every `flush_interval_s` (Note [Fleet promotion]). When the buffer is full
-  the oldest observations are dropped and counted: statistics may be lost, requests
-  never wait;
+* every interpreted region call is counted on the request path (a dict update under a
+  lock): with `aggregate` (the default) one record per (region, signature) per report,
+  with its count and total seconds (Note [Pre-aggregated observations]), else one
+  record per call in a deque. A link thread ships them to the compile service (its
+  program's shard, Note [Compile service shards] in dynvm.cluster.fleet_shards) every
+  `flush_interval_s`, or later when the service asks for it (back-pressure). When the
+  buffer is full new signatures (or the oldest observations) are dropped and counted:
+  statistics may be lost, requests never wait;
 * while the service answers, promotions do not compile here (the service compiles once
   for the fleet); when it stops answering they compile locally again, until it is back;
 * new artifacts arrive by announcement (Redis pub/sub) and by polling the program's
@@ -19,6 +22,22 @@ It implements the JIT's fleet hooks (Note [Fleet hooks] in dynvm.jit.engine):
   service's Triton artifacts from their stored binaries instead of CPU records, and
   compiles locally only when none fits its GPU (Note [GPU replicas in the fleet] in
   dynvm.cluster.fleet_gpu).
+
+Note [Pre-aggregated observations]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A fleet of a thousand replicas each shipping every interpreted call is a stream the
+compile service cannot read (bench/fleet_sim.py measures where it bends). Most of
+those calls repeat a few hot signatures, so the replica counts them instead: between
+two reports, K calls of one signature become one record [region, signature, total
+seconds, carrier, K]. The service feeds that record to its JIT as K observations of
+the mean time (dynvm.cluster.fleet_compiler), so a shape is promoted at exactly the
+count it would have been promoted at unaggregated. The table is bounded by
+`max_buffered` distinct signatures; beyond it a new signature is dropped and counted
+(`dropped_observations`), a known one still counts. The service's answer may carry
+`backoff_s` (dynvm.cluster.compile_service): while it is busy, replicas report no more
+often than that; with aggregation, waiting loses nothing but latency. A report with
+nothing to say is skipped, except one per `poll_interval_s` that keeps the service's
+reachability known.
 """
 
 from __future__ import annotations
@@ -38,6 +57,7 @@ from dynvm.cluster.announce import Announcement, RateLimit, Subscription
 from dynvm.cluster.config import StoreConfig
 from dynvm.cluster.fleet_compiler import TARGET
 from dynvm.cluster.fleet_records import index_key, keys_from_index, portable_from_fields
+from dynvm.cluster.fleet_shards import shard_actor_name
 from dynvm.cluster.signed import ArtifactCache
 from dynvm.jit.artifact import toolchain_versions
 from dynvm.jit.portable import PortableError, encode_signature
@@ -77,13 +97,32 @@ class FleetOptions:
     """Store lookups announcements may cause per second (a burst of as many); beyond it
     an announcement is dropped (counted) and the index poll finds the artifact."""
 
+    service_shards: int = 1
+    """Compile service shards: `start_compile_service(..., shards=n)` starts actors
+    `<service_name>-0` .. `-<n-1>` and a program's replicas talk to shard
+    hash(program) mod n (Note [Compile service shards] in dynvm.cluster.fleet_shards);
+    1: the one actor named `service_name`."""
+
+    aggregate: bool = True
+    """Pre-aggregate observations: one record per (region, signature) per report, with
+    its count (Note [Pre-aggregated observations]); False ships one record per call."""
+
+    max_backoff_s: float = 2.0
+    """The longest the service's back-pressure may stretch the time between reports."""
+
     def __post_init__(self) -> None:
         for name in ("flush_interval_s", "poll_interval_s", "service_timeout_s",
-                     "max_announced_fetches_per_s"):
+                     "max_announced_fetches_per_s", "max_backoff_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"FleetOptions.{name} must be > 0, got {getattr(self, name)}")
-        if self.max_buffered < 1:
-            raise ValueError(f"FleetOptions.max_buffered must be >= 1, got {self.max_buffered}")
+        for name in ("max_buffered", "service_shards"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"FleetOptions.{name} must be >= 1, "
+                                 f"got {getattr(self, name)}")
+
+    def service_actor(self, program_hash: str) -> str:
+        """The name of the compile service actor that `program_hash`'s replicas talk to."""
+        return shard_actor_name(self.service_name, program_hash, self.service_shards)
 
 
 class FleetLink:
@@ -118,16 +157,21 @@ class FleetLink:
         # The service compiles for TARGET, and for its GPU targets when configured; other
         # devices keep their local JIT.
         self.shared = self.target == TARGET or self.gpu is not None
-        self._buffer: deque = deque()
+        self._buffer: deque = deque()        # unaggregated: one entry per call
+        self._counts: dict[tuple, list] = {}  # aggregated: (region, sig) -> [n, s, carrier]
         self._buffer_lock = threading.Lock()
         self._install_lock = threading.Lock()
         self._installed: set[str] = set()
         self._service_ok = False
+        self._next_report = 0.0      # monotonic time before which the service asked for quiet
+        self._next_heartbeat = 0.0   # an empty report is sent no more often than this
+        self._next_poll = time.monotonic() + options.poll_interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dynvm-fleet-link", daemon=True)
         self._subscription = None
         self._tracing = runtime.telemetry is not None
-        self.counters = {"reported": 0, "dropped_observations": 0, "service_failures": 0,
+        self.counters = {"reported": 0, "records": 0, "reports": 0,
+                         "dropped_observations": 0, "service_failures": 0, "backoffs": 0,
                          "registrations": 0, "installed": 0, "install_rejected": 0,
                          "announcements": 0, "announcements_dropped": 0,
                          "warm_start_installs": 0}
@@ -137,8 +181,11 @@ class FleetLink:
 
     # -- life cycle ------------------------------------------------------------------
 
-    def start(self) -> FleetLink:
-        """Connect, install what the index lists (warm start), start the link thread."""
+    def start(self, threads: bool = True) -> FleetLink:
+        """Connect, install what the index lists (warm start), start the link thread and
+        the announcement subscription. `threads=False` starts neither: the owner then
+        calls `tick()` and delivers announcements to `on_announcement` itself (the fleet
+        simulator drives a thousand links from a few threads this way)."""
         if not self.shared:
             return self
         self.jit.connect(self)
@@ -146,9 +193,11 @@ class FleetLink:
         self.counters["warm_start_installs"] = self.install_indexed()
         self.warm_start_seconds = time.perf_counter() - start
         self.flush()  # learn whether the service is there before the first request
+        if not threads:
+            return self
         if self.options.store.redis is not None:
             self._subscription = Subscription(self.options.store.redis,
-                                              self._on_announcement).start()
+                                              self.on_announcement).start()
         self._thread.start()
         # An install builds meta tensors; one running while the interpreter finalizes
         # would abort the process (Note [Exit with a compile running] in dynvm.jit.queue).
@@ -170,6 +219,16 @@ class FleetLink:
             carrier = {}
             propagate.inject(carrier)
         with self._buffer_lock:
+            if self.options.aggregate:
+                entry = self._counts.get((region, signature))
+                if entry is not None:
+                    entry[0] += 1
+                    entry[1] += seconds
+                elif len(self._counts) >= self.options.max_buffered:
+                    self.counters["dropped_observations"] += 1
+                else:
+                    self._counts[(region, signature)] = [1, seconds, carrier or None]
+                return
             if len(self._buffer) >= self.options.max_buffered:
                 self._buffer.popleft()
                 self.counters["dropped_observations"] += 1
@@ -181,27 +240,37 @@ class FleetLink:
     # -- the link thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        next_poll = time.monotonic() + self.options.poll_interval_s
         while not self._stop.wait(self.options.flush_interval_s):
+            self.tick()
+
+    def tick(self) -> None:
+        """One turn of the link thread: report when due (something to say and the
+        service not asking for quiet, or a heartbeat), re-read the index when due."""
+        now = time.monotonic()
+        if now >= self._next_report and (self._has_observations()
+                                         or now >= self._next_heartbeat):
             self.flush()
-            if time.monotonic() >= next_poll:
-                self.install_indexed()
-                next_poll = time.monotonic() + self.options.poll_interval_s
+        if now >= self._next_poll:
+            self.install_indexed()
+            self._next_poll = time.monotonic() + self.options.poll_interval_s
+
+    def _has_observations(self) -> bool:
+        return bool(self._counts or self._buffer)
 
     def flush(self) -> None:
         """Ship the buffered observations now (the link thread calls this; so does
         `dynvm precompile`, which drives a link without starting its thread)."""
-        with self._buffer_lock:
-            items = list(self._buffer)
-            self._buffer.clear()
-        batch = [[region, encode_signature(signature), seconds, carrier]
-                 for region, signature, seconds, carrier in items]
+        batch = self._take_batch()
         if self.gpu is not None:
             # The service specializes on its own device (Note [GPU replicas in the fleet]).
             from dynvm.cluster.fleet_gpu import fleet_signature
 
-            batch = [[r, fleet_signature(sig, TARGET), s, c] for r, sig, s, c in batch]
+            batch = [[r, fleet_signature(sig, TARGET), *rest] for r, sig, *rest in batch]
+        observations = sum(item[4] if len(item) > 4 else 1 for item in batch)
+        now = time.monotonic()
+        self._next_heartbeat = now + self.options.poll_interval_s
         answer = self.client.report(self.program_hash, batch)
+        self.counters["reports"] += 1
         if answer is not None and not answer.get("known", True):
             self.counters["registrations"] += 1
             if self.client.register(self.program_hash, self._dvm_bytes):
@@ -212,10 +281,28 @@ class FleetLink:
                                "answers again")
             self._service_ok = False
             self.counters["service_failures"] += 1
-            self.counters["dropped_observations"] += len(batch)
+            self.counters["dropped_observations"] += observations
             return
         self._service_ok = True
-        self.counters["reported"] += len(batch)
+        self.counters["reported"] += observations
+        self.counters["records"] += len(batch)
+        backoff = answer.get("backoff_s", 0.0)
+        if isinstance(backoff, int | float) and backoff > 0:
+            self.counters["backoffs"] += 1
+            self._next_report = now + min(float(backoff), self.options.max_backoff_s)
+
+    def _take_batch(self) -> list[list]:
+        """The wire records of what was observed since the last report (emptied)."""
+        with self._buffer_lock:
+            counts, self._counts = self._counts, {}
+            items = list(self._buffer)
+            self._buffer.clear()
+        batch = [[region, encode_signature(signature), seconds, carrier]
+                 for region, signature, seconds, carrier in items]
+        batch.extend([region, encode_signature(signature), total, carrier, n]
+                     if n > 1 else [region, encode_signature(signature), total, carrier]
+                     for (region, signature), (n, total, carrier) in counts.items())
+        return batch
 
     # -- installing ----------------------------------------------------------------------
 
@@ -228,7 +315,8 @@ class FleetLink:
             return 0
         return self._install(keys_from_index(fields, self.program_hash))
 
-    def _on_announcement(self, announcement: Announcement) -> None:
+    def on_announcement(self, announcement: Announcement) -> None:
+        """Install what `announcement` names, if it is for this replica (rate-limited)."""
         if announcement.program != self.program_hash or announcement.target != self.target:
             return
         self.counters["announcements"] += 1
@@ -252,6 +340,8 @@ class FleetLink:
         finally:
             if token is not None:
                 otel_context.detach(token)
+
+    _on_announcement = on_announcement  # the name tests/reliability use
 
     def _fetch(self, keys: list[str]) -> dict[str, dict]:
         """Verified entries among `keys`; traced as a store read when tracing is on."""
@@ -291,7 +381,7 @@ class FleetLink:
 
     def stats(self) -> dict:
         with self._buffer_lock:
-            buffered = len(self._buffer)
+            buffered = len(self._buffer) + len(self._counts)
         gpu = self.gpu.stats() if self.gpu is not None else {}
         return {**self.counters, **gpu, "buffered": buffered, "service_ok": self._service_ok,
                 "shared": self.shared, "warm_start_seconds": self.warm_start_seconds,
