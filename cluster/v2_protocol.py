@@ -49,7 +49,8 @@ import msgspec
 import torch
 
 from dynvm.cluster import v2_json
-from dynvm.vm.errors import DynvmError
+from dynvm.vm.errors import DynvmError, ShapeError
+from dynvm.vm.input_check import check_shape
 from dynvm.vm.program import InputSpec
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -238,24 +239,11 @@ def _parse_raw_input(obj, index: int) -> _RawInput:
 
 
 def _check_shape(raw: _RawInput, spec: InputSpec, bound: dict[str, tuple[int, str]]) -> None:
-    where = f"input {spec.name!r}"
-    if len(raw.shape) != len(spec.dims):
-        raise BadRequest(f"{where}: shape {list(raw.shape)} has rank {len(raw.shape)}, "
-                         f"expected rank {len(spec.dims)} "
-                         f"[{', '.join(str(d) for d in spec.dims)}]")
-    for axis, (size, dim) in enumerate(zip(raw.shape, spec.dims, strict=True)):
-        if dim.is_static:
-            if size != dim.low:
-                raise BadRequest(f"{where}: dim {axis} is {size}, expected {dim.low}")
-            continue
-        if not dim.low <= size <= dim.high:
-            raise BadRequest(f"{where}: dim {axis} ({dim.name}) is {size}, outside its "
-                             f"declared range [{dim.low}, {dim.high}]")
-        if dim.name in bound and bound[dim.name][0] != size:
-            other_size, other = bound[dim.name]
-            raise BadRequest(f"{where}: dim {axis} ({dim.name}) is {size} but input "
-                             f"{other!r} has {dim.name}={other_size}")
-        bound.setdefault(dim.name, (size, spec.name))
+    # The VM's own check, so a request hears what a direct call would (a 400 here).
+    try:
+        check_shape(spec.name, raw.shape, spec.as_assert_operand(), bound)
+    except ShapeError as error:
+        raise BadRequest(str(error)) from None
 
 
 def _flatten_json(data, shape: tuple[int, ...], where: str) -> list:

@@ -12,6 +12,7 @@ import operator
 import torch
 
 from dynvm.vm.errors import ShapeError
+from dynvm.vm.input_check import check_shape
 from dynvm.vm.isa import OpClass, OpSpec, op
 from dynvm.vm.shapes import intern_shape
 
@@ -51,24 +52,16 @@ def check_input(x, name: str, dtype, device, dims: tuple) -> None:
     """Validate one program input against its declared signature.
 
     `dims` holds one `(low, high, dim_name)` per dim: a static dim has low == high and an
-    empty name. Raises ShapeError naming the input, the dim, expected and actual.
+    empty name. Raises ShapeError naming the input, the dim, expected and actual; the
+    shape's messages are dynvm.vm.input_check's, which the HTTP protocol also uses.
     """
     if not isinstance(x, torch.Tensor):
         raise ShapeError(f"input {name!r}: expected a tensor, got {type(x).__name__}")
-    if x.dim() != len(dims):
-        raise ShapeError(f"input {name!r}: expected rank {len(dims)}, got rank {x.dim()} "
-                         f"(shape {tuple(x.shape)})")
+    check_shape(name, x.shape, dims)
     if x.dtype != dtype:
         raise ShapeError(f"input {name!r}: expected dtype {dtype}, got {x.dtype}")
     if device is not None and x.device != device:
         raise ShapeError(f"input {name!r}: expected device {device}, got {x.device}")
-    for index, ((low, high, dim_name), actual) in enumerate(zip(dims, x.shape)):
-        if low <= actual <= high:
-            continue
-        if low == high:
-            raise ShapeError(f"input {name!r} dim {index}: expected {low}, got {actual}")
-        raise ShapeError(f"input {name!r} dim {index} ({dim_name}): expected a value in "
-                         f"[{low}, {high}], got {actual}")
 
 
 def _check_input_abstract(x, name, dtype, device, dims):

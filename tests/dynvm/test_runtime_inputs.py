@@ -56,7 +56,7 @@ def test_valid_input_runs(transformer):
 @pytest.mark.parametrize("shape", [(2, 256), (1, 2, 3, 256), ()])
 def test_wrong_rank(transformer, shape):
     raises_naming(dynvm.ShapeError, lambda: transformer(torch.randn(shape)),
-                  "input 'x'", "expected rank 3", f"got rank {len(shape)}")
+                  "input 'x'", "expected rank 3", f"has rank {len(shape)}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.int64])
@@ -68,22 +68,22 @@ def test_wrong_dtype(transformer, dtype):
 
 def test_dynamic_dim_above_its_max(transformer):
     raises_naming(dynvm.ShapeError, lambda: transformer(torch.randn(65, 2, 256)),
-                  "input 'x'", "dim 0", "batch", "[1, 64]", "got 65")
+                  "input 'x'", "dim 0", "batch", "[1, 64]", "is 65")
 
 
 def test_dynamic_dim_below_its_min(transformer):
     raises_naming(dynvm.ShapeError, lambda: transformer(torch.randn(2, 1, 256)),
-                  "input 'x'", "dim 1", "seq", "[2, 512]", "got 1")
+                  "input 'x'", "dim 1", "seq", "[2, 512]", "is 1")
 
 
 def test_dynamic_dim_of_zero(transformer):
     raises_naming(dynvm.ShapeError, lambda: transformer(torch.randn(0, 4, 256)),
-                  "input 'x'", "dim 0", "[1, 64]", "got 0")
+                  "input 'x'", "dim 0", "[1, 64]", "is 0")
 
 
 def test_static_dim_wrong(transformer):
     raises_naming(dynvm.ShapeError, lambda: transformer(torch.randn(2, 4, 128)),
-                  "input 'x'", "dim 2", "expected 256", "got 128")
+                  "input 'x'", "dim 2", "expected 256", "is 128")
 
 
 def test_bounds_are_inclusive(transformer):
@@ -155,7 +155,7 @@ def test_static_bag_dim_wrong(recommender):
     inputs = _recommender_inputs()
     inputs[2] = torch.zeros(4, 6, dtype=torch.int64)
     raises_naming(dynvm.ShapeError, lambda: recommender(*inputs),
-                  "input 'sparse1'", "dim 1", "expected 5", "got 6")
+                  "input 'sparse1'", "dim 1", "expected 5", "is 6")
 
 
 def test_recommender_wrong_number_of_inputs(recommender):
@@ -172,13 +172,13 @@ def test_gnn_dims_named_after_the_users_dims():
     runtime = dynvm.Runtime(compiled("gnn"))
     edges = torch.zeros(2, 5, dtype=torch.int64)
     raises_naming(dynvm.ShapeError, lambda: runtime(torch.randn(1, 64), edges),
-                  "input 'x'", "dim 0", "num_nodes", "[2, 4096]", "got 1")
+                  "input 'x'", "dim 0", "num_nodes", "[2, 4096]", "is 1")
     raises_naming(dynvm.ShapeError,
                   lambda: runtime(torch.randn(3, 64), torch.zeros(2, 1, dtype=torch.int64)),
-                  "input 'edge_index'", "dim 1", "num_edges", "[2, 16384]", "got 1")
+                  "input 'edge_index'", "dim 1", "num_edges", "[2, 16384]", "is 1")
     raises_naming(dynvm.ShapeError,
                   lambda: runtime(torch.randn(3, 64), torch.zeros(3, 5, dtype=torch.int64)),
-                  "input 'edge_index'", "dim 0", "expected 2", "got 3")
+                  "input 'edge_index'", "dim 0", "expected 2", "is 3")
 
 
 # ---------------------------------------------------------------- jit=False, stats ---
