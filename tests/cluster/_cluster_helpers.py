@@ -43,11 +43,11 @@ def wait_until(predicate: Callable[[], object], timeout_s: float = 30.0,
 
 @contextlib.contextmanager
 def local_serve(namespace: str, num_cpus: int = 2, proxy_limits=None,
-                **ray_options) -> Iterator[int]:
+                grpc_options: dict | None = None, **ray_options) -> Iterator[int]:
     """A local Ray cluster with Serve on a free loopback port (yielded); everything is
     shut down on exit, usage reporting off while it runs. The proxy runs dynvm's guard
     (dynvm.cluster.proxy_guard) with `proxy_limits` (default ProxyLimits()), as `dynvm
-    serve` does."""
+    serve` does; `grpc_options` (dynvm.cluster.grpc_v2.grpc_options) adds the gRPC one."""
     import ray
     from ray import serve
 
@@ -61,7 +61,8 @@ def local_serve(namespace: str, num_cpus: int = 2, proxy_limits=None,
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              configure_logging=False, namespace=namespace, **ray_options)
     try:
-        serve.start(http_options=limits.http_options("127.0.0.1", port))
+        serve.start(http_options=limits.http_options("127.0.0.1", port),
+                    grpc_options=grpc_options)
         yield port
     finally:
         try:
