@@ -56,6 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dynvm.vm.errors import ConfigError
+
 
 @dataclass(slots=True, eq=False)
 class _Buffer:
@@ -73,7 +75,7 @@ class ArenaPool:
     def __init__(self, device: torch.device | str, budget_bytes: int) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) \
                 or budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be an int >= 0, got {budget_bytes!r}")
+            raise ConfigError(f"budget_bytes must be an int >= 0, got {budget_bytes!r}")
         self._device = torch.device(device)
         self._budget = budget_bytes
         self._lock = threading.Lock()

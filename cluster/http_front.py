@@ -15,6 +15,7 @@ from starlette.requests import ClientDisconnect
 
 from dynvm.cluster import v2_protocol as v2
 from dynvm.cluster.http_errors import error_response, server_fault
+from dynvm.vm.errors import ConfigError
 
 MODEL_VERSION = "1"
 SERVER_APP = "dynvm-server"
@@ -27,9 +28,9 @@ def model_app_name(model_name: str) -> str:
 
 
 def check_model_name(name: str) -> str:
-    """`name` if it is a valid model name (it becomes a route), else ValueError."""
+    """`name` if it is a valid model name (it becomes a route), else ConfigError."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"model name {v2.cut(repr(name))} must match {_NAME_RE.pattern}")
+        raise ConfigError(f"model name {v2.cut(repr(name))} must match {_NAME_RE.pattern}")
     return name
 
 

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from dynvm.vm.budget import CallBudget
+from dynvm.vm.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,13 @@ class ServingLimits:
     def __post_init__(self) -> None:
         if not (isinstance(self.call_seconds, int | float) and math.isfinite(self.call_seconds)
                 and self.call_seconds > 0):
-            raise ValueError(f"ServingLimits.call_seconds must be a finite number > 0, "
+            raise ConfigError(f"ServingLimits.call_seconds must be a finite number > 0, "
                              f"got {self.call_seconds!r}")
         self.call_budget()  # checks call_loop_iterations
         for name in ("max_concurrent_requests", "retry_after_s", "parse_threads"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
-                raise ValueError(f"ServingLimits.{name} must be an integer >= 1, "
+                raise ConfigError(f"ServingLimits.{name} must be an integer >= 1, "
                                  f"got {value!r}")
 
     def call_budget(self) -> CallBudget:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from dynvm._env import PROXY_BODY_TIMEOUT_S, PROXY_MAX_BODY_BYTES, proxy_settings
 from dynvm.cluster import v2_protocol as v2
 from dynvm.cluster.http_errors import ERROR_ID_HEADER, new_error_id
+from dynvm.vm.errors import ConfigError
 
 logger = logging.getLogger("dynvm.cluster.proxy")
 PROXY_CALLBACK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"  # Ray Serve's variable
@@ -62,12 +63,12 @@ class ProxyLimits:
 
     def __post_init__(self) -> None:
         if type(self.max_body_bytes) is not int or self.max_body_bytes < 1:
-            raise ValueError(f"ProxyLimits.max_body_bytes must be an integer >= 1, "
+            raise ConfigError(f"ProxyLimits.max_body_bytes must be an integer >= 1, "
                              f"got {self.max_body_bytes!r}")
         for name in ("body_timeout_s", "keep_alive_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ValueError(f"ProxyLimits.{name} must be a finite number > 0, "
+                raise ConfigError(f"ProxyLimits.{name} must be a finite number > 0, "
                                  f"got {value!r}")
 
     @classmethod

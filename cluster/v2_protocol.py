@@ -149,12 +149,17 @@ def _numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
+class NoDatatype(DynvmError, ValueError):
+    """A tensor whose dtype the protocol has no datatype for (complex, for instance): the
+    model's answer cannot be sent, a server fault (500), not the client's."""
+
+
 def datatype_of(dtype: torch.dtype) -> str:
-    """The v2 datatype name of a torch dtype (ValueError when it has none)."""
+    """The v2 datatype name of a torch dtype (NoDatatype when it has none)."""
     try:
         return TORCH_TO_V2[dtype]
     except KeyError:
-        raise ValueError(f"dtype {dtype} has no Open Inference Protocol datatype") from None
+        raise NoDatatype(f"dtype {dtype} has no Open Inference Protocol datatype") from None
 
 
 # ---------------------------------------------------------------------------- requests

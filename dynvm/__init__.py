@@ -30,8 +30,9 @@ _LAZY: dict[str, str] = {
     "CallBudget": "dynvm.vm.budget",
     "Program": "dynvm.vm.program",
     **{name: "dynvm.vm.errors" for name in (
-        "AssembleError", "CallBudgetError", "DvmFormatError", "DynvmError",
-        "ExecutionError", "InputError", "ShapeError", "UnsupportedOpError", "VerifyError")},
+        "AssembleError", "CallBudgetError", "ConfigError", "ConfigTypeError",
+        "DvmFormatError", "DynvmError", "ExecutionError", "InputError", "SaveError",
+        "ShapeError", "UnsupportedOpError", "VerifyError")},
 }
 
 
@@ -80,8 +81,8 @@ def load(path) -> Program:
 
 
 __all__ = [
-    "AssembleError", "CallBudget", "CallBudgetError", "DvmFormatError", "DynvmError",
-    "ExecutionError", "InputError",
+    "AssembleError", "CallBudget", "CallBudgetError", "ConfigError", "ConfigTypeError",
+    "DvmFormatError", "DynvmError", "ExecutionError", "InputError", "SaveError",
     "JitConfig",
     "Program", "Runtime", "ShapeError", "UnsupportedOpError", "VerifyError", "compile",
     "load", "save",

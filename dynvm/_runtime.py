@@ -14,7 +14,7 @@ from dynvm.jit.config import JitConfig
 from dynvm.jit.engine import Jit
 from dynvm.telemetry import GlobalProviderWatch, Telemetry
 from dynvm.vm.budget import CallBudget
-from dynvm.vm.errors import InputError, ShapeError
+from dynvm.vm.errors import ConfigTypeError, InputError, ShapeError
 from dynvm.vm.interpreter import Interpreter
 
 
@@ -57,7 +57,7 @@ class Runtime:
         self.jit: Jit | None = None
         wants_jit = jit is True or isinstance(jit, JitConfig)
         if not wants_jit and jit not in (False, None):
-            raise TypeError(f"jit must be True, False or a JitConfig, got {jit!r}")
+            raise ConfigTypeError(f"jit must be True, False or a JitConfig, got {jit!r}")
         settings = runtime_settings() if wants_jit else None
         self.jit_disabled_by: str | None = (
             f"{JIT_VARIABLE}={settings.jit_text}" if settings and not settings.jit else None)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dynvm.vm.errors import ConfigError
+
 BACKENDS = ("auto", "cpu", "triton")
 
 
@@ -134,7 +136,7 @@ class JitConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
-            raise ValueError(f"JitConfig.backend must be one of {', '.join(BACKENDS)}, "
+            raise ConfigError(f"JitConfig.backend must be one of {', '.join(BACKENDS)}, "
                              f"got {self.backend!r}")
         positive = ("min_recurrence", "max_recurrence", "window", "horizon_calls",
                     "max_specializations_per_region", "compile_threads",
@@ -143,26 +145,26 @@ class JitConfig:
                     "probation_shadow_every", "probation_samples")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"JitConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"JitConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not self.compile_timeout_s > 0:
-            raise ValueError(f"JitConfig.compile_timeout_s must be > 0, "
+            raise ConfigError(f"JitConfig.compile_timeout_s must be > 0, "
                              f"got {self.compile_timeout_s}")
         if self.arena_ops not in ("measured", "all"):
-            raise ValueError(f"JitConfig.arena_ops must be 'measured' or 'all', "
+            raise ConfigError(f"JitConfig.arena_ops must be 'measured' or 'all', "
                              f"got {self.arena_ops!r}")
         if self.cpu_fusion not in ("measured", "always", "off"):
-            raise ValueError(f"JitConfig.cpu_fusion must be 'measured', 'always' or 'off', "
+            raise ConfigError(f"JitConfig.cpu_fusion must be 'measured', 'always' or 'off', "
                              f"got {self.cpu_fusion!r}")
         if not 0.0 <= self.probation_margin < 1.0:
-            raise ValueError(f"JitConfig.probation_margin must be in [0, 1), "
+            raise ConfigError(f"JitConfig.probation_margin must be in [0, 1), "
                              f"got {self.probation_margin}")
         if self.cuda_graphs_max_batch < 0:
-            raise ValueError(f"JitConfig.cuda_graphs_max_batch must be >= 0, "
+            raise ConfigError(f"JitConfig.cuda_graphs_max_batch must be >= 0, "
                              f"got {self.cuda_graphs_max_batch}")
         if self.min_recurrence > self.max_recurrence:
-            raise ValueError("JitConfig.min_recurrence must not exceed max_recurrence")
+            raise ConfigError("JitConfig.min_recurrence must not exceed max_recurrence")
         if self.max_recurrence > self.window:
-            raise ValueError("JitConfig.max_recurrence must not exceed window")
+            raise ConfigError("JitConfig.max_recurrence must not exceed window")
 
     def backend_for(self, device) -> str:
         """The backend this config selects on `device` ("auto" resolved)."""

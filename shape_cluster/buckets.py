@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import operator
 
+from dynvm.vm.errors import ConfigError
+
 
 def check_ratio(ratio: int) -> int:
     """`ratio` as an int, or ValueError when it cannot make geometric buckets."""
     ratio = operator.index(ratio)
     if ratio < 2:
-        raise ValueError(f"bucket ratio must be an int >= 2, got {ratio}")
+        raise ConfigError(f"bucket ratio must be an int >= 2, got {ratio}")
     return ratio
 
 

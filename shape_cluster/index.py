@@ -38,6 +38,7 @@ from dynvm.shape_cluster.families import (
     live_in_dims,
     structure_key,
 )
+from dynvm.vm.errors import ConfigError
 
 
 class _Group:
@@ -66,7 +67,7 @@ class FamilyIndex:
         self._ratio = check_ratio(ratio)
         memo_limit = operator.index(memo_limit)
         if memo_limit < 1:
-            raise ValueError(f"memo_limit must be >= 1, got {memo_limit}")
+            raise ConfigError(f"memo_limit must be >= 1, got {memo_limit}")
         self._memo_limit = memo_limit
         self._memo: dict[tuple, tuple[Family | None, _Group, bool]] = {}
         self._groups: dict[tuple, _Group] = {}

@@ -28,7 +28,7 @@ import re
 
 import torch
 
-from dynvm.vm.errors import AssembleError, DvmFormatError
+from dynvm.vm.errors import AssembleError, DvmFormatError, VerifyError
 from dynvm.vm.instr import Instr
 from dynvm.vm.operands import Const, Imm, IntList, Label, Operand, Reg, RegList
 from dynvm.vm.serialize import dtype_named
@@ -233,7 +233,7 @@ def _parse_operand(tokens: _Tokens) -> Operand:
         return RegList(tuple(regs))
     try:
         return Imm(_parse_literal(tokens))
-    except TypeError as exc:
+    except VerifyError as exc:  # a literal of a type an immediate cannot hold
         raise tokens.error(str(exc)) from None
 
 

@@ -22,7 +22,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from dynvm.vm.errors import CallBudgetError
+from dynvm.vm.errors import CallBudgetError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,10 @@ class CallBudget:
     def __post_init__(self) -> None:
         if not (isinstance(self.seconds, int | float) and math.isfinite(self.seconds)
                 and self.seconds > 0):
-            raise ValueError(f"CallBudget.seconds must be a finite number > 0, "
+            raise ConfigError(f"CallBudget.seconds must be a finite number > 0, "
                              f"got {self.seconds!r}")
         if type(self.loop_iterations) is not int or self.loop_iterations < 1:
-            raise ValueError(f"CallBudget.loop_iterations must be an integer >= 1, "
+            raise ConfigError(f"CallBudget.loop_iterations must be an integer >= 1, "
                              f"got {self.loop_iterations!r}")
 
     def meter(self) -> LoopMeter:

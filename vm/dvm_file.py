@@ -43,7 +43,9 @@ from dynvm.vm.errors import (
     ChecksumError,
     CorruptSectionError,
     DvmFormatError,
+    InputError,
     NotDvmFileError,
+    SaveError,
     TruncatedFileError,
     VerifyError,
     VersionError,
@@ -181,13 +183,13 @@ def _check_saveable(program: Program) -> None:
     """Refuse to write a file that `loads` would reject for a reason the writer can see."""
     for spec in program.constant_specs:
         if spec.dtype not in _CONSTANT_DTYPES:  # Note [complex128 constants]
-            raise ValueError(f"cannot save program {program.name!r}: constant {spec.name!r} "
+            raise SaveError(f"cannot save program {program.name!r}: constant {spec.name!r} "
                              f"has dtype {literal_name(spec.dtype)}, which the .dvm format "
                              "cannot store")
     names = program.constant_names
     if len(set(names)) != len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"cannot save program {program.name!r}: constant names {twice} "
+        raise SaveError(f"cannot save program {program.name!r}: constant names {twice} "
                          "are used more than once (constants are stored by name)")
 
 
@@ -243,7 +245,7 @@ def loads(data: bytes | bytearray | memoryview) -> Program:
     """The program in a .dvm file's bytes. Raises a `DvmFormatError` subclass, and no
     other exception, for any bytes that are not a valid .dvm file."""
     if not isinstance(data, bytes | bytearray | memoryview):
-        raise TypeError(f"loads() takes bytes, not {type(data).__name__}")
+        raise InputError(f"loads() takes bytes, not {type(data).__name__}")
     data = bytes(data)
     sections = _read_sections(data)
     for section in sections.values():

@@ -29,7 +29,7 @@ import json
 import os
 from pathlib import Path
 
-from dynvm.vm.errors import DvmSignatureError
+from dynvm.vm.errors import ConfigTypeError, DvmSignatureError
 
 SUFFIX = ".sig"
 VERSION = 1
@@ -44,7 +44,7 @@ def signature_path(path: str | os.PathLike) -> Path:
 
 def _check_secret(secret: object) -> bytes:
     if not isinstance(secret, bytes) or not secret:
-        raise TypeError("a .dvm signing secret must be non-empty bytes")
+        raise ConfigTypeError("a .dvm signing secret must be non-empty bytes")
     return secret
 
 

@@ -32,7 +32,23 @@ class UnsupportedOpError(DynvmError):
 
 
 class InputError(DynvmError, TypeError):
-    """A call passed the wrong number or kind of inputs."""
+    """A call passed the wrong number or kind of inputs (to a program, or to a dynvm
+    function: bytes where bytes are read, for instance)."""
+
+
+class ConfigError(DynvmError, ValueError):
+    """A setting dynvm cannot use: a field of a config dataclass (JitConfig,
+    ServingLimits, ...), a budget, a limit or a target; the message names the setting,
+    what it must be and what it was."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A setting of the wrong type (a ConfigError that `except TypeError` also catches)."""
+
+
+class SaveError(DynvmError, ValueError):
+    """A program cannot be written as a .dvm file (a constant of a dtype the format cannot
+    store, two constants of one name); the message names the program and the constant."""
 
 
 class ExecutionError(DynvmError, RuntimeError):

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dynvm.vm.errors import VerifyError
+
 
 @dataclass(frozen=True, slots=True)
 class Reg:
@@ -71,7 +73,7 @@ def _check_literal(value: object) -> None:
         for item in value:
             _check_literal(item)
     elif not isinstance(value, IMM_TYPES):
-        raise TypeError(f"an immediate cannot hold {type(value).__name__}: {value!r}")
+        raise VerifyError(f"an immediate cannot hold {type(value).__name__}: {value!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import msgpack
 import torch
 
 from dynvm.vm import torch_literals
-from dynvm.vm.errors import DvmFormatError
+from dynvm.vm.errors import DvmFormatError, VerifyError
 from dynvm.vm.instr import Instr
 from dynvm.vm.opcodes import OPCODES
 from dynvm.vm.operands import Const, Imm, IntList, Label, Operand, Reg, RegList
@@ -95,7 +95,7 @@ def decode_operand(data: object) -> Operand:
     if tag == "i":
         try:
             return Imm(_unpack_literal(payload))
-        except TypeError as exc:
+        except VerifyError as exc:  # a literal of a type an immediate cannot hold
             raise DvmFormatError(str(exc)) from exc
     if tag == "l" and isinstance(payload, list):
         items: list[int | Reg] = []

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from dynvm.vm.errors import DynvmError
+
 from ._base import DemoModel
 from .control_flow import branchy, looping
 from .gnn import gnn
@@ -26,13 +28,20 @@ REGISTRY: dict[str, Callable[[], DemoModel]] = {
 }
 
 
+class UnknownDemoModel(DynvmError, KeyError):
+    """No demo model has this name (the message lists the ones there are)."""
+
+    def __str__(self) -> str:  # KeyError's own would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 def get(name: str) -> DemoModel:
     """Build the registered model ``name`` with its default settings."""
     try:
         builder = REGISTRY[name]
     except KeyError:
         known = ", ".join(sorted(REGISTRY))
-        raise KeyError(f"unknown demo model {name!r}; known models: {known}") from None
+        raise UnknownDemoModel(f"unknown demo model {name!r}; known models: {known}") from None
     return builder()
 
 

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
 
+from dynvm.vm.errors import ConfigError
+
 from ._base import DemoModel, finish, generator, seeded
 
 
@@ -24,7 +26,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, hidden: int, heads: int, ffn: int) -> None:
         super().__init__()
         if hidden % heads:
-            raise ValueError(f"hidden={hidden} is not divisible by heads={heads}")
+            raise ConfigError(f"hidden={hidden} is not divisible by heads={heads}")
         self.heads = heads
         # One fused projection for q, k and v, as most hand-written encoders do.
         self.qkv = nn.Linear(hidden, 3 * hidden)

@@ -44,6 +44,7 @@ from dynvm._env import child_environment
 from dynvm.jit.backends.triton.errors import TritonBackendError
 from dynvm.jit.backends.triton.kernels import GeneratedKernel
 from dynvm.jit.backends.triton.options import DEFAULT_OPTIONS, TritonOptions
+from dynvm.vm.errors import ConfigError
 
 WORKER = Path(__file__).with_name("_aot_worker.py")
 DEFAULT_TARGETS = (("cuda", 90, 32),)
@@ -81,7 +82,7 @@ def parse_target(text: str) -> tuple[str, int, int]:
     """"cuda:90" -> ("cuda", 90, 32)."""
     backend, _, arch = text.partition(":")
     if backend != "cuda" or not arch.isdigit():
-        raise ValueError(f"target must look like 'cuda:90', got {text!r}")
+        raise ConfigError(f"target must look like 'cuda:90', got {text!r}")
     return backend, int(arch), 32
 
 

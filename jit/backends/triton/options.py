@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from dynvm.vm.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class TritonOptions:
@@ -34,13 +36,13 @@ class TritonOptions:
 
     def __post_init__(self) -> None:
         if self.matmul_precision not in ("ieee", "tf32", "tf32x3"):
-            raise ValueError(f"matmul_precision must be 'ieee', 'tf32' or 'tf32x3', got "
+            raise ConfigError(f"matmul_precision must be 'ieee', 'tf32' or 'tf32x3', got "
                              f"{self.matmul_precision!r}")
         for name, value in (("elementwise_block", self.elementwise_block),
                             ("max_row_block", self.max_row_block),
                             *zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), self.matmul_tiles)):
             if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+                raise ConfigError(f"{name} must be a power of two >= 16, got {value}")
 
     def as_key(self) -> dict:
         key = asdict(self)
