@@ -1,0 +1,253 @@
+"""The fleet simulator (issue 18): N replicas speaking the real link protocol to the real
+compile service (Ray actors) and a real redis-server, replaying a drifting Zipf shape
+trace; no model runs. What is real and what is simulated: bench/_fleet_host.py.
+
+    python -m bench.fleet_sim [--n 10 100 1000] [--modes single sharded]
+                              [--seconds 30] [--json PATH] [--plot docs/fleet_scale.png]
+
+Modes: `single` is the service as it was before issue 18 (one actor for every
+program, one record per interpreted call, no back-pressure); `sharded` is one shard
+per program (Note [Compile service shards]), records pre-aggregated per signature per
+report and back-pressure (Note [Pre-aggregated observations]). Each (mode, N) gets a
+fresh redis-server and fresh service actors on one local Ray; replicas are spread over
+a few host processes (Ray actors), the programs over the replicas round-robin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import secrets
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from bench._fleet_metrics import process_usage, propagation, redis_counters
+
+PROGRAMS = 4
+REPLICAS_PER_HOST = 500   # two host processes at N = 1000: one per core
+NAMESPACE = "dynvm-fleet-sim"
+MODES = {
+    "single": {"shards": 1, "aggregate": False, "max_backoff_s": 1e-3},
+    "sharded": {"shards": PROGRAMS, "aggregate": True, "max_backoff_s": 2.0},
+}
+
+
+def _jit_config():
+    from dynvm.jit.config import JitConfig
+
+    # The small transformer's region takes ~100 us: with the default horizon a compile
+    # would not pay and nothing would be promoted; this makes hot shapes promote.
+    return JitConfig(min_recurrence=2, max_recurrence=4, horizon_calls=10**7)
+
+
+def run_one(mode: str, n: int, dvm_files: list[bytes], seconds: float, rate: float,
+            settle_s: float) -> dict:
+    """One (mode, N) run; returns its figures."""
+    import ray
+
+    from bench._fleet_host import ReplicaHost
+    from dynvm.cluster.compile_service import start_compile_service, stop_compile_service
+    from dynvm.cluster.config import StoreConfig
+    from dynvm.cluster.fleet_link import FleetOptions
+    from dynvm.cluster.fleet_shards import shard_names
+    from dynvm.cluster.local_redis import LocalRedis, LocalRedisOptions
+    from dynvm.cluster.store_redis import redis_client
+
+    settings = MODES[mode]
+    shards = settings["shards"]
+    name = f"fleet-sim-{uuid.uuid4().hex[:6]}"
+    with LocalRedis(LocalRedisOptions(maxmemory="1gb")) as local:
+        store = StoreConfig(secret=secrets.token_bytes(32), redis=local.config())
+        options = FleetOptions(store, service_name=name, service_namespace=NAMESPACE,
+                               service_shards=shards, aggregate=settings["aggregate"],
+                               max_backoff_s=settings["max_backoff_s"],
+                               service_timeout_s=10.0)
+        start_compile_service(store, _jit_config(), name=name, namespace=NAMESPACE,
+                              shards=shards)
+        services = [ray.get_actor(s, namespace=NAMESPACE) for s in shard_names(name, shards)]
+        pids = ray.get([s.pid.remote() for s in services])
+        redis = redis_client(local.config(), "dynvm-fleet-sim")
+        host_count = max(1, math.ceil(n / REPLICAS_PER_HOST))
+        programs = [r % len(dvm_files) for r in range(n)]
+        remote_host = ray.remote(ReplicaHost).options(num_cpus=0, max_concurrency=2)
+        hosts = [remote_host.remote(h, dvm_files, programs[h::host_count], options,
+                                    _jit_config()) for h in range(host_count)]
+        try:
+            start_seconds = ray.get([h.ready.remote() for h in hosts])
+            cpu_before, _ = process_usage(pids)
+            redis_before = redis_counters(redis)
+            start_at = time.time() + 1.0
+            ray.get([h.run_traffic.remote(start_at, seconds, rate, seed)
+                     for seed, h in enumerate(hosts)])
+            time.sleep(max(0.0, start_at + seconds + settle_s - time.time()))
+            window = time.time() - start_at
+            cpu_after, service_rss = process_usage(pids)
+            redis_after = redis_counters(redis)
+            service_stats = ray.get([s.stats.remote() for s in services])
+            results = ray.get([h.results.remote() for h in hosts])
+        finally:
+            for h in hosts:
+                ray.kill(h)
+            stop_compile_service(name, NAMESPACE, shards=shards)
+            redis.close()
+    return summarize(mode, n, shards, window, seconds, results, service_stats,
+                     cpu_after - cpu_before, service_rss, redis_before, redis_after,
+                     start_seconds)
+
+
+def summarize(mode, n, shards, window, seconds, results, service_stats, service_cpu,
+              service_rss, redis_before, redis_after, start_seconds) -> dict:
+    counters: dict[str, int] = {}
+    for host in results:
+        for key, value in host["counters"].items():
+            counters[key] = counters.get(key, 0) + value
+    compiles = sum(p["compiles"] for s in service_stats for p in s["programs"].values())
+    indexed = sum(p["indexed"] for s in service_stats for p in s["programs"].values())
+    published = sum(s["published"] for s in service_stats)
+    reach = propagation(results)
+    keys = reach["keys_announced"]
+    commands = redis_after["commands"] - redis_before["commands"]
+    publishes = redis_after["publish"] - redis_before["publish"]
+    requests = sum(h["requests"] for h in results)
+    return {
+        "mode": mode, "replicas": n, "shards": shards, "window_s": window,
+        "traffic_s": seconds, "requests": requests,
+        "specialized_fraction": sum(h["specialized_requests"] for h in results)
+        / max(1, requests),
+        "report_messages_per_s": counters["messages"] / window,
+        "report_bytes_per_s": counters["bytes"] / window,
+        "records_per_s": counters["records"] / window,
+        "observations_per_s": counters["reported"] / window,
+        "dropped_observations": counters["dropped_observations"],
+        "service_failures": counters["service_failures"],
+        "backoffs": counters["backoffs"],
+        "service_cpu_s": service_cpu,
+        "service_cpu_fraction": service_cpu / window,
+        "service_cpu_us_per_replica_s": 1e6 * service_cpu / window / n,
+        "service_rss_mb": service_rss / 2**20,
+        "redis_commands_per_replica_s": commands / window / n,
+        "redis_used_memory_mb": redis_after["used_memory"] / 2**20,
+        "redis_rss_mb": redis_after["used_memory_rss"] / 2**20,
+        "announce_subscribers": redis_after["subscribers"],
+        "publishes": publishes,
+        "announcements_delivered": sum(h["announcements_received"] for h in results),
+        "service_compiles": compiles, "published": published, "indexed": indexed,
+        "keys_announced": keys,
+        "compiles_per_key": compiles / keys if keys else None,
+        "replica_local_compiles": counters["local_compiles"],
+        "install_rejected": counters["install_rejected"],
+        "host_start_s": max(start_seconds),
+        "simulator_cpu_fraction": sum(h["host_cpu_s"] for h in results) / window,
+        "reference_install_ms": max(h["reference_install_ms"] for h in results),
+        "tick_sweep_p50_s": max(h["sweep_p50_s"] for h in results),
+        "tick_sweep_max_s": max(h["sweep_max_s"] for h in results),
+        **{k: v for k, v in reach.items() if k != "keys_announced"},
+    }
+
+
+def table(rows: list[dict]) -> str:
+    """A Markdown table of the figures that say where it bends."""
+    def fmt(value, digits=2):
+        if value is None:
+            return "-"
+        return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+    lines = ["| mode | N | reports/s | KB/s in | service CPU | CPU µs/replica/s | "
+             "sight→99% (med / p90 s) | announce→99% (med s) | Redis cmd/replica/s | "
+             "service RSS MB | Redis MB | compiles/key | local compiles |",
+             "|" + "---|" * 13]
+    for r in rows:
+        s99, a99 = r["sighting_to_99"], r["announce_to_99"]
+        lines.append(
+            f"| {r['mode']} | {r['replicas']} | {fmt(r['report_messages_per_s'], 0)} | "
+            f"{fmt(r['report_bytes_per_s'] / 1024, 0)} | {fmt(r['service_cpu_fraction'])} | "
+            f"{fmt(r['service_cpu_us_per_replica_s'], 0)} | "
+            f"{fmt(s99['median'])} / {fmt(s99['p90'])} ({s99['reached']}/{s99['of']}) | "
+            f"{fmt(a99['median'])} ({a99['reached']}/{a99['of']}) | "
+            f"{fmt(r['redis_commands_per_replica_s'])} | {fmt(r['service_rss_mb'], 0)} | "
+            f"{fmt(r['redis_rss_mb'], 0)} | {fmt(r['compiles_per_key'])} | "
+            f"{r['replica_local_compiles']} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("report_messages_per_s", "reports / s into the service"),
+              ("service_cpu_fraction", "service CPU (cores)"),
+              ("service_cpu_us_per_replica_s", "service CPU µs per replica-second"),
+              ("sighting_to_99", "first sighting → 99% installed (median s)"),
+              ("announce_to_99", "announcement → 99% installed (median s)"),
+              ("redis_commands_per_replica_s", "Redis commands / replica / s")]
+    figure, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for axis, (key, title) in zip(axes.flat, panels):
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            points = [(r["replicas"], r[key]["median"] if isinstance(r[key], dict)
+                       else r[key]) for r in rows if r["mode"] == mode]
+            points = [(x, y) for x, y in points if y is not None]
+            if points:
+                axis.plot(*zip(*points), marker="o", label=mode)
+        axis.set_xscale("log")
+        axis.set_title(title, fontsize=10)
+        axis.set_xlabel("replicas")
+        axis.grid(True, alpha=0.3)
+    axes.flat[0].legend()
+    figure.suptitle("dynvm fleet simulator (bench/fleet_sim.py): one 2-core machine")
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.fleet_sim",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, nargs="+", default=[10, 100, 1000])
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES),
+                        default=["single", "sharded"])
+    parser.add_argument("--seconds", type=float, default=30.0, help="traffic per run")
+    parser.add_argument("--settle", type=float, default=5.0,
+                        help="seconds after the traffic before measuring")
+    parser.add_argument("--rate", type=float, default=5.0, help="requests/s per replica")
+    parser.add_argument("--json", default="bench/results/fleet_scale.json")
+    parser.add_argument("--plot", default=None, help="e.g. docs/fleet_scale.png")
+    args = parser.parse_args(argv)
+
+    import ray
+
+    from bench._fleet_trace import fleet_programs
+
+    dvm_files = fleet_programs(PROGRAMS, PROGRAMS)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False, namespace=NAMESPACE)
+    rows = []
+    try:
+        for mode in args.modes:
+            for n in args.n:
+                load = os.getloadavg()[0]
+                row = run_one(mode, n, dvm_files, args.seconds, args.rate, args.settle)
+                row["load_before"] = load
+                row["load_after"] = os.getloadavg()[0]
+                rows.append(row)
+                print(json.dumps({k: row[k] for k in (
+                    "mode", "replicas", "report_messages_per_s", "service_cpu_fraction",
+                    "sighting_to_99", "announce_to_99", "compiles_per_key",
+                    "load_before")}, default=str), flush=True)
+    finally:
+        ray.shutdown()
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(rows, indent=2, default=float))
+    print(table(rows))
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
