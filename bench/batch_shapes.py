@@ -30,7 +30,7 @@ if ROOT not in sys.path:
 
 import dynvm  # noqa: E402
 from dynvm.cluster.batcher import OpportunisticBatcher  # noqa: E402
-from dynvm.cluster.config import BatchingOptions  # noqa: E402
+from dynvm.cluster.serving_config import BatchingOptions  # noqa: E402
 from dynvm.jit.config import JitConfig  # noqa: E402
 from dynvm.models import recommender  # noqa: E402
 

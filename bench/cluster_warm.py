@@ -118,11 +118,11 @@ def main(argv=None) -> int:
     from ray import serve
 
     import dynvm
-    from dynvm.cluster import StoreConfig
+    from dynvm.cluster import StoreConfig, serve_models
     from dynvm.cluster.compile_service import start_compile_service, stop_compile_service
     from dynvm.cluster.fleet_link import FleetOptions
+    from dynvm.cluster.http_front import model_app_name
     from dynvm.cluster.local_redis import LocalRedis, free_port
-    from dynvm.cluster.replica import model_app_name, serve_models
     from dynvm.jit.config import JitConfig
     from dynvm.models import recommender
 

@@ -225,8 +225,8 @@ def main(argv=None) -> int:
     from ray.serve.api import RunTarget
 
     import dynvm
+    from dynvm.cluster import serve_models
     from dynvm.cluster.proxy_guard import ProxyLimits
-    from dynvm.cluster.replica import serve_models
     from dynvm.jit.config import JitConfig
     from tests.cluster._redis_server import free_port
 

@@ -51,7 +51,7 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from dynvm.cluster.config import BatchingOptions
+from dynvm.cluster.serving_config import BatchingOptions
 from dynvm.vm.errors import DynvmError
 
 

@@ -1,5 +1,5 @@
-"""Configuration of the cluster layer: the kernel store (`StoreConfig`) and request
-batching (`BatchingOptions`, the one place its defaults live).
+"""Configuration of the kernel store (`StoreConfig`); how a model is served is
+`ServingConfig` (dynvm.cluster.serving_config).
 
 `StoreConfig.from_env()` builds it from the DYNVM_STORE_* and DYNVM_REDIS_* variables,
 which `dynvm._env.store_settings` reads and checks (that module's docstring and the
@@ -9,7 +9,6 @@ password appears in a repr or an error message.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -75,43 +74,3 @@ class StoreConfig:
             return RedisStore(self.redis)
         assert self.local_dir is not None
         return LocalDirStore(self.local_dir)
-
-
-@dataclass(frozen=True)
-class BatchingOptions:
-    """How a model replica batches requests (Note [Opportunistic batching] in
-    dynvm.cluster.batcher). `serve_models`, the Serve config builder and `dynvm serve`'s
-    flags all end here; nothing else holds batching defaults."""
-
-    max_batch_size: int = 8
-    """Requests in one batch at most."""
-    max_batch_bytes: int = 16 * 1024 * 1024
-    """Input bytes in one batch at most (a request larger than this runs alone)."""
-    max_delay_s: float = 0.002
-    """Longest a formed batch of two or more requests is held for one more request when
-    that would reach a preferred size; a lone request is never held, and a request that
-    finds the model idle runs at once. 0: never hold."""
-    preferred_sizes: tuple[int, ...] = ()
-    """Batch sizes (rows along dim 0) to aim for, besides those the JIT has specialized
-    (`shape_aware`), e.g. the sizes `dynvm precompile` filled the store with."""
-    shape_aware: bool = True
-    """Prefer batches whose row count ran specialized before: take fewer requests (the
-    rest form the next batch) rather than make a row count that would be interpreted."""
-    max_queued: int = 64
-    """Requests waiting for the model at most; one more is answered 503 + Retry-After."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_batch_bytes", "max_queued"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"BatchingOptions.{name} must be an integer >= 1, "
-                                 f"got {value!r}")
-        if not (isinstance(self.max_delay_s, int | float) and math.isfinite(self.max_delay_s)
-                and 0 <= self.max_delay_s <= 1):
-            raise ValueError(f"BatchingOptions.max_delay_s must be between 0 and 1 s, "
-                             f"got {self.max_delay_s!r}")
-        sizes = tuple(self.preferred_sizes)
-        if any(type(n) is not int or n < 1 for n in sizes):
-            raise ValueError(f"BatchingOptions.preferred_sizes must be integers >= 1, "
-                             f"got {self.preferred_sizes!r}")
-        object.__setattr__(self, "preferred_sizes", tuple(sorted(set(sizes))))

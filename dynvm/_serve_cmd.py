@@ -34,7 +34,7 @@ from dynvm._env import (
 from dynvm._run_cmd import CliError
 
 if TYPE_CHECKING:
-    from dynvm.cluster.config import BatchingOptions
+    from dynvm.cluster.serving_config import ServingConfig
 
 
 @dataclass(frozen=True)
@@ -45,35 +45,15 @@ class ServeOptions:
     """The .dvm file the replicas load (made absolute: replicas are other processes)."""
     name: str
     """Model name in the v2 routes: /v2/models/<name>/infer."""
+    serving: ServingConfig
+    """How the model is served: the flags over ServingConfig's defaults (the fleet is
+    added at start-up, once the store exists)."""
     port: int = 8000
     """HTTP port on 127.0.0.1."""
-    replicas: int = 1
-    """Fixed replica count (ignored when `max_replicas` is set)."""
-    min_replicas: int | None = None
-    """Autoscaling lower bound (with `max_replicas`)."""
-    max_replicas: int | None = None
-    """Autoscaling upper bound; set: Serve autoscales the model's deployment."""
-    target_ongoing_requests: float = 2.0
-    """Autoscaling: requests in flight per replica that trigger another replica."""
-    online_compile: bool = True
-    """False: replicas never compile (they install from the store, interpret the rest)."""
-    device: str = "auto"
-    """Replica device: "auto" (a GPU when Ray has one), "cpu", "cuda"."""
-    num_cpus: float = 1.0
-    """CPUs Ray reserves per replica."""
-    call_seconds: float = 30.0
-    """Budget of one VM call (Note [Call budget]): past it, the request gets a 500."""
-    require_signed: bool = False
-    """Replicas load the .dvm file only with a signature made with DYNVM_STORE_SECRET
-    (Note [Signed programs]); needs that variable set."""
     gpu_targets: tuple = ()
     """GPU targets, e.g. (("cuda", 90, 32),): the compile service also builds Triton
     binaries for them, and CUDA replicas install those instead of compiling (Note [GPU
     replicas in the fleet]); CPU replicas ignore them."""
-    batching: BatchingOptions | None = None
-    """Request batching (Note [Opportunistic batching]): the --max-batch-size,
-    --max-batch-delay-ms, --preferred-batch-sizes, --shape-aware-batching and
-    --max-queued flags over BatchingOptions' defaults; None: the defaults."""
 
 
 def options_from_args(args) -> ServeOptions:
@@ -81,17 +61,8 @@ def options_from_args(args) -> ServeOptions:
     path = Path(args.file)
     if not path.is_file():
         raise CliError(f"cannot read {args.file}: no such file", 2)
-    if (args.min_replicas is None) != (args.max_replicas is None):
-        raise CliError("give both --min-replicas and --max-replicas (autoscaling), or "
-                       "neither", 2)
-    if args.max_replicas is not None and not 0 <= args.min_replicas <= args.max_replicas:
-        raise CliError(f"--min-replicas {args.min_replicas} must be between 0 and "
-                       f"--max-replicas {args.max_replicas}", 2)
-    from dynvm.cluster.replica import check_model_name
+    from dynvm.cluster.http_front import check_model_name
 
-    if not 0 < args.call_seconds < float("inf"):
-        raise CliError(f"--call-seconds must be a finite number > 0, got {args.call_seconds}",
-                       2)
     if args.require_signed and not child_environment().get(STORE_SECRET, "").strip():
         raise CliError(f"--require-signed checks the .dvm file's signature with "
                        f"{STORE_SECRET}, which is not set (sign the file with the same "
@@ -101,16 +72,9 @@ def options_from_args(args) -> ServeOptions:
         check_model_name(name)
     except ValueError as exc:
         raise CliError(f"bad --name: {exc}", 2) from None
-    batching = _batching_from_args(args)
-    gpu_targets = _gpu_targets_from_args(args)
     return ServeOptions(model_path=str(path.resolve()), name=name, port=args.port,
-                        replicas=args.replicas, min_replicas=args.min_replicas,
-                        max_replicas=args.max_replicas,
-                        target_ongoing_requests=args.target_ongoing_requests,
-                        online_compile=args.online_compile, device=args.device,
-                        num_cpus=args.num_cpus, call_seconds=args.call_seconds,
-                        require_signed=args.require_signed, batching=batching,
-                        gpu_targets=gpu_targets)
+                        serving=_serving_from_args(args),
+                        gpu_targets=_gpu_targets_from_args(args))
 
 
 def _gpu_targets_from_args(args) -> tuple:
@@ -127,32 +91,55 @@ def _gpu_targets_from_args(args) -> tuple:
     return tuple(targets)
 
 
-def _batching_from_args(args):
-    """BatchingOptions from the batching flags that were given (None: all defaults)."""
-    from dynvm.cluster.config import BatchingOptions
+def _given(**values) -> dict:
+    """The flags that were given (argparse leaves the others None)."""
+    return {k: v for k, v in values.items() if v is not None}
 
-    changes = {}
-    if args.max_batch_size is not None:
-        changes["max_batch_size"] = args.max_batch_size
-    if args.max_batch_delay_ms is not None:
-        changes["max_delay_s"] = args.max_batch_delay_ms / 1000.0
+
+def _serving_from_args(args) -> ServingConfig:
+    """ServingConfig from the flags that were given, over its defaults."""
+    from dynvm.cluster.limits import ServingLimits
+    from dynvm.cluster.serving_config import Autoscaling, BatchingOptions, ServingConfig
+    from dynvm.jit.config import JitConfig
+
+    if (args.min_replicas is None) != (args.max_replicas is None):
+        raise CliError("give both --min-replicas and --max-replicas (autoscaling), or "
+                       "neither", 2)
+    preferred = None
     if args.preferred_batch_sizes is not None:
         try:
-            changes["preferred_sizes"] = tuple(
-                int(n) for n in args.preferred_batch_sizes.split(",") if n.strip())
+            preferred = tuple(int(n) for n in args.preferred_batch_sizes.split(",")
+                              if n.strip())
         except ValueError:
             raise CliError(f"--preferred-batch-sizes takes integers separated by commas, "
                            f"got {args.preferred_batch_sizes!r}", 2) from None
-    if args.shape_aware_batching is not None:
-        changes["shape_aware"] = args.shape_aware_batching
-    if args.max_queued is not None:
-        changes["max_queued"] = args.max_queued
-    if not changes:
-        return None
+    delay = None if args.max_batch_delay_ms is None else args.max_batch_delay_ms / 1000.0
     try:
-        return BatchingOptions(**changes)
+        batching = BatchingOptions(**_given(
+            max_batch_size=args.max_batch_size, max_delay_s=delay,
+            preferred_sizes=preferred, shape_aware=args.shape_aware_batching,
+            max_queued=args.max_queued))
     except ValueError as exc:
         raise CliError(f"bad batching flag: {exc}", 2) from None
+    try:
+        limits = ServingLimits(**_given(
+            call_seconds=args.call_seconds,
+            require_signed_programs=args.require_signed or None))
+    except ValueError as exc:
+        raise CliError(f"bad --call-seconds: {exc}", 2) from None
+    try:
+        autoscaling = None if args.max_replicas is None else Autoscaling(**_given(
+            min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+            target_ongoing_requests=args.target_ongoing_requests))
+    except ValueError as exc:
+        raise CliError(f"--min-replicas/--max-replicas: {exc}", 2) from None
+    try:
+        return ServingConfig(**_given(
+            device=args.device, num_replicas=args.replicas, num_cpus=args.num_cpus,
+            jit=None if args.online_compile else JitConfig(online_compile=False)),
+            batching=batching, limits=limits, autoscaling=autoscaling)
+    except ValueError as exc:
+        raise CliError(str(exc), 2) from None
 
 
 def _store_config(stack: contextlib.ExitStack, say):
@@ -184,6 +171,7 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
     import ray
     from ray import serve
 
+    from dynvm.cluster._deployment import serve_models, start_serve
     from dynvm.cluster.compile_service import (
         NAMESPACE,
         SERVICE_NAME,
@@ -191,10 +179,7 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
         stop_compile_service,
     )
     from dynvm.cluster.fleet_link import FleetOptions
-    from dynvm.cluster.limits import ServingLimits
     from dynvm.cluster.proxy_guard import ProxyLimits
-    from dynvm.cluster.replica import Autoscaling, serve_models
-    from dynvm.jit.config import JitConfig
 
     store = _store_config(stack, say)
     proxy = ProxyLimits()
@@ -208,22 +193,11 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
                           gpu_targets=options.gpu_targets)
     stack.callback(stop_compile_service, SERVICE_NAME, NAMESPACE)
     say("compile   service started")
-    serve.start(http_options=proxy.http_options("127.0.0.1", options.port))
+    start_serve("127.0.0.1", options.port, proxy)
     stack.callback(serve.shutdown)
-    autoscaling = None
-    if options.max_replicas is not None:
-        autoscaling = Autoscaling(min_replicas=options.min_replicas,
-                                  max_replicas=options.max_replicas,
-                                  target_ongoing_requests=options.target_ongoing_requests)
-    serve_models({options.name: options.model_path}, device=options.device,
-                 jit=JitConfig(online_compile=options.online_compile),
-                 num_replicas=options.replicas, num_cpus=options.num_cpus,
-                 batch_options=options.batching,
+    serve_models({options.name: options.model_path}, options.serving,
                  fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE,
-                                    gpu_targets=options.gpu_targets),
-                 autoscaling=autoscaling,
-                 limits=ServingLimits(call_seconds=options.call_seconds,
-                                      require_signed_programs=options.require_signed))
+                                    gpu_targets=options.gpu_targets))
 
 
 def _hint(options: ServeOptions) -> str:
@@ -286,21 +260,21 @@ the URL; Ctrl-C (or SIGTERM) stops everything it started.
     p.add_argument("file", metavar="MODEL.dvm")
     p.add_argument("--name", help="model name in the routes (default: the file's stem)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    p.add_argument("--replicas", type=int, default=1, metavar="N",
-                   help="fixed replica count (default 1)")
+    # Flags left out are None: ServingConfig's defaults apply (stated there only).
+    p.add_argument("--replicas", type=int, metavar="N", help="fixed replica count")
     p.add_argument("--min-replicas", type=int, metavar="A", help="autoscale from A ...")
     p.add_argument("--max-replicas", type=int, metavar="B", help="... up to B replicas")
-    p.add_argument("--target-ongoing-requests", type=float, default=2.0, metavar="R",
-                   help="autoscaling: requests in flight per replica (default 2)")
+    p.add_argument("--target-ongoing-requests", type=float, metavar="R",
+                   help="autoscaling: requests in flight per replica")
     p.add_argument("--online-compile", action=argparse.BooleanOptionalAction, default=True,
                    help="whether replicas may compile (--no-online-compile: install "
                    "from the store only, e.g. after `dynvm precompile`)")
-    p.add_argument("--device", default="auto", help="replica device (default auto)")
-    p.add_argument("--num-cpus", type=float, default=1.0, metavar="C",
-                   help="CPUs reserved per replica (default 1)")
-    p.add_argument("--call-seconds", type=float, default=30.0, metavar="S",
+    p.add_argument("--device", help="replica device: auto (a GPU when Ray has one), cpu, "
+                   "cuda")
+    p.add_argument("--num-cpus", type=float, metavar="C", help="CPUs reserved per replica")
+    p.add_argument("--call-seconds", type=float, metavar="S",
                    help="budget of one model call: a call still looping after S seconds "
-                   "stops and its request gets a 500 (default 30)")
+                   "stops and its request gets a 500")
     p.add_argument("--require-signed", action="store_true",
                    help="load the .dvm file only if MODEL.dvm.sig holds its signature "
                    "with DYNVM_STORE_SECRET (dynvm.vm.dvm_signature.sign_file)")
@@ -311,17 +285,16 @@ the URL; Ctrl-C (or SIGTERM) stops everything it started.
         "batching", "Note [Opportunistic batching]: a request that finds the model idle "
         "runs at once; requests arriving while it is busy form the next batch")
     batching.add_argument("--max-batch-size", type=int, metavar="N",
-                          help="requests per batch at most (default 8)")
+                          help="requests per batch at most")
     batching.add_argument("--max-batch-delay-ms", type=float, metavar="MS",
                           help="longest hold of a batch of two or more for one more request "
-                          "that reaches a preferred size; a lone request is never held "
-                          "(default 2)")
+                          "that reaches a preferred size; a lone request is never held")
     batching.add_argument("--preferred-batch-sizes", metavar="N,N,...",
                           help="row counts batches aim for, e.g. the precompiled ones")
     batching.add_argument("--shape-aware-batching", action=argparse.BooleanOptionalAction,
                           default=None, help="prefer batch sizes that ran specialized "
-                          "(default on)")
+                          "(on unless --no-shape-aware-batching)")
     batching.add_argument("--max-queued", type=int, metavar="N",
                           help="requests waiting for the model at most; more get 503 + "
-                          "Retry-After (default 64)")
+                          "Retry-After")
     p.set_defaults(handler=serve_command)

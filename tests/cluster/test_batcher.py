@@ -10,7 +10,7 @@ import time
 import pytest
 
 from dynvm.cluster.batcher import OpportunisticBatcher, Overloaded, plan_batch
-from dynvm.cluster.config import BatchingOptions
+from dynvm.cluster.serving_config import BatchingOptions
 from dynvm.vm.errors import DynvmError
 
 

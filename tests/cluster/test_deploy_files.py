@@ -9,8 +9,10 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from dynvm.cluster.replica import Autoscaling, model_app_name
+from dynvm.cluster.http_front import model_app_name
 from dynvm.cluster.serve_app import ModelAppArgs, build_server_app
+from dynvm.cluster.serving_config import Autoscaling, BatchingOptions, ServingConfig
+from dynvm.jit.config import JitConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -37,8 +39,7 @@ def _check_applications(config: dict) -> None:
         assert name == model_app_name(args.name)
         assert app.route_prefix == f"/v2/models/{args.name}"
         assert app.import_path == "dynvm.cluster.serve_app:build_model_app"
-        if args.autoscaling is not None:
-            Autoscaling(**args.autoscaling)
+        assert isinstance(args.serving, ServingConfig)
 
 
 def test_serve_config_is_a_valid_serve_deploy_schema():
@@ -81,9 +82,24 @@ def test_builder_args_are_checked():
         ModelAppArgs.from_args({"name": "m", "path": "/m.dvm", "replicas": 2})
     with pytest.raises(ValueError, match="need 'path'"):
         ModelAppArgs.from_args({"name": "m"})
+    with pytest.raises(ValueError, match="unknown batching key 'batch_wait_timeout_s'"):
+        ModelAppArgs.from_args({"name": "m", "path": "/m.dvm",
+                                "batching": {"batch_wait_timeout_s": 0.01}})
     with pytest.raises(ValueError, match="unknown autoscaling key 'max'"):
         ModelAppArgs.from_args({"name": "m", "path": "/m.dvm", "autoscaling": {"max": 3}})
     with pytest.raises(ValueError, match="need 'models'"):
         build_server_app({})
     with pytest.raises(ValueError, match="must match"):
         build_server_app({"models": ["bad name"]})
+
+
+def test_the_serve_config_args_are_one_serving_config():
+    app = _serve_config()["applications"][0]
+    serving = ModelAppArgs.from_args(app["args"]).serving
+    assert serving == ServingConfig(
+        device="auto", jit=JitConfig(online_compile=True), num_cpus=1,
+        batching=BatchingOptions(max_batch_size=8, max_delay_s=0.002),
+        autoscaling=Autoscaling(min_replicas=1, max_replicas=4, target_ongoing_requests=2,
+                                upscale_delay_s=3, downscale_delay_s=30))
+    bare = ModelAppArgs.from_args({"name": "m", "path": "/m.dvm"})
+    assert bare.serving == ServingConfig()  # the builder adds no defaults of its own

@@ -24,8 +24,8 @@ serve = pytest.importorskip("ray.serve")
 httpclient = pytest.importorskip("tritonclient.http")
 
 import dynvm  # noqa: E402
+from dynvm.cluster import Autoscaling, BatchingOptions, serve_models  # noqa: E402
 from dynvm.cluster.fleet_link import FleetOptions  # noqa: E402
-from dynvm.cluster.replica import Autoscaling, serve_models  # noqa: E402
 from dynvm.jit.config import JitConfig  # noqa: E402
 from dynvm.models import recommender, transformer  # noqa: E402
 
@@ -61,8 +61,9 @@ class Cluster:
         return json.loads(body)
 
     def deploy(self, name: str, path: str, **options) -> None:
-        serve_models({name: path}, device="cpu", jit=CONFIG, max_batch_size=4,
-                     batch_wait_timeout_s=0.005, num_cpus=0.1, fleet=self.fleet, **options)
+        serve_models({name: path}, device="cpu", jit=CONFIG, num_cpus=0.1, fleet=self.fleet,
+                     batching=BatchingOptions(max_batch_size=4, max_delay_s=0.005),
+                     **options)
 
 
 def _tokens(batch: int, seed: int) -> np.ndarray:

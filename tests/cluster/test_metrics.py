@@ -28,8 +28,12 @@ prom_parser = pytest.importorskip("prometheus_client.parser")
 
 import dynvm  # noqa: E402
 from dynvm.cli import main  # noqa: E402
-from dynvm.cluster import ArtifactCache, LocalDirStore  # noqa: E402
-from dynvm.cluster.replica import serve_models  # noqa: E402
+from dynvm.cluster import (  # noqa: E402
+    ArtifactCache,
+    BatchingOptions,
+    LocalDirStore,
+    serve_models,
+)
 from dynvm.jit.artifact import cache_key  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -101,7 +105,8 @@ def cluster(tmp_path_factory):
     metrics_port = free_port()
     with local_serve("dynvm-test-metrics", _metrics_export_port=metrics_port,
                      _system_config={"metrics_report_interval_ms": 500}) as http_port:
-        serve_models({"branchy": path}, device="cpu", jit=True, batching=False,
+        serve_models({"branchy": path}, device="cpu", jit=True,
+                     batching=BatchingOptions(enabled=False),
                      num_cpus=0.5)
         probe = serve.run(_probe_deployment().bind(PROBE_MODEL), name="dynvm-metrics-probe",
                           route_prefix=None)

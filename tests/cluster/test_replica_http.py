@@ -22,7 +22,7 @@ serve = pytest.importorskip("ray.serve")
 httpclient = pytest.importorskip("tritonclient.http")
 
 import dynvm  # noqa: E402
-from dynvm.cluster.replica import serve_models  # noqa: E402
+from dynvm.cluster import BatchingOptions, ServingConfig, serve_models  # noqa: E402
 from dynvm.models import branchy, recommender  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -75,9 +75,11 @@ def server(tmp_path_factory):
         modules[model.name] = model.module
 
     with local_serve("dynvm-test-replica") as port:
-        serve_models(paths, device="cpu", jit=False, max_batch_size=8,
-                     batch_wait_timeout_s=0.05, batching={"branchy": False},
-                     max_body_bytes=MAX_BODY, num_cpus=0.5)
+        config = ServingConfig(device="cpu", jit=False, max_body_bytes=MAX_BODY,
+                               num_cpus=0.5,
+                               batching=BatchingOptions(max_batch_size=8, max_delay_s=0.05))
+        serve_models(paths, config, per_model={"branchy": config.replace(
+            batching=BatchingOptions(enabled=False))})
         yield Server(port, programs, modules)
 
 

@@ -9,8 +9,8 @@ import json
 import pytest
 
 import dynvm
+from dynvm.cluster import ModelReplica, ServingConfig
 from dynvm.cluster import v2_protocol as v2
-from dynvm.cluster.replica import ModelReplica
 from dynvm.telemetry import Telemetry
 from tests.cluster._cluster_helpers import saved_recommender
 
@@ -25,7 +25,7 @@ def replica(tmp_path_factory):
     # itself (next in the MRO) builds synchronously.
     cls = ModelReplica.func_or_class.__mro__[1]
     assert cls.__name__ == "ModelReplica"
-    return cls("rec", str(path), device="cpu", jit=False, probe_outputs=False), demo
+    return cls("rec", str(path), ServingConfig(device="cpu", jit=False), probe_outputs=False), demo
 
 
 def _request(replica, demo, batch: int) -> v2.InferRequest:
@@ -40,9 +40,9 @@ def _request(replica, demo, batch: int) -> v2.InferRequest:
 def test_the_vm_call_joins_the_http_requests_trace(replica):
     replica, demo = replica
     telemetry, spans = Telemetry.in_memory()
-    replica.runtime = dynvm.Runtime(replica.program, "cpu", jit=False, telemetry=telemetry)
+    replica.executor.runtime = dynvm.Runtime(replica.program, "cpu", jit=False, telemetry=telemetry)
     requests = [_request(replica, demo, 2), _request(replica, demo, 3)]
-    outcomes, counts = replica._run_batch(requests, [{"traceparent": PARENT}, None])
+    outcomes, counts = replica.executor.run_batch(requests, [{"traceparent": PARENT}, None])
     assert all(o.error is None for o in outcomes)
     calls = [s for s in spans.get_finished_spans() if s.name == "dynvm.call"]
     assert calls and all(format(s.context.trace_id, "032x") == TRACE_ID for s in calls)
@@ -52,8 +52,8 @@ def test_the_vm_call_joins_the_http_requests_trace(replica):
 def test_without_a_traceparent_the_call_starts_its_own_trace(replica):
     replica, demo = replica
     telemetry, spans = Telemetry.in_memory()
-    replica.runtime = dynvm.Runtime(replica.program, "cpu", jit=False, telemetry=telemetry)
-    replica._run_batch([_request(replica, demo, 2)], [None])
+    replica.executor.runtime = dynvm.Runtime(replica.program, "cpu", jit=False, telemetry=telemetry)
+    replica.executor.run_batch([_request(replica, demo, 2)], [None])
     calls = [s for s in spans.get_finished_spans() if s.name == "dynvm.call"]
     assert calls and format(calls[0].context.trace_id, "032x") != TRACE_ID
     assert calls[0].parent is None

@@ -172,26 +172,40 @@ def _serve_args(*flags: str):
     return parser.parse_args(["serve", *flags])
 
 
-def test_batching_flags_map_to_one_batching_config(tmp_path):
+def test_flags_map_to_one_serving_config(tmp_path):
     from dynvm._run_cmd import CliError
     from dynvm._serve_cmd import options_from_args
-    from dynvm.cluster.config import BatchingOptions
+    from dynvm.cluster import Autoscaling, BatchingOptions, ServingConfig, ServingLimits
+    from dynvm.jit.config import JitConfig
 
     path = tmp_path / "m.dvm"
     path.write_bytes(b"x")  # options_from_args only checks that the file exists
-    assert options_from_args(_serve_args(str(path))).batching is None
+    # No flag: ServingConfig's own defaults, nothing restated by the CLI.
+    assert options_from_args(_serve_args(str(path))).serving == ServingConfig()
     options = options_from_args(_serve_args(
         str(path), "--max-batch-size", "16", "--max-batch-delay-ms", "1.5",
         "--preferred-batch-sizes", "8,4,16", "--no-shape-aware-batching",
-        "--max-queued", "32"))
-    assert options.batching == BatchingOptions(max_batch_size=16, max_delay_s=0.0015,
-                                               preferred_sizes=(4, 8, 16),
-                                               shape_aware=False, max_queued=32)
+        "--max-queued", "32", "--replicas", "3", "--device", "cpu", "--call-seconds", "2",
+        "--no-online-compile"))
+    assert options.serving == ServingConfig(
+        device="cpu", num_replicas=3, jit=JitConfig(online_compile=False),
+        batching=BatchingOptions(max_batch_size=16, max_delay_s=0.0015,
+                                 preferred_sizes=(4, 8, 16), shape_aware=False,
+                                 max_queued=32),
+        limits=ServingLimits(call_seconds=2.0))
+    scaled = options_from_args(_serve_args(str(path), "--min-replicas", "0",
+                                           "--max-replicas", "3"))
+    assert scaled.serving.autoscaling == Autoscaling(min_replicas=0, max_replicas=3)
     for bad in (["--max-batch-size", "0"], ["--preferred-batch-sizes", "4,x"],
                 ["--max-batch-delay-ms", "5000"]):
         with pytest.raises(CliError) as error:
             options_from_args(_serve_args(str(path), *bad))
         assert error.value.args[0].startswith(("bad batching flag", "--preferred"))
+    for bad, message in ((["--call-seconds", "inf"], "call_seconds"),
+                         (["--min-replicas", "2"], "give both"),
+                         (["--min-replicas", "3", "--max-replicas", "2"], "min_replicas")):
+        with pytest.raises(CliError, match=message):
+            options_from_args(_serve_args(str(path), *bad))
 
 
 def test_gpu_targets_flag_reaches_the_options(tmp_path):

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dynvm
-from dynvm.cluster.replica import serve_models
+from dynvm.cluster import BatchingOptions, serve_models
 from dynvm.models import recommender
 from tests.cluster._cluster_helpers import local_serve
 
@@ -79,7 +79,7 @@ def server(tmp_path_factory):
     dynvm.save(program, path)
     with local_serve("dynvm-test-bad-input") as port:
         serve_models({"recommender": str(path)}, device="cpu", jit=False,
-                     max_batch_size=4, batch_wait_timeout_s=0.005,
+                     batching=BatchingOptions(max_batch_size=4, max_delay_s=0.005),
                      max_body_bytes=MAX_BODY, num_cpus=0.5)
         yield Server(port, dynvm.Runtime(dynvm.load(path), "cpu", jit=False))
 

@@ -20,10 +20,9 @@ from tests.cluster._cluster_helpers import saved_recommender, serve_fleet, wait_
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from dynvm.cluster import RedisStore  # noqa: E402
+from dynvm.cluster import BatchingOptions, RedisStore, serve_models  # noqa: E402
 from dynvm.cluster.compile_service import NAMESPACE  # noqa: E402
 from dynvm.cluster.fleet_records import index_key  # noqa: E402
-from dynvm.cluster.replica import serve_models  # noqa: E402
 from dynvm.jit.config import JitConfig  # noqa: E402
 from dynvm.models import recommender  # noqa: E402
 
@@ -94,8 +93,8 @@ def fleet(tmp_path_factory):
     with serve_fleet(tmp, "dynvm-test-faults", CONFIG, flush_interval_s=0.05,
                      poll_interval_s=0.5) as (port, redis_server, options):
         serve_models({"rec": str(path)}, device="cpu", jit=CONFIG, num_replicas=2,
-                     num_cpus=0.1, max_batch_size=4, batch_wait_timeout_s=0.005,
-                     fleet=options)
+                     num_cpus=0.1, fleet=options,
+                     batching=BatchingOptions(max_batch_size=4, max_delay_s=0.005))
         yield {"port": port, "redis": redis_server, "store": options.store,
                "options": options, "program": program,
                "names": [s.name for s in program.inputs]}

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import dynvm
+from dynvm.cluster import BatchingOptions, serve_models
 from dynvm.cluster.limits import ServingLimits
 from dynvm.cluster.proxy_guard import ProxyLimits
-from dynvm.cluster.replica import serve_models
 from tests.cluster._cluster_helpers import local_serve, saved_recommender
 from tests.vm._programs import DATA_LOOP, DATA_LOOP_INPUTS, build
 
@@ -86,8 +86,8 @@ def server(tmp_path_factory):
                      outputs=2, name="spin"), spin_path)
     with local_serve("dynvm-test-hostile", proxy_limits=PROXY) as port:
         serve_models({"recommender": str(rec_path), "spin": str(spin_path)}, device="cpu",
-                     jit=False, max_batch_size=4, batch_wait_timeout_s=0.005, num_cpus=0.5,
-                     limits=ServingLimits(call_seconds=1.0))
+                     jit=False, num_cpus=0.5, limits=ServingLimits(call_seconds=1.0),
+                     batching=BatchingOptions(max_batch_size=4, max_delay_s=0.005))
         yield Server(port, demo, dynvm.Runtime(program, "cpu", jit=False))
 
 
@@ -410,7 +410,7 @@ def test_json_amplification_is_bounded_and_others_are_served_meanwhile(server):
 def test_past_its_concurrency_limit_a_replica_answers_503_with_retry_after(server, tmp_path):
     from ray import serve
 
-    from dynvm.cluster.replica import model_application
+    from dynvm.cluster import model_application
 
     path = tmp_path / "spin2.dvm"
     dynvm.save(build(DATA_LOOP, regs=8, inputs=DATA_LOOP_INPUTS,

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 import dynvm
-from dynvm.cluster import StoreConfig
+from dynvm.cluster import ModelReplica, ServingConfig, StoreConfig
 from dynvm.cluster.fleet_link import FleetOptions
 from dynvm.cluster.limits import ServingLimits
-from dynvm.cluster.replica import ModelReplica
 from dynvm.vm import dvm_file, dvm_signature
 from dynvm.vm.errors import CorruptSectionError, DvmSignatureError, VerifyError
 from dynvm.vm.program import DimSpec, InputSpec, Program
@@ -134,14 +133,15 @@ def test_a_replica_that_requires_signed_programs_refuses_an_unsigned_one(tmp_pat
     fleet = FleetOptions(StoreConfig(secret=secret, local_dir=str(tmp_path / "store")))
     limits = ServingLimits(require_signed_programs=True)
     with pytest.raises(DvmSignatureError, match="no signature"):
-        cls("m", str(path), device="cpu", jit=False, probe_outputs=False, fleet=fleet,
-            limits=limits)
+        cls("m", str(path), ServingConfig(device="cpu", jit=False, fleet=fleet, limits=limits),
+            probe_outputs=False)
     dvm_signature.sign_file(path, secret)
-    replica = cls("m", str(path), device="cpu", jit=False, probe_outputs=False, fleet=fleet,
-                  limits=limits)
+    replica = cls("m", str(path), ServingConfig(device="cpu", jit=False, fleet=fleet,
+                                                limits=limits), probe_outputs=False)
     assert replica.program.name == "looping"
     with pytest.raises(ValueError, match="needs the fleet's store secret"):
-        cls("m", str(path), device="cpu", jit=False, probe_outputs=False, limits=limits)
+        cls("m", str(path), ServingConfig(device="cpu", jit=False, limits=limits),
+            probe_outputs=False)
 
 
 def _serve_args(*argv: str):
@@ -165,5 +165,6 @@ def test_dynvm_serve_require_signed_needs_the_store_secret(tmp_path, monkeypatch
                                        "which is not set"):
         options_from_args(_serve_args(str(path), "--require-signed"))
     monkeypatch.setenv("DYNVM_STORE_SECRET", "s" * 32)
-    assert options_from_args(_serve_args(str(path), "--require-signed")).require_signed
-    assert not options_from_args(_serve_args(str(path))).require_signed
+    signed = options_from_args(_serve_args(str(path), "--require-signed"))
+    assert signed.serving.limits.require_signed_programs
+    assert not options_from_args(_serve_args(str(path))).serving.limits.require_signed_programs

@@ -140,17 +140,18 @@ BATCH_LOOP = """
 def test_a_runaway_batch_holds_its_replica_for_about_two_budgets(tmp_path):
     """The batched call runs away (1 s budget); its requests then re-run one by one
     sharing one more budget, so 4 runaway requests and a good one take <= ~2 s, not ~5."""
+    from dynvm.cluster import ModelReplica, ServingConfig
     from dynvm.cluster import v2_protocol as v2
     from dynvm.cluster.limits import ServingLimits
-    from dynvm.cluster.replica import ModelReplica
 
     path = tmp_path / "batch_loop.dvm"
     dynvm.save(build(BATCH_LOOP, regs=8, inputs=('"n" int64 [b:1..8]', '"x" float32 [b:1..8]'),
                      name="batch_loop"), path)
     cls = ModelReplica.func_or_class.__mro__[1]  # the class itself, without Serve
-    replica = cls("loop", str(path), device="cpu", jit=False, probe_outputs=False,
-                  limits=ServingLimits(call_seconds=1.0))
-    assert replica._batch_dim == ("b", 8)
+    replica = cls("loop", str(path), ServingConfig(device="cpu", jit=False,
+                                                   limits=ServingLimits(call_seconds=1.0)),
+                  probe_outputs=False)
+    assert replica.executor.batch_dim == ("b", 8)
 
     def request(n: int) -> v2.InferRequest:
         body = {"inputs": [{"name": "n", "datatype": "INT64", "shape": [1], "data": [n]},
@@ -159,7 +160,7 @@ def test_a_runaway_batch_holds_its_replica_for_about_two_budgets(tmp_path):
 
     requests = [request(2**40)] * 4 + [request(2)]
     start = time.monotonic()
-    outcomes, counts = replica._run_batch(requests, [None] * len(requests))
+    outcomes, counts = replica.executor.run_batch(requests, [None] * len(requests))
     took = time.monotonic() - start
     assert counts["unbatched_fallbacks"] == 1 and counts["vm_calls"] == len(requests)
     assert all(isinstance(o.error, dynvm.CallBudgetError) for o in outcomes[:4])

@@ -1,0 +1,73 @@
+"""Deployment builders: Serve's start-up and the bound applications of dynvm models, all
+from one `ServingConfig` (dynvm.cluster.serving_config). `dynvm serve`, the `serve run`
+builders (dynvm.cluster.serve_app) and Python callers (`dynvm.cluster.serve_models`)
+end here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ray import serve
+from ray.serve.api import RunTarget
+
+from dynvm.cluster.http_front import SERVER_APP, check_model_name, model_app_name
+from dynvm.cluster.proxy_guard import ProxyLimits
+from dynvm.cluster.replica import ModelReplica
+from dynvm.cluster.server_front import ServerFront
+from dynvm.cluster.serving_config import ServingConfig
+
+
+def start_serve(host: str, port: int, proxy: ProxyLimits | None = None) -> None:
+    """Start Serve's HTTP proxy on host:port with dynvm's proxy guard (Note [Limits at
+    the proxy]); the one place Serve's start-up options are built. Ray must be up, with
+    `proxy.environment()` exported before it started."""
+    proxy = proxy if proxy is not None else ProxyLimits()
+    serve.start(http_options=proxy.http_options(host, port))
+
+
+def model_application(name: str, path, config: ServingConfig | None = None, **changes):
+    """The bound Serve deployment of one model, served with `config` (default
+    ServingConfig()) with `changes` (ServingConfig field names) applied. Ray must be
+    initialized."""
+    import ray
+
+    check_model_name(name)
+    config = (config if config is not None else ServingConfig()).replace(**changes)
+    num_gpus = config.num_gpus
+    if num_gpus is None:
+        num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+    scaling = ({"autoscaling_config": config.autoscaling.as_serve_config()}
+               if config.autoscaling is not None else {"num_replicas": config.num_replicas})
+    return ModelReplica.options(
+        name=f"ModelReplica-{name}",
+        max_ongoing_requests=max(256, 4 * config.batching.max_batch_size),
+        ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": num_gpus},
+        **scaling,
+    ).bind(name, str(path), config)
+
+
+def serve_models(models: Mapping[str, str], config: ServingConfig | None = None, *,
+                 per_model: Mapping[str, ServingConfig] | None = None, **changes) -> dict:
+    """Deploy one Serve application per model (route prefix /v2/models/<name>) plus the
+    server application (route prefix /v2). Serve must already be started (`start_serve`).
+
+    Every model is served with `config` (default ServingConfig()) with `changes`
+    (ServingConfig field names, e.g. device="cpu") applied; a model named in `per_model`
+    with that config instead (e.g. batching off for a model whose rows are not
+    independent, Note [Request batching]). With `fleet`, start the compile service first
+    (`start_compile_service`). Returns {app name: DeploymentHandle}.
+    """
+    config = (config if config is not None else ServingConfig()).replace(**changes)
+    per_model = per_model or {}
+    unknown = sorted(set(per_model) - set(models))
+    if unknown:
+        raise ValueError(f"per_model names {unknown[0]!r}, which is not among the models")
+    targets = [RunTarget(model_application(name, path, per_model.get(name, config)),
+                         name=model_app_name(name), route_prefix=f"/v2/models/{name}")
+               for name, path in models.items()]
+    targets.append(RunTarget(ServerFront.bind(list(models)), name=SERVER_APP,
+                             route_prefix="/v2"))
+    # All applications deploy at once (in parallel); returns when all are running.
+    handles = serve.run_many(targets)
+    return {target.name: handle for target, handle in zip(targets, handles, strict=True)}
