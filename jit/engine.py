@@ -669,6 +669,7 @@ class Jit:
                 "guard_failures": c.guard_failures, "deopts": c.deopts,
                 "last_guard_failure": c.last_guard_failure,
                 "detached": index in self.detached,
+                "sample_every": region_jit.sample_every,   # Note [Sampled watching]
                 "detached_program_calls": self.detached_program_calls(index),
             }
             for name in totals:

@@ -52,9 +52,16 @@ class Decision:
                 f"{self.cost_seconds * 1e3:.2f} ms")
 
 
+def benefit_seconds(config: JitConfig, recurrence: int, mean_seconds: float,
+                    speedup: float) -> float:
+    """The seconds a key seen `recurrence` times in the window is expected to save over
+    the horizon (Note [Promotion]); the cold check (Note [Cold regions]) bounds with it."""
+    return recurrence / config.window * config.horizon_calls * mean_seconds * speedup
+
+
 def decide(config: JitConfig, recurrence: int, threshold: int, mean_seconds: float,
            speedup: float, compile_seconds: float) -> Decision:
     """Promote when seen at least K times and the benefit beats the compile cost."""
-    benefit = recurrence / config.window * config.horizon_calls * mean_seconds * speedup
+    benefit = benefit_seconds(config, recurrence, mean_seconds, speedup)
     promote = recurrence >= threshold and benefit > compile_seconds
     return Decision(promote, recurrence, threshold, benefit, compile_seconds)

@@ -36,6 +36,11 @@ measurement decides:
   interpreter, the median of those is its ratio (a gnn family kernel hit on a quarter
   of the region's calls measured 3x the interpreter, yet waited ~170 calls for its 12th
   sample, slower all along). Nothing is confirmed early: staying needs every sample.
+  The early samples are taken on consecutive hits (all but the first, which warms up),
+  the rest on one hit in `probation_shadow_every`: at one in four, gnn's kernels, each
+  hit on a fraction of the calls, still ran ~16 hits at 2.7x before the early verdict,
+  and two of three were undecided after 300 calls. A shadow call costs one extra
+  interpreted run of the region; a loser at 2.7x costs 1.7 of them on every hit.
 - Failing it. A specialization that planned an arena is first *demoted*: the same IR is
   re-emitted without the arena (a background task, no re-specialization), installed in
   its place, and put on probation again. One that fails without an arena is *dropped*:
@@ -74,15 +79,16 @@ class Probation:
     ratios: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.countdown = self.every
+        self.countdown = 2   # the first hit warms up; the next ones are the early samples
 
     def due(self) -> bool:
         """Whether this hit is a shadow call (not thread-safe: a lost decrement under a
-        race only shifts one shadow call)."""
+        race only shifts one shadow call): every hit after the first until there are
+        `EARLY_SAMPLES` ratios, then one in `every` (Note [Probation])."""
         self.countdown -= 1
         if self.countdown > 0:
             return False
-        self.countdown = self.every
+        self.countdown = 1 if len(self.ratios) + 1 < EARLY_SAMPLES else self.every
         return True
 
     def add(self, specialized_seconds: float, interpreted_seconds: float) -> float | None:

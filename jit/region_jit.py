@@ -30,12 +30,24 @@ Note [Cold regions]
 Watching a region costs a signature, a lookup and a profile update per interpreted
 call, a few microseconds. For a region that runs in microseconds (a loop body over small
 tensors) that is a large share, and it buys nothing when no specialization of the region
-could ever pay for its compile: even a signature seen on every call saves at most
-horizon x mean time x speed-up, and if that is below the compile cost of the region no
-promotion will happen. Every `COLD_CHECK_EVERY` interpreted calls a region checks this
-bound (with the slowest signature it has seen, by that signature's fastest call among
-signatures seen at least twice: a single call preempted for 27 ms on the loaded test
-machine once kept a 25 us loop region watched forever); if it holds, its next misses are not
+will pay for its compile at the traffic it sees. Every `COLD_CHECK_EVERY` interpreted
+calls a region computes the policy's own benefit (jit.policy `benefit_seconds`: share of
+the window x horizon x mean time x speed-up) for each signature and family seen at least
+twice, and if even the best, times `COLD_SLACK`, is below the compile cost, its next
+misses are not profiled. The bound is the policy's formula with the policy's figures on
+purpose. It once took the slowest signature as if seen on every call: the loop body of
+`dynvm bench loop` (each batch size a fraction of the window, never promoted) stayed
+profiled on every entry, 1.26x the interpreter over 1200 calls. A bound at the window's
+traffic but with each key's fastest call instead of its mean (c6be771) fixed that but
+fell below the policy's benefit: albert's region in the zoo, which the policy promotes a
+few calls after the first check, was detached first and never promoted (JIT 0.94x the
+interpreter instead of 0.75x). With the policy's mean and the slack of 2, a key the
+policy is about to promote keeps its region watched (the mean grows with a loaded host,
+and so does the policy's benefit), and a region whose best key is far from paying stops
+being watched. The mean is capped at `STALL_CAP` x the key's fastest call: one call
+preempted for 27 ms on the loaded test machine once kept a 25 us loop region watched
+(albert's mean is 1.3x its fastest call on a loaded host). If the bound says cold, its
+next misses are not
 profiled: with no specialization installed `enter` returns at once, otherwise it still
 looks up the specializations it has and only skips the profiling of a miss. The period
 doubles each time the bound still holds (up to `COLD_CALLS_MAX`), so that a region
@@ -53,6 +65,21 @@ cold period also skips the lookups, not only the profiling, when the region's
 specializations served less than half of its calls since the last check: on a shape
 storm (gnn) most calls are new layouts whose resolution (a strong signature with new
 interned shapes) costs more than the few hits save.
+
+Note [Sampled watching]
+~~~~~~~~~~~~~~~~~~~~~~~
+A region that could pay by the bound (Note [Cold regions]) but that the policy does not
+promote (phi's one region on a quiet host: four shapes, each a quarter of the window,
+benefit within 2x of the compile cost, never above it) would pay the profiling of every
+miss forever. So after `SAMPLE_AFTER` checks in a row that kept the region watched with
+no promotion, only one miss in `sample_every` is profiled (doubling at each such check,
+up to `SAMPLE_MAX`); the others take the cold path (no signature when nothing is
+installed, no profile update otherwise). The policy still sees the traffic, scaled:
+every figure it uses is a share of the window or a mean time, which a uniform sample of
+the misses keeps; what grows is the delay before a shape that starts recurring is
+promoted (at most `SAMPLE_MAX` times as many region calls) and the back-off periods
+counted in profiled calls. A promotion resets it to every miss; a cold period replaces
+it. stats()["regions"] shows it per region (`sample_every`).
 
 Note [Detached regions]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -77,7 +104,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from dynvm.jit.policy import Decision, decide, recurrence_threshold
+from dynvm.jit.policy import Decision, benefit_seconds, decide, recurrence_threshold
 from dynvm.jit.probation import CONFIRMED, DEMOTE, DROP, Probation
 from dynvm.jit.profiler import RegionProfile
 from dynvm.jit.signature import (
@@ -93,6 +120,10 @@ from dynvm.shape_cluster import FamilyIndex
 TIER_CHECK_EVERY = 32
 COLD_CHECK_EVERY = 64
 COLD_CALLS_MAX = 1 << 16
+COLD_SLACK = 2.0    # Note [Cold regions]: watched while the best key is within 2x of paying
+STALL_CAP = 2.0     # ... with each key's mean time at most this x its fastest call
+SAMPLE_AFTER = 2    # Note [Sampled watching]: checks without a promotion before sampling
+SAMPLE_MAX = 16     # ... and the sparsest sampling: one profiled miss in this many
 DETACH_CALLS = 64   # program calls a region first stays detached (Note [Detached regions])
 _MEMO_LIMIT = 4096
 _MANY = object()       # a family with more than one member signature so far
@@ -182,6 +213,11 @@ class RegionJit:
         self._cold_period = COLD_CHECK_EVERY
         self._since_cold_check = 0
         self._cold_unlooked = False   # a cold period that skips the lookups too
+        # Note [Sampled watching]: one miss in `sample_every` is profiled; checks in a
+        # row that found the region worth watching but nothing was promoted.
+        self.sample_every = 1
+        self._idle_checks = 0
+        self._promotions_seen = 0
         self._marks = (0, 0)          # (region calls, hits) at the last cold check
         self._detach_period = DETACH_CALLS   # program calls (Note [Detached regions])
         self.checked = False   # its first cold check has run (Jit.settled)
@@ -265,6 +301,8 @@ class RegionJit:
             fleet.observed(self.region.index, signature, seconds)
         with self._lock:
             self.counters.interpreted += 1
+            if self.sample_every > 1 and not self._cold:
+                self._cold = self.sample_every - 1   # Note [Sampled watching]
             stats = self.profile.record(signature, seconds)
             self._since_cold_check += 1
             if self._since_cold_check >= COLD_CHECK_EVERY:
@@ -285,8 +323,10 @@ class RegionJit:
                     target, recurrence = family, self.family_profile.recurrence(family.key)
                     mean = family_stats.mean_seconds
             key = target if family is None or target is signature else family.key
-            if key in self.pending or self._backing_off(key) or \
-                    not self.engine.compiles_locally():
+            # Below K the policy never promotes (jit.policy decide): skip its inputs
+            # (the speed-up estimate, the compile cost, the clipped family) on most misses.
+            if recurrence < self.threshold or key in self.pending or \
+                    self._backing_off(key) or not self.engine.compiles_locally():
                 return
             if target is family and self.engine.clip_to_declared(
                     self, family).key in self.family_kernels:
@@ -397,16 +437,24 @@ class RegionJit:
         if self.pending or not self.engine.compiles_locally():
             return
         self.checked = True
-        slowest = max((s.min_seconds for s in self.profile.table.values() if s.count > 1),
-                      default=0.0)
-        best = self.engine.config.horizon_calls * slowest * self.speedup()
+        config = self.engine.config
+        speedup = self.speedup()
+        # The policy's own benefit (jit.policy) of the best key at the window's traffic,
+        # with its mean time (capped: a stall), and COLD_SLACK to spare (Note [Cold regions]).
+        best = COLD_SLACK * max(
+            (benefit_seconds(config, profile.recurrence(key),
+                             min(stats.mean_seconds, STALL_CAP * stats.min_seconds), speedup)
+             for profile in (self.profile, self.family_profile)
+             for key, stats in profile.table.items() if stats.count > 1), default=0.0)
         counters = self.counters
         calls, hits = counters.interpreted + counters.specialized, counters.specialized
         since_calls, since_hits = calls - self._marks[0], hits - self._marks[1]
         self._marks = (calls, hits)
         if best >= self.engine.estimated_compile_seconds(len(self.region)):
             self._cold_period = COLD_CHECK_EVERY
+            self._sample(counters.promotions)
             return
+        self.sample_every, self._idle_checks = 1, 0   # a cold period replaces sampling
         self._cold_unlooked = since_hits * 2 < since_calls
         self._cold = self._cold_period
         self._cold_period = min(COLD_CALLS_MAX, 2 * self._cold_period)
@@ -416,6 +464,17 @@ class RegionJit:
             period = self._detach_period
             self._detach_period = min(COLD_CALLS_MAX, 2 * period)
             self.engine.detach(self, period)
+
+    def _sample(self, promotions: int) -> None:
+        """Note [Sampled watching] (holding the lock): after `SAMPLE_AFTER` checks in a
+        row with no promotion, profile half as many misses; a promotion resets it."""
+        if promotions != self._promotions_seen:
+            self._promotions_seen, self._idle_checks, self.sample_every = promotions, 0, 1
+            return
+        self._idle_checks += 1
+        if self._idle_checks >= SAMPLE_AFTER:
+            self.sample_every = min(SAMPLE_MAX, 2 * self.sample_every)
+            self._cold_unlooked = False   # installed specializations are still looked up
 
     def reattached(self) -> None:
         """The engine put this slot back (Note [Detached regions]): profile the next

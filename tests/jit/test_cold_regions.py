@@ -5,20 +5,24 @@ compile does not make every later region look too expensive to compile."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
 
 import dynvm
 from dynvm.jit.config import JitConfig
-from dynvm.jit.region_jit import COLD_CHECK_EVERY
+from dynvm.jit.region_jit import COLD_CHECK_EVERY, SAMPLE_AFTER, SAMPLE_MAX
 from tests.jit._jit_helpers import compiled, demo
+
+# A horizon of one call and a compile estimated at 10 s: no saving can ever pay, even
+# with calls stretched 30x on a loaded host.
+NEVER_PAYS = JitConfig(horizon_calls=1, compile_seconds_base=10.0)
 
 
 def test_a_region_that_cannot_pay_goes_cold_and_stays_correct():
     program = compiled("recommender")
-    # A horizon of one call: no saving can ever beat a compile.
-    runtime = dynvm.Runtime(program, "cpu", jit=JitConfig(horizon_calls=1))
+    runtime = dynvm.Runtime(program, "cpu", jit=NEVER_PAYS)
     reference = dynvm.Runtime(program, "cpu", jit=False)
     rng = random.Random(0)
     draws = [demo("recommender").sample_inputs(rng) for _ in range(4)]
@@ -66,11 +70,66 @@ def test_a_region_whose_promotions_are_decided_elsewhere_never_goes_cold():
     """With online_compile=False (a fleet's service or `dynvm precompile` decides), every
     miss must stay an observation, however small the region."""
     program = compiled("recommender")
-    runtime = dynvm.Runtime(program, "cpu", jit=JitConfig(horizon_calls=1,
-                                                          online_compile=False))
+    runtime = dynvm.Runtime(program, "cpu", jit=dataclasses.replace(
+        NEVER_PAYS, online_compile=False))
     inputs = demo("recommender").sample_inputs(random.Random(2))
     for _ in range(COLD_CHECK_EVERY + 8):
         runtime(*inputs)
     assert runtime.stats()["cold_periods"] == 0
     region_jit = next(iter(runtime.jit.regions.values()))
     assert region_jit.profile.calls == COLD_CHECK_EVERY + 8
+
+
+
+def _fed(per_call_over_cost: float, calls: int):
+    """A region fed `calls` interpreted calls directly (its `leave`), four signatures in
+    turn, each taking `per_call_over_cost` x (compile cost / horizon) seconds; K = the
+    window, so the policy never promotes and only the cold bound decides."""
+    program = compiled("recommender")
+    config = JitConfig(expected_speedup=1.0, families=False, min_recurrence=64,
+                       max_recurrence=64, window=64)
+    runtime = dynvm.Runtime(program, "cpu", jit=config)
+    region_jit = next(iter(runtime.jit.regions.values()))
+    cost = runtime.jit.estimated_compile_seconds(len(region_jit.region))
+    seconds = per_call_over_cost * cost / config.horizon_calls
+    for i in range(calls):
+        region_jit.leave((("signature", i % 4),), seconds)
+    return runtime, region_jit
+
+
+def test_the_bound_is_the_policys_benefit_at_the_windows_traffic():
+    """Four signatures, a quarter of the window each: a key seen on every call would pay
+    (1.5x its compile), a quarter of the calls would not even with COLD_SLACK (0.75x).
+    The region goes cold; the old bound (slowest signature as if seen on every call) kept
+    it watched on every entry (Note [Cold regions])."""
+    runtime, region_jit = _fed(1.5, COLD_CHECK_EVERY)
+    assert region_jit.counters.cold_periods == 1
+    assert runtime.stats()["detached_regions"] == 1
+
+
+def test_a_key_within_the_slack_of_paying_keeps_its_region_watched():
+    runtime, region_jit = _fed(3.0, COLD_CHECK_EVERY)   # a quarter: 0.75x, x2 slack: 1.5x
+    assert region_jit.counters.cold_periods == 0
+    assert runtime.stats()["detached_regions"] == 0
+
+
+def test_a_watched_region_that_never_promotes_is_sampled():
+    """Note [Sampled watching]: after SAMPLE_AFTER checks that kept it watched with no
+    promotion, one miss in `sample_every` is profiled; the others take the cold path."""
+    runtime, region_jit = _fed(3.0, SAMPLE_AFTER * COLD_CHECK_EVERY)
+    assert region_jit.counters.cold_periods == 0 and region_jit.counters.promotions == 0
+    assert region_jit.sample_every == 2
+    assert runtime.stats()["regions"][region_jit.region.index]["sample_every"] == 2
+    inputs = demo("recommender").sample_inputs(random.Random(4))
+    reference = dynvm.Runtime(compiled("recommender"), "cpu", jit=False)
+    profiled = region_jit.profile.calls
+    for _ in range(8):
+        torch.testing.assert_close(runtime(*inputs), reference(*inputs))
+    assert region_jit.profile.calls - profiled == 4   # every other miss
+    assert region_jit.counters.interpreted == SAMPLE_AFTER * COLD_CHECK_EVERY + 8
+    # Up to SAMPLE_MAX while nothing is promoted; a promotion resets it.
+    for _ in range(8):
+        region_jit._sample(0)
+    assert region_jit.sample_every == SAMPLE_MAX
+    region_jit._sample(1)
+    assert region_jit.sample_every == 1

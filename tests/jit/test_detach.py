@@ -5,6 +5,7 @@ promotions are decided elsewhere is never detached."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
@@ -14,6 +15,10 @@ from dynvm.jit.config import JitConfig
 from dynvm.jit.region_jit import COLD_CHECK_EVERY, DETACH_CALLS
 from tests.jit._jit_helpers import compiled, demo
 
+# A horizon of one call and a compile estimated at 10 s: no saving can ever pay, even
+# with calls stretched 30x on a loaded host.
+NEVER_PAYS = JitConfig(horizon_calls=1, compile_seconds_base=10.0)
+
 
 def _region_calls(runtime) -> int:
     return sum(r.counters.interpreted + r.counters.specialized
@@ -22,8 +27,7 @@ def _region_calls(runtime) -> int:
 
 def test_a_region_that_cannot_pay_is_detached_and_reattached():
     program = compiled("recommender")
-    # A horizon of one call: no saving can ever beat a compile.
-    runtime = dynvm.Runtime(program, "cpu", jit=JitConfig(horizon_calls=1))
+    runtime = dynvm.Runtime(program, "cpu", jit=NEVER_PAYS)
     reference = dynvm.Runtime(program, "cpu", jit=False)
     rng = random.Random(0)
     draws = [demo("recommender").sample_inputs(rng) for _ in range(4)]
@@ -72,8 +76,8 @@ def test_a_region_that_cannot_pay_is_detached_and_reattached():
 
 def test_promotions_decided_elsewhere_never_detach():
     program = compiled("recommender")
-    runtime = dynvm.Runtime(program, "cpu", jit=JitConfig(horizon_calls=1,
-                                                          online_compile=False))
+    runtime = dynvm.Runtime(program, "cpu", jit=dataclasses.replace(
+        NEVER_PAYS, online_compile=False))
     inputs = demo("recommender").sample_inputs(random.Random(2))
     for _ in range(2 * COLD_CHECK_EVERY):
         runtime(*inputs)
@@ -84,7 +88,7 @@ def test_promotions_decided_elsewhere_never_detach():
 
 def test_connecting_a_fleet_reattaches():
     program = compiled("recommender")
-    runtime = dynvm.Runtime(program, "cpu", jit=JitConfig(horizon_calls=1))
+    runtime = dynvm.Runtime(program, "cpu", jit=NEVER_PAYS)
     inputs = demo("recommender").sample_inputs(random.Random(3))
     for _ in range(COLD_CHECK_EVERY):
         runtime(*inputs)
@@ -124,7 +128,7 @@ def test_settled_waits_for_compiles_probation_and_first_cold_checks():
     assert installed_on_probation
     assert runtime.settled()
     # While detached, no call looks entirely specialized to Runtime.region_calls.
-    cold = dynvm.Runtime(program, "cpu", jit=JitConfig(horizon_calls=1))
+    cold = dynvm.Runtime(program, "cpu", jit=NEVER_PAYS)
     for _ in range(COLD_CHECK_EVERY):
         cold(*inputs)
     assert cold.settled() and cold.stats()["detached_regions"]

@@ -100,7 +100,7 @@ def test_probation_off_keeps_what_is_installed(slow_kernels):
 
 def test_verdict_is_the_median_of_paired_ratios():
     probation = Probation(every=2, samples=3, margin=0.1)
-    assert [probation.due() for _ in range(4)] == [False, True, False, True]
+    assert [probation.due() for _ in range(4)] == [False, True, True, True]
     assert probation.add(1.0, 2.0) is None          # 0.5
     assert probation.add(9.0, 1.0) is None          # 9.0: one outlier
     ratio = probation.add(0.8, 1.0)                 # 0.8
@@ -117,6 +117,23 @@ def test_explain_shows_each_specializations_measured_ratio(capsys):
     assert measured and len(measured) == out.count("; kernel_region")
     for line in measured:  # a verdict for each, or why there is none
         assert "x the interpreter on its calls" in line or "not installed" in line
+
+
+def test_the_early_samples_come_from_consecutive_hits():
+    """Note [Probation]: after one warm-up hit, every hit is a shadow call until there
+    are EARLY_SAMPLES ratios (a clear loser is decided after EARLY_SAMPLES + 1 hits, not
+    after EARLY_SAMPLES x every); then one hit in `every`."""
+    from dynvm.jit.probation import EARLY_SAMPLES
+
+    probation = Probation(every=4, samples=12, margin=0.02)
+    shadows = []
+    for hit in range(1, 40):
+        if probation.due():
+            shadows.append(hit)
+            probation.add(0.5, 1.0)
+    assert shadows[:EARLY_SAMPLES] == list(range(2, EARLY_SAMPLES + 2))
+    assert shadows[EARLY_SAMPLES] == EARLY_SAMPLES + 1 + 4
+    assert all(b - a == 4 for a, b in zip(shadows[EARLY_SAMPLES:], shadows[EARLY_SAMPLES + 1:]))
 
 
 def test_a_clear_loser_is_decided_early_and_nothing_is_confirmed_early():
