@@ -56,12 +56,15 @@ class CheckFailed(ShapeError):
         self.pc = pc
 
 
-def evaluate_region(program, region, live_in: dict[int, object]) -> dict[int, object]:
+def evaluate_region(program, region, live_in: dict[int, object],
+                    apply=None) -> dict[int, object]:
     """Abstract values of every register the region reads or writes.
 
     `live_in` maps each live-in register index to a value (real or abstract). A value
     that depends on data comes out as None, and so does everything computed from it.
-    Raises CheckFailed when one of the program's checks rejects the values.
+    Raises CheckFailed when one of the program's checks rejects the values. `apply(instr,
+    operands)`, when given, stands for `instr.spec.shape_fn(*operands)` (the JIT passes a
+    memo of it: jit.specialize.ShapeMemo).
     """
     constants = [to_abstract(c) for c in program.constants]
     values = {index: to_abstract(value) for index, value in live_in.items()}
@@ -72,7 +75,9 @@ def evaluate_region(program, region, live_in: dict[int, object]) -> dict[int, ob
             results = None  # computed from data we do not have
         else:
             try:
-                results = spec.shape_fn(*[_operand(a, values, constants) for a in instr.args])
+                operands = [_operand(a, values, constants) for a in instr.args]
+                results = (spec.shape_fn(*operands) if apply is None
+                           else apply(instr, operands))
             except ShapeError as exc:
                 raise CheckFailed(pc, exc) from exc
         if len(instr.dsts) == 1:

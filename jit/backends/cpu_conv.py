@@ -36,6 +36,7 @@ with the layout in the guard, not an op rewrite.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -306,26 +307,29 @@ def _decide(ops, chain: _Chain, weight, bias, constants, probes,
     conv = ops[chain.conv]
     x_probe = probe_tensors(probes, conv.args[0].reg)[0]
     shape = (min(x_probe.shape[0], _CALIBRATION_MAX_BATCH), *x_probe.shape[1:])
-    x = torch.randn(shape)
     padding, stride, dilation, groups = _geometry(conv)
-    packed = _mkldnn._reorder_convolution_weight(weight, padding, stride, dilation, groups,
-                                                 list(shape))
     chain_ops = [ops[p] for p in chain.positions()]
-    result_shape = torch.nn.functional.conv2d(torch.empty(shape, device="meta"),
-                                              weight.to("meta"), None, stride, padding,
-                                              dilation, groups).shape
-    values = {conv.args[0].reg: x}
-    other = None
-    if chain.add is not None:
-        other = torch.randn(result_shape)
-        values[chain.other.reg] = other
     label = "+".join(op.opcode.lower() for op in chain_ops)
-    key = (size_class(x.numel()), tuple(weight.shape), tuple(stride), groups,
-           torch.get_num_threads())
-    choice = calibrator.choose(
-        f"onednn {label}", key,
-        {"torch": lambda: run_original(chain_ops, values, constants),
-         "onednn": lambda: _call(ops, chain, x, other, packed, bias, kernels)})
+    # The output layout is part of the question: the NCHW kernels convert back.
+    key = (size_class(math.prod(shape)), tuple(weight.shape), tuple(stride), groups,
+           kernels[0], torch.get_num_threads())
+
+    def candidates():
+        # Built only when this key was never measured (Note [Calibration]).
+        x = torch.randn(shape)
+        packed = _mkldnn._reorder_convolution_weight(weight, padding, stride, dilation,
+                                                     groups, list(shape))
+        values = {conv.args[0].reg: x}
+        other = None
+        if chain.add is not None:
+            result_shape = torch.nn.functional.conv2d(
+                torch.empty(shape, device="meta"), weight.to("meta"), None, stride,
+                padding, dilation, groups).shape
+            other = torch.randn(result_shape)
+            values[chain.other.reg] = other
+        return {"torch": lambda: run_original(chain_ops, values, constants),
+                "onednn": lambda: _call(ops, chain, x, other, packed, bias, kernels)}
+    choice = calibrator.choose(f"onednn {label}", key, candidates)
     if choice.name != "onednn":
         return None
     return (f" (measured, oneDNN vs torch: batch {shape[0]} "
@@ -340,8 +344,10 @@ def _fused(ops, chain: _Chain, weight, bias, probes, prepacked: PrepackCache,
     input_size = list(probe_tensors(probes, x.reg)[0].shape)
     folded_from = tuple(a.index for a in ops[chain.bn].args[1:5]
                         if isinstance(a, ConstRef)) if chain.bn is not None else ()
+    # The batch is left out of the key (Note [Prepacked weights]: the hint picks a
+    # blocking, any batch runs on it), so a CNN's families share one packed weight.
     key = (conv.args[1].index, "conv", folded_from, tuple(padding), tuple(stride),
-           tuple(dilation), groups, tuple(input_size))
+           tuple(dilation), groups, tuple(input_size[1:]))
     packed = prepacked.get(key, lambda: _mkldnn._reorder_convolution_weight(
         weight, padding, stride, dilation, groups, input_size))
     attr, scalars, algorithm = _post_ops(ops, chain)

@@ -407,9 +407,8 @@ def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
     if calibrator is None:
         return " (not measured: fusion forced on)"
     weight = constants[gemm.weight]
-    dense = weight.t().contiguous() if gemm.transpose else weight
     bias = constants[gemm.bias.index] if isinstance(gemm.bias, ConstRef) else None
-    n, k = dense.shape
+    k, n = weight.shape if gemm.transpose else weight.shape[::-1]
     label = _kind(op, epilogue, ops)
     xs = probe_tensors(probes, gemm.x.reg)
     ms = sorted({min(_m_of(x), _CALIBRATION_MAX_M) for x in xs}, reverse=True)
@@ -417,11 +416,15 @@ def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
     verdicts = []
     for m in ms:
         key = (size_class(m), n, k, threads)
-        x = torch.randn(m, k)
-        packed = torch.ops.mkldnn._reorder_linear_weight(dense.contiguous(), max(1, m))
-        eager, fused = _candidates(op, epilogue, ops, x, weight, dense, packed, bias)
-        choice = calibrator.choose(f"onednn {label}", key, {"torch": eager, "onednn": fused})
-        verdicts.append((m, choice))
+
+        def operands(m=m):
+            # Built only when this size class was never measured (Note [Calibration]).
+            x = torch.randn(m, k)
+            dense = weight.t().contiguous() if gemm.transpose else weight.contiguous()
+            packed = torch.ops.mkldnn._reorder_linear_weight(dense, max(1, m))
+            eager, fused = _candidates(op, epilogue, ops, x, weight, dense, packed, bias)
+            return {"torch": eager, "onednn": fused}
+        verdicts.append((m, calibrator.choose(f"onednn {label}", key, operands)))
     planning_m = min(_m_of(xs[0]), _CALIBRATION_MAX_M)
     planning = next(choice for m, choice in verdicts if m == planning_m)
     margin = calibrator.margin

@@ -7,8 +7,11 @@ tensor, `mkldnn._linear_pointwise` reorders it on every call; handed the result 
 `mkldnn._reorder_linear_weight` once, it reads it as is (an opaque `_mkldnn` tensor).
 The reorder takes a batch-size hint that picks the blocking; on this project's 2-core
 AVX-512 machine the hint changed nothing measurable (M=32..2048, N=1024, K=256: all
-hints within noise of each other), so a kernel packs with its planning probe's M (the
-family's upper bound, Note [Probes]) and any M runs on it correctly.
+hints within noise of each other), so a weight is packed once per engine, with the
+planning probe's M (the family's upper bound, Note [Probes]) of the first kernel that
+needs it, and every later kernel of any M shares that copy (any M runs on it correctly):
+the hint is not part of the cache key, and jitter's three family compiles pack each
+weight once, not three times.
 
 Where packed weights live:
 - built in this process, from the program's constant, by the backend when it emits a
@@ -52,7 +55,7 @@ class PrepackCache:
             dense = weight.t() if transpose else weight
             # A transposed or strided constant is made contiguous first (once per pack).
             return _mkldnn._reorder_linear_weight(dense.contiguous(), max(1, int(batch_hint)))
-        return self.get((index, "linear", transpose, int(batch_hint)), build)
+        return self.get((index, "linear", transpose), build)
 
     def get(self, key: tuple, build) -> torch.Tensor:
         """The packed tensor cached under `key`, made by `build()` if none is alive. The

@@ -41,3 +41,52 @@ def test_the_default_stays_unless_another_beats_it_by_the_margin():
 def test_size_classes_and_one_calibrator_per_device():
     assert [size_class(n) for n in (0, 1, 2, 3, 4, 1023, 1024)] == [0, 0, 1, 1, 2, 9, 10]
     assert calibrator_for("cpu") is calibrator_for(torch.device("cpu"))
+
+
+def test_candidates_are_built_only_when_measured():
+    built = []
+
+    def candidates():
+        built.append(1)
+        return {"a": lambda: None, "b": lambda: None}
+
+    calibrator = Calibrator("cpu", rounds=3)
+    first = calibrator.choose("OP", 1, candidates)
+    assert calibrator.choose("OP", 1, candidates) is first
+    assert len(built) == 1 and calibrator.measurements == 1
+
+
+def test_a_decisive_difference_stops_after_min_rounds():
+    runs = {"slow": 0, "fast": 0}
+
+    def slow():
+        runs["slow"] += 1
+        time.sleep(0.003)
+
+    def fast():
+        runs["fast"] += 1
+
+    calibrator = Calibrator("cpu", rounds=9, min_rounds=3, budget_s=10.0)
+    assert calibrator.choose("OP", 0, {"slow": slow, "fast": fast}).name == "fast"
+    assert runs == {"slow": 1 + 3, "fast": 1 + 3}       # warm-up + min_rounds, not 9
+    # a tie never stops early: all rounds run
+    tie = {"a": 0, "b": 0}
+
+    def work(name):
+        tie[name] += 1
+        time.sleep(0.001)
+
+    calibrator.choose("TIE", 0, {"a": lambda: work("a"), "b": lambda: work("b")})
+    assert tie["a"] > 1 + 3 or tie["b"] > 1 + 3
+
+
+def test_a_costly_question_stops_after_min_rounds_past_its_budget():
+    runs = {"a": 0, "b": 0}
+
+    def work(name):
+        runs[name] += 1
+        time.sleep(0.004)
+
+    calibrator = Calibrator("cpu", rounds=9, min_rounds=3, budget_s=0.001)
+    calibrator.choose("OP", 0, {"a": lambda: work("a"), "b": lambda: work("b")})
+    assert runs == {"a": 1 + 3, "b": 1 + 3}

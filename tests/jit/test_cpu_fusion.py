@@ -167,6 +167,9 @@ def test_packed_weights_are_shared_by_kernels_and_freed_with_them():
     second, _, _ = _kernel(program, _views(torch.randn(2, 5, 32))["offset"], "always",
                            prepacked=cache)
     assert cache.packs == 6                   # same batch hint (M=10): shared
+    other_m, _, _ = _kernel(program, torch.randn(7, 3, 32), "always", prepacked=cache)
+    assert cache.packs == 6                   # another M (21) shares them too
+    del other_m
     del first
     gc.collect()
     assert cache.alive() == packed               # the second kernel still holds them

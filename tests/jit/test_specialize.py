@@ -537,3 +537,51 @@ def test_family_kernel_never_folds_a_relation_that_holds_only_at_its_probes():
         stats = rt.stats()
     assert stats["family_compiles"] >= 1
     assert stats["specialized_region_calls"] >= 4
+
+
+class _Layers(nn.Module):
+    """Four identical layer norms on the same shapes: one shape-function evaluation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(8) for _ in range(4))
+
+    def forward(self, x):
+        for norm in self.norms:
+            x = torch.relu(norm(x))
+        return x
+
+
+def test_repeated_layers_are_evaluated_once_per_shape(monkeypatch):
+    """Note [Shape memo]: the same op on the same operand metadata runs its shape
+    function once per specialize call, and the memoized results agree with it."""
+    x = torch.randn(3, 8)
+    program = dynvm.compile(_Layers().eval(), (x,), ({0: Dim("b", min=1, max=64)},))
+    region = program.regions[0]
+    name = next(n for n in ("NATIVE_LAYER_NORM", "LAYER_NORM")
+                if any(i.op == n for i in program.code))
+    calls = []
+    original = type(OPCODES[name]).shape_fn
+
+    def counting(self):
+        fn = original.fget(self)
+        if self.name != name:
+            return fn
+
+        def counted(*args):
+            calls.append(1)
+            return fn(*args)
+        return counted
+
+    monkeypatch.setattr(type(OPCODES[name]), "shape_fn", property(counting))
+    values = {r.index: x for r in region.live_in}
+    memoized = specialize(program, region, values)
+    assert sum(i.op == name for i in program.code) == 4
+    assert len(calls) == 1
+    # the same abstract values as without the memo
+    from dynvm.vm.abstract import evaluate_region
+    plain = evaluate_region(program, region, values)
+    for reg, value in memoized.abstract[0].items():
+        if isinstance(value, torch.Tensor):
+            assert (value.shape, value.stride(), value.dtype) == (
+                plain[reg].shape, plain[reg].stride(), plain[reg].dtype)
