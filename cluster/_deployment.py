@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from ray import serve
 from ray.serve.api import RunTarget
 
+from dynvm.cluster.grpc_v2 import grpc_options
 from dynvm.cluster.http_front import SERVER_APP, check_model_name, model_app_name
 from dynvm.cluster.proxy_guard import ProxyLimits
 from dynvm.cluster.replica import ModelReplica
@@ -18,12 +19,16 @@ from dynvm.cluster.server_front import ServerFront
 from dynvm.cluster.serving_config import ServingConfig
 
 
-def start_serve(host: str, port: int, proxy: ProxyLimits | None = None) -> None:
+def start_serve(host: str, port: int, proxy: ProxyLimits | None = None,
+                grpc_port: int | None = None) -> None:
     """Start Serve's HTTP proxy on host:port with dynvm's proxy guard (Note [Limits at
     the proxy]); the one place Serve's start-up options are built. Ray must be up, with
-    `proxy.environment()` exported before it started."""
+    `proxy.environment()` exported before it started. `grpc_port`: Serve's gRPC proxy
+    too, serving the v2 gRPC protocol (dynvm.cluster.grpc_v2) on that port of every
+    interface (Serve binds no other); None: HTTP only."""
     proxy = proxy if proxy is not None else ProxyLimits()
-    serve.start(http_options=proxy.http_options(host, port))
+    serve.start(http_options=proxy.http_options(host, port),
+                grpc_options=grpc_options(grpc_port) if grpc_port is not None else None)
 
 
 def model_application(name: str, path, config: ServingConfig | None = None, **changes):

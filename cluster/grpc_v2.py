@@ -36,12 +36,13 @@ form) become the header's JSON `data`. What this costs is one more copy of the r
 bytes (into the body) next to the copy the validator makes anyway; the gRPC messages
 were already decoded by Serve, so the validator's work bound is the message size.
 Requests of at most INLINE_PARSE_BYTES are parsed on the event loop (a few tens of
-microseconds, less than a thread hop); larger ones in a thread.
+microseconds, less than a thread hop); larger ones on the replica's parse threads.
 
-Status codes: a client fault (ProtocolError, a model's ShapeError, InputError or
-ExecutionError) is INVALID_ARGUMENT, an unknown model or version NOT_FOUND, a message
-past the body limit RESOURCE_EXHAUSTED, a full replica UNAVAILABLE (the code clients
-retry, as HTTP's 503), a server fault INTERNAL with the error id that the log carries.
+Status codes: a client fault (ProtocolError, or a model error that the HTTP path answers
+with a 400, Note [Client or server fault]) is INVALID_ARGUMENT, an unknown model or
+version NOT_FOUND, a message past the body limit RESOURCE_EXHAUSTED, a full replica
+UNAVAILABLE (the code clients retry, as HTTP's 503), a server fault INTERNAL with the
+error id that the log carries.
 The code is set on Serve's `grpc_context` and an empty message returned: Serve's proxy
 then answers with that code and details (raising instead would log a traceback per bad
 request).
@@ -49,7 +50,6 @@ request).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import importlib
@@ -65,7 +65,7 @@ from dynvm.cluster import v2_protocol as v2
 from dynvm.cluster.batcher import Overloaded
 from dynvm.cluster.http_errors import server_fault
 from dynvm.cluster.http_front import MODEL_VERSION
-from dynvm.vm.errors import ExecutionError, InputError, ShapeError
+from dynvm.vm.errors import DynvmError
 
 # What Serve's gRPC proxy imports to register the service (gRPCOptions).
 SERVICER_FUNCTION = "dynvm.cluster.grpc_v2.add_inference_servicer"
@@ -89,7 +89,7 @@ _CONTENTS_FIELD = {
 _HTTP_ONLY_PARAMS = frozenset({"binary_data_size", "binary_data", "binary_data_output"})
 
 
-class GrpcUnavailable(RuntimeError):
+class GrpcUnavailable(DynvmError, RuntimeError):
     """gRPC serving needs tritonclient's KServe protos, which are not installed."""
 
 
@@ -264,15 +264,18 @@ def model_metadata_response(doc: dict):
 # ---------------------------------------------------------------------------- status
 
 
-def status_of(error: BaseException, model_name: str) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status code and details for an error of a request to `model_name`."""
+def status_of(error: BaseException, model_name: str, is_client_fault
+              ) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status code and details for an error of a request to `model_name`;
+    `is_client_fault(error)` tells a model call's client faults from server faults (the
+    HTTP path's rule, Note [Client or server fault] in dynvm.cluster.replica)."""
     if isinstance(error, v2.NotFound):
         return grpc.StatusCode.NOT_FOUND, error.message
     if isinstance(error, v2.PayloadTooLarge):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, error.message
     if isinstance(error, v2.ProtocolError):
         return grpc.StatusCode.INVALID_ARGUMENT, error.message
-    if isinstance(error, ShapeError | InputError | ExecutionError):
+    if is_client_fault(error):
         return grpc.StatusCode.INVALID_ARGUMENT, f"model {model_name!r}: {error}"
     if isinstance(error, Overloaded):
         return grpc.StatusCode.UNAVAILABLE, f"model {model_name!r} is busy: {error}"
@@ -288,21 +291,26 @@ def status_of(error: BaseException, model_name: str) -> tuple[grpc.StatusCode, s
 class GrpcInferenceMixin:
     """The RPCs of GRPCInferenceService, for a Serve deployment that is also a v2 model
     replica. What it uses of the class it is mixed into: `model_name`, `program`
-    (its `inputs`), `output_names`, `max_body_bytes`, `limits` (ServingLimits), and the
-    replica's seam, `infer_request(request, trace)`, `metadata()` and `is_ready()`."""
+    (its `inputs`), `output_names`, `max_body_bytes`, `limits` (ServingLimits),
+    `_off_loop(fn, ...)` (the parse threads), and the replica's seam,
+    `infer_request(request, trace)`, `metadata()` and `is_ready()`."""
 
     async def ServerLive(self, request, grpc_context=None):  # noqa: N802 (RPC names)
+        """Live: this replica answers."""
         return protos().ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, grpc_context=None):  # noqa: N802
+        """Ready: this replica's model is loaded."""
         return protos().ServerReadyResponse(ready=bool(self.is_ready()))
 
     async def ServerMetadata(self, request, grpc_context=None):  # noqa: N802
+        """Name and version of the server (no extensions over gRPC)."""
         doc = v2.server_metadata(dynvm.__version__)
         return protos().ServerMetadataResponse(name=doc["name"], version=doc["version"],
                                                extensions=[])
 
     async def ModelReady(self, request, grpc_context=None):  # noqa: N802
+        """Whether this model (and version, if given) is ready; NOT_FOUND for another."""
         pb = protos()
         try:
             self._grpc_check_model(request.name, request.version)
@@ -311,6 +319,7 @@ class GrpcInferenceMixin:
         return pb.ModelReadyResponse(ready=bool(self.is_ready()))
 
     async def ModelMetadata(self, request, grpc_context=None):  # noqa: N802
+        """The HTTP metadata document's content: inputs and outputs, -1 for dynamic."""
         try:
             self._grpc_check_model(request.name, request.version)
         except v2.ProtocolError as exc:
@@ -318,13 +327,14 @@ class GrpcInferenceMixin:
         return model_metadata_response(self.metadata())
 
     async def ModelInfer(self, request, grpc_context=None):  # noqa: N802
+        """One inference through the replica's batcher, as an HTTP infer request."""
         pb = protos()
         try:
             self._grpc_check_model(request.model_name, request.model_version)
             if _request_bytes(request) <= INLINE_PARSE_BYTES:
                 parsed = self._grpc_parse(request)
             else:
-                parsed = await asyncio.to_thread(self._grpc_parse, request)
+                parsed = await self._off_loop(self._grpc_parse, request)
             outputs = await self.infer_request(parsed, _trace(grpc_context))
             return infer_response(self.model_name, outputs, parsed)
         except Exception as exc:  # every error becomes this request's status
@@ -346,9 +356,12 @@ class GrpcInferenceMixin:
                               f"{v2.cut(repr(version))} (versions: {MODEL_VERSION})")
 
     def _grpc_error(self, grpc_context, error: BaseException, empty):
+        # The HTTP path's rule; imported here, as dynvm.cluster.replica imports this module.
+        from dynvm.cluster.replica import is_client_fault
+
         if grpc_context is None:  # called directly, not through Serve: raise it
             raise error
-        code, details = status_of(error, self.model_name)
+        code, details = status_of(error, self.model_name, is_client_fault)
         grpc_context.set_code(code)
         grpc_context.set_details(details)
         return empty

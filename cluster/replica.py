@@ -83,6 +83,7 @@ from dynvm.cluster._replica_stats import ReplicaStats
 from dynvm.cluster.batcher import Overloaded
 from dynvm.cluster.compile_service import RayServiceClient
 from dynvm.cluster.fleet_link import FleetLink, FleetOptions
+from dynvm.cluster.grpc_v2 import GrpcInferenceMixin
 from dynvm.cluster.http_errors import error_response, json_response, server_fault
 from dynvm.cluster.http_front import MODEL_VERSION, check_model_name, protocol_app, read_body
 from dynvm.cluster.serving_config import ServingConfig
@@ -111,8 +112,9 @@ model_api = protocol_app("dynvm model replica")
 
 @serve.deployment(max_ongoing_requests=256)
 @serve.ingress(model_api)
-class ModelReplica:
-    """One model on one device, served over the Open Inference Protocol."""
+class ModelReplica(GrpcInferenceMixin):
+    """One model on one device, served over the Open Inference Protocol (HTTP routes
+    here; the gRPC service's RPCs from GrpcInferenceMixin, dynvm.cluster.grpc_v2)."""
 
     def __init__(self, model_name: str, dvm_path: str, config: ServingConfig | None = None,
                  probe_outputs: bool = True) -> None:

@@ -50,6 +50,8 @@ class ServeOptions:
     added at start-up, once the store exists)."""
     port: int = 8000
     """HTTP port on 127.0.0.1."""
+    grpc_port: int | None = None
+    """The v2 gRPC protocol's port (Serve binds it on every interface); None: no gRPC."""
     gpu_targets: tuple = ()
     """GPU targets, e.g. (("cuda", 90, 32),): the compile service also builds Triton
     binaries for them, and CUDA replicas install those instead of compiling (Note [GPU
@@ -73,7 +75,7 @@ def options_from_args(args) -> ServeOptions:
     except ValueError as exc:
         raise CliError(f"bad --name: {exc}", 2) from None
     return ServeOptions(model_path=str(path.resolve()), name=name, port=args.port,
-                        serving=_serving_from_args(args),
+                        grpc_port=args.grpc_port, serving=_serving_from_args(args),
                         gpu_targets=_gpu_targets_from_args(args))
 
 
@@ -193,7 +195,7 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
                           gpu_targets=options.gpu_targets)
     stack.callback(stop_compile_service, SERVICE_NAME, NAMESPACE)
     say("compile   service started")
-    start_serve("127.0.0.1", options.port, proxy)
+    start_serve("127.0.0.1", options.port, proxy, grpc_port=options.grpc_port)
     stack.callback(serve.shutdown)
     serve_models({options.name: options.model_path}, options.serving,
                  fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE,
@@ -209,8 +211,19 @@ serving   {options.name} at {model}
   curl {model}                  # inputs, datatypes, shapes (-1: dynamic)
   curl -X POST {model}/infer -H 'Content-Type: application/json' -d '{{"inputs": [...]}}'
   curl {model}/stats            # runtime and fleet counters
-  python: tritonclient.http.InferenceServerClient("127.0.0.1:{options.port}")
+  python: tritonclient.http.InferenceServerClient("127.0.0.1:{options.port}"){_grpc_hint(options)}
 Ctrl-C stops everything."""
+
+
+def _grpc_hint(options: ServeOptions) -> str:
+    """The hint's gRPC line ('' without --grpc-port)."""
+    if options.grpc_port is None:
+        return ""
+    from dynvm.cluster.http_front import model_app_name
+
+    client = f'tritonclient.grpc.InferenceServerClient("127.0.0.1:{options.grpc_port}")'
+    return (f"\n  gRPC:   {client}, every call with "
+            f"headers={{'application': '{model_app_name(options.name)}'}}")
 
 
 def serve_command(args) -> int:
@@ -260,6 +273,10 @@ the URL; Ctrl-C (or SIGTERM) stops everything it started.
     p.add_argument("file", metavar="MODEL.dvm")
     p.add_argument("--name", help="model name in the routes (default: the file's stem)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--grpc-port", type=int, metavar="P",
+                   help="also serve the v2 gRPC protocol (KServe GRPCInferenceService) on "
+                   "port P of every interface; calls name the model's application in "
+                   "their 'application' metadata (dynvm-model-<name>)")
     # Flags left out are None: ServingConfig's defaults apply (stated there only).
     p.add_argument("--replicas", type=int, metavar="N", help="fixed replica count")
     p.add_argument("--min-replicas", type=int, metavar="A", help="autoscale from A ...")

@@ -6,6 +6,7 @@ tritonclient.grpc.
 from __future__ import annotations
 
 import math
+import random
 
 import grpc
 import numpy as np
@@ -15,7 +16,8 @@ import torch
 from dynvm.cluster import grpc_v2
 from dynvm.cluster import v2_protocol as v2
 from dynvm.cluster.batcher import Overloaded
-from dynvm.vm.errors import ShapeError
+from dynvm.cluster.replica import is_client_fault
+from dynvm.vm.errors import ExecutionError, ShapeError
 from dynvm.vm.program import DimSpec, InputSpec
 
 tritongrpc = pytest.importorskip("tritonclient.grpc")
@@ -65,7 +67,7 @@ def parse(request, specs, **kw) -> v2.InferRequest:
 def refused(request, specs, **kw) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(v2.ProtocolError) as info:
         parse(request, specs, **kw)
-    return grpc_v2.status_of(info.value, "m")
+    return grpc_v2.status_of(info.value, "m", is_client_fault)
 
 
 def as_float(t) -> np.ndarray:
@@ -212,13 +214,123 @@ def test_message_past_the_body_limit_is_resource_exhausted():
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "the limit is 100" in details
 
 
+def status(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    return grpc_v2.status_of(error, "rec", is_client_fault)
+
+
 def test_status_of_model_errors_overload_and_faults():
-    code, details = grpc_v2.status_of(ShapeError("dim 0 is 0"), "rec")
+    code, details = status(ShapeError("dim 0 is 0"))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details == "model 'rec': dim 0 is 0"
-    code, _ = grpc_v2.status_of(Overloaded("64 requests wait already"), "rec")
+    code, _ = status(Overloaded("64 requests wait already"))
     assert code == grpc.StatusCode.UNAVAILABLE
-    code, _ = grpc_v2.status_of(v2.NotFound("no version '2'"), "rec")
+    code, _ = status(v2.NotFound("no version '2'"))
     assert code == grpc.StatusCode.NOT_FOUND
-    code, details = grpc_v2.status_of(RuntimeError("kernel exploded"), "rec")
+    code, details = status(RuntimeError("kernel exploded"))
     assert code == grpc.StatusCode.INTERNAL
     assert "error id " in details and "RuntimeError: kernel exploded" in details
+
+
+def test_execution_errors_follow_the_http_rule():
+    # Note [Client or server fault]: an index past a table is the request's data.
+    try:
+        raise ExecutionError("index_select failed") from IndexError("index 99 is out of bounds")
+    except ExecutionError as data_fault:
+        assert status(data_fault)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert status(ExecutionError("addmm failed"))[0] == grpc.StatusCode.INTERNAL
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The recommender behind a real Serve gRPC ingress (and its HTTP proxy, as `dynvm
+    serve --grpc-port` runs it): (tritonclient gRPC client, demo, routing headers)."""
+    pytest.importorskip("ray.serve")
+    from dynvm.cluster import ServingConfig, serve_models
+    from dynvm.cluster.http_front import model_app_name
+    from dynvm.cluster.local_redis import free_port
+    from tests.cluster._cluster_helpers import local_serve, saved_recommender
+
+    demo, _, path = saved_recommender(tmp_path_factory.mktemp("grpc"))
+    grpc_port = free_port()
+    with local_serve("dynvm-test-grpc", grpc_options=grpc_v2.grpc_options(grpc_port)):
+        serve_models({"recommender": str(path)},
+                     ServingConfig(device="cpu", jit=False, num_cpus=0.5))
+        client = tritongrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        try:
+            yield client, demo, {"application": model_app_name("recommender")}
+        finally:
+            client.close()
+
+
+def infer_inputs(tensors) -> list:
+    inputs = []
+    for i, t in enumerate(tensors):
+        name = "dense" if i == 0 else f"sparse{i - 1}"
+        item = tritongrpc.InferInput(name, list(t.shape), v2.datatype_of(t.dtype))
+        item.set_data_from_numpy(t.numpy())
+        inputs.append(item)
+    return inputs
+
+
+@pytest.mark.slow
+def test_grpc_infer_matches_eager(served):
+    client, demo, headers = served
+    rng = random.Random(3)
+    for _ in range(4):
+        tensors = demo.sample_inputs(rng)
+        result = client.infer("recommender", infer_inputs(tensors), headers=headers,
+                              request_id="req-1")
+        with torch.inference_mode():
+            expected = demo.module(*tensors).numpy()
+        assert result.get_response().id == "req-1"
+        np.testing.assert_allclose(result.as_numpy("output__0"), expected,
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_grpc_health_and_metadata(served):
+    client, _, headers = served
+    assert client.is_server_live(headers=headers)
+    assert client.is_server_ready(headers=headers)
+    assert client.is_model_ready("recommender", headers=headers)
+    assert client.get_server_metadata(headers=headers).name == "dynvm"
+    meta = client.get_model_metadata("recommender", headers=headers)
+    assert meta.name == "recommender" and list(meta.versions) == ["1"]
+    assert [(i.name, i.datatype, list(i.shape)) for i in meta.inputs][:2] == \
+        [("dense", "FP32", [-1, 13]), ("sparse0", "INT64", [-1, 3])]
+    assert [(o.name, o.datatype) for o in meta.outputs] == [("output__0", "FP32")]
+
+
+@pytest.mark.slow
+def test_grpc_errors_carry_their_status(served):
+    from tritonclient.utils import InferenceServerException
+
+    client, demo, headers = served
+    tensors = list(demo.example_inputs)
+    tensors[0] = torch.zeros(tensors[0].shape[0], 12)  # dense has 13 features
+    with pytest.raises(InferenceServerException) as bad:
+        client.infer("recommender", infer_inputs(tensors), headers=headers)
+    assert bad.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "input 'dense'" in bad.value.message() and "expected 13" in bad.value.message()
+    with pytest.raises(InferenceServerException) as other:
+        client.get_model_metadata("ranker", headers=headers)
+    assert other.value.status() == "StatusCode.NOT_FOUND"
+    # Serve routes by the `application` metadata key alone: without it, NOT_FOUND.
+    with pytest.raises(InferenceServerException) as unrouted:
+        client.infer("recommender", infer_inputs(demo.example_inputs))
+    assert unrouted.value.status() == "StatusCode.NOT_FOUND"
+    assert "Application metadata not set" in unrouted.value.message()
+
+
+def test_dynvm_serve_grpc_port_flag(tmp_path):
+    from dynvm._serve_cmd import _hint, options_from_args
+    from tests.cluster.test_serve_cmd import _serve_args
+
+    path = tmp_path / "rec.dvm"
+    path.write_bytes(b"x")  # options_from_args only checks that the file exists
+    assert options_from_args(_serve_args(str(path))).grpc_port is None
+    options = options_from_args(_serve_args(str(path), "--grpc-port", "9101"))
+    assert options.grpc_port == 9101
+    assert "127.0.0.1:9101" in _hint(options) and "dynvm-model-rec" in _hint(options)
