@@ -204,8 +204,16 @@ def family_for(signature: Signature, varying: Collection[tuple[int, int]],
     (see Note [Code families]) or a scalar that has no stable key (Note [Family keys]);
     such signatures only get exact specializations.
     """
-    ratio = check_ratio(ratio)
     structure = structure_key(signature)
+    bounds = family_bounds(signature, structure, varying, check_ratio(ratio))
+    return None if bounds is None else Family(structure, bounds)
+
+
+def family_bounds(signature: Signature, structure: tuple,
+                  varying: Collection[tuple[int, int]], ratio: int
+                  ) -> tuple[Bounds | None, ...] | None:
+    """The bounds `family_for` gives `signature` (its `structure_key` and a checked ratio
+    given), or None; the request path's index builds each distinct Family once."""
     bounds: list[Bounds | None] = []
     for position, (entry, part) in enumerate(zip(signature, structure)):
         if part[0] == "s":
@@ -217,7 +225,7 @@ def family_for(signature: Signature, varying: Collection[tuple[int, int]],
         else:
             bounds.append(tuple(bucket_of(n, ratio) if (position, axis) in varying else (n, n)
                                 for axis, n in enumerate(entry[0].dims)))
-    return Family(structure, tuple(bounds))
+    return tuple(bounds)
 
 
 def varying_dims(signatures: Iterable[Signature]) -> frozenset[tuple[int, int]]:

@@ -34,7 +34,7 @@ from dynvm.shape_cluster.buckets import check_ratio
 from dynvm.shape_cluster.families import (
     Family,
     differing_dims,
-    family_for,
+    family_bounds,
     live_in_dims,
     structure_key,
 )
@@ -45,12 +45,15 @@ class _Group:
     """What the index knows of one structure. `varying` never changes: a structure whose
     varying set grows gets a new _Group, and the old one is marked `stale`."""
 
-    __slots__ = ("reference", "varying", "stale")
+    __slots__ = ("reference", "varying", "stale", "families")
 
     def __init__(self, reference: tuple | None, varying: frozenset[tuple[int, int]]) -> None:
         self.reference = reference   # dims of the first observed signature; None if none yet
         self.varying = varying
         self.stale = False
+        # bounds -> its Family: one object (and key text) per family, not per signature
+        # (a shape storm brings a new signature on every call, few new families).
+        self.families: dict[tuple, Family] = {}
 
 
 class FamilyIndex:
@@ -97,7 +100,7 @@ class FamilyIndex:
                     group.stale = True
                     group = self._groups[structure] = _Group(group.reference,
                                                              group.varying | grown)
-        return self._remember(signature, group, observed=True)
+        return self._remember(signature, structure, group, observed=True)
 
     def family_of(self, signature: tuple) -> Family | None:
         """The current family of `signature` (observed or not), without recording it."""
@@ -109,11 +112,20 @@ class FamilyIndex:
         if group is None:
             with self._lock:
                 group = self._groups.setdefault(structure, _Group(None, frozenset()))
-        return self._remember(signature, group, observed=entry is not None and entry[2])
+        return self._remember(signature, structure, group,
+                              observed=entry is not None and entry[2])
 
-    def _remember(self, signature: tuple, group: _Group, observed: bool) -> Family | None:
-        family = family_for(signature, group.varying, self._ratio)
+    def _remember(self, signature: tuple, structure: tuple, group: _Group,
+                  observed: bool) -> Family | None:
+        bounds = family_bounds(signature, structure, group.varying, self._ratio)
+        family = None
+        if bounds is not None:
+            family = group.families.get(bounds)
+            if family is None:
+                family = Family(structure, bounds)
         with self._lock:
+            if family is not None and len(group.families) < self._memo_limit:
+                family = group.families.setdefault(bounds, family)
             if len(self._memo) >= self._memo_limit and signature not in self._memo:
                 self._memo.clear()
             self._memo[signature] = (family, group, observed)
