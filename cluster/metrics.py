@@ -4,9 +4,10 @@
     metrics.update(replica_stats)                 # whenever (e.g. after each batch)
     metrics.observe_request(seconds)              # optional: request latency histogram
 
-`update` takes the replica's stats dict (`Runtime.stats()`, the JIT's counters, the
-batching counters, and an `ArtifactCache.stats()` dict under "store" when the replica
-has one) and turns it into Prometheus series. Counters in the stats are cumulative, so
+`update` takes the replica's stats dict (`RuntimeStats.to_dict()`, the batching and
+request counters, and an `ArtifactCache.stats()` dict under "store" when the replica
+has one) and turns it into Prometheus series; the runtime's part is read back as a
+`RuntimeStats` and read by attribute. Counters in the stats are cumulative, so
 each update adds the increase since the previous one; a value lower than before means
 the source restarted (a new Runtime) and the whole value is added, so the Prometheus
 counter never goes down. Keys that are absent (JIT off, no store) are skipped.
@@ -47,6 +48,7 @@ from dataclasses import dataclass, field
 
 from ray.serve import metrics
 
+from dynvm._runtime_stats import RuntimeStats
 from dynvm.cluster.signed import REJECTIONS
 
 MODEL_TAG = "model"
@@ -56,15 +58,18 @@ REQUEST_SECONDS_BOUNDARIES = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0
 
 @dataclass(frozen=True)
 class Series:
-    """One exported series: a metric name, its extra tags, and where its value is in
-    the stats dict."""
+    """One exported series: a metric name, its extra tags, and where its value is: a
+    RuntimeStats attribute, or keys into the replica's stats dict."""
 
     metric: str
     """Name given to Ray (exported as ray_<metric>, plus _total for a counter)."""
     description: str
     """The Prometheus HELP text."""
+    runtime: str = ""
+    """The RuntimeStats attribute holding the value ("" when it is the replica's)."""
     path: tuple[str, ...] = ()
-    """Keys leading to the value in the stats dict (empty: computed, see `_computed`)."""
+    """Keys to the value: into the `runtime` attribute's mapping when that is set, else
+    into the replica's stats dict."""
     tags: Mapping[str, str] = field(default_factory=dict)
     """Tags beside `model` (the same keys for every series of one metric)."""
 
@@ -80,34 +85,37 @@ _STORE_RESULTS = {"valid": "hit", "missing": "miss", "rejected": "rejected",
                   "unavailable": "unavailable"}
 
 COUNTERS: tuple[Series, ...] = (
-    Series("dynvm_calls", "Runtime calls.", ("calls",)),
-    Series("dynvm_requests", "Inference requests received.", ("requests",)),
-    Series("dynvm_request_errors", "Inference requests that failed.", ("errors",)),
-    Series("dynvm_compiles", "Specializations compiled.", ("compiles",)),
-    Series("dynvm_compile_seconds", "Seconds spent compiling.", ("compile_seconds",)),
-    Series("dynvm_compile_failures", "Compiles that failed.", ("compile_failures",)),
+    Series("dynvm_calls", "Runtime calls.", "calls"),
+    Series("dynvm_requests", "Inference requests received.", path=("requests",)),
+    Series("dynvm_request_errors", "Inference requests that failed.", path=("errors",)),
+    Series("dynvm_compiles", "Specializations compiled.", "compiles"),
+    Series("dynvm_compile_seconds", "Seconds spent compiling.", "compile_seconds"),
+    Series("dynvm_compile_failures", "Compiles that failed.", "compile_failures"),
     Series("dynvm_guard_failures", "Guard failures (calls sent back to the interpreter).",
-           ("guard_failures",)),
-    Series("dynvm_deopts", "Specialized calls that failed and deoptimized.", ("deopts",)),
+           "guard_failures"),
+    Series("dynvm_deopts", "Specialized calls that failed and deoptimized.", "deopts"),
     *(Series("dynvm_region_calls", "Region calls, specialized or interpreted.",
-             (f"{kind}_region_calls",), {"kind": kind})
+             f"{kind}_region_calls", tags={"kind": kind})
       for kind in ("specialized", "interpreted")),
-    *(Series("dynvm_store_fetches", "Kernel store fetches by result.", ("store", name),
-             {"result": result}) for name, result in _STORE_RESULTS.items()),
+    *(Series("dynvm_store_fetches", "Kernel store fetches by result.",
+             path=("store", name), tags={"result": result})
+      for name, result in _STORE_RESULTS.items()),
     *(Series("dynvm_store_rejections", "Artifacts rejected by reason.",
-             ("store", cls.reason), {"reason": cls.reason}) for cls in REJECTIONS),
+             path=("store", cls.reason), tags={"reason": cls.reason}) for cls in REJECTIONS),
     Series("dynvm_store_publishes", "Artifacts published to the kernel store.",
-           ("store", "published")),
+           path=("store", "published")),
 )
 
 GAUGES: tuple[Series, ...] = (
     Series("dynvm_specialized_ratio",
-           "Specialized region calls / all region calls, since the runtime started."),
-    Series("dynvm_families", "Installed code-family kernels."),
-    Series("dynvm_specializations", "Installed exact or weak specializations."),
-    *(Series("dynvm_arena_bytes", "Arena pool bytes.", ("arena", f"{state}_bytes"),
+           "Specialized region calls / all region calls, since the runtime started.",
+           "specialized_ratio"),
+    Series("dynvm_families", "Installed code-family kernels.", "installed_families"),
+    Series("dynvm_specializations", "Installed exact or weak specializations.",
+           "installed_specializations"),
+    *(Series("dynvm_arena_bytes", "Arena pool bytes.", "arena", (f"{state}_bytes",),
              {"state": state}) for state in ("reserved", "in_use")),
-    Series("dynvm_compile_queue_length", "Compile tasks waiting.", ("queue_length",)),
+    Series("dynvm_compile_queue_length", "Compile tasks waiting.", "queue_length"),
 )
 
 
@@ -117,8 +125,7 @@ def _number(value) -> float | None:
     return value
 
 
-def _lookup(stats: Mapping, path: tuple[str, ...]) -> float | None:
-    value = stats
+def _lookup(value, path: tuple[str, ...]) -> float | None:
     for key in path:
         if not isinstance(value, Mapping) or key not in value:
             return None
@@ -126,26 +133,10 @@ def _lookup(stats: Mapping, path: tuple[str, ...]) -> float | None:
     return _number(value)
 
 
-def _region_sum(stats: Mapping, key: str) -> float | None:
-    regions = stats.get("regions")
-    if not isinstance(regions, Mapping):
-        return None
-    values = [_number(r.get(key)) for r in regions.values() if isinstance(r, Mapping)]
-    return sum(v for v in values if v is not None)
-
-
-def _computed(stats: Mapping, metric: str) -> float | None:
-    if metric == "dynvm_specialized_ratio":
-        specialized = _lookup(stats, ("specialized_region_calls",))
-        interpreted = _lookup(stats, ("interpreted_region_calls",))
-        if specialized is None or interpreted is None or specialized + interpreted == 0:
-            return None
-        return specialized / (specialized + interpreted)
-    if metric == "dynvm_families":
-        return _region_sum(stats, "family_kernels")
-    if metric == "dynvm_specializations":
-        return _region_sum(stats, "specializations")
-    raise KeyError(metric)
+def _value(spec: Series, runtime: RuntimeStats, stats: Mapping) -> float | None:
+    if spec.runtime:
+        return _lookup(getattr(runtime, spec.runtime), spec.path)
+    return _lookup(stats, spec.path)
 
 
 class ReplicaMetrics:
@@ -177,9 +168,10 @@ class ReplicaMetrics:
         """Record `stats` (see the module docstring). Returns what was recorded:
         {Series.key: counter increase or gauge value}; unchanged counters are left out."""
         recorded: dict[str, float] = {}
+        runtime = RuntimeStats.from_dict(stats)
         with self._lock:
             for spec in COUNTERS:
-                value = _lookup(stats, spec.path)
+                value = _value(spec, runtime, stats)
                 if value is None:
                     continue
                 last = self._last.get(spec.key, 0)
@@ -189,8 +181,7 @@ class ReplicaMetrics:
                     self._counters[spec.metric].inc(increase, tags=dict(spec.tags))
                     recorded[spec.key] = increase
             for spec in GAUGES:
-                value = _lookup(stats, spec.path) if spec.path else \
-                    _computed(stats, spec.metric)
+                value = _value(spec, runtime, stats)
                 if value is not None:
                     self._gauges[spec.metric].set(value, tags=dict(spec.tags))
                     recorded[spec.key] = value

@@ -302,7 +302,7 @@ def precompile(program, dvm_bytes: bytes, shapes: list[dict[str, int]], store,
 
 def _region_calls(runtime) -> int:
     stats = runtime.stats()
-    return stats.get("specialized_region_calls", 0) + stats.get("interpreted_region_calls", 0)
+    return (stats.specialized_region_calls or 0) + (stats.interpreted_region_calls or 0)
 
 
 def _covers(portable) -> str:

@@ -29,6 +29,8 @@ _LAZY: dict[str, str] = {
     "JitConfig": "dynvm.jit.config",
     "CallBudget": "dynvm.vm.budget",
     "Program": "dynvm.vm.program",
+    "RegionStats": "dynvm._runtime_stats",
+    "RuntimeStats": "dynvm._runtime_stats",
     **{name: "dynvm.vm.errors" for name in (
         "AssembleError", "CallBudgetError", "ConfigError", "ConfigTypeError",
         "DvmFormatError", "DynvmError", "ExecutionError", "InputError", "SaveError",
@@ -84,6 +86,6 @@ __all__ = [
     "AssembleError", "CallBudget", "CallBudgetError", "ConfigError", "ConfigTypeError",
     "DvmFormatError", "DynvmError", "ExecutionError", "InputError", "SaveError",
     "JitConfig",
-    "Program", "Runtime", "ShapeError", "UnsupportedOpError", "VerifyError", "compile",
-    "load", "save",
+    "Program", "RegionStats", "Runtime", "RuntimeStats", "ShapeError", "UnsupportedOpError",
+    "VerifyError", "compile", "load", "save",
 ]

@@ -62,7 +62,7 @@ def _explain(program, inputs, shapes: str, telemetry) -> int:
                      for spec in region._all()}
         print(f"; {program.name} with {shapes}: {len(artifacts)} specialized region(s) of "
               f"{len(program.regions)}")
-        failures = runtime.stats()["specialize_failures"]
+        failures = runtime.stats().specialize_failures or {}
         for reason, count in failures.items():
             print(f"; SPECIALIZATION FAILED (a dynvm bug) x{count}: {reason}")
         for line in runtime.jit.event_log:

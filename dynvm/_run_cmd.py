@@ -197,7 +197,7 @@ def run_command(args, program, demo, header: list[str]) -> int:
     print("\n".join(header) + "\n")
     _print_table(latencies, labels, args.max_rows)
     print("\nruntime.stats()")
-    stats = runtime.stats()
+    stats = runtime.stats().to_dict()  # every counter, as the JSON form names it
     width = max(map(len, stats), default=0)
     for key, value in stats.items():
         print(f"  {key:<{width}}  {value}")

@@ -9,6 +9,7 @@ from torch.utils import _pytree as pytree
 
 from dynvm._env import JIT as JIT_VARIABLE
 from dynvm._env import runtime_settings
+from dynvm._runtime_stats import RuntimeStats
 from dynvm.arena import count_allocations
 from dynvm.jit.config import JitConfig
 from dynvm.jit.engine import Jit
@@ -159,9 +160,9 @@ class Runtime:
         self._last_allocations = count
         return count
 
-    def stats(self) -> dict:
-        """Counters since the runtime was made (JIT counters too when it is on; the JIT's
-        per-region figures are under "regions", keyed by region index)."""
+    def stats(self) -> RuntimeStats:
+        """Counters since the runtime was made, the JIT's too when it is on (per-region
+        figures in `regions`, by region index); `to_dict()` gives the JSON form."""
         stats = {
             "calls": self._calls,
             "instructions_executed": self.interpreter.instructions_executed,
@@ -176,7 +177,8 @@ class Runtime:
             stats.update(self.jit.stats())
             if self.jit.event_limiter is not None:
                 stats["telemetry_events_dropped"] = self.jit.event_limiter.dropped
-        return stats
+        # The engine's dict becomes typed here, at the Runtime's boundary.
+        return RuntimeStats.from_dict(stats)
 
     def close(self) -> None:
         """Stop background compiles; the runtime keeps working (interpreted)."""

@@ -1,7 +1,9 @@
 """`dynvm top`: a live table of a running dynvm cluster, read over its HTTP API.
 
-Each refresh GETs /v2/models/<name>/stats for every model (`ModelReplica.stats()`:
-Runtime.stats() + the batching counters). Those stats are one replica's: Serve routes
+Each refresh GETs /v2/models/<name>/stats for every model: the JSON of
+`RuntimeStats.to_dict()` (dynvm._runtime_stats, whose field names are the keys read
+here) plus the replica's request and batching counters. Keys are read tolerantly (a
+model total, or an older server, may lack some). Those stats are one replica's: Serve routes
 each GET to one replica of the model. So each model is polled `--samples` times per
 refresh; when the stats carry a "replica" id, every replica seen gets its own row (the
 latest stats it answered with) and the model a total row; without one, the row is a

@@ -141,7 +141,7 @@ def test_replica_metrics_on_a_serve_replica(cluster, tmp_path):
     with dynvm.Runtime(program, jit=eager_config()) as runtime:
         runtime(x)
         runtime(x)
-        first = {**runtime.stats(), "store": store, "requests": 2, "errors": 0}
+        first = {**runtime.stats().to_dict(), "store": store, "requests": 2, "errors": 0}
         assert first["compiles"] > 0 and first["specialized_region_calls"] > 0
         recorded = cluster.probe.update.remote(first).result()
         assert recorded["dynvm_calls"] == 2
@@ -161,7 +161,7 @@ def test_replica_metrics_on_a_serve_replica(cluster, tmp_path):
 
         for _ in range(3):
             runtime(x)
-        second = {**runtime.stats(), "store": store, "requests": 5, "errors": 0}
+        second = {**runtime.stats().to_dict(), "store": store, "requests": 5, "errors": 0}
         recorded = cluster.probe.update.remote(second).result()
         assert recorded["dynvm_calls"] == 3 and recorded["dynvm_requests"] == 3
         assert "dynvm_compiles" not in recorded  # no new compile, no increase
@@ -171,7 +171,7 @@ def test_replica_metrics_on_a_serve_replica(cluster, tmp_path):
 
     restarted = dynvm.Runtime(program, jit=False)
     restarted(x)
-    recorded = cluster.probe.update.remote({**restarted.stats(), "requests": 1}).result()
+    recorded = cluster.probe.update.remote({**restarted.stats().to_dict(), "requests": 1}).result()
     # A lower value is a restarted source: its whole value is added, never subtracted.
     assert recorded["dynvm_calls"] == 1 and recorded["dynvm_requests"] == 1
     assert "dynvm_compiles" not in recorded  # JIT off: no such key, nothing recorded

@@ -305,7 +305,7 @@ def test_top_table_and_replica_totals():
         with dynvm.Runtime(compiled("branchy"), jit=eager_config()) as runtime:
             for _ in range(calls):
                 runtime(torch.randn(3, 32))
-            stats.append({**runtime.stats(), "requests": calls})
+            stats.append({**runtime.stats().to_dict(), "requests": calls})
     stats[0]["latency_ms"] = {"p50": 1.234, "p99": 9.5}
     summed = total(stats)
     assert summed["calls"] == 7 and summed["requests"] == 7
