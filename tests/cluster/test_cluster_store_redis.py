@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from dynvm.cluster import RedisConfig, RedisStore, StoreUnavailable
+from dynvm.jit.artifact import cache_key
 from tests.cluster._redis_server import RedisServer, free_port, redis_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -252,8 +253,11 @@ def test_deploy_config_acl_example_works(tmp_path):
                                 "--dir", str(tmp_path), "--logfile", ""],
                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
+        # A TTL, a bound of one entry per program and marks on every read: every command
+        # of Note [Artifact lifetime] runs under the ACL below.
         config = RedisConfig(port=port, username="dynvm", password=password,
-                             socket_timeout_s=1.0, connect_timeout_s=1.0)
+                             socket_timeout_s=1.0, connect_timeout_s=1.0, ttl_seconds=60,
+                             max_entries_per_program=1, refresh_interval_s=0.001)
         with RedisStore(config) as store:
             deadline = time.monotonic() + 10
             while True:
@@ -266,6 +270,12 @@ def test_deploy_config_acl_example_works(tmp_path):
                     time.sleep(0.02)
             store.put(key(1), b"v")
             assert store.get([key(1)]) == {key(1): b"v"}
+            tagged = [cache_key("acl", n, "fam", "cpu", "cpu") for n in range(2)]
+            store.put(tagged[0], b"first")
+            assert store.get([tagged[0]]) == {tagged[0]: b"first"}
+            store.put(tagged[1], b"second")  # evicts the first
+            assert store.contains(tagged) == {tagged[1]}
+            assert store.stats.snapshot()["errors"] == 0
         with redis.Redis(port=port, username="dynvm", password=password) as client:
             with pytest.raises(redis.exceptions.NoPermissionError):
                 client.set("elsewhere", b"v")
