@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dynvm
+from dynvm.jit.config import JitConfig
 from dynvm.jit.engine import Jit
 from dynvm.jit.probation import Probation
 from dynvm.telemetry import Telemetry
@@ -150,3 +151,12 @@ def test_a_clear_loser_is_decided_early_and_nothing_is_confirmed_early():
     winning = Probation(every=1, samples=12, margin=0.02)
     assert [winning.add(0.1, 1.0) for _ in range(11)] == [None] * 11
     assert winning.add(0.1, 1.0) == 0.1
+
+
+def test_a_kernel_within_the_noise_floor_is_not_kept():
+    """The default margin is outside the measured A/A noise of a median of paired ratios
+    (JitConfig.probation_margin): 0.97x is not kept (9% of A/A medians reach 0.98)."""
+    config = JitConfig()
+    probation = Probation(config.probation_shadow_every, config.probation_samples,
+                          config.probation_margin)
+    assert not probation.passes(0.97) and probation.passes(0.94)
