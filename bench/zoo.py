@@ -28,6 +28,17 @@ than 8 rounds give a model with one or two shapes), at most `SETTLE_ROUNDS` roun
 whether it settled within the cap. Nothing else about what is timed changes. One torch
 thread by default (as the suite, see README's Benchmarks): the machine is shared, and
 ratios taken in the same instant are what stays comparable.
+
+Note [Zoo peers]
+~~~~~~~~~~~~~~~~
+`--peers torch.compile` adds torch.compile in its default mode (dynamic=None: static at
+the first shape, dynamic from the first recompile) as a fourth system in the same
+rotation, on the same inputs, with Dynamo reset, Inductor's caches cleared and a fresh
+cache folder first (bench.systems.TorchCompile, Note [Counting compiles]), so no model
+reuses another's kernels. Its compile seconds are the whole of every call during which
+Dynamo made a graph (its first calls, in the warm-up rounds; a recompile later is
+counted too, and its call stays in the figures). Its outputs are not held to the zoo's
+tolerance (Inductor's own numerics are not dynvm's to check).
 """
 
 from __future__ import annotations
@@ -109,7 +120,7 @@ def _settle(jit, inputs: list) -> tuple[int, bool]:
     return calls, jit.settled()
 
 
-def measure(entry, harness, warmup: int, rounds: int, log) -> dict:
+def measure(entry, harness, warmup: int, rounds: int, log, peers=()) -> dict:
     """One model's row (Note [Zoo timing])."""
     import dynvm
 
@@ -121,8 +132,11 @@ def measure(entry, harness, warmup: int, rounds: int, log) -> dict:
     interp = dynvm.Runtime(compiled.program, jit=False)
     jit = dynvm.Runtime(compiled.program, jit=dynvm.JitConfig())
     systems = {"eager": lambda *x: harness.eager(built, x), "interp": interp, "jit": jit}
+    compiled_peer = _torch_compile(built) if "torch.compile" in peers else None
+    if compiled_peer is not None:   # Note [Zoo peers]
+        systems["compile"] = lambda *x: compiled_peer(*x)[0]
     order = list(systems)
-    ratios = {"interp": [], "jit": []}
+    ratios = {name: [] for name in order if name != "eager"}
     times = {name: [] for name in systems}
     discarded = 0
     settle_calls, settled = 0, False
@@ -138,7 +152,8 @@ def measure(entry, harness, warmup: int, rounds: int, log) -> dict:
                 # while one runs (Note [Zoo timing]).
                 _drain(jit)
                 promotions = jit.stats()["promotions"]
-                for name in order[call % 3:] + order[:call % 3]:
+                shift = call % len(order)
+                for name in order[shift:] + order[:shift]:
                     seconds[name], outputs[name] = _timed(systems[name], x)
                 if round_ == warmup:  # the first steady outputs are checked against eager
                     for name in ("interp", "jit"):
@@ -157,6 +172,8 @@ def measure(entry, harness, warmup: int, rounds: int, log) -> dict:
     finally:
         interp.close()
         jit.close()
+        if compiled_peer is not None:
+            compiled_peer.close()
     failures = harness.jit_failures(stats)
     row = {
         "name": entry.name, "library": entry.library, "note": entry.note,
@@ -180,10 +197,27 @@ def measure(entry, harness, warmup: int, rounds: int, log) -> dict:
         "settled": settled,
         "status": "ok" if not failures else f"JIT: {failures}",
     }
+    if compiled_peer is not None:
+        graphs, seconds = compiled_peer.compiles()
+        row["torch_compile"] = {"x_eager": statistics.median(ratios["compile"]),
+                                "compile_seconds": seconds, "compiles": graphs,
+                                "dynvm_compile_seconds": compiled.compile_seconds
+                                + stats["compile_seconds"]}
+        log(f"{entry.name}: torch.compile (default) {row['torch_compile']['x_eager']:.3f}x "
+            f"eager, compile {seconds:.1f} s")
     log(f"{entry.name}: interp {row['interp_x_eager']:.3f}x, JIT {row['jit_x_eager']:.3f}x "
         f"eager ({row['eager_ms']:.2f} ms), compile {row['compile_seconds']:.1f} s, "
         f"{row['warmup_calls']} warm-up calls{'' if settled else ' (not settled)'}")
     return row
+
+
+def _torch_compile(built):
+    """torch.compile (default mode) of a zoo model, as the suite's peer (Note [Zoo peers])."""
+    from types import SimpleNamespace
+
+    from bench.systems import TorchCompile
+
+    return TorchCompile(SimpleNamespace(module=built.module), "compile-auto", dynamic=None)
 
 
 def _spread(samples: list[float]) -> float:
@@ -202,11 +236,18 @@ def _dim_range(program, name: str) -> str:
 def _command(prog: str, args) -> str:
     words = prog.split()
     for flag, value in (("--models", args.models), ("--calls", args.calls),
-                        ("--threads", args.threads)):
+                        ("--threads", args.threads), ("--peers", ",".join(_peers(args)))):
         if value:
             words += [flag, str(value)]
     words += ["--quick"] * bool(args.quick) + ["--update-docs"] * bool(args.update_docs)
     return " ".join(map(shlex.quote, words))
+
+
+PEERS = ("torch.compile",)
+
+
+def _peers(args) -> list[str]:
+    return [p.strip() for p in (getattr(args, "peers", None) or "").split(",") if p.strip()]
 
 
 def run(args, prog: str = "dynvm bench zoo", log=None) -> int:
@@ -222,6 +263,10 @@ def run(args, prog: str = "dynvm bench zoo", log=None) -> int:
     unknown = [m for m in wanted if m not in known]
     if unknown:
         raise ZooUsageError(f"unknown zoo model {unknown[0]!r}; known: {', '.join(sorted(known))}")
+    peers = _peers(args)
+    if any(p not in PEERS for p in peers):
+        raise ZooUsageError(f"unknown peer {next(p for p in peers if p not in PEERS)!r}; "
+                            f"known: {', '.join(PEERS)}")
     chosen = [e for e in zoo.entries() if not wanted or e.name in wanted]
     warmup, rounds = (2, 3) if args.quick else (8, 10)
     if args.calls:
@@ -233,7 +278,7 @@ def run(args, prog: str = "dynvm bench zoo", log=None) -> int:
     rows = []
     for entry in chosen:
         try:
-            rows.append(measure(entry, harness, warmup, rounds, log))
+            rows.append(measure(entry, harness, warmup, rounds, log, peers))
         except Exception as exc:  # a failing model is a row of the table, not the end
             log(traceback.format_exc())
             rows.append({"name": entry.name, "library": entry.library, "note": entry.note,

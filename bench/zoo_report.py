@@ -52,6 +52,28 @@ def _summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _peer_text() -> str:
+    return ("`--peers torch.compile` (Note [Zoo peers] in bench/zoo.py): torch.compile in "
+            "its default mode as a fourth system in the same call-by-call rotation, on the "
+            "same inputs; x eager as above. 'JIT / torch.compile' is the ratio of the two "
+            "medians (below 1: the JIT is faster). Compile seconds: dynvm's are export and "
+            "lowering plus the JIT's background compiles; torch.compile's are the whole of "
+            "the calls during which Dynamo made a graph.")
+
+
+def _peer_table(rows: list[dict]) -> str:
+    lines = ["| model | JIT | torch.compile | JIT / torch.compile | dynvm compile s "
+             "| torch.compile compile s (graphs) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        peer = r["torch_compile"]
+        lines.append(f"| {r['name']} | {_x(r['jit_x_eager'])} | {_x(peer['x_eager'])} | "
+                     f"{r['jit_x_eager'] / peer['x_eager']:.2f} | "
+                     f"{peer['dynvm_compile_seconds']:.1f} | "
+                     f"{peer['compile_seconds']:.1f} ({peer['compiles']}) |")
+    return "\n".join(lines)
+
+
 def markdown(run: dict) -> str:
     rows = run["models"]
     parts = [
@@ -84,6 +106,9 @@ def markdown(run: dict) -> str:
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
         + "\n".join(_row(r) for r in rows),
     ]
+    peers = [r for r in rows if "torch_compile" in r]
+    if peers:
+        parts += ["## Against torch.compile (default)", _peer_text(), _peer_table(peers)]
     notes = [f"- **{r['name']}**: {r['note']}" for r in rows if r.get("note")]
     if notes:
         parts += ["## What export fixed", "\n".join(notes)]
