@@ -55,8 +55,9 @@ def _summary(values: list[float | None]) -> dict:
 
 
 def propagation(hosts: list[dict]) -> dict:
-    """Per hot shape: first fleet-wide sighting -> served specialized on 50% / 99% of
-    its program's replicas; per artifact: first announcement heard -> installed."""
+    """Per hot shape: first fleet-wide sighting -> served specialized on one replica and
+    on 50% / 99% of its program's replicas; per artifact: first announcement heard ->
+    installed on 50% / 99%."""
     replicas = [r for host in hosts for r in host["replicas"]]
     population: dict[int, int] = {}
     for replica in replicas:
@@ -69,11 +70,12 @@ def propagation(hosts: list[dict]) -> dict:
     for replica in replicas:
         for shape, t in replica["served_at"].items():
             served.setdefault(f"{replica['program']}:{shape}", []).append(t)
-    shape_50, shape_99 = [], []
+    shape_1, shape_50, shape_99 = [], [], []
     for key, times in served.items():
         if key not in sighted:
             continue   # served by a kernel, never asked for: not a sighting
         program = int(key.split(":")[0])
+        shape_1.append(min(times) - sighted[key])   # promotion + compile + publish + 1
         shape_50.append(_reach_time(times, population[program], 0.5, sighted[key]))
         shape_99.append(_reach_time(times, population[program], 0.99, sighted[key]))
     announced: dict[str, float] = {}
@@ -92,7 +94,8 @@ def propagation(hosts: list[dict]) -> dict:
             total = population[program_of_key[key]]
             key_50.append(_reach_time(times, total, 0.5, announced[key]))
             key_99.append(_reach_time(times, total, 0.99, announced[key]))
-    return {"sighting_to_50": _summary(shape_50), "sighting_to_99": _summary(shape_99),
+    return {"sighting_to_first": _summary(shape_1), "sighting_to_50": _summary(shape_50),
+            "sighting_to_99": _summary(shape_99),
             "announce_to_50": _summary(key_50), "announce_to_99": _summary(key_99),
             "shapes_sighted": len(sighted), "shapes_served": len(shape_99),
             "keys_announced": len(announced)}

@@ -87,8 +87,10 @@ def run_one(mode: str, n: int, dvm_files: list[bytes], seconds: float, rate: flo
             window = time.time() - start_at
             cpu_after, service_rss = process_usage(pids)
             redis_after = redis_counters(redis)
-            service_stats = ray.get([s.stats.remote() for s in services])
             results = ray.get([h.results.remote() for h in hosts])
+            # Compiles and publishes counted after the last announcement was heard.
+            ray.get([s.wait_idle.remote(30.0) for s in services])
+            service_stats = ray.get([s.stats.remote() for s in services])
         finally:
             for h in hosts:
                 ray.kill(h)
@@ -108,6 +110,8 @@ def summarize(mode, n, shards, window, seconds, results, service_stats, service_
     compiles = sum(p["compiles"] for s in service_stats for p in s["programs"].values())
     indexed = sum(p["indexed"] for s in service_stats for p in s["programs"].values())
     published = sum(s["published"] for s in service_stats)
+    compile_seconds = sum(p["compile_seconds"] for s in service_stats
+                          for p in s["programs"].values())
     reach = propagation(results)
     keys = reach["keys_announced"]
     commands = redis_after["commands"] - redis_before["commands"]
@@ -136,8 +140,12 @@ def summarize(mode, n, shards, window, seconds, results, service_stats, service_
         "publishes": publishes,
         "announcements_delivered": sum(h["announcements_received"] for h in results),
         "service_compiles": compiles, "published": published, "indexed": indexed,
+        "service_compile_ms_mean": 1e3 * compile_seconds / compiles if compiles else None,
         "keys_announced": keys,
-        "compiles_per_key": compiles / keys if keys else None,
+        # Every compile in the fleet (the service's and any replica's) per distinct
+        # artifact the service published: 1.0 means each hot shape was compiled once.
+        "compiles_per_key": (compiles + counters["local_compiles"]) / published
+        if published else None,
         "replica_local_compiles": counters["local_compiles"],
         "install_rejected": counters["install_rejected"],
         "host_start_s": max(start_seconds),
@@ -156,14 +164,15 @@ def table(rows: list[dict]) -> str:
             return "-"
         return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
-    lines = ["| mode | N | reports/s | KB/s in | service CPU | CPU µs/replica/s | "
+    lines = ["| mode | req/s/replica | N | reports/s | KB/s in | service CPU | CPU µs/replica/s | "
              "sight→99% (med / p90 s) | announce→99% (med s) | Redis cmd/replica/s | "
              "service RSS MB | Redis MB | compiles/key | local compiles |",
-             "|" + "---|" * 13]
+             "|" + "---|" * 14]
     for r in rows:
         s99, a99 = r["sighting_to_99"], r["announce_to_99"]
         lines.append(
-            f"| {r['mode']} | {r['replicas']} | {fmt(r['report_messages_per_s'], 0)} | "
+            f"| {r['mode']} | {r.get('rate_per_replica', 5.0):g} | {r['replicas']} | "
+            f"{fmt(r['report_messages_per_s'], 0)} | "
             f"{fmt(r['report_bytes_per_s'] / 1024, 0)} | {fmt(r['service_cpu_fraction'])} | "
             f"{fmt(r['service_cpu_us_per_replica_s'], 0)} | "
             f"{fmt(s99['median'])} / {fmt(s99['p90'])} ({s99['reached']}/{s99['of']}) | "
@@ -172,6 +181,10 @@ def table(rows: list[dict]) -> str:
             f"{fmt(r['redis_rss_mb'], 0)} | {fmt(r['compiles_per_key'])} | "
             f"{r['replica_local_compiles']} |")
     return "\n".join(lines)
+
+
+def _label(row: dict) -> str:
+    return f"{row['mode']}, {row.get('rate_per_replica', 5.0):g} req/s/replica"
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -188,13 +201,15 @@ def plot(rows: list[dict], path: str) -> None:
               ("redis_commands_per_replica_s", "Redis commands / replica / s")]
     figure, axes = plt.subplots(2, 3, figsize=(13, 7))
     for axis, (key, title) in zip(axes.flat, panels):
-        for mode in dict.fromkeys(r["mode"] for r in rows):
+        for label in dict.fromkeys(_label(r) for r in rows):
             points = [(r["replicas"], r[key]["median"] if isinstance(r[key], dict)
-                       else r[key]) for r in rows if r["mode"] == mode]
+                       else r[key]) for r in rows if _label(r) == label]
             points = [(x, y) for x, y in points if y is not None]
             if points:
-                axis.plot(*zip(*points), marker="o", label=mode)
+                axis.plot(*zip(*points), marker="o", label=label)
         axis.set_xscale("log")
+        if key == "service_cpu_us_per_replica_s":
+            axis.set_yscale("log")
         axis.set_title(title, fontsize=10)
         axis.set_xlabel("replicas")
         axis.grid(True, alpha=0.3)
@@ -216,7 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=5.0, help="requests/s per replica")
     parser.add_argument("--json", default="bench/results/fleet_scale.json")
     parser.add_argument("--plot", default=None, help="e.g. docs/fleet_scale.png")
+    parser.add_argument("--replot", nargs="+", metavar="JSON",
+                        help="only draw --plot and print the table from these results")
     args = parser.parse_args(argv)
+    if args.replot:
+        rows = [row for path in args.replot for row in json.loads(Path(path).read_text())]
+        print(table(rows))
+        if args.plot:
+            plot(rows, args.plot)
+        return 0
 
     import ray
 
@@ -232,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in args.n:
                 load = os.getloadavg()[0]
                 row = run_one(mode, n, dvm_files, args.seconds, args.rate, args.settle)
+                row["rate_per_replica"] = args.rate
                 row["load_before"] = load
                 row["load_after"] = os.getloadavg()[0]
                 rows.append(row)
