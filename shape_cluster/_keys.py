@@ -35,6 +35,8 @@ import math
 
 import torch
 
+from dynvm.vm.torch_literals import literal_name
+
 # Scalar types whose literals a key can hold, with the name the key gives each type.
 _SCALAR_TYPES: dict[type, str] = {
     type(None): "None",
@@ -58,18 +60,16 @@ def scalar_text(kind: type, value: object) -> str | None:
         if math.isnan(value):  # type: ignore[arg-type]
             return None
         literal = repr(value + 0.0)  # type: ignore[operator]
-    elif kind in (torch.dtype, torch.layout, torch.memory_format):
-        literal = str(value).removeprefix("torch.")
-    elif kind is torch.device:
-        literal = str(value)
+    elif kind in (torch.dtype, torch.layout, torch.memory_format, torch.device):
+        literal = literal_name(value)
     else:
         literal = repr(value)
     return f"s:{name}:{literal}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.float32` -> `float32`: the dtype as family keys spell it."""
-    return str(dtype).removeprefix("torch.")
+    """`torch.float32` -> `float32`: the dtype as family keys (and files) spell it."""
+    return literal_name(dtype)
 
 
 def tensor_text(dtype: torch.dtype, device: torch.device, layout: str,
