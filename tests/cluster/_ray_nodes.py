@@ -82,8 +82,15 @@ class RayNodes:
             f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
             f"--system-config={json.dumps(system_config or {})}"])
 
-    def add_worker(self, name: str, num_cpus: int) -> RayNode:
-        """A worker node with `num_cpus` CPUs and one custom resource `name` (amount 1)."""
+    def add_worker(self, name: str, num_cpus: int, attempts: int = 3) -> RayNode:
+        """A worker node with `num_cpus` CPUs and one custom resource `name` (amount 1).
+
+        `ray start` gives its raylet a fixed 30 s to register with the head, which a
+        loaded 2-core machine can exceed: a failed start is cleaned up (its raylet may
+        still be starting) and tried again."""
+        for _ in range(attempts - 1):
+            with contextlib.suppress(RuntimeError):
+                return self._start(name, num_cpus, [f"--address={self.address}"])
         return self._start(name, num_cpus, [f"--address={self.address}"])
 
     def _start(self, name: str, num_cpus: int, role_args: list[str]) -> RayNode:
@@ -95,6 +102,7 @@ class RayNodes:
         done = subprocess.run(command, capture_output=True, text=True, timeout=START_TIMEOUT_S,
                               env={**os.environ, **self.environment})
         if done.returncode != 0:
+            _kill(node.processes())
             raise RuntimeError(f"`ray start` of node {name} failed ({done.returncode}): "
                                f"{(done.stdout + done.stderr)[-3000:]}")
         self.nodes[name] = node
