@@ -108,8 +108,10 @@ DEFAULT_REFRESH_INTERVAL_S = 60.0
 #   those that no replica has fetched for days included, never expire; once no replica
 #   of a program runs, its index is no longer read, and TTL seconds later the program is
 #   gone, index and artifacts together. The marking is rate-limited per store instance
-#   and program (at most every refresh interval, and at least four times per TTL), so it
-#   costs one or two round trips per program per interval, not one per read.
+#   and program (at most every refresh interval, and at least four times per TTL): one
+#   round trip per program per interval, not one per read. Renewing every entry's TTL is
+#   done once per half TTL for the whole fleet, by the reader that sets the program's
+#   renewal marker first (Redis: SET NX with a half-TTL expiry), not by every replica.
 # * A presence check (`contains`) is not a use: the compile service checks that the
 #   indexes of the programs it knows are still there (to republish a lost one), and must
 #   not keep a retired program alive by looking at it. It does republish a known

@@ -6,7 +6,9 @@ number of keys (after the sizes, Note [Entry size cap]); `put` is one transactio
 (with EX when a TTL is configured) and the program's use record. Expiry and the size
 bound per program follow Note [Artifact lifetime] (dynvm.cluster.store_base): a program's
 use record is the sorted set `<namespace>{<tag>}:used` (member: key, score: last use in
-Unix seconds), which shares its entries' hash tag and so their Redis Cluster slot.
+Unix seconds), and `<namespace>{<tag>}:renewed` (SET NX, lives half a TTL) elects the
+one reader that renews the program's TTLs; both share the entries' hash tag and so
+their Redis Cluster slot.
 
 Credentials never reach a message: redis-py's errors can quote the connection URL, so
 every error text is scrubbed of the password (raw and URL-decoded) and of any URL
@@ -309,8 +311,9 @@ class RedisStore:
     def _mark_used(self, found: Sequence[str]) -> None:
         """Mark the programs of the entries just read as in use (Note [Artifact lifetime]):
         the entries read get a new use time, and with a TTL every entry of those programs
-        a fresh one. Best effort: the values are already read, so a failure is counted and
-        logged, not raised."""
+        a fresh one, renewed by one reader of the fleet per half TTL (whoever sets the
+        program's renewal marker). Best effort: the values are already read, so a failure
+        is counted and logged, not raised."""
         due = self._marks.due(found)
         if not due:
             return
@@ -319,12 +322,20 @@ class RedisStore:
             pipe = self._redis.pipeline(transaction=False)
             for tag, keys in due.items():
                 pipe.zadd(self._used_key(tag), dict.fromkeys(keys, now))
-                pipe.zrange(self._used_key(tag), 0, -1)
+                if ttl is not None:
+                    pipe.set(f"{namespace}{{{tag}}}:renewed", b"", nx=True, px=ttl * 500)
             answers = self._call("mark", pipe.execute)
             if ttl is None:
                 return
+            renew = [tag for tag, won in zip(due, answers[1::2], strict=True) if won]
+            if not renew:
+                return
             pipe = self._redis.pipeline(transaction=False)
-            for tag, members in zip(due, answers[1::2], strict=True):
+            for tag in renew:
+                pipe.zrange(self._used_key(tag), 0, -1)
+            listed = self._call("mark", pipe.execute)
+            pipe = self._redis.pipeline(transaction=False)
+            for tag, members in zip(renew, listed, strict=True):
                 for member in members:
                     pipe.expire(namespace + member.decode(), ttl)
                 pipe.expire(self._used_key(tag), ttl)

@@ -153,3 +153,26 @@ def test_local_sweep_removes_expired_programs(tmp_path):
     wait_until(lambda: store.sweep() == 1, 10, "the entry expired and was swept")
     assert not (tmp_path / "kernels" / artifact(OLD, 0)).exists()
     assert store.stats.snapshot()["expired"] == 1
+
+
+def test_one_reader_of_the_fleet_renews_a_programs_ttls(redis_server):
+    """Every replica marks its program in use; the renewal of every entry's TTL is done
+    once per half TTL, by whichever marks first, not by each replica."""
+    keys = [artifact(OLD, n) for n in range(5)]
+    replicas = [RedisStore(redis_config(redis_server, ttl_seconds=60,
+                                        refresh_interval_s=0.001)) for _ in range(4)]
+    try:
+        for key in keys:
+            replicas[0].put(key, b"v")
+
+        def expires() -> int:
+            with redis_server.client() as client:
+                return client.info("commandstats").get("cmdstat_expire", {}).get("calls", 0)
+
+        before = expires()
+        for replica in replicas:
+            assert replica.get(keys[:1]) == {keys[0]: b"v"}
+        assert expires() - before == len(keys) + 1  # the entries and the use record, once
+    finally:
+        for replica in replicas:
+            replica.close()
