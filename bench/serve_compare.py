@@ -1,7 +1,7 @@
 """dynvm's serving path vs a plain Ray Serve deployment of the same model, side by side.
 
     python bench/serve_compare.py [--seconds 8] [--repeats 2] [--models recommender,transformer]
-                                  [--clients 1,8] [--encodings json,binary] [--json out.json]
+                                  [--clients 1,8] [--encodings json,binary,grpc] [--json out.json]
 
 One local Ray + Serve (dynvm's proxy guard on, as `dynvm serve` runs it), two
 applications at once, one replica each (1 CPU each):
@@ -19,6 +19,10 @@ connections, for `--seconds` per run; runs of the two systems alternate (dynvm, 
 dynvm, plain, ...) so that both see the same host load. Each system is warmed up
 (JIT compiles included) before the timed runs. Prints req/s and p50/p99 per run and the
 median over repeats.
+
+"grpc" runs the same tensors through Serve's gRPC ingress (the v2 gRPC protocol,
+dynvm.cluster.grpc_v2, bench/_grpc_load.py) to dynvm only: the plain deployment speaks
+HTTP alone.
 """
 
 from __future__ import annotations
@@ -67,11 +71,15 @@ def _datatype(t: torch.Tensor) -> str:
     return {torch.float32: "FP32", torch.int64: "INT64"}[t.dtype]
 
 
+def _tensor_sets(demo, name: str, count: int = 32) -> list[list[torch.Tensor]]:
+    """The inputs of every body, whatever its encoding: random batch 1..4."""
+    return [_inputs(demo, name, 1 + k % 4, seed=k) for k in range(count)]
+
+
 def _bodies(demo, name: str, names: list[str], binary: bool, count: int = 32):
     """(body bytes, headers) pairs: v2 JSON, or the binary-tensor extension."""
     out = []
-    for k in range(count):
-        tensors = _inputs(demo, name, 1 + k % 4, seed=k)
+    for tensors in _tensor_sets(demo, name, count):
         if not binary:
             doc = {"inputs": [{"name": n, "shape": list(t.shape), "datatype": _datatype(t),
                                "data": t.flatten().tolist()} for n, t in zip(names, tensors)]}
@@ -190,8 +198,9 @@ def _closed_loop(port: int, path: str, bodies, clients: int, seconds: float) -> 
             "failures": sum(failures)}
 
 
-def _check_same_answer(port: int, paths: dict, body) -> None:
-    """Both systems answer the same body with the same numbers (within float noise)."""
+def _check_same_answer(port: int, paths: dict, body) -> np.ndarray:
+    """Both systems answer the same body with the same numbers (within float noise);
+    returns dynvm's answer."""
     got = {}
     for system, path in paths.items():
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
@@ -204,6 +213,7 @@ def _check_same_answer(port: int, paths: dict, body) -> None:
         got[system] = np.asarray(json.loads(raw)["outputs"][0]["data"], dtype=np.float32)
     if not np.allclose(got["dynvm"], got["plain"], atol=1e-4, rtol=1e-4):
         raise SystemExit("dynvm and plain Serve disagree on the same request")
+    return got["dynvm"]
 
 
 def main(argv=None) -> int:
@@ -214,7 +224,7 @@ def main(argv=None) -> int:
                         help="seconds of 8-client load per system before timing")
     parser.add_argument("--models", default="recommender,transformer")
     parser.add_argument("--clients", default="1,8")
-    parser.add_argument("--encodings", default="json,binary")
+    parser.add_argument("--encodings", default="json,binary,grpc")
     parser.add_argument("--force-promote", action="store_true",
                         help="JIT promotes every recurring shape (default: its policy)")
     parser.add_argument("--json", help="write the runs here")
@@ -225,20 +235,24 @@ def main(argv=None) -> int:
     from ray.serve.api import RunTarget
 
     import dynvm
+    from bench import _grpc_load
     from dynvm.cluster import serve_models
+    from dynvm.cluster.grpc_v2 import grpc_options
+    from dynvm.cluster.http_front import model_app_name
     from dynvm.cluster.proxy_guard import ProxyLimits
     from dynvm.jit.config import JitConfig
     from tests.cluster._redis_server import free_port
 
     limits = ProxyLimits()
     os.environ.update({"RAY_USAGE_STATS_ENABLED": "0", **limits.environment()})
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              configure_logging=False, namespace="serve-compare")
     runs = []
     try:
-        serve.start(http_options=limits.http_options("127.0.0.1", port))
+        serve.start(http_options=limits.http_options("127.0.0.1", port),
+                    grpc_options=grpc_options(grpc_port))
         tmp = tempfile.mkdtemp(prefix="serve-compare-")
         demos, paths = {}, {}
         for name in args.models.split(","):
@@ -270,15 +284,32 @@ def main(argv=None) -> int:
             demo, names = demos[name]
             routes = {"dynvm": f"/v2/models/{name}/infer",
                       "plain": f"{PLAIN_PREFIX}/v2/models/{name}/infer"}
-            _check_same_answer(port, routes, _bodies(demo, name, names, False, 1)[0])
+            answer = _check_same_answer(port, routes, _bodies(demo, name, names, False, 1)[0])
             for encoding in args.encodings.split(","):
-                bodies = _bodies(demo, name, names, encoding == "binary")
-                for path in routes.values():  # warm-up (JIT compiles) untimed
-                    _closed_loop(port, path, bodies, 8, args.warmup)
+                if encoding == "grpc":  # dynvm only (the plain deployment has no gRPC)
+                    requests = _grpc_load.grpc_requests(_tensor_sets(demo, name), names)
+                    got = _grpc_load.answer(f"127.0.0.1:{grpc_port}", name,
+                                            model_app_name(name), requests[0])
+                    if not np.allclose(got.flatten(), answer, atol=1e-4, rtol=1e-4):
+                        raise SystemExit("dynvm answers gRPC and HTTP differently")
+
+                    def run(system, clients, seconds, requests=requests, name=name):
+                        return _grpc_load.closed_loop(
+                            f"127.0.0.1:{grpc_port}", name, model_app_name(name),
+                            requests, clients, seconds)
+                    systems = ("dynvm",)
+                else:
+                    bodies = _bodies(demo, name, names, encoding == "binary")
+
+                    def run(system, clients, seconds, bodies=bodies, routes=routes):
+                        return _closed_loop(port, routes[system], bodies, clients, seconds)
+                    systems = tuple(routes)
+                for system in systems:  # warm-up (JIT compiles) untimed
+                    run(system, 8, args.warmup)
                 for clients in (int(c) for c in args.clients.split(",")):
                     for repeat in range(args.repeats):
-                        for system, path in routes.items():
-                            result = _closed_loop(port, path, bodies, clients, args.seconds)
+                        for system in systems:
+                            result = run(system, clients, args.seconds)
                             row = {"model": name, "encoding": encoding, "clients": clients,
                                    "system": system, "repeat": repeat,
                                    "load": round(os.getloadavg()[0], 1), **result}
@@ -297,6 +328,8 @@ def main(argv=None) -> int:
         for system in ("dynvm", "plain"):
             rows = [r for r in runs if (r["model"], r["encoding"], r["clients"]) == key
                     and r["system"] == system]
+            if not rows:  # gRPC: dynvm only
+                continue
             rps = statistics.median(r["rps"] for r in rows)
             p50 = statistics.median(r["p50_ms"] or float("nan") for r in rows)
             line.append(f"{system} {rps:.1f} req/s p50 {p50:.1f} ms")
