@@ -35,7 +35,6 @@ import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
@@ -156,46 +155,24 @@ def _plain_deployment():
 
 
 def _closed_loop(port: int, path: str, bodies, clients: int, seconds: float) -> dict:
-    latencies: list[list[float]] = [[] for _ in range(clients)]
-    failures = [0] * clients
-    start_gate = threading.Barrier(clients + 1)
+    """bench._closed_loop over keep-alive HTTP connections (a broken one is replaced)."""
+    from bench._closed_loop import closed_loop
 
-    def worker(c: int) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        rng = random.Random(c)
-        start_gate.wait()
-        stop = time.perf_counter() + seconds
-        while time.perf_counter() < stop:
-            body, headers = bodies[rng.randrange(len(bodies))]
-            sent = time.perf_counter()
-            try:
-                conn.request("POST", path, body=body, headers=headers)
-                response = conn.getresponse()
-                response.read()
-                ok = response.status == 200
-            except (OSError, http.client.HTTPException):
-                conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-                ok = False
-            if ok:
-                latencies[c].append(time.perf_counter() - sent)
-            else:
-                failures[c] += 1
-        conn.close()
+    def connect() -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", port, timeout=60)
 
-    threads = [threading.Thread(target=worker, args=(c,)) for c in range(clients)]
-    for t in threads:
-        t.start()
-    start_gate.wait()
-    for t in threads:
-        t.join()
-    flat = sorted(x for xs in latencies for x in xs)
-    if not flat:
-        return {"rps": 0.0, "p50_ms": None, "p99_ms": None, "failures": sum(failures)}
-    return {"rps": round(len(flat) / seconds, 1),
-            "p50_ms": round(1000 * flat[len(flat) // 2], 2),
-            "p99_ms": round(1000 * flat[min(len(flat) - 1, int(0.99 * len(flat)))], 2),
-            "failures": sum(failures)}
+    def send(conn, body) -> tuple:
+        payload, headers = body
+        try:
+            conn.request("POST", path, body=payload, headers=headers)
+            response = conn.getresponse()
+            response.read()
+            return conn, response.status == 200
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            return connect(), False
+
+    return closed_loop(connect, send, bodies, clients, seconds)
 
 
 def _check_same_answer(port: int, paths: dict, body) -> np.ndarray:
