@@ -95,9 +95,14 @@ class RayNodes:
 
     def _start(self, name: str, num_cpus: int, role_args: list[str]) -> RayNode:
         node = RayNode(name, free_port(), self.temp_dir)
+        # Every port is chosen free: Ray's defaults (agents on 52365, ...) would be
+        # shared by the nodes here and by other tests' clusters on this machine.
+        ports = [f"--{option}-port={free_port()}" for option in (
+            "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc",
+            "runtime-env-agent", "metrics-export")]
         command = ["ray", "start", *role_args, "--node-ip-address=127.0.0.1",
                    f"--num-cpus={num_cpus}", f"--resources={json.dumps({name: 1})}",
-                   f"--node-manager-port={node.node_manager_port}",
+                   f"--node-manager-port={node.node_manager_port}", *ports,
                    f"--temp-dir={self.temp_dir}", "--disable-usage-stats"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=START_TIMEOUT_S,
                               env={**os.environ, **self.environment})
