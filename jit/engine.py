@@ -56,6 +56,7 @@ from dynvm.jit.region_jit import RegionJit, Specialization
 from dynvm.jit.signature import GuardStrength, describe
 from dynvm.jit.specialize import InputRejected, SpecializationError, specialize
 from dynvm.shape_cluster import Family
+from dynvm.shape_cluster.signature import is_tensor_entry
 from dynvm.vm.isa import OpClass
 
 _NEVER = 1 << 62   # `reattach_at` with no region detached
@@ -80,7 +81,7 @@ def abstract_live_ins(live_in: tuple[int, ...], signature: tuple) -> dict[int, o
     """Meta tensors (and scalar values) standing for a signature's live-ins."""
     values = {}
     for index, entry in zip(live_in, signature):
-        if len(entry) == 5:
+        if is_tensor_entry(entry):
             shape, dtype, strides, offset, _device = entry
             values[index] = torch.empty_strided(shape.dims, strides, dtype=dtype,
                                                 device="meta")

@@ -48,6 +48,7 @@ from collections.abc import Callable
 
 import torch
 
+from dynvm.shape_cluster.signature import TENSOR_FIELDS, is_tensor_entry
 from dynvm.vm.shapes import intern_shape
 
 _Tensor = torch.Tensor
@@ -65,6 +66,8 @@ def strong_signer(live_in: tuple[int, ...]) -> Callable[[list], tuple]:
     """A function building the strong signature of `live_in` from a register file."""
 
     def sign(regs: list) -> tuple:
+        # The entries of Note [Signature format] (dynvm.shape_cluster.signature), built
+        # inline: this runs once per new layout of every region.
         key = []
         for index in live_in:
             value = regs[index]
@@ -121,7 +124,7 @@ def weak_of(signature: tuple) -> tuple:
     """The weak signature implied by a strong one."""
     weak = []
     for entry in signature:
-        if len(entry) == 5:
+        if is_tensor_entry(entry):
             shape, dtype, _strides, _offset, device = entry
             weak.append((shape.rank, shape.numel, dtype, device))
         else:
@@ -129,7 +132,7 @@ def weak_of(signature: tuple) -> tuple:
     return tuple(weak)
 
 
-_STRONG_FIELDS = ("shape", "dtype", "strides", "storage offset", "device")
+_STRONG_FIELDS = TENSOR_FIELDS
 _WEAK_FIELDS = ("rank", "element count", "dtype", "device")
 
 
@@ -158,7 +161,7 @@ def describe(signature: tuple) -> str:
     """Human-readable form: '(4, 32, 256) float32 contiguous; 7'."""
     parts = []
     for entry in signature:
-        if len(entry) == 5:
+        if is_tensor_entry(entry):
             shape, dtype, strides, offset, device = entry
             layout = "contiguous" if _is_contiguous(shape.dims, strides) else f"strides {strides}"
             if offset:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from dynvm.shape_cluster._keys import scalar_text, tensor_text
 from dynvm.shape_cluster.buckets import bucket_of, check_ratio
-from dynvm.vm.shapes import Shape
+from dynvm.shape_cluster.signature import entry_dims, is_tensor_entry
 
 CONTIGUOUS = "contiguous"
 STRIDED = "strided"
@@ -57,10 +57,6 @@ def layout_class(shape_dims: Sequence[int], strides: Sequence[int], offset: int)
     return CONTIGUOUS
 
 
-def _is_tensor(entry: tuple) -> bool:
-    return isinstance(entry[0], Shape)
-
-
 def structure_key(signature: Signature) -> tuple:
     """What the signatures of one family share; see Note [Code families].
 
@@ -69,7 +65,7 @@ def structure_key(signature: Signature) -> tuple:
     """
     parts = []
     for entry in signature:
-        if _is_tensor(entry):
+        if is_tensor_entry(entry):
             shape, dtype, strides, offset, device = entry
             parts.append(("t", shape.rank, dtype, device,
                           layout_class(shape.dims, strides, offset)))
@@ -81,7 +77,7 @@ def structure_key(signature: Signature) -> tuple:
 
 def live_in_dims(signature: Signature) -> tuple[tuple[int, ...] | None, ...]:
     """Per live-in its dims, None for a scalar."""
-    return tuple(entry[0].dims if _is_tensor(entry) else None for entry in signature)
+    return tuple(entry_dims(entry) for entry in signature)
 
 
 def differing_dims(reference: tuple[tuple[int, ...] | None, ...],
@@ -150,7 +146,7 @@ class Family:
             return False
         for entry, dims in zip(signature, self.bounds):
             if dims is not None and not all(low <= n <= high
-                                            for n, (low, high) in zip(entry[0].dims, dims)):
+                                            for n, (low, high) in zip(entry_dims(entry), dims)):
                 return False
         return True
 
@@ -224,7 +220,7 @@ def family_bounds(signature: Signature, structure: tuple,
             return None
         else:
             bounds.append(tuple(bucket_of(n, ratio) if (position, axis) in varying else (n, n)
-                                for axis, n in enumerate(entry[0].dims)))
+                                for axis, n in enumerate(entry_dims(entry))))
     return tuple(bounds)
 
 
