@@ -56,6 +56,7 @@ import importlib
 import json
 import math
 import sys
+import time
 
 import grpc
 import msgspec
@@ -63,7 +64,6 @@ import msgspec
 import dynvm
 from dynvm.cluster import v2_protocol as v2
 from dynvm.cluster.batcher import Overloaded
-from dynvm.cluster.http_errors import server_fault
 from dynvm.cluster.http_front import MODEL_VERSION
 from dynvm.vm.errors import DynvmError
 
@@ -265,10 +265,11 @@ def model_metadata_response(doc: dict):
 
 
 def status_of(error: BaseException, model_name: str, is_client_fault
-              ) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status code and details for an error of a request to `model_name`;
-    `is_client_fault(error)` tells a model call's client faults from server faults (the
-    HTTP path's rule, Note [Client or server fault] in dynvm.cluster.replica)."""
+              ) -> tuple[grpc.StatusCode, str] | None:
+    """The gRPC status code and details for an error of a request to `model_name`, or
+    None for a server fault (INTERNAL, `internal_status`). `is_client_fault(error)`
+    tells a model call's client faults from server faults (the HTTP path's rule, Note
+    [Client or server fault] in dynvm.cluster.replica)."""
     if isinstance(error, v2.NotFound):
         return grpc.StatusCode.NOT_FOUND, error.message
     if isinstance(error, v2.PayloadTooLarge):
@@ -279,9 +280,12 @@ def status_of(error: BaseException, model_name: str, is_client_fault
         return grpc.StatusCode.INVALID_ARGUMENT, f"model {model_name!r}: {error}"
     if isinstance(error, Overloaded):
         return grpc.StatusCode.UNAVAILABLE, f"model {model_name!r} is busy: {error}"
-    # The HTTP path's fault handling (log line with traceback, error id, span): the
-    # details carry its message, id included.
-    fault = server_fault(f"model {model_name!r}", error)
+    return None
+
+
+def internal_status(fault) -> tuple[grpc.StatusCode, str]:
+    """INTERNAL with the message of the HTTP path's 500 `fault` (its log line, error id
+    and span are made already), the error id included."""
     return grpc.StatusCode.INTERNAL, json.loads(fault.body)["error"]
 
 
@@ -292,8 +296,10 @@ class GrpcInferenceMixin:
     """The RPCs of GRPCInferenceService, for a Serve deployment that is also a v2 model
     replica. What it uses of the class it is mixed into: `model_name`, `program`
     (its `inputs`), `output_names`, `max_body_bytes`, `limits` (ServingLimits),
-    `_off_loop(fn, ...)` (the parse threads), and the replica's seam,
-    `infer_request(request, trace)`, `metadata()` and `is_ready()`."""
+    `request_stats` (in-flight count, counters, latencies: gRPC requests count as HTTP
+    ones do), `_off_loop(fn, ...)` (the parse threads), `_server_fault(error, trace)`
+    (the traced 500), and the replica's seam, `infer_request(request, trace)`,
+    `metadata()` and `is_ready()`."""
 
     async def ServerLive(self, request, grpc_context=None):  # noqa: N802 (RPC names)
         """Live: this replica answers."""
@@ -327,18 +333,38 @@ class GrpcInferenceMixin:
         return model_metadata_response(self.metadata())
 
     async def ModelInfer(self, request, grpc_context=None):  # noqa: N802
-        """One inference through the replica's batcher, as an HTTP infer request."""
-        pb = protos()
+        """One inference through the replica's batcher, as an HTTP infer request: the
+        same in-flight bound (UNAVAILABLE past it), counters and latency series."""
+        stats = self.request_stats
+        limit = self.limits.max_concurrent_requests
+        if stats.in_flight >= limit:
+            stats.counters["rejected_busy"] += 1
+            return self._grpc_error(grpc_context, Overloaded(
+                f"{stats.in_flight} requests in flight on this replica, the limit is "
+                f"{limit}"), protos().ModelInferResponse())
+        stats.in_flight += 1
+        stats.counters["requests"] += 1
+        start = time.perf_counter()
+        try:
+            return await self._grpc_infer(request, grpc_context)
+        finally:
+            stats.in_flight -= 1
+            stats.observe(time.perf_counter() - start)
+
+    async def _grpc_infer(self, request, grpc_context):
+        trace = _trace(grpc_context)
         try:
             self._grpc_check_model(request.model_name, request.model_version)
             if _request_bytes(request) <= INLINE_PARSE_BYTES:
                 parsed = self._grpc_parse(request)
             else:
                 parsed = await self._off_loop(self._grpc_parse, request)
-            outputs = await self.infer_request(parsed, _trace(grpc_context))
+            outputs = await self.infer_request(parsed, trace)
             return infer_response(self.model_name, outputs, parsed)
         except Exception as exc:  # every error becomes this request's status
-            return self._grpc_error(grpc_context, exc, pb.ModelInferResponse())
+            busy = isinstance(exc, Overloaded)
+            self.request_stats.counters["rejected_busy" if busy else "errors"] += 1
+            return self._grpc_error(grpc_context, exc, protos().ModelInferResponse(), trace)
 
     def _grpc_parse(self, request) -> v2.InferRequest:
         return parse_infer_request(request, self.program.inputs,
@@ -355,15 +381,17 @@ class GrpcInferenceMixin:
             raise v2.NotFound(f"model {self.model_name!r} has no version "
                               f"{v2.cut(repr(version))} (versions: {MODEL_VERSION})")
 
-    def _grpc_error(self, grpc_context, error: BaseException, empty):
+    def _grpc_error(self, grpc_context, error: BaseException, empty, trace=None):
         # The HTTP path's rule; imported here, as dynvm.cluster.replica imports this module.
         from dynvm.cluster.replica import is_client_fault
 
         if grpc_context is None:  # called directly, not through Serve: raise it
             raise error
-        code, details = status_of(error, self.model_name, is_client_fault)
-        grpc_context.set_code(code)
-        grpc_context.set_details(details)
+        status = status_of(error, self.model_name, is_client_fault)
+        if status is None:
+            status = internal_status(self._server_fault(error, trace))
+        grpc_context.set_code(status[0])
+        grpc_context.set_details(status[1])
         return empty
 
 

@@ -5,8 +5,10 @@ tritonclient.grpc.
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import urllib.request
 
 import grpc
 import numpy as np
@@ -16,6 +18,7 @@ import torch
 from dynvm.cluster import grpc_v2
 from dynvm.cluster import v2_protocol as v2
 from dynvm.cluster.batcher import Overloaded
+from dynvm.cluster.http_errors import server_fault
 from dynvm.cluster.replica import is_client_fault
 from dynvm.vm.errors import ExecutionError, ShapeError
 from dynvm.vm.program import DimSpec, InputSpec
@@ -214,7 +217,7 @@ def test_message_past_the_body_limit_is_resource_exhausted():
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "the limit is 100" in details
 
 
-def status(error: BaseException) -> tuple[grpc.StatusCode, str]:
+def status(error: BaseException) -> tuple[grpc.StatusCode, str] | None:
     return grpc_v2.status_of(error, "rec", is_client_fault)
 
 
@@ -225,7 +228,9 @@ def test_status_of_model_errors_overload_and_faults():
     assert code == grpc.StatusCode.UNAVAILABLE
     code, _ = status(v2.NotFound("no version '2'"))
     assert code == grpc.StatusCode.NOT_FOUND
-    code, details = status(RuntimeError("kernel exploded"))
+    assert status(RuntimeError("kernel exploded")) is None  # a server fault
+    code, details = grpc_v2.internal_status(server_fault("model 'rec'",
+                                                         RuntimeError("kernel exploded")))
     assert code == grpc.StatusCode.INTERNAL
     assert "error id " in details and "RuntimeError: kernel exploded" in details
 
@@ -236,7 +241,7 @@ def test_execution_errors_follow_the_http_rule():
         raise ExecutionError("index_select failed") from IndexError("index 99 is out of bounds")
     except ExecutionError as data_fault:
         assert status(data_fault)[0] == grpc.StatusCode.INVALID_ARGUMENT
-    assert status(ExecutionError("addmm failed"))[0] == grpc.StatusCode.INTERNAL
+    assert status(ExecutionError("addmm failed")) is None
 
 
 # ---------------------------------------------------------------------------- end to end
@@ -245,7 +250,8 @@ def test_execution_errors_follow_the_http_rule():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The recommender behind a real Serve gRPC ingress (and its HTTP proxy, as `dynvm
-    serve --grpc-port` runs it): (tritonclient gRPC client, demo, routing headers)."""
+    serve --grpc-port` runs it): (tritonclient gRPC client, demo, routing headers, HTTP
+    port)."""
     pytest.importorskip("ray.serve")
     from dynvm.cluster import ServingConfig, serve_models
     from dynvm.cluster.http_front import model_app_name
@@ -254,12 +260,12 @@ def served(tmp_path_factory):
 
     demo, _, path = saved_recommender(tmp_path_factory.mktemp("grpc"))
     grpc_port = free_port()
-    with local_serve("dynvm-test-grpc", grpc_options=grpc_v2.grpc_options(grpc_port)):
+    with local_serve("dynvm-test-grpc", grpc_options=grpc_v2.grpc_options(grpc_port)) as port:
         serve_models({"recommender": str(path)},
                      ServingConfig(device="cpu", jit=False, num_cpus=0.5))
         client = tritongrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
         try:
-            yield client, demo, {"application": model_app_name("recommender")}
+            yield client, demo, {"application": model_app_name("recommender")}, port
         finally:
             client.close()
 
@@ -276,7 +282,7 @@ def infer_inputs(tensors) -> list:
 
 @pytest.mark.slow
 def test_grpc_infer_matches_eager(served):
-    client, demo, headers = served
+    client, demo, headers, _ = served
     rng = random.Random(3)
     for _ in range(4):
         tensors = demo.sample_inputs(rng)
@@ -291,7 +297,7 @@ def test_grpc_infer_matches_eager(served):
 
 @pytest.mark.slow
 def test_grpc_health_and_metadata(served):
-    client, _, headers = served
+    client, _, headers, _ = served
     assert client.is_server_live(headers=headers)
     assert client.is_server_ready(headers=headers)
     assert client.is_model_ready("recommender", headers=headers)
@@ -307,7 +313,7 @@ def test_grpc_health_and_metadata(served):
 def test_grpc_errors_carry_their_status(served):
     from tritonclient.utils import InferenceServerException
 
-    client, demo, headers = served
+    client, demo, headers, _ = served
     tensors = list(demo.example_inputs)
     tensors[0] = torch.zeros(tensors[0].shape[0], 12)  # dense has 13 features
     with pytest.raises(InferenceServerException) as bad:
@@ -322,6 +328,25 @@ def test_grpc_errors_carry_their_status(served):
         client.infer("recommender", infer_inputs(demo.example_inputs))
     assert unrouted.value.status() == "StatusCode.NOT_FOUND"
     assert "Application metadata not set" in unrouted.value.message()
+
+
+@pytest.mark.slow
+def test_grpc_requests_count_in_the_replica_stats(served):
+    client, demo, headers, port = served
+
+    def counters() -> dict:
+        url = f"http://127.0.0.1:{port}/v2/models/recommender/stats"
+        with urllib.request.urlopen(url, timeout=60) as response:
+            return json.loads(response.read())
+
+    before = counters()
+    client.infer("recommender", infer_inputs(demo.example_inputs), headers=headers)
+    with pytest.raises(Exception, match="INVALID_ARGUMENT"):
+        client.infer("recommender", infer_inputs([torch.zeros(1, 12)]), headers=headers)
+    after = counters()
+    assert after["requests"] - before["requests"] == 2
+    assert after["errors"] - before["errors"] == 1
+    assert after["in_flight"] == 0
 
 
 def test_dynvm_serve_grpc_port_flag(tmp_path):
