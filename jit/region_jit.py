@@ -455,7 +455,10 @@ class RegionJit:
             self._sample(counters.promotions)
             return
         self.sample_every, self._idle_checks = 1, 0   # a cold period replaces sampling
-        self._cold_unlooked = since_hits * 2 < since_calls
+        # A specialization still on probation needs its hits for a verdict (and the
+        # JIT to settle): its region keeps looking up.
+        self._cold_unlooked = since_hits * 2 < since_calls and not any(
+            spec.probation is not None for spec in self._all())
         self._cold = self._cold_period
         self._cold_period = min(COLD_CALLS_MAX, 2 * self._cold_period)
         self.counters.cold_periods += 1

@@ -133,3 +133,21 @@ def test_a_watched_region_that_never_promotes_is_sampled():
     assert region_jit.sample_every == SAMPLE_MAX
     region_jit._sample(1)
     assert region_jit.sample_every == 1
+
+
+def test_a_cold_region_still_looks_up_a_specialization_on_probation():
+    """A cold period skips the lookups when hits were rare, except while an installed
+    specialization awaits its probation verdict (gnn's kernels were never decided, and
+    the JIT never settled, once their region went cold that way)."""
+    from dynvm.jit.region_jit import Specialization
+    from dynvm.jit.signature import GuardStrength
+
+    runtime, region_jit = _fed(1.5, COLD_CHECK_EVERY - 1)
+    spec = Specialization(signature=(("signature", 9),), strength=GuardStrength.STRONG,
+                          fn=lambda regs: None, artifact=None)
+    region_jit.install(spec)
+    assert spec.probation is not None
+    region_jit.leave((("signature", 0),), region_jit.profile.table[
+        (("signature", 0),)].mean_seconds)
+    assert region_jit.counters.cold_periods == 1 and region_jit._cold
+    assert not region_jit._cold_unlooked
