@@ -75,7 +75,7 @@ class Calibrator:
     """Measured choices for one device; see Note [Calibration]. Thread-safe."""
 
     def __init__(self, device: torch.device | str, rounds: int = 7,
-                 margin: float = 0.05, min_rounds: int = 3, decisive: float = 0.25,
+                 margin: float = 0.05, min_rounds: int = 3, decisive: float = 0.5,
                  budget_s: float = 0.05) -> None:
         self.device = torch.device(device)
         self.rounds = rounds

@@ -33,8 +33,9 @@ def test_the_default_stays_unless_another_beats_it_by_the_margin():
     def work():
         time.sleep(0.001)
 
-    # Two identical candidates: the default (first) must win whatever the noise.
-    calibrator = Calibrator("cpu", rounds=5, margin=0.5)
+    # Two identical candidates: the default (first) must win whatever the noise (all
+    # five rounds: three samples each can look decisive on a loaded host by chance).
+    calibrator = Calibrator("cpu", rounds=5, margin=0.5, min_rounds=5)
     assert calibrator.choose("OP", 0, {"a": work, "b": work}).name == "a"
 
 
@@ -56,37 +57,30 @@ def test_candidates_are_built_only_when_measured():
     assert len(built) == 1 and calibrator.measurements == 1
 
 
+def _sleepers(**seconds: float) -> tuple[dict, dict]:
+    """Candidates that sleep the given seconds, and the count of each one's runs."""
+    runs = dict.fromkeys(seconds, 0)
+
+    def candidate(name):
+        def run():
+            runs[name] += 1
+            time.sleep(seconds[name])
+        return run
+    return {name: candidate(name) for name in seconds}, runs
+
+
 def test_a_decisive_difference_stops_after_min_rounds():
-    runs = {"slow": 0, "fast": 0}
-
-    def slow():
-        runs["slow"] += 1
-        time.sleep(0.003)
-
-    def fast():
-        runs["fast"] += 1
-
     calibrator = Calibrator("cpu", rounds=9, min_rounds=3, budget_s=10.0)
-    assert calibrator.choose("OP", 0, {"slow": slow, "fast": fast}).name == "fast"
+    candidates, runs = _sleepers(slow=0.003, fast=0.0)
+    assert calibrator.choose("OP", 0, candidates).name == "fast"
     assert runs == {"slow": 1 + 3, "fast": 1 + 3}       # warm-up + min_rounds, not 9
-    # a tie never stops early: all rounds run
-    tie = {"a": 0, "b": 0}
-
-    def work(name):
-        tie[name] += 1
-        time.sleep(0.001)
-
-    calibrator.choose("TIE", 0, {"a": lambda: work("a"), "b": lambda: work("b")})
-    assert tie["a"] > 1 + 3 or tie["b"] > 1 + 3
+    # a tie never stops early: more rounds run
+    candidates, runs = _sleepers(a=0.001, b=0.001)
+    calibrator.choose("TIE", 0, candidates)
+    assert runs["a"] > 1 + 3 or runs["b"] > 1 + 3
 
 
 def test_a_costly_question_stops_after_min_rounds_past_its_budget():
-    runs = {"a": 0, "b": 0}
-
-    def work(name):
-        runs[name] += 1
-        time.sleep(0.004)
-
-    calibrator = Calibrator("cpu", rounds=9, min_rounds=3, budget_s=0.001)
-    calibrator.choose("OP", 0, {"a": lambda: work("a"), "b": lambda: work("b")})
+    candidates, runs = _sleepers(a=0.004, b=0.004)
+    Calibrator("cpu", rounds=9, min_rounds=3, budget_s=0.001).choose("OP", 0, candidates)
     assert runs == {"a": 1 + 3, "b": 1 + 3}
