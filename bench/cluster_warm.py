@@ -6,7 +6,9 @@
    fleet must see the shape, the compile service compile and announce it) vs warm (a
    replica deployed after that installs everything before it reports ready).
 2. Requests/s of 1 vs 2 replicas under a closed loop: `--clients` threads, each sending
-   its next request as soon as the previous one is answered, for `--seconds`.
+   its next request as soon as the previous one is answered, for `--seconds`; and the
+   replicas' own CPU per request (from /proc), which the shared host's load disturbs
+   far less than latency.
 
 The model is the recommender demo (batch 1..64), requests JSON over HTTP. Everything
 runs on this machine: Ray's proxy, the replicas, Redis and the client threads share
@@ -74,7 +76,29 @@ def _first_specialized(base: str, body: dict, limit: int = 400) -> dict:
     return {"seconds": None, "requests": limit}
 
 
+def _replica_cpu_seconds() -> float:
+    """User + system CPU seconds of every replica process of MODEL on this machine (Ray
+    titles them ray::ServeReplica:<app>:...), from /proc: what the replicas spent,
+    whatever else the shared host runs."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if f"ServeReplica:dynvm-model-{MODEL}".encode() not in f.read():
+                    continue
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick   # utime, stime
+    return total
+
+
 def _closed_loop(base: str, bodies: list[dict], clients: int, seconds: float) -> dict:
+    cpu_before = _replica_cpu_seconds()
     done, errors = [0] * clients, [0] * clients
     latencies: list[list[float]] = [[] for _ in range(clients)]
     stop = time.perf_counter() + seconds
@@ -103,8 +127,10 @@ def _closed_loop(base: str, bodies: list[dict], clients: int, seconds: float) ->
     ordered = sorted(x for lat in latencies for x in lat)
     p = (lambda q: round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
          if ordered else None)
+    cpu = _replica_cpu_seconds() - cpu_before
     return {"requests_per_s": round(sum(done) / elapsed, 1), "requests": sum(done),
-            "errors": sum(errors), "p50_ms": p(0.5), "p99_ms": p(0.99)}
+            "errors": sum(errors), "p50_ms": p(0.5), "p99_ms": p(0.99),
+            "replica_cpu_ms_per_request": round(1000 * cpu / max(sum(done), 1), 3)}
 
 
 def main(argv=None) -> int:
@@ -201,12 +227,14 @@ def _print(r: dict) -> None:
         print(f"{key:<12} {s(row['deploy_s']):>9} {s(row['seconds']):>21} "
               f"{row['requests']:>9} {row.get('replica_compiles', '-'):>17} "
               f"{row.get('warm_start_installs', '-'):>14}")
-    print(f"\n{'replicas':<12} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'errors':>7}   "
-          f"({r['clients']} clients, closed loop, {r['seconds']:.0f} s)")
+    print(f"\n{'replicas':<12} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'errors':>7} "
+          f"{'replica CPU ms/req':>19}   ({r['clients']} clients, closed loop, "
+          f"{r['seconds']:.0f} s)")
     for n in (1, 2):
         row = r[f"replicas_{n}"]
         print(f"{n:<12} {row['requests_per_s']:>9} {s(row['p50_ms']):>9} "
-              f"{s(row['p99_ms']):>9} {row['errors']:>7}")
+              f"{s(row['p99_ms']):>9} {row['errors']:>7} "
+              f"{s(row['replica_cpu_ms_per_request']):>19}")
     ratio = r["replicas_2"]["requests_per_s"] / max(r["replicas_1"]["requests_per_s"], 1e-9)
     print(f"\n2 replicas / 1: {ratio:.2f}x\n")
 

@@ -10,9 +10,11 @@ the runtime's regions.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+import time
 from collections import deque
 
 from ray import serve
@@ -73,6 +75,23 @@ class ReplicaStats:
         self._refresher = threading.Thread(target=self._refresh_loop, daemon=True,
                                            name="dynvm-metrics")
         self._refresher.start()
+
+    def full(self, limit: int) -> bool:
+        """Whether `limit` requests are in flight already (the caller answers busy)."""
+        return self.in_flight >= limit
+
+    @contextlib.contextmanager
+    def tracked(self):
+        """Around one inference request of any transport: counted in flight and in
+        `requests`, its latency observed when it ends."""
+        self.in_flight += 1
+        self.counters["requests"] += 1
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            self.observe(time.perf_counter() - start)
 
     def observe(self, seconds: float) -> None:
         """One finished request (on the event loop: two appends, nothing else)."""

@@ -65,7 +65,6 @@ bytecode, so the caller decides, as with Triton's dynamic batcher.
 # FastAPI, which must see `Request` itself, not the string "Request".
 import asyncio
 import functools
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -239,17 +238,12 @@ class ModelReplica(GrpcInferenceMixin):
         # Bounded concurrency: past the limit, a quick 503 the client may retry, instead
         # of one more body held in memory and one more request queued behind the others.
         stats = self.request_stats
-        if stats.in_flight >= self.limits.max_concurrent_requests:
+        if stats.full(self.limits.max_concurrent_requests):
             return self._busy_response(
                 f"{stats.in_flight} requests in flight on this replica, the limit is "
                 f"{self.limits.max_concurrent_requests}")
-        stats.in_flight += 1
-        start = time.perf_counter()
-        try:
+        with stats.tracked():
             return await self._infer_http_timed(request, version)
-        finally:
-            stats.in_flight -= 1
-            stats.observe(time.perf_counter() - start)
 
     def _busy_response(self, why: str) -> Response:
         """503 + Retry-After: the replica is full (`why`), the client may retry."""
@@ -279,7 +273,6 @@ class ModelReplica(GrpcInferenceMixin):
 
     async def _infer_http_timed(self, request: Request, version: str | None) -> Response:
         counters = self.request_stats.counters
-        counters["requests"] += 1
         trace = None
         try:
             encoding = request.headers.get("content-encoding", "identity").strip().lower()

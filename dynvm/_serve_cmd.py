@@ -19,6 +19,7 @@ import contextlib
 import secrets
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -191,12 +192,16 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
     ray.init(include_dashboard=False, log_to_driver=False)
     stack.callback(ray.shutdown)
     say(f"ray       local, {int(ray.cluster_resources().get('CPU', 0))} CPUs")
-    start_compile_service(store, name=SERVICE_NAME, namespace=NAMESPACE,
-                          gpu_targets=options.gpu_targets)
+    # The compile service's actor and Serve's controller and proxies start at once (each
+    # is a new worker process: seconds on a small host); replicas need both.
     stack.callback(stop_compile_service, SERVICE_NAME, NAMESPACE)
+    with ThreadPoolExecutor(1, thread_name_prefix="dynvm-serve-start") as pool:
+        service = pool.submit(start_compile_service, store, name=SERVICE_NAME,
+                              namespace=NAMESPACE, gpu_targets=options.gpu_targets)
+        stack.callback(serve.shutdown)
+        start_serve("127.0.0.1", options.port, proxy, grpc_port=options.grpc_port)
+        service.result()
     say("compile   service started")
-    start_serve("127.0.0.1", options.port, proxy, grpc_port=options.grpc_port)
-    stack.callback(serve.shutdown)
     serve_models({options.name: options.model_path}, options.serving,
                  fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE,
                                     gpu_targets=options.gpu_targets))

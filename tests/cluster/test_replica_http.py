@@ -241,6 +241,48 @@ def test_lone_requests_run_at_once_and_batches_are_reported(server):
     assert after["queued"] == 0
 
 
+def test_past_its_queue_bound_a_replica_answers_503_with_retry_after(server, tmp_path):
+    """BatchingOptions.max_queued bounds the requests waiting for the model: with one
+    running (a loop that runs to its 0.5 s budget) and one waiting, the next ones are
+    answered 503 + Retry-After at once instead of queued."""
+    from dynvm.cluster import ServingLimits, model_application
+    from tests.vm._programs import DATA_LOOP, DATA_LOOP_INPUTS, build
+
+    path = tmp_path / "spin.dvm"
+    dynvm.save(build(DATA_LOOP, regs=8, inputs=DATA_LOOP_INPUTS, outputs=2, name="spin"),
+               path)
+    config = ServingConfig(device="cpu", jit=False, num_cpus=0.25,
+                           batching=BatchingOptions(max_queued=1),
+                           limits=ServingLimits(call_seconds=0.5, retry_after_s=2))
+    serve.run(model_application("spin", path, config), name="dynvm-model-spin",
+              route_prefix="/v2/models/spin")
+    body = json.dumps({"inputs": [
+        {"name": "n", "datatype": "INT64", "shape": [], "data": [2**62]},
+        {"name": "x", "datatype": "FP32", "shape": [2], "data": [1.0, -1.0]}]}).encode()
+    replies: list = []
+
+    def runaway() -> None:
+        status, headers, raw = server.request("POST", "/v2/models/spin/infer", body)
+        replies.append((status, {k.lower(): v for k, v in headers.items()}, json.loads(raw)))
+
+    threads = [threading.Thread(target=runaway) for _ in range(5)]
+    try:
+        for thread in threads:
+            thread.start()
+            threading.Event().wait(0.05)
+        for thread in threads:
+            thread.join(30)
+        assert sorted(r[0] for r in replies) == [500, 500, 503, 503, 503], replies
+        for status, headers, doc in replies:
+            if status == 503:
+                assert headers["retry-after"] == "2"
+                assert "requests are waiting for the model" in doc["error"]
+        stats = server.get_json("/v2/models/spin/stats")[1]
+        assert stats["rejected_busy"] == 3 and stats["batching"]["rejected_overload"] == 3
+    finally:
+        serve.delete("dynvm-model-spin")
+
+
 # ------------------------------------------------------------------ bad input
 
 
