@@ -1,6 +1,14 @@
 """Interpreter vs eager PyTorch on the demo Transformer (seq 32), batch 1, 4, 16, 64.
 
     python bench/interp_overhead.py [--calls N] [--threads T]
+    python -m bench.interp_overhead --zoo phi,vit,... [--rounds R]
+
+With --zoo: per zoo model, two interpreter Runtimes (A and B) and the JIT, interleaved
+call by call on the model's shapes (the order rotating), after the JIT has settled as
+in `dynvm bench zoo` (Note [Zoo timing] in bench/zoo.py): the median of B / A per call is
+the A/A noise floor (the same code against itself, so any distance from 1.000 and its
+p10-p90 spread are what noise alone gives), beside the median of JIT / A. A JIT / A
+inside the A/A band is "no slower than the interpreter" at the margin measured.
 
 Both run in one process, interleaved call by call (eager, then dynvm, on the same input)
 so that machine noise hits both alike; the table shows the median of each and their
@@ -10,8 +18,10 @@ ratio. Eager runs under torch.inference_mode, as a serving stack would run it.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -29,13 +39,76 @@ def measure(fn, x, calls: int) -> list[float]:
     return samples
 
 
+def _quantiles(ratios: list[float]) -> tuple[float, float, float]:
+    cuts = statistics.quantiles(ratios, n=10)
+    return cuts[0], statistics.median(ratios), cuts[-1]
+
+
+def zoo_aa(models: list[str], rounds: int, warmup: int = 8) -> None:
+    """The A/A noise floor and JIT / interpreter per zoo model (module docstring)."""
+    from bench.zoo import _drain, _registry, _settle
+
+    zoo, harness = _registry()
+    entries = {e.name: e for e in zoo.entries()}
+    print(f"# A/A: {platform.node()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {warmup} warm-up + {rounds} timed rounds, "
+          f"load {os.getloadavg()[0]:.1f} at start")
+    print("| model | B / A (A/A) p10 / p50 / p90 | JIT / A p10 / p50 / p90 | JIT spec. share |")
+    print("|---|---|---|---:|")
+    for name in models:
+        entry = entries[name]
+        compiled = harness.compile_entry(entry)
+        points = [entry.export_point, *entry.held_out]
+        inputs = [compiled.built.make_inputs(p, 100 + i) for i, p in enumerate(points)]
+        a = dynvm.Runtime(compiled.program, jit=False)
+        b = dynvm.Runtime(compiled.program, jit=False)
+        jit = dynvm.Runtime(compiled.program, jit=dynvm.JitConfig())
+        systems = {"a": a, "b": b, "jit": jit}
+        for _ in range(warmup):
+            for x in inputs:
+                _drain(jit)
+                for runtime in systems.values():
+                    runtime(*x)
+        _settle(jit, inputs)
+        before = jit.stats()
+        ratios = {"b": [], "jit": []}
+        order = list(systems)
+        for round_ in range(rounds):
+            for index, x in enumerate(inputs):
+                _drain(jit)
+                shift = (round_ * len(inputs) + index) % len(order)
+                seconds = {}
+                for key in order[shift:] + order[:shift]:
+                    start = time.perf_counter()
+                    systems[key](*x)
+                    seconds[key] = time.perf_counter() - start
+                for key in ratios:
+                    ratios[key].append(seconds[key] / seconds["a"])
+        after = jit.stats()
+        hits = after["specialized_region_calls"] - before["specialized_region_calls"]
+        misses = after["interpreted_region_calls"] - before["interpreted_region_calls"]
+        share = f"{hits / (hits + misses):.0%}" if hits + misses else "n/a"
+        aa, vs = (" / ".join(f"{q:.3f}" for q in _quantiles(ratios[k])) for k in ("b", "jit"))
+        print(f"| {name} | {aa} | {vs} | {share} |", flush=True)
+        for runtime in systems.values():
+            runtime.close()
+    print(f"# load {os.getloadavg()[0]:.1f} at end")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200, help="timed calls per batch size")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--threads", type=int, default=1 if "--zoo" in sys.argv
+                        else torch.get_num_threads())
     parser.add_argument("--batches", default="1,4,16,64")
+    parser.add_argument("--zoo", help="comma-separated zoo models: the A/A noise floor "
+                        "and JIT / interpreter per model instead")
+    parser.add_argument("--rounds", type=int, default=30, help="--zoo: timed rounds")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.zoo:
+        zoo_aa([m.strip() for m in args.zoo.split(",") if m.strip()], args.rounds)
+        return
     demo = transformer()
     runtime = dynvm.Runtime(dynvm.compile(demo.module, demo.example_inputs,
                                           demo.dynamic_shapes, name="transformer"),

@@ -84,14 +84,14 @@ def _captured_entry(runtime, region_index: int, inputs) -> list:
     return captured[0]
 
 
-def _per_call(fn, regs: list, number: int = 200) -> float:
+def _per_call(fn, regs: list, number: int = 20) -> float:
     start = time.perf_counter()
     for _ in range(number):
         fn(regs.copy())
     return (time.perf_counter() - start) / number
 
 
-def entry_costs(rounds: int = 60) -> None:
+def entry_costs(rounds: int = 600) -> None:
     """Per-entry cost of the slot over the plain unit, on the loop body (batch 4)."""
     from dynvm.models import get
 
@@ -140,7 +140,7 @@ def entry_costs(rounds: int = 60) -> None:
             times[name].append(_per_call(fn, regs))
     base = median(times["plain unit"])
     print(f"# per region entry, loop body ({len(body.region)} instructions, batch 4), "
-          f"median of {rounds} rounds of 200 calls, interleaved")
+          f"median of {rounds} rounds of 20 calls, interleaved")
     print("| entry | us per entry | over the plain unit, us |")
     print("|---|---:|---:|")
     for name in cases:
