@@ -62,9 +62,14 @@ def measure(entry, harness, calls: int) -> dict[str, float]:
         after = runtime.stats()
     interpreted = after["interpreted_region_calls"] - stats["interpreted_region_calls"]
     totals = {"vendor": 0.0, "fusable": 0.0, "other": 0.0}
+    fusable: dict[str, float] = {}
     for event in prof.key_averages():
-        totals[group_of(event.key)] += event.self_cpu_time_total / 1e6 / calls
+        seconds = event.self_cpu_time_total / 1e6 / calls
+        totals[group_of(event.key)] += seconds
+        if group_of(event.key) == "fusable":
+            fusable[event.key] = seconds
     totals["interpreted_region_calls"] = interpreted
+    totals["top_fusable"] = sorted(fusable.items(), key=lambda kv: -kv[1])[:3]
     return totals
 
 
@@ -78,15 +83,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     zoo, harness = _registry()
-    print("| model | vendor ms | fusable ms | other ms | fusable share |")
-    print("|---|---:|---:|---:|---:|")
+    print("| model | vendor ms | fusable ms | other ms | fusable share | largest fusable ops |")
+    print("|---|---:|---:|---:|---:|---|")
     for name in args.models.split(","):
         t = measure(zoo.by_name(name), harness, args.calls)
         total = t["vendor"] + t["fusable"] + t["other"]
         note = f" ({t['interpreted_region_calls']} region calls interpreted)" \
             if t["interpreted_region_calls"] else ""
         print(f"| {name} | {1e3 * t['vendor']:.2f} | {1e3 * t['fusable']:.2f} | "
-              f"{1e3 * t['other']:.2f} | {t['fusable'] / total:.0%}{note} |", flush=True)
+              f"{1e3 * t['other']:.2f} | {t['fusable'] / total:.0%}{note} | "
+              + ", ".join(f"{op} {1e3 * s:.2f}" for op, s in t["top_fusable"]) + " |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,12 @@ Measured on this 2-core AVX-512 machine, one thread, NCHW input, conv + relu: 64
 through the device's Calibrator as GEMMs do, per (channels, kernel, stride, groups,
 input size class, threads), and the notes in the kernel header say what it chose.
 
+Where oneDNN measures no faster, the batch norm is still folded, into torch's
+convolution (`_torch_folded`): the fold removes a whole pass over the result and adds
+nothing, so it is not a measured choice. In the zoo's ResNet, batch norms after the
+convolutions kept on torch were most of the time left outside GEMMs and convolutions
+(bench/fusion_share.py).
+
 Channels-last is left out: oneDNN and torch were both 1.5-2.3x faster on a
 channels-last input, but that pays only when a whole chain of convolutions keeps the
 layout (a conversion at each op costs what it saves); that is a layout-propagation pass
@@ -116,8 +122,13 @@ def fuse_conv_epilogues(spec: SpecializedRegion, constants, device: torch.device
                          f"{str(exc)[:120]})")
             continue
         if verdict is None:
+            folded_note = ""
+            if chain.bn is not None:   # Note [CPU conv fusion]: the fold pays on torch too
+                replaced[position] = _torch_folded(ops, chain, weight, bias)
+                removed.add(chain.bn)
+                folded_note = ", batch norm folded into its weight"
             notes.append(f"{op.source_pc}: {label} stays on torch (oneDNN measured no "
-                         "faster here)")
+                         f"faster here){folded_note}")
             continue
         replaced[position] = fused
         removed.update(p for p in chain.positions() if p != position)
@@ -258,6 +269,15 @@ def _folded(ops, chain: _Chain, constants) -> tuple[torch.Tensor, torch.Tensor |
     if isinstance(beta, ConstRef):
         shift = shift + constants[beta.index]
     return (weight * scale.reshape(-1, 1, 1, 1)).contiguous(), shift.contiguous()
+
+
+def _torch_folded(ops, chain: _Chain, weight, bias) -> SpecOp:
+    """The chain's convolution on torch with the batch norm folded into `weight` and
+    `bias` (the fold's copies), defining the batch norm's result; what follows the
+    batch norm in the chain stays as it was."""
+    conv = ops[chain.conv]
+    args = (conv.args[0], Literal(weight), Literal(bias), *conv.args[3:])
+    return SpecOp(conv.opcode, ops[chain.bn].dsts[:1], args, conv.source_pc)
 
 
 def _geometry(conv: SpecOp) -> tuple[list, list, list, int]:

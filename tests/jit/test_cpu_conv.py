@@ -117,6 +117,16 @@ def test_measurement_can_refuse_a_conv_rewrite(block):
     assert "onednn_conv" not in kernel.source
     assert sum("stays on torch (oneDNN measured no faster here)" in n
                for n in kernel.notes) == 5
+    # the batch norms are folded into torch's convolutions all the same, and agree
+    assert sum("batch norm folded into its weight" in n for n in kernel.notes) == 2
+    code = "".join(line for line in kernel.source.splitlines()
+                   if not line.lstrip().startswith("#"))
+    assert "BATCH_NORM" not in code and code.count("CONVOLUTION") == 5
+    model = block[0]
+    for x in (torch.randn(2, 3, 12, 12), torch.randn(3, 3, 12, 24)[..., ::2]):
+        folded, region = _kernel(program, x, "measured", never)
+        with torch.no_grad():
+            torch.testing.assert_close(_run(folded, region, x), model(x), **TOL)
 
 
 class ConvThenFlatten(nn.Module):
