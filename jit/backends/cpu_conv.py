@@ -29,9 +29,7 @@ input size class, threads), and the notes in the kernel header say what it chose
 
 Where oneDNN measures no faster, the batch norm is still folded, into torch's
 convolution (`_torch_folded`): the fold removes a whole pass over the result and adds
-nothing, so it is not a measured choice. In the zoo's ResNet, batch norms after the
-convolutions kept on torch were most of the time left outside GEMMs and convolutions
-(bench/fusion_share.py).
+nothing, so it is not a measured choice.
 
 Channels-last is left out: oneDNN and torch were both 1.5-2.3x faster on a
 channels-last input, but that pays only when a whole chain of convolutions keeps the
