@@ -1,5 +1,6 @@
 """StoreConfig.from_env: the kernel store configured by environment variables (read by
-dynvm._env, checked there and here)."""
+dynvm._env, checked there and here); ServingConfig, the one serving config, and the
+package's lazy serving API."""
 
 from __future__ import annotations
 
@@ -82,3 +83,45 @@ def test_config_reads_no_environment_itself(tmp_path, monkeypatch):
     config = StoreConfig.from_env()
     assert config.secret == b"process-secret-0123" and config.local_dir == str(tmp_path)
     assert "import os" not in Path(cluster.config.__file__).read_text()
+
+
+def test_the_serving_api_loads_lazily():
+    # dynvm.cluster's serving names come from their modules on first use (PEP 562), so a
+    # process that only needs the store (the compile service, `dynvm precompile`) never
+    # imports Ray Serve or FastAPI through the package.
+    import subprocess
+    import sys
+
+    code = ("import sys, dynvm.cluster.config; "
+            "print('ray.serve' in sys.modules, 'fastapi' in sys.modules); "
+            "from dynvm.cluster import ServingConfig, serve_models; "
+            "print(callable(serve_models), ServingConfig.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    assert out[0] == "False False"
+    assert out[1] == "True dynvm.cluster.serving_config"
+    with pytest.raises(AttributeError, match="no attribute 'serve_everything'"):
+        cluster.serve_everything  # noqa: B018
+
+
+def test_serving_config_is_checked_and_read_from_mappings():
+    from dynvm.cluster import Autoscaling, BatchingOptions, ServingConfig, ServingLimits
+
+    made = ServingConfig.from_mapping({
+        "device": "cpu", "jit": {"online_compile": False}, "num_replicas": 2,
+        "batching": {"max_batch_size": 4, "preferred_sizes": [8, 2, 8]},
+        "limits": {"call_seconds": 5}, "autoscaling": {"max_replicas": 3}})
+    assert made.batching == BatchingOptions(max_batch_size=4, preferred_sizes=(2, 8))
+    assert made.limits == ServingLimits(call_seconds=5)
+    assert made.autoscaling == Autoscaling(max_replicas=3)
+    assert made.jit.online_compile is False and made.num_replicas == 2
+    assert made.replace(device="cuda").device == "cuda" and made.device == "cpu"
+    for bad, message in (({"batch_size": 4}, "unknown dynvm model app arg 'batch_size'"),
+                         ({"fleet": {}}, "unknown dynvm model app arg 'fleet'"),
+                         ({"limits": {"seconds": 1}}, "unknown limits key 'seconds'"),
+                         ({"jit": {"fast": True}}, "unknown jit key 'fast'"),
+                         ({"max_body_bytes": 0}, "max_body_bytes must be an integer")):
+        with pytest.raises(ValueError, match=message):
+            ServingConfig.from_mapping(bad)
+    with pytest.raises(TypeError, match="batching must be a BatchingOptions"):
+        ServingConfig(batching=False)
