@@ -77,8 +77,9 @@ up to `SAMPLE_MAX`); the others take the cold path (no signature when nothing is
 installed, no profile update otherwise). The policy still sees the traffic, scaled:
 every figure it uses is a share of the window or a mean time, which a uniform sample of
 the misses keeps; what grows is the delay before a shape that starts recurring is
-promoted (at most `SAMPLE_MAX` times as many region calls) and the back-off periods
-counted in profiled calls. A promotion resets it to every miss; a cold period replaces
+promoted (at most `SAMPLE_MAX` times as many region calls); back-off periods count
+region calls, so sampling does not stretch them. A promotion resets it to every miss; a
+cold period replaces
 it. stats()["regions"] shows it per region (`sample_every`).
 
 Note [Detached regions]
@@ -487,7 +488,12 @@ class RegionJit:
 
     def _backing_off(self, key) -> bool:
         failed = self.counters.failed.get(key)
-        return failed is not None and self.profile.calls < failed[0]
+        return failed is not None and self._region_calls() < failed[0]
+
+    def _region_calls(self) -> int:
+        # The back-off counts region calls, not profiled ones: sampled watching (Note
+        # [Sampled watching]) profiles a fraction of them.
+        return self.counters.interpreted + self.counters.specialized
 
     def _match_family(self, signature: tuple) -> Specialization | None:
         """Find a family kernel whose bounds hold `signature` (once per new signature:
@@ -611,7 +617,7 @@ class RegionJit:
             self.pending.discard(key)
             _, failures = self.counters.failed.get(key, (0, 0))
             backoff = self.engine.config.failed_compile_backoff_calls * (2 ** failures)
-            self.counters.failed[key] = (self.profile.calls + backoff, failures + 1)
+            self.counters.failed[key] = (self._region_calls() + backoff, failures + 1)
 
     def forget_pending(self, target) -> None:
         with self._lock:
