@@ -139,6 +139,10 @@ def summarize(mode, n, shards, window, seconds, results, service_stats, service_
         "announce_subscribers": redis_after["subscribers"],
         "publishes": publishes,
         "announcements_delivered": sum(h["announcements_received"] for h in results),
+        # CPU one replica spends per announcement it hears (read, decode, and for its
+        # program's: fetch + verify); in a fleet each replica spends it on its own core.
+        "replica_cpu_ms_per_announcement": 1e3 * sum(h["announcement_cpu_s"] for h in results)
+        / max(1, sum(h["announcements_received"] for h in results)),
         "service_compiles": compiles, "published": published, "indexed": indexed,
         "service_compile_ms_mean": 1e3 * compile_seconds / compiles if compiles else None,
         "keys_announced": keys,
@@ -147,6 +151,13 @@ def summarize(mode, n, shards, window, seconds, results, service_stats, service_
         "compiles_per_key": (compiles + counters["local_compiles"]) / published
         if published else None,
         "replica_local_compiles": counters["local_compiles"],
+        "installed": counters["installed"],
+        # The simulator's own delays: the longest one host took to read one announcement
+        # from all its subscriptions, and the mean wait of a read message for delivery.
+        "announcement_read_spread_s": max(h["announcement_read_spread_s"] for h in results),
+        "announcement_queued_s": max(h["announcement_queued_s"] for h in results),
+        "installed_by_poll": counters["installed_by_poll"],
+        "announcements_dropped": counters["announcements_dropped"],
         "install_rejected": counters["install_rejected"],
         "host_start_s": max(start_seconds),
         "simulator_cpu_fraction": sum(h["host_cpu_s"] for h in results) / window,
@@ -164,15 +175,16 @@ def table(rows: list[dict]) -> str:
             return "-"
         return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
-    lines = ["| mode | req/s/replica | N | reports/s | KB/s in | service CPU | CPU µs/replica/s | "
+    lines = ["| mode | req/s/replica | N | reports/s | records/s | KB/s in | service CPU | "
+             "CPU µs/replica/s | "
              "sight→99% (med / p90 s) | announce→99% (med s) | Redis cmd/replica/s | "
              "service RSS MB | Redis MB | compiles/key | local compiles |",
-             "|" + "---|" * 14]
+             "|" + "---|" * 15]
     for r in rows:
         s99, a99 = r["sighting_to_99"], r["announce_to_99"]
         lines.append(
             f"| {r['mode']} | {r.get('rate_per_replica', 5.0):g} | {r['replicas']} | "
-            f"{fmt(r['report_messages_per_s'], 0)} | "
+            f"{fmt(r['report_messages_per_s'], 0)} | {fmt(r['records_per_s'], 0)} | "
             f"{fmt(r['report_bytes_per_s'] / 1024, 0)} | {fmt(r['service_cpu_fraction'])} | "
             f"{fmt(r['service_cpu_us_per_replica_s'], 0)} | "
             f"{fmt(s99['median'])} / {fmt(s99['p90'])} ({s99['reached']}/{s99['of']}) | "
@@ -193,7 +205,7 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("report_messages_per_s", "reports / s into the service"),
+    panels = [("records_per_s", "observation records / s into the service"),
               ("service_cpu_fraction", "service CPU (cores)"),
               ("service_cpu_us_per_replica_s", "service CPU µs per replica-second"),
               ("sighting_to_99", "first sighting → 99% installed (median s)"),
@@ -208,7 +220,7 @@ def plot(rows: list[dict], path: str) -> None:
             if points:
                 axis.plot(*zip(*points), marker="o", label=label)
         axis.set_xscale("log")
-        if key == "service_cpu_us_per_replica_s":
+        if key in ("service_cpu_us_per_replica_s", "records_per_s"):
             axis.set_yscale("log")
         axis.set_title(title, fontsize=10)
         axis.set_xlabel("replicas")
