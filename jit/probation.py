@@ -23,9 +23,12 @@ measurement decides:
   and bookkeeping against ~20 us of work) that is what decides. It is also charged its
   share of the signatures of the region's misses since the install (misses per hit x
   one signature): a kernel that serves one bucket of a loop body whose other buckets
-  miss pays for their signing too, which the interpreter alone never does. A shadow
-  call costs
-  one extra interpreted run of the region, on that one call, only during probation.
+  miss pays for their signing too, which the interpreter alone never does. And it is
+  charged the region's mean cost per call of resolving new layouts (a strong signature,
+  interned shapes, the family lookup): on gnn and loop, shape storms, most calls are a
+  new layout, and a loop-front family kernel confirmed at <= 0.95 without that charge
+  left the program 7% slower than the interpreter. A shadow call costs one extra
+  interpreted run of the region, on that one call, only during probation.
 - The verdict. After `probation_samples` shadow calls, the median of the per-call ratios
   (specialized / interpreted) is the specialization's measured ratio (a median of
   paired ratios: a noisy neighbour that slows one call slows both of its halves, and

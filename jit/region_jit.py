@@ -78,9 +78,16 @@ installed, no profile update otherwise). The policy still sees the traffic, scal
 every figure it uses is a share of the window or a mean time, which a uniform sample of
 the misses keeps; what grows is the delay before a shape that starts recurring is
 promoted (at most `SAMPLE_MAX` times as many region calls); back-off periods count
-region calls, so sampling does not stretch them. A promotion resets it to every miss; a
-cold period replaces
-it. stats()["regions"] shows it per region (`sample_every`).
+region calls, so sampling does not stretch them.
+
+Each check also prices the watch: a profiled miss costs about `WATCH_SECONDS` over the
+plain unit (bench.profile_overhead --entry: +5.6 us on the loop body, a 10 us region, at
+load 12; a sampled miss +0.47 us), so a region is profiled on no more misses than keep
+that under `WATCH_SHARE` (2%) of its typical call (the mean of its keys' fastest calls):
+`dynvm bench loop`'s two small regions (10-20 us) are profiled on one miss in 16 after
+their first check, a transformer's regions (milliseconds) on every miss. A promotion
+resets the doubling to that floor; so does a cold period. stats()["regions"] shows it
+per region (`sample_every`).
 
 Note [Detached regions]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -125,6 +132,8 @@ COLD_SLACK = 2.0    # Note [Cold regions]: watched while the best key is within 
 STALL_CAP = 2.0     # ... with each key's mean time at most this x its fastest call
 SAMPLE_AFTER = 2    # Note [Sampled watching]: checks without a promotion before sampling
 SAMPLE_MAX = 16     # ... and the sparsest sampling: one profiled miss in this many
+WATCH_SECONDS = 5e-6   # a profiled miss over the plain unit (bench.profile_overhead --entry)
+WATCH_SHARE = 0.02     # the share of a region's time its watching may cost
 DETACH_CALLS = 64   # program calls a region first stays detached (Note [Detached regions])
 _MEMO_LIMIT = 4096
 _MANY = object()       # a family with more than one member signature so far
@@ -217,6 +226,7 @@ class RegionJit:
         # Note [Sampled watching]: one miss in `sample_every` is profiled; checks in a
         # row that found the region worth watching but nothing was promoted.
         self.sample_every = 1
+        self._sample_floor = 1   # from the watch's cost against the region's time
         self._idle_checks = 0
         self._promotions_seen = 0
         self._marks = (0, 0)          # (region calls, hits) at the last cold check
@@ -225,6 +235,7 @@ class RegionJit:
         # The interpreter's own steps of this region, for shadow calls (Note [Probation]).
         self._steps = tuple(engine.interpreter.region_steps(region.index))
         self._verdicts: deque[float] = deque(maxlen=8)   # recent measured ratios
+        self._resolve_seconds = 0.0   # spent resolving new layouts (Note [Probation])
 
     # -- RegionSlot --------------------------------------------------------------------
 
@@ -272,6 +283,7 @@ class RegionJit:
         """A new layout: its strong signature and the specialization serving it (Note
         [Layout keys]), memoized until the region's tables change."""
         generation = self._generation
+        start = self._clock_fn()
         signature = self._sign(regs)
         spec = self.strong.get(signature)
         if spec is None:
@@ -281,6 +293,7 @@ class RegionJit:
             if spec is None and self.weak:
                 spec = self.weak.get(self._weak_sign(regs))
         found = (signature, spec)
+        self._resolve_seconds += self._clock_fn() - start
         # Not memoized if the tables changed meanwhile (an install on the compile
         # thread): the answer may already be stale.
         if generation == self._generation:
@@ -304,9 +317,12 @@ class RegionJit:
             self.counters.interpreted += 1
             if self.sample_every > 1 and not self._cold:
                 self._cold = self.sample_every - 1   # Note [Sampled watching]
+                self._cold_unlooked = False          # installed ones are still looked up
             stats = self.profile.record(signature, seconds)
             self._since_cold_check += 1
-            if self._since_cold_check >= COLD_CHECK_EVERY:
+            # Every COLD_CHECK_EVERY region calls, profiled or sampled away (Note
+            # [Sampled watching]): a sampled region is not looked at 16x less often.
+            if self._since_cold_check * self.sample_every >= COLD_CHECK_EVERY:
                 self._since_cold_check = 0
                 self._check_cold()
             if signature in self.pending or signature in self.strong:
@@ -378,7 +394,10 @@ class RegionJit:
             # since the install (they buy nothing without this specialization's hits).
             calls = self.counters.interpreted + self.counters.specialized - spec.installed_at
             share = max(0, calls - spec.calls) / max(1, spec.calls)
-            ratio = probation.add(seconds + signing * (1.0 + share), interpreted)
+            # ... and its share of resolving new layouts (a shape storm: most calls).
+            resolving = self._resolve_seconds / max(1, self._region_calls())
+            ratio = probation.add(seconds + (signing + resolving) * (1.0 + share),
+                                  interpreted)
             if ratio is not None and spec.probation is probation:
                 self._decide(spec, ratio)
         if spec.family is not None:
@@ -448,6 +467,7 @@ class RegionJit:
              for profile in (self.profile, self.family_profile)
              for key, stats in profile.table.items() if stats.count > 1), default=0.0)
         counters = self.counters
+        self._price_watching()
         calls, hits = counters.interpreted + counters.specialized, counters.specialized
         since_calls, since_hits = calls - self._marks[0], hits - self._marks[1]
         self._marks = (calls, hits)
@@ -455,7 +475,8 @@ class RegionJit:
             self._cold_period = COLD_CHECK_EVERY
             self._sample(counters.promotions)
             return
-        self.sample_every, self._idle_checks = 1, 0   # a cold period replaces sampling
+        self._idle_checks = 0   # a cold period replaces the idle doubling
+        self.sample_every = self._sample_floor
         # A specialization still on probation needs its hits for a verdict (and the
         # JIT to settle): its region keeps looking up.
         self._cold_unlooked = since_hits * 2 < since_calls and not any(
@@ -473,12 +494,23 @@ class RegionJit:
         """Note [Sampled watching] (holding the lock): after `SAMPLE_AFTER` checks in a
         row with no promotion, profile half as many misses; a promotion resets it."""
         if promotions != self._promotions_seen:
-            self._promotions_seen, self._idle_checks, self.sample_every = promotions, 0, 1
+            self._promotions_seen, self._idle_checks = promotions, 0
+            self.sample_every = self._sample_floor
             return
         self._idle_checks += 1
         if self._idle_checks >= SAMPLE_AFTER:
             self.sample_every = min(SAMPLE_MAX, 2 * self.sample_every)
-            self._cold_unlooked = False   # installed specializations are still looked up
+
+    def _price_watching(self) -> None:
+        """Note [Sampled watching] (holding the lock): profile one miss in as many as
+        keeps the watch under `WATCH_SHARE` of the region's own time."""
+        table = self.profile.table.values()
+        typical = sum(s.min_seconds for s in table) / max(1, len(table))
+        floor = 1
+        while floor < SAMPLE_MAX and WATCH_SHARE * typical * floor < WATCH_SECONDS:
+            floor *= 2
+        self._sample_floor = floor
+        self.sample_every = max(self.sample_every, floor)
 
     def reattached(self) -> None:
         """The engine put this slot back (Note [Detached regions]): profile the next

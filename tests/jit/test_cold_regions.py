@@ -81,13 +81,14 @@ def test_a_region_whose_promotions_are_decided_elsewhere_never_goes_cold():
 
 
 
-def _fed(per_call_over_cost: float, calls: int):
+def _fed(per_call_over_cost: float, calls: int, horizon: int = 10):
     """A region fed `calls` interpreted calls directly (its `leave`), four signatures in
-    turn, each taking `per_call_over_cost` x (compile cost / horizon) seconds; K = the
-    window, so the policy never promotes and only the cold bound decides."""
+    turn, each taking `per_call_over_cost` x (compile cost / horizon) seconds (with the
+    default horizon, milliseconds: watching costs them nothing); K = the window, so the
+    policy never promotes and only the cold bound decides."""
     program = compiled("recommender")
     config = JitConfig(expected_speedup=1.0, families=False, min_recurrence=64,
-                       max_recurrence=64, window=64)
+                       max_recurrence=64, window=64, horizon_calls=horizon)
     runtime = dynvm.Runtime(program, "cpu", jit=config)
     region_jit = next(iter(runtime.jit.regions.values()))
     cost = runtime.jit.estimated_compile_seconds(len(region_jit.region))
@@ -151,3 +152,13 @@ def test_a_cold_region_still_looks_up_a_specialization_on_probation():
         (("signature", 0),)].mean_seconds)
     assert region_jit.counters.cold_periods == 1 and region_jit._cold
     assert not region_jit._cold_unlooked
+
+
+def test_a_region_of_microseconds_is_watched_on_a_sample_after_its_first_check():
+    """Note [Sampled watching]: each check prices the watch; a region whose calls take
+    ~20 ns here (a loop body takes ~10 us) is profiled on one miss in SAMPLE_MAX from its
+    first check on, one of milliseconds on every miss."""
+    _, tiny = _fed(3.0, COLD_CHECK_EVERY, horizon=10**6)
+    assert tiny.sample_every == SAMPLE_MAX and tiny.counters.cold_periods == 0
+    _, large = _fed(3.0, COLD_CHECK_EVERY)
+    assert large.sample_every == 1

@@ -160,3 +160,42 @@ def test_a_kernel_within_the_noise_floor_is_not_kept():
     probation = Probation(config.probation_shadow_every, config.probation_samples,
                           config.probation_margin)
     assert not probation.passes(0.97) and probation.passes(0.94)
+
+
+def test_a_shadow_call_charges_the_regions_layout_resolution():
+    """Note [Probation]: the specialized side carries the region's mean cost per call of
+    resolving new layouts; here a kernel that does nothing, with a resolution cost of
+    a second per call, is a clear loser (without the charge it measured ~0.01x)."""
+    import random
+    import types
+
+    from dynvm.jit.probation import EARLY_LOSS, EARLY_SAMPLES
+    from dynvm.jit.region_jit import Specialization
+    from dynvm.jit.signature import GuardStrength
+
+    program = compiled("recommender")
+    runtime = dynvm.Runtime(program, "cpu", jit=JitConfig(families=False,
+                                                          compile_seconds_base=1e9))
+    index, region_jit = next(iter(runtime.jit.regions.items()))
+    captured = []
+
+    class Capture:
+        def enter(self, regs):
+            captured.append(regs.copy())
+            return self
+
+        def leave(self, ticket, seconds):
+            pass
+
+    runtime.interpreter.install_slot(index, Capture())
+    runtime(*demo("recommender").sample_inputs(random.Random(0)))
+    regs = captured[0]
+    spec = Specialization(signature=region_jit._sign(regs), strength=GuardStrength.STRONG,
+                          fn=lambda regs: None,
+                          artifact=types.SimpleNamespace(kernel_name="k", key="k"))
+    region_jit.install(spec)
+    region_jit._resolve_seconds = 1.0 + region_jit._region_calls()
+    for _ in range(EARLY_SAMPLES + 1):
+        region_jit.enter(regs.copy())
+    assert spec.probation is None and spec.ratio >= EARLY_LOSS
+    assert runtime.stats()["probation"]["drops"] == 1
