@@ -199,3 +199,33 @@ def test_a_shadow_call_charges_the_regions_layout_resolution():
         region_jit.enter(regs.copy())
     assert spec.probation is None and spec.ratio >= EARLY_LOSS
     assert runtime.stats()["probation"]["drops"] == 1
+
+
+def test_the_next_family_waits_for_the_early_verdict_of_the_last():
+    """A family kernel compiling, or installed without EARLY_SAMPLES ratios yet, holds
+    the region's next family promotion (gnn compiled four losing family kernels before
+    the first verdict); exact promotions are not held."""
+    import types
+
+    from dynvm.jit.probation import EARLY_SAMPLES
+    from dynvm.jit.region_jit import Specialization
+    from dynvm.jit.signature import GuardStrength
+    from dynvm.shape_cluster import Family
+
+    runtime = dynvm.Runtime(compiled("recommender"), "cpu", jit=JitConfig())
+    region_jit = next(iter(runtime.jit.regions.values()))
+    assert not region_jit._family_bet_open()
+    region_jit.pending.add((("exact", 1),))
+    assert not region_jit._family_bet_open()
+    region_jit.pending.add("t:float32:cpu:contiguous[1..4]")
+    assert region_jit._family_bet_open()
+    region_jit.pending.clear()
+    family = Family((("t", 1, torch.float32, torch.device("cpu"), "contiguous"),),
+                    (((1, 4),),))
+    spec = Specialization(signature=(), strength=GuardStrength.FAMILY, fn=lambda regs: None,
+                          artifact=types.SimpleNamespace(kernel_name="k", key="k"),
+                          family=family)
+    region_jit.install(spec)
+    assert region_jit._family_bet_open()
+    spec.probation.ratios.extend([0.5] * EARLY_SAMPLES)
+    assert not region_jit._family_bet_open()
