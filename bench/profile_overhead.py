@@ -66,7 +66,7 @@ def main() -> None:
     print(f"\nstrong signature of one tensor live-in: {per_call * 1e6:.2f} us")
 
 
-def _captured_entry(runtime, region_index: int, inputs) -> list:
+def captured_entry(runtime, region_index: int, inputs) -> list:
     """The register file at one entry of `region_index` (a slot that copies it)."""
     captured = []
 
@@ -105,7 +105,7 @@ def entry_costs(rounds: int = 600) -> None:
     runtime(*inputs)
     body = max(jit.regions.values(), key=lambda r: r.counters.interpreted)
     index = body.region.index
-    regs = _captured_entry(runtime, index, inputs)
+    regs = captured_entry(runtime, index, inputs)
     steps = runtime.interpreter.region_steps(index)
 
     def plain(regs):

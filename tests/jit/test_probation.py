@@ -169,6 +169,7 @@ def test_a_shadow_call_charges_the_regions_layout_resolution():
     import random
     import types
 
+    from bench.profile_overhead import captured_entry
     from dynvm.jit.probation import EARLY_LOSS, EARLY_SAMPLES
     from dynvm.jit.region_jit import Specialization
     from dynvm.jit.signature import GuardStrength
@@ -177,19 +178,8 @@ def test_a_shadow_call_charges_the_regions_layout_resolution():
     runtime = dynvm.Runtime(program, "cpu", jit=JitConfig(families=False,
                                                           compile_seconds_base=1e9))
     index, region_jit = next(iter(runtime.jit.regions.items()))
-    captured = []
-
-    class Capture:
-        def enter(self, regs):
-            captured.append(regs.copy())
-            return self
-
-        def leave(self, ticket, seconds):
-            pass
-
-    runtime.interpreter.install_slot(index, Capture())
-    runtime(*demo("recommender").sample_inputs(random.Random(0)))
-    regs = captured[0]
+    regs = captured_entry(runtime, index, demo("recommender").sample_inputs(random.Random(0)))
+    runtime.interpreter.install_slot(index, region_jit)
     spec = Specialization(signature=region_jit._sign(regs), strength=GuardStrength.STRONG,
                           fn=lambda regs: None,
                           artifact=types.SimpleNamespace(kernel_name="k", key="k"))
