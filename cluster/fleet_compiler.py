@@ -26,6 +26,7 @@ watched region of a known program is counted and dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -85,6 +86,11 @@ class FleetCompiler:
         self._unpublished: list[tuple[_ProgramState, object]] = []
         self.republished = 0
         self.jit_config = jit_config or JitConfig()
+        # The service never runs a kernel, so no probation verdict (Note [Probation]) can
+        # come here, and a region waits for the last family kernel's verdict before it
+        # promotes the next: with probation on, one family per region fleet-wide. The
+        # replicas judge what they install; probation is not in the cache key.
+        self._service_jit_config = dataclasses.replace(self.jit_config, probation=False)
         self.telemetry = telemetry if telemetry is not None and telemetry.enabled else None
         self.cache = ArtifactCache(store.open_store(), store.secret,
                                    {"target": TARGET, "toolchain": toolchain_versions()})
@@ -123,7 +129,8 @@ class FleetCompiler:
             if program.content_hash != program_hash:
                 raise ValueError(f"program bytes hash to {program.content_hash[:12]}, "
                                  f"not {program_hash[:12]}")
-            jit = Jit(program, Interpreter(program, TARGET), self.jit_config, self.telemetry)
+            jit = Jit(program, Interpreter(program, TARGET), self._service_jit_config,
+                      self.telemetry)
             jit.attach()
             state = _ProgramState(program, jit)
             jit.add_compile_listener(lambda region_jit, spec: self._publish(state, spec))
