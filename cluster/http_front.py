@@ -1,7 +1,8 @@
 """What every v2 application (a model's, the server's) shares over HTTP: naming, body
-reading within limits, the route-prefix fix, and the protocol's `{"error": ...}` body
-for errors that FastAPI or Starlette raise themselves (404, 405, validation), so that no
-route answers with FastAPI's `{"detail": ...}`.
+reading within limits, the route-prefix fix, the plain router's path split and misses
+(Note [Plain __call__ routing], dynvm.cluster.replica), and the protocol's
+`{"error": ...}` body for errors that FastAPI or Starlette raise themselves (404, 405,
+validation), so that no route answers with FastAPI's `{"detail": ...}`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.responses import RedirectResponse, Response
 
 from dynvm.cluster import v2_protocol as v2
 from dynvm.cluster.http_errors import error_response, server_fault
@@ -68,6 +70,47 @@ async def _read_body(request: Request, limit: int) -> bytearray:
         raise v2.BadRequest(f"the body ended after {size} bytes, its Content-Length is "
                             f"{declared}")
     return body
+
+
+def route_path(scope) -> tuple[str | None, str | None]:
+    """(route, version) of a request inside its application: the path after the route
+    prefix (Serve's root_path), with a leading /versions/<version> taken off; route None
+    when the path is not under the prefix or names an empty version."""
+    path = scope["path"]
+    root = scope.get("root_path", "")
+    if not path.startswith(root):
+        return None, None
+    route = path[len(root):]
+    if not route.startswith("/versions/"):
+        return route, None
+    version, slash, rest = route[len("/versions/"):].partition("/")
+    if not version:
+        return None, None
+    return slash + rest, version
+
+
+def route_miss(request: Request, route: str | None, version: str | None,
+               routes: dict, versioned_routes: dict) -> Response:
+    """The answer to a request no (route, method) of the tables serves, as FastAPI gave
+    it: 405 with Allow when the route exists for another method, 307 to the path without
+    its trailing slash when that one exists, else 404."""
+    table = versioned_routes if version is not None else routes
+    path = v2.cut(request.url.path)
+    methods = table.get(route) if route is not None else None
+    if methods is not None:
+        allowed = ", ".join(methods)
+        return error_response(f"method {v2.cut(request.method, 20)} is not allowed on {path} "
+                              f"(allowed: {allowed})", 405, {"Allow": allowed})
+    if route is not None and route.endswith("/") and route[:-1] in table:
+        url = request.url
+        return RedirectResponse(url.replace(path=url.path[:-1]), status_code=307)
+    return error_response(f"no route {path}", 404)
+
+
+def bytes_response(body: bytes, headers: dict[str, str]) -> Response:
+    """A 200 with the already encoded `body` and its `headers` (Content-Type among them),
+    handed to Starlette as they are: no copy of the headers, no media type to add."""
+    return Response(body, 200, headers)
 
 
 class RootWithoutSlash:

@@ -15,10 +15,11 @@ proxy routes by longest route prefix):
 A replica loads its .dvm program (`dynvm.load`) and makes one `Runtime` on its device
 ("auto": the GPU Ray assigned it, `num_gpus=1` per replica when the cluster has GPUs,
 else the CPU), all as its `ServingConfig` says. Its jobs live in three modules: the
-routes here; execution and batching in `_replica_exec` (Note [Batchability decided
-once]); counters and the Prometheus refresh in `_replica_stats`. The builders that
-deploy it are in `_deployment`. Request bodies go through `dynvm.cluster.v2_protocol`,
-which validates everything before a tensor exists.
+routes here (one `__call__`, Note [Plain __call__ routing]); execution and batching
+in `_replica_exec` (Note [Batchability decided once]); counters and the Prometheus
+refresh in `_replica_stats`. The builders that deploy it are in `_deployment`. Request
+bodies go through `dynvm.cluster.v2_protocol`, which validates everything before a
+tensor exists.
 
 Batching (Note [Request batching]): requests go through an `OpportunisticBatcher`
 (dynvm.cluster.batcher, Note [Opportunistic batching]): one that finds the model idle
@@ -61,19 +62,19 @@ branches on the mean of the whole batch) must be served with batching off
 bytecode, so the caller decides, as with Triton's dynamic batcher.
 """
 
-# No `from __future__ import annotations`: Serve's ingress hands the route methods to
-# FastAPI, which must see `Request` itself, not the string "Request".
+from __future__ import annotations
+
 import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from fastapi import Request
-from fastapi.responses import Response
 from opentelemetry import propagate
 from opentelemetry import trace as otel_trace
 from ray import serve
+from starlette.requests import Request
+from starlette.responses import Response
 
 import dynvm
 from dynvm.cluster import v2_protocol as v2
@@ -84,7 +85,14 @@ from dynvm.cluster.compile_service import RayServiceClient
 from dynvm.cluster.fleet_link import FleetLink, FleetOptions
 from dynvm.cluster.grpc_v2 import GrpcInferenceMixin
 from dynvm.cluster.http_errors import error_response, json_response, server_fault
-from dynvm.cluster.http_front import MODEL_VERSION, check_model_name, protocol_app, read_body
+from dynvm.cluster.http_front import (
+    MODEL_VERSION,
+    bytes_response,
+    check_model_name,
+    read_body,
+    route_miss,
+    route_path,
+)
 from dynvm.cluster.serving_config import ServingConfig
 from dynvm.telemetry import Telemetry
 from dynvm.vm import dvm_file
@@ -106,14 +114,12 @@ def is_client_fault(error: BaseException) -> bool:
     return isinstance(error, ExecutionError) and isinstance(error.__cause__, IndexError)
 
 
-model_api = protocol_app("dynvm model replica")
-
-
-@serve.deployment(max_ongoing_requests=256)
-@serve.ingress(model_api)
-class ModelReplica(GrpcInferenceMixin):
+class ReplicaServer(GrpcInferenceMixin):
     """One model on one device, served over the Open Inference Protocol (HTTP routes
-    here; the gRPC service's RPCs from GrpcInferenceMixin, dynvm.cluster.grpc_v2)."""
+    here; the gRPC service's RPCs from GrpcInferenceMixin, dynvm.cluster.grpc_v2).
+
+    The class itself, without Serve: `ModelReplica` below is its deployment; tests build
+    it directly (synchronously, no Ray)."""
 
     def __init__(self, model_name: str, dvm_path: str, config: ServingConfig | None = None,
                  probe_outputs: bool = True) -> None:
@@ -188,51 +194,33 @@ class ModelReplica(GrpcInferenceMixin):
 
     # ------------------------------------------------------------------ HTTP
 
-    def _check_version(self, version: str | None) -> None:
-        if version is not None and version != MODEL_VERSION:
-            raise v2.NotFound(f"model {self.model_name!r} has no version "
-                              f"{v2.cut(repr(version))} (versions: {MODEL_VERSION})")
-
-    async def _handle(self, version: str | None, action, *args) -> Response:
+    async def __call__(self, request: Request) -> Response:
+        """Every HTTP request of the model's route prefix (Note [Plain __call__ routing])."""
+        scope = request.scope
         try:
-            self._check_version(version)
-            return await action(*args)
+            route, version = route_path(scope)
+            methods = (_VERSIONED_ROUTES if version is not None else _ROUTES).get(route)
+            handler = methods.get(scope["method"]) if methods is not None else None
+            if handler is None:
+                return route_miss(request, route, version, _ROUTES, _VERSIONED_ROUTES)
+            if version is not None and version != MODEL_VERSION:
+                raise v2.NotFound(f"model {self.model_name!r} has no version "
+                                  f"{v2.cut(repr(version))} (versions: {MODEL_VERSION})")
+            return await handler(self, request, version)
         except v2.ProtocolError as exc:
             return error_response(exc, exc.status)
+        except Exception as exc:  # what FastAPI's catch-all answered: logged, an error id
+            return server_fault(f"{v2.cut(request.method, 20)} {v2.cut(request.url.path)}",
+                                exc)
 
-    @model_api.get("/")
-    async def get_metadata(self) -> Response:
-        return await self._handle(None, self._metadata_response)
-
-    @model_api.get("/versions/{version}")
-    async def get_version_metadata(self, version: str) -> Response:
-        return await self._handle(version, self._metadata_response)
-
-    async def _metadata_response(self) -> Response:
+    async def _get_metadata(self, request: Request, version: str | None) -> Response:
         return json_response(self.metadata())
 
-    @model_api.get("/ready")
-    async def get_ready(self) -> Response:
-        return await self._handle(None, self._ready_response)
-
-    @model_api.get("/versions/{version}/ready")
-    async def get_version_ready(self, version: str) -> Response:
-        return await self._handle(version, self._ready_response)
-
-    async def _ready_response(self) -> Response:
+    async def _get_ready(self, request: Request, version: str | None) -> Response:
         return json_response({"name": self.model_name, "ready": True})
 
-    @model_api.get("/stats")
-    async def get_stats(self) -> Response:
+    async def _get_stats(self, request: Request, version: str | None) -> Response:
         return json_response(await self._off_loop(self.stats))
-
-    @model_api.post("/infer")
-    async def post_infer(self, request: Request) -> Response:
-        return await self._handle(None, self._infer_http, request, None)
-
-    @model_api.post("/versions/{version}/infer")
-    async def post_version_infer(self, version: str, request: Request) -> Response:
-        return await self._handle(version, self._infer_http, request, version)
 
     async def _infer_http(self, request: Request, version: str | None) -> Response:
         # Bounded concurrency: past the limit, a quick 503 the client may retry, instead
@@ -315,5 +303,33 @@ class ModelReplica(GrpcInferenceMixin):
         except Exception as exc:  # a server fault, CallBudgetError included: logged, an id
             counters["errors"] += 1
             return self._server_fault(exc, trace)
-        media_type = headers.pop("Content-Type")
-        return Response(body, status_code=200, headers=headers, media_type=media_type)
+        return bytes_response(body, headers)
+
+
+# Note [Plain __call__ routing]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The replica answers HTTP from its own `__call__`, not through `@serve.ingress(FastAPI)`:
+# FastAPI's routing, its request wrapping and Serve's per-request route-name lookup in
+# the ASGI app cost ~0.33 ms of CPU per request on the loaded 2-core host (py-spy, issue
+# 17), more than the model call. Serve hands `__call__` a Starlette Request whose scope
+# has the full path and, as root_path, the application's route prefix
+# (/v2/models/<name>); the route is the rest of the path (`http_front.route_path`), an
+# optional /versions/<v> taken off first, then one dict lookup by route and method. What
+# FastAPI answered otherwise is kept: 404 "no route", 405 naming the allowed method (with
+# Allow), 307 to the path without its trailing slash, the prefix itself (no slash) as
+# its metadata route, the protocol's error body for all of them.
+_ROUTES = {
+    "": {"GET": ReplicaServer._get_metadata},
+    "/": {"GET": ReplicaServer._get_metadata},
+    "/ready": {"GET": ReplicaServer._get_ready},
+    "/stats": {"GET": ReplicaServer._get_stats},
+    "/infer": {"POST": ReplicaServer._infer_http},
+}
+# Under /versions/<version> (no /stats there).
+_VERSIONED_ROUTES = {
+    "": {"GET": ReplicaServer._get_metadata},
+    "/ready": {"GET": ReplicaServer._get_ready},
+    "/infer": {"POST": ReplicaServer._infer_http},
+}
+
+ModelReplica = serve.deployment(name="ModelReplica", max_ongoing_requests=256)(ReplicaServer)

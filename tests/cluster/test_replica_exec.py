@@ -12,10 +12,10 @@ import torch
 from torch.export import Dim
 
 import dynvm
-from dynvm.cluster import ModelReplica, ServingConfig
+from dynvm.cluster import ServingConfig
 from dynvm.cluster import v2_protocol as v2
 from dynvm.cluster.http_errors import ERROR_ID_HEADER
-from dynvm.cluster.replica import is_client_fault
+from dynvm.cluster.replica import ReplicaServer, is_client_fault
 from dynvm.telemetry import Telemetry
 from dynvm.vm.interpreter import Interpreter
 from tests.vm._programs import build
@@ -37,7 +37,7 @@ def _replica(tmp_path, probe_outputs: bool):
         program = dynvm.compile(ColumnSums(), (torch.randn(4, 3),),
                                 ({0: Dim("batch", min=1, max=16)},), name="sums")
         dynvm.save(program, path)
-    cls = ModelReplica.func_or_class.__mro__[1]  # the class itself, without Serve
+    cls = ReplicaServer  # the class itself, without Serve
     return cls("sums", str(path), ServingConfig(device="cpu", jit=False),
                probe_outputs=probe_outputs)
 

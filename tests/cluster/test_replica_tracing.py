@@ -11,6 +11,7 @@ import pytest
 import dynvm
 from dynvm.cluster import ModelReplica, ServingConfig
 from dynvm.cluster import v2_protocol as v2
+from dynvm.cluster.replica import ReplicaServer
 from dynvm.telemetry import Telemetry
 from tests.cluster._cluster_helpers import saved_recommender
 
@@ -21,10 +22,9 @@ PARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
     demo, _, path = saved_recommender(tmp_path_factory.mktemp("trace"), "r.dvm")
-    # Serve's ingress wraps the class in a subclass with an async __init__; the class
-    # itself (next in the MRO) builds synchronously.
-    cls = ModelReplica.func_or_class.__mro__[1]
-    assert cls.__name__ == "ModelReplica"
+    # The deployment's class itself (no Serve) builds synchronously.
+    cls = ReplicaServer
+    assert ModelReplica.func_or_class is cls
     return cls("rec", str(path), ServingConfig(device="cpu", jit=False), probe_outputs=False), demo
 
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import dynvm
-from dynvm.cluster import ModelReplica, ServingConfig, StoreConfig
+from dynvm.cluster import ServingConfig, StoreConfig
 from dynvm.cluster.fleet_link import FleetOptions
 from dynvm.cluster.limits import ServingLimits
+from dynvm.cluster.replica import ReplicaServer
 from dynvm.vm import dvm_file, dvm_signature
 from dynvm.vm.errors import CorruptSectionError, DvmSignatureError, VerifyError
 from dynvm.vm.program import DimSpec, InputSpec, Program
@@ -129,7 +130,7 @@ def test_a_missing_or_malformed_signature_is_refused(tmp_path, secret, signature
 def test_a_replica_that_requires_signed_programs_refuses_an_unsigned_one(tmp_path, secret):
     path = tmp_path / "m.dvm"
     dvm_file.save(compiled("looping"), path)
-    cls = ModelReplica.func_or_class.__mro__[1]  # the class itself, without Serve
+    cls = ReplicaServer  # the class itself, without Serve
     fleet = FleetOptions(StoreConfig(secret=secret, local_dir=str(tmp_path / "store")))
     limits = ServingLimits(require_signed_programs=True)
     with pytest.raises(DvmSignatureError, match="no signature"):
