@@ -103,7 +103,7 @@ class ReplicaStats:
         """The replica's stats: the runtime's, the request and batch counters, latency
         percentiles, the fleet's; what `/stats` answers and Prometheus exports."""
         stats = {"model": self.model_name, "replica": self._replica,
-                 **self._runtime.stats(), **self._executor.counters, **self.counters,
+                 **self._runtime.stats().to_dict(), **self._executor.counters, **self.counters,
                  "in_flight": self.in_flight,
                  "batching": self._executor.batcher.stats(),
                  "latency_ms": _percentiles_ms(list(self._latencies)),
