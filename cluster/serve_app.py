@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from dynvm.cluster.http_front import check_model_name
 from dynvm.cluster.serving_config import ServingConfig
+from dynvm.vm.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class ModelAppArgs:
         """Checked `args` (unknown keys name the known ones)."""
         missing = [k for k in ("name", "path") if k not in args]
         if missing:
-            raise ValueError(f"dynvm model app args need {missing[0]!r}")
+            raise ConfigError(f"dynvm model app args need {missing[0]!r}")
         own = {"name", "path", "service_num_cpus"}
         serving = ServingConfig.from_mapping({k: v for k, v in args.items() if k not in own})
         return cls(name=check_model_name(args["name"]), path=str(args["path"]),
@@ -69,8 +70,8 @@ def build_server_app(args: Mapping):
 
     models = args.get("models")
     if not isinstance(models, list) or not models:
-        raise ValueError("dynvm server app args need 'models': the list of model names")
+        raise ConfigError("dynvm server app args need 'models': the list of model names")
     unknown = sorted(set(args) - {"models"})
     if unknown:
-        raise ValueError(f"unknown dynvm server app arg {unknown[0]!r}; known: models")
+        raise ConfigError(f"unknown dynvm server app arg {unknown[0]!r}; known: models")
     return ServerFront.bind([check_model_name(m) for m in models])

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from dynvm.cluster.limits import ServingLimits
 from dynvm.cluster.v2_protocol import DEFAULT_MAX_BODY_BYTES
 from dynvm.jit.config import JitConfig
+from dynvm.vm.errors import ConfigError, ConfigTypeError
 
 if TYPE_CHECKING:
     from dynvm.cluster.fleet_link import FleetOptions
@@ -55,15 +56,15 @@ class BatchingOptions:
         for name in ("max_batch_size", "max_batch_bytes", "max_queued"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
-                raise ValueError(f"BatchingOptions.{name} must be an integer >= 1, "
+                raise ConfigError(f"BatchingOptions.{name} must be an integer >= 1, "
                                  f"got {value!r}")
         if not (isinstance(self.max_delay_s, int | float) and math.isfinite(self.max_delay_s)
                 and 0 <= self.max_delay_s <= 1):
-            raise ValueError(f"BatchingOptions.max_delay_s must be between 0 and 1 s, "
+            raise ConfigError(f"BatchingOptions.max_delay_s must be between 0 and 1 s, "
                              f"got {self.max_delay_s!r}")
         sizes = tuple(self.preferred_sizes)
         if any(type(n) is not int or n < 1 for n in sizes):
-            raise ValueError(f"BatchingOptions.preferred_sizes must be integers >= 1, "
+            raise ConfigError(f"BatchingOptions.preferred_sizes must be integers >= 1, "
                              f"got {self.preferred_sizes!r}")
         object.__setattr__(self, "preferred_sizes", tuple(sorted(set(sizes))))
 
@@ -85,10 +86,10 @@ class Autoscaling:
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
-            raise ValueError(f"Autoscaling needs 0 <= min_replicas <= max_replicas, max >= 1; "
+            raise ConfigError(f"Autoscaling needs 0 <= min_replicas <= max_replicas, max >= 1; "
                              f"got {self.min_replicas}..{self.max_replicas}")
         if self.target_ongoing_requests <= 0:
-            raise ValueError("Autoscaling.target_ongoing_requests must be > 0")
+            raise ConfigError("Autoscaling.target_ongoing_requests must be > 0")
 
     def as_serve_config(self) -> dict:
         """Serve's `autoscaling_config` of a deployment."""
@@ -131,14 +132,14 @@ class ServingConfig:
 
     def __post_init__(self) -> None:
         if type(self.max_body_bytes) is not int or self.max_body_bytes < 1:
-            raise ValueError(f"ServingConfig.max_body_bytes must be an integer >= 1, "
+            raise ConfigError(f"ServingConfig.max_body_bytes must be an integer >= 1, "
                              f"got {self.max_body_bytes!r}")
         if type(self.num_replicas) is not int or self.num_replicas < 1:
-            raise ValueError(f"ServingConfig.num_replicas must be an integer >= 1, "
+            raise ConfigError(f"ServingConfig.num_replicas must be an integer >= 1, "
                              f"got {self.num_replicas!r}")
         for name, kind in (("batching", BatchingOptions), ("limits", ServingLimits)):
             if not isinstance(getattr(self, name), kind):
-                raise TypeError(f"ServingConfig.{name} must be a {kind.__name__}, "
+                raise ConfigTypeError(f"ServingConfig.{name} must be a {kind.__name__}, "
                                 f"got {type(getattr(self, name)).__name__}")
 
     def replace(self, **changes) -> ServingConfig:
@@ -165,10 +166,10 @@ def _checked(cls, mapping, what: str, exclude: frozenset | set = frozenset()) ->
     """`mapping` when every key is a field of `cls` (not in `exclude`), else ValueError
     naming the first unknown key and the known ones."""
     if not isinstance(mapping, Mapping):
-        raise ValueError(f"{cls.__name__}: expected a mapping of its fields, "
+        raise ConfigError(f"{cls.__name__}: expected a mapping of its fields, "
                          f"got {type(mapping).__name__}")
     known = {f.name for f in dataclasses.fields(cls)} - set(exclude)
     unknown = sorted(set(mapping) - known)
     if unknown:
-        raise ValueError(f"unknown {what} {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        raise ConfigError(f"unknown {what} {unknown[0]!r}; known: {', '.join(sorted(known))}")
     return mapping
