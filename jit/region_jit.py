@@ -110,7 +110,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from dynvm.jit.policy import Decision, benefit_seconds, decide, recurrence_threshold
 from dynvm.jit.probation import CONFIRMED, DEMOTE, DROP, EARLY_SAMPLES, Probation
@@ -123,6 +122,7 @@ from dynvm.jit.signature import (
     weak_of,
     weak_signer,
 )
+from dynvm.jit.specialization import RegionCounters, Specialization
 from dynvm.shape_cluster import FamilyIndex
 
 TIER_CHECK_EVERY = 32
@@ -139,55 +139,6 @@ _MEMO_LIMIT = 4096
 _MANY = object()       # a family with more than one member signature so far
 _UNMATCHED = object()  # a signature not looked up among the family kernels yet
 _COLD = object()       # the ticket of a call run unwatched (Note [Cold regions])
-
-
-@dataclass
-class Specialization:
-    """An installed specialization of a region: its guard (signature or family)
-    and strength, the code, its artifact, and its measured calls and time."""
-
-    signature: tuple            # exact: its signature; family: the one that promoted it
-    strength: GuardStrength
-    fn: object
-    artifact: object
-    family: object = None       # the Family a family kernel serves, else None
-    calls: int = 0
-    seconds: float = 0.0
-    last_used: int = 0
-    installed_at: int = 0       # region calls when it was installed
-    ir: object = None           # the SpecializedRegion it was built from (portable form)
-    arena: bool = False         # its code writes into a planned arena (Note [Arena layout])
-    # Note [Probation]: the measurement in progress (None once decided or when off), the
-    # measured ratio (specialized / interpreted), the key it was promoted under.
-    probation: Probation | None = None
-    ratio: float | None = None
-    promoted_as: object = None
-
-    @property
-    def target(self):
-        """What was compiled: a signature, or a family's key."""
-        return self.signature if self.family is None else self.family.key
-
-    @property
-    def guard_key(self) -> tuple:
-        return self.signature if self.strength is GuardStrength.STRONG else weak_of(
-            self.signature)
-
-
-@dataclass
-class RegionCounters:
-    """A region's counters: calls interpreted and specialized, guard failures,
-    deopts, evictions, promotions, cold periods, and the back-off of failed signatures."""
-
-    interpreted: int = 0
-    specialized: int = 0
-    guard_failures: int = 0
-    deopts: int = 0
-    evictions: int = 0
-    promotions: int = 0
-    cold_periods: int = 0       # times the region went unwatched (Note [Cold regions])
-    last_guard_failure: str | None = None
-    failed: dict = field(default_factory=dict)   # signature -> (retry at call, failures)
 
 
 class RegionJit:
