@@ -82,8 +82,11 @@ region calls, so sampling does not stretch them.
 
 Each check also prices the watch: a profiled miss costs about `WATCH_SECONDS` over the
 plain unit (bench.profile_overhead --entry: +5.6 us on the loop body, a 10 us region, at
-load 12; a sampled miss +0.47 us), so a region is profiled on no more misses than keep
-that under `WATCH_SHARE` (2%) of its typical call (the mean of its keys' fastest calls):
+load 12; a sampled miss +0.47 us), plus the region's mean cost per call of resolving new
+layouts (gnn, a new shape on almost every call: ~20-100 us on a ~250 us region, and its
+re-attached watch ran 1.26x the interpreter), so a region is profiled on no more misses
+than keep that under `WATCH_SHARE` (2%) of its typical call (the mean of its keys'
+fastest calls):
 `dynvm bench loop`'s two small regions (10-20 us) are profiled on one miss in 16 after
 their first check, a transformer's regions (milliseconds) on every miss. A promotion
 resets the doubling to that floor; so does a cold period. stats()["regions"] shows it
@@ -459,8 +462,11 @@ class RegionJit:
         keeps the watch under `WATCH_SHARE` of the region's own time."""
         table = self.profile.table.values()
         typical = sum(s.min_seconds for s in table) / max(1, len(table))
+        # A profiled miss of a layout seen before, plus what resolving new layouts has
+        # cost per call (a shape storm: most of it).
+        cost = WATCH_SECONDS + self._resolve_seconds / max(1, self._region_calls())
         floor = 1
-        while floor < SAMPLE_MAX and WATCH_SHARE * typical * floor < WATCH_SECONDS:
+        while floor < SAMPLE_MAX and WATCH_SHARE * typical * floor < cost:
             floor *= 2
         self._sample_floor = floor
         self.sample_every = max(self.sample_every, floor)

@@ -81,7 +81,8 @@ def test_a_region_whose_promotions_are_decided_elsewhere_never_goes_cold():
 
 
 
-def _fed(per_call_over_cost: float, calls: int, horizon: int = 10):
+def _fed(per_call_over_cost: float, calls: int, horizon: int = 10,
+         resolve_seconds: float = 0.0):
     """A region fed `calls` interpreted calls directly (its `leave`), four signatures in
     turn, each taking `per_call_over_cost` x (compile cost / horizon) seconds (with the
     default horizon, milliseconds: watching costs them nothing); K = the window, so the
@@ -93,6 +94,7 @@ def _fed(per_call_over_cost: float, calls: int, horizon: int = 10):
     region_jit = next(iter(runtime.jit.regions.values()))
     cost = runtime.jit.estimated_compile_seconds(len(region_jit.region))
     seconds = per_call_over_cost * cost / config.horizon_calls
+    region_jit._resolve_seconds = resolve_seconds   # as if resolving layouts cost that
     for i in range(calls):
         region_jit.leave((("signature", i % 4),), seconds)
     return runtime, region_jit
@@ -162,3 +164,11 @@ def test_a_region_of_microseconds_is_watched_on_a_sample_after_its_first_check()
     assert tiny.sample_every == SAMPLE_MAX and tiny.counters.cold_periods == 0
     _, large = _fed(3.0, COLD_CHECK_EVERY)
     assert large.sample_every == 1
+
+
+def test_a_shape_storms_resolution_cost_prices_its_watch():
+    """Note [Sampled watching]: what resolving new layouts costs per call counts in the
+    watch's price: the millisecond region above, with resolutions costing 10x its call,
+    is sampled at SAMPLE_MAX after its first check."""
+    _, storm = _fed(3.0, COLD_CHECK_EVERY, resolve_seconds=10.0)
+    assert storm.sample_every == SAMPLE_MAX
