@@ -262,18 +262,29 @@ def test_programs_land_on_their_shards_and_a_shard_restarts_alone(
 
         # A's shard dies; Ray restarts it (max_restarts=-1) with nothing in memory.
         ray.kill(shard(prog_a), no_restart=False)
-        assert wait_until(lambda: link_a.stats()["registrations"] >= 2, 120) is not None, \
-            link_a.stats()
+
+        def known_again() -> bool:
+            try:
+                programs = ray.get(shard(prog_a).stats.remote(), timeout=5)["programs"]
+            except (ray.exceptions.RayError, TimeoutError):   # restarting
+                return False
+            return prog_a.content_hash[:12] in programs and link_a.stats()["service_ok"]
+
+        assert wait_until(known_again, 120) is not None, link_a.stats()
+        assert link_a.stats()["registrations"] >= 2
         restarted = ray.get(shard(prog_a).stats.remote())["programs"]
         # Re-registered, and resumed from the store's index: nothing compiled again.
         assert restarted[prog_a.content_hash[:12]]["indexed"] >= indexed_a
-        # New shapes on A are promoted by the restarted shard and installed.
+        # New shapes on A (traffic going on) are promoted by the restarted shard.
         draws = [_inputs(demo_a, s) for s in range(100, 103)]
-        for _ in range(6):
+
+        def new_shapes_installed() -> bool:
             for inputs in draws:
                 link_a.runtime(*inputs)
-        assert wait_until(lambda: link_a.runtime.stats()["installs"] > installs_a,
-                          60) is not None
+            return link_a.runtime.stats()["installs"] > installs_a
+
+        assert wait_until(new_shapes_installed, 60, interval_s=0.2) is not None, (
+            link_a.stats(), ray.get(shard(prog_a).stats.remote()))
         assert link_a.runtime.stats()["compiles"] == 0
         # B's shard was not touched: B never registered again and kept reporting.
         assert link_b.stats()["registrations"] == registrations_b
