@@ -33,6 +33,10 @@ a rule:
   taken `budget_s` in all (the arena's allocate-or-out= question at a family's upper
   bound, batch 64 x seq 32 through a 1024-wide linear, took 1.2 s of a 3.4 s compile
   at 7 rounds). Three rounds still give a median, and a close call keeps the default.
+  The budget (0.2 s) is above what seven rounds of a capped GEMM question take (M <= 512,
+  a few ms per pair), so those keep every round: with 50 ms, one roofline run at load
+  6-10 kept 6 of the Transformer's 30 GEMMs on torch (the JIT at 34% of the peak GEMM);
+  the next, with 0.2 s, kept none (72%). One run each: a sign, not a proof.
 
 One `Calibrator` per device for the whole process (`calibrator_for`): it measures the
 device, not a Runtime, and two Runtimes asking the same question must not pay twice.
@@ -76,7 +80,7 @@ class Calibrator:
 
     def __init__(self, device: torch.device | str, rounds: int = 7,
                  margin: float = 0.05, min_rounds: int = 3, decisive: float = 0.5,
-                 budget_s: float = 0.05) -> None:
+                 budget_s: float = 0.2) -> None:
         self.device = torch.device(device)
         self.rounds = rounds
         self.margin = margin
