@@ -138,8 +138,7 @@ class ReplicaServer(GrpcInferenceMixin):
         self.link = None
         fleet = config.fleet
         if fleet is not None and self.runtime.jit is not None:
-            client = RayServiceClient(fleet.service_name, fleet.service_namespace,
-                                      fleet.service_timeout_s)
+            client = RayServiceClient.for_fleet(fleet)  # routes to the program's shard
             self.link = FleetLink(self.runtime, Path(dvm_path).read_bytes(), fleet,
                                   client).start()
         self.max_body_bytes = config.max_body_bytes

@@ -4,9 +4,9 @@ RayService): deploy/serve_config.yaml names them by import path.
     dynvm.cluster.serve_app:build_model_app    one model, route prefix /v2/models/<name>
     dynvm.cluster.serve_app:build_server_app   /v2, /v2/health/*, 404 for unknown models
 
-A model application's `args` are `name`, `path`, `service_num_cpus` and the fields of
-`ServingConfig` (dynvm.cluster.serving_config; `batching`, `limits`, `autoscaling` and
-`jit` as mappings of their own fields), read by `ServingConfig.from_mapping`; the
+A model application's `args` are `name`, `path`, `service_num_cpus`, `service_shards` and
+the fields of `ServingConfig` (dynvm.cluster.serving_config; `batching`, `limits`,
+`autoscaling` and `jit` as mappings of their own fields), read by `ServingConfig.from_mapping`; the
 kernel store comes from the environment (`StoreConfig.from_env`: DYNVM_STORE_SECRET,
 DYNVM_REDIS_URL, ...; dynvm._env reads them). Serve calls a builder inside the cluster,
 where Ray is up: the model builder also starts the compile service (or finds it: the
@@ -34,7 +34,10 @@ class ModelAppArgs:
     serving: ServingConfig
     """Every other arg: how the model is served."""
     service_num_cpus: float = 0.0
-    """CPUs reserved for the compile service actor."""
+    """CPUs reserved for each compile service actor."""
+    service_shards: int = 1
+    """Compile service actors; each program goes to one by its hash (Note [Compile
+    service shards])."""
 
     @classmethod
     def from_args(cls, args: Mapping) -> ModelAppArgs:
@@ -42,11 +45,18 @@ class ModelAppArgs:
         missing = [k for k in ("name", "path") if k not in args]
         if missing:
             raise ConfigError(f"dynvm model app args need {missing[0]!r}")
-        own = {"name", "path", "service_num_cpus"}
+        own = {"name", "path", "service_num_cpus", "service_shards"}
         serving = ServingConfig.from_mapping({k: v for k, v in args.items() if k not in own})
         return cls(name=check_model_name(args["name"]), path=str(args["path"]),
                    serving=serving,
-                   service_num_cpus=float(args.get("service_num_cpus", cls.service_num_cpus)))
+                   service_num_cpus=float(args.get("service_num_cpus", cls.service_num_cpus)),
+                   service_shards=_shards(args.get("service_shards", cls.service_shards)))
+
+
+def _shards(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"service_shards must be an integer >= 1, got {value!r}")
+    return value
 
 
 def build_model_app(args: Mapping):
@@ -59,9 +69,10 @@ def build_model_app(args: Mapping):
     options = ModelAppArgs.from_args(args)
     store = StoreConfig.from_env()
     start_compile_service(store, name=SERVICE_NAME, namespace=NAMESPACE,
-                          num_cpus=options.service_num_cpus)
+                          num_cpus=options.service_num_cpus, shards=options.service_shards)
     return model_application(options.name, options.path, options.serving,
-                             fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE))
+                             fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE,
+                                                service_shards=options.service_shards))
 
 
 def build_server_app(args: Mapping):

@@ -53,6 +53,9 @@ class ServeOptions:
     """HTTP port on 127.0.0.1."""
     grpc_port: int | None = None
     """The v2 gRPC protocol's port (Serve binds it on every interface); None: no gRPC."""
+    service_shards: int = 1
+    """Compile service actors; a program goes to one of them by its hash (Note [Compile
+    service shards])."""
     gpu_targets: tuple = ()
     """GPU targets, e.g. (("cuda", 90, 32),): the compile service also builds Triton
     binaries for them, and CUDA replicas install those instead of compiling (Note [GPU
@@ -77,7 +80,15 @@ def options_from_args(args) -> ServeOptions:
         raise CliError(f"bad --name: {exc}", 2) from None
     return ServeOptions(model_path=str(path.resolve()), name=name, port=args.port,
                         grpc_port=args.grpc_port, serving=_serving_from_args(args),
+                        service_shards=_service_shards_from_args(args),
                         gpu_targets=_gpu_targets_from_args(args))
+
+
+def _service_shards_from_args(args) -> int:
+    """--service-shards N, checked (an integer >= 1)."""
+    if args.service_shards < 1:
+        raise CliError(f"--service-shards must be >= 1, got {args.service_shards}", 2)
+    return args.service_shards
 
 
 def _gpu_targets_from_args(args) -> tuple:
@@ -194,17 +205,19 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
     say(f"ray       local, {int(ray.cluster_resources().get('CPU', 0))} CPUs")
     # The compile service's actor and Serve's controller and proxies start at once (each
     # is a new worker process: seconds on a small host); replicas need both.
-    stack.callback(stop_compile_service, SERVICE_NAME, NAMESPACE)
+    shards = options.service_shards
+    stack.callback(stop_compile_service, SERVICE_NAME, NAMESPACE, shards)
     with ThreadPoolExecutor(1, thread_name_prefix="dynvm-serve-start") as pool:
         service = pool.submit(start_compile_service, store, name=SERVICE_NAME,
-                              namespace=NAMESPACE, gpu_targets=options.gpu_targets)
+                              namespace=NAMESPACE, gpu_targets=options.gpu_targets,
+                              shards=shards)
         stack.callback(serve.shutdown)
         start_serve("127.0.0.1", options.port, proxy, grpc_port=options.grpc_port)
         service.result()
     say("compile   service started")
     serve_models({options.name: options.model_path}, options.serving,
                  fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE,
-                                    gpu_targets=options.gpu_targets))
+                                    gpu_targets=options.gpu_targets, service_shards=shards))
 
 
 def _hint(options: ServeOptions) -> str:
@@ -282,6 +295,9 @@ the URL; Ctrl-C (or SIGTERM) stops everything it started.
                    help="also serve the v2 gRPC protocol (KServe GRPCInferenceService) on "
                    "port P of every interface; calls name the model's application in "
                    "their 'application' metadata (dynvm-model-<name>)")
+    p.add_argument("--service-shards", type=int, metavar="N", default=1,
+                   help="run the compile service as N actors, each program on one of them "
+                   "by its hash (default 1; a fleet with many programs)")
     # Flags left out are None: ServingConfig's defaults apply (stated there only).
     p.add_argument("--replicas", type=int, metavar="N", help="fixed replica count")
     p.add_argument("--min-replicas", type=int, metavar="A", help="autoscale from A ...")

@@ -77,6 +77,12 @@ def test_redis_deployment_uses_deploy_redis_conf():
     assert "\nmaxmemory-policy allkeys-lru\n" in conf and "\nmaxmemory " in conf
 
 
+def test_builder_args_take_the_compile_service_shards():
+    args = ModelAppArgs.from_args({"name": "m", "path": "/m.dvm", "service_shards": 4})
+    assert args.service_shards == 4
+    assert ModelAppArgs.from_args({"name": "m", "path": "/m.dvm"}).service_shards == 1
+
+
 def test_builder_args_are_checked():
     with pytest.raises(ValueError, match="unknown dynvm model app arg 'replicas'"):
         ModelAppArgs.from_args({"name": "m", "path": "/m.dvm", "replicas": 2})
@@ -87,6 +93,8 @@ def test_builder_args_are_checked():
                                 "batching": {"batch_wait_timeout_s": 0.01}})
     with pytest.raises(ValueError, match="unknown autoscaling key 'max'"):
         ModelAppArgs.from_args({"name": "m", "path": "/m.dvm", "autoscaling": {"max": 3}})
+    with pytest.raises(ValueError, match="service_shards must be an integer >= 1"):
+        ModelAppArgs.from_args({"name": "m", "path": "/m.dvm", "service_shards": 0})
     with pytest.raises(ValueError, match="need 'models'"):
         build_server_app({})
     with pytest.raises(ValueError, match="must match"):

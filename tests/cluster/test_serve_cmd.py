@@ -219,3 +219,15 @@ def test_gpu_targets_flag_reaches_the_options(tmp_path):
     assert options.gpu_targets == (("cuda", 90, 32), ("cuda", 80, 32))
     with pytest.raises(CliError, match="cuda:90"):
         options_from_args(_serve_args(str(path), "--gpu-targets", "rocm:90"))
+
+
+def test_service_shards_flag_reaches_the_options(tmp_path):
+    from dynvm._run_cmd import CliError
+    from dynvm._serve_cmd import options_from_args
+
+    path = tmp_path / "m.dvm"
+    path.write_bytes(b"x")
+    assert options_from_args(_serve_args(str(path))).service_shards == 1
+    assert options_from_args(_serve_args(str(path), "--service-shards", "3")).service_shards == 3
+    with pytest.raises(CliError, match="--service-shards must be >= 1"):
+        options_from_args(_serve_args(str(path), "--service-shards", "0"))
