@@ -68,6 +68,7 @@ class _ProgramState:
     gpu_index: dict[int, OrderedDict] = field(default_factory=dict)   # Triton entries
     observations: int = 0
     rejected: int = 0
+    last_report: float = field(default_factory=time.monotonic)   # registered or reported
 
 
 class FleetCompiler:
@@ -75,10 +76,19 @@ class FleetCompiler:
 
     def __init__(self, store: StoreConfig, jit_config: JitConfig | None = None,
                  telemetry=None, store_check_s: float = 5.0,
-                 gpu_targets: tuple = ()) -> None:
+                 gpu_targets: tuple = (), forget_after_s: float | None = None) -> None:
         """`gpu_targets`: GPU targets such as ("cuda", 90, 32) to build Triton binaries
-        for, next to each CPU artifact (dynvm.cluster.fleet_triton; no GPU needed)."""
+        for, next to each CPU artifact (dynvm.cluster.fleet_triton; no GPU needed).
+        `forget_after_s`: a program that no replica registered or reported for this long
+        is forgotten (default: the store's TTL; never without one), so the store check
+        stops republishing a retired program and its artifacts expire (Note [Artifact
+        lifetime] in dynvm.cluster.store_base). Links report at least once per poll
+        interval while they serve, so a deployed program is never forgotten; one
+        forgotten by mistake is registered again at its next report."""
         self.store_check_s = store_check_s
+        ttl = store.redis.ttl_seconds if store.redis is not None else None
+        self.forget_after_s = forget_after_s if forget_after_s is not None else ttl
+        self.forgotten = 0
         self.gpu_targets = tuple(gpu_targets)
         self.gpu_published = 0
         self.gpu_skipped = 0
@@ -181,6 +191,7 @@ class FleetCompiler:
         state = self._programs.get(program_hash)
         if state is None:
             return {"known": False}
+        state.last_report = time.monotonic()
         if time.monotonic() >= self._next_check:
             self._next_check = time.monotonic() + self.store_check_s
             self.repair_store()
@@ -305,7 +316,9 @@ class FleetCompiler:
 
     def repair_store(self) -> None:
         """Publish again what the store lost: first what failed to publish, then, for a
-        program whose index is gone (flushed, evicted), everything its JIT holds."""
+        program whose index is gone (flushed, evicted), everything its JIT holds.
+        Programs no replica reports any more are forgotten first, never republished."""
+        self._forget_unreported()
         with self._lock:
             retry, self._unpublished = self._unpublished, []
         for state, spec in retry:
@@ -327,6 +340,24 @@ class FleetCompiler:
                 self.republished += 1
         if self.gpu_cache is not None:
             self._repair_gpu_index()
+
+    def _forget_unreported(self) -> None:
+        """Drop the programs not registered or reported for `forget_after_s`."""
+        if self.forget_after_s is None:
+            return
+        cutoff = time.monotonic() - self.forget_after_s
+        with self._lock:
+            gone = {h: s for h, s in self._programs.items() if s.last_report < cutoff}
+            for program_hash in gone:
+                del self._programs[program_hash]
+            kept = [(s, spec) for s, spec in self._unpublished
+                    if not any(s is g for g in gone.values())]
+            self._unpublished = kept
+        for program_hash, state in gone.items():
+            state.jit.close()
+            self.forgotten += 1
+            logger.info("program %s: no replica reported for %.0f s, forgotten (its "
+                        "artifacts now expire)", program_hash[:12], self.forget_after_s)
 
     def _repair_gpu_index(self) -> None:
         """Rewrite a program's GPU index that the store lost on its own (evicted), listing
@@ -387,6 +418,7 @@ class FleetCompiler:
                 "indexed": len(self.index(program_hash))}
         return {"programs": programs, "published": self.published,
                 "republished": self.republished, "unpublished": len(self._unpublished),
+                "forgotten": self.forgotten,
                 "gpu_published": self.gpu_published, "gpu_skipped": self.gpu_skipped,
                 "gpu_indexed": sum(len(k) for s in self._programs.values()
                                    for k in s.gpu_index.values()),

@@ -115,8 +115,9 @@ DEFAULT_REFRESH_INTERVAL_S = 60.0
 # * A presence check (`contains`) is not a use: the compile service checks that the
 #   indexes of the programs it knows are still there (to republish a lost one), and must
 #   not keep a retired program alive by looking at it. It does republish a known
-#   program's index once that expired (Note [Fleet promotion]), so a retired program
-#   stays gone only once the service forgets programs that no replica reports.
+#   program's index once that expired (Note [Fleet promotion]); it forgets a program
+#   that no replica registered or reported for one TTL (FleetCompiler.forget_after_s),
+#   and from then on a retired program stays gone.
 # * Size bound: a program holds at most `max_entries_per_program` entries. A write past
 #   the bound deletes the program's least recently used entries (last written or marked
 #   in use; Redis: a sorted set per program next to its entries, same hash tag; a

@@ -4,7 +4,9 @@ FleetLinks. (tests/cluster/test_fleet_serve.py runs the same over Ray Serve and 
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import time
 
 import pytest
 import torch
@@ -213,3 +215,41 @@ def test_the_service_also_builds_triton_binaries_for_gpu_targets(model, tmp_path
     finally:
         a.close()
         compiler.close()
+
+
+def test_a_program_no_replica_reports_is_forgotten_and_not_republished(model, tmp_path,
+                                                                       secret):
+    """A retired program (no registration, no report for forget_after_s) leaves the
+    service, so the store check no longer rewrites its expired index; a program whose
+    replicas keep reporting stays known, and a forgotten one that reports again is told
+    to register."""
+    _, program, dvm_bytes = model
+    store = StoreConfig(secret=secret, local_dir=str(tmp_path / "kernels"))
+    compiler = FleetCompiler(store, CONFIG, store_check_s=3600.0, forget_after_s=0.5)
+    try:
+        digest = program.content_hash
+        compiler.register(digest, dvm_bytes)
+        for _ in range(8):   # reports (heartbeats included) keep it known
+            assert compiler.report(digest, []) == {"known": True}
+            compiler.repair_store()
+            time.sleep(0.1)
+        assert compiler.knows(digest) and compiler.stats()["forgotten"] == 0
+        time.sleep(0.6)      # retired: nothing reports any more
+        compiler.repair_store()
+        assert not compiler.knows(digest)
+        assert compiler.stats()["forgotten"] == 1
+        assert compiler.report(digest, []) == {"known": False}
+    finally:
+        compiler.close()
+
+
+def test_the_store_ttl_is_the_default_forget_period(tmp_path, secret, redis_server):
+    with_ttl = StoreConfig(secret=secret, redis=dataclasses.replace(
+        redis_config(redis_server), ttl_seconds=3600))
+    local = StoreConfig(secret=secret, local_dir=str(tmp_path / "kernels"))
+    for store, expected in ((with_ttl, 3600), (local, None)):
+        compiler = FleetCompiler(store, CONFIG)
+        try:
+            assert compiler.forget_after_s == expected
+        finally:
+            compiler.close()
