@@ -17,6 +17,7 @@ from dynvm.cluster.proxy_guard import ProxyLimits
 from dynvm.cluster.replica import ModelReplica
 from dynvm.cluster.server_front import ServerFront
 from dynvm.cluster.serving_config import ServingConfig
+from dynvm.vm.errors import ConfigError
 
 
 def start_serve(host: str, port: int, proxy: ProxyLimits | None = None,
@@ -67,7 +68,7 @@ def serve_models(models: Mapping[str, str], config: ServingConfig | None = None,
     per_model = per_model or {}
     unknown = sorted(set(per_model) - set(models))
     if unknown:
-        raise ValueError(f"per_model names {unknown[0]!r}, which is not among the models")
+        raise ConfigError(f"per_model names {unknown[0]!r}, which is not among the models")
     targets = [RunTarget(model_application(name, path, per_model.get(name, config)),
                          name=model_app_name(name), route_prefix=f"/v2/models/{name}")
                for name, path in models.items()]

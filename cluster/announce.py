@@ -23,6 +23,7 @@ import redis
 
 from dynvm.cluster.store_base import check_key
 from dynvm.cluster.store_redis import RedisConfig, redis_client
+from dynvm.vm.errors import ConfigError
 
 CHANNEL = "dynvm:announce"
 _MAX_MESSAGE_BYTES = 4096
@@ -69,7 +70,7 @@ class RateLimit:
 
     def __init__(self, rate: float, burst: int, clock=time.monotonic) -> None:
         if not rate > 0 or burst < 1:
-            raise ValueError(f"RateLimit needs rate > 0 and burst >= 1, got {rate}, {burst}")
+            raise ConfigError(f"RateLimit needs rate > 0 and burst >= 1, got {rate}, {burst}")
         self.rate, self.burst, self._clock = float(rate), int(burst), clock
         self._tokens = float(burst)
         self._at = clock()

@@ -52,12 +52,18 @@ from dynvm.jit.config import JitConfig
 from dynvm.jit.engine import Jit
 from dynvm.jit.portable import PortableError, decode_signature
 from dynvm.vm import dvm_file
-from dynvm.vm.errors import DvmFormatError
+from dynvm.vm.errors import DvmFormatError, DynvmError
 from dynvm.vm.interpreter import Interpreter
 
 logger = logging.getLogger(__name__)
 TARGET = "cpu"
 _MAX_COUNT = 1 << 30   # observations one aggregated record may stand for
+
+
+
+class ProgramRejected(DynvmError, ValueError):
+    """A replica registered program bytes that are not a valid .dvm file, or that do not
+    hash to the program hash it named."""
 
 
 @dataclass
@@ -135,9 +141,9 @@ class FleetCompiler:
             try:
                 program = dvm_file.loads(dvm_bytes)
             except DvmFormatError as error:
-                raise ValueError(f"program {program_hash[:12]}: {error}") from None
+                raise ProgramRejected(f"program {program_hash[:12]}: {error}") from None
             if program.content_hash != program_hash:
-                raise ValueError(f"program bytes hash to {program.content_hash[:12]}, "
+                raise ProgramRejected(f"program bytes hash to {program.content_hash[:12]}, "
                                  f"not {program_hash[:12]}")
             jit = Jit(program, Interpreter(program, TARGET), self._service_jit_config,
                       self.telemetry)

@@ -50,6 +50,7 @@ from dynvm.jit.backends.triton.aot import parse_target, target_text
 from dynvm.jit.backends.triton.artifact import targets_text
 from dynvm.jit.portable import PortableError, decode, retarget
 from dynvm.jit.signature import describe
+from dynvm.vm.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 TRITON_BACKEND = "triton"
@@ -61,7 +62,7 @@ def gpu_fleet_target(targets: Sequence) -> str:
     texts = [target_text(parse_target(t) if isinstance(t, str) else tuple(t))
              for t in targets]
     if not texts:
-        raise ValueError("a GPU fleet target needs at least one target, e.g. ('cuda', 90, 32)")
+        raise ConfigError("a GPU fleet target needs at least one target, e.g. ('cuda', 90, 32)")
     return targets_text(texts)
 
 

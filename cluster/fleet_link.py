@@ -61,6 +61,7 @@ from dynvm.cluster.fleet_shards import shard_actor_name
 from dynvm.cluster.signed import ArtifactCache
 from dynvm.jit.artifact import toolchain_versions
 from dynvm.jit.portable import PortableError, encode_signature
+from dynvm.vm.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -114,10 +115,10 @@ class FleetOptions:
         for name in ("flush_interval_s", "poll_interval_s", "service_timeout_s",
                      "max_announced_fetches_per_s", "max_backoff_s"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"FleetOptions.{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"FleetOptions.{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_buffered", "service_shards"):
             if getattr(self, name) < 1:
-                raise ValueError(f"FleetOptions.{name} must be >= 1, "
+                raise ConfigError(f"FleetOptions.{name} must be >= 1, "
                                  f"got {getattr(self, name)}")
 
     def service_actor(self, program_hash: str) -> str:
@@ -135,7 +136,7 @@ class FleetLink:
         `run_binary.CudaBoundary` on a CUDA runtime's device); a test on a machine
         without a GPU gives a stand-in, and the link behaves as a CUDA replica's."""
         if runtime.jit is None:
-            raise ValueError("a fleet link needs a Runtime with its JIT on")
+            raise ConfigError("a fleet link needs a Runtime with its JIT on")
         self.runtime = runtime
         self.jit = runtime.jit
         self.program = runtime.program

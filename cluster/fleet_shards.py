@@ -17,11 +17,13 @@ One shard (the default) is the single actor named `<service>` as before.
 
 from __future__ import annotations
 
+from dynvm.vm.errors import ConfigError
+
 
 def shard_of(program_hash: str, shards: int) -> int:
     """The shard (0 .. shards-1) that serves `program_hash` (a hex content hash)."""
     if shards < 1:
-        raise ValueError(f"shards must be >= 1, got {shards}")
+        raise ConfigError(f"shards must be >= 1, got {shards}")
     return int(program_hash[:16], 16) % shards
 
 

@@ -33,6 +33,7 @@ from dynvm.jit.backends.triton.artifact import targets_text
 from dynvm.jit.backends.triton.options import DEFAULT_OPTIONS
 from dynvm.jit.portable import encode
 from dynvm.jit.signature import describe
+from dynvm.vm.errors import ConfigError
 
 
 def triton_fields(spec, program, targets: Sequence = DEFAULT_TARGETS,
@@ -44,7 +45,7 @@ def triton_fields(spec, program, targets: Sequence = DEFAULT_TARGETS,
     if spec.ir is None:
         raise ValueError("the specialization carries no IR (spec.ir) to build from")
     if not targets:
-        raise ValueError("triton_fields needs at least one target, e.g. ('cuda', 90, 32)")
+        raise ConfigError("triton_fields needs at least one target, e.g. ('cuda', 90, 32)")
     family_key = spec.family.key if spec.family is not None else describe(spec.signature)
     start = time.perf_counter()
     artifact = compile_region(spec.ir, program.constants, program_hash=program.content_hash,

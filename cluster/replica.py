@@ -96,7 +96,7 @@ from dynvm.cluster.http_front import (
 from dynvm.cluster.serving_config import ServingConfig
 from dynvm.telemetry import Telemetry
 from dynvm.vm import dvm_file
-from dynvm.vm.errors import ExecutionError, InputError, ShapeError
+from dynvm.vm.errors import ConfigError, ExecutionError, InputError, ShapeError
 
 
 def pick_device(device: str | None) -> str:
@@ -155,7 +155,7 @@ class ReplicaServer(GrpcInferenceMixin):
         if not self.limits.require_signed_programs:
             return None
         if fleet is None:
-            raise ValueError("ServingLimits.require_signed_programs needs the fleet's store "
+            raise ConfigError("ServingLimits.require_signed_programs needs the fleet's store "
                              "secret: serve with ServingConfig(fleet=FleetOptions(store))")
         return fleet.store.secret
 

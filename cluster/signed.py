@@ -57,7 +57,7 @@ import msgpack
 
 from dynvm.cluster.store_base import KernelStore, StoreUnavailable, check_key, shorten
 from dynvm.jit.artifact import Artifact
-from dynvm.vm.errors import DynvmError
+from dynvm.vm.errors import ConfigError, ConfigTypeError, DynvmError
 
 FORMAT_VERSION = 1
 _ENVELOPE_FIELDS = frozenset({"v", "key", "body", "mac"})
@@ -125,9 +125,9 @@ REJECTIONS: tuple[type[RejectedArtifact], ...] = (
 def _check_secret(secret: object) -> bytes:
     # The messages below describe the secret's type or emptiness, never its value.
     if not isinstance(secret, bytes):
-        raise TypeError(f"the kernel store secret must be bytes, got {type(secret).__name__}")
+        raise ConfigTypeError(f"the kernel store secret must be bytes, got {type(secret).__name__}")
     if not secret:
-        raise ValueError("the kernel store secret is empty")
+        raise ConfigError("the kernel store secret is empty")
     return secret
 
 

@@ -34,6 +34,7 @@ from dynvm.cluster.store_base import (
     check_value,
 )
 from dynvm.jit.artifact_keys import program_tag_of
+from dynvm.vm.errors import ConfigError
 
 _TMP_PREFIX = ".tmp-"
 
@@ -48,10 +49,10 @@ class LocalDirStore:
                  max_entries_per_program: int = DEFAULT_MAX_ENTRIES_PER_PROGRAM,
                  refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S):
         if ttl_seconds is not None and not ttl_seconds > 0:
-            raise ValueError(f"LocalDirStore ttl_seconds must be > 0 or None, "
+            raise ConfigError(f"LocalDirStore ttl_seconds must be > 0 or None, "
                              f"got {ttl_seconds!r}")
         if type(max_entries_per_program) is not int or max_entries_per_program < 1:
-            raise ValueError(f"LocalDirStore max_entries_per_program must be an int >= 1, "
+            raise ConfigError(f"LocalDirStore max_entries_per_program must be an int >= 1, "
                              f"got {max_entries_per_program!r}")
         self.path = Path(path)
         self.max_entry_bytes = max_entry_bytes

@@ -42,6 +42,7 @@ from dynvm.cluster.store_base import (
     check_value,
 )
 from dynvm.jit.artifact_keys import program_tag_of
+from dynvm.vm.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -101,40 +102,40 @@ class RedisConfig:
         if self.url is not None:
             scheme = urlsplit(self.url).scheme
             if scheme not in ("redis", "rediss", "unix"):
-                raise ValueError(f"RedisConfig.url must start with redis://, rediss:// or "
+                raise ConfigError(f"RedisConfig.url must start with redis://, rediss:// or "
                                  f"unix://, got scheme {scheme!r}")
             try:
                 _url_options(self.url)
             except ValueError as error:
-                raise ValueError(f"RedisConfig.url {self.location()!r} is invalid: "
+                raise ConfigError(f"RedisConfig.url {self.location()!r} is invalid: "
                                  f"{scrub(str(error), self._password_forms())}") from None
         if not 0 < self.port < 65536:
-            raise ValueError(f"RedisConfig.port must be in 1..65535, got {self.port}")
+            raise ConfigError(f"RedisConfig.port must be in 1..65535, got {self.port}")
         if self.db < 0:
-            raise ValueError(f"RedisConfig.db must be >= 0, got {self.db}")
+            raise ConfigError(f"RedisConfig.db must be >= 0, got {self.db}")
         if not self.namespace:
-            raise ValueError("RedisConfig.namespace must not be empty")
+            raise ConfigError("RedisConfig.namespace must not be empty")
         if "{" in self.namespace or "}" in self.namespace:
             # Redis Cluster would hash the namespace's braces instead of the program tag.
-            raise ValueError(f"RedisConfig.namespace must not contain braces, "
+            raise ConfigError(f"RedisConfig.namespace must not contain braces, "
                              f"got {self.namespace!r} (Note [Program hash tags])")
         if type(self.max_entries_per_program) is not int or self.max_entries_per_program < 1:
-            raise ValueError(f"RedisConfig.max_entries_per_program must be an int >= 1, "
+            raise ConfigError(f"RedisConfig.max_entries_per_program must be an int >= 1, "
                              f"got {self.max_entries_per_program!r}")
         if not self.refresh_interval_s > 0:
-            raise ValueError(f"RedisConfig.refresh_interval_s must be > 0, "
+            raise ConfigError(f"RedisConfig.refresh_interval_s must be > 0, "
                              f"got {self.refresh_interval_s!r}")
         for name in ("socket_timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"RedisConfig.{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"RedisConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.retries < 0:
-            raise ValueError(f"RedisConfig.retries must be >= 0, got {self.retries}")
+            raise ConfigError(f"RedisConfig.retries must be >= 0, got {self.retries}")
         if self.ttl_seconds is not None and (not isinstance(self.ttl_seconds, int)
                                              or self.ttl_seconds <= 0):
-            raise ValueError(f"RedisConfig.ttl_seconds must be a positive int or None, "
+            raise ConfigError(f"RedisConfig.ttl_seconds must be a positive int or None, "
                              f"got {self.ttl_seconds!r}")
         if (self.tls_cert_path is None) != (self.tls_key_path is None):
-            raise ValueError("RedisConfig.tls_cert_path and tls_key_path go together")
+            raise ConfigError("RedisConfig.tls_cert_path and tls_key_path go together")
 
     def __repr__(self) -> str:
         shown = []
@@ -183,7 +184,7 @@ def _url_options(url: str) -> dict:
     every other setting in a RedisConfig field."""
     unknown = sorted(set(parse_qs(urlsplit(url).query)) - {"db"})
     if unknown:
-        raise ValueError(f"unsupported query options {unknown}; only db is accepted, "
+        raise ConfigError(f"unsupported query options {unknown}; only db is accepted, "
                          "the rest are RedisConfig fields")
     return parse_url(url)
 
