@@ -158,6 +158,13 @@ class RayNodes:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+            # Ray reads RAY_AUTH_MODE into a process-wide config when it connects and
+            # keeps it: restoring the variable alone left this pytest process in
+            # "disabled" mode, and every later local ray.init() (whose new cluster takes
+            # token auth by default) failed with InvalidAuthToken. Re-read it.
+            from ray._raylet import Config
+
+            Config.initialize("")
 
 
 def _process_table() -> dict[int, tuple[int, str]]:
