@@ -252,7 +252,11 @@ def precompile(program, dvm_bytes: bytes, shapes: list[dict[str, int]], store,
 
     start = time.perf_counter()
     compiler = FleetCompiler(store, precompile_config())
-    runtime = Runtime(program, "cpu", jit=JitConfig(online_compile=False))
+    # The runtime only drives shapes through the program to find what is not covered
+    # yet: it does not judge kernels. With probation on, a kernel it measured as no
+    # faster on this host (tiny regions) was dropped here and its shapes counted as
+    # misses, though each replica judges what it installs on its own host.
+    runtime = Runtime(program, "cpu", jit=JitConfig(online_compile=False, probation=False))
     try:
         if runtime.jit is None:
             raise PrecompileError(f"the JIT is disabled by {runtime.jit_disabled_by} in "
