@@ -27,8 +27,9 @@ from dynvm.jit.config import JitConfig
 EXPLAIN_CONFIG = JitConfig(sync=True, min_recurrence=1, max_recurrence=1,
                            expected_speedup=1.0, horizon_calls=10**9,
                            probation_shadow_every=1)
-# A demotion re-plans and measures again: room for two probations, plus the first call.
-MEASURE_CALLS = 2 * EXPLAIN_CONFIG.probation_samples + 1
+# A demotion re-plans and measures again: room for two probations (each with its
+# warm-up hit before the samples) and the first call; the loop stops once settled.
+MEASURE_CALLS = 2 * (EXPLAIN_CONFIG.probation_samples + 1) + 1
 
 
 def explain_command(args, program, demo) -> int:
@@ -55,6 +56,8 @@ def _explain(program, inputs, shapes: str, telemetry) -> int:
         try:
             for _ in range(MEASURE_CALLS):
                 runtime(*inputs)
+                if runtime.settled():
+                    break
         except dynvm.DynvmError as exc:
             raise CliError(f"the program rejects these inputs ({shapes}): {exc}") from None
         artifacts = list(runtime.jit.artifacts.values())
