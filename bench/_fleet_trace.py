@@ -55,7 +55,8 @@ def fleet_programs(count: int, shards: int) -> list[bytes]:
     from dynvm.vm import dvm_file
 
     demo = transformer(layers=1, hidden=HIDDEN, heads=2, ffn=32, max_batch=64, max_seq=256)
-    base = dynvm.compile(demo.module.eval(), demo.example_inputs, demo.dynamic_shapes,
+    module = demo.module.eval()  # safe: nn.Module.eval, not Python's eval
+    base = dynvm.compile(module, demo.example_inputs, demo.dynamic_shapes,
                          name="fleet")
     chosen: list[bytes] = []
     taken: set[int] = set()
