@@ -9,7 +9,7 @@ kernels in memory by source hash), so each runs in its own pass over the same se
 after a reset (Note [Counting compiles] in bench.systems). To still compare every
 system side by side, every pass also runs eager PyTorch on each input, right after the
 system (in the first pass eager is itself one of the systems; the order of the
-systems rotates from call to call): "x eager" is the median
+systems changes from call to call, bench._timing.call_order): "x eager" is the median
 over steady calls of latency / that pass's eager latency on the same input, a paired
 ratio that a noisy neighbour slowing one whole pass does not move.
 """
@@ -26,7 +26,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench._timing import median, percentile
+from bench._timing import call_order, median, percentile
 from bench.systems import LABELS, Eager, System, make
 from bench.workloads import Workload, shape_key
 from dynvm.arena import count_allocations
@@ -118,11 +118,10 @@ def run_workload(workload: Workload, system_names: list[str], log=print) -> dict
         hidden_ref = ref is not systems.get("eager")
         group_start = time.perf_counter()
         for i, inputs in enumerate(workload.inputs):
-            # The order rotates call by call, so no system always runs first on an input
-            # (cold caches) or right after another one's allocations.
+            # The order changes call by call (bench._timing.call_order), so no system
+            # always runs first on an input (cold caches) or right after the same one.
             order = [*systems] + ([None] if hidden_ref else [])
-            shift = i % len(order)
-            for name in order[shift:] + order[:shift]:
+            for name in call_order(order, i):
                 if name is None:
                     ref_samples.append(ref(*inputs)[1])
                     continue

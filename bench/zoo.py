@@ -6,8 +6,10 @@ Note [Zoo timing]
 ~~~~~~~~~~~~~~~~~
 Per model: dynvm.compile is timed once (torch.export, decompositions, lowering). Then a
 shape sequence cycles through the entry's export point and held-out points; each call
-runs eager, the interpreter and the JIT on the same inputs, in an order that rotates
-call by call (so no system always runs right after another's cache traffic), and each
+runs eager, the interpreter and the JIT on the same inputs, in an order that changes
+call by call: the rotations of the systems, then of their reverse (bench._timing.
+call_order; with rotations alone the JIT always ran right after the interpreter, on
+inputs it had just warmed), and each
 system's time is divided by eager's time of the same call. The figure is the median of
 these per-call ratios over the steady calls: after `warmup` rounds. No call is timed
 while the JIT's background compile runs (it holds the GIL for long stretches, and made
@@ -33,7 +35,7 @@ Note [Zoo peers]
 ~~~~~~~~~~~~~~~~
 `--peers torch.compile` adds torch.compile in its default mode (dynamic=None: static at
 the first shape, dynamic from the first recompile) as a fourth system in the same
-rotation, on the same inputs, with Dynamo reset, Inductor's caches cleared and a fresh
+changing order, on the same inputs, with Dynamo reset, Inductor's caches cleared and a fresh
 cache folder first (bench.systems.TorchCompile, Note [Counting compiles]), so no model
 reuses another's kernels. Its compile seconds are the whole of every call during which
 Dynamo made a graph (its first calls, in the warm-up rounds; a recompile later is
@@ -53,6 +55,8 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from bench._timing import call_order
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "tests" / "zoo"
@@ -152,8 +156,7 @@ def measure(entry, harness, warmup: int, rounds: int, log, peers=()) -> dict:
                 # while one runs (Note [Zoo timing]).
                 _drain(jit)
                 promotions = jit.stats()["promotions"]
-                shift = call % len(order)
-                for name in order[shift:] + order[:shift]:
+                for name in call_order(order, call):
                     seconds[name], outputs[name] = _timed(systems[name], x)
                 if round_ == warmup:  # the first steady outputs are checked against eager
                     for name in ("interp", "jit"):
