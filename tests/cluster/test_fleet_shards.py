@@ -268,10 +268,11 @@ def test_programs_land_on_their_shards_and_a_shard_restarts_alone(
                 programs = ray.get(shard(prog_a).stats.remote(), timeout=5)["programs"]
             except (ray.exceptions.RayError, TimeoutError):   # restarting
                 return False
-            return prog_a.content_hash[:12] in programs and link_a.stats()["service_ok"]
+            # The link counts its registration after the call returns: wait for both.
+            return (prog_a.content_hash[:12] in programs and link_a.stats()["service_ok"]
+                    and link_a.stats()["registrations"] >= 2)
 
         assert wait_until(known_again, 120) is not None, link_a.stats()
-        assert link_a.stats()["registrations"] >= 2
         restarted = ray.get(shard(prog_a).stats.remote())["programs"]
         # Re-registered, and resumed from the store's index: nothing compiled again.
         assert restarted[prog_a.content_hash[:12]]["indexed"] >= indexed_a
