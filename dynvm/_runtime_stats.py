@@ -51,6 +51,9 @@ class RegionStats:
     """Whether the region is detached now (Note [Detached regions])."""
     sample_every: int
     """Entries per watched entry (Note [Sampled watching])."""
+    watch_cost_seconds: float
+    """What watching one entry costs, as measured at the region's last check (its
+    profiled misses' median, plus a layout key; a prior before any check)."""
     detached_program_calls: int
     """Program calls that ran while the region was detached."""
     extra: Mapping[str, object] = field(default_factory=dict)

@@ -671,6 +671,7 @@ class Jit:
                 "last_guard_failure": c.last_guard_failure,
                 "detached": index in self.detached,
                 "sample_every": region_jit.sample_every,   # Note [Sampled watching]
+                "watch_cost_seconds": region_jit.watch_cost_seconds,
                 "detached_program_calls": self.detached_program_calls(index),
             }
             for name in totals:

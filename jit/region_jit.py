@@ -80,17 +80,26 @@ the misses keeps; what grows is the delay before a shape that starts recurring i
 promoted (at most `SAMPLE_MAX` times as many region calls); back-off periods count
 region calls, so sampling does not stretch them.
 
-Each check also prices the watch: a profiled miss costs about `WATCH_SECONDS` over the
-plain unit (bench.profile_overhead --entry: +5.6 us on the loop body, a 10 us region, at
-load 12; a sampled miss +0.47 us), plus the region's mean cost per call of resolving new
-layouts (gnn, a new shape on almost every call: ~20-100 us on a ~250 us region, and its
-re-attached watch ran 1.26x the interpreter), so a region is profiled on no more misses
-than keep that under `WATCH_SHARE` (2%) of its typical call (the mean of its keys'
-fastest calls):
+Each check also prices the watch, by measurement: a profiled miss costs its `leave`
+(the median of the recent ones, timed there) and its layout key (timed on one miss per
+check), plus the region's mean cost per call of resolving new layouts (gnn, a new shape
+on almost every call: ~20-100 us on a ~250 us region, and its re-attached watch ran
+1.26x the interpreter), so a region is profiled on no more misses than keep that under
+`WATCH_SHARE` (1%) of its typical call (the mean of its keys' fastest calls). Until
+`WATCH_SAMPLES` leaves have run, the price is the prior `WATCH_SECONDS` (bench.
+profile_overhead --entry: +5.6 us on the loop body, a 10 us region, at load 12). The
+prior was the price for good once, and it was wrong by 2-3x on the zoo's transformers:
+llama's profiled miss measures ~3.5 us of layout key and ~10-12 us of leave (two
+families' profiles, the policy's bound) on its ~330 us region, so it was profiled on
+every miss and ran 1.05x the interpreter with nothing specialized; its median, not its
+mean, because a leave that waits for the GIL behind a background compile measured 143
+us on average. Of the leave, the policy's inputs (the speed-up estimate and the compile
+cost) are taken once per check or change of the tables, not per miss. So:
 `dynvm bench loop`'s two small regions (10-20 us) are profiled on one miss in 16 after
-their first check, a transformer's regions (milliseconds) on every miss. A promotion
-resets the doubling to that floor; so does a cold period. stats()["regions"] shows it
-per region (`sample_every`).
+their first check, the zoo's small transformers (~0.3 ms) on one in 4, a transformer of
+many milliseconds on every miss. A promotion resets the doubling to that floor; so does
+a cold period. stats()["regions"] shows it per region (`sample_every`, and the measured
+`watch_cost_seconds`).
 
 Note [Detached regions]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -135,8 +144,9 @@ COLD_SLACK = 2.0    # Note [Cold regions]: watched while the best key is within 
 STALL_CAP = 2.0     # ... with each key's mean time at most this x its fastest call
 SAMPLE_AFTER = 2    # Note [Sampled watching]: checks without a promotion before sampling
 SAMPLE_MAX = 16     # ... and the sparsest sampling: one profiled miss in this many
-WATCH_SECONDS = 5e-6   # a profiled miss over the plain unit (bench.profile_overhead --entry)
-WATCH_SHARE = 0.02     # the share of a region's time its watching may cost
+WATCH_SECONDS = 5e-6   # a profiled miss over the plain unit, until measured (below)
+WATCH_SAMPLES = 8      # profiled misses measured before their mean replaces the prior
+WATCH_SHARE = 0.01     # the share of a region's time its watching may cost
 DETACH_CALLS = 64   # program calls a region first stays detached (Note [Detached regions])
 _MEMO_LIMIT = 4096
 _MANY = object()       # a family with more than one member signature so far
@@ -190,6 +200,14 @@ class RegionJit:
         self._steps = tuple(engine.interpreter.region_steps(region.index))
         self._verdicts: deque[float] = deque(maxlen=8)   # recent measured ratios
         self._resolve_seconds = 0.0   # spent resolving new layouts (Note [Probation])
+        # The watch's measured price (Note [Sampled watching]): the recent profiled
+        # leaves' seconds, and a layout key's, timed on one miss per cold check.
+        self._leave_costs: deque[float] = deque(maxlen=WATCH_SAMPLES * 4)
+        self._signing_costs: deque[float] = deque(maxlen=WATCH_SAMPLES)
+        self._price_signing = True
+        self.watch_cost_seconds = WATCH_SECONDS
+        self._policy_inputs: tuple[float, float] | None = None
+        self._clipped: dict[str, str] = {}
 
     # -- RegionSlot --------------------------------------------------------------------
 
@@ -231,6 +249,11 @@ class RegionJit:
             return _COLD
         if self.strong or self.weak:
             self._guard_failed(signature)
+        if self._price_signing:   # Note [Sampled watching]: what this miss's key cost
+            self._price_signing = False
+            start = self._clock_fn()
+            self._layout_sign(regs)
+            self._signing_costs.append(self._clock_fn() - start)
         return signature
 
     def _resolve(self, key: tuple, regs: list) -> tuple:
@@ -260,13 +283,23 @@ class RegionJit:
     def _tables_changed(self) -> None:
         self._generation += 1
         self._resolved.clear()
+        self._policy_inputs = None
 
     def leave(self, signature: tuple, seconds: float) -> None:
         if signature is _COLD:
             return
+        start = self._clock_fn()
         fleet = self.engine.fleet
         if fleet is not None:
             fleet.observed(self.region.index, signature, seconds)
+        promotion = self._observe(signature, seconds)
+        if promotion is not None:
+            self.engine.promote(self, *promotion)
+        # The watch's own price (Note [Sampled watching]).
+        self._leave_costs.append(self._clock_fn() - start)
+
+    def _observe(self, signature: tuple, seconds: float) -> tuple | None:
+        """Record a profiled miss; the (target, decision) to promote, if any."""
         with self._lock:
             self.counters.interpreted += 1
             if self.sample_every > 1 and not self._cold:
@@ -280,7 +313,7 @@ class RegionJit:
                 self._since_cold_check = 0
                 self._check_cold()
             if signature in self.pending or signature in self.strong:
-                return
+                return None
             family = self.families.observe(signature) if self.engine.config.families \
                 else None
             target, recurrence, mean = signature, self.profile.recurrence(signature), \
@@ -298,22 +331,43 @@ class RegionJit:
             # (the speed-up estimate, the compile cost, the clipped family) on most misses.
             if recurrence < self.threshold or key in self.pending or \
                     self._backing_off(key) or not self.engine.compiles_locally():
-                return
-            if target is family and self.engine.clip_to_declared(
-                    self, family).key in self.family_kernels:
+                return None
+            # The policy's inputs change slowly: taken once per cold check or change of
+            # the tables, not on every miss (they were a third of a profiled miss).
+            speedup, cost = self._policy_inputs or self._refresh_policy_inputs()
+            if benefit_seconds(self.engine.config, recurrence, mean, speedup) <= cost:
+                return None   # what decide() would say, without building its record
+            if target is family and self._clipped_key(family) in self.family_kernels:
                 # Its kernel is installed (under the clipped key): a late observation,
                 # as the compile service gets them, must not promote it again.
-                return
+                return None
             if target is family and self._family_bet_open():
-                return
+                return None
             decision = decide(self.engine.config, recurrence, self.threshold, mean,
-                              self.speedup(),
-                              self.engine.estimated_compile_seconds(len(self.region)))
+                              speedup, cost)
             if not decision.promote:
-                return
+                return None
             self.pending.add(key)
             self.counters.promotions += 1
-        self.engine.promote(self, target, decision)
+        return target, decision
+
+    def _refresh_policy_inputs(self) -> tuple[float, float]:
+        """(speed-up, compile seconds) for the policy, kept until the next cold check
+        or change of the tables (holding the lock)."""
+        inputs = (self.speedup(), self.engine.estimated_compile_seconds(len(self.region)))
+        self._policy_inputs = inputs
+        return inputs
+
+    def _clipped_key(self, family) -> str:
+        """The key of `family` cut to the declared ranges (Jit.clip_to_declared),
+        memoized: the clip depends only on the family and the program."""
+        clipped = self._clipped.get(family.key)
+        if clipped is None:
+            if len(self._clipped) >= _MEMO_LIMIT:
+                self._clipped.clear()
+            clipped = self._clipped[family.key] = \
+                self.engine.clip_to_declared(self, family).key
+        return clipped
 
     def _shadow(self, spec: Specialization, signature: tuple, regs: list):
         """A shadow call (Note [Probation]): the interpreter's steps on a copy of the
@@ -376,6 +430,7 @@ class RegionJit:
         passed = spec.probation.passes(ratio)
         spec.ratio, spec.probation = ratio, None
         self._verdicts.append(ratio)
+        self._policy_inputs = None
         if passed:
             self.engine.on_probation(self, spec, CONFIRMED)
             return
@@ -414,7 +469,7 @@ class RegionJit:
             return
         self.checked = True
         config = self.engine.config
-        speedup = self.speedup()
+        speedup, cost = self._refresh_policy_inputs()
         # The policy's own benefit (jit.policy) of the best key at the window's traffic,
         # with its mean time (capped: a stall), and COLD_SLACK to spare (Note [Cold regions]).
         best = COLD_SLACK * max(
@@ -427,7 +482,7 @@ class RegionJit:
         calls, hits = counters.interpreted + counters.specialized, counters.specialized
         since_calls, since_hits = calls - self._marks[0], hits - self._marks[1]
         self._marks = (calls, hits)
-        if best >= self.engine.estimated_compile_seconds(len(self.region)):
+        if best >= cost:
             self._cold_period = COLD_CHECK_EVERY
             self._sample(counters.promotions)
             return
@@ -462,9 +517,16 @@ class RegionJit:
         keeps the watch under `WATCH_SHARE` of the region's own time."""
         table = self.profile.table.values()
         typical = sum(s.min_seconds for s in table) / max(1, len(table))
-        # A profiled miss of a layout seen before, plus what resolving new layouts has
-        # cost per call (a shape storm: most of it).
-        cost = WATCH_SECONDS + self._resolve_seconds / max(1, self._region_calls())
+        # A profiled miss of a layout seen before, as measured here (its layout key and
+        # its leave; the prior until a few have run), plus what resolving new layouts
+        # has cost per call (a shape storm: most of it).
+        watched = WATCH_SECONDS
+        if len(self._leave_costs) >= WATCH_SAMPLES:
+            watched = _median(self._leave_costs) + (
+                _median(self._signing_costs) if self._signing_costs else 0.0)
+        self._price_signing = True   # timed again on the next profiled miss
+        cost = watched + self._resolve_seconds / max(1, self._region_calls())
+        self.watch_cost_seconds = watched
         floor = 1
         while floor < SAMPLE_MAX and WATCH_SHARE * typical * floor < cost:
             floor *= 2
@@ -624,3 +686,10 @@ class RegionJit:
     def forget_pending(self, target) -> None:
         with self._lock:
             self.pending.discard(getattr(target, "key", target))
+
+
+def _median(samples) -> float:
+    """The median of a few timings: the watch's price without the calls that waited for
+    the GIL behind a compile or promoted (a mean took 143 us for a 4 us leave)."""
+    ordered = sorted(samples)
+    return ordered[len(ordered) // 2]

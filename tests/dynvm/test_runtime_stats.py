@@ -103,7 +103,8 @@ def _minimal() -> dict:
 def _region() -> dict:
     return RegionStats(calls=0, hit_rate=0.0, specializations=0, family_kernels=0,
                        guard_failures=0, deopts=0, last_guard_failure=None, detached=False,
-                       sample_every=1, detached_program_calls=0).to_dict()
+                       sample_every=1, watch_cost_seconds=5e-6,
+                       detached_program_calls=0).to_dict()
 
 
 def test_dynvm_top_reads_runtime_stats_fields_by_their_names():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 import torch
 
@@ -172,3 +173,27 @@ def test_a_shape_storms_resolution_cost_prices_its_watch():
     is sampled at SAMPLE_MAX after its first check."""
     _, storm = _fed(3.0, COLD_CHECK_EVERY, resolve_seconds=10.0)
     assert storm.sample_every == SAMPLE_MAX
+
+
+def test_the_watch_is_priced_by_what_it_measured():
+    """Note [Sampled watching]: the price of a profiled miss is measured (the median of
+    the recent leaves, plus a layout key), not assumed: the millisecond region above is
+    profiled on every miss while its leaves cost microseconds, and on one miss in
+    SAMPLE_MAX once they cost a millisecond each (here: a profile that sleeps)."""
+    _, cheap = _fed(3.0, COLD_CHECK_EVERY)
+    assert cheap.sample_every == 1
+    assert cheap.watch_cost_seconds < 1e-3
+    runtime, slow = _fed(3.0, 0)
+    record = slow.profile.record
+
+    def slow_record(signature, seconds):
+        time.sleep(1e-3)
+        return record(signature, seconds)
+
+    slow.profile.record = slow_record
+    cost = runtime.jit.estimated_compile_seconds(len(slow.region))
+    for i in range(COLD_CHECK_EVERY):
+        slow.leave((("signature", i % 4),), 3.0 * cost / 10)
+    assert slow.watch_cost_seconds >= 1e-3
+    assert slow.sample_every == SAMPLE_MAX
+    assert runtime.stats()["regions"][slow.region.index]["sample_every"] == SAMPLE_MAX
