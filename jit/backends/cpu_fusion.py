@@ -54,10 +54,15 @@ at most that long for the GIL.
 
 Every rewrite must measure faster: the pass asks the device's `Calibrator` (Note
 [Calibration]) to time the eager pair against the fused call on operands of the op's
-shapes, per (epilogue, M size class, N, K, threads), at every probe's M (capped, see
-`_CALIBRATION_MAX_M`); the rewrite is made only where oneDNN wins at the planning probe
-and loses at no probe. The choice and both timings become notes in the kernel's source
-header, which `dynvm explain` prints.
+shapes, per (epilogue, M size class, N, K, threads). Where M is the same at every probe
+(an exact specialization, or a family whose varying dims leave the GEMM's rows alone) it
+is one question at that M (capped, see `_CALIBRATION_MAX_M`), and the rewrite is made
+where oneDNN wins. Where M varies, oneDNN's first call at each new M builds a primitive
+that costs more than the whole GEMM at small sizes (Note [oneDNN at a new row count] in
+cpu_row_gate): the question is asked per size class of M over the family's range, with
+oneDNN also timed at a new M on every call, and the kernel runs oneDNN only in the
+classes where it pays, for an M seen often enough to pay back the build. The choice and
+the timings become notes in the kernel's source header, which `dynvm explain` prints.
 
 oneDNN's linear reads strided and offset views correctly (it copies what it cannot
 read; checked in tests/jit/test_cpu_fusion.py), so no view reaches a kernel that assumes
@@ -82,13 +87,22 @@ its own compile thread, which competes with requests for the same cores).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from dynvm.jit.aliasing import flat_values
 from dynvm.jit.backends.cpu_prepack import PrepackCache
-from dynvm.jit.calibration import Calibrator, size_class
+from dynvm.jit.backends.cpu_row_gate import (
+    ONEDNN,
+    ONEDNN_NEW_ROWS,
+    TORCH,
+    RowGate,
+    gated,
+    sightings_before_onednn,
+)
+from dynvm.jit.calibration import Calibrator, Choice, size_class
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
 from dynvm.jit.specialize import add_frees
 from dynvm.vm.opcodes import OPCODES
@@ -125,9 +139,14 @@ CONV_KERNELS = {
     CONV_UNARY_NCHW: _nchw(_mkldnn._convolution_pointwise.default),
     CONV_BINARY_NCHW: _nchw(_mkldnn._convolution_pointwise.binary),
 }
+# A fused linear behind a RowGate (Note [oneDNN at a new row count]): the gate is the
+# first operand, the rest are the plain fused call's.
+GATED = {LINEAR_UNARY: "ONEDNN_LINEAR_GATED", LINEAR_BINARY: "ONEDNN_LINEAR_BINARY_GATED"}
 FUSED_KERNELS = {
     LINEAR_UNARY: _mkldnn._linear_pointwise.default,
     LINEAR_BINARY: _mkldnn._linear_pointwise.binary,
+    GATED[LINEAR_UNARY]: gated,
+    GATED[LINEAR_BINARY]: gated,
     **CONV_KERNELS,
 }
 
@@ -212,26 +231,26 @@ def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device
                                  producer_position, weak_guard)
         try:
             decision = _decide(op, gemm, epilogue, ops, constants, spec.abstract, calibrator)
-            if decision is None and epilogue is not None:
+            if not decision.fuse and epilogue is not None:
                 # The fused form lost: try the GEMM alone (its own calibration).
                 epilogue = None
                 decision = _decide(op, gemm, None, ops, constants, spec.abstract,
                                    calibrator)
-            fused = None if decision is None else _fused_op(
-                op, gemm, epilogue, ops, constants, spec.abstract, prepacked)
+            fused = None if not decision.fuse else _fused_op(
+                op, gemm, epilogue, ops, constants, spec.abstract, prepacked,
+                decision.after)
         except RuntimeError as exc:   # oneDNN refused these operands: torch keeps them
             notes.append(f"{op.source_pc}: {op.opcode} stays on torch (oneDNN refused "
                          f"it: {str(exc)[:120]})")
             continue
-        if decision is None:
-            notes.append(f"{op.source_pc}: {op.opcode} stays on torch "
-                         f"({_why_not(op, gemm, calibrator)})")
+        if not decision.fuse:
+            notes.append(f"{op.source_pc}: {op.opcode} stays on torch ({decision.note})")
             continue
         replaced[position] = fused
         if epilogue is not None:
             removed.add(epilogue[0])
         notes.append(f"{op.source_pc}: {_describe(op, epilogue, ops)} -> oneDNN "
-                     f"{_call_text(fused)}{decision}")
+                     f"{_call_text(fused)}{decision.note}")
     if not replaced:
         return FusionResult(spec, tuple(notes))
     new_ops = [replaced.get(i, op) for i, op in enumerate(ops) if i not in removed]
@@ -401,77 +420,139 @@ def _m_of(x: torch.Tensor) -> int:
     return x.numel() // max(1, x.shape[-1])
 
 
+@dataclass(frozen=True)
+class _Decision:
+    """Whether a GEMM goes to oneDNN, the note saying why, and for a family whose M
+    varies, when (Note [oneDNN at a new row count]): `after` per size class of M, or
+    None for every call."""
+
+    fuse: bool
+    note: str
+    after: tuple | None = None
+
+
+_NO_FASTER = "oneDNN measured no faster here"
+
+
 def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
-            calibrator: Calibrator | None) -> str | None:
-    """A note suffix when the rewrite is kept, None when torch's form stays."""
+            calibrator: Calibrator | None) -> _Decision:
     if calibrator is None:
-        return " (not measured: fusion forced on)"
+        return _Decision(True, " (not measured: fusion forced on)")
     weight = constants[gemm.weight]
     bias = constants[gemm.bias.index] if isinstance(gemm.bias, ConstRef) else None
     k, n = weight.shape if gemm.transpose else weight.shape[::-1]
     label = _kind(op, epilogue, ops)
-    xs = probe_tensors(probes, gemm.x.reg)
-    ms = sorted({min(_m_of(x), _CALIBRATION_MAX_M) for x in xs}, reverse=True)
     threads = torch.get_num_threads()
-    verdicts = []
-    for m in ms:
-        key = (size_class(m), n, k, threads)
+    probe_ms = {_m_of(x) for x in probe_tensors(probes, gemm.x.reg)}
+    new_rows = len(probe_ms) > 1
+    dense = weight.t() if gemm.transpose else weight
+    eager, fused = _forms(op, epilogue, ops, weight, bias)
 
-        def operands(m=m):
-            # Built only when this size class was never measured (Note [Calibration]).
-            x = torch.randn(m, k)
-            dense = weight.t().contiguous() if gemm.transpose else weight.contiguous()
-            packed = torch.ops.mkldnn._reorder_linear_weight(dense, max(1, m))
-            eager, fused = _candidates(op, epilogue, ops, x, weight, dense, packed, bias)
-            return {"torch": eager, "onednn": fused}
-        verdicts.append((m, calibrator.choose(f"onednn {label}", key, operands)))
-    planning_m = min(_m_of(xs[0]), _CALIBRATION_MAX_M)
-    planning = next(choice for m, choice in verdicts if m == planning_m)
-    margin = calibrator.margin
-    loses = any(c.seconds["onednn"] > c.seconds["torch"] * (1.0 + margin)
-                for _, c in verdicts)
-    if planning.name != "onednn" or loses:
-        return None
-    timings = "; ".join(f"M={m} {c.seconds['onednn'] * 1e3:.3f} vs "
-                        f"{c.seconds['torch'] * 1e3:.3f} ms" for m, c in verdicts)
-    return f" (measured, oneDNN vs torch: {timings})"
+    def ask(m: int) -> Choice:
+        def operands():
+            # Built only when this size class was never measured (Note [Calibration]);
+            # rows past m give the new-M form a row count of its own on every call.
+            spare = calibrator.rounds + 2 if new_rows else 0
+            xs, others = torch.randn(m + spare, k), torch.randn(m + spare, n)
+            packed = _mkldnn._reorder_linear_weight(dense.contiguous(), max(1, m))
+            x, other = xs[:m], others[:m]
+            forms = {TORCH: lambda: eager(x, other), ONEDNN: lambda: fused(x, other, packed)}
+            if new_rows:
+                fresh = itertools.count(m + 1)
+
+                def at_new_rows():
+                    rows = next(fresh)
+                    return fused(xs[:rows], others[:rows], packed)
+                forms[ONEDNN_NEW_ROWS] = at_new_rows
+            return forms
+        question = f"onednn {label}" + (" at new M" if new_rows else "")
+        return calibrator.choose(question, (size_class(m), n, k, threads), operands)
+
+    if not new_rows:
+        m = min(probe_ms.pop(), _CALIBRATION_MAX_M)
+        choice = ask(m)
+        if choice.name != ONEDNN:
+            return _Decision(False, _NO_FASTER)
+        return _Decision(True, f" (measured, oneDNN vs torch: M={m} "
+                               f"{choice.seconds[ONEDNN] * 1e3:.3f} vs "
+                               f"{choice.seconds[TORCH] * 1e3:.3f} ms)")
+    return _decide_per_size_class(ask, probe_ms, calibrator.margin)
 
 
-def _candidates(op, epilogue, ops, x, weight, dense, packed, bias):
-    """Zero-argument calls: the pair as the interpreter runs it, and the fused call."""
+def _decide_per_size_class(ask, probe_ms: set[int], margin: float) -> _Decision:
+    """Note [oneDNN at a new row count]: a verdict per size class of M over the family's
+    range (capped), each measured at the class's smallest M in that range."""
+    low = min(min(probe_ms), _CALIBRATION_MAX_M)
+    high = min(max(probe_ms), _CALIBRATION_MAX_M)
+    first = size_class(low)
+    after: list = [None] * first
+    measured = []
+    for c in range(first, size_class(high) + 1):
+        m = max(low, 1 << c)
+        choice = ask(m)
+        verdict = sightings_before_onednn(choice, margin)
+        after.append(verdict)
+        measured.append(f"M={m} {_ms(choice, TORCH)} / {_ms(choice, ONEDNN)} / "
+                        f"{_ms(choice, ONEDNN_NEW_ROWS)} ms: {_verdict_text(verdict)}")
+    timings = ("torch / oneDNN / oneDNN at a new M, per size class of M: "
+               + "; ".join(measured))
+    verdicts = after[first:]
+    if all(v is None for v in verdicts):
+        return _Decision(False, f"{_NO_FASTER} at the family's row counts ({timings})")
+    if all(v == 0 for v in verdicts):
+        return _Decision(True, f" (measured, {timings})")
+    return _Decision(True, f" (gated per row count, {timings})", tuple(after))
+
+
+def _ms(choice: Choice, name: str) -> str:
+    return f"{choice.seconds[name] * 1e3:.3f}"
+
+
+def _verdict_text(verdict: int | None) -> str:
+    if verdict is None:
+        return "torch"
+    return "oneDNN" if verdict == 0 else f"oneDNN after {verdict} calls at one M"
+
+
+def _forms(op, epilogue, ops, weight, bias):
+    """The pair as the interpreter runs it, `eager(x, other)`, and the fused call,
+    `fused(x, other, packed)` (`other`: the binary post-op's second operand, unused by
+    the unary forms), on operands of the op's sizes; `eager` is also a gated kernel's
+    torch form (Note [oneDNN at a new row count])."""
     gemm_impl = OPCODES[op.opcode].impl
     if op.opcode == "LINEAR":
-        def run_gemm():
+        def run_gemm(x):
             return gemm_impl(x, weight, bias)
     elif op.opcode == "ADDMM":
-        def run_gemm():
+        def run_gemm(x):
             return gemm_impl(bias, x, weight)
     else:
-        def run_gemm():
+        def run_gemm(x):
             return gemm_impl(x, weight)
     if epilogue is None:
-        return run_gemm, lambda: FUSED_KERNELS[LINEAR_UNARY](x, packed, bias, "none", [], "")
-    consumer_at, attr, scalars, algorithm, other = epilogue
+        def fused_alone(x, other, packed):
+            return FUSED_KERNELS[LINEAR_UNARY](x, packed, bias, "none", [], "")
+        return lambda x, other: run_gemm(x), fused_alone
+    consumer_at, attr, scalars, algorithm, second = epilogue
     consumer = ops[consumer_at]
     spec = OPCODES[consumer.opcode]
-    if other is None:
+    step = spec.inplace if consumer.variant == "inplace" else spec.impl
+    if second is None:
         extra = [a.value for a in consumer.args[1:]]
-        step = spec.inplace if consumer.variant == "inplace" else spec.impl
 
-        def eager():
-            return step(run_gemm(), *extra)
+        def eager(x, other):
+            return step(run_gemm(x), *extra)
 
-        def fused():
+        def fused(x, other, packed):
             return FUSED_KERNELS[LINEAR_UNARY](x, packed, bias, attr, scalars, algorithm)
         return eager, fused
-    second = torch.randn(x.shape[0], dense.shape[0])
-    step = spec.inplace if consumer.variant == "inplace" else spec.impl
 
-    def eager_binary():
-        return step(run_gemm(), second)
+    def eager_binary(x, other):
+        # ADD and MUL commute exactly; SUB is fused only with the GEMM's result first.
+        return step(run_gemm(x), other)
 
-    def fused_binary():
-        return FUSED_KERNELS[LINEAR_BINARY](x, second, packed, bias, attr)
+    def fused_binary(x, other, packed):
+        return FUSED_KERNELS[LINEAR_BINARY](x, other, packed, bias, attr)
     return eager_binary, fused_binary
 
 
@@ -498,33 +579,41 @@ def run_original(ops: list[SpecOp], values: dict[int, object], constants) -> obj
     return env[ops[-1].dsts[0]]
 
 
-def _why_not(op, gemm, calibrator) -> str:
-    return "oneDNN measured no faster here" if calibrator is not None else "not applicable"
-
-
 # -- the fused op ------------------------------------------------------------------------
 
 
 def _fused_op(op, gemm: _Gemm, epilogue, ops, constants, probes,
-              prepacked: PrepackCache) -> SpecOp:
+              prepacked: PrepackCache, after: tuple | None = None) -> SpecOp:
+    """The fused SpecOp; with `after`, a call through a `RowGate` (Note [oneDNN at a new
+    row count]) whose torch form is the pair the op replaces."""
     xs = probe_tensors(probes, gemm.x.reg)
     packed = prepacked.linear_weight(gemm.weight, constants[gemm.weight], _m_of(xs[0]),
                                      gemm.transpose)
+    bias = constants[gemm.bias.index] if isinstance(gemm.bias, ConstRef) else None
     if epilogue is None:
-        return SpecOp(LINEAR_UNARY, op.dsts, (gemm.x, Literal(packed), gemm.bias,
-                                              Literal("none"), Literal([]), Literal("")),
-                      op.source_pc, variant=FUSED_VARIANT)
-    consumer_at, attr, scalars, algorithm, other = epilogue
-    consumer = ops[consumer_at]
-    variant = f"{FUSED_VARIANT}+{consumer.source_pc}"
+        dsts, variant, attr, other = op.dsts, FUSED_VARIANT, "none", None
+        args = (gemm.x, Literal(packed), gemm.bias, Literal("none"), Literal([]),
+                Literal(""))
+    else:
+        consumer_at, attr, scalars, algorithm, other = epilogue
+        consumer = ops[consumer_at]
+        dsts, variant = consumer.dsts, f"{FUSED_VARIANT}+{consumer.source_pc}"
+        args = ((gemm.x, Literal(packed), gemm.bias, Literal(attr), Literal(scalars),
+                 Literal(algorithm)) if other is None
+                else (gemm.x, other, Literal(packed), gemm.bias, Literal(attr)))
+    opcode = LINEAR_UNARY if other is None else LINEAR_BINARY
+    if after is None:
+        return SpecOp(opcode, dsts, args, op.source_pc, variant=variant)
+    eager, _ = _forms(op, epilogue, ops, constants[gemm.weight], bias)
     if other is None:
-        return SpecOp(LINEAR_UNARY, consumer.dsts, (gemm.x, Literal(packed), gemm.bias,
-                                                    Literal(attr), Literal(scalars),
-                                                    Literal(algorithm)),
-                      op.source_pc, variant=variant)
-    return SpecOp(LINEAR_BINARY, consumer.dsts, (gemm.x, other, Literal(packed), gemm.bias,
-                                                 Literal(attr)),
-                  op.source_pc, variant=variant)
+        def torch_form(x, *fused_args):
+            return eager(x, None)
+    else:
+        def torch_form(x, second, *fused_args):
+            return eager(x, second)
+    gate = RowGate(after, FUSED_KERNELS[opcode], torch_form)
+    return SpecOp(GATED[opcode], dsts, (Literal(gate), *args), op.source_pc,
+                  variant=variant)
 
 
 def _kind(op, epilogue, ops) -> str:
@@ -543,8 +632,11 @@ def _describe(op, epilogue, ops) -> str:
 
 
 def _call_text(fused: SpecOp) -> str:
-    if fused.opcode == LINEAR_UNARY:
-        attr = fused.args[3].value
-        return "linear" if attr == "none" else f"linear with post-op {attr}"
-    return f"linear with binary post-op {fused.args[4].value}"
-
+    gated_call = fused.opcode in GATED.values()
+    args = fused.args[1:] if gated_call else fused.args
+    opcode = next((k for k, v in GATED.items() if v == fused.opcode), fused.opcode)
+    prefix = "row-gated " if gated_call else ""
+    if opcode == LINEAR_UNARY:
+        attr = args[3].value
+        return prefix + ("linear" if attr == "none" else f"linear with post-op {attr}")
+    return prefix + f"linear with binary post-op {args[4].value}"

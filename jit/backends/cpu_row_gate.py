@@ -1,0 +1,105 @@
+"""oneDNN's linear in a family kernel only on row counts where it pays: by measurement.
+
+Note [oneDNN at a new row count]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+oneDNN builds a primitive for every input shape it meets and caches it (LRU, 1024 per
+process by default). The first `mkldnn._linear_pointwise` call at a row count M it has
+not run before pays that build; later calls at the same M do not. Measured on this
+project's 2-core AVX-512 host, one thread, packed weight (bench: /tmp figures in the
+commit that added this note): N=64 K=64 at M=512, 0.58 ms at a new M against 0.058 ms at
+a repeated one (torch's F.linear 0.066 ms either way); at M=512 N=1024 K=256 the build
+costs about as much (1.4 ms) but the GEMM saves 2.4 ms. The batch hint the weight was
+packed for changed nothing measurable (hints 1, 512, 4096); an unpacked weight costs
+more, not less.
+
+A calibration that times each form at one repeated M sees only the warm cost, so it said
+yes to oneDNN on gnn's message linears (M=512: 0.037 vs 0.053 ms). gnn's family kernel
+then met a new edge count on almost every call, paid a build per fused linear per call,
+and measured 2.3-5x the interpreter until probation dropped it (the same kernel with
+`cpu_fusion="off"`: 0.92x). A Transformer family (jitter: 64 batch sizes, each recurring)
+meets the same few M again and again and keeps its gains.
+
+So, for a GEMM whose M varies across the family's probes, the calibration
+(`gemm_verdicts` in cpu_fusion) measures per size class of M, at a representative M of
+every class the family covers (up to the cap), three forms: torch's pair, oneDNN at a
+repeated M, and oneDNN at a new M on every call. Per class, the verdict is:
+
+- torch (`None`): oneDNN at a repeated M does not beat torch by the calibrator's margin,
+  or it wins so little that paying the build back would take more than
+  `MAX_SIGHTINGS` calls at one M;
+- `0`: oneDNN wins even when it builds a primitive on every call;
+- `r` > 0: the build pays back after `r` calls at the same M (ski rental: run torch's
+  pair on the first `r` sightings of an M, then oneDNN; no worse than twice the best
+  choice made in hindsight, whatever the traffic).
+
+A size class that was not measured (below the family's lowest M) runs torch. Above the
+calibration's cap (`_CALIBRATION_MAX_M`) the top measured class answers: the build's
+cost is fixed while the GEMM's saving grows with M. If every class says 0 the kernel
+calls oneDNN directly, as before; if every class says torch the GEMM stays on torch;
+otherwise the kernel calls a `RowGate`, which counts sightings per M (a dict lookup and
+a bit_length per call, ~0.2 us) and picks the form per call. A gate belongs to one fused
+op of one kernel and lives as long as the kernel: its counts start over with a new
+kernel, which costs at most `r` torch calls per M.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dynvm.jit.calibration import Choice, size_class
+
+TORCH, ONEDNN, ONEDNN_NEW_ROWS = "torch", "onednn", "onednn new rows"
+# A oneDNN lead that needs more calls at one M than this to pay back its primitive build
+# is not worth a gate: the JIT's promotion window is 64 calls, and so small a lead is
+# within the noise of the calibration itself.
+MAX_SIGHTINGS = 64
+
+
+def sightings_before_onednn(choice: Choice, margin: float) -> int | None:
+    """Note [oneDNN at a new row count]: calls at one M to run on torch before oneDNN
+    pays (0: oneDNN at once), or None (torch always), from a three-form calibration."""
+    t, warm = choice.seconds[TORCH], choice.seconds[ONEDNN]
+    fresh = choice.seconds.get(ONEDNN_NEW_ROWS, warm)
+    if warm >= t * (1.0 - margin):
+        return None
+    if fresh <= t:
+        return 0
+    calls = math.ceil((fresh - t) / (t - warm))
+    return calls if calls <= MAX_SIGHTINGS else None
+
+
+class RowGate:
+    """One fused linear's choice per call (Note [oneDNN at a new row count]): oneDNN
+    (`fused`) for an M once it has been seen as often as its size class asks, else
+    torch's pair (`fallback`, same arguments, which ignores oneDNN's packed weight).
+
+    `after[c]` is the verdict of size class c (None: torch); a class above the table
+    uses its last entry. Counts are per M; races between threads only miscount."""
+
+    __slots__ = ("after", "seen", "fused", "fallback")
+
+    def __init__(self, after: tuple, fused, fallback) -> None:
+        self.after = after
+        self.seen: dict[int, int] = {}
+        self.fused = fused
+        self.fallback = fallback
+
+    def __call__(self, x, *args):
+        m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        after = self.after[min(max(0, m.bit_length() - 1), len(self.after) - 1)]
+        if after is not None:
+            seen = self.seen.get(m, 0)
+            if seen >= after:
+                return self.fused(x, *args)
+            self.seen[m] = seen + 1
+        return self.fallback(x, *args)
+
+    def uses_onednn(self, m: int) -> bool:
+        """Whether the next call at `m` rows runs oneDNN (tests, diagnostics)."""
+        after = self.after[min(size_class(m), len(self.after) - 1)]
+        return after is not None and self.seen.get(m, 0) >= after
+
+
+def gated(gate: RowGate, *args):
+    """The generated code's call of a gated fused linear (the gate is its first operand)."""
+    return gate(*args)
