@@ -1,8 +1,9 @@
 """`RedisStore`: the cluster's kernel store, one Redis string per artifact key.
 
 Redis is run as a cache (deploy/redis.conf: maxmemory + allkeys-lru, no persistence):
-an evicted or lost entry only costs a recompile. `get` is one MGET round trip for any
-number of keys (after the sizes, Note [Entry size cap]); `put` is one transaction: the SET
+an evicted or lost entry only costs a recompile. `get` is one pipelined round trip for
+any number of entries of up to HEAD_BYTES, and two more for a longer one (Note [Reading
+within the cap]); `put` is one transaction: the SET
 (with EX when a TTL is configured) and the program's use record. Expiry and the size
 bound per program follow Note [Artifact lifetime] (dynvm.cluster.store_base): a program's
 use record is the sorted set `<namespace>{<tag>}:used` (member: key, score: last use in
@@ -45,6 +46,26 @@ from dynvm.jit.artifact_keys import program_tag_of
 from dynvm.vm.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+HEAD_BYTES = 16 * 1024
+"""What `get` reads of each entry in its first round trip (Note [Reading within the cap])."""
+
+# Note [Reading within the cap]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Note [Entry size cap] wants an entry's size known before it is downloaded. Asking for
+# the sizes first (STRLEN) and then the values (MGET) is two round trips on every read,
+# and every replica's install is one read: at a thousand replicas the fleet simulator's
+# hosts spent two thirds of their active time in store reads. So `get` asks in one
+# pipeline for each entry's existence and its first HEAD_BYTES + 1 bytes (EXISTS,
+# GETRANGE): an entry that came back shorter is whole (a CPU artifact is a few KB), and
+# only a longer one (Triton binaries) is measured and read as before, if within the cap.
+# A hostile huge entry costs HEAD_BYTES + 1 bytes, never the entry. EXISTS tells an
+# empty value from an absent one (GETRANGE answers "" for both). A Redis ACL without
+# GETRANGE answers NOPERM: the store says so once in the log and reads sizes first from
+# then on (deploy/redis.conf's example ACL wants +getrange for the one-trip read).
+
+_LONGER = object()      # longer than the head: measure, then read if within the cap
+_TOO_LARGE = object()   # larger than the cap: counted as oversized, treated as absent
 
 _URL_USERINFO = re.compile(r"(?i)\b((?:rediss?|unix)://)[^@/\s]*@")
 _REDACTED = "***"
@@ -234,6 +255,8 @@ class RedisStore:
         self._secrets = config._password_forms()
         self._redis = redis_client(config)
         self._marks = UseMarks(config.refresh_interval_s, config.ttl_seconds)
+        self._head = min(HEAD_BYTES, max_entry_bytes)
+        self._head_reads = True   # False once the Redis ACL refused GETRANGE
 
     def __repr__(self) -> str:
         return f"RedisStore({self.config.location()!r}, namespace={self.config.namespace!r})"
@@ -242,26 +265,67 @@ class RedisStore:
         keys = [check_key(key) for key in keys]
         if not keys:
             return {}
-        namespace = self.config.namespace
-        # Note [Entry size cap]: sizes first (one pipelined round trip), then only the
-        # entries within the cap; a value that grew in between is dropped after all.
-        pipe = self._redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.strlen(namespace + key)
-        sizes = self._call("get", pipe.execute)
-        small = [key for key, size in zip(keys, sizes, strict=True)
-                 if size <= self.max_entry_bytes]
-        values = self._call("get", self._redis.mget, [namespace + key for key in small]) \
-            if small else []
-        found = {key: bytes(value) for key, value in zip(small, values, strict=True)
-                 if value is not None and len(value) <= self.max_entry_bytes}
-        oversized = (len(keys) - len(small)) + sum(
-            1 for value in values if value is not None and len(value) > self.max_entry_bytes)
+        names = [self.config.namespace + key for key in keys]
+        values = self._read_heads(names)
+        longer = [i for i, value in enumerate(values) if value is _LONGER]
+        if longer:
+            read = self._read_sized([names[i] for i in longer])
+            for i, value in zip(longer, read, strict=True):
+                values[i] = value
+        found = {key: value for key, value in zip(keys, values, strict=True)
+                 if isinstance(value, bytes)}
+        oversized = sum(1 for value in values if value is _TOO_LARGE)
         if oversized:
             self.stats.record_oversized(oversized)
         self.stats.record_get(len(found), len(keys) - len(found))
         self._mark_used(found)
         return found
+
+    def _read_heads(self, names: list[str]) -> list:
+        """Per entry in one round trip (Note [Reading within the cap]): its bytes if it
+        is at most `_head` long, None if absent, else _LONGER."""
+        if not self._head_reads:
+            return [_LONGER] * len(names)
+        pipe = self._redis.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(name)
+            pipe.getrange(name, 0, self._head)   # one byte past the head: tells a longer one
+        answers = self._call("get", self._execute_unless_refused, pipe)
+        if answers is None:
+            self._head_reads = False
+            logger.warning("kernel store at %s: the Redis user may not run GETRANGE; "
+                           "reading entry sizes first (one more round trip per read)",
+                           self.config.location())
+            return [_LONGER] * len(names)
+        return [_LONGER if len(head) > self._head else bytes(head) if exists else None
+                for exists, head in zip(answers[0::2], answers[1::2], strict=True)]
+
+    @staticmethod
+    def _execute_unless_refused(pipe):
+        try:
+            return pipe.execute()
+        except redis.exceptions.NoPermissionError:
+            return None
+
+    def _read_sized(self, names: list[str]) -> list:
+        """Per entry: its size first (one pipelined round trip), then the entries within
+        the cap (one MGET); None if absent, _TOO_LARGE if over the cap (a value that grew
+        in between is dropped after all)."""
+        cap = self.max_entry_bytes
+        pipe = self._redis.pipeline(transaction=False)
+        for name in names:
+            pipe.strlen(name)
+        sizes = self._call("get", pipe.execute)
+        small = [name for name, size in zip(names, sizes, strict=True) if size <= cap]
+        values = dict(zip(small, self._call("get", self._redis.mget, small), strict=True)) \
+            if small else {}
+        read = []
+        for name in names:
+            value = values.get(name, _TOO_LARGE)
+            if isinstance(value, bytes | bytearray):
+                value = bytes(value) if len(value) <= cap else _TOO_LARGE
+            read.append(value)
+        return read
 
     def put(self, key: str, value: bytes) -> None:
         key = check_key(key)

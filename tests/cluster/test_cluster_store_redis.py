@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from dynvm.cluster import RedisConfig, RedisStore, StoreUnavailable
+from dynvm.cluster.store_redis import HEAD_BYTES
 from dynvm.jit.artifact import cache_key
 from tests.cluster._redis_server import RedisServer, free_port, redis_config
 
@@ -39,16 +40,67 @@ def assert_secret_free(error: BaseException, *secrets: str) -> None:
             assert secret not in text
 
 
-def test_get_is_one_mget_round_trip(redis_server, redis_store):
+def command_counts(server: RedisServer, *commands: str) -> dict[str, int]:
+    return {command: command_calls(server, command) for command in commands}
+
+
+READS = ("exists", "getrange", "strlen", "mget", "get")
+
+
+def test_get_of_entries_within_the_head_is_one_round_trip(redis_server, redis_store):
     for n in range(10):
         redis_store.put(key(n), f"v{n}".encode())
-    before_mget = command_calls(redis_server, "mget")
-    before_get = command_calls(redis_server, "get")
-    wanted = [key(n) for n in range(12)]
-    assert redis_store.get(wanted) == {key(n): f"v{n}".encode() for n in range(10)}
-    # INFO itself runs between the two reads; only MGET and GET are compared.
-    assert command_calls(redis_server, "mget") == before_mget + 1
-    assert command_calls(redis_server, "get") == before_get
+    redis_store.put(key(10), b"")   # empty, not absent
+    before = command_counts(redis_server, *READS)
+    wanted = [key(n) for n in range(13)]
+    assert redis_store.get(wanted) == {**{key(n): f"v{n}".encode() for n in range(10)},
+                                       key(10): b""}
+    after = command_counts(redis_server, *READS)
+    # One pipeline (EXISTS + GETRANGE per key): no size query, no second read.
+    assert {c: after[c] - before[c] for c in READS} == {
+        "exists": 13, "getrange": 13, "strlen": 0, "mget": 0, "get": 0}
+
+
+def test_an_entry_longer_than_the_head_is_measured_then_read(redis_server, redis_store):
+    long = bytes(range(256)) * (HEAD_BYTES // 256 + 3)
+    redis_store.put(key(1), long)
+    redis_store.put(key(2), b"short")
+    before = command_counts(redis_server, *READS)
+    assert redis_store.get([key(1), key(2)]) == {key(1): long, key(2): b"short"}
+    after = command_counts(redis_server, *READS)
+    assert {c: after[c] - before[c] for c in ("strlen", "mget")} == {"strlen": 1, "mget": 1}
+
+
+@pytest.mark.parametrize("cap", [100, 2 * HEAD_BYTES])
+def test_an_entry_over_the_cap_is_never_downloaded(redis_server, cap):
+    with RedisStore(redis_config(redis_server), max_entry_bytes=cap) as store, \
+            redis_server.client() as admin:
+        admin.set(f"dynvm:k:{key(1)}", b"x" * (4 << 20))
+        admin.set(f"dynvm:k:{key(2)}", b"y" * cap)
+        before = int(admin.info("stats")["total_net_output_bytes"])
+        assert store.get([key(1), key(2)]) == {key(2): b"y" * cap}
+        sent = int(admin.info("stats")["total_net_output_bytes"]) - before
+        assert store.stats.snapshot()["oversized"] == 1
+    # The entry within the cap, at most a head of each (the first read), INFO's reply:
+    # never the 4 MiB one.
+    assert sent < cap + 2 * (min(cap, HEAD_BYTES) + 1) + 8192, sent
+
+
+def test_a_user_without_getrange_reads_sizes_first(redis_server, caplog):
+    with redis_server.client() as admin:
+        admin.acl_setuser("old-acl", enabled=True, passwords=["+old-pw"],
+                          keys=["dynvm:k:*"], commands=["+@connection", "+get", "+mget",
+                                                        "+strlen", "+set", "+exists"])
+        admin.set(f"dynvm:k:{key(1)}", b"v1")
+        refused_before = len(admin.acl_log())
+        with RedisStore(redis_config(redis_server, username="old-acl",
+                                     password="old-pw")) as store:
+            assert store.get([key(1), key(2)]) == {key(1): b"v1"}
+            assert store.get([key(1)]) == {key(1): b"v1"}
+        refused = len(admin.acl_log()) - refused_before
+    assert refused == 1   # GETRANGE tried once, then never again
+    warnings = [r for r in caplog.records if "GETRANGE" in r.getMessage()]
+    assert len(warnings) == 1
 
 
 def test_keys_live_under_the_namespace(redis_server):
