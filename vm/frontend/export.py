@@ -1,15 +1,5 @@
-"""Export a module with torch.export and choose the op set dynvm keeps.
-
-Note [Kept ops]
-~~~~~~~~~~~~~~~
-torch.export can decompose a graph down to core ATen, but going all the way hurts a
-VM: an encoder layer becomes dozens of views, expands and `mm`s, and each of them costs
-an interpreter step and a dispatcher round trip (measured on this project's machine: a
-fully decomposed 6-layer encoder ran about 40% slower than eager at batch 1). dynvm
-therefore decomposes to core ATen *except* for the composite ops below, which it keeps
-whole: each is one instruction in the VM, one kernel call in the interpreter, and one
-pattern the JIT can fuse or specialize.
-"""
+"""Export a module with torch.export and decompose it to the op set dynvm keeps
+(Note [Kept ops] in dynvm.vm.frontend.kept_ops)."""
 
 from __future__ import annotations
 
@@ -17,34 +7,15 @@ import warnings
 
 import torch
 
-aten = torch.ops.aten
+from dynvm.vm.frontend.decompose import decompose_in_place
+from dynvm.vm.frontend.kept_ops import KEPT_OPS, decomposition_table
 
-KEPT_OPS = (
-    aten.linear.default,
-    aten.matmul.default,
-    aten.layer_norm.default,
-    aten.gelu.default,
-    aten.silu.default,
-    aten.softmax.int,
-    aten.log_softmax.int,
-    aten.scaled_dot_product_attention.default,
-    aten.embedding.default,
-    aten.reshape.default,
-    aten.index_add.default,
-)
-
-
-def decomposition_table() -> dict:
-    """torch.export's default decompositions minus the composite ops the
-    bytecode keeps whole (KEPT_OPS)."""
-    table = torch.export.default_decompositions()
-    for kept in KEPT_OPS:
-        table.pop(kept, None)
-    return table
+__all__ = ["KEPT_OPS", "decomposition_table", "export_module"]
 
 
 def export_module(module: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None):
-    """torch.export the module in eval mode and decompose all but the kept ops."""
+    """torch.export the module in eval mode and decompose all but the kept ops, without
+    torch's retrace where the graph allows it (Note [Decomposing without a retrace])."""
     module = module.eval()  # safe: nn.Module.eval, not Python's eval
     with warnings.catch_warnings():
         # torch.export's own deep copies trip a deprecation warning inside torch
@@ -52,4 +23,6 @@ def export_module(module: torch.nn.Module, example_inputs: tuple, dynamic_shapes
         warnings.simplefilter("ignore", FutureWarning)
         exported = torch.export.export(module, tuple(example_inputs),
                                        dynamic_shapes=dynamic_shapes, strict=False)
+        if decompose_in_place(exported):
+            return exported
         return exported.run_decompositions(decomposition_table())

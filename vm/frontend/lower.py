@@ -28,7 +28,7 @@ from dynvm.vm.program import Program
 aten = torch.ops.aten
 
 # Nodes that check what the exporter already proved, or that only carry metadata.
-_DROPPED = {
+DROPPED_OPS = {
     aten._assert_tensor_metadata.default,
     aten.sym_constrain_range_for_size.default,
     aten.sym_constrain_range.default,
@@ -116,7 +116,7 @@ class _Lowering:
         if target is operator.getitem:
             container, index = node.args
             return env[container][index]
-        if target in _DROPPED:
+        if target in DROPPED_OPS:
             return None
         if target is _HOP_COND:
             return self.lower_cond(node, env)
