@@ -45,6 +45,7 @@ from dynvm.cluster.fleet_records import (
     keys_from_index,
     portable_from_fields,
     specialization_fields,
+    store_counters,
 )
 from dynvm.cluster.signed import ArtifactCache
 from dynvm.jit.artifact import toolchain_versions
@@ -58,6 +59,9 @@ from dynvm.vm.interpreter import Interpreter
 logger = logging.getLogger(__name__)
 TARGET = "cpu"
 _MAX_COUNT = 1 << 30   # observations one aggregated record may stand for
+DEFAULT_FORGET_AFTER_S = 3600.0
+"""How long a program may go unreported before the service forgets it, when the store
+has no TTL to go by (Note [Artifact lifetime])."""
 
 
 
@@ -86,14 +90,18 @@ class FleetCompiler:
         """`gpu_targets`: GPU targets such as ("cuda", 90, 32) to build Triton binaries
         for, next to each CPU artifact (dynvm.cluster.fleet_triton; no GPU needed).
         `forget_after_s`: a program that no replica registered or reported for this long
-        is forgotten (default: the store's TTL; never without one), so the store check
-        stops republishing a retired program and its artifacts expire (Note [Artifact
-        lifetime] in dynvm.cluster.store_base). Links report at least once per poll
-        interval while they serve, so a deployed program is never forgotten; one
-        forgotten by mistake is registered again at its next report."""
+        is forgotten (default: the store's TTL, else DEFAULT_FORGET_AFTER_S), so the
+        store check stops republishing a retired program and its artifacts expire or
+        are evicted (Note [Artifact lifetime] in dynvm.cluster.store_base). Links report
+        at least once per poll interval while they serve, so a deployed program is never
+        forgotten; one forgotten by mistake is registered again at its next report and
+        reloads what the store's index still lists."""
         self.store_check_s = store_check_s
         ttl = store.redis.ttl_seconds if store.redis is not None else None
-        self.forget_after_s = forget_after_s if forget_after_s is not None else ttl
+        # Without a TTL too: a service that never forgot would hold every program ever
+        # deployed, and rewrite a retired program's index each time Redis's LRU evicted it.
+        self.forget_after_s = (forget_after_s if forget_after_s is not None
+                               else ttl if ttl is not None else DEFAULT_FORGET_AFTER_S)
         self.forgotten = 0
         self.gpu_targets = tuple(gpu_targets)
         self.gpu_published = 0
@@ -349,8 +357,6 @@ class FleetCompiler:
 
     def _forget_unreported(self) -> None:
         """Drop the programs not registered or reported for `forget_after_s`."""
-        if self.forget_after_s is None:
-            return
         cutoff = time.monotonic() - self.forget_after_s
         with self._lock:
             gone = {h: s for h, s in self._programs.items() if s.last_report < cutoff}
@@ -428,7 +434,8 @@ class FleetCompiler:
                 "gpu_published": self.gpu_published, "gpu_skipped": self.gpu_skipped,
                 "gpu_indexed": sum(len(k) for s in self._programs.values()
                                    for k in s.gpu_index.values()),
-                "publish_failures": self.publish_failures, "store": self.cache.stats(),
+                "publish_failures": self.publish_failures,
+                "store": store_counters(self.cache),
                 "announced": self.announcer.sent if self.announcer else 0,
                 "announce_failures": self.announcer.failed if self.announcer else 0,
                 "trace_enabled": self.telemetry is not None}

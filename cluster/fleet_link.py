@@ -56,7 +56,12 @@ from opentelemetry import propagate
 from dynvm.cluster.announce import Announcement, RateLimit, Subscription
 from dynvm.cluster.config import StoreConfig
 from dynvm.cluster.fleet_compiler import TARGET
-from dynvm.cluster.fleet_records import index_key, keys_from_index, portable_from_fields
+from dynvm.cluster.fleet_records import (
+    index_key,
+    keys_from_index,
+    portable_from_fields,
+    store_counters,
+)
 from dynvm.cluster.fleet_shards import shard_actor_name
 from dynvm.cluster.signed import ArtifactCache
 from dynvm.jit.artifact import toolchain_versions
@@ -316,9 +321,13 @@ class FleetLink:
             return 0
         return self._install(keys_from_index(fields, self.program_hash))
 
+    def wants(self, announcement: Announcement) -> bool:
+        """Whether `announcement` is for this replica's program and target."""
+        return announcement.program == self.program_hash and announcement.target == self.target
+
     def on_announcement(self, announcement: Announcement) -> None:
         """Install what `announcement` names, if it is for this replica (rate-limited)."""
-        if announcement.program != self.program_hash or announcement.target != self.target:
+        if not self.wants(announcement):
             return
         self.counters["announcements"] += 1
         if announcement.key in self._installed:
@@ -386,6 +395,6 @@ class FleetLink:
         gpu = self.gpu.stats() if self.gpu is not None else {}
         return {**self.counters, **gpu, "buffered": buffered, "service_ok": self._service_ok,
                 "shared": self.shared, "warm_start_seconds": self.warm_start_seconds,
-                "store": self.cache.stats(),
+                "store": store_counters(self.cache),
                 "announce_reconnects": self._subscription.reconnects
                 if self._subscription is not None else 0}

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from dynvm.cluster.signed import artifact_fields
-from dynvm.cluster.store_base import check_key
+from dynvm.cluster.store_base import StoreStats, check_key
 from dynvm.jit.artifact import cache_key, toolchain_versions
 from dynvm.jit.portable import PortableError, PortableSpecialization, decode, encode
 
@@ -73,3 +73,11 @@ def portable_from_fields(fields: Mapping, program) -> PortableSpecialization:
     if metadata.get("program") != program.content_hash:
         raise PortableError("artifact belongs to another program")
     return decode(metadata.get("portable"), program)
+
+
+def store_counters(cache) -> dict[str, int]:
+    """An `ArtifactCache`'s fetch counters with its store's dropped entries (oversized,
+    evicted, expired: StoreStats.dropped), as /stats and the service's stats show them."""
+    stats = getattr(cache.store, "stats", None)   # a KernelStore need not count
+    dropped = stats.dropped() if isinstance(stats, StoreStats) else {}
+    return {**cache.stats(), **dropped}

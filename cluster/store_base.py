@@ -116,8 +116,8 @@ DEFAULT_REFRESH_INTERVAL_S = 60.0
 #   indexes of the programs it knows are still there (to republish a lost one), and must
 #   not keep a retired program alive by looking at it. It does republish a known
 #   program's index once that expired (Note [Fleet promotion]); it forgets a program
-#   that no replica registered or reported for one TTL (FleetCompiler.forget_after_s),
-#   and from then on a retired program stays gone.
+#   that no replica registered or reported for one TTL, or for an hour without a TTL
+#   (FleetCompiler.forget_after_s), and from then on a retired program stays gone.
 # * Size bound: a program holds at most `max_entries_per_program` entries. A write past
 #   the bound deletes the program's least recently used entries (last written or marked
 #   in use; Redis: a sorted set per program next to its entries, same hash tag; a
@@ -129,6 +129,14 @@ DEFAULT_REFRESH_INTERVAL_S = 60.0
 #   compile without end.
 # * The bound and the TTL are per store, not global: Redis's own memory cap and LRU
 #   (deploy/redis.conf) still decide across programs when memory is short.
+# * The TTL is off by default (DYNVM_STORE_TTL_S unset). Without it garbage is still
+#   bounded: a retired program's entries are never read again, so they are the first
+#   that allkeys-lru evicts when Redis is full, and the service forgets the program
+#   after an hour, so nothing writes them back. With a TTL they also go when memory is
+#   not short, but so do the kernels of a program deployed and idle for longer than
+#   the TTL (scaled to zero over a weekend): every shape is interpreted and compiled
+#   again when it comes back. Which is worse depends on the fleet, so it is the
+#   operator's setting; deploy/redis.conf's maxmemory is the bound either way.
 
 
 @runtime_checkable
@@ -197,6 +205,13 @@ class StoreStats:
     def record_expired(self, count: int) -> None:
         with self._lock:
             self.expired += count
+
+    def dropped(self) -> dict[str, int]:
+        """The entries this store left out or deleted, by reason (what a fetch's own
+        counters cannot show: an oversized entry reads as missing)."""
+        with self._lock:
+            return {"oversized": self.oversized, "evicted": self.evicted,
+                    "expired": self.expired}
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:

@@ -14,7 +14,7 @@ import torch
 import dynvm
 from dynvm.cluster import StoreConfig
 from dynvm.cluster.compile_service import LocalServiceClient
-from dynvm.cluster.fleet_compiler import FleetCompiler
+from dynvm.cluster.fleet_compiler import DEFAULT_FORGET_AFTER_S, FleetCompiler
 from dynvm.cluster.fleet_link import FleetLink, FleetOptions
 from dynvm.cluster.signed import seal
 from dynvm.jit.config import JitConfig
@@ -239,15 +239,17 @@ def test_a_program_no_replica_reports_is_forgotten_and_not_republished(model, tm
         assert not compiler.knows(digest)
         assert compiler.stats()["forgotten"] == 1
         assert compiler.report(digest, []) == {"known": False}
+        # The store's dropped entries sit next to its fetch counters (none here).
+        assert {"evicted", "oversized", "expired", "valid"} <= set(compiler.stats()["store"])
     finally:
         compiler.close()
 
 
-def test_the_store_ttl_is_the_default_forget_period(tmp_path, secret, redis_server):
+def test_the_store_ttl_else_an_hour_is_the_default_forget_period(tmp_path, secret, redis_server):
     with_ttl = StoreConfig(secret=secret, redis=dataclasses.replace(
         redis_config(redis_server), ttl_seconds=3600))
     local = StoreConfig(secret=secret, local_dir=str(tmp_path / "kernels"))
-    for store, expected in ((with_ttl, 3600), (local, None)):
+    for store, expected in ((with_ttl, 3600), (local, DEFAULT_FORGET_AFTER_S)):
         compiler = FleetCompiler(store, CONFIG)
         try:
             assert compiler.forget_after_s == expected

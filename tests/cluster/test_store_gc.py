@@ -12,7 +12,8 @@ import pytest
 from redis.crc import key_slot
 
 from dynvm.cluster import LocalDirStore, RedisConfig, RedisStore, check_key
-from dynvm.cluster.fleet_records import index_key
+from dynvm.cluster.fleet_records import index_key, store_counters
+from dynvm.cluster.signed import ArtifactCache
 from dynvm.jit.artifact import cache_key
 from dynvm.jit.artifact_keys import program_tag, program_tag_of
 from tests.cluster._redis_server import redis_config
@@ -176,3 +177,20 @@ def test_one_reader_of_the_fleet_renews_a_programs_ttls(redis_server):
     finally:
         for replica in replicas:
             replica.close()
+
+
+def test_dropped_entries_show_in_the_fleets_store_counters(make_store):
+    """What the store left out or deleted is in the counters /stats and the compile
+    service's stats show (dynvm.cluster.fleet_records.store_counters), next to the
+    fetch counts, where an oversized entry only reads as missing."""
+    store = make_store(max_entries_per_program=2, refresh_interval_s=0.001)
+    cache = ArtifactCache(store, b"gc-test-secret-0123456789abcdef",
+                          {"target": "cpu", "toolchain": {"torch": "x"}})
+    for n in range(3):
+        store.put(artifact(OLD, n), b"small")   # the third write evicts the oldest
+    store.put(artifact(NEW, 0), b"x" * 100)
+    store.max_entry_bytes = 64                  # a reader with a smaller cap
+    assert cache.fetch([artifact(NEW, 0)]) == {}
+    counters = store_counters(cache)
+    assert (counters["evicted"], counters["oversized"], counters["expired"]) == (1, 1, 0)
+    assert counters["missing"] == 1
