@@ -189,7 +189,12 @@ def _check_operand_kinds(code, kinds) -> None:
 
 def _check_defined_before_use(program) -> None:
     """Forward 'must be defined' dataflow: a read is legal only if the register is
-    written (or is an input) on every path from the entry to the reading instruction."""
+    written (or is an input) on every path from the entry to the reading instruction.
+
+    Register sets are bit masks (bit i: register i), so joining two sets costs
+    n_regs / 64 machine words instead of a frozenset's n_regs hash operations: with
+    frozensets this check was quadratic in the code's length (a 2000-instruction
+    straight-line program took 0.64 s to verify, at load as at compile)."""
     code = program.code
     n = len(code)
     succ = [successors(code, pc) for pc in range(n)]
@@ -204,24 +209,33 @@ def _check_defined_before_use(program) -> None:
         if pc not in reachable:
             reachable.add(pc)
             stack.extend(succ[pc])
-    universe = frozenset(Reg(i) for i in range(program.n_regs))
-    inputs = frozenset(Reg(i) for i in range(len(program.inputs)))
-    defined_in: dict[int, frozenset[Reg]] = {}
+    order = sorted(reachable)
+    universe = (1 << program.n_regs) - 1
+    inputs = (1 << len(program.inputs)) - 1
+    writes = [_mask(code[pc].dsts) for pc in range(n)]
+    defined_in: dict[int, int] = {}
     defined_out = [universe] * n  # top of the lattice; unreachable code stays there
     changed = True
     while changed:
         changed = False
-        for pc in sorted(reachable):
+        for pc in order:
             entry = inputs if pc == 0 else universe
             for p in preds[pc]:
-                entry = entry & defined_out[p]
+                entry &= defined_out[p]
             defined_in[pc] = entry
-            out = entry | frozenset(code[pc].dsts)
+            out = entry | writes[pc]
             if out != defined_out[pc]:
                 defined_out[pc] = out
                 changed = True
-    for pc in sorted(reachable):
+    for pc in order:
         instr = code[pc]
         for reg in instr.reads():
-            if reg not in defined_in[pc]:
+            if not defined_in[pc] >> reg.index & 1:
                 raise _fail(pc, instr, f"reads {reg} before it is written on every path")
+
+
+def _mask(regs) -> int:
+    mask = 0
+    for reg in regs:
+        mask |= 1 << reg.index
+    return mask
