@@ -26,6 +26,7 @@ from dynvm.jit.backends.cpu_arena_choice import out_form_pays, zeros_like_abstra
 from dynvm.jit.backends.cpu_conv import fuse_conv_epilogues
 from dynvm.jit.backends.cpu_fusion import (
     FUSED_KERNELS,
+    GATED_OPCODES,
     epilogue_pcs,
     fuse_gemm_epilogues,
     is_fused,
@@ -188,9 +189,13 @@ def _emit_body(emitter, spec, program, constants, device,
         emitter.line(f"# {program.code[op.source_pc]}")
         for pc in epilogue_pcs(op) if op.variant else ():  # Note [CPU fusion]
             emitter.line(f"# {program.code[pc]}")
+        if op.opcode in GATED_OPCODES:  # Note [oneDNN at a new row count]
+            emitter.bind("row_gate", op.args[0].value)   # named so before args bind it
         args = [_value(a, emitter, constants) for a in _device_args(op.args, device)]
         comment = ""
-        if layout is not None and position in layout.outs:
+        if op.opcode in GATED_OPCODES:
+            fn, args = args[0], args[1:]       # the gate (a global) is the callee
+        elif layout is not None and position in layout.outs:
             fn = emitter.bind(op.opcode + "_out", OUT_KERNELS[op.opcode].fn)
             args += [f"A[{k}]" for k in layout.outs[position]]
             comment = "  # into the arena"

@@ -87,6 +87,7 @@ its own compile thread, which competes with requests for the same cores).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -98,8 +99,8 @@ from dynvm.jit.backends.cpu_row_gate import (
     ONEDNN,
     ONEDNN_NEW_ROWS,
     TORCH,
-    RowGate,
-    gated,
+    BinaryRowGate,
+    UnaryRowGate,
     sightings_before_onednn,
 )
 from dynvm.jit.calibration import Calibrator, Choice, size_class
@@ -141,12 +142,12 @@ CONV_KERNELS = {
 }
 # A fused linear behind a RowGate (Note [oneDNN at a new row count]): the gate is the
 # first operand, the rest are the plain fused call's.
+# The generated code calls the gate itself.
 GATED = {LINEAR_UNARY: "ONEDNN_LINEAR_GATED", LINEAR_BINARY: "ONEDNN_LINEAR_BINARY_GATED"}
+GATED_OPCODES = frozenset(GATED.values())
 FUSED_KERNELS = {
     LINEAR_UNARY: _mkldnn._linear_pointwise.default,
     LINEAR_BINARY: _mkldnn._linear_pointwise.binary,
-    GATED[LINEAR_UNARY]: gated,
-    GATED[LINEAR_BINARY]: gated,
     **CONV_KERNELS,
 }
 
@@ -515,24 +516,27 @@ def _verdict_text(verdict: int | None) -> str:
 
 
 def _forms(op, epilogue, ops, weight, bias):
-    """The pair as the interpreter runs it, `eager(x, other)`, and the fused call,
-    `fused(x, other, packed)` (`other`: the binary post-op's second operand, unused by
-    the unary forms), on operands of the op's sizes; `eager` is also a gated kernel's
-    torch form (Note [oneDNN at a new row count])."""
+    """The pair as the interpreter runs it, `eager(x, other=None, *ignored)`, and the
+    fused call, `fused(x, other, packed)` (`other`: the binary post-op's second operand,
+    unused by the unary forms). `eager` is also a gated kernel's torch form (Note [oneDNN
+    at a new row count]), called with the fused call's operands: one Python frame over
+    torch's own calls (the GEMM is a `functools.partial` of the builtin)."""
     gemm_impl = OPCODES[op.opcode].impl
     if op.opcode == "LINEAR":
-        def run_gemm(x):
-            return gemm_impl(x, weight, bias)
+        run_gemm = functools.partial(gemm_impl, weight=weight, bias=bias)
     elif op.opcode == "ADDMM":
-        def run_gemm(x):
-            return gemm_impl(bias, x, weight)
+        run_gemm = functools.partial(gemm_impl, bias, mat2=weight)
+    elif op.opcode == "MM":
+        run_gemm = functools.partial(gemm_impl, mat2=weight)
     else:
-        def run_gemm(x):
-            return gemm_impl(x, weight)
+        run_gemm = functools.partial(gemm_impl, other=weight)
     if epilogue is None:
+        def gemm_alone(x, other=None, *ignored):
+            return run_gemm(x)
+
         def fused_alone(x, other, packed):
             return FUSED_KERNELS[LINEAR_UNARY](x, packed, bias, "none", [], "")
-        return lambda x, other: run_gemm(x), fused_alone
+        return gemm_alone, fused_alone
     consumer_at, attr, scalars, algorithm, second = epilogue
     consumer = ops[consumer_at]
     spec = OPCODES[consumer.opcode]
@@ -540,14 +544,14 @@ def _forms(op, epilogue, ops, weight, bias):
     if second is None:
         extra = [a.value for a in consumer.args[1:]]
 
-        def eager(x, other):
+        def eager(x, other=None, *ignored):
             return step(run_gemm(x), *extra)
 
         def fused(x, other, packed):
             return FUSED_KERNELS[LINEAR_UNARY](x, packed, bias, attr, scalars, algorithm)
         return eager, fused
 
-    def eager_binary(x, other):
+    def eager_binary(x, other=None, *ignored):
         # ADD and MUL commute exactly; SUB is fused only with the GEMM's result first.
         return step(run_gemm(x), other)
 
@@ -605,13 +609,8 @@ def _fused_op(op, gemm: _Gemm, epilogue, ops, constants, probes,
     if after is None:
         return SpecOp(opcode, dsts, args, op.source_pc, variant=variant)
     eager, _ = _forms(op, epilogue, ops, constants[gemm.weight], bias)
-    if other is None:
-        def torch_form(x, *fused_args):
-            return eager(x, None)
-    else:
-        def torch_form(x, second, *fused_args):
-            return eager(x, second)
-    gate = RowGate(after, FUSED_KERNELS[opcode], torch_form)
+    gate_type = UnaryRowGate if other is None else BinaryRowGate
+    gate = gate_type(after, FUSED_KERNELS[opcode], eager)
     return SpecOp(GATED[opcode], dsts, (Literal(gate), *args), op.source_pc,
                   variant=variant)
 
@@ -632,7 +631,7 @@ def _describe(op, epilogue, ops) -> str:
 
 
 def _call_text(fused: SpecOp) -> str:
-    gated_call = fused.opcode in GATED.values()
+    gated_call = fused.opcode in GATED_OPCODES
     args = fused.args[1:] if gated_call else fused.args
     opcode = next((k for k, v in GATED.items() if v == fused.opcode), fused.opcode)
     prefix = "row-gated " if gated_call else ""

@@ -5,12 +5,12 @@ Note [oneDNN at a new row count]
 oneDNN builds a primitive for every input shape it meets and caches it (LRU, 1024 per
 process by default). The first `mkldnn._linear_pointwise` call at a row count M it has
 not run before pays that build; later calls at the same M do not. Measured on this
-project's 2-core AVX-512 host, one thread, packed weight (bench: /tmp figures in the
-commit that added this note): N=64 K=64 at M=512, 0.58 ms at a new M against 0.058 ms at
-a repeated one (torch's F.linear 0.066 ms either way); at M=512 N=1024 K=256 the build
-costs about as much (1.4 ms) but the GEMM saves 2.4 ms. The batch hint the weight was
-packed for changed nothing measurable (hints 1, 512, 4096); an unpacked weight costs
-more, not less.
+project's 2-core AVX-512 host, one thread, packed weight, 24 calls each (load 8):
+N=64 K=64 at M=512, 0.58 ms at a new M against 0.058 ms at a repeated one (torch's
+F.linear 0.066 ms); the build costs 0.4-0.5 ms at M=64 and M=512 for N, K in 64..256,
+more where the GEMM is larger (M=512 N=1024 K=256: 1.4 ms, while oneDNN saves 2.4 ms per
+call over torch there). The batch hint the weight was packed for changed nothing
+measurable (hints 1, 512, 4096); an unpacked weight costs more, not less.
 
 A calibration that times each form at one repeated M sees only the warm cost, so it said
 yes to oneDNN on gnn's message linears (M=512: 0.037 vs 0.053 ms). gnn's family kernel
@@ -36,8 +36,10 @@ A size class that was not measured (below the family's lowest M) runs torch. Abo
 calibration's cap (`_CALIBRATION_MAX_M`) the top measured class answers: the build's
 cost is fixed while the GEMM's saving grows with M. If every class says 0 the kernel
 calls oneDNN directly, as before; if every class says torch the GEMM stays on torch;
-otherwise the kernel calls a `RowGate`, which counts sightings per M (a dict lookup and
-a bit_length per call, ~0.2 us) and picks the form per call. A gate belongs to one fused
+otherwise the kernel calls a `RowGate` (the generated code's callee), which counts
+sightings per M and picks the form per call: its check measured 0.33 us, the whole gate
+0.4-1.7 us over the plain torch pair at M=32 (load 10-14, too noisy to say closer); at
+gnn's GEMMs (20-50 us each) that is 1-3%. A gate belongs to one fused
 op of one kernel and lives as long as the kernel: its counts start over with a new
 kernel, which costs at most `r` torch calls per M.
 """
@@ -71,28 +73,35 @@ def sightings_before_onednn(choice: Choice, margin: float) -> int | None:
 class RowGate:
     """One fused linear's choice per call (Note [oneDNN at a new row count]): oneDNN
     (`fused`) for an M once it has been seen as often as its size class asks, else
-    torch's pair (`fallback`, same arguments, which ignores oneDNN's packed weight).
+    torch's pair (`fallback(x)`, or `fallback(x, other)` for a binary post-op).
 
     `after[c]` is the verdict of size class c (None: torch); a class above the table
-    uses its last entry. Counts are per M; races between threads only miscount."""
+    uses its last entry. Counts are per M; races between threads only miscount. The
+    subclasses spell out the fused call's operands: no argument tuples on the way."""
 
-    __slots__ = ("after", "seen", "fused", "fallback")
+    __slots__ = ("after", "_by_bits", "seen", "fused", "fallback")
 
     def __init__(self, after: tuple, fused, fallback) -> None:
         self.after = after
+        # indexed by M's bit_length (size class + 1; M=0 reads class 0)
+        self._by_bits = (after[0], *after)
         self.seen: dict[int, int] = {}
         self.fused = fused
         self.fallback = fallback
 
-    def __call__(self, x, *args):
+    def onednn_now(self, x) -> bool:
+        """Whether this call, on activation `x`, runs oneDNN (counting the sighting)."""
         m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        after = self.after[min(max(0, m.bit_length() - 1), len(self.after) - 1)]
-        if after is not None:
-            seen = self.seen.get(m, 0)
-            if seen >= after:
-                return self.fused(x, *args)
-            self.seen[m] = seen + 1
-        return self.fallback(x, *args)
+        table = self._by_bits
+        bits = m.bit_length()
+        after = table[bits] if bits < len(table) else table[-1]
+        if after is None:
+            return False
+        seen = self.seen.get(m, 0)
+        if seen >= after:
+            return True
+        self.seen[m] = seen + 1
+        return False
 
     def uses_onednn(self, m: int) -> bool:
         """Whether the next call at `m` rows runs oneDNN (tests, diagnostics)."""
@@ -100,6 +109,23 @@ class RowGate:
         return after is not None and self.seen.get(m, 0) >= after
 
 
-def gated(gate: RowGate, *args):
-    """The generated code's call of a gated fused linear (the gate is its first operand)."""
-    return gate(*args)
+class UnaryRowGate(RowGate):
+    """A gate in front of `mkldnn._linear_pointwise` (unary post-op or none)."""
+
+    __slots__ = ()
+
+    def __call__(self, x, packed, bias, attr, scalars, algorithm):
+        if self.onednn_now(x):
+            return self.fused(x, packed, bias, attr, scalars, algorithm)
+        return self.fallback(x)
+
+
+class BinaryRowGate(RowGate):
+    """A gate in front of `mkldnn._linear_pointwise.binary`."""
+
+    __slots__ = ()
+
+    def __call__(self, x, other, packed, bias, attr):
+        if self.onednn_now(x):
+            return self.fused(x, other, packed, bias, attr)
+        return self.fallback(x, other)

@@ -27,6 +27,7 @@ from dynvm.jit.backends.cpu_row_gate import (
     ONEDNN_NEW_ROWS,
     TORCH,
     RowGate,
+    UnaryRowGate,
     sightings_before_onednn,
 )
 from dynvm.jit.calibration import Calibrator, Choice, size_class
@@ -60,12 +61,13 @@ def test_sightings_before_onednn(torch_s, warm, fresh, verdict):
 
 def test_the_gate_counts_sightings_per_m_and_answers_per_size_class():
     ran = []
-    gate = RowGate((None, None, None, 2, 0), lambda x: ran.append(("onednn", len(x))),
-                   lambda x: ran.append(("torch", len(x))))
+    gate = UnaryRowGate((None, None, None, 2, 0),
+                        lambda x, *fused_operands: ran.append(("onednn", len(x))),
+                        lambda x: ran.append(("torch", len(x))))
 
     def run(m):
         ran.clear()
-        gate(torch.empty(m, 3))
+        gate(torch.empty(m, 3), "packed", None, "none", [], "")
         return ran[0][0]
     # class 3 (M 8..15): torch for the first two sightings of each M, then oneDNN
     assert [run(9) for _ in range(4)] == ["torch", "torch", "onednn", "onednn"]
@@ -166,7 +168,7 @@ def test_a_family_kernel_never_runs_onednn_where_it_lost_or_was_not_measured():
     # measured at every size class the family's rows cover, new-M form included
     gemm_questions = [(op, key) for op, key in calibrator.asked if "at new M" in op]
     assert {key[0] for _, key in gemm_questions} >= {3, 4, 5, 6}
-    assert "row-gated" in kernel.source and "onednn_linear_gated" in kernel.source
+    assert "row-gated" in kernel.source and "= row_gate" in kernel.source
     gates, onednn_rows = _spy_gates(kernel)
     assert gates
     gen = torch.Generator().manual_seed(0)
