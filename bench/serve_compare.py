@@ -175,6 +175,32 @@ def _closed_loop(port: int, path: str, bodies, clients: int, seconds: float) -> 
     return closed_loop(connect, send, bodies, clients, seconds)
 
 
+def _replica_pids(apps: dict[str, str]) -> dict[str, int]:
+    """{system: pid} of each system's replica actor, asked of the actor itself (Serve
+    names replica actors SERVE_REPLICA::<app>#...; only this benchmark's Ray cluster)."""
+    import ray
+
+    pids = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        for system, app in apps.items():
+            if actor["name"].startswith(f"SERVE_REPLICA::{app}#"):
+                handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+                pids[system] = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()))
+    return pids
+
+
+def _cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of process `pid` so far (/proc), 0 when unknown."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _check_same_answer(port: int, paths: dict, body) -> np.ndarray:
     """Both systems answer the same body with the same numbers (within float noise);
     returns dynvm's answer."""
@@ -255,13 +281,14 @@ def main(argv=None) -> int:
                                   route_prefix=f"{PLAIN_PREFIX}/v2/models/{name}")
                         for name in paths])
         print(f"plain deployed in {time.perf_counter() - started:.1f} s", flush=True)
-        print("model        enc     clients system  run  req/s    p50_ms   p99_ms  fails",
-              flush=True)
+        print("model        enc     clients system  run  req/s    p50_ms   p99_ms  fails  "
+              "replica_cpu_ms/req", flush=True)
         for name in paths:
             demo, names = demos[name]
             routes = {"dynvm": f"/v2/models/{name}/infer",
                       "plain": f"{PLAIN_PREFIX}/v2/models/{name}/infer"}
             answer = _check_same_answer(port, routes, _bodies(demo, name, names, False, 1)[0])
+            pids = _replica_pids({"dynvm": model_app_name(name), "plain": f"plain-{name}"})
             for encoding in args.encodings.split(","):
                 if encoding == "grpc":  # dynvm only (the plain deployment has no gRPC)
                     requests = _grpc_load.grpc_requests(_tensor_sets(demo, name), names)
@@ -286,14 +313,22 @@ def main(argv=None) -> int:
                 for clients in (int(c) for c in args.clients.split(",")):
                     for repeat in range(args.repeats):
                         for system in systems:
+                            cpu = _cpu_seconds(pids.get(system))
                             result = run(system, clients, args.seconds)
+                            answered = result["rps"] * args.seconds
+                            # The replica's own CPU per answered request (ms): what the
+                            # side-by-side req/s cannot separate from the host's load.
+                            result["replica_cpu_ms"] = (round(1000 * (_cpu_seconds(
+                                pids.get(system)) - cpu) / answered, 3)
+                                if answered and system in pids else None)
                             row = {"model": name, "encoding": encoding, "clients": clients,
                                    "system": system, "repeat": repeat,
                                    "load": round(os.getloadavg()[0], 1), **result}
                             runs.append(row)
                             print(f"{name:12} {encoding:7} {clients:7} {system:7} "
                                   f"{repeat:3}  {result['rps']:7}  {result['p50_ms']!s:7}  "
-                                  f"{result['p99_ms']!s:7}  {result['failures']:5}",
+                                  f"{result['p99_ms']!s:7}  {result['failures']:5}  "
+                                  f"{result['replica_cpu_ms']}",
                                   flush=True)
     finally:
         serve.shutdown()
@@ -309,7 +344,9 @@ def main(argv=None) -> int:
                 continue
             rps = statistics.median(r["rps"] for r in rows)
             p50 = statistics.median(r["p50_ms"] or float("nan") for r in rows)
-            line.append(f"{system} {rps:.1f} req/s p50 {p50:.1f} ms")
+            cpus = [r["replica_cpu_ms"] for r in rows if r.get("replica_cpu_ms") is not None]
+            cpu = f", replica {statistics.median(cpus):.2f} ms CPU/req" if cpus else ""
+            line.append(f"{system} {rps:.1f} req/s p50 {p50:.1f} ms{cpu}")
         print(f"  {key[0]:12} {key[1]:7} {key[2]} clients: " + " | ".join(line))
     if args.json:
         with open(args.json, "w") as out:

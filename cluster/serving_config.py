@@ -126,6 +126,9 @@ class ServingConfig:
     """CPUs Ray reserves per replica."""
     num_gpus: float | None = None
     """GPUs per replica; None: 1 when the Ray cluster has GPUs, else 0."""
+    access_log: bool = False
+    """Serve's access log line per request in the replica's log (off: the replica's own
+    counters and metrics count requests; Note [Replica on Serve's loop])."""
     fleet: FleetOptions | None = None
     """Share compiled specializations through the compile service and the kernel store
     (dynvm.cluster.fleet_link); None: each replica compiles alone."""

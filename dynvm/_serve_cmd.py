@@ -150,6 +150,7 @@ def _serving_from_args(args) -> ServingConfig:
     try:
         return ServingConfig(**_given(
             device=args.device, num_replicas=args.replicas, num_cpus=args.num_cpus,
+            access_log=args.access_log or None,
             jit=None if args.online_compile else JitConfig(online_compile=False)),
             batching=batching, limits=limits, autoscaling=autoscaling)
     except ValueError as exc:
@@ -313,6 +314,9 @@ the URL; Ctrl-C (or SIGTERM) stops everything it started.
     p.add_argument("--call-seconds", type=float, metavar="S",
                    help="budget of one model call: a call still looping after S seconds "
                    "stops and its request gets a 500")
+    p.add_argument("--access-log", action="store_true",
+                   help="Serve's access log line per request in the replica logs (off by "
+                   "default: it costs CPU on every request, the metrics count them)")
     p.add_argument("--require-signed", action="store_true",
                    help="load the .dvm file only if MODEL.dvm.sig holds its signature "
                    "with DYNVM_STORE_SECRET (dynvm.vm.dvm_signature.sign_file)")

@@ -186,9 +186,9 @@ def test_flags_map_to_one_serving_config(tmp_path):
         str(path), "--max-batch-size", "16", "--max-batch-delay-ms", "1.5",
         "--preferred-batch-sizes", "8,4,16", "--no-shape-aware-batching",
         "--max-queued", "32", "--replicas", "3", "--device", "cpu", "--call-seconds", "2",
-        "--no-online-compile"))
+        "--no-online-compile", "--access-log"))
     assert options.serving == ServingConfig(
-        device="cpu", num_replicas=3, jit=JitConfig(online_compile=False),
+        device="cpu", num_replicas=3, jit=JitConfig(online_compile=False), access_log=True,
         batching=BatchingOptions(max_batch_size=16, max_delay_s=0.0015,
                                  preferred_sizes=(4, 8, 16), shape_aware=False,
                                  max_queued=32),
