@@ -123,7 +123,7 @@ import threading
 import time
 from collections import deque
 
-from dynvm.jit.policy import Decision, benefit_seconds, decide, recurrence_threshold
+from dynvm.jit.policy import Decision, benefit_seconds, decide, horizon, recurrence_threshold
 from dynvm.jit.probation import CONFIRMED, DEMOTE, DROP, EARLY_SAMPLES, Probation
 from dynvm.jit.profiler import RegionProfile
 from dynvm.jit.signature import (
@@ -335,7 +335,8 @@ class RegionJit:
             # The policy's inputs change slowly: taken once per cold check or change of
             # the tables, not on every miss (they were a third of a profiled miss).
             speedup, cost = self._policy_inputs or self._refresh_policy_inputs()
-            if benefit_seconds(self.engine.config, recurrence, mean, speedup) <= cost:
+            calls = self._age()
+            if benefit_seconds(self.engine.config, recurrence, mean, speedup, calls) <= cost:
                 return None   # what decide() would say, without building its record
             if target is family and self._clipped_key(family) in self.family_kernels:
                 # Its kernel is installed (under the clipped key): a late observation,
@@ -344,7 +345,7 @@ class RegionJit:
             if target is family and self._family_bet_open():
                 return None
             decision = decide(self.engine.config, recurrence, self.threshold, mean,
-                              speedup, cost)
+                              speedup, cost, calls)
             if not decision.promote:
                 return None
             self.pending.add(key)
@@ -472,9 +473,11 @@ class RegionJit:
         speedup, cost = self._refresh_policy_inputs()
         # The policy's own benefit (jit.policy) of the best key at the window's traffic,
         # with its mean time (capped: a stall), and COLD_SLACK to spare (Note [Cold regions]).
+        calls = self._age()
         best = COLD_SLACK * max(
             (benefit_seconds(config, profile.recurrence(key),
-                             min(stats.mean_seconds, STALL_CAP * stats.min_seconds), speedup)
+                             min(stats.mean_seconds, STALL_CAP * stats.min_seconds), speedup,
+                             calls)
              for profile in (self.profile, self.family_profile)
              for key, stats in profile.table.items() if stats.count > 1), default=0.0)
         counters = self.counters
@@ -559,6 +562,11 @@ class RegionJit:
         # [Sampled watching]) profiles a fraction of them.
         return self.counters.interpreted + self.counters.specialized
 
+    def _age(self) -> int:
+        """The region's calls so far, detached ones included (as program calls): the
+        horizon of Note [Rent or buy] in jit.policy."""
+        return self._region_calls() + self.engine.detached_program_calls(self.region.index)
+
     def _match_family(self, signature: tuple) -> Specialization | None:
         """Find a family kernel whose bounds hold `signature` (once per new signature:
         the answer, a kernel or None, is memoized, so the next call is one dict lookup;
@@ -588,7 +596,8 @@ class RegionJit:
             calls = self.counters.interpreted + self.counters.specialized
             frequency = hits / max(1, calls - spec.installed_at)
             per_call = spec.seconds / max(1, spec.calls)
-            benefit = frequency * config.horizon_calls * per_call * config.exact_over_family_gain
+            benefit = (frequency * horizon(config, self._age()) * per_call
+                       * config.exact_over_family_gain)
             cost = self.engine.estimated_compile_seconds(len(self.region))
             if benefit <= cost:
                 return

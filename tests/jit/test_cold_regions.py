@@ -82,15 +82,18 @@ def test_a_region_whose_promotions_are_decided_elsewhere_never_goes_cold():
 
 
 
-def _fed(per_call_over_cost: float, calls: int, horizon: int = 10,
+def _fed(per_call_over_cost: float, calls: int, horizon: int = 10_000,
          resolve_seconds: float = 0.0):
     """A region fed `calls` interpreted calls directly (its `leave`), four signatures in
     turn, each taking `per_call_over_cost` x (compile cost / horizon) seconds (with the
-    default horizon, milliseconds: watching costs them nothing); K = the window, so the
-    policy never promotes and only the cold bound decides."""
+    default horizon and a 10 s compile, milliseconds: watching costs them nothing); K =
+    the window, so the policy never promotes and only the cold bound decides. The
+    horizon stays above the calls fed, so the region's age (Note [Rent or buy]) does not
+    lengthen it."""
     program = compiled("recommender")
     config = JitConfig(expected_speedup=1.0, families=False, min_recurrence=64,
-                       max_recurrence=64, window=64, horizon_calls=horizon)
+                       max_recurrence=64, window=64, horizon_calls=horizon,
+                       compile_seconds_base=10.0)
     runtime = dynvm.Runtime(program, "cpu", jit=config)
     region_jit = next(iter(runtime.jit.regions.values()))
     cost = runtime.jit.estimated_compile_seconds(len(region_jit.region))
@@ -159,9 +162,9 @@ def test_a_cold_region_still_looks_up_a_specialization_on_probation():
 
 def test_a_region_of_microseconds_is_watched_on_a_sample_after_its_first_check():
     """Note [Sampled watching]: each check prices the watch; a region whose calls take
-    ~20 ns here (a loop body takes ~10 us) is profiled on one miss in SAMPLE_MAX from its
+    ~0.3 us here (a loop body takes ~10 us) is profiled on one miss in SAMPLE_MAX from its
     first check on, one of milliseconds on every miss."""
-    _, tiny = _fed(3.0, COLD_CHECK_EVERY, horizon=10**6)
+    _, tiny = _fed(3.0, COLD_CHECK_EVERY, horizon=10**8)
     assert tiny.sample_every == SAMPLE_MAX and tiny.counters.cold_periods == 0
     _, large = _fed(3.0, COLD_CHECK_EVERY)
     assert large.sample_every == 1
@@ -193,7 +196,7 @@ def test_the_watch_is_priced_by_what_it_measured():
     slow.profile.record = slow_record
     cost = runtime.jit.estimated_compile_seconds(len(slow.region))
     for i in range(COLD_CHECK_EVERY):
-        slow.leave((("signature", i % 4),), 3.0 * cost / 10)
+        slow.leave((("signature", i % 4),), 3.0 * cost / runtime.jit.config.horizon_calls)
     assert slow.watch_cost_seconds >= 1e-3
     assert slow.sample_every == SAMPLE_MAX
     assert runtime.stats()["regions"][slow.region.index]["sample_every"] == SAMPLE_MAX
