@@ -40,12 +40,12 @@ from opentelemetry import propagate
 from dynvm.cluster.announce import Announcement, Announcer
 from dynvm.cluster.config import StoreConfig
 from dynvm.cluster.fleet_records import (
-    index_fields,
     index_key,
     keys_from_index,
     portable_from_fields,
     specialization_fields,
     store_counters,
+    write_index,
 )
 from dynvm.cluster.signed import ArtifactCache
 from dynvm.jit.artifact import toolchain_versions
@@ -284,8 +284,7 @@ class FleetCompiler:
             while len(keys) > self.jit_config.max_specializations_per_region:
                 keys.popitem(last=False)
             listed = [k for region_keys in state.index.values() for k in region_keys]
-        self.cache.publish(index_key(program_hash, TARGET),
-                           index_fields(program_hash, TARGET, listed))
+        write_index(self.cache, program_hash, TARGET, listed)
         self.published += 1
         carrier: dict[str, str] = {}
         if span is not None:
@@ -323,8 +322,7 @@ class FleetCompiler:
             while len(keys) > self.jit_config.max_specializations_per_region:
                 keys.popitem(last=False)
             listed = [k for region_keys in state.gpu_index.values() for k in region_keys]
-        self.cache.publish(index_key(program_hash, target),
-                           index_fields(program_hash, target, listed))
+        write_index(self.cache, program_hash, target, listed)
         if self.announcer is not None:
             self.announcer.publish(Announcement(program_hash, target, key, None))
 
@@ -386,8 +384,8 @@ class FleetCompiler:
             if kept:
                 logger.warning("the store lost program %s's GPU index: relisting %d "
                                "entries", state.program.content_hash[:12], len(kept))
-                self.cache.publish(key, index_fields(state.program.content_hash,
-                                                     self.gpu_target, kept))
+                write_index(self.cache, state.program.content_hash, self.gpu_target,
+                            kept)
 
     # -- inspection -----------------------------------------------------------------------
 

@@ -57,9 +57,11 @@ from dynvm.cluster.announce import Announcement, RateLimit, Subscription
 from dynvm.cluster.config import StoreConfig
 from dynvm.cluster.fleet_compiler import TARGET
 from dynvm.cluster.fleet_records import (
+    MAX_STAMP_SKIPS,
     index_key,
     keys_from_index,
     portable_from_fields,
+    read_index_stamp,
     store_counters,
 )
 from dynvm.cluster.fleet_shards import shard_actor_name
@@ -168,6 +170,8 @@ class FleetLink:
         self._buffer_lock = threading.Lock()
         self._install_lock = threading.Lock()
         self._installed: set[str] = set()
+        self._index_stamp: bytes | None = None   # Note [Index stamps]
+        self._stamp_skips = 0
         self._service_ok = False
         self._next_report = 0.0      # monotonic time before which the service asked for quiet
         self._next_heartbeat = 0.0   # an empty report is sent no more often than this
@@ -180,7 +184,7 @@ class FleetLink:
                          "dropped_observations": 0, "service_failures": 0, "backoffs": 0,
                          "registrations": 0, "installed": 0, "install_rejected": 0,
                          "announcements": 0, "announcements_dropped": 0,
-                         "warm_start_installs": 0}
+                         "warm_start_installs": 0, "index_reads_skipped": 0}
         rate = options.max_announced_fetches_per_s
         self._announce_rate = RateLimit(rate, burst=max(1, round(rate)))
         self.warm_start_seconds = 0.0
@@ -314,12 +318,26 @@ class FleetLink:
 
     def install_indexed(self) -> int:
         """Install what the program's index lists and is not installed yet; returns how
-        many were installed."""
+        many were installed. The index is read only when its stamp changed since the
+        last index this link installed in full, or every MAX_STAMP_SKIPS polls (Note
+        [Index stamps] in dynvm.cluster.fleet_records)."""
+        stamp = read_index_stamp(self.cache.store, self.program_hash, self.target)
+        if stamp is not None and stamp == self._index_stamp \
+                and self._stamp_skips < MAX_STAMP_SKIPS:
+            self._stamp_skips += 1
+            self.counters["index_reads_skipped"] += 1
+            return 0
         key = index_key(self.program_hash, self.target)
         fields = self._fetch([key]).get(key)
         if fields is None:
             return 0
-        return self._install(keys_from_index(fields, self.program_hash))
+        listed = keys_from_index(fields, self.program_hash)
+        installed = self._install(listed)
+        # Skipping needs everything listed installed: a key that failed (evicted, store
+        # away, rejected) is retried at the next poll, as without stamps.
+        complete = self._installed.issuperset(listed)
+        self._index_stamp, self._stamp_skips = (stamp if complete else None), 0
+        return installed
 
     def wants(self, announcement: Announcement) -> bool:
         """Whether `announcement` is for this replica's program and target."""

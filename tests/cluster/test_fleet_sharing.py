@@ -16,6 +16,7 @@ from dynvm.cluster import StoreConfig
 from dynvm.cluster.compile_service import LocalServiceClient
 from dynvm.cluster.fleet_compiler import DEFAULT_FORGET_AFTER_S, FleetCompiler
 from dynvm.cluster.fleet_link import FleetLink, FleetOptions
+from dynvm.cluster.fleet_records import MAX_STAMP_SKIPS, write_index
 from dynvm.cluster.signed import seal
 from dynvm.jit.config import JitConfig
 from tests.cluster._cluster_helpers import saved_recommender, wait_until
@@ -255,3 +256,42 @@ def test_the_store_ttl_else_an_hour_is_the_default_forget_period(tmp_path, secre
             assert compiler.forget_after_s == expected
         finally:
             compiler.close()
+
+
+def test_a_poll_reads_the_index_only_when_its_stamp_changed(model, store_config):
+    """Note [Index stamps]: a link that installed everything the index lists skips the
+    index read while the stamp is unchanged (up to MAX_STAMP_SKIPS polls in a row), and
+    reads it at once after the service wrote it again."""
+    demo, program, dvm_bytes = model
+    compiler = FleetCompiler(store_config, CONFIG)
+    a = _replica(program, dvm_bytes, store_config, compiler)
+    runtime = dynvm.Runtime(program, "cpu", jit=CONFIG)
+    b = FleetLink(runtime, dvm_bytes, FleetOptions(store_config, **FAST),
+                  LocalServiceClient(compiler)).start(threads=False)   # polls when told
+    try:
+        draws = _draws(demo, 3)
+        for _ in range(12):
+            for inputs in draws:
+                a.runtime(*inputs)
+        assert compiler.wait_idle() and compiler.index(program.content_hash)
+        assert b.install_indexed() >= 1   # a new stamp: the index is read and installed
+
+        def index_reads() -> int:
+            return b.cache.stats()["valid"] - b.stats()["installed"]
+
+        reads = index_reads()
+        for n in range(MAX_STAMP_SKIPS):
+            assert b.install_indexed() == 0
+            assert b.stats()["index_reads_skipped"] == n + 1
+        assert index_reads() == reads                 # stamp read only, no index read
+        assert b.install_indexed() == 0               # skipped enough: read anyway
+        assert index_reads() == reads + 1
+        write_index(compiler.cache, program.content_hash, "cpu",
+                    compiler.index(program.content_hash))   # rewritten: a new stamp
+        b.install_indexed()
+        assert index_reads() == reads + 2
+        assert b.stats()["index_reads_skipped"] == MAX_STAMP_SKIPS
+    finally:
+        a.close()
+        b.close()
+        compiler.close()
