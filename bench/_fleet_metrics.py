@@ -30,7 +30,10 @@ def redis_counters(client) -> dict:
     publish = stats.get("cmdstat_publish", {}).get("calls", 0)
     memory = client.info("memory")
     subscribers = dict(client.pubsub_numsub("dynvm:announce")).get(b"dynvm:announce", 0)
-    return {"commands": calls, "publish": publish, "used_memory": memory["used_memory"],
+    by_command = {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()
+                  if k.startswith("cmdstat_")}
+    return {"commands": calls, "publish": publish, "by_command": by_command,
+            "used_memory": memory["used_memory"],
             "used_memory_rss": memory["used_memory_rss"], "subscribers": subscribers}
 
 

@@ -28,7 +28,11 @@ from pathlib import Path
 from bench._fleet_metrics import process_usage, propagation, redis_counters
 
 PROGRAMS = 4
-REPLICAS_PER_HOST = 500   # two host processes at N = 1000: one per core
+# Simulated replicas per host process: two processes at N = 1000. Spreading them wider
+# was measured and did not pay on two shared cores: at 125 per process (eight) the
+# processes used 1.15 cores against 0.74-0.78 at 500, and propagation was slower, not
+# faster (announcement -> 99% installed 11.5 s against 7.1-7.5 s, load 5-12).
+REPLICAS_PER_HOST = 500
 NAMESPACE = "dynvm-fleet-sim"
 MODES = {
     "single": {"shards": 1, "aggregate": False, "max_backoff_s": 1e-3},
@@ -45,7 +49,7 @@ def _jit_config():
 
 
 def run_one(mode: str, n: int, dvm_files: list[bytes], seconds: float, rate: float,
-            settle_s: float) -> dict:
+            settle_s: float, per_host: int = REPLICAS_PER_HOST) -> dict:
     """One (mode, N) run; returns its figures."""
     import ray
 
@@ -71,7 +75,7 @@ def run_one(mode: str, n: int, dvm_files: list[bytes], seconds: float, rate: flo
         services = [ray.get_actor(s, namespace=NAMESPACE) for s in shard_names(name, shards)]
         pids = ray.get([s.pid.remote() for s in services])
         redis = redis_client(local.config(), "dynvm-fleet-sim")
-        host_count = max(1, math.ceil(n / REPLICAS_PER_HOST))
+        host_count = max(1, math.ceil(n / per_host))
         programs = [r % len(dvm_files) for r in range(n)]
         remote_host = ray.remote(ReplicaHost).options(num_cpus=0, max_concurrency=2)
         hosts = [remote_host.remote(h, dvm_files, programs[h::host_count], options,
@@ -98,11 +102,11 @@ def run_one(mode: str, n: int, dvm_files: list[bytes], seconds: float, rate: flo
             redis.close()
     return summarize(mode, n, shards, window, seconds, results, service_stats,
                      cpu_after - cpu_before, service_rss, redis_before, redis_after,
-                     start_seconds)
+                     start_seconds, host_count)
 
 
 def summarize(mode, n, shards, window, seconds, results, service_stats, service_cpu,
-              service_rss, redis_before, redis_after, start_seconds) -> dict:
+              service_rss, redis_before, redis_after, start_seconds, host_count=1) -> dict:
     counters: dict[str, int] = {}
     for host in results:
         for key, value in host["counters"].items():
@@ -119,6 +123,8 @@ def summarize(mode, n, shards, window, seconds, results, service_stats, service_
     requests = sum(h["requests"] for h in results)
     return {
         "mode": mode, "replicas": n, "shards": shards, "window_s": window,
+        "host_processes": host_count,
+        "host_rss_mb": sum(h.get("host_rss_bytes", 0) for h in results) / 2**20,
         "traffic_s": seconds, "requests": requests,
         "specialized_fraction": sum(h["specialized_requests"] for h in results)
         / max(1, requests),
@@ -134,6 +140,10 @@ def summarize(mode, n, shards, window, seconds, results, service_stats, service_
         "service_cpu_us_per_replica_s": 1e6 * service_cpu / window / n,
         "service_rss_mb": service_rss / 2**20,
         "redis_commands_per_replica_s": commands / window / n,
+        "redis_calls_by_command": {
+            name: calls - redis_before["by_command"].get(name, 0)
+            for name, calls in redis_after["by_command"].items()
+            if calls > redis_before["by_command"].get(name, 0)},
         "redis_used_memory_mb": redis_after["used_memory"] / 2**20,
         "redis_rss_mb": redis_after["used_memory_rss"] / 2**20,
         "announce_subscribers": redis_after["subscribers"],
@@ -157,6 +167,7 @@ def summarize(mode, n, shards, window, seconds, results, service_stats, service_
         "announcement_read_spread_s": max(h["announcement_read_spread_s"] for h in results),
         "announcement_queued_s": max(h["announcement_queued_s"] for h in results),
         "installed_by_poll": counters["installed_by_poll"],
+        "index_reads_skipped": counters["index_reads_skipped"],
         "announcements_dropped": counters["announcements_dropped"],
         "install_rejected": counters["install_rejected"],
         "host_start_s": max(start_seconds),
@@ -164,6 +175,10 @@ def summarize(mode, n, shards, window, seconds, results, service_stats, service_
         "reference_install_ms": max(h["reference_install_ms"] for h in results),
         "tick_sweep_p50_s": max(h["sweep_p50_s"] for h in results),
         "tick_sweep_max_s": max(h["sweep_max_s"] for h in results),
+        "tick_sweep_p99_s": max(h["sweep_p99_s"] for h in results),
+        # How long a link waited for the service's answer to one report (the worst host).
+        "report_wait_s": {q: max(h["report_wait_s"][q] for h in results)
+                          for q in ("p50", "p99", "max")},
         **{k: v for k, v in reach.items() if k != "keys_announced"},
     }
 
@@ -177,21 +192,23 @@ def table(rows: list[dict]) -> str:
 
     lines = ["| mode | req/s/replica | N | reports/s | records/s | KB/s in | service CPU | "
              "CPU µs/replica/s | "
-             "sight→99% (med / p90 s) | announce→99% (med s) | Redis cmd/replica/s | "
-             "service RSS MB | Redis MB | compiles/key | local compiles |",
-             "|" + "---|" * 15]
+             "sight→first (med s) | sight→99% (med / p90 s) | announce→99% (med s) | "
+             "Redis cmd/replica/s | service RSS MB | Redis MB | compiles/key | "
+             "local compiles | load |",
+             "|" + "---|" * 17]
     for r in rows:
-        s99, a99 = r["sighting_to_99"], r["announce_to_99"]
+        s1, s99, a99 = r["sighting_to_first"], r["sighting_to_99"], r["announce_to_99"]
         lines.append(
             f"| {r['mode']} | {r.get('rate_per_replica', 5.0):g} | {r['replicas']} | "
             f"{fmt(r['report_messages_per_s'], 0)} | {fmt(r['records_per_s'], 0)} | "
             f"{fmt(r['report_bytes_per_s'] / 1024, 0)} | {fmt(r['service_cpu_fraction'])} | "
-            f"{fmt(r['service_cpu_us_per_replica_s'], 0)} | "
+            f"{fmt(r['service_cpu_us_per_replica_s'], 0)} | {fmt(s1['median'])} | "
             f"{fmt(s99['median'])} / {fmt(s99['p90'])} ({s99['reached']}/{s99['of']}) | "
             f"{fmt(a99['median'])} ({a99['reached']}/{a99['of']}) | "
             f"{fmt(r['redis_commands_per_replica_s'])} | {fmt(r['service_rss_mb'], 0)} | "
             f"{fmt(r['redis_rss_mb'], 0)} | {fmt(r['compiles_per_key'])} | "
-            f"{r['replica_local_compiles']} |")
+            f"{r['replica_local_compiles']} | "
+            f"{fmt(r.get('load_before'), 1)} / {fmt(r.get('load_after'), 1)} |")
     return "\n".join(lines)
 
 
@@ -208,7 +225,8 @@ def plot(rows: list[dict], path: str) -> None:
     panels = [("records_per_s", "observation records / s into the service"),
               ("service_cpu_fraction", "service CPU (cores)"),
               ("service_cpu_us_per_replica_s", "service CPU µs per replica-second"),
-              ("sighting_to_99", "first sighting → 99% installed (median s)"),
+              ("sighting_to_99", "first sighting → 99% installed (median s)\n"
+               "dashed: → first replica serving it"),
               ("announce_to_99", "announcement → 99% installed (median s)"),
               ("redis_commands_per_replica_s", "Redis commands / replica / s")]
     figure, axes = plt.subplots(2, 3, figsize=(13, 7))
@@ -218,7 +236,14 @@ def plot(rows: list[dict], path: str) -> None:
                        else r[key]) for r in rows if _label(r) == label]
             points = [(x, y) for x, y in points if y is not None]
             if points:
-                axis.plot(*zip(*points), marker="o", label=label)
+                line, = axis.plot(*zip(*points), marker="o", label=label)
+                if key == "sighting_to_99":   # promotion + compile + one install
+                    first = [(r["replicas"], r["sighting_to_first"]["median"])
+                             for r in rows if _label(r) == label]
+                    first = [(x, y) for x, y in first if y is not None]
+                    if first:
+                        axis.plot(*zip(*first), linestyle="--", marker=".",
+                                  color=line.get_color())
         axis.set_xscale("log")
         if key in ("service_cpu_us_per_replica_s", "records_per_s"):
             axis.set_yscale("log")
@@ -241,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle", type=float, default=5.0,
                         help="seconds after the traffic before measuring")
     parser.add_argument("--rate", type=float, default=5.0, help="requests/s per replica")
+    parser.add_argument("--replicas-per-host", type=int, default=REPLICAS_PER_HOST,
+                        help="simulated replicas per host process")
     parser.add_argument("--json", default="bench/results/fleet_scale.json")
     parser.add_argument("--plot", default=None, help="e.g. docs/fleet_scale.png")
     parser.add_argument("--replot", nargs="+", metavar="JSON",
@@ -266,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes:
             for n in args.n:
                 load = os.getloadavg()[0]
-                row = run_one(mode, n, dvm_files, args.seconds, args.rate, args.settle)
+                row = run_one(mode, n, dvm_files, args.seconds, args.rate, args.settle,
+                              args.replicas_per_host)
+                row["replicas_per_host"] = args.replicas_per_host
                 row["rate_per_replica"] = args.rate
                 row["load_before"] = load
                 row["load_after"] = os.getloadavg()[0]
