@@ -118,7 +118,7 @@ class Runtime:
             self._calls += 1
             calls = self._calls
         jit = self.jit
-        if jit is not None:  # Note [Detached regions] in dynvm.jit.region_jit
+        if jit is not None:  # Note [Detached regions] in dynvm.jit.region_watch
             jit.program_calls = calls
             if calls >= jit.reattach_at:
                 jit.reattach_due(calls)

@@ -138,7 +138,7 @@ class Jit:
         # Note [Fleet hooks]: set by `connect` when a cluster shares this JIT's work.
         self.fleet = None
         self._compile_listeners: list = []
-        # Note [Detached regions] in dynvm.jit.region_jit: region index -> the program call
+        # Note [Detached regions] in dynvm.jit.region_watch: region index -> the program call
         # at which it is re-attached; the Runtime stores its call count in `program_calls`
         # and calls `reattach_due` once it reaches `reattach_at`.
         self._detach_lock = threading.Lock()   # never held while taking a region's lock
@@ -182,7 +182,7 @@ class Jit:
     def close(self) -> None:
         self.queue.close()
 
-    # -- detached regions (Note [Detached regions] in dynvm.jit.region_jit) -------------
+    # -- detached regions (Note [Detached regions] in dynvm.jit.region_watch) -------------
 
     def detach(self, region_jit: RegionJit, period: int) -> None:
         """Give `region_jit`'s region the interpreter's plain unit back for `period`

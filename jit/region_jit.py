@@ -25,96 +25,8 @@ further only when that pays:
 A family that has seen a single member so far is no family yet: its signature is
 promoted as an exact specialization directly.
 
-Note [Cold regions]
-~~~~~~~~~~~~~~~~~~~
-Watching a region costs a signature, a lookup and a profile update per interpreted
-call, a few microseconds. For a region that runs in microseconds (a loop body over small
-tensors) that is a large share, and it buys nothing when no specialization of the region
-will pay for its compile at the traffic it sees. Every `COLD_CHECK_EVERY` interpreted
-calls a region computes the policy's own benefit (jit.policy `benefit_seconds`: share of
-the window x horizon x mean time x speed-up) for each signature and family seen at least
-twice, and if even the best, times `COLD_SLACK`, is below the compile cost, its next
-misses are not profiled. The bound is the policy's formula with the policy's figures on
-purpose. It once took the slowest signature as if seen on every call: the loop body of
-`dynvm bench loop` (each batch size a fraction of the window, never promoted) stayed
-profiled on every entry, 1.26x the interpreter over 1200 calls. A bound at the window's
-traffic but with each key's fastest call instead of its mean (c6be771) fixed that but
-fell below the policy's benefit: albert's region in the zoo, which the policy promotes a
-few calls after the first check, was detached first and never promoted (JIT 0.94x the
-interpreter instead of 0.75x). With the policy's mean and the slack of 2, a key the
-policy is about to promote keeps its region watched (the mean grows with a loaded host,
-and so does the policy's benefit), and a region whose best key is far from paying stops
-being watched. The mean is capped at `STALL_CAP` x the key's fastest call: one call
-preempted for 27 ms on the loaded test machine once kept a 25 us loop region watched
-(albert's mean is 1.3x its fastest call on a loaded host). If the bound says cold, its
-next misses are not
-profiled: with no specialization installed `enter` returns at once, otherwise it still
-looks up the specializations it has and only skips the profiling of a miss. The period
-doubles each time the bound still holds (up to `COLD_CALLS_MAX`), so that a region
-whose shapes grow is looked at again. A region whose promotions are decided elsewhere
-(a fleet's compile service, Note [Fleet hooks]) never goes cold here.
-
-A specialization that measured slower than the interpreter (Note [Probation] in
-dynvm.jit.probation) is dropped and its key backs off as after a failed compile: not
-promoted again for `failed_compile_backoff_calls` region calls, doubling each time; the
-region checks the bound at once (its speed-up estimate now includes the loss), so a
-region whose every specialization loses runs interpreted, watched only cheaply. The
-check comes every 64 profiled calls (it was 256: gnn's 300-call workload, a new shape
-every call, paid for watching its one region on every call and was never checked). A
-cold period also skips the lookups, not only the profiling, when the region's
-specializations served less than half of its calls since the last check: on a shape
-storm (gnn) most calls are new layouts whose resolution (a strong signature with new
-interned shapes) costs more than the few hits save.
-
-Note [Sampled watching]
-~~~~~~~~~~~~~~~~~~~~~~~
-A region that could pay by the bound (Note [Cold regions]) but that the policy does not
-promote (phi's one region on a quiet host: four shapes, each a quarter of the window,
-benefit within 2x of the compile cost, never above it) would pay the profiling of every
-miss forever. So after `SAMPLE_AFTER` checks in a row that kept the region watched with
-no promotion, only one miss in `sample_every` is profiled (doubling at each such check,
-up to `SAMPLE_MAX`); the others take the cold path (no signature when nothing is
-installed, no profile update otherwise). The policy still sees the traffic, scaled:
-every figure it uses is a share of the window or a mean time, which a uniform sample of
-the misses keeps; what grows is the delay before a shape that starts recurring is
-promoted (at most `SAMPLE_MAX` times as many region calls); back-off periods count
-region calls, so sampling does not stretch them.
-
-Each check also prices the watch, by measurement: a profiled miss costs its `leave`
-(the median of the recent ones, timed there) and its layout key (timed on one miss per
-check), plus the region's mean cost per call of resolving new layouts (gnn, a new shape
-on almost every call: ~20-100 us on a ~250 us region, and its re-attached watch ran
-1.26x the interpreter), so a region is profiled on no more misses than keep that under
-`WATCH_SHARE` (1%) of its typical call (the mean of its keys' fastest calls). Until
-`WATCH_SAMPLES` leaves have run, the price is the prior `WATCH_SECONDS` (bench.
-profile_overhead --entry: +5.6 us on the loop body, a 10 us region, at load 12). The
-prior was the price for good once, and it was wrong by 2-3x on the zoo's transformers:
-llama's profiled miss measures ~3.5 us of layout key and ~10-12 us of leave (two
-families' profiles, the policy's bound) on its ~330 us region, so it was profiled on
-every miss and ran 1.05x the interpreter with nothing specialized; its median, not its
-mean, because a leave that waits for the GIL behind a background compile measured 143
-us on average. Of the leave, the policy's inputs (the speed-up estimate and the compile
-cost) are taken once per check or change of the tables, not per miss. So:
-`dynvm bench loop`'s two small regions (10-20 us) are profiled on one miss in 16 after
-their first check, the zoo's small transformers (~0.3 ms) on one in 4, a transformer of
-many milliseconds on every miss. A promotion resets the doubling to that floor; so does
-a cold period. stats()["regions"] shows it per region (`sample_every`, and the measured
-`watch_cost_seconds`).
-
-Note [Detached regions]
-~~~~~~~~~~~~~~~~~~~~~~~
-Even a cold slot costs its region an `enter`, a ticket and a `leave` per entry (about a
-microsecond: on gnn's and loop's tiny regions that alone kept the JIT slower than the
-interpreter). So a region that goes cold with nothing installed and nothing pending (it
-never promoted, or probation dropped all it had) is detached: the engine puts the
-interpreter's plain unit back (`install_slot(index, None)`), and its entries cost exactly
-what they cost without the JIT; they are not counted in the region's counters any more.
-It is re-attached after a period of *program* calls (the Runtime counts them: one integer
-compare per call, nothing per region), doubling each time it is detached again (from
-`DETACH_CALLS` up to `COLD_CALLS_MAX`), so that changing traffic is looked at again; once
-re-attached its calls are profiled until the next cold check decides again. A region whose
-promotions are decided elsewhere (a fleet's compile service, `online_compile=False`) never
-goes cold, so it is never detached; connecting a fleet re-attaches every detached region.
+The watch (Note [Cold regions], [Sampled watching], [Detached regions]) is in
+dynvm.jit.region_watch.
 """
 
 from __future__ import annotations
@@ -126,6 +38,7 @@ from collections import deque
 from dynvm.jit.policy import Decision, benefit_seconds, decide, horizon, recurrence_threshold
 from dynvm.jit.probation import CONFIRMED, DEMOTE, DROP, EARLY_SAMPLES, Probation
 from dynvm.jit.profiler import RegionProfile
+from dynvm.jit.region_watch import COLD_CHECK_EVERY, RegionWatch
 from dynvm.jit.signature import (
     GuardStrength,
     first_failure,
@@ -138,23 +51,13 @@ from dynvm.jit.specialization import RegionCounters, Specialization
 from dynvm.shape_cluster import FamilyIndex
 
 TIER_CHECK_EVERY = 32
-COLD_CHECK_EVERY = 64
-COLD_CALLS_MAX = 1 << 16
-COLD_SLACK = 2.0    # Note [Cold regions]: watched while the best key is within 2x of paying
-STALL_CAP = 2.0     # ... with each key's mean time at most this x its fastest call
-SAMPLE_AFTER = 2    # Note [Sampled watching]: checks without a promotion before sampling
-SAMPLE_MAX = 16     # ... and the sparsest sampling: one profiled miss in this many
-WATCH_SECONDS = 5e-6   # a profiled miss over the plain unit, until measured (below)
-WATCH_SAMPLES = 8      # profiled misses measured before their mean replaces the prior
-WATCH_SHARE = 0.01     # the share of a region's time its watching may cost
-DETACH_CALLS = 64   # program calls a region first stays detached (Note [Detached regions])
 _MEMO_LIMIT = 4096
 _MANY = object()       # a family with more than one member signature so far
 _UNMATCHED = object()  # a signature not looked up among the family kernels yet
 _COLD = object()       # the ticket of a call run unwatched (Note [Cold regions])
 
 
-class RegionJit:
+class RegionJit(RegionWatch):
     """A region's cache slot (dynvm.vm.slots): guards the installed specializations,
     profiles the misses, and asks the engine to promote what keeps coming back."""
 
@@ -183,29 +86,11 @@ class RegionJit:
         self._lock = threading.Lock()
         self._clock = 0
         self._clock_fn = time.perf_counter
-        self._cold = 0                          # calls left to run unwatched
-        self._cold_period = COLD_CHECK_EVERY
-        self._since_cold_check = 0
-        self._cold_unlooked = False   # a cold period that skips the lookups too
-        # Note [Sampled watching]: one miss in `sample_every` is profiled; checks in a
-        # row that found the region worth watching but nothing was promoted.
-        self.sample_every = 1
-        self._sample_floor = 1   # from the watch's cost against the region's time
-        self._idle_checks = 0
-        self._promotions_seen = 0
-        self._marks = (0, 0)          # (region calls, hits) at the last cold check
-        self._detach_period = DETACH_CALLS   # program calls (Note [Detached regions])
-        self.checked = False   # its first cold check has run (Jit.settled)
+        self._init_watch()
         # The interpreter's own steps of this region, for shadow calls (Note [Probation]).
         self._steps = tuple(engine.interpreter.region_steps(region.index))
         self._verdicts: deque[float] = deque(maxlen=8)   # recent measured ratios
         self._resolve_seconds = 0.0   # spent resolving new layouts (Note [Probation])
-        # The watch's measured price (Note [Sampled watching]): the recent profiled
-        # leaves' seconds, and a layout key's, timed on one miss per cold check.
-        self._leave_costs: deque[float] = deque(maxlen=WATCH_SAMPLES * 4)
-        self._signing_costs: deque[float] = deque(maxlen=WATCH_SAMPLES)
-        self._price_signing = True
-        self.watch_cost_seconds = WATCH_SECONDS
         self._policy_inputs: tuple[float, float] | None = None
         self._clipped: dict[str, str] = {}
 
@@ -462,86 +347,6 @@ class RegionJit:
                     return True
         return False
 
-    def _check_cold(self) -> None:
-        """Note [Cold regions] (holding the lock)."""
-        # Only the process that decides promotions may stop watching: while a compile
-        # service (or `dynvm precompile`) decides, every miss is an observation it needs.
-        if self.pending or not self.engine.compiles_locally():
-            return
-        self.checked = True
-        config = self.engine.config
-        speedup, cost = self._refresh_policy_inputs()
-        # The policy's own benefit (jit.policy) of the best key at the window's traffic,
-        # with its mean time (capped: a stall), and COLD_SLACK to spare (Note [Cold regions]).
-        calls = self._age()
-        best = COLD_SLACK * max(
-            (benefit_seconds(config, profile.recurrence(key),
-                             min(stats.mean_seconds, STALL_CAP * stats.min_seconds), speedup,
-                             calls)
-             for profile in (self.profile, self.family_profile)
-             for key, stats in profile.table.items() if stats.count > 1), default=0.0)
-        counters = self.counters
-        self._price_watching()
-        calls, hits = counters.interpreted + counters.specialized, counters.specialized
-        since_calls, since_hits = calls - self._marks[0], hits - self._marks[1]
-        self._marks = (calls, hits)
-        if best >= cost:
-            self._cold_period = COLD_CHECK_EVERY
-            self._sample(counters.promotions)
-            return
-        self._idle_checks = 0   # a cold period replaces the idle doubling
-        self.sample_every = self._sample_floor
-        # A specialization still on probation needs its hits for a verdict (and the
-        # JIT to settle): its region keeps looking up.
-        self._cold_unlooked = since_hits * 2 < since_calls and not any(
-            spec.probation is not None for spec in self._all())
-        self._cold = self._cold_period
-        self._cold_period = min(COLD_CALLS_MAX, 2 * self._cold_period)
-        self.counters.cold_periods += 1
-        if not (self.strong or self.weak or self.family_kernels):
-            # Note [Detached regions]: nothing here can hit; not even a cold slot pays.
-            period = self._detach_period
-            self._detach_period = min(COLD_CALLS_MAX, 2 * period)
-            self.engine.detach(self, period)
-
-    def _sample(self, promotions: int) -> None:
-        """Note [Sampled watching] (holding the lock): after `SAMPLE_AFTER` checks in a
-        row with no promotion, profile half as many misses; a promotion resets it."""
-        if promotions != self._promotions_seen:
-            self._promotions_seen, self._idle_checks = promotions, 0
-            self.sample_every = self._sample_floor
-            return
-        self._idle_checks += 1
-        if self._idle_checks >= SAMPLE_AFTER:
-            self.sample_every = min(SAMPLE_MAX, 2 * self.sample_every)
-
-    def _price_watching(self) -> None:
-        """Note [Sampled watching] (holding the lock): profile one miss in as many as
-        keeps the watch under `WATCH_SHARE` of the region's own time."""
-        table = self.profile.table.values()
-        typical = sum(s.min_seconds for s in table) / max(1, len(table))
-        # A profiled miss of a layout seen before, as measured here (its layout key and
-        # its leave; the prior until a few have run), plus what resolving new layouts
-        # has cost per call (a shape storm: most of it).
-        watched = WATCH_SECONDS
-        if len(self._leave_costs) >= WATCH_SAMPLES:
-            watched = _median(self._leave_costs) + (
-                _median(self._signing_costs) if self._signing_costs else 0.0)
-        self._price_signing = True   # timed again on the next profiled miss
-        cost = watched + self._resolve_seconds / max(1, self._region_calls())
-        self.watch_cost_seconds = watched
-        floor = 1
-        while floor < SAMPLE_MAX and WATCH_SHARE * typical * floor < cost:
-            floor *= 2
-        self._sample_floor = floor
-        self.sample_every = max(self.sample_every, floor)
-
-    def reattached(self) -> None:
-        """The engine put this slot back (Note [Detached regions]): profile the next
-        calls, and check the bound again after `COLD_CHECK_EVERY` of them."""
-        self._cold = 0
-        self._since_cold_check = 0
-
     def _family_bet_open(self) -> bool:
         """A family kernel of this region is compiling, or installed without its early
         probation samples yet (Note [Probation]): the next family waits for that verdict
@@ -696,9 +501,3 @@ class RegionJit:
         with self._lock:
             self.pending.discard(getattr(target, "key", target))
 
-
-def _median(samples) -> float:
-    """The median of a few timings: the watch's price without the calls that waited for
-    the GIL behind a compile or promoted (a mean took 143 us for a 4 us leave)."""
-    ordered = sorted(samples)
-    return ordered[len(ordered) // 2]

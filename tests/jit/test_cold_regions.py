@@ -13,7 +13,7 @@ import torch
 
 import dynvm
 from dynvm.jit.config import JitConfig
-from dynvm.jit.region_jit import COLD_CHECK_EVERY, SAMPLE_AFTER, SAMPLE_MAX
+from dynvm.jit.region_watch import COLD_CHECK_EVERY, SAMPLE_AFTER, SAMPLE_MAX
 from tests.jit._jit_helpers import compiled, demo
 
 # A horizon of one call and a compile estimated at 10 s: no saving can ever pay, even
