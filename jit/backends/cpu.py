@@ -163,20 +163,30 @@ def plan_arena_layout(spec: SpecializedRegion, constants, device, options):
         calibrator = options.calibrator or calibrator_for(device)
         planning = spec.abstract[0]
 
-        def real(arg):
+        def real(arg, probe):
             if isinstance(arg, Var):
-                return zeros_like_abstract(planning.get(arg.reg), device)
+                return zeros_like_abstract(probe.get(arg.reg), device)
             if isinstance(arg, ConstRef):
                 return constants[arg.index]
             if isinstance(arg, Literal):
                 return arg.value
-            return [real(item) for item in arg]
+            return [real(item, probe) for item in arg]
+
+        def pays_at(op, form, probe) -> bool:
+            return out_form_pays(op.opcode, form, operand_values(op, probe),
+                                 probe[op.dsts[0]],
+                                 lambda: [real(a, probe) for a in _device_args(op.args, device)],
+                                 device, calibrator)
 
         def pays(op, form) -> bool:
-            return out_form_pays(op.opcode, form, operand_values(op, planning),
-                                 planning[op.dsts[0]],
-                                 lambda: [real(a) for a in _device_args(op.args, device)],
-                                 device, calibrator)
+            # A family's op is asked at both ends of its sizes: the planning probe (its
+            # largest) and the probe where its result is smallest (Note [Arena by
+            # measurement]); the out= form is planned only where it pays at both.
+            sized = [p for p in spec.abstract if isinstance(p.get(op.dsts[0]), torch.Tensor)
+                     and operand_values(op, p) is not None]
+            smallest = min(sized, key=lambda p: p[op.dsts[0]].numel(), default=planning)
+            ends = [planning] if smallest is planning else [planning, smallest]
+            return all(pays_at(op, form, probe) for probe in ends)
 
     return plan_layout(list(spec.ops), spec.abstract, operand_values, leaving, pays)
 

@@ -27,7 +27,8 @@ repeated M, and oneDNN at a new M on every call. Per class, the verdict is:
 - torch (`None`): oneDNN at a repeated M does not beat torch by the calibrator's margin,
   or it wins so little that paying the build back would take more than
   `MAX_SIGHTINGS` calls at one M;
-- `0`: oneDNN wins even when it builds a primitive on every call;
+- `0`: oneDNN wins, or loses by less than the margin, even when it builds a primitive
+  on every call;
 - `r` > 0: the build pays back after `r` calls at the same M (ski rental: run torch's
   pair on the first `r` sightings of an M, then oneDNN; no worse than twice the best
   choice made in hindsight, whatever the traffic).
@@ -64,7 +65,9 @@ def sightings_before_onednn(choice: Choice, margin: float) -> int | None:
     fresh = choice.seconds.get(ONEDNN_NEW_ROWS, warm)
     if warm >= t * (1.0 - margin):
         return None
-    if fresh <= t:
+    # The margin applies to the build too: a noisy sample of the new-M form (it has the
+    # widest spread of the three) must not gate a GEMM that oneDNN wins outright.
+    if fresh <= t * (1.0 + margin):
         return 0
     calls = math.ceil((fresh - t) / (t - warm))
     return calls if calls <= MAX_SIGHTINGS else None

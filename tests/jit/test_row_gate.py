@@ -3,9 +3,9 @@ only in the size classes of M where it measured faster, only for an M seen often
 to pay back oneDNN's primitive build, and never on an M it was not measured for; the
 verdict rule itself; and that the calibration really times oneDNN at a new M per call.
 
-The calibrator here is scripted (`_Scripted`): it answers each question from a table by
-size class, so the rule is tested without the host's timing noise, after running every
-candidate once (the real forms on real operands, so they must at least run)."""
+The calibrator here is scripted (tests/jit/_scripted_calibrator.py): it answers each
+question from a table by size class, so the rule is tested without the host's timing
+noise, after running every candidate once (the real forms on real operands)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from dynvm.jit.backends.cpu_row_gate import (
 )
 from dynvm.jit.calibration import Calibrator, Choice, size_class
 from dynvm.jit.specialize import specialize
+from tests.jit._scripted_calibrator import ScriptedCalibrator
 
 pytestmark = pytest.mark.skipif(not onednn_available(torch.device("cpu")),
                                 reason="this torch build has no oneDNN")
@@ -48,6 +49,7 @@ def _choice(**seconds) -> Choice:
     (1.0, 0.99, 0.99, None),          # within the margin: torch
     (1.0, 1.5, 9.0, None),            # oneDNN slower even warm: torch
     (1.0, 0.5, 0.9, 0),               # faster even when it builds a primitive: always
+    (1.0, 0.5, 1.04, 0),              # its build costs less than the margin: always
     (1.0, 0.5, 2.0, 2),               # build pays back after 2 calls at one M
     (1.0, 0.75, 6.0, 20),             # (6 - 1) / (1 - 0.75) calls
     (1.0, 0.875, 9.0, 64),            # 64 calls: MAX_SIGHTINGS, still gated
@@ -96,29 +98,6 @@ def _program():
     return model, dynvm.compile(model, (torch.randn(5, D),), ({0: rows},))
 
 
-class _Scripted(Calibrator):
-    """Answers every question from `table(size class) -> (torch, oneDNN, new-M seconds)`
-    after building and running each candidate once; records the questions."""
-
-    def __init__(self, table) -> None:
-        super().__init__("cpu")
-        self.table = table
-        self.asked: list[tuple[str, tuple]] = []
-
-    def choose(self, op, size_class_key, candidates):
-        self.asked.append((op, size_class_key))
-        forms = candidates() if callable(candidates) else candidates
-        for form in forms.values():
-            form()
-        names = (TORCH, ONEDNN, ONEDNN_NEW_ROWS)
-        seconds = dict(zip(names, self.table(size_class_key[0])))
-        seconds = {name: seconds[name] for name in forms}
-        best = min(seconds, key=seconds.__getitem__)
-        if seconds[best] >= seconds[TORCH] * (1 - self.margin):
-            best = TORCH
-        return Choice(best, seconds, TORCH)
-
-
 def _family_kernel(low: int, high: int, calibrator: Calibrator):
     """The CPU kernel of the MLP for the family of row counts low..high (probes at
     the bounds and low + 1, Note [Probes])."""
@@ -156,6 +135,17 @@ def _run(kernel, region, x):
     return regs[region.live_out[0].index]
 
 
+def _by_size_class(table):
+    """A calibrator answering GEMM questions with `table(size class) -> (torch, oneDNN,
+    oneDNN at a new M)` seconds; any other question (there are none with the arena off)
+    keeps its default."""
+    def script(op, key):
+        if not op.startswith("onednn"):
+            return {}
+        return dict(zip((TORCH, ONEDNN, ONEDNN_NEW_ROWS), table(key[0])))
+    return ScriptedCalibrator(script)
+
+
 def _loses_below_32(c: int):
     # M < 32: oneDNN slower even warm; M >= 32: faster warm, its build pays after 2 calls
     return (1.0, 2.0, 10.0) if c < 5 else (1.0, 0.5, 2.0)
@@ -163,7 +153,7 @@ def _loses_below_32(c: int):
 
 def test_a_family_kernel_never_runs_onednn_where_it_lost_or_was_not_measured():
     model, _ = _program()
-    calibrator = _Scripted(_loses_below_32)
+    calibrator = _by_size_class(_loses_below_32)
     kernel, region = _family_kernel(8, 100, calibrator)
     # measured at every size class the family's rows cover, new-M form included
     gemm_questions = [(op, key) for op, key in calibrator.asked if "at new M" in op]
@@ -189,17 +179,17 @@ def test_a_family_kernel_never_runs_onednn_where_it_lost_or_was_not_measured():
 
 
 def test_all_classes_winning_at_a_new_m_fuse_without_a_gate_and_all_losing_stay_on_torch():
-    always = _Scripted(lambda c: (1.0, 0.5, 0.8))
+    always = _by_size_class(lambda c: (1.0, 0.5, 0.8))
     kernel, _ = _family_kernel(8, 100, always)
     assert "onednn_linear" in kernel.source and "gated" not in kernel.source
-    never = _Scripted(lambda c: (1.0, 0.9, 50.0))
+    never = _by_size_class(lambda c: (1.0, 0.9, 50.0))
     kernel, _ = _family_kernel(8, 100, never)
     assert "onednn" not in kernel.source
     assert any("no faster here at the family's row counts" in n for n in kernel.notes)
 
 
 def test_one_row_count_is_asked_once_without_the_new_m_form():
-    calibrator = _Scripted(_loses_below_32)
+    calibrator = _by_size_class(_loses_below_32)
     _, program = _program()
     region = program.regions[0]
     x = torch.randn(40, D)
@@ -220,7 +210,7 @@ def test_the_new_m_form_runs_at_a_new_row_count_on_every_call(monkeypatch):
         return real(x, *args)
     monkeypatch.setitem(cpu_fusion.FUSED_KERNELS, cpu_fusion.LINEAR_UNARY, recording)
 
-    class _Once(_Scripted):
+    class _Once(ScriptedCalibrator):
         def choose(self, op, size_class_key, candidates):
             forms = candidates()
             rows.clear()
@@ -233,7 +223,7 @@ def test_the_new_m_form_runs_at_a_new_row_count_on_every_call(monkeypatch):
             self.repeated = list(rows)
             return super().choose(op, size_class_key, forms)
 
-    calibrator = _Once(_loses_below_32)
+    calibrator = _Once(_by_size_class(_loses_below_32).script)
     _family_kernel(40, 60, calibrator)
     assert len(set(calibrator.new_rows)) == 5 and min(calibrator.new_rows) > 32
     assert len(set(calibrator.repeated)) == 1
