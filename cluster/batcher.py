@@ -39,6 +39,20 @@ event-driven, at most `max_delay_s`: on a small shared host (2 cores running pro
 replica and clients) running each request the moment it lands made batches of ~2 at 8
 clients, and the CPU went to many small calls. A request alone in the replica never
 waits: with nothing on its way, it runs at once.
+
+Note [Inline fast batches]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+Handing a batch to the worker thread costs two thread hops and the GIL hand-offs
+between the loop and the worker, on a small model more than the model call itself
+(the recommender: ~0.3 ms a call). So a batch whose row count last ran in at most
+`inline_run_s` (default 2 ms) runs on the event loop itself, as a plain Serve handler
+runs its model; a row count never seen, or one whose last run took longer (a cold
+shape, a big model, a loaded host), runs on the worker and is timed there, so the loop
+is never blocked longer than about that bound plus one slower-than-last call. After an
+inline batch the loop yields once, so that requests that arrived meanwhile are read
+before the next batch is formed. Measured (issue 17, one cluster, recommender, JSON,
+8 clients, 4 alternating 6 s runs, load 10-11): 228 req/s, 3.20 ms of replica CPU per
+request inline against 188 req/s and 3.73 ms on the worker thread.
 """
 
 from __future__ import annotations
@@ -133,10 +147,12 @@ class OpportunisticBatcher:
         self._incoming = 0   # accepted by the replica, not yet submitted
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=name)
         self._hot: dict[int, bool] = {}
+        self._run_seconds: dict[int, float] = {}   # rows -> the last batch's wall time
         self._lock = threading.Lock()
         self.counters = {"batches": 0, "batched_requests": 0, "max_batch_requests": 0,
                          "held_batches": 0, "split_batches": 0, "rejected_overload": 0,
-                         "recorded_batches": 0, "specialized_batches": 0}
+                         "recorded_batches": 0, "specialized_batches": 0,
+                         "inline_batches": 0}
 
     # ------------------------------------------------------------------ requests
 
@@ -157,6 +173,26 @@ class OpportunisticBatcher:
             self._task = loop.create_task(self._drain())
         return await future
 
+    async def _run(self, batch: list[_Pending], loop) -> list:
+        """`execute`'s results for `batch`: on the loop itself when its row count last
+        ran fast enough, else on the worker thread (Note [Inline fast batches])."""
+        items = [p.item for p in batch]
+        rows = sum(p.rows for p in batch)
+        last = self._run_seconds.get(rows)
+        if last is not None and last <= self.options.inline_run_s:
+            results = self._timed(rows, items)
+            self.counters["inline_batches"] += 1
+            await asyncio.sleep(0)   # the loop reads what arrived meanwhile
+            return results
+        return await loop.run_in_executor(self._worker, self._timed, rows, items)
+
+    def _timed(self, rows: int, items: list) -> list:
+        start = time.perf_counter()
+        try:
+            return self._execute(items)
+        finally:
+            self._run_seconds[rows] = time.perf_counter() - start
+
     def arriving(self, change: int) -> None:
         """The replica accepted (+1) a request it will submit, or submitted or dropped
         it (-1); a batch waiting for it re-plans (module docstring)."""
@@ -172,8 +208,7 @@ class OpportunisticBatcher:
                 if not batch:
                     return
                 try:
-                    results = await loop.run_in_executor(
-                        self._worker, self._execute, [p.item for p in batch])
+                    results = await self._run(batch, loop)
                 except BaseException as exc:  # execute's own failure: each caller sees it
                     for p in batch:
                         if not p.future.done():

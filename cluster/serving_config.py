@@ -51,6 +51,10 @@ class BatchingOptions:
     rest form the next batch) rather than make a row count that would be interpreted."""
     max_queued: int = 64
     """Requests waiting for the model at most; one more is answered 503 + Retry-After."""
+    inline_run_s: float = 0.002
+    """A batch whose row count last ran in at most this many seconds runs on the replica's
+    event loop instead of the batcher's worker thread (Note [Inline fast batches] in
+    dynvm.cluster.batcher). 0: always on the worker thread."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_bytes", "max_queued"):
@@ -62,6 +66,10 @@ class BatchingOptions:
                 and 0 <= self.max_delay_s <= 1):
             raise ConfigError(f"BatchingOptions.max_delay_s must be between 0 and 1 s, "
                              f"got {self.max_delay_s!r}")
+        if not (isinstance(self.inline_run_s, int | float)
+                and math.isfinite(self.inline_run_s) and 0 <= self.inline_run_s <= 0.05):
+            raise ConfigError(f"BatchingOptions.inline_run_s must be between 0 and 0.05 s, "
+                             f"got {self.inline_run_s!r}")
         sizes = tuple(self.preferred_sizes)
         if any(type(n) is not int or n < 1 for n in sizes):
             raise ConfigError(f"BatchingOptions.preferred_sizes must be integers >= 1, "

@@ -222,7 +222,8 @@ def test_record_reports_the_specialized_share():
 
 @pytest.mark.parametrize("bad", [{"max_batch_size": 0}, {"max_delay_s": -1},
                                  {"max_delay_s": float("nan")}, {"preferred_sizes": (0,)},
-                                 {"max_queued": 1.5}])
+                                 {"max_queued": 1.5}, {"inline_run_s": -0.001},
+                                 {"inline_run_s": 1.0}])
 def test_options_are_checked(bad):
     with pytest.raises(ValueError):
         BatchingOptions(**bad)
@@ -256,3 +257,36 @@ def test_next_batch_waits_for_requests_on_their_way_only():
     seconds = run(main())
     assert model.batches == [[0], [1, 2]]
     assert seconds < 0.4  # released by the drop, not by the 0.5 s bound
+
+
+def test_fast_row_counts_run_on_the_loop_slow_and_new_ones_on_the_worker():
+    threads: list[tuple[int, str]] = []
+
+    def execute(items: list) -> list:
+        threads.append((len(items), threading.current_thread().name))
+        if "slow" in items:
+            time.sleep(0.02)   # past inline_run_s: stays on the worker
+        return [("out", item) for item in items]
+
+    async def main(batcher, sequence):
+        return [await batcher.submit(item, rows=rows, key="k") for item, rows in sequence]
+
+    batcher = OpportunisticBatcher(execute, BatchingOptions(inline_run_s=0.005),
+                                   name="model-worker")
+    sequence = [("a", 1), ("b", 1), ("slow", 2), ("slow", 2), ("c", 3)]
+    assert run(main(batcher, sequence)) == [("out", item) for item, _ in sequence]
+    loop_thread = threading.current_thread().name   # asyncio.run's loop: this thread
+    where = [name for _, name in threads]
+    # Row count 1: first timed on the worker, then fast enough for the loop; 2: too slow
+    # both times; 3: never seen, so the worker.
+    assert where[0].startswith("model-worker") and where[1] == loop_thread
+    assert all(name.startswith("model-worker") for name in where[2:])
+    assert batcher.counters["inline_batches"] == 1
+    batcher.close()
+
+    threads.clear()
+    never = OpportunisticBatcher(execute, BatchingOptions(inline_run_s=0), name="worker")
+    run(main(never, [("a", 1)] * 3))
+    assert all(name.startswith("worker") for _, name in threads)
+    assert never.counters["inline_batches"] == 0
+    never.close()
