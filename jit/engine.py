@@ -35,26 +35,25 @@ Tests assert zero on the demo models, the zoo on its models.
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 import threading
 import time
 from collections import deque
 
 import torch
 from opentelemetry import context as otel_context
-from opentelemetry import trace
 
 from dynvm.arena import ArenaPool
 from dynvm.jit.artifact import Artifact, cache_key
 from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
 from dynvm.jit.config import JitConfig
+from dynvm.jit.engine_stats import jit_stats
+from dynvm.jit.engine_tracing import JitTracing
 from dynvm.jit.portable import PortableError, PortableSpecialization
 from dynvm.jit.probation import CONFIRMED, DEMOTE, ProbationCounters
 from dynvm.jit.queue import CompileQueue, CompileTimeout
 from dynvm.jit.region_jit import RegionJit, Specialization
 from dynvm.jit.signature import GuardStrength, describe
-from dynvm.jit.specialize import InputRejected, SpecializationError, specialize
+from dynvm.jit.specialize import InputRejected, failure_reason, specialize
 from dynvm.shape_cluster import Family
 from dynvm.shape_cluster.signature import is_tensor_entry
 from dynvm.vm.isa import OpClass
@@ -90,16 +89,7 @@ def abstract_live_ins(live_in: tuple[int, ...], signature: tuple) -> dict[int, o
     return values
 
 
-def failure_reason(error: BaseException) -> str:
-    """One bug, one key (Note [Failure accounting]): the type of the root exception (a
-    SpecializationError's cause) and the first line of its message."""
-    root = error.__cause__ if isinstance(error, SpecializationError) and \
-        error.__cause__ is not None else error
-    lines = str(root).strip().splitlines()
-    return f"{type(root).__name__}: {lines[0] if lines else ''}"[:240]
-
-
-class Jit:
+class Jit(JitTracing):
     """The JIT tier of one Runtime (module docstring): a RegionJit in every region
     worth watching, the compile queue, the backends, and the counters of `stats()`."""
 
@@ -517,76 +507,6 @@ class Jit:
             self._log(f"region {region}: specialization failed (a dynvm bug, reported "
                       f"once per region and reason): {reason}")
 
-    # -- tracing (only with telemetry enabled) ------------------------------------------
-
-    def trace_with(self, telemetry) -> None:
-        """Start tracing into `telemetry` (enabled): the application set its global
-        provider after this JIT was made (Note [Global tracer provider] in
-        dynvm.telemetry). The limiter first: `telemetry` set means it is in place."""
-        self.event_limiter = telemetry.event_limiter()
-        self.telemetry = telemetry
-
-    def _target_attributes(self, region_jit: RegionJit, target, key: str) -> dict:
-        family = target.key if isinstance(target, Family) else None
-        return {"dynvm.program": self.program.name,
-                "dynvm.program_hash": self.program.content_hash[:12],
-                "dynvm.region": region_jit.region.index,
-                "dynvm.specializes": family or describe(target),
-                "dynvm.family_key": family or "",
-                "dynvm.cache_key": key}
-
-    def _promote_span(self, region_jit: RegionJit, target, key: str, decision):
-        attributes = self._target_attributes(region_jit, target, key)
-        attributes.update({"dynvm.recurrence": decision.recurrence,
-                           "dynvm.threshold": decision.threshold,
-                           "dynvm.benefit_seconds": decision.benefit_seconds,
-                           "dynvm.cost_seconds": decision.cost_seconds,
-                           "dynvm.reason": decision.reason})
-        span = self.telemetry.tracer.start_span("dynvm.promote", attributes=attributes)
-        span.end()
-        return trace.set_span_in_context(span)
-
-    def _traced_compile(self, region_jit: RegionJit, target, key: str,
-                        parent) -> Specialization:
-        attributes = self._target_attributes(region_jit, target, key)
-        attributes.update({"dynvm.backend": self.backend,
-                           "dynvm.target": str(self.interpreter.device),
-                           "dynvm.thread": threading.current_thread().name,
-                           # Where it ran: a replica's own JIT, or the compile service.
-                           "dynvm.host": socket.gethostname(), "dynvm.pid": os.getpid()})
-        with self.telemetry.tracer.start_as_current_span(
-                "dynvm.compile", context=parent, attributes=attributes) as span:
-            try:
-                spec = self._compile(region_jit, target, key)
-            except Exception as exc:
-                if not isinstance(exc, InputRejected | CompileTimeout):
-                    span.add_event("dynvm.specialize_failure", {  # Note [Failure accounting]
-                        "dynvm.region": region_jit.region.index,
-                        "dynvm.reason": failure_reason(exc)})
-                raise
-            artifact = spec.artifact
-            span.set_attributes({"dynvm.duration_seconds": artifact.compile_seconds,
-                                 "dynvm.kernel": artifact.kernel_name,
-                                 "dynvm.kernel_count": 1,
-                                 "dynvm.source_bytes": len(artifact.source.encode()),
-                                 "dynvm.guard_strength": spec.strength.value})
-            return spec
-
-    def _install_span(self, region_jit: RegionJit, spec: Specialization, parent) -> None:
-        span = self.telemetry.tracer.start_span(
-            "dynvm.install", context=parent,
-            attributes={"dynvm.region": region_jit.region.index,
-                        "dynvm.kernel": spec.artifact.kernel_name,
-                        "dynvm.guard_strength": spec.strength.value,
-                        "dynvm.thread": threading.current_thread().name})
-        span.end()
-
-    def _span_event(self, name: str, attributes: dict) -> None:
-        """An event on the current (call) span, within the runtime's rate limit."""
-        span = trace.get_current_span()
-        if span.is_recording() and self.event_limiter.allow():
-            span.add_event(name, attributes)
-
     # -- diagnostics -------------------------------------------------------------------
 
     def on_guard_failure(self, region_jit: RegionJit, explanation: str | None) -> None:
@@ -657,59 +577,5 @@ class Jit:
             del log[:50]
 
     def stats(self) -> dict:
-        regions = {}
-        totals = {"interpreted": 0, "specialized": 0, "guard_failures": 0, "deopts": 0,
-                  "evictions": 0, "promotions": 0, "cold_periods": 0}
-        for index, region_jit in self.regions.items():
-            c = region_jit.counters
-            calls = c.interpreted + c.specialized
-            regions[index] = {
-                "calls": calls, "hit_rate": c.specialized / calls if calls else 0.0,
-                "specializations": len(region_jit.strong) + len(region_jit.weak),
-                "family_kernels": len(region_jit.family_kernels),
-                "guard_failures": c.guard_failures, "deopts": c.deopts,
-                "last_guard_failure": c.last_guard_failure,
-                "detached": index in self.detached,
-                "sample_every": region_jit.sample_every,   # Note [Sampled watching]
-                "watch_cost_seconds": region_jit.watch_cost_seconds,
-                "detached_program_calls": self.detached_program_calls(index),
-            }
-            for name in totals:
-                totals[name] += getattr(c, name)
-        return {
-            "interpreted_region_calls": totals["interpreted"],
-            "specialized_region_calls": totals["specialized"],
-            "promotions": totals["promotions"],
-            "compiles": self.compiles,
-            "family_compiles": self.family_compiles,
-            "compile_seconds": self.compile_seconds,
-            "compile_failures": self.compile_failures,
-            # Note [Failure accounting]: the first two must be zero on every model.
-            "specialize_failures": dict(self.specialize_failures),
-            "specialize_failures_total": sum(self.specialize_failures.values()),
-            "specialize_rejections": self.specialize_rejections,
-            "probation": self.probation_counters.as_dict(),
-            "installs": self.installs,
-            "install_seconds": self.install_seconds,
-            "install_rejections": self.install_rejections,
-            "compiles_locally": self.compiles_locally(),
-            "backend": self.backend,
-            "triton_compiles": self.triton_compiles,
-            "triton_fallbacks": self.triton_fallbacks,
-            "queue_length": len(self.queue),
-            "compile_timeouts": self.queue.timed_out,
-            "dropped_tasks": self.queue.dropped,
-            "arena": self.arena_pool.stats() if self.arena_pool is not None else None,
-            "guard_failures": totals["guard_failures"],
-            "deopts": totals["deopts"],
-            "evictions": totals["evictions"],
-            "cold_periods": totals["cold_periods"],
-            # Note [Detached regions]: detached now, detachments and re-attachments so far.
-            "detached_regions": len(self.detached),
-            "detachments": self.detachments,
-            "reattachments": self.reattachments,
-            "detached_program_calls": sum(self.detached_program_calls(i)
-                                          for i in self.regions),
-            "regions": regions,
-        }
-
+        """The JIT's counters, totals and per-region figures (jit.engine_stats)."""
+        return jit_stats(self)

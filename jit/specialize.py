@@ -56,6 +56,15 @@ class SpecializationError(DynvmError):
     counts it by reason (Note [Failure accounting] in dynvm.jit.engine)."""
 
 
+def failure_reason(error: BaseException) -> str:
+    """One bug, one key (Note [Failure accounting]): the type of the root exception (a
+    SpecializationError's cause) and the first line of its message."""
+    root = error.__cause__ if isinstance(error, SpecializationError) and \
+        error.__cause__ is not None else error
+    lines = str(root).strip().splitlines()
+    return f"{type(root).__name__}: {lines[0] if lines else ''}"[:240]
+
+
 class InputRejected(SpecializationError):
     """The program's own input checks reject the signature, so every call with it raises
     in the interpreter too: nothing to compile, and no bug."""
