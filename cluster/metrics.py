@@ -28,6 +28,8 @@ each node's metrics export port (`ray start --metrics-export-port`); Serve adds 
     ray_dynvm_store_fetches_total{result=hit|miss|rejected|unavailable}
     ray_dynvm_store_rejections_total{reason=unsigned|forged|corrupt|incompatible}
     ray_dynvm_store_publishes_total        artifacts this replica published
+    ray_dynvm_store_dropped_total{reason=oversized|evicted|expired}
+                                           entries its store left out or deleted
     ray_dynvm_specialized_ratio            specialized / all region calls, since start
     ray_dynvm_families                     installed code-family kernels
     ray_dynvm_specializations              installed exact/weak specializations
@@ -104,6 +106,9 @@ COUNTERS: tuple[Series, ...] = (
              path=("store", cls.reason), tags={"reason": cls.reason}) for cls in REJECTIONS),
     Series("dynvm_store_publishes", "Artifacts published to the kernel store.",
            path=("store", "published")),
+    *(Series("dynvm_store_dropped", "Kernel store entries left out (over the size cap) "
+             "or deleted (size bound, TTL), by reason.", path=("store", reason),
+             tags={"reason": reason}) for reason in ("oversized", "evicted", "expired")),
 )
 
 GAUGES: tuple[Series, ...] = (

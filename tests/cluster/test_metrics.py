@@ -34,6 +34,7 @@ from dynvm.cluster import (  # noqa: E402
     LocalDirStore,
     serve_models,
 )
+from dynvm.cluster.fleet_records import store_counters  # noqa: E402
 from dynvm.jit.artifact import cache_key  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -114,7 +115,8 @@ def cluster(tmp_path_factory):
 
 
 def _store_stats(tmp_path) -> dict:
-    """A real ArtifactCache's counts: one publish, one hit, one miss, one forged entry."""
+    """A real ArtifactCache's counts: two publishes, one hit, one miss (an oversized
+    entry), one forged entry."""
     secret = b"metrics-test-secret-0123456789"
     cache = ArtifactCache(LocalDirStore(tmp_path), secret, EXPECT)
     keys = [cache_key(f"program-{n}", 0, "family", "cpu", "cpu", toolchain=TOOLCHAIN)
@@ -125,8 +127,11 @@ def _store_stats(tmp_path) -> dict:
     assert cache.publish(keys[0], fields)
     stranger = ArtifactCache(LocalDirStore(tmp_path), b"another-secret-0123456789", EXPECT)
     assert stranger.publish(keys[2], {**fields, "key": keys[2]})
+    # keys[1]: written, then over the cap of a reader with a smaller one (oversized).
+    assert cache.publish(keys[1], {**fields, "key": keys[1], "source": "#" * 4096})
+    cache.store.max_entry_bytes = 2048
     assert set(cache.fetch(keys)) == {keys[0]}
-    return cache.stats()
+    return store_counters(cache)
 
 
 def _series(scraped: dict, name: str, **labels) -> list[tuple[frozenset, float]]:
@@ -153,7 +158,9 @@ def test_replica_metrics_on_a_serve_replica(cluster, tmp_path):
         assert (recorded["dynvm_store_fetches{result=hit}"],
                 recorded["dynvm_store_fetches{result=miss}"],
                 recorded["dynvm_store_rejections{reason=forged}"],
-                recorded["dynvm_store_publishes"]) == (1, 1, 1, 1)
+                recorded["dynvm_store_publishes"],
+                recorded["dynvm_store_dropped{reason=oversized}"]) == (1, 1, 1, 2, 1)
+        assert "dynvm_store_dropped{reason=evicted}" not in recorded   # zero: nothing added
         ratio = first["specialized_region_calls"] / (first["specialized_region_calls"]
                                                      + first["interpreted_region_calls"])
         assert recorded["dynvm_specialized_ratio"] == pytest.approx(ratio)
