@@ -34,6 +34,7 @@ from dynvm.jit.ir import ConstRef, SpecializedRegion, SpecOp, Var
 from dynvm.jit.ir_codec import IrCodecError, decode_value, encode_value
 from dynvm.jit.signature import GuardStrength
 from dynvm.shape_cluster import Family
+from dynvm.shape_cluster.signature import is_tensor_entry
 from dynvm.vm import torch_literals
 from dynvm.vm.errors import DynvmError
 from dynvm.vm.opcodes import OPCODES
@@ -75,7 +76,7 @@ def encode_signature(signature: tuple) -> list:
     """A strong signature (Note [Guard strength]) as plain data."""
     out = []
     for entry in signature:
-        if len(entry) == 5:
+        if is_tensor_entry(entry):
             shape, dtype, strides, offset, device = entry
             out.append(["t", list(shape.dims), literal_name(dtype), list(strides), offset,
                         str(device)])
@@ -359,7 +360,7 @@ def retarget(portable: PortableSpecialization, device: torch.device) -> Portable
     changes: shapes, dtypes, strides, bounds and the IR (whose abstract values are device
     free; device literals mean "the runtime's device") stay as they were."""
     device = torch.device(device)
-    signature = tuple((*entry[:4], device) if len(entry) == 5 else entry
+    signature = tuple((*entry[:4], device) if is_tensor_entry(entry) else entry
                       for entry in portable.signature)
     family = portable.family
     if family is not None:
