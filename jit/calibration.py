@@ -48,7 +48,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,11 +57,15 @@ Candidates = dict[str, Callable[[], object]] | Callable[[], dict[str, Callable[[
 
 @dataclass(frozen=True)
 class Choice:
-    """A calibrated answer: the chosen candidate and every candidate's median seconds."""
+    """A calibrated answer: the chosen candidate and every candidate's median seconds
+    (`fastest`: each one's fastest sample, for callers that derive a cost from a
+    difference of two candidates, which the host's noise, always positive, inflates
+    least at the minimum; Note [oneDNN at a new row count])."""
 
     name: str
     seconds: dict[str, float]
     default: str
+    fastest: dict[str, float] = field(default_factory=dict)
 
     @property
     def gain(self) -> float:
@@ -134,7 +138,8 @@ class Calibrator:
         best = min(names, key=medians.__getitem__)
         if medians[best] >= medians[default] * (1.0 - self.margin):
             best = default
-        return Choice(best, medians, default)
+        return Choice(best, medians, default,
+                      {name: min(times) for name, times in samples.items()})
 
     def _decided(self, samples: dict[str, list[float]]) -> bool:
         """Whether one candidate's slowest sample beats every other's fastest by

@@ -21,6 +21,7 @@ def test_a_clearly_faster_candidate_wins_and_is_cached():
     choice = calibrator.choose("OP", 3, {"slow": slow, "fast": fast})
     assert choice.name == "fast" and choice.default == "slow"
     assert choice.seconds["slow"] > choice.seconds["fast"]
+    assert all(0 < choice.fastest[n] <= choice.seconds[n] for n in ("slow", "fast"))
     assert 0.5 < choice.gain <= 1.0
     before = dict(calls)
     again = calibrator.choose("OP", 3, {"slow": slow, "fast": fast})

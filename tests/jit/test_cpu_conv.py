@@ -19,6 +19,7 @@ from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
 from dynvm.jit.backends.cpu_fusion import onednn_available
 from dynvm.jit.calibration import Calibrator
 from dynvm.jit.specialize import specialize
+from tests.jit._kernel_run import run_kernel
 
 pytestmark = pytest.mark.skipif(not onednn_available(torch.device("cpu")),
                                 reason="this torch build has no oneDNN")
@@ -69,13 +70,6 @@ def _kernel(program, x, fusion: str, calibrator: Calibrator | None = None):
     return kernel, region
 
 
-def _run(kernel, region, x):
-    regs: list = [None] * 128
-    regs[region.live_in[0].index] = x
-    kernel.fn(regs)
-    return regs[region.live_out[0].index]
-
-
 def test_conv_chains_are_fused_and_batch_norm_folded(block):
     _, program = block
     kernel, _ = _kernel(program, torch.randn(2, 3, 12, 12), "always")
@@ -104,7 +98,7 @@ def test_fused_convs_agree_with_eager_on_views(block, batch):
         kernel, region = _kernel(program, x, "always")
         assert "onednn_conv" in kernel.source
         with torch.no_grad():
-            torch.testing.assert_close(_run(kernel, region, x), model(x), **TOL,
+            torch.testing.assert_close(run_kernel(kernel, region, x), model(x), **TOL,
                                        msg=f"{kind} batch {batch}")
     # folding made its own copies: the program's weights are as they were
     assert all(torch.equal(a, b) for a, b in zip(before, program.constants))
@@ -126,7 +120,7 @@ def test_measurement_can_refuse_a_conv_rewrite(block):
     for x in (torch.randn(2, 3, 12, 12), torch.randn(3, 3, 12, 24)[..., ::2]):
         folded, region = _kernel(program, x, "measured", never)
         with torch.no_grad():
-            torch.testing.assert_close(_run(folded, region, x), model(x), **TOL)
+            torch.testing.assert_close(run_kernel(folded, region, x), model(x), **TOL)
 
 
 class ConvThenFlatten(nn.Module):
@@ -150,6 +144,6 @@ def test_a_fused_conv_gives_its_result_the_layout_the_program_expects():
     kernel, region = _kernel(program, x, "always")
     assert "onednn_conv_nchw" in kernel.source
     with torch.no_grad():
-        got = _run(kernel, region, x)
+        got = run_kernel(kernel, region, x)
         assert got.is_contiguous()
         torch.testing.assert_close(got, model(x), **TOL)

@@ -32,6 +32,7 @@ from dynvm.jit.backends.cpu_row_gate import (
 )
 from dynvm.jit.calibration import Calibrator, Choice, size_class
 from dynvm.jit.specialize import specialize
+from tests.jit._kernel_run import run_kernel
 from tests.jit._scripted_calibrator import ScriptedCalibrator
 
 pytestmark = pytest.mark.skipif(not onednn_available(torch.device("cpu")),
@@ -59,6 +60,18 @@ def test_sightings_before_onednn(torch_s, warm, fresh, verdict):
     choice = _choice(torch=torch_s, onednn=warm, onednn_new_rows=fresh)
     assert sightings_before_onednn(choice, margin=0.05) == verdict
     assert MAX_SIGHTINGS == 64
+
+
+def test_the_build_is_judged_on_each_forms_fastest_sample():
+    # medians with one slow new-M sample in three would gate; the fastest samples say
+    # the build costs less than the margin over torch
+    noisy = Choice(ONEDNN, {TORCH: 1.0, ONEDNN: 0.5, ONEDNN_NEW_ROWS: 9.0}, TORCH,
+                   {TORCH: 0.875, ONEDNN: 0.5, ONEDNN_NEW_ROWS: 0.75})
+    assert sightings_before_onednn(noisy, margin=0.05) == 0
+    # whether oneDNN wins at all stays the medians' call
+    losing = Choice(TORCH, {TORCH: 1.0, ONEDNN: 1.0, ONEDNN_NEW_ROWS: 9.0}, TORCH,
+                    {TORCH: 1.0, ONEDNN: 0.5, ONEDNN_NEW_ROWS: 0.5})
+    assert sightings_before_onednn(losing, margin=0.05) is None
 
 
 def test_the_gate_counts_sightings_per_m_and_answers_per_size_class():
@@ -128,13 +141,6 @@ def _spy_gates(kernel) -> tuple[list[RowGate], list[int]]:
     return gates, onednn_rows
 
 
-def _run(kernel, region, x):
-    regs: list = [None] * 512
-    regs[region.live_in[0].index] = x
-    kernel.fn(regs)
-    return regs[region.live_out[0].index]
-
-
 def _by_size_class(table):
     """A calibrator answering GEMM questions with `table(size class) -> (torch, oneDNN,
     oneDNN at a new M)` seconds; any other question (there are none with the arena off)
@@ -166,7 +172,7 @@ def test_a_family_kernel_never_runs_onednn_where_it_lost_or_was_not_measured():
     for m in sequence:
         x = torch.randn(m, D, generator=gen)
         with torch.no_grad():
-            torch.testing.assert_close(_run(kernel, region, x), model(x), **TOL,
+            torch.testing.assert_close(run_kernel(kernel, region, x), model(x), **TOL,
                                        msg=f"rows {m}")
     measured_winners = {key[0] for _, key in gemm_questions if key[0] >= 5}
     assert onednn_rows, "oneDNN never ran where it measured faster"
