@@ -38,7 +38,13 @@ measurement decides:
   `EARLY_SAMPLES` shadow calls all measured it at least `EARLY_LOSS` times the
   interpreter, the median of those is its ratio (a gnn family kernel hit on a quarter
   of the region's calls measured 3x the interpreter, yet waited ~170 calls for its 12th
-  sample, slower all along). Nothing is confirmed early: staying needs every sample.
+  sample, slower all along). A clear winner likewise: once `EARLY_SAMPLES` shadow calls
+  all measured it at most `EARLY_WIN` times the interpreter, the median of those is its
+  ratio. Each shadow call runs the region twice, and the zoo's kernels that win (t5,
+  convnext, regnet at 0.55-0.7x) paid 12 of them, a doubled call in four over their
+  first ~50 hits; four paired ratios all at or under 0.8 from a kernel no faster than
+  the interpreter would take a noise floor far wider than the one measured (A/A p10 of
+  a paired ratio: 0.86 on a quiet host). Anything in between waits for every sample.
   The early samples are taken on consecutive hits (all but the first, which warms up),
   the rest on one hit in `probation_shadow_every`: at one in four, gnn's kernels, each
   hit on a fraction of the calls, still ran ~16 hits at 2.7x before the early verdict,
@@ -69,6 +75,7 @@ DEMOTE = "demote"
 DROP = "drop"
 EARLY_SAMPLES = 4    # Note [Probation]: a clear loser is decided after this many samples
 EARLY_LOSS = 1.25    # ... when every one of them is at least this ratio
+EARLY_WIN = 0.8      # ... or at most this one
 
 
 @dataclass
@@ -99,7 +106,8 @@ class Probation:
         if interpreted_seconds > 0:
             self.ratios.append(specialized_seconds / interpreted_seconds)
         if len(self.ratios) < self.samples:
-            early = len(self.ratios) >= EARLY_SAMPLES and min(self.ratios) >= EARLY_LOSS
+            early = len(self.ratios) >= EARLY_SAMPLES and (
+                min(self.ratios) >= EARLY_LOSS or max(self.ratios) <= EARLY_WIN)
             return statistics.median(self.ratios) if early else None
         return statistics.median(self.ratios)
 

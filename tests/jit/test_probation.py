@@ -137,8 +137,8 @@ def test_the_early_samples_come_from_consecutive_hits():
     assert all(b - a == 4 for a, b in zip(shadows[EARLY_SAMPLES:], shadows[EARLY_SAMPLES + 1:]))
 
 
-def test_a_clear_loser_is_decided_early_and_nothing_is_confirmed_early():
-    from dynvm.jit.probation import EARLY_LOSS, EARLY_SAMPLES
+def test_clear_losers_and_clear_winners_are_decided_early():
+    from dynvm.jit.probation import EARLY_LOSS, EARLY_SAMPLES, EARLY_WIN
 
     losing = Probation(every=1, samples=12, margin=0.02)
     for _ in range(EARLY_SAMPLES - 1):
@@ -148,9 +148,16 @@ def test_a_clear_loser_is_decided_early_and_nothing_is_confirmed_early():
     # One sample below the bar: no early verdict, the full count decides.
     mixed = Probation(every=1, samples=12, margin=0.02)
     assert [mixed.add(s, 1.0) for s in [2.0, 2.0, 2.0, 1.0, 2.0, 2.0]] == [None] * 6
+    # Every early sample at or under EARLY_WIN: kept after EARLY_SAMPLES.
     winning = Probation(every=1, samples=12, margin=0.02)
-    assert [winning.add(0.1, 1.0) for _ in range(11)] == [None] * 11
-    assert winning.add(0.1, 1.0) == 0.1
+    assert [winning.add(0.1, 1.0) for _ in range(EARLY_SAMPLES - 1)] == [None] * 3
+    ratio = winning.add(EARLY_WIN, 1.0)
+    assert ratio == 0.1 and winning.passes(ratio)
+    # A likely winner with one sample above the bar waits for every sample.
+    close = Probation(every=1, samples=12, margin=0.02)
+    samples = [0.5, 0.5, 0.5, EARLY_WIN + 0.05] + [0.5] * 7
+    assert [close.add(s, 1.0) for s in samples] == [None] * 11
+    assert close.add(0.5, 1.0) == 0.5
 
 
 def test_a_kernel_within_the_noise_floor_is_not_kept():
