@@ -255,7 +255,6 @@ class RedisStore:
         self._secrets = config._password_forms()
         self._redis = redis_client(config)
         self._marks = UseMarks(config.refresh_interval_s, config.ttl_seconds)
-        self._head = min(HEAD_BYTES, max_entry_bytes)
         self._head_reads = True   # False once the Redis ACL refused GETRANGE
 
     def __repr__(self) -> str:
@@ -283,13 +282,15 @@ class RedisStore:
 
     def _read_heads(self, names: list[str]) -> list:
         """Per entry in one round trip (Note [Reading within the cap]): its bytes if it
-        is at most `_head` long, None if absent, else _LONGER."""
+        is at most a head long (HEAD_BYTES, or the cap if smaller), None if absent, else
+        _LONGER."""
         if not self._head_reads:
             return [_LONGER] * len(names)
+        head_bytes = min(HEAD_BYTES, self.max_entry_bytes)
         pipe = self._redis.pipeline(transaction=False)
         for name in names:
             pipe.exists(name)
-            pipe.getrange(name, 0, self._head)   # one byte past the head: tells a longer one
+            pipe.getrange(name, 0, head_bytes)   # one byte past the head: tells a longer one
         answers = self._call("get", self._execute_unless_refused, pipe)
         if answers is None:
             self._head_reads = False
@@ -297,7 +298,7 @@ class RedisStore:
                            "reading entry sizes first (one more round trip per read)",
                            self.config.location())
             return [_LONGER] * len(names)
-        return [_LONGER if len(head) > self._head else bytes(head) if exists else None
+        return [_LONGER if len(head) > head_bytes else bytes(head) if exists else None
                 for exists, head in zip(answers[0::2], answers[1::2], strict=True)]
 
     @staticmethod
