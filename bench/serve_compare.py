@@ -230,6 +230,9 @@ def main(argv=None) -> int:
     parser.add_argument("--encodings", default="json,binary,grpc")
     parser.add_argument("--force-promote", action="store_true",
                         help="JIT promotes every recurring shape (default: its policy)")
+    parser.add_argument("--no-jit", action="store_true",
+                        help="dynvm's interpreter alone (what the request path costs "
+                        "without the JIT's compiles in the replica)")
     parser.add_argument("--json", help="write the runs here")
     args = parser.parse_args(argv)
 
@@ -268,7 +271,8 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         # What `dynvm serve` runs: the JIT's own policy decides what pays to compile
         # (`--force-promote`: the tests' settings, which promote every recurring shape).
-        jit = (JitConfig(min_recurrence=2, max_recurrence=4, horizon_calls=10**7)
+        jit = (False if args.no_jit else
+               JitConfig(min_recurrence=2, max_recurrence=4, horizon_calls=10**7)
                if args.force_promote else JitConfig())
         serve_models(paths, device="cpu", num_cpus=1.0, jit=jit)
         print(f"dynvm deployed in {time.perf_counter() - started:.1f} s", flush=True)
