@@ -2,6 +2,7 @@
 
     python bench/interp_overhead.py [--calls N] [--threads T]
     python -m bench.interp_overhead --zoo phi,vit,... [--rounds R]
+    python -m bench.interp_overhead --workloads gnn,loop [--workload-calls N]
 
 With --zoo: per zoo model, two interpreter Runtimes (A and B) and the JIT, interleaved
 call by call on the model's shapes (the order rotating), after the JIT has settled as
@@ -100,6 +101,56 @@ def zoo_aa(models: list[str], rounds: int, warmup: int = 8) -> None:
     print(f"# load {os.getloadavg()[0]:.1f} at end")
 
 
+def workloads_aa(names: list[str], calls: int | None, chunk: int = 50) -> None:
+    """Two interpreter Runtimes (A, B) and the JIT over a suite workload's own input
+    sequence (bench.workloads), all six orders in turn, the JIT learning as it goes (no
+    draining: its compiles and probation fall where the suite's do). Per block of
+    `chunk` calls after the warm-up: the median of B / A and of JIT / A, by wall time
+    and by the calling thread's CPU time (time.thread_time: on a host loaded by other
+    processes it leaves out the time this one was descheduled; torch runs on the
+    calling thread with one intra-op thread)."""
+    from bench.workloads import build
+
+    print(f"# workloads A/A: {platform.node()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f} at start")
+    print("| workload | calls | B / A wall | JIT / A wall | B / A CPU | JIT / A CPU |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name in names:
+        workload = build(name, quick=False, seed=0, calls=calls)
+        demo = workload.demo
+        program = dynvm.compile(demo.module, demo.example_inputs, demo.dynamic_shapes,
+                                name=name)
+        systems = {"a": dynvm.Runtime(program, jit=False),
+                   "b": dynvm.Runtime(program, jit=False),
+                   "jit": dynvm.Runtime(program, jit=dynvm.JitConfig())}
+        orders = list(itertools.permutations(systems))
+        rows: list[tuple[float, float, float, float]] = []
+        for index, x in enumerate(workload.inputs):
+            wall, cpu = {}, {}
+            for key in orders[index % len(orders)]:
+                start, start_cpu = time.perf_counter(), time.thread_time()
+                systems[key](*x)
+                cpu[key] = time.thread_time() - start_cpu
+                wall[key] = time.perf_counter() - start
+            if index >= workload.warmup:
+                rows.append((wall["b"] / wall["a"], wall["jit"] / wall["a"],
+                             cpu["b"] / max(cpu["a"], 1e-9), cpu["jit"] / max(cpu["a"], 1e-9)))
+        blocks = [rows[i:i + chunk] for i in range(0, len(rows), chunk)] + [rows]
+        for number, block in enumerate(blocks):
+            first = workload.warmup + number * chunk
+            span = "all steady" if number == len(blocks) - 1 else f"{first}-{first + len(block)}"
+            medians = [statistics.median(r[k] for r in block) for k in range(4)]
+            cells = " | ".join(f"{m:.3f}" for m in medians)
+            print(f"| {name} | {span} | {cells} |", flush=True)
+        stats = systems["jit"].stats()
+        print(f"# {name}: JIT compiles {stats['compiles']}, specialized / interpreted "
+              f"region calls {stats['specialized_region_calls']} / "
+              f"{stats['interpreted_region_calls']}, probation {dict(stats['probation'])}")
+        for runtime in systems.values():
+            runtime.close()
+    print(f"# load {os.getloadavg()[0]:.1f} at end")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200, help="timed calls per batch size")
@@ -109,7 +160,16 @@ def main() -> None:
     parser.add_argument("--zoo", help="comma-separated zoo models: the A/A noise floor "
                         "and JIT / interpreter per model instead")
     parser.add_argument("--rounds", type=int, default=30, help="--zoo: timed rounds")
+    parser.add_argument("--workloads", help="comma-separated suite workloads (gnn, loop, "
+                        "...): A/A and JIT / interpreter over each one's input sequence")
+    parser.add_argument("--workload-calls", type=int, help="--workloads: calls (default: "
+                        "the suite's)")
     args = parser.parse_args()
+    if args.workloads:
+        torch.set_num_threads(1 if "--threads" not in sys.argv else args.threads)
+        workloads_aa([w.strip() for w in args.workloads.split(",") if w.strip()],
+                     args.workload_calls)
+        return
     torch.set_num_threads(args.threads)
     if args.zoo:
         zoo_aa([m.strip() for m in args.zoo.split(",") if m.strip()], args.rounds)
