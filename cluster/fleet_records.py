@@ -15,7 +15,7 @@ Note [Index stamps]
 ~~~~~~~~~~~~~~~~~~~
 Every replica re-reads its program's index every poll interval to catch announcements
 it missed, and almost always finds nothing new: at a thousand replicas that is 500
-reads and HMAC checks of a few KB a second, and the fleet simulator's hosts spent 39%
+reads and HMAC checks of a ~1.5 KB index a second, and the fleet simulator's hosts spent 39%
 of their active time in it. So each index write is followed by a stamp: a small
 unsigned entry next to the index (same program tag), a fresh random token per write. A
 poll reads the stamp (tens of bytes, no verification: it is only a hint) and reads the
