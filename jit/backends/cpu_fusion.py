@@ -88,7 +88,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -459,11 +458,15 @@ def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
             x, other = xs[:m], others[:m]
             forms = {TORCH: lambda: eager(x, other), ONEDNN: lambda: fused(x, other, packed)}
             if new_rows:
-                fresh = itertools.count(m + 1)
+                # Views made here, not in the timed call: slicing is a torch call that
+                # releases the GIL, and on the compile thread each release let a request
+                # thread in for up to the switch interval (5 ms), timed as the build.
+                fresh = iter([(xs[:rows], others[:rows])
+                              for rows in range(m + 1, m + spare + 1)])
 
                 def at_new_rows():
-                    rows = next(fresh)
-                    return fused(xs[:rows], others[:rows], packed)
+                    x_rows, other_rows = next(fresh)
+                    return fused(x_rows, other_rows, packed)
                 forms[ONEDNN_NEW_ROWS] = at_new_rows
             return forms
         question = f"onednn {label}" + (" at new M" if new_rows else "")
