@@ -40,7 +40,10 @@ class JitConfig:
 
     horizon_calls: int = 1000
     """Calls over which a specialization must pay back its compile: the benefit is the
-    expected saving per call x the signature's frequency in the window x this horizon."""
+    expected saving per call x the signature's frequency in the window x the horizon,
+    which is this or the region's calls so far, whichever is more (Note [Rent or buy]
+    in dynvm.jit.policy): a young region needs a compile to pay within this many calls,
+    an old one within as many calls as it has run."""
 
     compile_seconds_base: float = 0.002
     """Estimated compile cost of a region of no instructions (seconds)."""
