@@ -258,7 +258,9 @@ def _flatten_json(data, shape: tuple[int, ...], where: str) -> list:
         if shape:
             raise BadRequest(f"{where}: 'data' must be a list, got {_describe(data)}")
         return [data]
-    if len(shape) <= 1 or not any(isinstance(item, list) for item in data):
+    # `list in map(type, ...)` scans in C (decoded JSON holds exact lists only): 0.43 vs
+    # 1.0 us on 13 values, 119 vs 310 us on 8192 for a generator of isinstance calls.
+    if len(shape) <= 1 or list not in map(type, data):
         return data
     out: list = []
     _flatten_nested(data, shape, 0, "data", out, where)
@@ -281,6 +283,17 @@ def _flatten_nested(node, shape, depth: int, path: str, out: list, where: str) -
         _flatten_nested(child, shape, depth + 1, f"{path}[{i}]", out, where)
 
 
+_NUMBER_TYPES = frozenset((float, int))
+_INT_TYPES = frozenset((int,))
+
+
+def _only_types(values: list, types: frozenset) -> bool:
+    """Whether `values` has at least 1024 values and each value's exact type is among
+    `types` (a set of the types, built in C). Measured against the per-value loop: 257
+    vs 306 us on 8192 floats, but 2.96 vs 2.37 us on 64: short lists keep the loop."""
+    return len(values) >= 1024 and set(map(type, values)) <= types
+
+
 def _check_json_values(values: list, dtype: torch.dtype, datatype: str, where: str) -> None:
     if dtype is torch.bool:
         for v in values:
@@ -291,6 +304,8 @@ def _check_json_values(values: list, dtype: torch.dtype, datatype: str, where: s
         # Beyond the datatype's range a number would become inf (or, for an integer too
         # big for a double, raise OverflowError): refused, naming the value.
         top = torch.finfo(dtype).max
+        if _only_types(values, _NUMBER_TYPES) and max(map(abs, values)) <= top:
+            return  # the common case, checked in C; the loop below words a refusal
         for i, v in enumerate(values):
             kind = type(v)
             if kind is float or kind is int:
@@ -307,6 +322,8 @@ def _check_json_values(values: list, dtype: torch.dtype, datatype: str, where: s
         lo, hi = int(info.min), int(info.max)
         if dtype is torch.uint64:
             lo, hi = 0, 2**64 - 1
+        if _only_types(values, _INT_TYPES) and lo <= min(values) and max(values) <= hi:
+            return  # the common case, checked in C; the loop below words a refusal
         for v in values:
             if type(v) is not int:
                 raise BadRequest(f"{where}: datatype {datatype} needs integers, "

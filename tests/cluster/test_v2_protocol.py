@@ -285,3 +285,34 @@ def test_fuzz_plausible_bodies_raise_only_protocol_errors(case):
         return
     for tensor, spec in zip(req.tensors, INPUTS, strict=True):
         assert tensor.dtype == spec.dtype and tensor.dim() == len(spec.dims)
+
+
+def test_long_data_lists_are_checked_like_short_ones():
+    # 1024 values or more are type- and range-checked in C first (_only_types): the same
+    # requests pass and the same refusals come back as on the per-value path.
+    rows = DimSpec("n", 1, 4096)
+    for dtype, datatype, good, bad_values in (
+            (torch.float32, "FP32", 0.5, ((1e39, "out of range"), (True, "needs numbers"),
+                                          ("x", "needs numbers"))),
+            (torch.int32, "INT32", 7, ((2**40, "out of range"), (1.5, "needs integers"),
+                                       (True, "needs integers")))):
+        inputs = (InputSpec("x", dtype, (rows,)),)
+
+        def body(data, datatype=datatype):
+            return json.dumps({"inputs": [{"name": "x", "datatype": datatype,
+                                           "shape": [len(data)], "data": data}]}).encode()
+
+        values = [good] * 2048
+        parsed = v2.parse_infer_request(body(values), inputs)
+        assert torch.equal(parsed.tensors[0], torch.full((2048,), good, dtype=dtype))
+        for bad, needle in bad_values:
+            data = list(values)
+            data[1000] = bad
+            with pytest.raises(v2.BadRequest, match=needle):
+                v2.parse_infer_request(body(data), inputs)
+    floats = (InputSpec("x", torch.float32, (rows,)),)
+    data = [0.5] * 2048
+    data[7] = "NaN"
+    parsed = v2.parse_infer_request(json.dumps({"inputs": [
+        {"name": "x", "datatype": "FP32", "shape": [2048], "data": data}]}).encode(), floats)
+    assert torch.isnan(parsed.tensors[0][7]) and not torch.isnan(parsed.tensors[0][8])
