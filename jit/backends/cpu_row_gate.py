@@ -43,6 +43,15 @@ sightings per M and picks the form per call: its check measured 0.33 us, the who
 gnn's GEMMs (20-50 us each) that is 1-3%. A gate belongs to one fused
 op of one kernel and lives as long as the kernel: its counts start over with a new
 kernel, which costs at most `r` torch calls per M.
+
+What it costs where M recurs: the calibration runs on the compile thread beside request
+traffic, and its new-M samples stay noisy there (1.5 ms alone, 7-57 ms beside requests,
+at load 8-10) even with each form's fastest sample and the views sliced outside the
+timed call, so some GEMMs that oneDNN wins at a new M get gated after 1-13 calls. On
+jitter (64 batch sizes, each seen about 4 times in 240 calls) the JIT measured 1.06x
+the code before this note (one interleaved run in one process, load 8-10), still 0.58x
+the interpreter. gnn's kernels: 3.1x the interpreter with oneDNN forced, 1.07x measured
+(1.03x with fusion off), where they were 2.3-5x.
 """
 
 from __future__ import annotations
