@@ -19,10 +19,11 @@ and measured 2.3-5x the interpreter until probation dropped it (the same kernel 
 `cpu_fusion="off"`: 0.92x). A Transformer family (jitter: 64 batch sizes, each recurring)
 meets the same few M again and again and keeps its gains.
 
-So, for a GEMM whose M varies across the family's probes, the calibration
-(`gemm_verdicts` in cpu_fusion) measures per size class of M, at a representative M of
-every class the family covers (up to the cap), three forms: torch's pair, oneDNN at a
-repeated M, and oneDNN at a new M on every call. Per class, the verdict is:
+So, for a GEMM whose M varies across the family's probes, the calibration (`_decide`
+in cpu_fusion) asks per size class of M, at the smallest M of every class the family
+covers (up to the cap): torch's pair against oneDNN at a repeated M (the question an
+exact specialization asks too), and, only where oneDNN wins, oneDNN against itself at a
+new M on every call (its build). Per class, the verdict is:
 
 - torch (`None`): oneDNN at a repeated M does not beat torch by the calibrator's margin,
   or it wins so little that paying the build back would take more than
@@ -45,13 +46,14 @@ op of one kernel and lives as long as the kernel: its counts start over with a n
 kernel, which costs at most `r` torch calls per M.
 
 What it costs where M recurs: the calibration runs on the compile thread beside request
-traffic, and its new-M samples stay noisy there (1.5 ms alone, 7-57 ms beside requests,
-at load 8-10) even with each form's fastest sample and the views sliced outside the
-timed call, so some GEMMs that oneDNN wins at a new M get gated after 1-13 calls. On
-jitter (64 batch sizes, each seen about 4 times in 240 calls) the JIT measured 1.06x
-the code before this note (one interleaved run in one process, load 8-10), still 0.58x
-the interpreter. gnn's kernels: 3.1x the interpreter with oneDNN forced, 1.07x measured
-(1.03x with fusion off), where they were 2.3-5x.
+traffic, where the new-M samples are noisy (QKV at M=512: 1.5 ms alone, 7-57 ms beside
+requests at load 8-10, before the views were sliced outside the timed call), so some
+GEMMs that oneDNN wins at a new M get gated after 1-14 calls. jitter (64 batch sizes,
+each seen about 4 times in 240 calls), in one process, interleaved, against the code
+before this note: JIT 1.006x (load 0-4; 1.060x at load 8-10 with the three-form
+question this replaced), 0.50x the interpreter. gnn's family kernels against the
+interpreter (300 fresh calls, load 0-3): 3.09x with oneDNN forced, 1.04x measured,
+1.01x with fusion off, where probation had measured 2.3-5x.
 """
 
 from __future__ import annotations
