@@ -148,6 +148,9 @@ def workloads_aa(names: list[str], calls: int | None, chunk: int = 50) -> None:
               f"{stats['interpreted_region_calls']}, probation {dict(stats['probation'])}")
         for runtime in systems.values():
             runtime.close()
+        # A compile still running would share the GIL with the next workload's calls and
+        # stretch the region times its JIT decides on.
+        systems["jit"].jit.queue.close(wait_s=300.0)
     print(f"# load {os.getloadavg()[0]:.1f} at end")
 
 
