@@ -20,6 +20,14 @@ so where the policy finds a region not worth
 specializing the JIT column is the interpreter with profiling; the specialized share
 of its steady region calls says which.
 
+"JIT <= interpreter" is judged per call, with its margin measured beside it: a second
+interpreter Runtime (B) runs in the same rotation, and per model the doc gives the median
+of JIT / interpreter and of B / interpreter on the same calls (the A/A). B's distance
+from 1 is what noise alone does to that median in that model's window; the summary
+names the models whose JIT / interpreter exceeds 1 by more than it. Comparing the two
+x-eager medians instead (each a median of its own ratios) left a 1.5-4% gap on 14 models
+with nothing specialized, within the A/A distance of 0.6-2.4% measured beside them.
+
 Steady means settled, not a fixed count: after the `warmup` rounds, the JIT alone runs
 more rounds of the shapes (untimed, each call after the queue drained) until
 `Runtime.settled()` (no compile queued or running, every region with nothing
@@ -134,13 +142,18 @@ def measure(entry, harness, warmup: int, rounds: int, log, peers=()) -> dict:
     inputs = [built.make_inputs(p, 100 + i) for i, p in enumerate(points)]
     expected = [harness.eager(built, x) for x in inputs]
     interp = dynvm.Runtime(compiled.program, jit=False)
+    # A second interpreter: the A/A that states the margin of "JIT <= interpreter" per
+    # model (Note [Zoo timing]).
+    interp_b = dynvm.Runtime(compiled.program, jit=False)
     jit = dynvm.Runtime(compiled.program, jit=dynvm.JitConfig())
-    systems = {"eager": lambda *x: harness.eager(built, x), "interp": interp, "jit": jit}
+    systems = {"eager": lambda *x: harness.eager(built, x), "interp": interp,
+               "interp_b": interp_b, "jit": jit}
     compiled_peer = _torch_compile(built) if "torch.compile" in peers else None
     if compiled_peer is not None:   # Note [Zoo peers]
         systems["compile"] = lambda *x: compiled_peer(*x)[0]
     order = list(systems)
     ratios = {name: [] for name in order if name != "eager"}
+    paired = {"jit": [], "interp_b": []}   # per call, over the interpreter's own time
     times = {name: [] for name in systems}
     discarded = 0
     settle_calls, settled = 0, False
@@ -171,9 +184,12 @@ def measure(entry, harness, warmup: int, rounds: int, log, peers=()) -> dict:
                     times[name].append(seconds[name])
                 for name in ratios:
                     ratios[name].append(seconds[name] / seconds["eager"])
+                for name in paired:
+                    paired[name].append(seconds[name] / seconds["interp"])
         stats = jit.stats()
     finally:
         interp.close()
+        interp_b.close()
         jit.close()
         if compiled_peer is not None:
             compiled_peer.close()
@@ -189,9 +205,12 @@ def measure(entry, harness, warmup: int, rounds: int, log, peers=()) -> dict:
         # How much eager itself moved during the steady calls (p90 / p10 of its times,
         # mixed shapes): on a shared host a model's window can catch a burst of load.
         "eager_spread": _spread(times["eager"]),
-        "ms_per_call": {name: [round(1e3 * t, 4) for t in ts] for name, ts in times.items()},
+        "ms_per_call": {name: [round(1e3 * t, 4) for t in ts] for name, ts in times.items()
+                        if name != "interp_b"},
         "interp_x_eager": statistics.median(ratios["interp"]),
         "jit_x_eager": statistics.median(ratios["jit"]),
+        "jit_over_interp": statistics.median(paired["jit"]),
+        "interp_aa": statistics.median(paired["interp_b"]),
         "jit_specialized_share": _specialized_share(jit_before, stats),
         "jit_compiles": stats["compiles"],
         "steady_calls": len(ratios["jit"]),

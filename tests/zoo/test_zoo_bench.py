@@ -18,6 +18,9 @@ def test_bench_zoo_writes_the_models_table(tmp_path):
     assert row["status"] == "ok", row["status"]
     assert row["parameters"] > 0 and row["compile_seconds"] > 0 and row["eager_ms"] > 0
     assert row["interp_x_eager"] > 0 and row["jit_x_eager"] > 0
+    # the per-call JIT / interpreter and its A/A beside it (a second interpreter)
+    assert row["jit_over_interp"] > 0 and row["interp_aa"] > 0
+    assert "interp_b" not in row["ms_per_call"]
     assert row["dims"] == {"nodes": "2..1024", "edges": "2..8192"}
     assert "SCATTER_ADD" in row["opcodes"]
     # quick: 3 rounds of 4 shapes; a call that started a background compile is dropped
@@ -26,6 +29,8 @@ def test_bench_zoo_writes_the_models_table(tmp_path):
     assert len(row["ms_per_call"]["eager"]) == row["steady_calls"]
     report = (tmp_path / "report.md").read_text()
     assert "| gin | torch_geometric |" in report and "SCATTER_ADD" in report
+    assert f"{row['jit_over_interp']:.3f} ({row['interp_aa']:.3f})" in report
+    assert "within the model's A/A distance" in report
 
 
 def test_bench_zoo_names_an_unknown_model(capsys):
