@@ -32,8 +32,11 @@ next misses are not
 profiled: with no specialization installed `enter` returns at once, otherwise it still
 looks up the specializations it has and only skips the profiling of a miss. The period
 doubles each time the bound still holds (up to `COLD_CALLS_MAX`), so that a region
-whose shapes grow is looked at again. A region whose promotions are decided elsewhere
-(a fleet's compile service, Note [Fleet hooks]) never goes cold here.
+whose shapes grow is looked at again. The horizon in the bound is the policy's (Note
+[Rent or buy] in dynvm.jit.policy): it grows with the region's age, so a region found
+cold while young may be found worth watching once it is old enough to pay. A region
+whose promotions are decided elsewhere (a fleet's compile service, Note [Fleet hooks])
+never goes cold here.
 
 A specialization that measured slower than the interpreter (Note [Probation] in
 dynvm.jit.probation) is dropped and its key backs off as after a failed compile: not
