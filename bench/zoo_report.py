@@ -97,8 +97,9 @@ def markdown(run: dict) -> str:
         "exported with its dynamic dims and run through dynvm.compile -> Runtime.",
         report.header(run),
         f"How it is measured (Note [Zoo timing] in bench/zoo.py): per call, eager, the "
-        f"interpreter and the JIT run on the same inputs in an order that changes call by "
-        f"call (the rotations of the systems, then of their reverse); the columns "
+        f"interpreter (twice: A, and B for the A/A) and the JIT run on the same inputs in "
+        f"an order that changes call by call (the rotations of the systems, then of their "
+        f"reverse); the x-eager columns "
         f"are medians of per-call ratios to eager over {run['rounds']} rounds of the "
         f"entry's shapes (export point + held-out points) after {run['warmup_rounds']} "
         f"warm-up rounds and then until the JIT is settled (no compile queued, no "
