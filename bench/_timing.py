@@ -6,18 +6,56 @@ import random
 import statistics
 
 
+def order_cycle(count: int) -> int:
+    """How many calls `call_order` takes to come back to its first order."""
+    return count if count % 2 == 0 else 2 * count
+
+
 def call_order(names: list, call: int) -> list:
-    """The order in which `names` run on call number `call`: the rotations of the list,
-    then the rotations of its reverse. Rotating alone left every system always right
-    after the same one (the one before it warms the caches for it on the same input: an
-    interpreter measured 0.95x against itself that way); with the reversed rotations
-    each system follows each of its neighbours equally often, and for three systems the
-    cycle is all six orders."""
+    """The order in which `names` run on call number `call`: the rows of a Williams
+    design (a Latin square balanced for the one before), in turn. Over a cycle of
+    `order_cycle(len(names))` calls every system runs in every position equally often
+    and right after each other system equally often. Why the predecessor matters: the
+    one before warms the caches on the same input (an interpreter measured 0.95x against
+    itself when it always followed the other interpreter). Rotations alone left every
+    system after the same one; rotations and their reverse balance neighbours only for
+    three systems: with four (eager, interpreter A, interpreter B, JIT) B never ran right
+    after eager, and the A/A came out 0.93-0.94 on 256 calls."""
     count = len(names)
-    step = call % (2 * count)
-    base = list(names) if step < count else list(reversed(names))
-    shift = step % count
-    return base[shift:] + base[:shift]
+    cycle = order_cycle(count)
+    row = call % cycle
+    # First row 0, 1, n-1, 2, n-2, ...; row r adds r (mod n); for odd n the mirrored
+    # rows follow, which balances the pairs a single odd square cannot.
+    first, low, high = [0], 1, count - 1
+    while len(first) < count:
+        first.append(low)
+        low += 1
+        if len(first) < count:
+            first.append(high)
+            high -= 1
+    indices = [(i + row) % count for i in first]
+    if row >= count:
+        indices.reverse()
+    return [names[i] for i in indices]
+
+
+def cycle_order(names: list, round_: int, index: int) -> list:
+    """The order of `names` for input `index` of a repeated cycle of inputs, in round
+    `round_`: `call_order` at round + index. Numbering the calls straight through a cycle
+    of k inputs gives input i only the orders i, i+k, i+2k, ... of the cycle: with 4
+    inputs and 4 systems, one of the four, so a system stayed in the same place on the
+    same input and a shape-dependent effect of position became a bias of that system. By
+    round + index every input runs in every order once per cycle of rounds."""
+    return call_order(names, round_ + index)
+
+
+def balanced_rounds(inputs: int, systems: int, calls: int) -> int:
+    """Rounds of `inputs` inputs giving at least `calls` calls, rounded up to whole
+    cycles of the orders (`cycle_order`), so that every input ran in every order
+    equally often."""
+    cycle = order_cycle(systems)
+    rounds = -(-calls // max(1, inputs))
+    return -(-rounds // cycle) * cycle
 
 
 def percentile(samples: list[float], p: float) -> float:

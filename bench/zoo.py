@@ -7,11 +7,18 @@ Note [Zoo timing]
 Per model: dynvm.compile is timed once (torch.export, decompositions, lowering). Then a
 shape sequence cycles through the entry's export point and held-out points; each call
 runs eager, the interpreter and the JIT on the same inputs, in an order that changes
-call by call: the rotations of the systems, then of their reverse (bench._timing.
-call_order; with rotations alone the JIT always ran right after the interpreter, on
-inputs it had just warmed), and each
-system's time is divided by eager's time of the same call. The figure is the median of
-these per-call ratios over the steady calls: after `warmup` rounds. No call is timed
+call by call: the rows of a Williams design (bench._timing.call_order: every system in
+every position and right after each other one equally often; with rotations alone the
+JIT always ran right after the interpreter, on inputs it had just warmed, and with
+rotations and their reverse the second interpreter never followed eager, which put the
+A/A at 0.93-0.94), chosen per shape so that each shape runs in every order equally
+often (bench._timing.cycle_order), and each system's time is divided by eager's time of
+the same call. The figure is the median of these per-call ratios over at least
+STEADY_CALLS steady calls (whole cycles of the orders), after `warmup` rounds: with the
+ten rounds of before, a median over 40 calls, a model's A/A ranged 0.92-1.06 in one
+run. Each call is timed by the wall clock and by the calling thread's CPU time
+(time.thread_time): with one torch thread the model's work runs on that thread, and
+CPU time leaves out the time other processes held the core. No call is timed
 while the JIT's background compile runs (it holds the GIL for long stretches, and made
 eager look 10x slower on BART in a first run): each call waits for the queue to drain,
 and a call during which the JIT promoted a signature is discarded (counted). The JIT
@@ -64,11 +71,12 @@ from pathlib import Path
 
 import torch
 
-from bench._timing import call_order
+from bench._timing import balanced_rounds, cycle_order
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "tests" / "zoo"
 DOCS = ROOT / "docs" / "MODELS.md"
+STEADY_CALLS = 256     # Note [Zoo timing]: timed calls per model (at least)
 SETTLE_ROUNDS = 64     # Note [Zoo timing]: the cap of the JIT's extra warm-up rounds
 SETTLE_SECONDS = 10.0  # ... and of their wall time per model
 
@@ -92,10 +100,11 @@ def _registry():
     return _zoo, _zoo_harness
 
 
-def _timed(fn, inputs) -> tuple[float, object]:
-    start = time.perf_counter()
+def _timed(fn, inputs) -> tuple[float, float, object]:
+    """(wall seconds, the calling thread's CPU seconds, outputs) of one call."""
+    start, start_cpu = time.perf_counter(), time.thread_time()
     out = fn(*inputs)
-    return time.perf_counter() - start, out
+    return time.perf_counter() - start, time.thread_time() - start_cpu, out
 
 
 def _specialized_share(before: dict, after: dict) -> float | None:
@@ -132,8 +141,9 @@ def _settle(jit, inputs: list) -> tuple[int, bool]:
     return calls, jit.settled()
 
 
-def measure(entry, harness, warmup: int, rounds: int, log, peers=()) -> dict:
-    """One model's row (Note [Zoo timing])."""
+def measure(entry, harness, warmup: int, calls: int, log, peers=()) -> dict:
+    """One model's row (Note [Zoo timing]): at least `calls` steady calls, in whole
+    cycles of the call orders."""
     import dynvm
 
     compiled = harness.compile_entry(entry)
@@ -152,8 +162,10 @@ def measure(entry, harness, warmup: int, rounds: int, log, peers=()) -> dict:
     if compiled_peer is not None:   # Note [Zoo peers]
         systems["compile"] = lambda *x: compiled_peer(*x)[0]
     order = list(systems)
+    rounds = balanced_rounds(len(inputs), len(order), calls)
     ratios = {name: [] for name in order if name != "eager"}
     paired = {"jit": [], "interp_b": []}   # per call, over the interpreter's own time
+    paired_cpu = {"jit": [], "interp_b": []}   # the same by thread CPU time
     times = {name: [] for name in systems}
     discarded = 0
     settle_calls, settled = 0, False
@@ -163,14 +175,13 @@ def measure(entry, harness, warmup: int, rounds: int, log, peers=()) -> dict:
                 settle_calls, settled = _settle(jit, inputs)
                 jit_before = jit.stats()
             for index, x in enumerate(inputs):
-                call = round_ * len(inputs) + index
-                seconds, outputs = {}, {}
+                seconds, cpu, outputs = {}, {}, {}
                 # A background compile holds the GIL for long stretches: never time a call
                 # while one runs (Note [Zoo timing]).
                 _drain(jit)
                 promotions = jit.stats()["promotions"]
-                for name in call_order(order, call):
-                    seconds[name], outputs[name] = _timed(systems[name], x)
+                for name in cycle_order(order, round_, index):
+                    seconds[name], cpu[name], outputs[name] = _timed(systems[name], x)
                 if round_ == warmup:  # the first steady outputs are checked against eager
                     for name in ("interp", "jit"):
                         harness.assert_matches(entry, outputs[name], expected[index],
@@ -186,6 +197,7 @@ def measure(entry, harness, warmup: int, rounds: int, log, peers=()) -> dict:
                     ratios[name].append(seconds[name] / seconds["eager"])
                 for name in paired:
                     paired[name].append(seconds[name] / seconds["interp"])
+                    paired_cpu[name].append(cpu[name] / cpu["interp"])
         stats = jit.stats()
     finally:
         interp.close()
@@ -211,8 +223,11 @@ def measure(entry, harness, warmup: int, rounds: int, log, peers=()) -> dict:
         "jit_x_eager": statistics.median(ratios["jit"]),
         "jit_over_interp": statistics.median(paired["jit"]),
         "interp_aa": statistics.median(paired["interp_b"]),
+        "jit_over_interp_cpu": statistics.median(paired_cpu["jit"]),
+        "interp_aa_cpu": statistics.median(paired_cpu["interp_b"]),
         "jit_specialized_share": _specialized_share(jit_before, stats),
         "jit_compiles": stats["compiles"],
+        "rounds": rounds,
         "steady_calls": len(ratios["jit"]),
         "discarded_calls": discarded,
         "warmup_calls": warmup * len(inputs) + settle_calls,
@@ -290,9 +305,10 @@ def run(args, prog: str = "dynvm bench zoo", log=None) -> int:
         raise ZooUsageError(f"unknown peer {next(p for p in peers if p not in PEERS)!r}; "
                             f"known: {', '.join(PEERS)}")
     chosen = [e for e in zoo.entries() if not wanted or e.name in wanted]
-    warmup, rounds = (2, 3) if args.quick else (8, 10)
+    # Steady calls per model: --quick gives one cycle of the call orders.
+    warmup, calls = (2, 1) if args.quick else (8, STEADY_CALLS)
     if args.calls:
-        rounds = max(1, args.calls // 4)
+        calls = args.calls
     out = args.out or ROOT / "bench" / "results" / time.strftime("zoo-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -300,7 +316,7 @@ def run(args, prog: str = "dynvm bench zoo", log=None) -> int:
     rows = []
     for entry in chosen:
         try:
-            rows.append(measure(entry, harness, warmup, rounds, log, peers))
+            rows.append(measure(entry, harness, warmup, calls, log, peers))
         except Exception as exc:  # a failing model is a row of the table, not the end
             log(traceback.format_exc())
             rows.append({"name": entry.name, "library": entry.library, "note": entry.note,
@@ -310,7 +326,7 @@ def run(args, prog: str = "dynvm bench zoo", log=None) -> int:
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
             "total_wall_seconds": time.time() - started, "machine": report.machine(),
             "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-            "warmup_rounds": warmup, "rounds": rounds, "quick": bool(args.quick),
+            "warmup_rounds": warmup, "steady_calls_wanted": calls, "quick": bool(args.quick),
             "models": rows}
     (out / "results.json").write_text(json.dumps(run_, indent=1))
     markdown = zoo_report.markdown(run_)
