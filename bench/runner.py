@@ -93,6 +93,7 @@ def peak_rss_delta(fn, inputs, period: float = 0.001) -> int:
 def run_workload(workload: Workload, system_names: list[str], log=print) -> dict:
     n = len(workload.inputs)
     latency: dict[str, list[float]] = {}
+    latency_cpu: dict[str, list[float]] = {}   # the calling thread's CPU time per call
     reference: dict[str, list[float]] = {}
     results: dict[str, dict] = {}
     passes = []
@@ -115,6 +116,7 @@ def run_workload(workload: Workload, system_names: list[str], log=print) -> dict
         ref_samples: list[float] = []
         for name in systems:
             latency[name] = []
+            latency_cpu[name] = []
         hidden_ref = ref is not systems.get("eager")
         group_start = time.perf_counter()
         for i, inputs in enumerate(workload.inputs):
@@ -133,8 +135,10 @@ def run_workload(workload: Workload, system_names: list[str], log=print) -> dict
                     failed[name] = f"call {i} failed: {type(exc).__name__}: {exc}"[:300]
                     systems.pop(name).close()
                     latency.pop(name)
+                    latency_cpu.pop(name)
                     continue
                 latency[name].append(elapsed)
+                latency_cpu[name].append(systems[name].last_cpu_seconds)
             if (i + 1) % max(1, n // 5) == 0:
                 log(f"[{workload.name}]   {i + 1}/{n} calls, "
                     f"{time.perf_counter() - group_start:.0f} s")
@@ -158,6 +162,7 @@ def run_workload(workload: Workload, system_names: list[str], log=print) -> dict
                                                                workload.inputs}),
             "buckets": workload.buckets, "bucket_order": workload.bucket_order,
             "systems": results, "passes": passes, "latency": latency,
+            "latency_cpu": latency_cpu,
             "eager_same_pass": reference,
             "wall_seconds": wall}
 

@@ -35,7 +35,7 @@ from bench.workloads import shape_key
 from dynvm.models import DemoModel
 
 SYSTEMS = ["eager", "torchscript", "compile-static", "compile-dynamic", "compile-auto",
-           "dynvm-interp", "dynvm-jit"]
+           "dynvm-interp", "dynvm-interp-b", "dynvm-jit"]
 LABELS = {
     "eager": "eager PyTorch",
     "torchscript": "TorchScript (trace per shape)",
@@ -43,6 +43,7 @@ LABELS = {
     "compile-dynamic": "torch.compile(dynamic=True)",
     "compile-auto": "torch.compile (default)",
     "dynvm-interp": "dynvm interpreter",
+    "dynvm-interp-b": "dynvm interpreter B (A/A)",
     "dynvm-jit": "dynvm JIT",
 }
 
@@ -71,6 +72,9 @@ class System:
         self.warnings: list[str] = []
         self.calls = 0
         self.dynamo_graphs = 0
+        self.last_cpu_seconds = 0.0
+        """The calling thread's CPU time in the last call (time.thread_time): what other
+        processes' load does not add to (bench.report, 'JIT against the interpreter')."""
 
     def _run(self, inputs):
         raise NotImplementedError
@@ -80,9 +84,10 @@ class System:
         # (Note [Side by side] in bench.runner), and eager torch.while_loop compiles its
         # body through Dynamo (backend="eager"), which moves the same global counter.
         before = _dynamo_graphs()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         out = self._run(inputs)
         elapsed = time.perf_counter() - start
+        self.last_cpu_seconds = time.thread_time() - start_cpu
         if (grew := _dynamo_graphs() - before) > 0:
             self.dynamo_graphs += grew
             if self.dynamo_compiles_count:
@@ -236,6 +241,10 @@ def make(name: str, demo: DemoModel) -> System:
     if name == "compile-auto":
         return TorchCompile(demo, name, dynamic=None)
     if name == "dynvm-interp":
+        return Dynvm(demo, name, jit=False)
+    if name == "dynvm-interp-b":
+        # The A/A: a second interpreter Runtime of the same program in the same rotation;
+        # its distance from the first states the margin of "JIT <= interpreter".
         return Dynvm(demo, name, jit=False)
     if name == "dynvm-jit":
         return Dynvm(demo, name, jit=True)

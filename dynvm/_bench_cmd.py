@@ -18,7 +18,7 @@ from dynvm._run_cmd import CliError
 # Kept in step with bench.workloads.NAMES and bench.systems.SYSTEMS (a test checks).
 WORKLOADS = ("walk", "jitter", "nlp", "gnn", "loop", "heldout")
 SYSTEMS = ("eager", "torchscript", "compile-static", "compile-dynamic", "compile-auto",
-           "dynvm-interp", "dynvm-jit")
+           "dynvm-interp", "dynvm-interp-b", "dynvm-jit")
 
 DESCRIPTION = f"""\
 Run eager PyTorch, TorchScript (traced per shape), torch.compile (dynamic=False,

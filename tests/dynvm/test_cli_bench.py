@@ -145,3 +145,26 @@ def test_unknown_names_are_usage_errors(capsys):
     assert "dynvm: error: unknown system 'nope'" in capsys.readouterr().err
     assert main(["bench", "sorting"]) == 2
     assert "dynvm: error: unknown workload 'sorting'" in capsys.readouterr().err
+
+
+def test_jit_against_the_interpreter_with_its_a_a(suite):
+    """The JIT issue's table: per workload the median of JIT / interpreter per steady
+    call, with a second interpreter's (the A/A) beside it as the stated margin, by wall
+    time and by thread CPU time; warm-up calls are left out."""
+    from bench import report
+
+    interp = [1.0] * 4 + [2.0] * 5
+    result = {"workload": "nlp", "warmup": 4,
+              "latency": {"dynvm-interp": interp, "dynvm-interp-b": [9.0] * 4 + [2.04] * 5,
+                          "dynvm-jit": [9.0] * 4 + [2.0, 2.0, 2.06, 2.06, 2.06]},
+              "latency_cpu": {"dynvm-interp": interp, "dynvm-interp-b": interp,
+                              "dynvm-jit": [9.0] * 4 + [1.0] * 5}}
+    paired = report.jit_over_interpreter(result)
+    assert paired["wall"] == (pytest.approx(1.03), pytest.approx(1.02))
+    assert paired["cpu"] == (pytest.approx(0.5), pytest.approx(1.0))
+    table = report.jit_interpreter_table({"workloads": [result]})
+    assert "| nlp | 1.030 (1.020): NOT met | 0.500 (1.000): met |" in table
+    # without the A/A interpreter there is no stated margin: not measurable, never "met"
+    del result["latency"]["dynvm-interp-b"]
+    assert report.jit_over_interpreter(result)["wall"] == (pytest.approx(1.03), None)
+    assert "1.030 (n/a): not measurable" in report.jit_interpreter_table({"workloads": [result]})
