@@ -75,6 +75,10 @@ def _summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _season(run: dict) -> str:
+    return f"at least {run['season_calls']}" if run.get("season_calls") else "any number of"
+
+
 def _steady_text(run: dict) -> str:
     if "rounds" in run:  # a run from before the per-model count of steady calls
         return f"{run['rounds']} rounds"
@@ -122,7 +126,9 @@ def markdown(run: dict) -> str:
         f"are medians of per-call ratios to eager over {_steady_text(run)} of the "
         f"entry's shapes (export point + held-out points) after {run['warmup_rounds']} "
         f"warm-up rounds and then until the JIT is settled (no compile queued, no "
-        f"specialization on probation; the JIT alone, untimed, capped): 'JIT warm-up' is "
+        f"specialization on probation) and has made {_season(run)} calls (the JIT alone, "
+        f"untimed, capped; a region's promotion horizon grows with its age, Note [Rent "
+        f"or buy]): 'JIT warm-up' is "
         f"how many calls the JIT had before the timed ones, '(cap)' where it was not "
         f"settled by the cap. The JIT runs its default "
         f"config; 'JIT spec.' is the share of its steady region calls that ran "
