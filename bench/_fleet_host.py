@@ -67,6 +67,8 @@ class Reference:
         self.runtimes = [dynvm.Runtime(p, "cpu", jit=jit_config) for p in programs]
         self.shapes = shapes
         self.serving: list[dict[tuple, frozenset[frozenset]]] = [{} for _ in programs]
+        # (program, shape) -> the keys that first served it (bench/_fleet_timeline.py)
+        self.first_keys: dict[tuple[int, tuple], list[str]] = {}
         self._lock = threading.Lock()
         self._done: set[str] = set()
         self.install_seconds = 0.0
@@ -92,6 +94,7 @@ class Reference:
                 keys = [_serving_key(runtime, o) for o in observations]
                 if all(keys):
                     serving[shape] = serving.get(shape, frozenset()) | {frozenset(keys)}
+                    self.first_keys.setdefault((program, shape), sorted(set(keys)))
             self.serving[program] = serving
 
     def serves(self, program: int, shape: tuple, installed: set) -> bool:
@@ -370,6 +373,8 @@ class ReplicaHost:
                 "first_sighting": {f"{p}:{b}x{s}": t for (p, (b, s)), t
                                    in self.first_sighting.items()},
                 "announced_first_seen": self.pool.first_seen,
+                "first_keys": {f"{p}:{b}x{s}": keys for (p, (b, s)), keys
+                               in self.reference.first_keys.items()},
                 "announcements_received": self.pool.received,
                 "announcement_cpu_s": self.pool.cpu_seconds,
                 "announcement_read_spread_s": max(

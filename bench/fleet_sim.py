@@ -53,6 +53,7 @@ def run_one(mode: str, n: int, dvm_files: list[bytes], seconds: float, rate: flo
     """One (mode, N) run; returns its figures."""
     import ray
 
+    from bench import _fleet_timeline as timeline
     from bench._fleet_host import ReplicaHost
     from dynvm.cluster.compile_service import start_compile_service, stop_compile_service
     from dynvm.cluster.config import StoreConfig
@@ -74,6 +75,7 @@ def run_one(mode: str, n: int, dvm_files: list[bytes], seconds: float, rate: flo
                               shards=shards)
         services = [ray.get_actor(s, namespace=NAMESPACE) for s in shard_names(name, shards)]
         pids = ray.get([s.pid.remote() for s in services])
+        ray.get([s.__ray_call__.remote(timeline.instrument) for s in services])
         redis = redis_client(local.config(), "dynvm-fleet-sim")
         host_count = max(1, math.ceil(n / per_host))
         programs = [r % len(dvm_files) for r in range(n)]
@@ -95,14 +97,17 @@ def run_one(mode: str, n: int, dvm_files: list[bytes], seconds: float, rate: flo
             # Compiles and publishes counted after the last announcement was heard.
             ray.get([s.wait_idle.remote(30.0) for s in services])
             service_stats = ray.get([s.stats.remote() for s in services])
+            timelines = ray.get([s.__ray_call__.remote(timeline.read) for s in services])
         finally:
             for h in hosts:
                 ray.kill(h)
             stop_compile_service(name, NAMESPACE, shards=shards)
             redis.close()
-    return summarize(mode, n, shards, window, seconds, results, service_stats,
-                     cpu_after - cpu_before, service_rss, redis_before, redis_after,
-                     start_seconds, host_count)
+    row = summarize(mode, n, shards, window, seconds, results, service_stats,
+                    cpu_after - cpu_before, service_rss, redis_before, redis_after,
+                    start_seconds, host_count)
+    row.update(timeline.shape_stages(results, timelines))
+    return row
 
 
 def summarize(mode, n, shards, window, seconds, results, service_stats, service_cpu,
@@ -303,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({k: row[k] for k in (
                     "mode", "replicas", "report_messages_per_s", "service_cpu_fraction",
                     "sighting_to_99", "announce_to_99", "compiles_per_key",
-                    "load_before")}, default=str), flush=True)
+                    "load_before", "stages", "queue_at_promotion_median",
+                    "compile_s_median", "compile_s_first_per_shard")}, default=str),
+                      flush=True)
     finally:
         ray.shutdown()
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

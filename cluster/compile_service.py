@@ -21,6 +21,7 @@ import ray
 from dynvm.cluster.config import StoreConfig
 from dynvm.cluster.fleet_compiler import FleetCompiler
 from dynvm.cluster.fleet_shards import shard_actor_name, shard_names
+from dynvm.cluster.service_warmup import Warmup
 from dynvm.jit.config import JitConfig
 from dynvm.telemetry import Telemetry
 
@@ -64,6 +65,9 @@ class CompileService:
 
     def __init__(self, store: StoreConfig, jit_config: JitConfig | None = None,
                  gpu_targets: tuple = ()) -> None:
+        # Before anything is constructed: the imports overlap the rest (Note [Warm
+        # compile service] in dynvm.cluster.service_warmup).
+        self.warmup = Warmup().start()
         # Traced as configured by OTEL_* in the actor's environment (dynvm._env).
         self.compiler = FleetCompiler(store, jit_config, Telemetry.from_env(),
                                       gpu_targets=gpu_targets)
@@ -102,7 +106,8 @@ class CompileService:
     def stats(self) -> dict:
         return {**self.compiler.stats(), "reports": self.reports,
                 "report_records": self.report_records, "backoff_s": self.load.backoff_s,
-                "busy_fraction": self.load.busy_fraction}
+                "busy_fraction": self.load.busy_fraction,
+                "warmup_seconds": self.warmup.seconds}
 
 
 def start_compile_service(store: StoreConfig, jit_config: JitConfig | None = None, *,
