@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 
 from bench._fleet_trace import ShapeTrace, record_observations
-from dynvm.cluster.announce import CHANNEL, Announcement
+from dynvm.cluster.announce import Announcement, channel_for
 from dynvm.cluster.compile_service import RayServiceClient
 from dynvm.cluster.fleet_link import FleetLink
 from dynvm.cluster.fleet_records import portable_from_fields
@@ -191,7 +191,7 @@ class SubscriberPool:
         for link in links:
             client = redis_client(redis_config, "dynvm-sim-subscriber")
             pubsub = client.pubsub(ignore_subscribe_messages=True)
-            pubsub.subscribe(CHANNEL)
+            pubsub.subscribe(channel_for(link.program_hash))
             # redis-py keeps the subscription's socket private; the pool waits on it.
             self._selector.register(pubsub.connection._sock, selectors.EVENT_READ,
                                     (pubsub, link))

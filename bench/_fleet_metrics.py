@@ -8,6 +8,8 @@ import statistics
 
 import psutil
 
+from dynvm.cluster.announce import CHANNEL_PREFIX
+
 
 def process_usage(pids: list[int]) -> tuple[float, int]:
     """(CPU seconds, RSS bytes) summed over `pids` (the compile service's actors)."""
@@ -29,7 +31,10 @@ def redis_counters(client) -> dict:
     calls = sum(v["calls"] for k, v in stats.items() if k.startswith("cmdstat_"))
     publish = stats.get("cmdstat_publish", {}).get("calls", 0)
     memory = client.info("memory")
-    subscribers = dict(client.pubsub_numsub("dynvm:announce")).get(b"dynvm:announce", 0)
+    # One channel per program (Note [Announcement channels]): subscribers over them all.
+    channels = client.pubsub_channels(f"{CHANNEL_PREFIX}*")
+    subscribers = sum(count for _, count in client.pubsub_numsub(*channels)) \
+        if channels else 0
     by_command = {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()
                   if k.startswith("cmdstat_")}
     return {"commands": calls, "publish": publish, "by_command": by_command,

@@ -8,6 +8,21 @@ announcement can at worst make a replica look up a key. Pub/sub delivers at most
 and only to connected subscribers; what a replica misses (Redis restarting, the replica
 starting later) it finds in the program's index entry (dynvm.cluster.fleet_index),
 which it reads at start-up and polls.
+
+Note [Announcement channels]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Each program has its own channel, `dynvm:announce:{<program tag>}`, and a replica
+subscribes to its program's alone. With one channel for the whole cluster every PUBLISH
+went to every replica of every program, and each replica read, decoded and dropped the
+announcements of programs it does not serve: Redis's fan-out and the replicas' reading
+grew as N x (announcements of all programs), where only N/P x (one program's) install
+anything. Measured in the fleet simulator (bench/fleet_sim.py, 4 programs, N = 1000):
+52,000 deliveries per run, three in four dropped on arrival. The target stays in the
+message (a GPU replica and a CPU replica of one program share the channel and
+filter by target, FleetLink.wants). In a Redis Cluster one channel per program is also
+what sharded pub/sub (SPUBLISH, Redis 7) distributes over the shards by slot; the
+program's tag in braces, as in its keys, keeps the channel on its program's slot (Note
+[Program hash tags] in dynvm.jit.artifact_keys).
 """
 
 from __future__ import annotations
@@ -23,9 +38,17 @@ import redis
 
 from dynvm.cluster.store_base import check_key
 from dynvm.cluster.store_redis import RedisConfig, redis_client
+from dynvm.jit.artifact_keys import program_tag
 from dynvm.vm.errors import ConfigError
 
-CHANNEL = "dynvm:announce"
+CHANNEL_PREFIX = "dynvm:announce:"
+
+
+def channel_for(program_hash: str) -> str:
+    """The announce channel of `program_hash` (Note [Announcement channels])."""
+    return f"{CHANNEL_PREFIX}{{{program_tag(program_hash)}}}"
+
+
 _MAX_MESSAGE_BYTES = 4096
 logger = logging.getLogger(__name__)
 
@@ -97,7 +120,7 @@ class Announcer:
 
     def publish(self, announcement: Announcement) -> bool:
         try:
-            self._redis.publish(CHANNEL, announcement.encode())
+            self._redis.publish(channel_for(announcement.program), announcement.encode())
         except redis.RedisError as error:
             self.failed += 1
             logger.warning("announce failed (%s); replicas will find %s in the index",
@@ -111,12 +134,15 @@ class Announcer:
 
 
 class Subscription:
-    """A thread that hands every well-formed announcement to `on_message`; reconnects
-    with exponential backoff (capped) when Redis goes away, counting reconnects."""
+    """A thread that hands every well-formed announcement for `program_hash` to
+    `on_message`; reconnects with exponential backoff (capped) when Redis goes away,
+    counting reconnects."""
 
-    def __init__(self, config: RedisConfig, on_message: Callable[[Announcement], None],
+    def __init__(self, config: RedisConfig, program_hash: str,
+                 on_message: Callable[[Announcement], None],
                  max_backoff_s: float = 2.0) -> None:
         self._config = config
+        self.channel = channel_for(program_hash)
         self._on_message = on_message
         self._max_backoff_s = max_backoff_s
         self._stop = threading.Event()
@@ -139,7 +165,7 @@ class Subscription:
             client = redis_client(self._config, "dynvm-subscriber")
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
-                pubsub.subscribe(CHANNEL)
+                pubsub.subscribe(self.channel)
                 self.connected.set()
                 backoff = 0.05
                 while not self._stop.is_set():

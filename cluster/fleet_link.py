@@ -206,7 +206,7 @@ class FleetLink:
         if not threads:
             return self
         if self.options.store.redis is not None:
-            self._subscription = Subscription(self.options.store.redis,
+            self._subscription = Subscription(self.options.store.redis, self.program_hash,
                                               self.on_announcement).start()
         self._thread.start()
         # An install builds meta tensors; one running while the interpreter finalizes
