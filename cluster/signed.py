@@ -171,7 +171,10 @@ def _expectation(expect: Mapping[str, Any]) -> tuple[str, dict[str, str], str | 
     if not isinstance(expect, Mapping) or "target" not in expect or "toolchain" not in expect:
         raise TypeError("expect must be a mapping with 'target' and 'toolchain' "
                         "(and optionally 'backend')")
-    return str(expect["target"]), dict(expect["toolchain"]), expect.get("backend")
+    # Plain str values: torch.__version__ is a TorchVersion, whose == parses both sides
+    # as versions (22 us against 0.05 us), paid on every artifact a replica verifies.
+    toolchain = {str(name): str(version) for name, version in expect["toolchain"].items()}
+    return str(expect["target"]), toolchain, expect.get("backend")
 
 
 def _toolchain_difference(built: Mapping[str, str], here: Mapping[str, str]) -> str:
