@@ -104,6 +104,7 @@ class RegionJit(RegionWatch):
                            not (self.strong or self.weak or self.family_kernels)):
             self._cold -= 1
             self.counters.interpreted += 1
+            self.unlooked_calls += 1
             return _COLD
         key = self._layout_sign(regs)
         resolved = self._resolved.get(key)

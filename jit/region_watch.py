@@ -45,10 +45,17 @@ region checks the bound at once (its speed-up estimate now includes the loss), s
 region whose every specialization loses runs interpreted, watched only cheaply. The
 check comes every 64 profiled calls (it was 256: gnn's 300-call workload, a new shape
 every call, paid for watching its one region on every call and was never checked). A
-cold period also skips the lookups, not only the profiling, when the region's
-specializations served less than half of its calls since the last check: on a shape
-storm (gnn) most calls are new layouts whose resolution (a strong signature with new
-interned shapes) costs more than the few hits save.
+cold period also skips the lookups, not only the profiling, when they cost more than
+they found since the last check, by measurement: the misses' layout keys and the
+region's resolution of new layouts per call against the hits' savings, each priced by
+its specialization's probation verdict (kernel time x (1 / ratio - 1)). On a shape storm
+(gnn) most calls are new layouts whose resolution (a strong signature with new interned
+shapes) costs more than the few hits save. The rule was "hits under half of the calls"
+once (it stays where no verdict prices a hit, probation off); that switched off llama's
+kept family kernel (0.93-0.95x the interpreter on its half of the shapes) whenever a
+window saw 31 hits in 64, and as the skipped period's calls hit nothing by
+construction, every later check agreed: it served 4% of the calls. Hits are now judged
+over the calls that looked up.
 
 Note [Sampled watching]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -134,7 +141,9 @@ class RegionWatch:
         self._sample_floor = 1   # from the watch's cost against the region's time
         self._idle_checks = 0
         self._promotions_seen = 0
-        self._marks = (0, 0)          # (region calls, hits) at the last cold check
+        # (region calls, hits, calls that looked nothing up) at the last cold check
+        self._marks = (0, 0, 0)
+        self.unlooked_calls = 0       # calls that took the first cold path of `enter`
         self._detach_period = DETACH_CALLS   # program calls (Note [Detached regions])
         self.checked = False   # its first cold check has run (Jit.settled)
         # The watch's measured price (Note [Sampled watching]): the recent profiled
@@ -165,8 +174,12 @@ class RegionWatch:
         counters = self.counters
         self._price_watching()
         calls, hits = counters.interpreted + counters.specialized, counters.specialized
-        since_calls, since_hits = calls - self._marks[0], hits - self._marks[1]
-        self._marks = (calls, hits)
+        # Hits are judged over the calls that looked up: a cold period that skipped the
+        # lookups hit nothing by construction, and counted in, it kept the next period
+        # unlooked too, for good (llama's kept kernel served 4% of its calls).
+        looked = calls - self._marks[0] - (self.unlooked_calls - self._marks[2])
+        since_hits = hits - self._marks[1]
+        self._marks = (calls, hits, self.unlooked_calls)
         if best >= cost:
             self._cold_period = COLD_CHECK_EVERY
             self._sample(counters.promotions)
@@ -175,8 +188,8 @@ class RegionWatch:
         self.sample_every = self._sample_floor
         # A specialization still on probation needs its hits for a verdict (and the
         # JIT to settle): its region keeps looking up.
-        self._cold_unlooked = since_hits * 2 < since_calls and not any(
-            spec.probation is not None for spec in self._all())
+        self._cold_unlooked = not any(spec.probation is not None for spec in self._all()) \
+            and self._lookups_lose(looked, since_hits)
         self._cold = self._cold_period
         self._cold_period = min(COLD_CALLS_MAX, 2 * self._cold_period)
         self.counters.cold_periods += 1
@@ -185,6 +198,27 @@ class RegionWatch:
             period = self._detach_period
             self._detach_period = min(COLD_CALLS_MAX, 2 * period)
             self.engine.detach(self, period)
+
+    def _lookups_lose(self, looked: int, hits: int) -> bool:
+        """Note [Cold regions] (holding the lock): whether, over the `looked` calls since
+        the last check that looked up, the misses' lookups cost more than the `hits`
+        saved, by measurement: a miss's layout key and the region's resolution of new
+        layouts per call against each hit's saving by its specialization's verdict."""
+        misses = looked - hits
+        if looked <= 0:
+            return False   # nothing was looked up: look, to have something to judge
+        if misses <= 0:
+            return False
+        per_miss = (_median(self._signing_costs) if self._signing_costs else WATCH_SECONDS) \
+            + self._resolve_seconds / max(1, self._region_calls())
+        judged = [spec for spec in self._all() if spec.ratio is not None and spec.calls]
+        weight = sum(spec.calls for spec in judged)
+        if not weight:    # no verdict to price a hit by (probation off): hits vs misses
+            return hits * 2 < looked
+        # A hit saves its kernel's time x (1 / ratio - 1): ratio is kernel / interpreter.
+        per_hit = sum(spec.seconds * max(0.0, 1.0 / spec.ratio - 1.0)
+                      for spec in judged) / weight
+        return misses * per_miss > hits * per_hit
 
     def _sample(self, promotions: int) -> None:
         """Note [Sampled watching] (holding the lock): after `SAMPLE_AFTER` checks in a

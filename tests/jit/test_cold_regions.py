@@ -200,3 +200,51 @@ def test_the_watch_is_priced_by_what_it_measured():
     assert slow.watch_cost_seconds >= 1e-3
     assert slow.sample_every == SAMPLE_MAX
     assert runtime.stats()["regions"][slow.region.index]["sample_every"] == SAMPLE_MAX
+
+
+def _kept(region_jit, ratio: float, kernel_seconds: float):
+    """Install a specialization that probation kept at `ratio` (kernel / interpreter),
+    its kernel having taken `kernel_seconds` a call over 100 calls."""
+    from dynvm.jit.region_jit import Specialization
+    from dynvm.jit.signature import GuardStrength
+
+    spec = Specialization(signature=(("signature", 9),), strength=GuardStrength.STRONG,
+                          fn=lambda regs: None, artifact=None)
+    region_jit.install(spec)
+    spec.probation, spec.ratio = None, ratio
+    spec.calls, spec.seconds = 100, 100 * kernel_seconds
+    return spec
+
+
+def test_a_cold_region_skips_its_lookups_only_where_they_cost_more_than_they_find():
+    """Note [Cold regions]: the misses' lookups (a layout key each, plus the resolution
+    of new layouts per call) against the hits' measured savings. A kernel kept at 0.9x
+    on a millisecond region, hit on 20 of 64 calls, is still looked up (the old rule,
+    hits under half, skipped it); a shape storm whose resolutions cost a millisecond a
+    call is not."""
+    _, region_jit = _fed(1.5, 0)
+    _kept(region_jit, ratio=0.9, kernel_seconds=0.9e-3)   # a hit saves 0.1 ms
+    region_jit._signing_costs.append(2e-6)
+    assert not region_jit._lookups_lose(looked=64, hits=20)
+    assert region_jit._lookups_lose(looked=64, hits=0)
+    region_jit.counters.interpreted = 64
+    region_jit._resolve_seconds = 64 * 1e-3
+    assert region_jit._lookups_lose(looked=64, hits=20)
+
+
+def test_a_period_that_skipped_its_lookups_does_not_count_against_the_next():
+    """The calls of a cold period that looked nothing up hit nothing by construction:
+    the next check judges the hits over the calls that looked up (counted in, llama's
+    kept kernel stayed unlooked for good and served 4% of its calls)."""
+    runtime, region_jit = _fed(1.5, COLD_CHECK_EVERY)
+    assert region_jit.counters.cold_periods == 1
+    _kept(region_jit, ratio=0.9, kernel_seconds=0.9e-3)
+    region_jit._signing_costs.append(2e-6)
+    counters, (calls, hits, unlooked) = region_jit.counters, region_jit._marks
+    # 256 calls that skipped the lookups, then 64 that looked up and hit on 30
+    region_jit.unlooked_calls += 256
+    counters.interpreted += 256 + 34
+    counters.specialized += 30
+    region_jit._check_cold()
+    assert region_jit._cold and not region_jit._cold_unlooked
+    assert region_jit._marks == (calls + 320, hits + 30, unlooked + 256)
