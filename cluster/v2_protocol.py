@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 import torch
 
 from dynvm.cluster import v2_json
@@ -229,9 +230,19 @@ def _parse_raw_input(obj, index: int) -> _RawInput:
         if type(dim) is not int or dim < 0:
             raise BadRequest(f"{where}: shape {_describe(shape)} must be a list of "
                              "non-negative integers")
-    params = _params(obj.parameters, where)
+    return _typed_input(name, datatype, shape, obj.parameters, obj.data)
+
+
+def _typed_input(name: str, datatype: str, shape: list, parameters, data) -> _RawInput:
+    """An input whose name, datatype and shape are known good (decoded and typed, by
+    `_parse_raw_input` or in one pass, Note [Typed JSON fast path]); its parameters and
+    data raw JSON."""
+    if parameters is None and data is not None:
+        return _RawInput(name, datatype, tuple(shape), data, None)  # the common case
+    where = f"input {_describe(name)}"  # not yet matched: the client's, maybe huge
+    params = _params(parameters, where)
     binary_size = params.get("binary_data_size")
-    has_data = obj.data is not None
+    has_data = data is not None
     if binary_size is not None:
         if type(binary_size) is not int or binary_size < 0:
             raise BadRequest(f"{where}: binary_data_size must be a non-negative integer, "
@@ -240,7 +251,7 @@ def _parse_raw_input(obj, index: int) -> _RawInput:
             raise BadRequest(f"{where}: has both 'data' and binary_data_size")
     elif not has_data:
         raise BadRequest(f"{where}: no 'data' and no binary_data_size")
-    return _RawInput(name, datatype, tuple(shape), obj.data, binary_size)
+    return _RawInput(name, datatype, tuple(shape), data, binary_size)
 
 
 def _check_shape(raw: _RawInput, spec: InputSpec, bound: dict[str, tuple[int, str]]) -> None:
@@ -332,9 +343,39 @@ def _check_json_values(values: list, dtype: torch.dtype, datatype: str, where: s
                 raise BadRequest(f"{where}: value {v} is out of range for {datatype}")
 
 
+def _flat_decoder(dtype: torch.dtype):
+    """The typed decoder of a flat `data` list of `dtype` (Note [Typed JSON fast
+    path]), or None for a dtype numpy cannot build (BF16) or whose values need care
+    (UINT64's above 2**63)."""
+    if dtype not in _NUMPY_DTYPES:
+        return None
+    if dtype is torch.bool:
+        return v2_json.flat_data_decoder(bool)
+    if dtype.is_floating_point:
+        top = float(torch.finfo(dtype).max)
+        return v2_json.flat_data_decoder(float, -top, top)
+    info = torch.iinfo(dtype)
+    return v2_json.flat_data_decoder(int, int(info.min), int(info.max))
+
+
+_NUMPY_DTYPES = {torch.bool: np.bool_, torch.uint8: np.uint8, torch.int8: np.int8,
+                 torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
+                 torch.float16: np.float16, torch.float32: np.float32,
+                 torch.float64: np.float64}
+_FLAT_DECODERS = {dtype: _flat_decoder(dtype) for dtype in _NUMPY_DTYPES}
+
+
 def _json_tensor(raw: _RawInput, dtype: torch.dtype) -> torch.Tensor:
     where = f"input {raw.name!r}"
     expected = _numel(raw.shape)
+    flat = _FLAT_DECODERS.get(dtype)
+    if flat is not None:
+        # Typed, in range and flat (Note [Typed JSON fast path]): numpy builds it in
+        # ~1 us where torch.tensor takes ~2.5-3.5 on a short list.
+        values = v2_json.decode_flat_data(raw.data, expected, len(raw.shape), where, flat)
+        if values is not None and len(values) == expected:
+            return torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype])
+                                    .reshape(raw.shape))
     data = v2_json.decode_data(raw.data, expected, len(raw.shape), where)
     values = _flatten_json(data, raw.shape, where)
     if values is data:
@@ -424,7 +465,9 @@ def _parse(body, inputs: Sequence[InputSpec], header_length: str | None,
     header_raw, tail = split_binary_body(body, header_length)
     what = "the request" if header_length is None else \
         f"the JSON header (the first {len(header_raw)} bytes, per {HEADER_LENGTH})"
-    header = v2_json.decode_header(header_raw, what)
+    # Note [Typed JSON fast path]: one typed pass when the header is small and regular.
+    typed = v2_json.decode_typed_header(header_raw)
+    header = typed if typed is not None else v2_json.decode_header(header_raw, what)
 
     request_id = v2_json.field(header.id, "'id'")
     if request_id is not None and not isinstance(request_id, str):
@@ -432,10 +475,14 @@ def _parse(body, inputs: Sequence[InputSpec], header_length: str | None,
     params = _params(header.parameters, "request")
     binary_output = _bool_param(params, "binary_data_output", "request")
 
-    if not v2_json.starts_with(header.inputs, b"["):
-        raise BadRequest("the request has no 'inputs' list")
-    raw_inputs = v2_json.decode_inputs(header.inputs)
-    parsed = [_parse_raw_input(obj, i) for i, obj in enumerate(raw_inputs)]
+    if typed is not None:
+        parsed = [_typed_input(obj.name, obj.datatype, obj.shape, obj.parameters, obj.data)
+                  for obj in typed.inputs]
+    else:
+        if not v2_json.starts_with(header.inputs, b"["):
+            raise BadRequest("the request has no 'inputs' list")
+        raw_inputs = v2_json.decode_inputs(header.inputs)
+        parsed = [_parse_raw_input(obj, i) for i, obj in enumerate(raw_inputs)]
 
     specs = {spec.name: spec for spec in inputs}
     seen: dict[str, _RawInput] = {}
@@ -557,10 +604,14 @@ def _tensor_json(t: torch.Tensor) -> list:
         flat = flat.to(torch.int64)
     elif flat.dtype is torch.uint64:
         return [v + 2**64 if v < 0 else v for v in flat.view(torch.int64).tolist()]
-    elif flat.dtype.is_floating_point and not bool(torch.isfinite(flat).all()):
+    values = flat.tolist()
+    # A finite sum (in C, ~0.1 us on a short list against ~4 us for torch.isfinite) says
+    # every value is finite; NaN or +-Inf make it non-finite, and so may a sum that
+    # overflows: then the values are looked at one by one.
+    if flat.dtype.is_floating_point and not math.isfinite(sum(values)):
         # Note [Non-finite JSON numbers]: strings, never the bare NaN token.
-        return [v if math.isfinite(v) else _non_finite_text(v) for v in flat.tolist()]
-    return flat.tolist()
+        return [v if math.isfinite(v) else _non_finite_text(v) for v in values]
+    return values
 
 
 def build_infer_response(model_name: str, model_version: str | None,

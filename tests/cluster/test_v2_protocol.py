@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dynvm.cluster import v2_json
 from dynvm.cluster import v2_protocol as v2
 from dynvm.vm.program import DimSpec, InputSpec
 
@@ -146,6 +147,36 @@ def test_bad_requests_name_the_problem(label, body, change, status, needle):
     assert info.value.status == status
     assert needle in info.value.message, info.value.message
     assert json.loads(v2.error_body(info.value)) == {"error": info.value.message}
+
+
+@pytest.mark.parametrize("label,body,change,status,needle",
+                         [b for b in BAD if isinstance(b[1], dict)],
+                         ids=[b[0] for b in BAD if isinstance(b[1], dict)])
+def test_typed_and_field_by_field_paths_answer_alike(label, body, change, status, needle):
+    # Note [Typed JSON fast path]: an unknown field past TYPED_HEADER_BYTES sends the
+    # same request through the field-by-field decoder; the answer must not change.
+    small = json.dumps(_apply(json.loads(json.dumps(body)), change)).encode()
+    big = small[:-1] + b', "pad": "' + b"x" * v2_json.TYPED_HEADER_BYTES + b'"}'
+    assert v2_json.decode_typed_header(big) is None
+    answers = []
+    for raw in (small, big):
+        with pytest.raises(v2.ProtocolError) as info:
+            parse(raw)
+        answers.append((info.value.status, info.value.message))
+    assert answers[0] == answers[1]
+
+
+def test_typed_data_takes_what_the_general_decoder_takes():
+    # Flat, typed and in range: the typed decoder; nested rows, "NaN" strings and
+    # integral floats for FP32: the general one. Same tensors either way.
+    body = json_body()
+    body["inputs"][0]["data"] = [[0, 1.5, "NaN"], [3, -4e38 / 2, 5]]
+    req = parse(body)
+    assert torch.isnan(req.tensors[0][0, 2])
+    assert req.tensors[0][1].tolist() == [3.0, float(np.float32(-2e38)), 5.0]
+    body = json_body()
+    body["inputs"][1]["data"] = [-2**63, 2**63 - 1, 0, 7]
+    assert parse(body).tensors[1].flatten().tolist() == [-2**63, 2**63 - 1, 0, 7]
 
 
 def test_unknown_output_is_rejected_when_outputs_are_known():
