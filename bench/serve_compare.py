@@ -1,7 +1,8 @@
 """dynvm's serving path vs a plain Ray Serve deployment of the same model, side by side.
 
     python bench/serve_compare.py [--seconds 8] [--repeats 2] [--models recommender,transformer]
-                                  [--clients 1,8] [--encodings json,binary,grpc] [--json out.json]
+                                  [--clients 1,8] [--encodings json,binary,grpc] [--floor]
+                                  [--json out.json]
 
 One local Ray + Serve (dynvm's proxy guard on, as `dynvm serve` runs it), two
 applications at once, one replica each (1 CPU each):
@@ -19,6 +20,14 @@ connections, for `--seconds` per run; runs of the two systems alternate (dynvm, 
 dynvm, plain, ...) so that both see the same host load. Each system is warmed up
 (JIT compiles included) before the timed runs. Prints req/s and p50/p99 per run and the
 median over repeats.
+
+Per run it prints each process's CPU per answered request (from /proc: the system's
+replica, Serve's HTTP proxy, this client process) and the whole host's (/proc/stat, other
+sessions' work included), and for dynvm what its replica did (requests per batch, the
+share of batches run inline, the specialized share of region calls, compile seconds,
+from its /stats). `--floor` adds a third system over JSON: Serve alone, a deployment
+that reads the body and answers a fixed response on dynvm's replica settings, the most
+any handler could get from this host through Serve's HTTP proxy.
 
 "grpc" runs the same tensors through Serve's gRPC ingress (the v2 gRPC protocol,
 dynvm.cluster.grpc_v2, bench/_grpc_load.py) to dynvm only: the plain deployment speaks
@@ -151,6 +160,32 @@ def _plain_deployment():
     return PlainV2
 
 
+def _floor_deployment():
+    """Serve alone: reads the body and answers one fixed v2 JSON response, with no
+    parsing and no model, on dynvm's replica settings (Serve's own loop, no access log:
+    Note [Replica on Serve's loop]). Its CPU per request is the part of each replica's
+    that neither system's code can cut."""
+    from ray import serve
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    from dynvm.cluster._deployment import REPLICA_ENV
+
+    answer = json.dumps({"model_name": "floor", "outputs": [
+        {"name": "output__0", "datatype": "FP32", "shape": [1, 1], "data": [0.0]}]}).encode()
+
+    @serve.deployment(max_ongoing_requests=256,
+                      ray_actor_options={"num_cpus": 1.0,
+                                         "runtime_env": {"env_vars": REPLICA_ENV}},
+                      logging_config={"enable_access_log": False})
+    class Floor:
+        async def __call__(self, request: Request) -> Response:
+            await request.body()
+            return Response(answer, media_type="application/json")
+
+    return Floor
+
+
 # ---------------------------------------------------------------------- client
 
 
@@ -175,18 +210,32 @@ def _closed_loop(port: int, path: str, bodies, clients: int, seconds: float) -> 
     return closed_loop(connect, send, bodies, clients, seconds)
 
 
-def _replica_pids(apps: dict[str, str]) -> dict[str, int]:
-    """{system: pid} of each system's replica actor, asked of the actor itself (Serve
-    names replica actors SERVE_REPLICA::<app>#...; only this benchmark's Ray cluster)."""
+def _serve_pids(apps: dict[str, str]) -> dict[str, int]:
+    """{system: pid} of each system's replica actor and {"proxy": pid} of Serve's HTTP
+    proxy, asked of the actors themselves (Serve names replica actors
+    SERVE_REPLICA::<app>#..., its proxies SERVE_PROXY_ACTOR-...; only this benchmark's
+    Ray cluster)."""
     import ray
 
     pids = {}
     for actor in ray.util.list_named_actors(all_namespaces=True):
-        for system, app in apps.items():
-            if actor["name"].startswith(f"SERVE_REPLICA::{app}#"):
+        prefixes = {f"SERVE_REPLICA::{app}#": system for system, app in apps.items()}
+        prefixes["SERVE_PROXY_ACTOR"] = "proxy"
+        for prefix, role in prefixes.items():
+            if actor["name"].startswith(prefix):
                 handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
-                pids[system] = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()))
+                pids[role] = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()))
     return pids
+
+
+def _host_busy_seconds() -> float:
+    """CPU seconds every core of the host spent busy so far (/proc/stat): with the
+    answered requests, what one request costs the whole host, other sessions' work
+    included."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]   # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_seconds(pid: int | None) -> float:
@@ -199,6 +248,38 @@ def _cpu_seconds(pid: int | None) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+_STATS_KEYS = ("compile_seconds", "specialized_region_calls", "interpreted_region_calls")
+_BATCHING_KEYS = ("batches", "batched_requests", "inline_batches", "held_batches")
+
+
+def _replica_counters(port: int, name: str) -> dict:
+    """The dynvm replica's request, batching and JIT counters (its /stats)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", f"/v2/models/{name}/stats")
+    stats = json.loads(conn.getresponse().read())
+    conn.close()
+    return {**{k: stats[k] for k in _STATS_KEYS},
+            **{k: stats["batching"][k] for k in _BATCHING_KEYS}}
+
+
+def _batching_summary(before: dict, after: dict) -> dict:
+    """What a run did inside the dynvm replica: requests per formed batch, the shares of
+    batches run inline on the event loop (Note [Inline fast batches]) and held for
+    requests on their way (Note [Opportunistic batching]), the share of region calls
+    that ran specialized, and the JIT's compile seconds in the replica."""
+    d = {k: after[k] - before[k] for k in after}
+    regions = d["specialized_region_calls"] + d["interpreted_region_calls"]
+    return {"requests_per_batch": round(d["batched_requests"] / d["batches"], 2)
+            if d["batches"] else None,
+            "inline_share": round(d["inline_batches"] / d["batches"], 3)
+            if d["batches"] else None,
+            "held_share": round(d["held_batches"] / d["batches"], 3)
+            if d["batches"] else None,
+            "specialized_share": round(d["specialized_region_calls"] / regions, 3)
+            if regions else None,
+            "compile_s": round(d["compile_seconds"], 3)}
 
 
 def _check_same_answer(port: int, paths: dict, body) -> np.ndarray:
@@ -233,6 +314,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-jit", action="store_true",
                         help="dynvm's interpreter alone (what the request path costs "
                         "without the JIT's compiles in the replica)")
+    parser.add_argument("--floor", action="store_true",
+                        help="a third system over JSON: Serve alone (a fixed answer, "
+                        "no parsing, no model) on dynvm's replica settings")
     parser.add_argument("--json", help="write the runs here")
     args = parser.parse_args(argv)
 
@@ -285,14 +369,19 @@ def main(argv=None) -> int:
                                   route_prefix=f"{PLAIN_PREFIX}/v2/models/{name}")
                         for name in paths])
         print(f"plain deployed in {time.perf_counter() - started:.1f} s", flush=True)
+        if args.floor:
+            serve.run(_floor_deployment().bind(), name="floor", route_prefix="/floor")
         print("model        enc     clients system  run  req/s    p50_ms   p99_ms  fails  "
-              "replica_cpu_ms/req", flush=True)
+              "CPU ms/req: replica proxy client host", flush=True)
         for name in paths:
             demo, names = demos[name]
             routes = {"dynvm": f"/v2/models/{name}/infer",
                       "plain": f"{PLAIN_PREFIX}/v2/models/{name}/infer"}
             answer = _check_same_answer(port, routes, _bodies(demo, name, names, False, 1)[0])
-            pids = _replica_pids({"dynvm": model_app_name(name), "plain": f"plain-{name}"})
+            pids = _serve_pids({"dynvm": model_app_name(name), "plain": f"plain-{name}",
+                                "floor": "floor"})
+            pids["client"] = os.getpid()
+            print(f"pids: {pids}", flush=True)  # for a profiler attached from outside
             for encoding in args.encodings.split(","):
                 if encoding == "grpc":  # dynvm only (the plain deployment has no gRPC)
                     requests = _grpc_load.grpc_requests(_tensor_sets(demo, name), names)
@@ -308,23 +397,40 @@ def main(argv=None) -> int:
                     systems = ("dynvm",)
                 else:
                     bodies = _bodies(demo, name, names, encoding == "binary")
+                    targets = ({**routes, "floor": "/floor"}
+                               if args.floor and encoding == "json" else routes)
 
-                    def run(system, clients, seconds, bodies=bodies, routes=routes):
-                        return _closed_loop(port, routes[system], bodies, clients, seconds)
-                    systems = tuple(routes)
+                    def run(system, clients, seconds, bodies=bodies, targets=targets):
+                        return _closed_loop(port, targets[system], bodies, clients, seconds)
+                    systems = tuple(targets)
                 for system in systems:  # warm-up (JIT compiles) untimed
                     run(system, 8, args.warmup)
                 for clients in (int(c) for c in args.clients.split(",")):
                     for repeat in range(args.repeats):
                         for system in systems:
-                            cpu = _cpu_seconds(pids.get(system))
+                            roles = {"replica": system, "proxy": "proxy",
+                                     "client": "client"}
+                            counters = (_replica_counters(port, name) if system == "dynvm"
+                                        else None)
+                            cpu = {role: _cpu_seconds(pids.get(key))
+                                   for role, key in roles.items()}
+                            host = _host_busy_seconds()
                             result = run(system, clients, args.seconds)
                             answered = result["rps"] * args.seconds
-                            # The replica's own CPU per answered request (ms): what the
-                            # side-by-side req/s cannot separate from the host's load.
-                            result["replica_cpu_ms"] = (round(1000 * (_cpu_seconds(
-                                pids.get(system)) - cpu) / answered, 3)
-                                if answered and system in pids else None)
+                            # Each process's CPU per answered request (ms): the replica's
+                            # is what the side-by-side req/s cannot separate from the
+                            # host's load; the proxy's and the client's (this process:
+                            # its threads and Ray's) say how much of the 2 cores is left.
+                            for role, key in roles.items():
+                                result[f"{role}_cpu_ms"] = (round(1000 * (_cpu_seconds(
+                                    pids.get(key)) - cpu[role]) / answered, 3)
+                                    if answered and key in pids else None)
+                            result["host_cpu_ms"] = (round(1000 * (
+                                _host_busy_seconds() - host) / answered, 3)
+                                if answered else None)
+                            if counters is not None:
+                                result["dynvm_replica"] = _batching_summary(
+                                    counters, _replica_counters(port, name))
                             row = {"model": name, "encoding": encoding, "clients": clients,
                                    "system": system, "repeat": repeat,
                                    "load": round(os.getloadavg()[0], 1), **result}
@@ -332,26 +438,37 @@ def main(argv=None) -> int:
                             print(f"{name:12} {encoding:7} {clients:7} {system:7} "
                                   f"{repeat:3}  {result['rps']:7}  {result['p50_ms']!s:7}  "
                                   f"{result['p99_ms']!s:7}  {result['failures']:5}  "
-                                  f"{result['replica_cpu_ms']}",
-                                  flush=True)
+                                  f"{result['replica_cpu_ms']} {result['proxy_cpu_ms']} "
+                                  f"{result['client_cpu_ms']} {result['host_cpu_ms']}  "
+                                  f"{result.get('dynvm_replica', '')}", flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
-    print("\nmedian over repeats (req/s, p50 ms):")
+    print("\nmedian over repeats (req/s, p50 ms; CPU ms per request: replica, host):")
     keys = sorted({(r["model"], r["encoding"], r["clients"]) for r in runs})
     for key in keys:
         line = []
-        for system in ("dynvm", "plain"):
+        for system in ("dynvm", "plain", "floor"):
             rows = [r for r in runs if (r["model"], r["encoding"], r["clients"]) == key
                     and r["system"] == system]
-            if not rows:  # gRPC: dynvm only
+            if not rows:  # gRPC: dynvm only; floor: with --floor, JSON only
                 continue
             rps = statistics.median(r["rps"] for r in rows)
             p50 = statistics.median(r["p50_ms"] or float("nan") for r in rows)
-            cpus = [r["replica_cpu_ms"] for r in rows if r.get("replica_cpu_ms") is not None]
-            cpu = f", replica {statistics.median(cpus):.2f} ms CPU/req" if cpus else ""
+            cpu = "".join(f", {role} {statistics.median(values):.2f}"
+                          for role in ("replica", "host")
+                          if (values := [r[f"{role}_cpu_ms"] for r in rows
+                                         if r.get(f"{role}_cpu_ms") is not None]))
             line.append(f"{system} {rps:.1f} req/s p50 {p50:.1f} ms{cpu}")
         print(f"  {key[0]:12} {key[1]:7} {key[2]} clients: " + " | ".join(line))
+        # Runs alternate, so pair each dynvm run with the plain run right after it.
+        pairs = [d["rps"] / p["rps"] for d, p in zip(
+            *([r for r in runs if (r["model"], r["encoding"], r["clients"]) == key
+               and r["system"] == system] for system in ("dynvm", "plain"))) if p["rps"]]
+        if pairs:
+            print(f"    dynvm / plain req/s per pair: "
+                  f"{', '.join(f'{x:.2f}' for x in pairs)} (median "
+                  f"{statistics.median(pairs):.2f})")
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"runs": runs}, out, indent=1)
