@@ -76,7 +76,14 @@ Each check also prices the watch, by measurement: a profiled miss costs its `lea
 check), plus the region's mean cost per call of resolving new layouts (gnn, a new shape
 on almost every call: ~20-100 us on a ~250 us region, and its re-attached watch ran
 1.26x the interpreter), so a region is profiled on no more misses than keep that under
-`WATCH_SHARE` (1%) of its typical call (the mean of its keys' fastest calls). Until
+`WATCH_SHARE` (1%) of its typical call (the mean of its keys' fastest calls), less
+what the cold checks themselves cost per call (timed; they run every
+`COLD_CHECK_EVERY` region calls whatever the sampling). Where even the sparsest
+sampling leaves the watch over that share, a region whose best key is only within
+`COLD_SLACK` of paying goes cold instead (a key that pays now keeps it watched): the
+loop workload's outer region (~0.1 ms; with eager in the rotation its mean, and so its
+benefit, rose into the slack band) stayed watched at one miss in 16 and ran 1.06-1.09x
+the interpreter, its profiled misses ~55 us each and its checks ~85 us. Until
 `WATCH_SAMPLES` leaves have run, the price is the prior `WATCH_SECONDS` (bench.
 profile_overhead --entry: +5.6 us on the loop body, a 10 us region, at load 12). The
 prior was the price for good once, and it was wrong by 2-3x on the zoo's transformers:
@@ -152,6 +159,8 @@ class RegionWatch:
         self._signing_costs: deque[float] = deque(maxlen=WATCH_SAMPLES)
         self._price_signing = True
         self.watch_cost_seconds = WATCH_SECONDS
+        self._check_costs: deque[float] = deque(maxlen=WATCH_SAMPLES)   # cold checks' seconds
+        self._watch_affordable = True   # within WATCH_SHARE at some sampling (measured)
 
     def _check_cold(self) -> None:
         """Note [Cold regions] (holding the lock)."""
@@ -160,12 +169,19 @@ class RegionWatch:
         if self.pending or not self.engine.compiles_locally():
             return
         self.checked = True
+        started = self._clock_fn()
+        try:
+            self._judge_cold()
+        finally:
+            self._check_costs.append(self._clock_fn() - started)
+
+    def _judge_cold(self) -> None:
         config = self.engine.config
         speedup, cost = self._refresh_policy_inputs()
         # The policy's own benefit (jit.policy) of the best key at the window's traffic,
         # with its mean time (capped: a stall), and COLD_SLACK to spare (Note [Cold regions]).
         calls = self._age()
-        best = COLD_SLACK * max(
+        best = max(
             (benefit_seconds(config, profile.recurrence(key),
                              min(stats.mean_seconds, STALL_CAP * stats.min_seconds), speedup,
                              calls)
@@ -180,7 +196,9 @@ class RegionWatch:
         looked = calls - self._marks[0] - (self.unlooked_calls - self._marks[2])
         since_hits = hits - self._marks[1]
         self._marks = (calls, hits, self.unlooked_calls)
-        if best >= cost:
+        # Watched: a key that pays now, or one within COLD_SLACK of paying while the
+        # watch fits its share of the region's time (Note [Sampled watching]).
+        if best >= cost or (COLD_SLACK * best >= cost and self._watch_affordable):
             self._cold_period = COLD_CHECK_EVERY
             self._sample(counters.promotions)
             return
@@ -246,9 +264,14 @@ class RegionWatch:
         self._price_signing = True   # timed again on the next profiled miss
         cost = watched + self._resolve_seconds / max(1, self._region_calls())
         self.watch_cost_seconds = watched
+        # The checks run every COLD_CHECK_EVERY region calls whatever the sampling: their
+        # share is the floor of the watch's price.
+        checks = _median(self._check_costs) / COLD_CHECK_EVERY if self._check_costs else 0.0
+        budget = WATCH_SHARE * typical - checks
         floor = 1
-        while floor < SAMPLE_MAX and WATCH_SHARE * typical * floor < cost:
+        while floor < SAMPLE_MAX and budget * floor < cost:
             floor *= 2
+        self._watch_affordable = budget * floor >= cost
         self._sample_floor = floor
         self.sample_every = max(self.sample_every, floor)
 

@@ -162,12 +162,25 @@ def test_a_cold_region_still_looks_up_a_specialization_on_probation():
 
 def test_a_region_of_microseconds_is_watched_on_a_sample_after_its_first_check():
     """Note [Sampled watching]: each check prices the watch; a region whose calls take
-    ~0.3 us here (a loop body takes ~10 us) is profiled on one miss in SAMPLE_MAX from its
-    first check on, one of milliseconds on every miss."""
-    _, tiny = _fed(3.0, COLD_CHECK_EVERY, horizon=10**8)
+    ~0.3 us here (a loop body takes ~10 us) and whose best key pays now (4 keys a quarter
+    of the window each, 5x: 1.25x its compile) is profiled on one miss in SAMPLE_MAX
+    from its first check on, one of milliseconds on every miss."""
+    _, tiny = _fed(5.0, COLD_CHECK_EVERY, horizon=10**8)
     assert tiny.sample_every == SAMPLE_MAX and tiny.counters.cold_periods == 0
     _, large = _fed(3.0, COLD_CHECK_EVERY)
-    assert large.sample_every == 1
+    assert large.sample_every == 1 and large.counters.cold_periods == 0
+
+
+def test_a_region_that_only_might_pay_is_not_watched_beyond_its_share():
+    """Note [Sampled watching]: a key within COLD_SLACK of paying (0.75x its compile)
+    keeps a millisecond region watched, but not a region of ~0.3 us, whose watch costs
+    more than WATCH_SHARE of its time at the sparsest sampling: it goes cold (the loop
+    workload's outer region stayed watched at one miss in 16 and ran 1.06-1.09x the
+    interpreter, its checks alone ~1.3 us a call)."""
+    _, tiny = _fed(3.0, COLD_CHECK_EVERY, horizon=10**8)
+    assert not tiny._watch_affordable and tiny.counters.cold_periods == 1
+    _, large = _fed(3.0, COLD_CHECK_EVERY)
+    assert large._watch_affordable and large.counters.cold_periods == 0
 
 
 def test_a_shape_storms_resolution_cost_prices_its_watch():
