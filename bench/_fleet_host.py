@@ -262,7 +262,8 @@ class ReplicaHost:
     """A Ray actor holding `len(programs_of_replicas)` simulated replicas."""
 
     def __init__(self, host: int, dvm_files: list[bytes], programs_of_replicas: list[int],
-                 options, jit_config, tick_threads: int = 4) -> None:
+                 options, jit_config, tick_threads: int = 4,
+                 delivery_threads: int = 4) -> None:
         import dynvm
         from dynvm.vm import dvm_file
 
@@ -285,7 +286,8 @@ class ReplicaHost:
                                             index, self.reference).start(threads=False))
         self.start_seconds = time.perf_counter() - start
         self._cpu_at_ready = _cpu_seconds()
-        self.pool = SubscriberPool(options.store.redis, self.links).start()
+        self.pool = SubscriberPool(options.store.redis, self.links,
+                                   delivery_threads).start()
         self._stop = threading.Event()
         self.first_sighting: dict[tuple, float] = {}
         self.requests = 0

@@ -19,13 +19,19 @@ the host processes' stamps compare directly. Per (program, shape) sighted and se
   first       the first replica served the shape (the artifact fetched, verified and
               installed there), then 50% and 99% of the program's replicas.
 
+Traffic starts once every host has started its replicas (registered, warm-started from
+the index, subscribed) and every shard has finished its warm-up (Note [Warm compile
+service]), at N = 10 as at N = 1000: no start-up cost lands in one N's figures and not
+the other's.
+
 `sight -> promoted` is the fleet's recurrence (K sightings of the shape counted at the
 service, reports every 50 ms) and so depends on traffic: at N = 10 a rare shape comes
 back seconds after its first sighting, at N = 1000 within one report. The stage medians
 are taken per stage over the shapes that reached it, so they need not add up to the
-end-to-end median. A shape served by an artifact compiled for another shape (a family
-kernel) before it was promoted itself has no promoted/started stage of its own; it
-counts in the stages it has.
+end-to-end median (their means do, over the shapes that have every stage). A shape
+served by an artifact compiled for another shape (a family kernel) before it was
+promoted itself has no promoted/started stage of its own; it counts in the stages it
+has.
 
 The instrumentation runs inside the real service actor (Ray's `__ray_call__`): it wraps
 each program JIT's queue `submit` to stamp the key and its task, and adds a compile
@@ -110,6 +116,7 @@ def shape_stages(hosts: list[dict], timelines: list[dict]) -> dict:
             for shape, t in replica["served_at"].items():
                 served.setdefault(f"{replica['program']}:{shape}", []).append(t)
     steps: dict[str, list[float]] = {}
+    chains: dict[str, dict[str, float]] = {}   # shape -> stage -> seconds since sighted
     for shape, times in served.items():
         if shape not in sighted or shape not in first_keys:
             continue
@@ -130,11 +137,14 @@ def shape_stages(hosts: list[dict], timelines: list[dict]) -> dict:
                 chain.append((label, times[needed - 1]))
         for (a, ta), (b, tb) in zip(chain, chain[1:]):
             steps.setdefault(f"{a}->{b}", []).append(tb - ta)
+        chains[shape] = {stage: round(t - sighted[shape], 4) for stage, t in chain}
     queued = [r["queued"] for r in service.values() if "queued" in r]
     compile_s = [r["compiled"] - r["started"] for r in service.values()
                  if "compiled" in r and "started" in r]
-    return {"stages": {name: {"median": statistics.median(v), "n": len(v)}
+    return {"stages": {name: {"median": statistics.median(v), "mean": statistics.fmean(v),
+                              "p90": sorted(v)[int(0.9 * (len(v) - 1))], "n": len(v)}
                        for name, v in steps.items()},
+            "shape_chains": chains,
             "queue_at_promotion_median": statistics.median(queued) if queued else None,
             "compile_s_median": statistics.median(compile_s) if compile_s else None,
             "compile_s_first_per_shard": [

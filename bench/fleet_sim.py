@@ -49,8 +49,10 @@ def _jit_config():
 
 
 def run_one(mode: str, n: int, dvm_files: list[bytes], seconds: float, rate: float,
-            settle_s: float, per_host: int = REPLICAS_PER_HOST) -> dict:
-    """One (mode, N) run; returns its figures."""
+            settle_s: float, per_host: int = REPLICAS_PER_HOST,
+            threads: tuple[int, int] = (4, 4)) -> dict:
+    """One (mode, N) run; returns its figures. `threads`: tick and delivery threads
+    per host process."""
     import ray
 
     from bench import _fleet_timeline as timeline
@@ -81,9 +83,15 @@ def run_one(mode: str, n: int, dvm_files: list[bytes], seconds: float, rate: flo
         programs = [r % len(dvm_files) for r in range(n)]
         remote_host = ray.remote(ReplicaHost).options(num_cpus=0, max_concurrency=2)
         hosts = [remote_host.remote(h, dvm_files, programs[h::host_count], options,
-                                    _jit_config()) for h in range(host_count)]
+                                    _jit_config(), *threads) for h in range(host_count)]
         try:
             start_seconds = ray.get([h.ready.remote() for h in hosts])
+            # The clock starts with a warm fleet at every N (Note [Fleet stage clock]).
+            warm_by = time.monotonic() + 120
+            while time.monotonic() < warm_by and any(
+                    s["warmup_seconds"] is None
+                    for s in ray.get([s.stats.remote() for s in services])):
+                time.sleep(0.2)
             cpu_before, _ = process_usage(pids)
             redis_before = redis_counters(redis)
             start_at = time.time() + 1.0
@@ -217,8 +225,42 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def stage_table(rows: list[dict]) -> str:
+    """Per run, the median seconds of each stage of Note [Fleet stage clock]."""
+    from bench._fleet_timeline import STAGES
+
+    chain = ["sighted", *STAGES, "first", "50%", "99%"]
+    steps = [f"{a}->{b}" for a, b in zip(chain, chain[1:])]
+    lines = ["| mode | req/s/replica | N | hosts x (tick, delivery) threads | "
+             + " | ".join(s.replace("->", "→") for s in steps) + " | sight→99% | load |",
+             "|" + "---|" * (len(steps) + 6)]
+    for r in rows:
+        stages = r.get("stages", {})
+        cells = [f"{stages[s]['median']:.2f}" if s in stages else "-" for s in steps]
+        lines.append(
+            f"| {r['mode']} | {r.get('rate_per_replica', 5.0):g} | {r['replicas']} | "
+            f"{r['host_processes']} x ({r.get('tick_threads', 4)}, "
+            f"{r.get('delivery_threads', 4)}) | " + " | ".join(cells)
+            + f" | {r['sighting_to_99']['median']:.2f} | "
+            f"{r.get('load_before', 0):.1f} / {r.get('load_after', 0):.1f} |")
+    return "\n".join(lines)
+
+
 def _label(row: dict) -> str:
     return f"{row['mode']}, {row.get('rate_per_replica', 5.0):g} req/s/replica"
+
+
+def _points(rows: list[dict], key: str) -> tuple[list, list]:
+    """(N, value) of every run, and (N, median over the runs at that N)."""
+    import statistics
+
+    runs = [(r["replicas"], r[key]["median"] if isinstance(r[key], dict) else r[key])
+            for r in rows]
+    runs = [(x, y) for x, y in runs if y is not None]
+    by_n: dict[int, list[float]] = {}
+    for x, y in runs:
+        by_n.setdefault(x, []).append(y)
+    return runs, [(x, statistics.median(ys)) for x, ys in sorted(by_n.items())]
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -237,15 +279,14 @@ def plot(rows: list[dict], path: str) -> None:
     figure, axes = plt.subplots(2, 3, figsize=(13, 7))
     for axis, (key, title) in zip(axes.flat, panels):
         for label in dict.fromkeys(_label(r) for r in rows):
-            points = [(r["replicas"], r[key]["median"] if isinstance(r[key], dict)
-                       else r[key]) for r in rows if _label(r) == label]
-            points = [(x, y) for x, y in points if y is not None]
-            if points:
-                line, = axis.plot(*zip(*points), marker="o", label=label)
+            mine = [r for r in rows if _label(r) == label]
+            runs, medians = _points(mine, key)
+            if medians:
+                # The line joins the medians over repeated runs; the dots are the runs.
+                line, = axis.plot(*zip(*medians), marker="o", label=label)
+                axis.scatter(*zip(*runs), s=10, color=line.get_color(), alpha=0.5)
                 if key == "sighting_to_99":   # promotion + compile + one install
-                    first = [(r["replicas"], r["sighting_to_first"]["median"])
-                             for r in rows if _label(r) == label]
-                    first = [(x, y) for x, y in first if y is not None]
+                    _, first = _points(mine, "sighting_to_first")
                     if first:
                         axis.plot(*zip(*first), linestyle="--", marker=".",
                                   color=line.get_color())
@@ -256,7 +297,8 @@ def plot(rows: list[dict], path: str) -> None:
         axis.set_xlabel("replicas")
         axis.grid(True, alpha=0.3)
     axes.flat[0].legend()
-    figure.suptitle("dynvm fleet simulator (bench/fleet_sim.py): one 2-core machine")
+    figure.suptitle("dynvm fleet simulator (bench/fleet_sim.py): one shared 2-core machine; "
+                    "line: median of the runs, dots: each run")
     figure.tight_layout()
     figure.savefig(path, dpi=90)
 
@@ -273,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=5.0, help="requests/s per replica")
     parser.add_argument("--replicas-per-host", type=int, default=REPLICAS_PER_HOST,
                         help="simulated replicas per host process")
+    parser.add_argument("--tick-threads", type=int, default=4,
+                        help="threads per host process driving its links' ticks")
+    parser.add_argument("--delivery-threads", type=int, default=4,
+                        help="threads per host process handing announcements to links")
     parser.add_argument("--json", default="bench/results/fleet_scale.json")
     parser.add_argument("--plot", default=None, help="e.g. docs/fleet_scale.png")
     parser.add_argument("--replot", nargs="+", metavar="JSON",
@@ -281,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         rows = [row for path in args.replot for row in json.loads(Path(path).read_text())]
         print(table(rows))
+        print(stage_table(rows))
         if args.plot:
             plot(rows, args.plot)
         return 0
@@ -299,8 +346,11 @@ def main(argv: list[str] | None = None) -> int:
             for n in args.n:
                 load = os.getloadavg()[0]
                 row = run_one(mode, n, dvm_files, args.seconds, args.rate, args.settle,
-                              args.replicas_per_host)
+                              args.replicas_per_host,
+                              (args.tick_threads, args.delivery_threads))
                 row["replicas_per_host"] = args.replicas_per_host
+                row["tick_threads"] = args.tick_threads
+                row["delivery_threads"] = args.delivery_threads
                 row["rate_per_replica"] = args.rate
                 row["load_before"] = load
                 row["load_after"] = os.getloadavg()[0]
@@ -316,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(rows, indent=2, default=float))
     print(table(rows))
+    print(stage_table(rows))
     if args.plot:
         plot(rows, args.plot)
     return 0
