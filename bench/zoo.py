@@ -62,7 +62,10 @@ cache folder first (bench.systems.TorchCompile, Note [Counting compiles]), so no
 reuses another's kernels. Its compile seconds are the whole of every call during which
 Dynamo made a graph (its first calls, in the warm-up rounds; a recompile later is
 counted too, and its call stays in the figures). Its outputs are not held to the zoo's
-tolerance (Inductor's own numerics are not dynvm's to check).
+tolerance (Inductor's own numerics are not dynvm's to check). `--peer-models A,B` times
+the peers on those models only (the CPU backend issue names the CNNs and two encoders;
+torch.compile's compiles take 10-45 s a model here, minutes for the whole zoo), the
+other rows as without peers.
 """
 
 from __future__ import annotations
@@ -283,7 +286,8 @@ def _dim_range(program, name: str) -> str:
 def _command(prog: str, args) -> str:
     words = prog.split()
     for flag, value in (("--models", args.models), ("--calls", args.calls),
-                        ("--threads", args.threads), ("--peers", ",".join(_peers(args)))):
+                        ("--threads", args.threads), ("--peers", ",".join(_peers(args))),
+                        ("--peer-models", getattr(args, "peer_models", None))):
         if value:
             words += [flag, str(value)]
     words += ["--quick"] * bool(args.quick) + ["--update-docs"] * bool(args.update_docs)
@@ -294,7 +298,12 @@ PEERS = ("torch.compile",)
 
 
 def _peers(args) -> list[str]:
-    return [p.strip() for p in (getattr(args, "peers", None) or "").split(",") if p.strip()]
+    return _names(getattr(args, "peers", None))
+
+
+def _names(text: str | None) -> list[str]:
+    """The names of a comma-separated option."""
+    return [name.strip() for name in (text or "").split(",") if name.strip()]
 
 
 def run(args, prog: str = "dynvm bench zoo", log=None) -> int:
@@ -305,7 +314,7 @@ def run(args, prog: str = "dynvm bench zoo", log=None) -> int:
     log = log or (lambda m: print(m, flush=True))
     zoo, harness = _registry()
     torch.set_num_threads(args.threads or 1)
-    wanted = [m.strip() for m in (args.models or "").split(",") if m.strip()]
+    wanted = _names(args.models)
     known = {e.name for e in zoo.entries()}
     unknown = [m for m in wanted if m not in known]
     if unknown:
@@ -315,6 +324,12 @@ def run(args, prog: str = "dynvm bench zoo", log=None) -> int:
         raise ZooUsageError(f"unknown peer {next(p for p in peers if p not in PEERS)!r}; "
                             f"known: {', '.join(PEERS)}")
     chosen = [e for e in zoo.entries() if not wanted or e.name in wanted]
+    peer_models = _names(getattr(args, "peer_models", None))
+    if peer_models and not peers:
+        raise ZooUsageError("--peer-models needs --peers")
+    if stray := [m for m in peer_models if m not in {e.name for e in chosen}]:
+        raise ZooUsageError(f"--peer-models names {stray[0]!r}, which this run does not "
+                            "measure")
     # Steady calls per model: --quick gives one cycle of the call orders.
     warmup, calls, season = (2, 1, 0) if args.quick else (8, STEADY_CALLS, SEASON_CALLS)
     if args.calls:
@@ -326,7 +341,8 @@ def run(args, prog: str = "dynvm bench zoo", log=None) -> int:
     rows = []
     for entry in chosen:
         try:
-            rows.append(measure(entry, harness, warmup, calls, log, peers, season))
+            timed_peers = peers if not peer_models or entry.name in peer_models else ()
+            rows.append(measure(entry, harness, warmup, calls, log, timed_peers, season))
         except Exception as exc:  # a failing model is a row of the table, not the end
             log(traceback.format_exc())
             rows.append({"name": entry.name, "library": entry.library, "note": entry.note,

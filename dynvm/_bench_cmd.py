@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", metavar="A,B,...",
                         help="zoo only: peers timed beside eager, interpreter and JIT "
                         "(torch.compile: its default mode, with its compile seconds)")
+    parser.add_argument("--peer-models", metavar="A,B,...",
+                        help="zoo only: time the peers on these models alone (default: "
+                        "every model measured)")
     parser.add_argument("--from", dest="from_dir", type=Path, metavar="DIR",
                         help="no run: rebuild report.md and plots from DIR/results.json")
 

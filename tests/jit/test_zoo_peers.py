@@ -37,3 +37,14 @@ def test_peer_figures_are_a_table_of_their_own():
 def test_an_unknown_peer_is_refused(capsys):
     assert main(["bench", "zoo", "--models", "gin", "--quick", "--peers", "tvm"]) == 2
     assert "unknown peer 'tvm'; known: torch.compile" in capsys.readouterr().err
+
+
+def test_peer_models_must_be_measured_and_need_a_peer(capsys):
+    """--peer-models times the peers on some of the run's models only; a name the run
+    does not measure, or no --peers, is refused before anything runs."""
+    assert main(["bench", "zoo", "--models", "gin", "--quick", "--peers", "torch.compile",
+                 "--peer-models", "resnet"]) == 2
+    assert "--peer-models names 'resnet', which this run does not measure" \
+        in capsys.readouterr().err
+    assert main(["bench", "zoo", "--models", "gin", "--quick", "--peer-models", "gin"]) == 2
+    assert "--peer-models needs --peers" in capsys.readouterr().err
