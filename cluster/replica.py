@@ -33,8 +33,9 @@ call that fails is re-run request by request so that every request gets its own 
 Note [Lean request path]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 A request crosses threads at most twice: the parse threads decode a body larger than
-INLINE_PARSE_BYTES (off the event loop, Note [Bounded JSON]; a smaller one, ~0.05-0.1
-ms of decoding, is decoded on the loop, where a hop would cost more than the work), the
+INLINE_PARSE_BYTES (off the event loop, Note [Bounded JSON]; a smaller one, ~0.02-0.1
+ms of decoding (Note [Typed JSON fast path]), is decoded on the loop, where a hop would
+cost more than the work), the
 batcher's one worker thread runs its batch unless the batch is fast enough to run on the
 loop (Note [Inline fast batches] in dynvm.cluster.batcher) and, when the outputs are
 small (WORKER_ENCODE_ELEMENTS), encodes its response in the same hop; the loop only
