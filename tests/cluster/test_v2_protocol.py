@@ -177,6 +177,13 @@ def test_typed_data_takes_what_the_general_decoder_takes():
     body = json_body()
     body["inputs"][1]["data"] = [-2**63, 2**63 - 1, 0, 7]
     assert parse(body).tensors[1].flatten().tolist() == [-2**63, 2**63 - 1, 0, 7]
+    # FP16 keeps torch's rounding (double -> float -> half), which numpy's single
+    # rounding does not give for this value.
+    halves = (InputSpec("h", torch.float16, (DimSpec("n", 1, 4),)),)
+    value = 1 + 2**-11 + 2**-40
+    got = v2.parse_infer_request(json.dumps({"inputs": [
+        {"name": "h", "datatype": "FP16", "shape": [1], "data": [value]}]}).encode(), halves)
+    assert torch.equal(got.tensors[0], torch.tensor([value], dtype=torch.float16))
 
 
 def test_unknown_output_is_rejected_when_outputs_are_known():
