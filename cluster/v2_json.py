@@ -42,7 +42,8 @@ each still within the bounds above:
   (`data_byte_limit`, as before), is decoded by a decoder typed for the input's dtype:
   a flat list whose values have the dtype's Python type and lie in its range, checked
   in C while decoding (`flat_data_decoder`, `decode_flat_data`); numpy builds the
-  tensor from that list. What it refuses (nested rows, the strings "NaN" & co., a value
+  tensor from that list where it rounds as torch.tensor does (v2_protocol's
+  `_NUMPY_DTYPES`: not FP16, BF16 or the unsigned ints past UINT8). What it refuses (nested rows, the strings "NaN" & co., a value
   out of range, the wrong type) is decoded again by the general decoder, whose checks
   word the refusal or accept it (nested rows, non-finite strings).
 
