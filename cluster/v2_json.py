@@ -43,9 +43,10 @@ each still within the bounds above:
   a flat list whose values have the dtype's Python type and lie in its range, checked
   in C while decoding (`flat_data_decoder`, `decode_flat_data`); numpy builds the
   tensor from that list where it rounds as torch.tensor does (v2_protocol's
-  `_NUMPY_DTYPES`: not FP16, BF16 or the unsigned ints past UINT8). What it refuses (nested rows, the strings "NaN" & co., a value
-  out of range, the wrong type) is decoded again by the general decoder, whose checks
-  word the refusal or accept it (nested rows, non-finite strings).
+  `_NUMPY_DTYPES`: not FP16, BF16 or the unsigned ints past UINT8). What it refuses
+  (nested rows, the strings "NaN" & co., a value out of range, the wrong type) is
+  decoded again by the general decoder, whose checks word the refusal or accept it
+  (nested rows, non-finite strings).
 
 A request is accepted or refused exactly as the field-by-field path would: the typed
 decoders only accept what that path accepts, and everything after decoding (names,
@@ -53,9 +54,10 @@ datatypes, shapes, lengths, outputs) is one code path (a differential fuzz of th
 builds agreed on 6000 bodies; tests/cluster/test_v2_protocol.py sends every refusal
 through both paths). Measured on the recommender's bodies (five inputs, 1-4 rows, in
 process, load ~4): 58.5 -> 24.2 us per request (plain Serve's `json.loads` and
-`np.asarray`, which check nothing: 17.4-20.0 us). JSON's grammar is RFC 8259's: a bare NaN or Infinity token is malformed (Python's
-`json` accepted them); non-finite floats travel as the strings "NaN", "Infinity" and
-"-Infinity" (Note [Non-finite JSON numbers] in dynvm.cluster.v2_protocol).
+`np.asarray`, which check nothing: 17.4-20.0 us). JSON's grammar is RFC 8259's: a bare
+NaN or Infinity token is malformed (Python's `json` accepted them); non-finite floats
+travel as the strings "NaN", "Infinity" and "-Infinity" (Note [Non-finite JSON numbers]
+in dynvm.cluster.v2_protocol).
 """
 
 from __future__ import annotations
