@@ -56,17 +56,17 @@ HEAD_BYTES = 16 * 1024
 # the sizes first (STRLEN) and then the values (MGET) is two round trips on every read,
 # and every replica's install is one read: at a thousand replicas the fleet simulator's
 # hosts spent two thirds of their active time in store reads. So `get` asks in one
-# pipeline for each entry's existence and its first HEAD_BYTES + 1 bytes (EXISTS,
-# GETRANGE): an entry that came back shorter is whole (a CPU artifact is a few KB), and
-# only a longer one (Triton binaries) is measured and read as before, if within the cap.
-# A hostile huge entry costs HEAD_BYTES + 1 bytes, never the entry. GETRANGE answers ""
-# both for an empty value and for an absent one: only for those is EXISTS asked, in a
-# second round trip (a sealed artifact is never empty, so that is a miss). Asking EXISTS
-# beside every GETRANGE cost every read a second command: 50 us of client CPU against
-# 35 (redis-py, one 6 KB entry), on every install and on every 2 s index poll of every
-# replica. A Redis ACL without
-# GETRANGE answers NOPERM: the store says so once in the log and reads sizes first from
-# then on (deploy/redis.conf's example ACL wants +getrange for the one-trip read).
+# pipeline for each entry's first HEAD_BYTES + 1 bytes (GETRANGE): an entry that came
+# back shorter is whole (a CPU artifact is a few KB), and only a longer one (Triton
+# binaries) is measured and read as before, if within the cap. A hostile huge entry
+# costs HEAD_BYTES + 1 bytes, never the entry. GETRANGE answers "" both for an empty
+# value and for an absent one: only for those is EXISTS asked, in a second round trip
+# (a sealed artifact is never empty, so that is a miss). Asking EXISTS beside every
+# GETRANGE cost every read a second command: 50 us of client CPU against 35 (redis-py,
+# one 6 KB entry), on every install and on every 2 s index poll of every replica. A
+# Redis ACL without GETRANGE answers NOPERM: the store says so once in the log and reads
+# sizes first from then on (deploy/redis.conf's example ACL wants +getrange for the
+# one-trip read).
 
 _LONGER = object()      # longer than the head: measure, then read if within the cap
 _TOO_LARGE = object()   # larger than the cap: counted as oversized, treated as absent
