@@ -226,3 +226,12 @@ def test_the_next_family_waits_for_the_early_verdict_of_the_last():
     assert region_jit._family_bet_open()
     spec.probation.ratios.extend([0.5] * EARLY_SAMPLES)
     assert not region_jit._family_bet_open()
+
+
+def test_without_probation_no_family_waits_for_a_verdict():
+    """Probation off (a fleet's compile service, which never runs a kernel): no verdict
+    will come, so a pending family does not hold the next one."""
+    runtime = dynvm.Runtime(compiled("recommender"), "cpu", jit=JitConfig(probation=False))
+    region_jit = next(iter(runtime.jit.regions.values()))
+    region_jit.pending.add("t:float32:cpu:contiguous[1..4]")
+    assert not region_jit._family_bet_open()
