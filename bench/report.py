@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -163,7 +164,6 @@ def jit_over_interpreter(result: dict) -> dict | None:
 
 
 def _median_ratio(top: list[float], bottom: list[float]) -> float:
-    import statistics
     return statistics.median(t / b for t, b in zip(top, bottom) if b > 0)
 
 

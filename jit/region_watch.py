@@ -223,9 +223,7 @@ class RegionWatch:
         saved, by measurement: a miss's layout key and the region's resolution of new
         layouts per call against each hit's saving by its specialization's verdict."""
         misses = looked - hits
-        if looked <= 0:
-            return False   # nothing was looked up: look, to have something to judge
-        if misses <= 0:
+        if misses <= 0:   # no miss (or nothing looked up): look, to have something to judge
             return False
         per_miss = (_median(self._signing_costs) if self._signing_costs else WATCH_SECONDS) \
             + self._resolve_seconds / max(1, self._region_calls())
