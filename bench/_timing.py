@@ -2,30 +2,89 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import random
 import statistics
 
 
 def order_cycle(count: int) -> int:
-    """How many calls `call_order` takes to come back to its first order."""
-    return count if count % 2 == 0 else 2 * count
+    """How many calls one cycle of `call_order` takes: over it every system runs in
+    every position, and right after each system, equally often."""
+    return len(_row_circuit(count))
 
 
 def call_order(names: list, call: int) -> list:
-    """The order in which `names` run on call number `call`: the rows of a Williams
-    design (a Latin square balanced for the one before), in turn. Over a cycle of
-    `order_cycle(len(names))` calls every system runs in every position equally often
-    and right after each other system equally often. Why the predecessor matters: the
-    one before warms the caches on the same input (an interpreter measured 0.95x against
-    itself when it always followed the other interpreter). Rotations alone left every
-    system after the same one; rotations and their reverse balance neighbours only for
-    three systems: with four (eager, interpreter A, interpreter B, JIT) B never ran right
-    after eager, and the A/A came out 0.93-0.94 on 256 calls."""
-    count = len(names)
-    cycle = order_cycle(count)
-    row = call % cycle
-    # First row 0, 1, n-1, 2, n-2, ...; row r adds r (mod n); for odd n the mirrored
-    # rows follow, which balances the pairs a single odd square cannot.
+    """The order in which `names` run on call number `call` (Note [Call order]). Over a
+    cycle of `order_cycle(len(names))` consecutive calls every system runs in every
+    position equally often, and right after each system (itself included, across calls)
+    equally often; from cycle to cycle the systems trade places in the design, so that
+    no system keeps a fixed distance from another. Why it matters: the system before
+    warms or spoils the caches (an interpreter measured 0.95x against itself when it
+    always followed the other interpreter)."""
+    rows = _williams_rows(len(names))
+    circuit = _row_circuit(len(names))
+    cycle, at = divmod(call, len(circuit))
+    labels = _relabeling(len(names), cycle)
+    return [names[labels[i]] for i in rows[circuit[at]]]
+
+
+# Note [Call order]
+# ~~~~~~~~~~~~~~~~~
+# Within one call the systems run in the order of a row of a Williams design: a Latin
+# square whose rows put every system right after each other system equally often (first
+# row 0, 1, n-1, 2, n-2, ...; row r adds r mod n; for odd n the mirrored rows join, as a
+# single odd square cannot balance the pairs). Rotations alone left every system after
+# the same one; rotations and their reverse balance neighbours only for three systems:
+# with four (eager, interpreter A, interpreter B, JIT) B never ran right after eager,
+# and the A/A read 0.93-0.94.
+#
+# The calls run back to back, so the last system of one call is the predecessor of the
+# first of the next. Taking the rows in turn (row r, r+1, ...) made that boundary pair a
+# fixed diagonal: with four systems, the one listed last began the next call right after
+# eager twice per cycle where the others did once or never. So the rows are taken along
+# an Eulerian circuit of the graph "row a may be followed by row b": complete, self-loops
+# included, for even n; for odd n, between the plain and the mirrored rows. Each edge is
+# one boundary pair (last of a, first of b), and the circuit takes every edge once, so
+# every ordered pair of systems (a system after itself included) meets at a boundary
+# equally often, and every row is used equally often. A cycle: n*n calls for even n,
+# 2*n*n for odd.
+#
+# That balances the one before, not the one two or three before: in the Williams square
+# of four, index 2 never runs two places after index 0. Eager is the system that spoils
+# the caches most (its own weights and allocations), so with eager listed first the
+# system listed third ran farther from eager's last call than the others. So each cycle
+# maps the design's indices to the systems by another permutation (all of them in turn,
+# in an order shuffled once): every system takes every index's part equally often over
+# n! cycles, and no distance between two systems is fixed. Measured on the loop workload
+# (calls of 0.1-0.2 ms, thread CPU time, 900 steady calls, three identical interpreter
+# Runtimes A, B, C besides eager): rows in turn, the one listed last read 1.02-1.05x A;
+# along the circuit, 1.004-1.010 (and the one listed second 0.98-1.00); with the
+# relabeling, B and C read 0.995 and 0.996 of A. The "creation-order effect" that an
+# earlier report blamed on per-Runtime objects was this: with the Runtimes created in the
+# same order but listed in another, the slow one moved with the listing.
+
+
+def _relabeling(count: int, cycle: int) -> tuple[int, ...]:
+    """The system each index of the design stands for in cycle `cycle` (Note [Call
+    order]): every permutation in turn, in an order shuffled once."""
+    if count > 7:   # 8! permutations is more than any run has cycles
+        labels = list(range(count))
+        random.Random(cycle).shuffle(labels)
+        return tuple(labels)
+    every = _permutations(count)
+    return every[cycle % len(every)]
+
+
+@functools.cache
+def _permutations(count: int) -> tuple[tuple[int, ...], ...]:
+    every = list(itertools.permutations(range(count)))
+    random.Random(count).shuffle(every)
+    return tuple(every)
+
+
+@functools.cache
+def _williams_rows(count: int) -> tuple[tuple[int, ...], ...]:
     first, low, high = [0], 1, count - 1
     while len(first) < count:
         first.append(low)
@@ -33,29 +92,52 @@ def call_order(names: list, call: int) -> list:
         if len(first) < count:
             first.append(high)
             high -= 1
-    indices = [(i + row) % count for i in first]
-    if row >= count:
-        indices.reverse()
-    return [names[i] for i in indices]
+    rows = [tuple((i + r) % count for i in first) for r in range(count)]
+    if count % 2:
+        rows += [row[::-1] for row in rows]
+    return tuple(rows)
 
 
-def cycle_order(names: list, round_: int, index: int) -> list:
-    """The order of `names` for input `index` of a repeated cycle of inputs, in round
-    `round_`: `call_order` at round + index. Numbering the calls straight through a cycle
-    of k inputs gives input i only the orders i, i+k, i+2k, ... of the cycle: with 4
-    inputs and 4 systems, one of the four, so a system stayed in the same place on the
-    same input and a shape-dependent effect of position became a bias of that system. By
-    round + index every input runs in every order once per cycle of rounds."""
-    return call_order(names, round_ + index)
+@functools.cache
+def _row_circuit(count: int) -> tuple[int, ...]:
+    """Row indices along an Eulerian circuit of the row-succession graph (Note [Call
+    order]), by Hierholzer's walk; deterministic."""
+    rows = len(_williams_rows(count))
+    half = rows // 2
+    if count % 2:   # odd: plain rows lead to mirrored rows and back
+        edges = {a: [b for b in range(rows) if (a < half) != (b < half)] for a in range(rows)}
+    else:
+        edges = {a: list(range(rows)) for a in range(rows)}
+    unused = {a: list(reversed(targets)) for a, targets in edges.items()}
+    stack, circuit = [0], []
+    while stack:
+        node = stack[-1]
+        if unused[node]:
+            stack.append(unused[node].pop())
+        else:
+            circuit.append(stack.pop())
+    circuit.reverse()
+    return tuple(circuit[:-1])   # the walk returns to row 0; the cycle repeats from it
 
 
-def balanced_rounds(inputs: int, systems: int, calls: int) -> int:
-    """Rounds of `inputs` inputs giving at least `calls` calls, rounded up to whole
-    cycles of the orders (`cycle_order`), so that every input ran in every order
-    equally often."""
+def stream_input(step: int, inputs: int, systems: int) -> int:
+    """Which of `inputs` repeated inputs runs at `step` of a stream whose steps take
+    `call_order(names, step)` (`systems` names): the next input each step, and one
+    more after each cycle of the orders. Steps run back to back, so the orders must
+    follow each other unbroken (Note [Call order]); and numbered straight through, a
+    cycle of k inputs would give input i only the orders i, i+k, i+2k, ... (with 4
+    inputs under 4 systems, one order in four), so that a shape-dependent effect of
+    position became a bias of a system. With the shift, over `inputs` cycles of the
+    orders every input runs in every order once."""
     cycle = order_cycle(systems)
-    rounds = -(-calls // max(1, inputs))
-    return -(-rounds // cycle) * cycle
+    return (step % cycle + step // cycle) % inputs
+
+
+def balanced_steps(inputs: int, systems: int, calls: int) -> int:
+    """Steps of `stream_input` giving at least `calls` calls per system, rounded up to
+    whole periods, so that every input ran in every order equally often."""
+    period = inputs * order_cycle(systems)
+    return -(-max(1, calls) // period) * period
 
 
 def percentile(samples: list[float], p: float) -> float:

@@ -7,16 +7,18 @@ Note [Zoo timing]
 Per model: dynvm.compile is timed once (torch.export, decompositions, lowering). Then a
 shape sequence cycles through the entry's export point and held-out points; each call
 runs eager, the interpreter and the JIT on the same inputs, in an order that changes
-call by call: the rows of a Williams design (bench._timing.call_order: every system in
-every position and right after each other one equally often; with rotations alone the
-JIT always ran right after the interpreter, on inputs it had just warmed, and with
-rotations and their reverse the second interpreter never followed eager, which put the
-A/A at 0.93-0.94), chosen per shape so that each shape runs in every order equally
-often (bench._timing.cycle_order), and each system's time is divided by eager's time of
+call by call (bench._timing.call_order, Note [Call order]: every system in every
+position, right after each other one, and first after each other one's last,
+equally often; with rotations alone the JIT always ran right after the interpreter, on
+inputs it had just warmed, with rotations and their reverse the second interpreter
+never followed eager, which put the A/A at 0.93-0.94, and with the Williams rows taken
+in turn the system listed last began the next call after eager twice as often as the
+others), the shapes following so that each runs in every order equally often
+(bench._timing.stream_input), and each system's time is divided by eager's time of
 the same call. The figure is the median of these per-call ratios over at least
-STEADY_CALLS steady calls (whole cycles of the orders), after `warmup` rounds: with the
-ten rounds of before, a median over 40 calls, a model's A/A ranged 0.92-1.06 in one
-run. Each call is timed by the wall clock and by the calling thread's CPU time
+STEADY_CALLS steady calls (whole periods of shapes and orders), after `warmup`
+rounds: with the ten rounds of before, a median over 40 calls, a model's A/A ranged
+0.92-1.06 in one run. Each call is timed by the wall clock and by the calling thread's CPU time
 (time.thread_time): with one torch thread the model's work runs on that thread, and
 CPU time leaves out the time other processes held the core. No call is timed
 while the JIT's background compile runs (it holds the GIL for long stretches, and made
@@ -81,7 +83,7 @@ from pathlib import Path
 
 import torch
 
-from bench._timing import balanced_rounds, cycle_order
+from bench._timing import balanced_steps, call_order, stream_input
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "tests" / "zoo"
@@ -175,42 +177,46 @@ def measure(entry, harness, warmup: int, calls: int, log, peers=(),
     if compiled_peer is not None:   # Note [Zoo peers]
         systems["compile"] = lambda *x: compiled_peer(*x)[0]
     order = list(systems)
-    rounds = balanced_rounds(len(inputs), len(order), calls)
+    steps = balanced_steps(len(inputs), len(order), calls)
     ratios = {name: [] for name in order if name != "eager"}
     paired = {"jit": [], "interp_b": []}   # per call, over the interpreter's own time
     paired_cpu = {"jit": [], "interp_b": []}   # the same by thread CPU time
     times = {name: [] for name in systems}
     discarded = 0
-    settle_calls, settled = 0, False
     try:
-        for round_ in range(warmup + rounds):
-            if round_ == warmup:
-                settle_calls, settled = _settle(jit, inputs, season)
-                jit_before = jit.stats()
+        for round_ in range(warmup):   # every system on every shape, untimed
             for index, x in enumerate(inputs):
-                seconds, cpu, outputs = {}, {}, {}
-                # A background compile holds the GIL for long stretches: never time a call
-                # while one runs (Note [Zoo timing]).
                 _drain(jit)
-                promotions = jit.stats()["promotions"]
-                for name in cycle_order(order, round_, index):
-                    seconds[name], cpu[name], outputs[name] = _timed(systems[name], x)
-                if round_ == warmup:  # the first steady outputs are checked against eager
-                    for name in ("interp", "jit"):
-                        harness.assert_matches(entry, outputs[name], expected[index],
-                                               f"{entry.name} {name} at {points[index]}")
-                if round_ < warmup:
-                    continue
-                if jit.stats()["promotions"] != promotions or _busy(jit):
-                    discarded += 1  # this call started a compile, which ran beside it
-                    continue
-                for name in systems:
-                    times[name].append(seconds[name])
-                for name in ratios:
-                    ratios[name].append(seconds[name] / seconds["eager"])
-                for name in paired:
-                    paired[name].append(seconds[name] / seconds["interp"])
-                    paired_cpu[name].append(cpu[name] / cpu["interp"])
+                for name in call_order(order, round_ * len(inputs) + index):
+                    systems[name](*x)
+        settle_calls, settled = _settle(jit, inputs, season)
+        jit_before = jit.stats()
+        checked: set[int] = set()
+        for step in range(steps):
+            index = stream_input(step, len(inputs), len(order))
+            x = inputs[index]
+            seconds, cpu, outputs = {}, {}, {}
+            # A background compile holds the GIL for long stretches: never time a call
+            # while one runs (Note [Zoo timing]).
+            _drain(jit)
+            promotions = jit.stats()["promotions"]
+            for name in call_order(order, step):
+                seconds[name], cpu[name], outputs[name] = _timed(systems[name], x)
+            if index not in checked:  # each shape's first steady outputs against eager
+                checked.add(index)
+                for name in ("interp", "jit"):
+                    harness.assert_matches(entry, outputs[name], expected[index],
+                                           f"{entry.name} {name} at {points[index]}")
+            if jit.stats()["promotions"] != promotions or _busy(jit):
+                discarded += 1  # this call started a compile, which ran beside it
+                continue
+            for name in systems:
+                times[name].append(seconds[name])
+            for name in ratios:
+                ratios[name].append(seconds[name] / seconds["eager"])
+            for name in paired:
+                paired[name].append(seconds[name] / seconds["interp"])
+                paired_cpu[name].append(cpu[name] / cpu["interp"])
         stats = jit.stats()
     finally:
         interp.close()
@@ -240,7 +246,7 @@ def measure(entry, harness, warmup: int, calls: int, log, peers=(),
         "interp_aa_cpu": statistics.median(paired_cpu["interp_b"]),
         "jit_specialized_share": _specialized_share(jit_before, stats),
         "jit_compiles": stats["compiles"],
-        "rounds": rounds,
+        "steps": steps,
         "steady_calls": len(ratios["jit"]),
         "discarded_calls": discarded,
         "warmup_calls": warmup * len(inputs) + settle_calls,

@@ -23,10 +23,11 @@ def test_bench_zoo_writes_the_models_table(tmp_path):
     assert "interp_b" not in row["ms_per_call"]
     assert row["dims"] == {"nodes": "2..1024", "edges": "2..8192"}
     assert "SCATTER_ADD" in row["opcodes"]
-    # quick: one cycle of the 4 call orders of 4 systems, over the entry's 4 shapes (each
-    # shape in every order once); a call that started a background compile is dropped
-    assert row["rounds"] == 4
-    assert row["steady_calls"] + row["discarded_calls"] == 4 * 4 and row["steady_calls"] > 0
+    # quick: one period, a cycle of the 16 call orders of 4 systems for each of the
+    # entry's 4 shapes (each shape at every place of the cycle once); a call that started
+    # a background compile is dropped
+    assert row["steps"] == 4 * 16
+    assert row["steady_calls"] + row["discarded_calls"] == 4 * 16 and row["steady_calls"] > 0
     assert row["eager_spread"] >= 1
     assert len(row["ms_per_call"]["eager"]) == row["steady_calls"]
     report = (tmp_path / "report.md").read_text()
