@@ -110,7 +110,16 @@ what they cost without the JIT; they are not counted in the region's counters an
 It is re-attached after a period of *program* calls (the Runtime counts them: one integer
 compare per call, nothing per region), doubling each time it is detached again (from
 `DETACH_CALLS` up to `COLD_CALLS_MAX`), so that changing traffic is looked at again; once
-re-attached its calls are profiled until the next cold check decides again. A region whose
+re-attached its calls are watched, at the sampling it had, until the next cold check
+decides again. The period is at least long enough that the re-attached window (its
+`COLD_CHECK_EVERY` region calls: the profiled ones at the watch's measured price, the
+others at `SLOT_SECONDS` each, and the check's measured time) costs at most
+`PROBE_SHARE` (0.1%) of the region's time over the period: the region was found not
+worth watching, so looking again must be cheap. With 64 program calls for the first
+period, gnn (a new shape almost every call, profiled misses of ~60 us on a ~250 us
+region, one in 16 profiled) spent 14% of its steady calls re-attached and ran 1.002-1.005
+x the interpreter against an A/A of 1.002-1.003; priced, its first period is ~1,500
+calls. A region whose
 promotions are decided elsewhere (a fleet's compile service, `online_compile=False`) never
 goes cold, so it is never detached; connecting a fleet re-attaches every detached region.
 """
@@ -131,6 +140,8 @@ WATCH_SECONDS = 5e-6   # a profiled miss over the plain unit, until measured (be
 WATCH_SAMPLES = 8      # profiled misses measured before their mean replaces the prior
 WATCH_SHARE = 0.01     # the share of a region's time its watching may cost
 DETACH_CALLS = 64   # program calls a region first stays detached (Note [Detached regions])
+PROBE_SHARE = 0.001    # ... at least long enough that a re-attached window costs this share
+SLOT_SECONDS = 1e-6    # ... pricing an unprofiled entry of an attached slot at this
 
 
 class RegionWatch:
@@ -159,6 +170,7 @@ class RegionWatch:
         self._signing_costs: deque[float] = deque(maxlen=WATCH_SAMPLES)
         self._price_signing = True
         self.watch_cost_seconds = WATCH_SECONDS
+        self._miss_seconds = WATCH_SECONDS   # ... with new layouts' resolution per call
         self._check_costs: deque[float] = deque(maxlen=WATCH_SAMPLES)   # cold checks' seconds
         self._watch_affordable = True   # within WATCH_SHARE at some sampling (measured)
 
@@ -213,9 +225,23 @@ class RegionWatch:
         self.counters.cold_periods += 1
         if not (self.strong or self.weak or self.family_kernels):
             # Note [Detached regions]: nothing here can hit; not even a cold slot pays.
-            period = self._detach_period
+            period = min(COLD_CALLS_MAX, max(self._detach_period, self._probe_period()))
             self._detach_period = min(COLD_CALLS_MAX, 2 * period)
             self.engine.detach(self, period)
+
+    def _probe_period(self) -> int:
+        """Note [Detached regions] (holding the lock): the program calls to stay detached
+        so that the next re-attached window (COLD_CHECK_EVERY region calls at the
+        sampling the region has now, then a check) costs at most `PROBE_SHARE` of the
+        region's time meanwhile, by the watch's measured price."""
+        table = self.profile.table.values()
+        typical = sum(s.min_seconds for s in table) / max(1, len(table))
+        if typical <= 0.0:
+            return DETACH_CALLS
+        check = _median(self._check_costs) if self._check_costs else 0.0
+        window = COLD_CHECK_EVERY * (SLOT_SECONDS + self._miss_seconds / self.sample_every) \
+            + check
+        return int(window / (PROBE_SHARE * typical)) + 1
 
     def _lookups_lose(self, looked: int, hits: int) -> bool:
         """Note [Cold regions] (holding the lock): whether, over the `looked` calls since
@@ -262,6 +288,7 @@ class RegionWatch:
         self._price_signing = True   # timed again on the next profiled miss
         cost = watched + self._resolve_seconds / max(1, self._region_calls())
         self.watch_cost_seconds = watched
+        self._miss_seconds = cost
         # The checks run every COLD_CHECK_EVERY region calls whatever the sampling: their
         # share is the floor of the watch's price.
         checks = _median(self._check_costs) / COLD_CHECK_EVERY if self._check_costs else 0.0

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 import torch
 
 import dynvm
 from dynvm.jit.config import JitConfig
-from dynvm.jit.region_watch import COLD_CHECK_EVERY, DETACH_CALLS
+from dynvm.jit.region_watch import COLD_CALLS_MAX, COLD_CHECK_EVERY, DETACH_CALLS
 from tests.jit._jit_helpers import compiled, demo
 
 # A horizon of one call and a compile estimated at 10 s: no saving can ever pay, even
@@ -49,8 +50,12 @@ def test_a_region_that_cannot_pay_is_detached_and_reattached():
     detached_at = _region_calls(runtime)
     slots = runtime.interpreter._slots
     assert all(slots[index] is None for index in runtime.jit.regions)
+    # Detached for at least DETACH_CALLS program calls, longer where the watch's price
+    # says a re-attached window would cost more than PROBE_SHARE of the region's time.
+    period = runtime.jit.reattach_at - runtime.jit.program_calls
+    assert period >= DETACH_CALLS
     # Detached: the calls do not reach the slot.
-    for _ in range(DETACH_CALLS - 1):
+    for _ in range(period - 1):
         call()
     assert _region_calls(runtime) == detached_at
     assert runtime.stats()["reattachments"] == 0
@@ -70,8 +75,39 @@ def test_a_region_that_cannot_pay_is_detached_and_reattached():
         call()
     stats = runtime.stats()
     assert stats["detached_regions"] == watched and stats["detachments"] == 2 * watched
-    assert runtime.jit.reattach_at - runtime.jit.program_calls > DETACH_CALLS
+    last = [line for line in runtime.jit.event_log if "detached" in line][-1]
+    assert int(last.split("looked at again in ")[1].split()[0]) >= 2 * period
     assert stats["compiles"] == 0
+
+
+def test_a_region_dearer_to_watch_stays_detached_longer():
+    """Note [Detached regions]: the period is priced so that the re-attached window
+    costs at most PROBE_SHARE of the region's time; a region whose profiled misses cost
+    a millisecond each (a profile that sleeps) is looked at again only after several
+    times as many program calls as one whose misses cost microseconds."""
+    program = compiled("recommender")
+    rng = random.Random(0)
+    draws = [demo("recommender").sample_inputs(rng) for _ in range(4)]
+    periods = []
+    for delay in (0.0, 1e-3):
+        runtime = dynvm.Runtime(program, "cpu", jit=NEVER_PAYS)
+        for region_jit in runtime.jit.regions.values():
+            region_jit.profile.record = _slowed(region_jit.profile.record, delay)
+        for call in range(COLD_CHECK_EVERY):
+            runtime(*draws[call % len(draws)])
+        assert runtime.stats()["detached_regions"] == len(runtime.jit.regions)
+        periods.append(runtime.jit.reattach_at - runtime.jit.program_calls)
+    cheap, dear = periods
+    # A millisecond a profiled miss against microseconds: the window costs several
+    # times more (sampled at one miss in 16), and so does the period, up to its cap.
+    assert cheap >= DETACH_CALLS and min(COLD_CALLS_MAX, 4 * cheap) <= dear
+
+
+def _slowed(record, delay: float):
+    def slow_record(signature, seconds):
+        time.sleep(delay)
+        return record(signature, seconds)
+    return slow_record
 
 
 def test_promotions_decided_elsewhere_never_detach():
