@@ -140,6 +140,34 @@ def balanced_steps(inputs: int, systems: int, calls: int) -> int:
     return -(-max(1, calls) // period) * period
 
 
+def aa_margin(ratios: list[float], parts: int = 3) -> float:
+    """The stated margin of "JIT <= interpreter" (Note [A/A margin]): the largest
+    distance from 1 of the A/A's median per call, over all `ratios` (a second
+    interpreter's time over the first's, call by call) and over each of `parts`
+    consecutive stretches of them."""
+    if not ratios:
+        raise ValueError("no A/A ratios")
+    size = max(1, len(ratios) // parts)
+    stretches = [ratios] + [ratios[i:i + size] for i in range(0, size * parts, size)
+                            if ratios[i:i + size]]
+    return max(abs(statistics.median(stretch) - 1.0) for stretch in stretches)
+
+
+# Note [A/A margin]
+# ~~~~~~~~~~~~~~~~~
+# "JIT p50 <= interpreter p50" needs a margin: two identical interpreter Runtimes in one
+# rotation (the A/A) do not read 1.000. The margin was once the A/A's own distance from
+# 1 over the run: one sample of the noise, against which a JIT with no effect at all
+# fails about one run in four (the JIT's distance is another sample of the same noise).
+# gnn, where the JIT ends detached and runs the interpreter's own plan, read 0.999,
+# 1.004, 1.005 and 1.003, 1.004, 1.004 against A/As of 1.002, 1.002, 1.003 and 1.003,
+# 1.003, 1.000 in six runs; with three identical interpreters and the JIT in one rotation
+# their thirds spread 0.996-1.006. So the margin is what the A/A itself shows over the
+# same run: its largest distance from 1 over the whole run and over each third of it.
+# That is the resolution of this run; a JIT over it is slower than this run can
+# attribute to noise, and is reported as a miss.
+
+
 def percentile(samples: list[float], p: float) -> float:
     """Nearest-rank percentile (always a latency that was measured)."""
     ordered = sorted(samples)

@@ -83,7 +83,7 @@ from pathlib import Path
 
 import torch
 
-from bench._timing import balanced_steps, call_order, stream_input
+from bench._timing import aa_margin, balanced_steps, call_order, stream_input
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "tests" / "zoo"
@@ -244,6 +244,9 @@ def measure(entry, harness, warmup: int, calls: int, log, peers=(),
         "interp_aa": statistics.median(paired["interp_b"]),
         "jit_over_interp_cpu": statistics.median(paired_cpu["jit"]),
         "interp_aa_cpu": statistics.median(paired_cpu["interp_b"]),
+        # the margin the A/A states (Note [A/A margin] in bench._timing)
+        "interp_aa_margin": aa_margin(paired["interp_b"]),
+        "interp_aa_margin_cpu": aa_margin(paired_cpu["interp_b"]),
         "jit_specialized_share": _specialized_share(jit_before, stats),
         "jit_compiles": stats["compiles"],
         "steps": steps,

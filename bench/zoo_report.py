@@ -36,15 +36,22 @@ def _paired(r: dict, clock: str = "") -> str:
     """JIT / interpreter (A/A) by wall time, or with clock "_cpu" by thread CPU time."""
     if f"jit_over_interp{clock}" not in r:  # a run from before the A/A (or CPU time)
         return "—"
-    return f"{r[f'jit_over_interp{clock}']:.3f} ({r[f'interp_aa{clock}']:.3f})"
+    margin = f", {_margin(r, clock):.3f}" if f"interp_aa_margin{clock}" in r else ""
+    return f"{r[f'jit_over_interp{clock}']:.3f} ({r[f'interp_aa{clock}']:.3f}{margin})"
+
+
+def _margin(r: dict, clock: str) -> float:
+    """The margin the model's A/A states (Note [A/A margin] in bench._timing); a run
+    from before it: the A/A's distance from 1."""
+    return r.get(f"interp_aa_margin{clock}", abs(r[f"interp_aa{clock}"] - 1.0))
 
 
 def _over(rows: list[dict], clock: str) -> tuple[list[str], list[str]]:
-    """The models whose JIT / interpreter exceeds 1 by more than their A/A distance,
+    """The models whose JIT / interpreter exceeds 1 by more than their A/A's margin,
     and those over 1 at all, by one clock."""
     paired = [r for r in rows if f"jit_over_interp{clock}" in r]
-    worse = [r["name"] for r in paired if r[f"jit_over_interp{clock}"]
-             > 1.0 + abs(r[f"interp_aa{clock}"] - 1.0)]
+    worse = [r["name"] for r in paired
+             if r[f"jit_over_interp{clock}"] > 1.0 + _margin(r, clock)]
     return worse, [r["name"] for r in paired if r[f"jit_over_interp{clock}"] > 1.0]
 
 
@@ -68,7 +75,7 @@ def _summary(rows: list[dict]) -> list[str]:
             continue
         worse, over = _over(measured, clock)
         lines.append(f"- JIT <= interpreter, per call, {words}, within the model's A/A "
-                     "distance: " + ("every model." if not worse else
+                     "margin: " + ("every model." if not worse else
                                      f"missed on {len(worse)}: {', '.join(worse)}.")
                      + f" (Over 1.000 at all: {len(over)}" + (f": {', '.join(over)}" if over
                                                                else "") + ".)")
@@ -120,9 +127,11 @@ def markdown(run: dict) -> str:
         report.header(run),
         f"How it is measured (Note [Zoo timing] in bench/zoo.py): per call, eager, the "
         f"interpreter (twice: A, and B for the A/A) and the JIT run on the same inputs in "
-        f"an order that changes call by call (the rows of a Latin square balanced for the "
-        f"one before: each system in every position and right after each other one "
-        f"equally often, and each shape in every order equally often); the x-eager columns "
+        f"an order that changes call by call (Note [Call order] in bench/_timing.py: "
+        f"the rows of a Latin square balanced for the one before, taken so that the "
+        f"last system of a call and the first of the next are balanced too, the systems "
+        f"trading places in the design from cycle to cycle; each shape at every place "
+        f"of the cycle equally often); the x-eager columns "
         f"are medians of per-call ratios to eager over {_steady_text(run)} of the "
         f"entry's shapes (export point + held-out points) after {run['warmup_rounds']} "
         f"warm-up rounds and then until the JIT is settled (no compile queued, no "
@@ -132,12 +141,14 @@ def markdown(run: dict) -> str:
         f"how many calls the JIT had before the timed ones, '(cap)' where it was not "
         f"settled by the cap. The JIT runs its default "
         f"config; 'JIT spec.' is the share of its steady region calls that ran "
-        f"specialized code. 'JIT / interp. (A/A)': the median over the same steady calls "
-        f"of the JIT's time over the interpreter's, and in brackets of a second "
-        f"interpreter's (B) over the first: B's distance from 1 is the margin noise "
-        f"alone gives that median in that model's window. 'The same, CPU time': those two "
-        f"medians by the calling thread's CPU time (time.thread_time; with one torch "
-        f"thread the model's work runs on that thread), which leaves out the time other "
+        f"specialized code. 'JIT / interp. (A/A, margin)': the median over the same "
+        f"steady calls of the JIT's time over the interpreter's, and in brackets of a "
+        f"second interpreter's (B) over the first, and the margin that A/A states: its "
+        f"largest distance from 1 over the steady calls and over each third of them "
+        f"(Note [A/A margin] in bench/_timing.py), what noise alone does to that median "
+        f"in that model's window. 'The same, CPU time': those medians by the calling "
+        f"thread's CPU time (time.thread_time; with one torch thread the model's work "
+        f"runs on that thread), which leaves out the time other "
         f"processes held the core; on a shared host it is the steadier of the two. "
         f"'eager p90/p10' is the spread "
         f"of eager's own steady times "
@@ -149,7 +160,7 @@ def markdown(run: dict) -> str:
         "## Summary", "\n".join(_summary(rows)),
         "## Models",
         "| model | library | parameters | dynamic dims | opcodes (distinct) | compile s "
-        "| eager ms | eager p90/p10 | interpreter | JIT | JIT / interp. (A/A) "
+        "| eager ms | eager p90/p10 | interpreter | JIT | JIT / interp. (A/A, margin) "
         "| the same, CPU time | JIT spec. "
         "| JIT warm-up | steady calls | status |\n"
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"

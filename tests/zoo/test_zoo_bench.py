@@ -32,8 +32,10 @@ def test_bench_zoo_writes_the_models_table(tmp_path):
     assert len(row["ms_per_call"]["eager"]) == row["steady_calls"]
     report = (tmp_path / "report.md").read_text()
     assert "| gin | torch_geometric |" in report and "SCATTER_ADD" in report
-    assert f"{row['jit_over_interp']:.3f} ({row['interp_aa']:.3f})" in report
-    assert "within the model's A/A distance" in report
+    assert row["interp_aa_margin"] >= 0 and row["interp_aa_margin_cpu"] >= 0
+    assert (f"{row['jit_over_interp']:.3f} ({row['interp_aa']:.3f}, "
+            f"{row['interp_aa_margin']:.3f})") in report
+    assert "within the model's A/A margin" in report
 
 
 def test_bench_zoo_names_an_unknown_model(capsys):
