@@ -326,7 +326,16 @@ def header(run: dict) -> str:
             f"wall in all.{quick} Machine: {host}{m.get('cpu_model', m['processor'])}, "
             f"{m['cpus']} CPUs "
             f"({m['machine']}, {m['system']} {m['release']}), torch intra-op threads: "
-            f"{m['torch_threads']}; Python {m['python']}, torch {m['torch']}." + _load(run))
+            f"{m['torch_threads']}; Python {m['python']}, torch {m['torch']}." + _load(run)
+            + _imports(run))
+
+
+def _imports(run: dict) -> str:
+    if "shared_import_seconds" not in run:   # a run from before Note [Shared first use]
+        return ""
+    return (f" torch.export's and Dynamo's first-use imports took "
+            f"{run['shared_import_seconds']:.1f} s before any system was built, counted "
+            f"in no system's compile seconds (Note [Shared first use] in bench/systems.py).")
 
 
 def _load(run: dict) -> str:

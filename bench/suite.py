@@ -14,7 +14,7 @@ import torch
 
 from bench import report
 from bench.runner import flops_per_shape, matmul_peak_gflops, roofline, run_workload
-from bench.systems import SYSTEMS
+from bench.systems import SYSTEMS, warm_shared_imports
 from bench.workloads import NAMES, build
 
 
@@ -63,10 +63,12 @@ def run(args, prog: str = "python -m bench", log=None) -> int:
     repeats = 3 if args.quick else 10
     peak = matmul_peak_gflops(repeats=repeats)
     log(f"fp32 matmul peak: {peak:.1f} GFLOP/s")
+    imports = warm_shared_imports()
+    log(f"torch.export / Dynamo imported in {imports:.1f} s (Note [Shared first use])")
     run_info = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                 "command": _command(args, prog), "quick": args.quick,
                 "machine": report.machine(), "loadavg_start": os.getloadavg(),
-                "systems": systems, "workloads": []}
+                "shared_import_seconds": imports, "systems": systems, "workloads": []}
     done = []
     for name in names:
         workload = build(name, args.quick, args.seed, args.calls)
