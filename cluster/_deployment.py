@@ -13,6 +13,7 @@ from ray.serve.api import RunTarget
 
 from dynvm.cluster.grpc_v2 import grpc_options
 from dynvm.cluster.http_front import SERVER_APP, check_model_name, model_app_name
+from dynvm.cluster.ingress import direct_addresses
 from dynvm.cluster.proxy_guard import ProxyLimits
 from dynvm.cluster.replica import ModelReplica
 from dynvm.cluster.server_front import ServerFront
@@ -81,13 +82,16 @@ def serve_models(models: Mapping[str, str], config: ServingConfig | None = None,
     (ServingConfig field names, e.g. device="cpu") applied; a model named in `per_model`
     with that config instead (e.g. batching off for a model whose rows are not
     independent, Note [Request batching]). With `fleet`, start the compile service first
-    (`start_compile_service`). Returns {app name: DeploymentHandle}.
+    (`start_compile_service`). With `ingress="direct"` (the same in every config), waits
+    for every application's replica port and raises ConfigError when the cluster is not
+    in direct ingress (Note [Direct ingress]). Returns {app name: DeploymentHandle}.
     """
     config = (config if config is not None else ServingConfig()).replace(**changes)
     per_model = per_model or {}
     unknown = sorted(set(per_model) - set(models))
     if unknown:
         raise ConfigError(f"per_model names {unknown[0]!r}, which is not among the models")
+    ingress = _one_ingress([config, *per_model.values()])
     targets = [RunTarget(model_application(name, path, per_model.get(name, config)),
                          name=model_app_name(name), route_prefix=f"/v2/models/{name}")
                for name, path in models.items()]
@@ -95,4 +99,16 @@ def serve_models(models: Mapping[str, str], config: ServingConfig | None = None,
                              route_prefix="/v2"))
     # All applications deploy at once (in parallel); returns when all are running.
     handles = serve.run_many(targets)
+    if ingress == "direct":  # the cluster must be in that mode (Note [Direct ingress])
+        direct_addresses(target.name for target in targets)
     return {target.name: handle for target, handle in zip(targets, handles, strict=True)}
+
+
+def _one_ingress(configs: list[ServingConfig]) -> str:
+    """The `ingress` every config names (Serve has one mode per cluster), else
+    ConfigError."""
+    modes = sorted({c.ingress for c in configs})
+    if len(modes) > 1:
+        raise ConfigError(f"every model of one Serve has the same ingress (one mode per "
+                          f"Ray cluster), got {', '.join(modes)}")
+    return modes[0]

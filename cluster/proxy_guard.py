@@ -27,6 +27,12 @@ replica. What the middleware cannot reach: uvicorn reads the request line and he
 before any ASGI code runs, and has no header timeout; a client that never finishes its
 headers holds a connection (not a worker, nor body memory) until it disconnects.
 `keep_alive_timeout_s` (uvicorn's) bounds idle keep-alive connections.
+
+In Serve's direct ingress (Note [Direct ingress] in dynvm.cluster.ingress) there is no
+proxy in a request's path: Serve builds each ingress replica's own uvicorn server from
+the same HTTPOptions, these middlewares and the keep-alive bound included, so the guard
+runs in the replica's process and every limit above holds there unchanged (tested in
+tests/cluster/test_direct_ingress.py); what it protects is then the replica's memory.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from dynvm.cluster.ingress import check_ingress
 from dynvm.cluster.limits import ServingLimits
 from dynvm.cluster.v2_protocol import DEFAULT_MAX_BODY_BYTES
 from dynvm.jit.config import JitConfig
@@ -137,6 +138,12 @@ class ServingConfig:
     access_log: bool = False
     """Serve's access log line per request in the replica's log (off: the replica's own
     counters and metrics count requests; Note [Replica on Serve's loop])."""
+    ingress: str = "proxy"
+    """How HTTP requests reach the replicas (Note [Direct ingress] in
+    dynvm.cluster.ingress): "proxy", through Serve's HTTP proxy at one address; "direct",
+    straight into each replica at its own port. Serve's mode is one per Ray cluster, set
+    by the environment Ray starts with (`ingress_environment`); deploying checks that the
+    cluster is in the mode named here, so every model of one Serve names the same."""
     fleet: FleetOptions | None = None
     """Share compiled specializations through the compile service and the kernel store
     (dynvm.cluster.fleet_link); None: each replica compiles alone."""
@@ -148,6 +155,7 @@ class ServingConfig:
         if type(self.num_replicas) is not int or self.num_replicas < 1:
             raise ConfigError(f"ServingConfig.num_replicas must be an integer >= 1, "
                              f"got {self.num_replicas!r}")
+        check_ingress(self.ingress)
         for name, kind in (("batching", BatchingOptions), ("limits", ServingLimits)):
             if not isinstance(getattr(self, name), kind):
                 raise ConfigTypeError(f"ServingConfig.{name} must be a {kind.__name__}, "

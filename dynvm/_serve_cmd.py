@@ -150,7 +150,7 @@ def _serving_from_args(args) -> ServingConfig:
     try:
         return ServingConfig(**_given(
             device=args.device, num_replicas=args.replicas, num_cpus=args.num_cpus,
-            access_log=args.access_log or None,
+            access_log=args.access_log or None, ingress=args.ingress,
             jit=None if args.online_compile else JitConfig(online_compile=False)),
             batching=batching, limits=limits, autoscaling=autoscaling)
     except ValueError as exc:
@@ -182,7 +182,9 @@ def _store_config(stack: contextlib.ExitStack, say):
     return StoreConfig(secret=settings.secret.encode(), redis=local.config())
 
 
-def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
+def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> dict:
+    """Start everything; returns {application: [(host, port)]} of each application's
+    replicas in direct ingress (Note [Direct ingress]), else {}."""
     import ray
     from ray import serve
 
@@ -194,13 +196,15 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
         stop_compile_service,
     )
     from dynvm.cluster.fleet_link import FleetOptions
+    from dynvm.cluster.ingress import direct_addresses, ingress_environment
     from dynvm.cluster.proxy_guard import ProxyLimits
 
     store = _store_config(stack, say)
     proxy = ProxyLimits()
-    # Serve's proxy takes dynvm's guard only from its environment, which Ray's
-    # processes inherit from this one (Note [Limits at the proxy]).
-    export(proxy.environment())
+    # Serve's proxy (or, in direct ingress, each replica's own HTTP server) takes
+    # dynvm's guard only from its environment, and Serve its ingress mode: Ray's
+    # processes inherit both from this one (Notes [Limits at the proxy], [Direct ingress]).
+    export({**proxy.environment(), **ingress_environment(options.serving.ingress)})
     ray.init(include_dashboard=False, log_to_driver=False)
     stack.callback(ray.shutdown)
     say(f"ray       local, {int(ray.cluster_resources().get('CPU', 0))} CPUs")
@@ -216,22 +220,39 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> None:
         start_serve("127.0.0.1", options.port, proxy, grpc_port=options.grpc_port)
         service.result()
     say("compile   service started")
-    serve_models({options.name: options.model_path}, options.serving,
-                 fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE,
-                                    gpu_targets=options.gpu_targets, service_shards=shards))
+    handles = serve_models({options.name: options.model_path}, options.serving,
+                           fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE,
+                                              gpu_targets=options.gpu_targets,
+                                              service_shards=shards))
+    return direct_addresses(handles) if options.serving.ingress == "direct" else {}
 
 
-def _hint(options: ServeOptions) -> str:
+def _hint(options: ServeOptions, direct: dict) -> str:
     base = f"http://127.0.0.1:{options.port}"
     model = f"{base}/v2/models/{options.name}"
     return f"""\
-serving   {options.name} at {model}
+{_direct_hint(options, direct)}serving   {options.name} at {model}
   curl {base}/v2/health/ready
   curl {model}                  # inputs, datatypes, shapes (-1: dynamic)
   curl -X POST {model}/infer -H 'Content-Type: application/json' -d '{{"inputs": [...]}}'
   curl {model}/stats            # runtime and fleet counters
   python: tritonclient.http.InferenceServerClient("127.0.0.1:{options.port}"){_grpc_hint(options)}
 Ctrl-C stops everything."""
+
+
+def _direct_hint(options: ServeOptions, direct: dict) -> str:
+    """The hint's lines on the replicas' own addresses ('' in proxy ingress)."""
+    if not direct:
+        return ""
+    from dynvm.cluster.http_front import SERVER_APP, model_app_name
+
+    def urls(app: str) -> str:
+        return ", ".join(f"http://127.0.0.1:{port}" for _, port in direct[app])
+
+    return (f"direct    {options.name}'s replicas at {urls(model_app_name(options.name))} "
+            f"(every /v2/models/{options.name}/... route; each replica its port), "
+            f"/v2 and /v2/health/* at {urls(SERVER_APP)}; everything also answers "
+            f"through Serve's proxy, slower:\n")
 
 
 def _grpc_hint(options: ServeOptions) -> str:
@@ -260,14 +281,14 @@ def serve_command(args) -> int:
     try:
         with contextlib.ExitStack() as stack:
             try:
-                _start(options, stack, say)
+                direct = _start(options, stack, say)
             except CliError:
                 raise
             except Exception as exc:  # Ray or Serve failed to start: say what, then unwind
                 raise CliError(f"serve failed to start: {type(exc).__name__}: {exc}") \
                     from None
             if not stop.is_set():
-                say(_hint(options))
+                say(_hint(options, direct))
             while not stop.wait(0.5):
                 pass
             say("stopping  (serve, compile service, ray, redis)")
@@ -314,6 +335,11 @@ the URL; Ctrl-C (or SIGTERM) stops everything it started.
     p.add_argument("--call-seconds", type=float, metavar="S",
                    help="budget of one model call: a call still looping after S seconds "
                    "stops and its request gets a 500")
+    p.add_argument("--ingress", choices=("proxy", "direct"),
+                   help="proxy: every route at --port through Serve's HTTP proxy; direct: "
+                   "each replica also serves HTTP at a port of its own, printed at "
+                   "start-up, without the proxy's hop (Serve's direct ingress; default "
+                   "proxy)")
     p.add_argument("--access-log", action="store_true",
                    help="Serve's access log line per request in the replica logs (off by "
                    "default: it costs CPU on every request, the metrics count them)")
