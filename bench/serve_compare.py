@@ -32,6 +32,16 @@ any handler could get from this host through Serve's HTTP proxy.
 "grpc" runs the same tensors through Serve's gRPC ingress (the v2 gRPC protocol,
 dynvm.cluster.grpc_v2, bench/_grpc_load.py) to dynvm only: the plain deployment speaks
 HTTP alone.
+
+`--ingress direct` starts this session's Ray in Serve's direct ingress (Note [Direct
+ingress] in dynvm.cluster.ingress) for every system alike: the client sends each
+system's requests straight to its replica's own port, no proxy in the path (HTTP only:
+"grpc" is left out). Serve's ingress is one mode per Ray cluster, so the two cannot
+share a session: `--alternate-ingress N` runs N pairs of sessions, each its own Ray,
+alternating proxy and direct (proxy, direct, direct, proxy, ...; this script in a
+subprocess per session, with the other flags), and prints per pair how much is the
+ingress (plain direct / plain proxy) and how much is dynvm (dynvm direct / plain
+direct), and dynvm direct against plain Serve as a user deploys it (behind its proxy).
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -284,12 +295,12 @@ def _batching_summary(before: dict, after: dict) -> dict:
             "compile_s": round(d["compile_seconds"], 3)}
 
 
-def _check_same_answer(port: int, paths: dict, body) -> np.ndarray:
+def _check_same_answer(ports: dict, paths: dict, body) -> np.ndarray:
     """Both systems answer the same body with the same numbers (within float noise);
     returns dynvm's answer."""
     got = {}
     for system, path in paths.items():
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn = http.client.HTTPConnection("127.0.0.1", ports[system], timeout=120)
         conn.request("POST", path, body=body[0], headers=body[1])
         response = conn.getresponse()
         raw = response.read()
@@ -300,6 +311,85 @@ def _check_same_answer(port: int, paths: dict, body) -> np.ndarray:
     if not np.allclose(got["dynvm"], got["plain"], atol=1e-4, rtol=1e-4):
         raise SystemExit("dynvm and plain Serve disagree on the same request")
     return got["dynvm"]
+
+
+# ---------------------------------------------------------------------- ingress pairs
+
+
+def _alternate_ingress(args) -> int:
+    """`--alternate-ingress N`: N pairs of sessions, one in Serve's proxy ingress and one
+    in its direct ingress, each this script in a subprocess with its own Ray (Serve's
+    ingress is one mode per cluster); the order alternates pair by pair (proxy first,
+    then direct first) so that a drift of the host's load falls on both."""
+    passed = ["--seconds", str(args.seconds), "--repeats", str(args.repeats),
+              "--warmup", str(args.warmup), "--models", args.models,
+              "--clients", args.clients, "--encodings", args.encodings,
+              *(["--force-promote"] if args.force_promote else []),
+              *(["--no-jit"] if args.no_jit else []), *(["--floor"] if args.floor else [])]
+    tmp = tempfile.mkdtemp(prefix="serve-compare-ingress-")
+    sessions = []
+    for pair in range(args.alternate_ingress):
+        for ingress in ("proxy", "direct") if pair % 2 == 0 else ("direct", "proxy"):
+            out = os.path.join(tmp, f"{pair}-{ingress}.json")
+            session = {"pair": pair, "ingress": ingress,
+                       "start_utc": time.strftime("%H:%M:%S", time.gmtime()),
+                       "load_start": round(os.getloadavg()[0], 1)}
+            print(f"\n=== pair {pair}, {ingress} ingress, {session['start_utc']} UTC, "
+                  f"load {session['load_start']}", flush=True)
+            code = subprocess.call([sys.executable, os.path.abspath(__file__), *passed,
+                                    "--ingress", ingress, "--json", out])
+            if code:
+                raise SystemExit(f"the {ingress} session of pair {pair} failed ({code})")
+            with open(out) as f:
+                session["runs"] = json.load(f)["runs"]
+            session["load_end"] = round(os.getloadavg()[0], 1)
+            sessions.append(session)
+    _print_ingress_pairs(sessions)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"sessions": sessions}, out, indent=1)
+    return 0
+
+
+def _print_ingress_pairs(sessions: list[dict]) -> None:
+    """Per pair of sessions and per (model, encoding, clients): each system's median
+    req/s in each ingress, and the ratios that split dynvm's gain from the ingress's."""
+    ratios = {"ingress alone: plain direct / plain proxy": ("plain", "direct", "plain",
+                                                           "proxy"),
+              "dynvm alone: dynvm direct / plain direct": ("dynvm", "direct", "plain",
+                                                          "direct"),
+              "dynvm direct / plain proxy": ("dynvm", "direct", "plain", "proxy"),
+              "dynvm proxy / plain proxy": ("dynvm", "proxy", "plain", "proxy")}
+    keys = sorted({(r["model"], r["encoding"], r["clients"])
+                   for s in sessions for r in s["runs"]})
+    print("\nper pair of sessions (median req/s over each session's runs; p50 ms):")
+    for key in keys:
+        print(f"  {key[0]} {key[1]} {key[2]} clients:")
+        by_ratio: dict[str, list[float]] = {name: [] for name in ratios}
+        for pair in sorted({s["pair"] for s in sessions}):
+            medians, loads, p50s = {}, [], []
+            for session in (s for s in sessions if s["pair"] == pair):
+                loads.append(f"{session['ingress']} {session['start_utc']} load "
+                             f"{session['load_start']}->{session['load_end']}")
+                for system in ("dynvm", "plain", "floor"):
+                    rows = [r for r in session["runs"] if r["system"] == system
+                            and (r["model"], r["encoding"], r["clients"]) == key]
+                    if rows:
+                        rps = statistics.median(r["rps"] for r in rows)
+                        medians[(system, session["ingress"])] = rps
+                        p50s.append(f"{system} {session['ingress']} {rps:.1f} "
+                                    f"({statistics.median(r['p50_ms'] or 0 for r in rows):.1f})")
+            line = []
+            for name, (a, a_in, b, b_in) in ratios.items():
+                if medians.get((b, b_in)) and (a, a_in) in medians:
+                    by_ratio[name].append(medians[(a, a_in)] / medians[(b, b_in)])
+                    line.append(f"{name.split(':')[0]} {by_ratio[name][-1]:.2f}")
+            print(f"    pair {pair} ({'; '.join(loads)}): {', '.join(p50s)}")
+            print(f"      {'; '.join(line)}")
+        for name, values in by_ratio.items():
+            if values:
+                print(f"    {name}: {', '.join(f'{v:.2f}' for v in values)} (median "
+                      f"{statistics.median(values):.2f})")
 
 
 def main(argv=None) -> int:
@@ -319,8 +409,15 @@ def main(argv=None) -> int:
     parser.add_argument("--floor", action="store_true",
                         help="a third system over JSON: Serve alone (a fixed answer, "
                         "no parsing, no model) on dynvm's replica settings")
+    parser.add_argument("--ingress", choices=("proxy", "direct"), default="proxy",
+                        help="Serve's ingress for every system of this session")
+    parser.add_argument("--alternate-ingress", type=int, metavar="N",
+                        help="N pairs of sessions, proxy and direct alternating, each its "
+                        "own Ray (a subprocess running this script)")
     parser.add_argument("--json", help="write the runs here")
     args = parser.parse_args(argv)
+    if args.alternate_ingress:
+        return _alternate_ingress(args)
 
     import ray
     from ray import serve
@@ -331,14 +428,19 @@ def main(argv=None) -> int:
     from dynvm.cluster import serve_models
     from dynvm.cluster.grpc_v2 import grpc_options
     from dynvm.cluster.http_front import model_app_name
+    from dynvm.cluster.ingress import direct_addresses, ingress_environment
     from dynvm.cluster.proxy_guard import ProxyLimits
     from dynvm.jit.config import JitConfig
     from tests.cluster._redis_server import free_port
 
     limits = ProxyLimits()
-    os.environ.update({"RAY_USAGE_STATS_ENABLED": "0", **limits.environment()})
+    os.environ.update({"RAY_USAGE_STATS_ENABLED": "0", **limits.environment(),
+                       **ingress_environment(args.ingress)})
     port, grpc_port = free_port(), free_port()
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    direct = args.ingress == "direct"
+    encodings = [e for e in args.encodings.split(",") if not (direct and e == "grpc")]
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores, "
+          f"ingress {args.ingress}", flush=True)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              configure_logging=False, namespace="serve-compare")
     runs = []
@@ -360,7 +462,7 @@ def main(argv=None) -> int:
         jit = (False if args.no_jit else
                JitConfig(min_recurrence=2, max_recurrence=4, horizon_calls=10**7)
                if args.force_promote else JitConfig())
-        serve_models(paths, device="cpu", num_cpus=1.0, jit=jit)
+        serve_models(paths, device="cpu", num_cpus=1.0, jit=jit, ingress=args.ingress)
         print(f"dynvm deployed in {time.perf_counter() - started:.1f} s", flush=True)
         plain = _plain_deployment()
         started = time.perf_counter()
@@ -373,18 +475,26 @@ def main(argv=None) -> int:
         print(f"plain deployed in {time.perf_counter() - started:.1f} s", flush=True)
         if args.floor:
             serve.run(_floor_deployment().bind(), name="floor", route_prefix="/floor")
+        # Each application's replica port in direct ingress, else the proxy's for all.
+        apps = {name: {"dynvm": model_app_name(name), "plain": f"plain-{name}",
+                       **({"floor": "floor"} if args.floor else {})} for name in paths}
+        addresses = (direct_addresses({app for by in apps.values() for app in by.values()})
+                     if direct else {})
+        ports = {name: {system: addresses[app][0][1] if direct else port
+                        for system, app in by.items()} for name, by in apps.items()}
         print("model        enc     clients system  run  req/s    p50_ms   p99_ms  fails  "
               "CPU ms/req: replica proxy client host", flush=True)
         for name in paths:
             demo, names = demos[name]
             routes = {"dynvm": f"/v2/models/{name}/infer",
                       "plain": f"{PLAIN_PREFIX}/v2/models/{name}/infer"}
-            answer = _check_same_answer(port, routes, _bodies(demo, name, names, False, 1)[0])
+            answer = _check_same_answer(ports[name], routes,
+                                        _bodies(demo, name, names, False, 1)[0])
             pids = _serve_pids({"dynvm": model_app_name(name), "plain": f"plain-{name}",
                                 "floor": "floor"})
             pids["client"] = os.getpid()
             print(f"pids: {pids}", flush=True)  # for a profiler attached from outside
-            for encoding in args.encodings.split(","):
+            for encoding in encodings:
                 if encoding == "grpc":  # dynvm only (the plain deployment has no gRPC)
                     requests = _grpc_load.grpc_requests(_tensor_sets(demo, name), names)
                     got = _grpc_load.answer(f"127.0.0.1:{grpc_port}", name,
@@ -402,8 +512,10 @@ def main(argv=None) -> int:
                     targets = ({**routes, "floor": "/floor"}
                                if args.floor and encoding == "json" else routes)
 
-                    def run(system, clients, seconds, bodies=bodies, targets=targets):
-                        return _closed_loop(port, targets[system], bodies, clients, seconds)
+                    def run(system, clients, seconds, bodies=bodies, targets=targets,
+                            by_system=ports[name]):
+                        return _closed_loop(by_system[system], targets[system], bodies,
+                                            clients, seconds)
                     systems = tuple(targets)
                 for system in systems:  # warm-up (JIT compiles) untimed
                     run(system, 8, args.warmup)
@@ -412,8 +524,8 @@ def main(argv=None) -> int:
                         for system in systems:
                             roles = {"replica": system, "proxy": "proxy",
                                      "client": "client"}
-                            counters = (_replica_counters(port, name) if system == "dynvm"
-                                        else None)
+                            counters = (_replica_counters(ports[name]["dynvm"], name)
+                                        if system == "dynvm" else None)
                             cpu = {role: _cpu_seconds(pids.get(key))
                                    for role, key in roles.items()}
                             host = _host_busy_seconds()
@@ -432,8 +544,9 @@ def main(argv=None) -> int:
                                 if answered else None)
                             if counters is not None:
                                 result["dynvm_replica"] = _batching_summary(
-                                    counters, _replica_counters(port, name))
-                            row = {"model": name, "encoding": encoding, "clients": clients,
+                                    counters, _replica_counters(ports[name]["dynvm"], name))
+                            row = {"ingress": args.ingress, "model": name,
+                                   "encoding": encoding, "clients": clients,
                                    "system": system, "repeat": repeat,
                                    "load": round(os.getloadavg()[0], 1), **result}
                             runs.append(row)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import threading
 
 import numpy as np
@@ -23,8 +22,7 @@ from dynvm.cluster.http_front import SERVER_APP, model_app_name  # noqa: E402
 from dynvm.cluster.ingress import direct_addresses, ingress_environment  # noqa: E402
 from dynvm.cluster.proxy_guard import ProxyLimits  # noqa: E402
 from dynvm.vm.errors import ConfigError  # noqa: E402
-from tests.cluster._cluster_helpers import saved_recommender  # noqa: E402
-from tests.cluster._redis_server import free_port  # noqa: E402
+from tests.cluster._cluster_helpers import local_serve, saved_recommender  # noqa: E402
 from tests.vm._programs import DATA_LOOP, DATA_LOOP_INPUTS, build  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -71,37 +69,20 @@ def direct(tmp_path_factory):
     spin = tmp / "spin.dvm"
     dynvm.save(build(DATA_LOOP, regs=8, inputs=DATA_LOOP_INPUTS, outputs=2, name="spin"),
                spin)
-    limits = ProxyLimits()
-    variables = {"RAY_USAGE_STATS_ENABLED": "0", **limits.environment(),
-                 **ingress_environment("direct")}
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)  # Serve's controller and replicas inherit them
-    proxy_port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, namespace="dynvm-test-direct")
-    try:
-        from dynvm.cluster import serve_models
-        from dynvm.cluster._deployment import start_serve
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in ingress_environment("direct").items():
+            patch.setenv(name, value)  # Serve's controller and replicas inherit them
+        with local_serve("dynvm-test-direct") as proxy_port:
+            from dynvm.cluster import serve_models
 
-        start_serve("127.0.0.1", proxy_port, limits)
-        config = ServingConfig(device="cpu", jit=False, num_cpus=0.25, ingress="direct")
-        spin_config = config.replace(batching=BatchingOptions(max_queued=1),
-                                     limits=ServingLimits(call_seconds=0.5, retry_after_s=2))
-        handles = serve_models({"recommender": str(path), "spin": str(spin)}, config,
-                               per_model={"spin": spin_config})
-        addresses = direct_addresses(handles)
-        ports = {app: found[0][1] for app, found in addresses.items()}
-        yield Direct(proxy_port, ports, demo, program)
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+            config = ServingConfig(device="cpu", jit=False, num_cpus=0.25, ingress="direct")
+            spin_config = config.replace(
+                batching=BatchingOptions(max_queued=1),
+                limits=ServingLimits(call_seconds=0.5, retry_after_s=2))
+            handles = serve_models({"recommender": str(path), "spin": str(spin)}, config,
+                                   per_model={"spin": spin_config})
+            ports = {app: found[0][1] for app, found in direct_addresses(handles).items()}
+            yield Direct(proxy_port, ports, demo, program)
 
 
 def test_each_application_has_its_own_replica_port(direct):
