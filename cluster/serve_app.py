@@ -11,6 +11,11 @@ kernel store comes from the environment (`StoreConfig.from_env`: DYNVM_STORE_SEC
 DYNVM_REDIS_URL, ...; dynvm._env reads them). Serve calls a builder inside the cluster,
 where Ray is up: the model builder also starts the compile service (or finds it: the
 actor is named and detached, one per cluster), so a config file is all a cluster needs.
+
+`ingress: direct` (Note [Direct ingress] in dynvm.cluster.ingress) needs the cluster
+started with `ingress_environment("direct")` on every node; Serve deploys a config
+file's applications after the builders return, so nothing here can check it: each
+application's replica port is then in Serve's target groups.
 """
 
 from __future__ import annotations

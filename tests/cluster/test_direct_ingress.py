@@ -72,7 +72,8 @@ def direct(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         for name, value in ingress_environment("direct").items():
             patch.setenv(name, value)  # Serve's controller and replicas inherit them
-        with local_serve("dynvm-test-direct") as proxy_port:
+        with local_serve("dynvm-test-direct",
+                         proxy_limits=ProxyLimits(keep_alive_timeout_s=1)) as proxy_port:
             from dynvm.cluster import serve_models
 
             config = ServingConfig(device="cpu", jit=False, num_cpus=0.25, ingress="direct")
@@ -181,6 +182,20 @@ def test_the_proxy_guard_runs_in_the_replica(direct):
     status, headers, raw = _request(port, "GET", "/elsewhere")
     assert status == 404 and headers["content-type"] == "application/json"
     assert "/elsewhere" in json.loads(raw)["error"]
+
+
+def test_the_replica_closes_an_idle_keep_alive_connection(direct):
+    """ProxyLimits.keep_alive_timeout_s (1 s here) bounds idle connections to the
+    replica's own server as it does the proxy's."""
+    port = direct.ports[SERVER_APP]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        assert _request(port, "GET", "/v2/health/live", conn=conn)[0] == 200
+        threading.Event().wait(2.0)
+        conn.sock.settimeout(0.5)  # an open connection would time out here instead
+        assert conn.sock.recv(1) == b""  # the server closed it
+    finally:
+        conn.close()
 
 
 def test_models_of_one_serve_must_name_the_same_ingress(tmp_path):
