@@ -240,6 +240,8 @@ def targets(result: dict) -> list[str]:
             x = one["x_eager"]
             out.append(f"- batch 1: JIT p50 at least 10% below eager's: {x:.3f}x eager "
                        f"({(1 - x) * 100:.1f}% below): {_verdict(x <= 0.9)}")
+    if result["workload"] in ("walk", "heldout-walk"):
+        out += _compile_peer_targets(result, jit, systems)
     if result["workload"] in ("jitter", "nlp"):
         bound = result["distinct_shapes"] / 10
         out.append(f"- JIT compiles {jit['compiles']} <= distinct shapes / 10 = {bound:.1f}: "
@@ -253,6 +255,25 @@ def targets(result: dict) -> list[str]:
                    f"seen >= {spread['min_calls_per_shape']} times{floor}): "
                    f"{_verdict(None if worst is None else worst <= 1.5)}")
     return out or ["- no target is set for this workload."]
+
+
+def _compile_peer_targets(result: dict, jit: dict, systems: dict) -> list[str]:
+    """The CPU backend issue's walk target: per batch size, the JIT at or under every
+    torch.compile variant that ran (x eager, each from its own pass)."""
+    peers = {k: v for k, v in systems.items() if k.startswith("compile-")}
+    out = []
+    for bucket in result["bucket_order"]:
+        mine = jit["per_bucket"].get(bucket, {}).get("x_eager")
+        theirs = {k: v.get("per_bucket", {}).get(bucket, {}).get("x_eager")
+                  for k, v in peers.items()}
+        theirs = {k: x for k, x in theirs.items() if x is not None}
+        if mine is None or not theirs:
+            continue
+        best = min(theirs, key=theirs.get)
+        out.append(f"- batch {bucket}: JIT {mine:.3f}x eager <= every torch.compile variant "
+                   f"(best: {systems[best]['label']} {theirs[best]:.3f}x): "
+                   f"{_verdict(mine <= theirs[best])}")
+    return out
 
 
 def _compile_targets(jit: dict, systems: dict) -> list[str]:

@@ -53,6 +53,7 @@ SIZES = {
     "gnn": (Size(1200, 300), Size(40, 10)),
     "loop": (Size(1200, 300), Size(40, 10)),
     "heldout": (Size(240, 40), Size(40, 10)),
+    "heldout-walk": (Size(500, 50), Size(40, 8)),
 }
 NAMES = list(SIZES)
 
@@ -106,6 +107,16 @@ def build(name: str, quick: bool, seed: int, calls: int | None = None) -> Worklo
                         transformer(), _transformer_inputs([(8, s) for s in seqs]),
                         ["seq " + _bin(s, edges) for s in seqs],
                         ["seq 1-16", "seq 17-32", "seq 33-64", "seq 65-128"], warmup)
+    if name == "heldout-walk":
+        # the held-out encoder on walk's schedule: the CPU backend issue's "walk on the
+        # held-out-style encoder layout", each batch size recurring as in walk
+        from bench.heldout import heldout_encoder
+
+        batches = random_walk(WALK_BATCHES, n, seed)
+        return Workload(name, "held-out 6-layer encoder (hand-written attention), seq "
+                        f"{SEQ}, batch on a random walk over {WALK_BATCHES}",
+                        heldout_encoder(), _transformer_inputs([(b, SEQ) for b in batches]),
+                        [str(b) for b in batches], [str(b) for b in WALK_BATCHES], warmup)
     if name == "heldout":
         # issue 14's held-out encoder (bench/heldout.py) on jitter's batch schedule
         from bench.heldout import heldout_encoder

@@ -16,15 +16,16 @@ from pathlib import Path
 from dynvm._run_cmd import CliError
 
 # Kept in step with bench.workloads.NAMES and bench.systems.SYSTEMS (a test checks).
-WORKLOADS = ("walk", "jitter", "nlp", "gnn", "loop", "heldout")
+WORKLOADS = ("walk", "jitter", "nlp", "gnn", "loop", "heldout", "heldout-walk")
 SYSTEMS = ("eager", "torchscript", "compile-static", "compile-dynamic", "compile-auto",
            "compile-max-autotune", "dynvm-interp", "dynvm-interp-b", "dynvm-jit")
 
 DESCRIPTION = f"""\
 Run eager PyTorch, TorchScript (traced per shape), torch.compile (dynamic=False,
-dynamic=True, default, mode="max-autotune") and the dynvm interpreter and JIT side by side on dynamic-shape
-workloads; write results.json (machine and versions), report.md (tables, targets met or
-missed) and one latency-over-calls PNG per workload to bench/results/<time>/.
+dynamic=True, default, mode="max-autotune") and the dynvm interpreter and JIT side by
+side on dynamic-shape workloads; write results.json (machine and versions), report.md
+(tables, targets met or missed) and one latency-over-calls PNG per workload to
+bench/results/<time>/.
 
 workloads: {", ".join(WORKLOADS)}, or all (default: walk with --quick, all without)
 systems:   {", ".join(SYSTEMS)}

@@ -126,8 +126,17 @@ def test_walk_targets_read_met_and_missed(suite):
     lines = bench.report.targets(_result("walk", jit, others))
     verdicts = [line.rsplit(": ", 1)[1] for line in lines]
     # compile 2.0 <= 30/10 met; 2.0 <= 5/5 missed; spike 30 > 2x10 missed;
-    # batch 1 best met; batch 4 0.99 > 0.8 x 1.05 missed; batch 1 >= 10% below eager met.
-    assert verdicts == ["met", "NOT met", "NOT met", "met", "NOT met", "met"], lines
+    # batch 1 best met; batch 4 0.99 > 0.8 x 1.05 missed; batch 1 >= 10% below eager met;
+    # batch 4 against every torch.compile variant (static 0.8) missed (batch 1: none ran).
+    assert verdicts == ["met", "NOT met", "NOT met", "met", "NOT met", "met", "NOT met"], lines
+    # the held-out encoder's walk: only the torch.compile comparison per batch size
+    others["compile-dynamic"]["per_bucket"] = {"1": {"p50_ms": 3.2, "x_eager": 0.9}}
+    lines = bench.report.targets(_result("heldout-walk", jit, others))
+    assert [line for line in lines if line.startswith("- batch")] == [
+        "- batch 1: JIT 0.850x eager <= every torch.compile variant (best: "
+        "compile-dynamic 0.900x): met",
+        "- batch 4: JIT 0.990x eager <= every torch.compile variant (best: "
+        "compile-static 0.800x): NOT met"], lines
 
 
 def test_jitter_targets_read_met_and_missed(suite):
