@@ -41,7 +41,18 @@ and every replica; so it must be in the environment Ray's processes inherit, set
 
 The addresses come from the controller's target groups (`get_target_groups`, the call
 Serve's own test helpers use to find direct-ingress URLs); they are known only once the
-applications run. Measured: docs/BENCHMARKS.md, "Serve's direct ingress (issue 17)".
+applications run.
+
+Measured (issue 17, `bench/serve_compare.py --alternate-ingress 3`: three pairs of
+sessions, each its own Ray, proxy and direct alternating, load 0.2-3.0; JSON, 8
+clients, median req/s per session): the recommender 158-190 req/s through the proxy,
+1282-2113 direct (8.1-11.1x); the transformer 40-42 and 70-97 (1.7-2.3x). Plain Serve
+gains from the same switch too (4.7-6.4x and 1.1-1.6x), and dynvm is then 1.49-1.87x
+(recommender) and 2.29-2.30x (transformer) plain Serve's requests/s, where behind the
+proxy the two were within 0.86-1.07x on the recommender. So `dynvm serve` runs in
+direct ingress unless told otherwise; `ServingConfig.ingress` stays "proxy" by default,
+the mode of a cluster started without the variable. Figures: docs/BENCHMARKS.md,
+"Serve's direct ingress (issue 17)".
 """
 
 from __future__ import annotations
@@ -76,7 +87,10 @@ def ingress_environment(ingress: str) -> dict[str, str]:
 def http_addresses(app_names: Iterable[str]) -> dict[str, list[tuple[str, int]]]:
     """{application: [(host, port) of each of its running ingress replicas]} in direct
     ingress; an application Serve reaches only through its proxy (proxy ingress, or no
-    replica running yet) maps to []. Serve must be running, started by this process."""
+    replica running yet) maps to []. The host is the node's address; the server listens
+    on HTTPOptions.host (`dynvm serve`: loopback). A replica that starts later (a
+    restart, autoscaling) gets a port of its own: ask again. Serve must be running,
+    started by this process."""
     import ray
     from ray.serve._private.common import RequestProtocol
     from ray.serve.context import _get_global_client

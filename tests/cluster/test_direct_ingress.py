@@ -217,7 +217,7 @@ def test_dynvm_serve_ingress_flag_maps_to_the_serving_config(tmp_path):
     path.write_bytes(b"x")  # options_from_args only checks that the file exists
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
-    for flags, ingress in (((), "proxy"), (("--ingress", "direct"), "direct")):
+    for flags, ingress in (((), "direct"), (("--ingress", "proxy"), "proxy")):
         args = parser.parse_args(["serve", str(path), *flags])
         assert options_from_args(args).serving == ServingConfig(ingress=ingress)
     assert ingress_environment("proxy") == {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}

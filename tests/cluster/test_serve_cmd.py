@@ -180,8 +180,10 @@ def test_flags_map_to_one_serving_config(tmp_path):
 
     path = tmp_path / "m.dvm"
     path.write_bytes(b"x")  # options_from_args only checks that the file exists
-    # No flag: ServingConfig's own defaults, nothing restated by the CLI.
-    assert options_from_args(_serve_args(str(path))).serving == ServingConfig()
+    # No flag: ServingConfig's own defaults, nothing restated by the CLI but the ingress
+    # (the command starts its own Ray in direct ingress: Note [Direct ingress]).
+    assert options_from_args(_serve_args(str(path))).serving == ServingConfig(
+        ingress="direct")
     options = options_from_args(_serve_args(
         str(path), "--max-batch-size", "16", "--max-batch-delay-ms", "1.5",
         "--preferred-batch-sizes", "8,4,16", "--no-shape-aware-batching",
@@ -189,6 +191,7 @@ def test_flags_map_to_one_serving_config(tmp_path):
         "--no-online-compile", "--access-log"))
     assert options.serving == ServingConfig(
         device="cpu", num_replicas=3, jit=JitConfig(online_compile=False), access_log=True,
+        ingress="direct",
         batching=BatchingOptions(max_batch_size=16, max_delay_s=0.0015,
                                  preferred_sizes=(4, 8, 16), shape_aware=False,
                                  max_queued=32),
