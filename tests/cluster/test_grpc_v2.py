@@ -358,4 +358,5 @@ def test_dynvm_serve_grpc_port_flag(tmp_path):
     assert options_from_args(_serve_args(str(path))).grpc_port is None
     options = options_from_args(_serve_args(str(path), "--grpc-port", "9101"))
     assert options.grpc_port == 9101
-    assert "127.0.0.1:9101" in _hint(options) and "dynvm-model-rec" in _hint(options)
+    hint = _hint(options, {})   # proxy ingress: no replica addresses
+    assert "127.0.0.1:9101" in hint and "dynvm-model-rec" in hint
