@@ -7,8 +7,10 @@ Not a conftest on purpose (as tests/vm/_programs.py): import what you need.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -94,3 +96,34 @@ def serve_fleet(directory: Path, namespace: str, jit_config, **fleet_options):
             yield port, redis_server, options
     finally:
         redis_server.stop()
+
+
+# The spin program's runaway call (tests.vm._programs.DATA_LOOP: a loop that runs to the
+# call budget), as a v2 JSON body.
+SPIN_BODY = json.dumps({"inputs": [
+    {"name": "n", "datatype": "INT64", "shape": [], "data": [2**62]},
+    {"name": "x", "datatype": "FP32", "shape": [2], "data": [1.0, -1.0]}]}).encode()
+
+
+def assert_overloaded(post: Callable[[bytes], tuple[int, dict, bytes]],
+                      clients: int = 5) -> None:
+    """`clients` runaway calls, 50 ms apart, to a replica with max_queued=1 and a 0.5 s
+    call budget (Retry-After 2): two run to their budget (500), the rest are answered
+    503 + Retry-After at once. `post(body)` -> (status, headers, raw body)."""
+    replies: list = []
+
+    def runaway() -> None:
+        status, headers, raw = post(SPIN_BODY)
+        replies.append((status, {k.lower(): v for k, v in headers.items()}, json.loads(raw)))
+
+    threads = [threading.Thread(target=runaway) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+        threading.Event().wait(0.05)
+    for thread in threads:
+        thread.join(30)
+    assert sorted(r[0] for r in replies) == [500, 500] + [503] * (clients - 2), replies
+    for status, headers, doc in replies:
+        if status == 503:
+            assert headers["retry-after"] == "2"
+            assert "requests are waiting for the model" in doc["error"]

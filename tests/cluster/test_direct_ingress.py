@@ -22,7 +22,11 @@ from dynvm.cluster.http_front import SERVER_APP, model_app_name  # noqa: E402
 from dynvm.cluster.ingress import direct_addresses, ingress_environment  # noqa: E402
 from dynvm.cluster.proxy_guard import ProxyLimits  # noqa: E402
 from dynvm.vm.errors import ConfigError  # noqa: E402
-from tests.cluster._cluster_helpers import local_serve, saved_recommender  # noqa: E402
+from tests.cluster._cluster_helpers import (  # noqa: E402
+    assert_overloaded,
+    local_serve,
+    saved_recommender,
+)
 from tests.vm._programs import DATA_LOOP, DATA_LOOP_INPUTS, build  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -142,26 +146,7 @@ def test_past_its_queue_bound_the_replica_answers_503_with_retry_after(direct):
     """BatchingOptions.max_queued=1 with no proxy in front: one request runs (a loop to
     its 0.5 s budget), one waits, the rest are answered 503 + Retry-After at once."""
     port = direct.ports[model_app_name("spin")]
-    body = json.dumps({"inputs": [
-        {"name": "n", "datatype": "INT64", "shape": [], "data": [2**62]},
-        {"name": "x", "datatype": "FP32", "shape": [2], "data": [1.0, -1.0]}]}).encode()
-    replies: list = []
-
-    def runaway() -> None:
-        status, headers, raw = _request(port, "POST", "/v2/models/spin/infer", body)
-        replies.append((status, headers, json.loads(raw)))
-
-    threads = [threading.Thread(target=runaway) for _ in range(5)]
-    for thread in threads:
-        thread.start()
-        threading.Event().wait(0.05)
-    for thread in threads:
-        thread.join(30)
-    assert sorted(r[0] for r in replies) == [500, 500, 503, 503, 503], replies
-    for status, headers, doc in replies:
-        if status == 503:
-            assert headers["retry-after"] == "2"
-            assert "requests are waiting for the model" in doc["error"]
+    assert_overloaded(lambda body: _request(port, "POST", "/v2/models/spin/infer", body))
 
 
 def test_the_proxy_guard_runs_in_the_replica(direct):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.cluster._cluster_helpers import local_serve
+from tests.cluster._cluster_helpers import assert_overloaded, local_serve
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -256,27 +256,8 @@ def test_past_its_queue_bound_a_replica_answers_503_with_retry_after(server, tmp
                            limits=ServingLimits(call_seconds=0.5, retry_after_s=2))
     serve.run(model_application("spin", path, config), name="dynvm-model-spin",
               route_prefix="/v2/models/spin")
-    body = json.dumps({"inputs": [
-        {"name": "n", "datatype": "INT64", "shape": [], "data": [2**62]},
-        {"name": "x", "datatype": "FP32", "shape": [2], "data": [1.0, -1.0]}]}).encode()
-    replies: list = []
-
-    def runaway() -> None:
-        status, headers, raw = server.request("POST", "/v2/models/spin/infer", body)
-        replies.append((status, {k.lower(): v for k, v in headers.items()}, json.loads(raw)))
-
-    threads = [threading.Thread(target=runaway) for _ in range(5)]
     try:
-        for thread in threads:
-            thread.start()
-            threading.Event().wait(0.05)
-        for thread in threads:
-            thread.join(30)
-        assert sorted(r[0] for r in replies) == [500, 500, 503, 503, 503], replies
-        for status, headers, doc in replies:
-            if status == 503:
-                assert headers["retry-after"] == "2"
-                assert "requests are waiting for the model" in doc["error"]
+        assert_overloaded(lambda body: server.request("POST", "/v2/models/spin/infer", body))
         stats = server.get_json("/v2/models/spin/stats")[1]
         assert stats["rejected_busy"] == 3 and stats["batching"]["rejected_overload"] == 3
     finally:
