@@ -57,6 +57,14 @@ class ServerFront:
 
     @server_api.api_route("/models/{rest:path}", methods=["GET", "POST"])
     async def unknown_model(self, rest: str) -> Response:
-        name = v2.cut(repr(rest.split("/", 1)[0]))  # the client's: cut before echoing
+        asked = rest.split("/", 1)[0]
+        name = v2.cut(repr(asked))  # the client's: cut before echoing
+        if asked in self.model_names:
+            # Through the proxy a served model's routes reach its own application; here
+            # only when sent to this application's own port (Note [Direct ingress]).
+            return error_response(f"model {name} is served by its own application, not "
+                                  f"this one: send its requests to its replicas' "
+                                  f"addresses (direct ingress) or through Serve's proxy",
+                                  404)
         return error_response(f"unknown model {name}; served models: "
                               f"{', '.join(repr(n) for n in self.model_names) or 'none'}", 404)

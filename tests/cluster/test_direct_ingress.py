@@ -183,6 +183,19 @@ def test_the_replica_closes_an_idle_keep_alive_connection(direct):
         conn.close()
 
 
+def test_a_model_request_at_the_server_apps_port_says_where_to_send_it(direct):
+    """In direct ingress the server application's own port sees a served model's routes
+    too (through the proxy they reach the model's application): it answers 404 saying
+    so, not "unknown model"."""
+    status, _, raw = _request(direct.ports[SERVER_APP], "GET", "/v2/models/recommender")
+    assert status == 404
+    error = json.loads(raw)["error"]
+    assert "'recommender' is served by its own application" in error
+    assert "unknown" not in error
+    status, _, raw = _request(direct.ports[SERVER_APP], "GET", "/v2/models/nope")
+    assert status == 404 and "unknown model 'nope'" in json.loads(raw)["error"]
+
+
 def test_models_of_one_serve_must_name_the_same_ingress(tmp_path):
     from dynvm.cluster import serve_models
 
