@@ -128,14 +128,15 @@ def stream_input(step: int, inputs: int, systems: int) -> int:
     cycle of k inputs would give input i only the orders i, i+k, i+2k, ... (with 4
     inputs under 4 systems, one order in four), so that a shape-dependent effect of
     position became a bias of a system. With the shift, over `inputs` cycles of the
-    orders every input runs in every order once."""
+    orders every input takes every place of the cycle once (each cycle under its own
+    relabeling of the systems, Note [Call order])."""
     cycle = order_cycle(systems)
     return (step % cycle + step // cycle) % inputs
 
 
 def balanced_steps(inputs: int, systems: int, calls: int) -> int:
     """Steps of `stream_input` giving at least `calls` calls per system, rounded up to
-    whole periods, so that every input ran in every order equally often."""
+    whole periods, so that every input took every place of the cycle equally often."""
     period = inputs * order_cycle(systems)
     return -(-max(1, calls) // period) * period
 

@@ -13,8 +13,8 @@ equally often; with rotations alone the JIT always ran right after the interpret
 inputs it had just warmed, with rotations and their reverse the second interpreter
 never followed eager, which put the A/A at 0.93-0.94, and with the Williams rows taken
 in turn the system listed last began the next call after eager twice as often as the
-others), the shapes following so that each runs in every order equally often
-(bench._timing.stream_input), and each system's time is divided by eager's time of
+others), the shapes following so that each takes every place of the cycle equally
+often (bench._timing.stream_input), and each system's time is divided by eager's time of
 the same call. The figure is the median of these per-call ratios over at least
 STEADY_CALLS steady calls (whole periods of shapes and orders), after `warmup`
 rounds: with the ten rounds of before, a median over 40 calls, a model's A/A ranged
