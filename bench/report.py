@@ -243,6 +243,7 @@ def targets(result: dict) -> list[str]:
     if result["workload"] in ("walk", "heldout-walk"):
         out += _compile_peer_targets(result, jit, systems)
     if result["workload"] in ("jitter", "nlp"):
+        out += _best_peer_targets(jit, systems)
         bound = result["distinct_shapes"] / 10
         out.append(f"- JIT compiles {jit['compiles']} <= distinct shapes / 10 = {bound:.1f}: "
                    f"{_verdict(jit['compiles'] <= bound)}")
@@ -274,6 +275,35 @@ def _compile_peer_targets(result: dict, jit: dict, systems: dict) -> list[str]:
                    f"(best: {systems[best]['label']} {theirs[best]:.3f}x): "
                    f"{_verdict(mine <= theirs[best])}")
     return out
+
+
+def _best_peer_targets(jit: dict, systems: dict) -> list[str]:
+    """The CPU backend issue's jitter/nlp target: the JIT's steady p50 (x eager, paired)
+    at or under the best torch.compile variant's, with at most 1/10 of that variant's
+    compile seconds. Both of dynvm's figures are checked (Note [Counting compiles] in
+    bench/systems.py): the JIT's own compiles, which every serving process pays, and
+    the total with the one-time torch.export lowering, which a fleet pays once per
+    model version (replicas load the saved program) but which is the analogue of the
+    Dynamo trace inside torch.compile's figure."""
+    peers = {k: v for k, v in systems.items()
+             if k.startswith("compile-") and v.get("x_eager") is not None}
+    if not peers or jit.get("x_eager") is None:
+        return []
+    best = min(peers, key=lambda k: peers[k]["x_eager"])
+    theirs = peers[best]
+    label, seconds = theirs["label"], theirs["total_compile_seconds"]
+    mine = jit["x_eager"]
+    return [
+        f"- steady p50: JIT {mine:.3f}x eager <= the best torch.compile variant, {label} "
+        f"{theirs['x_eager']:.3f}x: {_verdict(mine <= theirs['x_eager'])}",
+        f"- JIT compile s {jit['compile_seconds']:.2f} <= 1/10 of {label}'s "
+        f"{seconds:.2f} (ratio {jit['compile_seconds'] / seconds:.3f}): "
+        f"{_verdict(jit['compile_seconds'] <= seconds / 10)}",
+        f"- the same with dynvm's one-time export/lowering ({jit['setup_seconds']:.2f} s): "
+        f"{jit['total_compile_seconds']:.2f} (ratio "
+        f"{jit['total_compile_seconds'] / seconds:.3f}): "
+        f"{_verdict(jit['total_compile_seconds'] <= seconds / 10)}",
+    ]
 
 
 def _compile_targets(jit: dict, systems: dict) -> list[str]:

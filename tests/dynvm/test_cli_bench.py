@@ -149,6 +149,30 @@ def test_jitter_targets_read_met_and_missed(suite):
     assert "eager in the same pass: 1.20" in lines[1]
 
 
+def test_jitter_against_the_best_torch_compile_variant(suite):
+    """Issue 15's jitter/nlp line: the best variant by steady p50, the JIT's compile
+    seconds against 1/10 of that variant's, with and without dynvm's export."""
+    import bench.report
+
+    jit = {"compiles": 3, "x_eager": 0.5, "compile_seconds": 0.4, "setup_seconds": 0.9,
+           "total_compile_seconds": 1.3}
+    others = {"eager": {},
+              "compile-dynamic": {"x_eager": 0.97, "total_compile_seconds": 10.0},
+              "compile-auto": {"x_eager": 0.95, "total_compile_seconds": 12.0},
+              "compile-static": {"x_eager": 0.4, "total_compile_seconds": 40.0,
+                                 "status": "failed"}}
+    lines = bench.report.targets(_result("jitter", jit, others))
+    peer = [line for line in lines if "torch.compile" in line or "1/10" in line
+            or "one-time" in line]
+    # compile-static failed: not a peer; the best of the rest is compile-auto (0.95)
+    assert peer == [
+        "- steady p50: JIT 0.500x eager <= the best torch.compile variant, compile-auto "
+        "0.950x: met",
+        "- JIT compile s 0.40 <= 1/10 of compile-auto's 12.00 (ratio 0.033): met",
+        "- the same with dynvm's one-time export/lowering (0.90 s): 1.30 (ratio 0.108): "
+        "NOT met"], lines
+
+
 def test_unknown_names_are_usage_errors(capsys):
     assert main(["bench", "walk", "--systems", "eager,nope"]) == 2
     assert "dynvm: error: unknown system 'nope'" in capsys.readouterr().err
