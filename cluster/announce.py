@@ -23,6 +23,17 @@ filter by target, FleetLink.wants). In a Redis Cluster one channel per program i
 what sharded pub/sub (SPUBLISH, Redis 7) distributes over the shards by slot; the
 program's tag in braces, as in its keys, keeps the channel on its program's slot (Note
 [Program hash tags] in dynvm.jit.artifact_keys).
+
+Note [Announcement bursts]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+Announcements come in bursts: the shapes of a new traffic pattern are sighted together,
+so their compiles finish and are published within a few hundred milliseconds of each
+other, and a replica that was busy (its core taken by requests, or by installing the
+previous one) finds several waiting on its subscription's socket. A `Subscription` with
+`on_batch` reads every message already waiting (up to MAX_BATCH) before handing them
+over, and FleetLink.on_announcements fetches their keys in one pipelined store read: one
+round trip and one reply to parse for the burst instead of one each. A replica that
+keeps up still gets each announcement alone, at once: nothing waits to fill a batch.
 """
 
 from __future__ import annotations
@@ -42,6 +53,9 @@ from dynvm.jit.artifact_keys import program_tag
 from dynvm.vm.errors import ConfigError
 
 CHANNEL_PREFIX = "dynvm:announce:"
+MAX_BATCH = 64
+"""Announcements read off the socket before they are handed over (Note [Announcement
+bursts])."""
 
 
 def channel_for(program_hash: str) -> str:
@@ -135,15 +149,20 @@ class Announcer:
 
 class Subscription:
     """A thread that hands every well-formed announcement for `program_hash` to
-    `on_message`; reconnects with exponential backoff (capped) when Redis goes away,
-    counting reconnects."""
+    `on_message`, or with `on_batch` the announcements waiting on its socket together
+    (Note [Announcement bursts]); reconnects with exponential backoff (capped) when Redis
+    goes away, counting reconnects."""
 
     def __init__(self, config: RedisConfig, program_hash: str,
-                 on_message: Callable[[Announcement], None],
-                 max_backoff_s: float = 2.0) -> None:
+                 on_message: Callable[[Announcement], None] | None = None,
+                 max_backoff_s: float = 2.0,
+                 on_batch: Callable[[list[Announcement]], None] | None = None) -> None:
+        if (on_message is None) == (on_batch is None):
+            raise ConfigError("a Subscription needs exactly one of on_message, on_batch")
         self._config = config
         self.channel = channel_for(program_hash)
         self._on_message = on_message
+        self._on_batch = on_batch
         self._max_backoff_s = max_backoff_s
         self._stop = threading.Event()
         self.connected = threading.Event()
@@ -169,13 +188,15 @@ class Subscription:
                 self.connected.set()
                 backoff = 0.05
                 while not self._stop.is_set():
-                    message = pubsub.get_message(timeout=0.5)
-                    if message is None or message.get("type") != "message":
+                    batch = self._read(pubsub)
+                    if not batch:
                         continue
-                    announcement = Announcement.decode(message.get("data"))
-                    if announcement is not None:
-                        self.received += 1
-                        self._deliver(announcement)
+                    self.received += len(batch)
+                    if self._on_batch is not None:
+                        self._deliver(self._on_batch, batch)
+                    else:
+                        for announcement in batch:
+                            self._deliver(self._on_message, announcement)
             except (redis.RedisError, OSError) as error:
                 if self.connected.is_set():
                     logger.warning("announcements lost their Redis connection (%s); "
@@ -192,8 +213,27 @@ class Subscription:
                     pass
         self.connected.clear()
 
-    def _deliver(self, announcement: Announcement) -> None:
+    def _read(self, pubsub) -> list[Announcement]:
+        """The well-formed announcements of the next message (waiting up to half a
+        second for one) and, with `on_batch`, of those already waiting behind it."""
+        batch: list[Announcement] = []
+        timeout = 0.5
+        while len(batch) < MAX_BATCH:
+            message = pubsub.get_message(timeout=timeout)
+            if message is None:
+                break
+            if message.get("type") == "message":
+                announcement = Announcement.decode(message.get("data"))
+                if announcement is not None:
+                    batch.append(announcement)
+            if self._on_batch is None and batch:
+                break
+            timeout = 0.0   # only what is already there: nothing waits to fill a batch
+        return batch
+
+    @staticmethod
+    def _deliver(callback, item) -> None:
         try:
-            self._on_message(announcement)
+            callback(item)
         except Exception:  # a failing install must not stop the subscription
-            logger.exception("installing announced artifact %s failed", announcement.key[:16])
+            logger.exception("installing announced artifacts failed")

@@ -207,7 +207,7 @@ class FleetLink:
             return self
         if self.options.store.redis is not None:
             self._subscription = Subscription(self.options.store.redis, self.program_hash,
-                                              self.on_announcement).start()
+                                              on_batch=self.on_announcements).start()
         self._thread.start()
         # An install builds meta tensors; one running while the interpreter finalizes
         # would abort the process (Note [Exit with a compile running] in dynvm.jit.queue).
@@ -345,25 +345,42 @@ class FleetLink:
 
     def on_announcement(self, announcement: Announcement) -> None:
         """Install what `announcement` names, if it is for this replica (rate-limited)."""
-        if not self.wants(announcement):
+        self.on_announcements([announcement])
+
+    def on_announcements(self, announcements: list[Announcement]) -> None:
+        """Install what `announcements` name for this replica (rate-limited, each key
+        counted once), fetched in one store read (Note [Announcement bursts] in
+        dynvm.cluster.announce)."""
+        keys: list[str] = []
+        traced: list[Announcement] = []
+        for announcement in announcements:
+            if not self.wants(announcement):
+                continue
+            self.counters["announcements"] += 1
+            if announcement.key in self._installed or announcement.key in keys:
+                continue
+            if not self._announce_rate.allow():
+                self.counters["announcements_dropped"] += 1
+                continue
+            keys.append(announcement.key)
+            traced.append(announcement)
+        if not keys:
             return
-        self.counters["announcements"] += 1
-        if announcement.key in self._installed:
+        if not self._tracing:
+            self._install(keys)
             return
-        if not self._announce_rate.allow():
-            self.counters["announcements_dropped"] += 1
-            return
+        for announcement in traced:   # each install in its compile's trace
+            self._install_traced(announcement)
+
+    def _install_traced(self, announcement: Announcement) -> None:
         token = None
-        if self._tracing and announcement.trace:
+        if announcement.trace:
             token = otel_context.attach(propagate.extract(announcement.trace))
         try:
-            if self._tracing:
-                with self.runtime.telemetry.tracer.start_as_current_span(
-                        "dynvm.fleet_install", attributes={
-                            "dynvm.cache_key": announcement.key,
-                            "dynvm.program": self.program.name}):
-                    self._install([announcement.key])
-            else:
+            with self.runtime.telemetry.tracer.start_as_current_span(
+                    "dynvm.fleet_install", attributes={
+                        "dynvm.cache_key": announcement.key,
+                        "dynvm.program": self.program.name}):
                 self._install([announcement.key])
         finally:
             if token is not None:

@@ -1,13 +1,18 @@
-"""One announce channel per program (Note [Announcement channels]) and the compile
-service's warm-up (Note [Warm compile service]). Real redis-server."""
+"""One announce channel per program (Note [Announcement channels]), a burst read off the
+socket together (Note [Announcement bursts]) and the compile service's warm-up (Note
+[Warm compile service]). Real redis-server."""
 
 from __future__ import annotations
 
+import threading
 import time
+
+import pytest
 
 from dynvm.cluster.announce import Announcement, Announcer, Subscription, channel_for
 from dynvm.cluster.service_warmup import Warmup
 from dynvm.jit.artifact_keys import program_tag, tagged_key
+from dynvm.vm.errors import ConfigError
 from tests.cluster._cluster_helpers import wait_until
 from tests.cluster._redis_server import redis_config
 
@@ -41,3 +46,44 @@ def test_the_warmup_runs_torch_meta_kernels_off_the_callers_thread():
     warmup = Warmup().start()
     assert warmup.wait(120)
     assert warmup.seconds is not None and warmup.seconds >= 0.0
+
+
+def test_announcements_waiting_on_the_socket_are_handed_over_together(redis_server):
+    """Note [Announcement bursts]: while the subscriber is busy with one announcement,
+    the ones published meanwhile wait on its socket and come as one batch; one that
+    arrives alone is handed over alone, at once."""
+    config = redis_config(redis_server)
+    batches: list[list[str]] = []
+    busy = threading.Event()
+    release = threading.Event()
+
+    def on_batch(announcements) -> None:
+        batches.append([a.key for a in announcements])
+        busy.set()
+        release.wait(10)
+
+    subscription = Subscription(config, PROGRAM_A, on_batch=on_batch).start()
+    announcer = Announcer(config)
+    keys = [tagged_key(f"{i}" * 64, PROGRAM_A) for i in range(6)]
+    try:
+        assert subscription.connected.wait(10)
+        assert announcer.publish(Announcement(PROGRAM_A, "cpu", keys[0]))
+        assert busy.wait(10)
+        for key in keys[1:]:
+            assert announcer.publish(Announcement(PROGRAM_A, "cpu", key))
+        time.sleep(0.3)   # the five reach the subscriber's socket while it is busy
+        release.set()
+        assert wait_until(lambda: sum(map(len, batches)) == 6, 10) is not None
+        assert batches == [keys[:1], keys[1:]]
+        assert subscription.received == 6
+    finally:
+        release.set()
+        subscription.close()
+        announcer.close()
+
+
+def test_a_subscription_takes_one_callback():
+    with pytest.raises(ConfigError):
+        Subscription(None, PROGRAM_A)
+    with pytest.raises(ConfigError):
+        Subscription(None, PROGRAM_A, print, on_batch=print)
