@@ -76,10 +76,15 @@ class Announcement:
     target: str
     key: str
     trace: dict | None = None   # W3C trace-context carrier of the compile, if traced
+    stamp: bytes | None = None  # the index write listing `key` (Note [Index stamps])
+    after: bytes | None = None  # the index write before it, when `stamp` only added `key`
 
     def encode(self) -> bytes:
-        return msgpack.packb({"program": self.program, "target": self.target,
-                              "key": self.key, "trace": self.trace}, use_bin_type=True)
+        message = {"program": self.program, "target": self.target, "key": self.key,
+                   "trace": self.trace}
+        if self.stamp is not None and self.after is not None:
+            message.update(stamp=self.stamp, after=self.after)
+        return msgpack.packb(message, use_bin_type=True)
 
     @classmethod
     def decode(cls, data: bytes) -> Announcement | None:
@@ -90,6 +95,7 @@ class Announcement:
             raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
             program, target, key = raw["program"], raw["target"], check_key(raw["key"])
             trace = raw.get("trace")
+            stamp, after = raw.get("stamp"), raw.get("after")
         except Exception:  # any malformed message is dropped, never raised into a replica
             return None
         if not isinstance(program, str) or not isinstance(target, str):
@@ -97,7 +103,13 @@ class Announcement:
         if trace is not None and not (isinstance(trace, dict) and all(
                 isinstance(k, str) and isinstance(v, str) for k, v in trace.items())):
             trace = None
-        return cls(program, target, key, trace)
+        if not (_is_stamp(stamp) and _is_stamp(after)):
+            stamp = after = None   # a hint only: anything else is as if there were none
+        return cls(program, target, key, trace, stamp, after)
+
+
+def _is_stamp(value: object) -> bool:
+    return isinstance(value, bytes) and 0 < len(value) <= 64
 
 
 class RateLimit:

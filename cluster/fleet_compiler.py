@@ -79,6 +79,10 @@ class _ProgramState:
     observations: int = 0
     rejected: int = 0
     last_report: float = field(default_factory=time.monotonic)   # registered or reported
+    # The stamp and keys of this service's last index write (Note [Index stamps]), None
+    # until one succeeded; index writes are made one at a time, under index_lock.
+    written: tuple[bytes, frozenset] | None = None
+    index_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class FleetCompiler:
@@ -278,20 +282,28 @@ class FleetCompiler:
             with self._lock:
                 self._unpublished.append((state, spec))
             return
-        with self._lock:
-            keys = state.index.setdefault(spec.ir.region_index, OrderedDict())
-            keys[spec.artifact.key] = None
-            while len(keys) > self.jit_config.max_specializations_per_region:
-                keys.popitem(last=False)
-            listed = [k for region_keys in state.index.values() for k in region_keys]
-        write_index(self.cache, program_hash, TARGET, listed)
+        key = spec.artifact.key
+        with state.index_lock:
+            with self._lock:
+                keys = state.index.setdefault(spec.ir.region_index, OrderedDict())
+                keys[key] = None
+                while len(keys) > self.jit_config.max_specializations_per_region:
+                    keys.popitem(last=False)
+                listed = [k for region_keys in state.index.values() for k in region_keys]
+            stamp = write_index(self.cache, program_hash, TARGET, listed)
+            # A link that held the last index holds this one once it has `key`, when
+            # this one adds nothing else (Note [Index stamps]).
+            previous, state.written = state.written, \
+                (stamp, frozenset(listed)) if stamp is not None else None
+        after = previous[0] if previous is not None and stamp is not None \
+            and previous[1].union((key,)).issuperset(listed) else None
         self.published += 1
         carrier: dict[str, str] = {}
         if span is not None:
             propagate.inject(carrier)  # the announcement carries this publish's context
         if self.announcer is not None:
-            sent = self.announcer.publish(Announcement(program_hash, TARGET,
-                                                       spec.artifact.key, carrier or None))
+            sent = self.announcer.publish(Announcement(
+                program_hash, TARGET, key, carrier or None, stamp, after))
             if span is not None:
                 span.set_attribute("dynvm.announced", sent)
         if self.gpu_targets:

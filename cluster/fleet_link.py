@@ -184,7 +184,8 @@ class FleetLink:
                          "dropped_observations": 0, "service_failures": 0, "backoffs": 0,
                          "registrations": 0, "installed": 0, "install_rejected": 0,
                          "announcements": 0, "announcements_dropped": 0,
-                         "warm_start_installs": 0, "index_reads_skipped": 0}
+                         "warm_start_installs": 0, "index_reads_skipped": 0,
+                         "index_stamps_followed": 0}
         rate = options.max_announced_fetches_per_s
         self._announce_rate = RateLimit(rate, burst=max(1, round(rate)))
         self.warm_start_seconds = 0.0
@@ -364,13 +365,24 @@ class FleetLink:
                 continue
             keys.append(announcement.key)
             traced.append(announcement)
-        if not keys:
-            return
-        if not self._tracing:
+        if keys and not self._tracing:
             self._install(keys)
-            return
-        for announcement in traced:   # each install in its compile's trace
-            self._install_traced(announcement)
+        elif keys:
+            for announcement in traced:   # each install in its compile's trace
+                self._install_traced(announcement)
+        self._follow_index_stamps(announcements)
+
+    def _follow_index_stamps(self, announcements: list[Announcement]) -> None:
+        """Take the stamp of each index write whose one new key is installed, when this
+        link holds the index written before it (Note [Index stamps]): its next poll
+        then reads the stamp alone, not the index it already holds."""
+        with self._install_lock:
+            for announcement in announcements:
+                if announcement.after is not None and announcement.stamp is not None \
+                        and announcement.after == self._index_stamp \
+                        and announcement.key in self._installed and self.wants(announcement):
+                    self._index_stamp = announcement.stamp
+                    self.counters["index_stamps_followed"] += 1
 
     def _install_traced(self, announcement: Announcement) -> None:
         token = None

@@ -25,6 +25,16 @@ substitutes for the index: a forged or stale stamp can delay a poll by at most
 MAX_STAMP_SKIPS intervals (announcements still arrive), and a missing one means every
 poll reads the index, as before. The stamp is written after the index, so a replica
 that read the new stamp reads at least that index.
+
+An announcement carries the stamp of the index write that listed its key and the stamp
+of the write before it (`after`), when the compile service wrote both and the new index
+lists nothing but the old one's keys and this key. A link whose stamp is `after`, once
+it has installed the key, holds everything the new index lists, and takes its stamp
+without reading it: otherwise every announcement cost every replica two store reads
+and MAC checks, the artifact and, at its next poll, the index that now lists it (in
+the fleet simulator at N = 1000, 12,750 installs and about as many index reads per
+run). The same bound holds: a forged announcement can make a link skip at most
+MAX_STAMP_SKIPS polls, and it must name a key the link fetched and verified.
 """
 
 from __future__ import annotations
@@ -57,19 +67,20 @@ def index_stamp_key(program_hash: str, target: str) -> str:
     return cache_key(program_hash, -1, "index-stamp", INDEX_BACKEND, target)
 
 
-def write_index(cache, program_hash: str, target: str, keys: Sequence[str]) -> bool:
+def write_index(cache, program_hash: str, target: str, keys: Sequence[str]) -> bytes | None:
     """Seal a program's index listing `keys` into `cache`'s store, then a new stamp
-    (Note [Index stamps]); False if either write failed (a stale stamp only delays polls)."""
+    (Note [Index stamps]); the stamp, or None if either write failed (a stale stamp
+    only delays polls)."""
     if not cache.publish(index_key(program_hash, target),
                          index_fields(program_hash, target, keys)):
-        return False
+        return None
+    stamp = secrets.token_hex(16).encode()
     try:
-        cache.store.put(index_stamp_key(program_hash, target),
-                        secrets.token_hex(16).encode())
+        cache.store.put(index_stamp_key(program_hash, target), stamp)
     except StoreUnavailable as error:
         logger.warning("index stamp not written (replicas poll the index later): %s", error)
-        return False
-    return True
+        return None
+    return stamp
 
 
 def read_index_stamp(store, program_hash: str, target: str) -> bytes | None:

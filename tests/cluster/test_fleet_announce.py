@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import msgpack
 import pytest
 
 from dynvm.cluster.announce import Announcement, Announcer, Subscription, channel_for
@@ -87,3 +88,14 @@ def test_a_subscription_takes_one_callback():
         Subscription(None, PROGRAM_A)
     with pytest.raises(ConfigError):
         Subscription(None, PROGRAM_A, print, on_batch=print)
+
+
+def test_index_stamps_travel_with_an_announcement_only_as_a_pair():
+    key = tagged_key("0" * 64, PROGRAM_A)
+    both = Announcement(PROGRAM_A, "cpu", key, None, b"s2", b"s1")
+    assert Announcement.decode(both.encode()) == both
+    alone = Announcement(PROGRAM_A, "cpu", key, None, b"s2", None)
+    assert Announcement.decode(alone.encode()) == Announcement(PROGRAM_A, "cpu", key)
+    junk = msgpack.packb({"program": PROGRAM_A, "target": "cpu", "key": key,
+                          "stamp": "text", "after": b"x" * 65}, use_bin_type=True)
+    assert Announcement.decode(junk) == Announcement(PROGRAM_A, "cpu", key)

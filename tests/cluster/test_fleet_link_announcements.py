@@ -1,5 +1,6 @@
 """A link installs a burst of announcements with one store read (Note [Announcement
-bursts] in dynvm.cluster.announce). Real redis-server, the real FleetCompiler."""
+bursts] in dynvm.cluster.announce) and follows the index stamps they carry (Note [Index
+stamps] in dynvm.cluster.fleet_records). Real redis-server, the real FleetCompiler."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import pytest
 
 import dynvm
 from dynvm.cluster import StoreConfig
-from dynvm.cluster.announce import Announcement
+from dynvm.cluster.announce import Announcement, Subscription
 from dynvm.cluster.compile_service import LocalServiceClient
 from dynvm.cluster.fleet_compiler import FleetCompiler
 from dynvm.cluster.fleet_link import FleetLink, FleetOptions
+from dynvm.cluster.fleet_records import index_key
 from dynvm.jit.config import JitConfig
-from tests.cluster._cluster_helpers import saved_recommender
+from tests.cluster._cluster_helpers import saved_recommender, wait_until
 from tests.cluster._redis_server import redis_config
 
 CONFIG = JitConfig(min_recurrence=2, max_recurrence=4, horizon_calls=10**7)
@@ -72,4 +74,61 @@ def test_a_burst_of_announcements_is_fetched_in_one_store_read(model, redis_serv
     finally:
         busy.close()
         late.close()
+        compiler.close()
+
+
+def test_a_link_follows_the_index_stamps_its_announcements_carry(model, redis_server,
+                                                                  secret):
+    """Note [Index stamps]: a link that holds the index and installs the one key an
+    index write added takes that write's stamp, so its next poll reads the stamp alone
+    (not the index it already holds); a link that does not hold the index before it
+    reads the index as before."""
+    demo, program, dvm_bytes = model
+    store = StoreConfig(secret=secret, redis=redis_config(redis_server))
+    compiler = FleetCompiler(store, CONFIG)
+    busy = _link(program, dvm_bytes, store, compiler)
+    late = _link(program, dvm_bytes, store, compiler)
+    behind = _link(program, dvm_bytes, store, compiler)   # never polls the first index
+    heard: list[Announcement] = []
+    subscription = Subscription(store.redis, program.content_hash, heard.append).start()
+
+    def drive(seeds) -> list[str]:
+        draws = [demo.sample_inputs(random.Random(i)) for i in seeds]
+        for _ in range(12):
+            for inputs in draws:
+                busy.runtime(*inputs)
+            busy.flush()
+        assert compiler.wait_idle()
+        return list(compiler.index(program.content_hash))
+
+    try:
+        assert subscription.connected.wait(10)
+        first = drive(range(2))
+        assert late.install_indexed() == len(first)   # holds the index and its stamp
+        second = drive(range(2, 40))
+        new = [k for k in second if k not in first]
+        assert new and second[:len(first)] == first
+        assert wait_until(lambda: len(heard) == len(second), 10) is not None
+        # The first write had none before it; each later one added its key alone.
+        assert heard[0].stamp is None and heard[0].after is None
+        assert all(a.stamp is not None and a.after is not None for a in heard[1:])
+        reads = []
+        get = late.cache.store.get
+        late.cache.store.get = lambda asked: reads.append(list(asked)) or get(asked)
+        late.on_announcements(heard)
+        assert late.stats()["installed"] == len(second)
+        assert late.stats()["index_stamps_followed"] == len(new)
+        assert reads == [new]
+        assert late.install_indexed() == 0 and late.stats()["index_reads_skipped"] == 1
+        assert len(reads) == 2 and reads[1] != [index_key(program.content_hash, "cpu")]
+        # Without the index before them, the same announcements install but leave the
+        # stamp alone: the next poll reads the index.
+        behind.on_announcements(heard[len(first):])
+        assert behind.stats()["index_stamps_followed"] == 0
+        assert behind.install_indexed() == len(first)
+        assert behind.stats()["index_reads_skipped"] == 0
+    finally:
+        subscription.close()
+        for link in (busy, late, behind):
+            link.close()
         compiler.close()
