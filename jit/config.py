@@ -98,6 +98,12 @@ class JitConfig:
     (Note [CPU fusion] in dynvm.jit.backends.cpu_fusion): "measured" where that measures
     faster on this device, "always" wherever it applies (debugging), "off" never."""
 
+    cpu_channels_last: str = "measured"
+    """CPU backend: chains of convolutions run channels-last, converted once into the
+    chain and back where a value leaves it (Note [Channels-last chains] in
+    dynvm.jit.backends.cpu_layout): "measured" where the region measures faster so on
+    this device, "always" wherever a chain has a convolution (debugging), "off" never."""
+
     compile_timeout_s: float = 120.0
     """A compile running longer is abandoned and counts as failed (Note [Compile
     deadline] in dynvm.jit.queue); its region backs off as after any failure."""
@@ -162,6 +168,9 @@ class JitConfig:
         if self.cpu_fusion not in ("measured", "always", "off"):
             raise ConfigError(f"JitConfig.cpu_fusion must be 'measured', 'always' or 'off', "
                              f"got {self.cpu_fusion!r}")
+        if self.cpu_channels_last not in ("measured", "always", "off"):
+            raise ConfigError(f"JitConfig.cpu_channels_last must be 'measured', 'always' or "
+                             f"'off', got {self.cpu_channels_last!r}")
         if not 0.0 <= self.probation_margin < 1.0:
             raise ConfigError(f"JitConfig.probation_margin must be in [0, 1), "
                              f"got {self.probation_margin}")

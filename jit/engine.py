@@ -145,6 +145,7 @@ class Jit(JitTracing):
         self.arena_pool = (ArenaPool(interpreter.device, self.config.arena_budget_bytes)
                            if self.config.arena_budget_bytes > 0 else None)
         self._cpu_options = CpuOptions(self.arena_pool, fusion=self.config.cpu_fusion,
+                                       channels_last=self.config.cpu_channels_last,
                                        arena_ops=self.config.arena_ops)
         # "cpu" or "triton" (JitConfig.backend resolved for this device); it enters
         # every cache key. Triton is imported only when it is chosen.

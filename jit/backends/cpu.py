@@ -14,6 +14,7 @@ process is ever compiled here.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -31,8 +32,15 @@ from dynvm.jit.backends.cpu_fusion import (
     fuse_gemm_epilogues,
     is_fused,
 )
+from dynvm.jit.backends.cpu_layout import (
+    LAYOUT_KERNELS,
+    choose_channels_last,
+    is_layout_op,
+    layout_comment,
+    plan_channels_last,
+)
 from dynvm.jit.backends.cpu_prepack import PrepackCache
-from dynvm.jit.calibration import Calibrator, calibrator_for
+from dynvm.jit.calibration import Calibrator, calibrator_for, size_class
 from dynvm.jit.inplace import INPLACE
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, Var
 from dynvm.jit.signature import GuardStrength
@@ -188,7 +196,12 @@ def plan_arena_layout(spec: SpecializedRegion, constants, device, options):
             ends = [planning] if smallest is planning else [planning, smallest]
             return all(pays_at(op, form, probe) for probe in ends)
 
-    return plan_layout(list(spec.ops), spec.abstract, operand_values, leaving, pays)
+    # A layout conversion returns its operand when it is already in the wanted layout
+    # (Note [Channels-last chains]): to the planner, which must see every value that may
+    # share a block's storage, it is a MOVE (an op that may return its operand).
+    ops = [dataclasses.replace(op, opcode="MOVE") if is_layout_op(op) else op
+           for op in spec.ops]
+    return plan_layout(ops, spec.abstract, operand_values, leaving, pays)
 
 
 def _emit_body(emitter, spec, program, constants, device,
@@ -196,6 +209,13 @@ def _emit_body(emitter, spec, program, constants, device,
     for reg in spec.live_in:
         emitter.line(f"v{reg} = regs[{reg}]")
     for position, op in enumerate(spec.ops):
+        if is_layout_op(op):  # Note [Channels-last chains]
+            fn = emitter.bind(op.opcode.lower(), LAYOUT_KERNELS[op.opcode])
+            emitter.line(f"# {layout_comment(op)}")
+            emitter.line(f"v{op.dsts[0]} = {fn}(v{op.args[0].reg})")
+            if op.frees:
+                emitter.line("del " + ", ".join(f"v{r}" for r in op.frees))
+            continue
         emitter.line(f"# {program.code[op.source_pc]}")
         for pc in epilogue_pcs(op) if op.variant else ():  # Note [CPU fusion]
             emitter.line(f"# {program.code[pc]}")
@@ -262,6 +282,11 @@ class CpuOptions:
     """This engine's packed weights (Note [Prepacked weights]); one per CpuOptions, and
     an engine makes one CpuOptions."""
 
+    channels_last: str = "measured"
+    """Convolution chains channels-last (Note [Channels-last chains] in cpu_layout):
+    "measured" where the region measures faster so on this device, "always" wherever a
+    chain has a convolution (tests, debugging), "off"."""
+
     arena_ops: str = "measured"
     """Which ops write into the arena: "measured" where their out= form measures faster
     on this device (Note [Arena by measurement]), "all" wherever one applies (tests of
@@ -270,7 +295,36 @@ class CpuOptions:
     what it installs, Note [Portable specializations]), so no key could name it."""
 
     def as_key(self) -> dict:
-        return {"arena": self.arena_pool is not None, "fusion": self.fusion}
+        return {"arena": self.arena_pool is not None, "fusion": self.fusion,
+                "channels_last": self.channels_last}
+
+
+def _load(spec: SpecializedRegion, program, constants, device, name: str, options):
+    source, bindings = emit_source(spec, program, constants, device, name, "", options)
+    namespace = dict(bindings)
+    exec(compile(source, f"<dynvm {name}>", "exec"), namespace)  # safe: see compile_kernel
+    return namespace[name]
+
+
+def _channels_last(spec: SpecializedRegion, program, constants, device, name: str,
+                   options: CpuOptions) -> tuple[SpecializedRegion, str]:
+    """Note [Channels-last chains]: `spec` rewritten channels-last where that is chosen,
+    and the note saying what was chosen ("" when the region has no chain)."""
+    plan = plan_channels_last(spec)
+    if plan is None:
+        return spec, ""
+    if options.channels_last == "always":
+        return plan.spec, f"channels-last: {plan.describe()} (not measured: forced on)"
+    calibrator = options.calibrator or calibrator_for(device)
+    planning = spec.abstract[0]
+    numel = sum(planning[reg].numel() for reg in spec.live_in
+                if isinstance(planning.get(reg), torch.Tensor))
+    key = (program.content_hash[:16], spec.region_index, size_class(numel),
+           torch.get_num_threads())
+    use, note = choose_channels_last(
+        spec, plan, lambda s: _load(s, program, constants, device, name, options),
+        calibrator, key, device)
+    return (plan.spec if use else spec), f"channels-last: {plan.describe()} {note}"
 
 
 def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.device,
@@ -290,7 +344,11 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
             fused = rewrite(spec, constants, device, prepacked=options.prepacked,
                             calibrator=calibrator, weak_guard=guard == GuardStrength.WEAK.value)
             spec, notes = fused.spec, notes + fused.notes
-        header += "".join(f"\n{note}" for note in notes)
+    if options.channels_last != "off" and guard != GuardStrength.WEAK.value \
+            and device.type == "cpu":
+        spec, note = _channels_last(spec, program, constants, device, name, options)
+        notes += (note,) if note else ()
+    header += "".join(f"\n{note}" for note in notes)
     arena = None
     # A weak guard admits other shapes of the same element count, whose intermediates
     # may outgrow blocks planned for this one (Note [Arena layout]): no arena for it.

@@ -31,10 +31,11 @@ Where oneDNN measures no faster, the batch norm is still folded, into torch's
 convolution (`_torch_folded`): the fold removes a whole pass over the result and adds
 nothing, so it is not a measured choice.
 
-Channels-last is left out: oneDNN and torch were both 1.5-2.3x faster on a
+Channels-last is not an op rewrite: oneDNN and torch were both 1.5-2.3x faster on a
 channels-last input, but that pays only when a whole chain of convolutions keeps the
-layout (a conversion at each op costs what it saves); that is a layout-propagation pass
-with the layout in the guard, not an op rewrite.
+layout (a conversion at each op costs what it saves). The pass that runs after this
+one (Note [Channels-last chains] in cpu_layout) turns the fused calls' NCHW forms,
+which convert their result back, into the channels-last ones inside such a chain.
 """
 
 from __future__ import annotations
