@@ -20,19 +20,28 @@ What is simulated:
 * threads are shared: the links are started with `threads=False`; a few tick threads
   call `tick()` on their slice of links, and one thread reads all of this process's
   subscriptions (a selector over their sockets), where a real replica has a link
-  thread and a subscription thread of its own.
+  thread and a subscription thread of its own. A delivery thread hands a link every
+  announcement read for it while it waited (SubscriberPool);
+* the heap is shared: once its replicas are started, a host moves everything it holds
+  then (its 500 Runtimes, programs, links, torch) out of the cyclic garbage collector's
+  reach (`gc.freeze()`). Without it each full collection walked 500 replicas' objects
+  with the GIL held, stopping all 500 (measured: a store read of 9 artifacts at once
+  spent 0.52 ms per artifact against 0.19-0.28 frozen, in a process holding one
+  Runtime; `gc_seconds` in the results says what collections still cost). A real
+  replica's collections walk its own heap, on its own core.
 """
 
 from __future__ import annotations
 
+import gc
 import pickle
+import queue
 import random
 import selectors
 import sys
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 
@@ -76,6 +85,11 @@ class Reference:
 
     def install(self, program: int, key: str, fields: dict) -> None:
         """Decode and install `key` once (raises PortableError for a bad record)."""
+        if key in self._done:
+            # Installed already: without taking the lock, which the first replica to
+            # install a key holds while the reference decodes it (100+ ms on a loaded
+            # host) and every other replica installing that key would queue behind.
+            return
         with self._lock:
             # Once per key: asking the JIT would miss a key its LRU evicted since, and
             # re-install it for every replica, holding this lock each time.
@@ -176,18 +190,28 @@ class SubscriberPool:
     was 0.04 ms per message), which is the simulator's queue, not the fleet's. Only an
     announcement for the link's own program is queued for them: with four programs,
     queueing all of them made a read message wait 6.2 s on average for a delivery
-    thread at N = 1000 (500 replicas per process), three in four only to be dropped."""
+    thread at N = 1000 (500 replicas per process), three in four only to be dropped.
+
+    A link waits in the delivery queue once, with every announcement read for it
+    meanwhile: a delivery thread hands them all to `on_announcements`, which fetches
+    them in one store read, as a replica's own subscription thread does with the
+    announcements waiting on its socket (Note [Announcement bursts] in
+    dynvm.cluster.announce). Queued one task per announcement, a link whose
+    announcements waited behind others' made one store round trip for each."""
 
     def __init__(self, redis_config, links: list[SimulatedLink], workers: int = 4) -> None:
         self._selector = selectors.DefaultSelector()
         self._pubsubs = []
         self.first_seen: dict[str, float] = {}
         self.received = 0
+        self.deliveries = 0                     # on_announcements calls (batches)
         self.cpu_seconds = 0.0
         self.last_read: dict[str, float] = {}   # when the last subscription read each key
         self.queued_seconds = 0.0               # read -> handed to its link, summed
         self._cpu_lock = threading.Lock()
-        self._delivery = ThreadPoolExecutor(workers, thread_name_prefix="sim-deliver")
+        self._pending: dict[int, list] = {}     # id(link) -> [(announcement, read at)]
+        self._pending_lock = threading.Lock()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()   # links with pending ones
         for link in links:
             client = redis_client(redis_config, "dynvm-sim-subscriber")
             pubsub = client.pubsub(ignore_subscribe_messages=True)
@@ -199,9 +223,13 @@ class SubscriberPool:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sim-subscribers",
                                         daemon=True)
+        self._workers = [threading.Thread(target=self._deliver, name=f"sim-deliver-{i}",
+                                          daemon=True) for i in range(workers)]
 
     def start(self) -> SubscriberPool:
         self._thread.start()
+        for worker in self._workers:
+            worker.start()
         return self
 
     def _run(self) -> None:
@@ -220,7 +248,7 @@ class SubscriberPool:
                     self.first_seen.setdefault(announcement.key, now)
                     self.last_read[announcement.key] = now
                     if link.wants(announcement):
-                        self._delivery.submit(self._deliver, link, announcement, now)
+                        self._queue(link, announcement, now)
                     else:
                         # Another program's: the link's subscription thread would drop
                         # it at on_announcement's first check, in microseconds; queued
@@ -228,15 +256,33 @@ class SubscriberPool:
                         link.on_announcement(announcement)
                 self._count_cpu(time.thread_time() - start)
 
-    def _deliver(self, link: SimulatedLink, announcement: Announcement,
-                 read_at: float) -> None:
-        self.queued_seconds += time.time() - read_at
-        start = time.thread_time()
-        try:
-            link.on_announcement(announcement)
-        except Exception:  # noqa: BLE001 - as Subscription._deliver
-            link.counters["install_rejected"] += 1
-        self._count_cpu(time.thread_time() - start)
+    def _queue(self, link: SimulatedLink, announcement: Announcement, now: float) -> None:
+        with self._pending_lock:
+            pending = self._pending.get(id(link))
+            if pending is not None:
+                pending.append((announcement, now))
+                return
+            self._pending[id(link)] = [(announcement, now)]
+        self._ready.put(link)
+
+    def _deliver(self) -> None:
+        while not self._stop.is_set():
+            try:
+                link = self._ready.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            with self._pending_lock:
+                pending = self._pending.pop(id(link))
+            now = time.time()
+            start = time.thread_time()
+            with self._cpu_lock:
+                self.queued_seconds += sum(now - read_at for _, read_at in pending)
+                self.deliveries += 1
+            try:
+                link.on_announcements([announcement for announcement, _ in pending])
+            except Exception:  # noqa: BLE001 - as Subscription._deliver
+                link.counters["install_rejected"] += 1
+            self._count_cpu(time.thread_time() - start)
 
     def _count_cpu(self, seconds: float) -> None:
         # The CPU of reading, decoding and installing: what each replica's own
@@ -247,7 +293,8 @@ class SubscriberPool:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        self._delivery.shutdown(wait=True, cancel_futures=True)
+        for worker in self._workers:
+            worker.join(timeout=10)
         for client, pubsub in self._pubsubs:
             pubsub.close()
             client.close()
@@ -263,7 +310,7 @@ class ReplicaHost:
 
     def __init__(self, host: int, dvm_files: list[bytes], programs_of_replicas: list[int],
                  options, jit_config, tick_threads: int = 4,
-                 delivery_threads: int = 4) -> None:
+                 delivery_threads: int = 4, freeze_heap: bool = True) -> None:
         import dynvm
         from dynvm.vm import dvm_file
 
@@ -288,6 +335,12 @@ class ReplicaHost:
         self._cpu_at_ready = _cpu_seconds()
         self.pool = SubscriberPool(options.store.redis, self.links,
                                    delivery_threads).start()
+        if freeze_heap:
+            gc.collect()
+            gc.freeze()   # see the module docstring: the replicas' heaps are shared here
+        self.gc_seconds = 0.0
+        self._gc_started = 0.0
+        gc.callbacks.append(self._time_gc)
         self._stop = threading.Event()
         self.first_sighting: dict[tuple, float] = {}
         self.requests = 0
@@ -301,6 +354,12 @@ class ReplicaHost:
 
     def ready(self) -> float:
         return self.start_seconds
+
+    def _time_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc_seconds += time.perf_counter() - self._gc_started
 
     def _tick(self, links: list[SimulatedLink]) -> None:
         interval = self.options.flush_interval_s
@@ -358,7 +417,7 @@ class ReplicaHost:
         for program, link in zip(self.program_of, self.links):
             stats = link.stats()
             for name in ("reports", "records", "reported", "dropped_observations",
-                         "installed_by_poll", "index_reads_skipped",
+                         "installed_by_poll", "index_reads_skipped", "index_stamps_followed",
                          "service_failures", "backoffs", "installed", "install_rejected",
                          "announcements", "announcements_dropped", "registrations"):
                 counters[name] += stats.get(name, 0)
@@ -378,12 +437,14 @@ class ReplicaHost:
                 "first_keys": {f"{p}:{b}x{s}": keys for (p, (b, s)), keys
                                in self.reference.first_keys.items()},
                 "announcements_received": self.pool.received,
+                "announcement_deliveries": self.pool.deliveries,
                 "announcement_cpu_s": self.pool.cpu_seconds,
                 "announcement_read_spread_s": max(
                     (self.pool.last_read[k] - t for k, t in self.pool.first_seen.items()),
                     default=0.0),
                 "announcement_queued_s": self.pool.queued_seconds
                 / max(1, self.pool.received),
+                "gc_seconds": self.gc_seconds,
                 "requests": self.requests, "specialized_requests": self.specialized,
                 "start_seconds": self.start_seconds, "host_cpu_s": cpu,
                 "host_rss_bytes": psutil.Process().memory_info().rss,

@@ -50,9 +50,9 @@ def _jit_config():
 
 def run_one(mode: str, n: int, dvm_files: list[bytes], seconds: float, rate: float,
             settle_s: float, per_host: int = REPLICAS_PER_HOST,
-            threads: tuple[int, int] = (4, 4)) -> dict:
+            threads: tuple[int, int] = (4, 4), freeze_heap: bool = True) -> dict:
     """One (mode, N) run; returns its figures. `threads`: tick and delivery threads
-    per host process."""
+    per host process; `freeze_heap`: see bench/_fleet_host.py."""
     import ray
 
     from bench import _fleet_timeline as timeline
@@ -83,7 +83,8 @@ def run_one(mode: str, n: int, dvm_files: list[bytes], seconds: float, rate: flo
         programs = [r % len(dvm_files) for r in range(n)]
         remote_host = ray.remote(ReplicaHost).options(num_cpus=0, max_concurrency=2)
         hosts = [remote_host.remote(h, dvm_files, programs[h::host_count], options,
-                                    _jit_config(), *threads) for h in range(host_count)]
+                                    _jit_config(), *threads, freeze_heap)
+                 for h in range(host_count)]
         try:
             start_seconds = ray.get([h.ready.remote() for h in hosts])
             # The clock starts with a warm fleet at every N (Note [Fleet stage clock]).
@@ -162,6 +163,8 @@ def summarize(mode, n, shards, window, seconds, results, service_stats, service_
         "announce_subscribers": redis_after["subscribers"],
         "publishes": publishes,
         "announcements_delivered": sum(h["announcements_received"] for h in results),
+        # on_announcements calls: a link's announcements read while it waited go together
+        "announcement_deliveries": sum(h.get("announcement_deliveries", 0) for h in results),
         # CPU one replica spends per announcement it hears (read, decode, and for its
         # program's: fetch + verify); in a fleet each replica spends it on its own core.
         "replica_cpu_ms_per_announcement": 1e3 * sum(h["announcement_cpu_s"] for h in results)
@@ -181,10 +184,13 @@ def summarize(mode, n, shards, window, seconds, results, service_stats, service_
         "announcement_queued_s": max(h["announcement_queued_s"] for h in results),
         "installed_by_poll": counters["installed_by_poll"],
         "index_reads_skipped": counters["index_reads_skipped"],
+        "index_stamps_followed": counters.get("index_stamps_followed", 0),
         "announcements_dropped": counters["announcements_dropped"],
         "install_rejected": counters["install_rejected"],
         "host_start_s": max(start_seconds),
         "simulator_cpu_fraction": sum(h["host_cpu_s"] for h in results) / window,
+        # The hosts' cyclic garbage collections, summed (bench/_fleet_host.py: frozen heap)
+        "host_gc_s": sum(h.get("gc_seconds", 0.0) for h in results),
         "reference_install_ms": max(h["reference_install_ms"] for h in results),
         "tick_sweep_p50_s": max(h["sweep_p50_s"] for h in results),
         "tick_sweep_max_s": max(h["sweep_max_s"] for h in results),
@@ -320,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delivery-threads", type=int, default=4,
                         help="threads per host process handing announcements to links")
     parser.add_argument("--json", default="bench/results/fleet_scale.json")
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="leave the hosts' start-up heap to the cyclic GC "
+                             "(bench/_fleet_host.py says why it is frozen)")
     parser.add_argument("--plot", default=None, help="e.g. docs/fleet_scale.png")
     parser.add_argument("--replot", nargs="+", metavar="JSON",
                         help="only draw --plot and print the table from these results")
@@ -347,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
                 load = os.getloadavg()[0]
                 row = run_one(mode, n, dvm_files, args.seconds, args.rate, args.settle,
                               args.replicas_per_host,
-                              (args.tick_threads, args.delivery_threads))
+                              (args.tick_threads, args.delivery_threads),
+                              not args.no_gc_freeze)
+                row["gc_freeze"] = not args.no_gc_freeze
                 row["replicas_per_host"] = args.replicas_per_host
                 row["tick_threads"] = args.tick_threads
                 row["delivery_threads"] = args.delivery_threads
