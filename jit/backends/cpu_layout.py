@@ -335,7 +335,11 @@ def choose_channels_last(spec: SpecializedRegion, plan: LayoutPlan, load, calibr
                     fn(list(base))
             return call
         return {"nchw": run(nchw), "channels_last": run(nhwc)}
-    choice = calibrator.choose("channels-last region", key, candidates)
+    try:
+        choice = calibrator.choose("channels-last region", key, candidates)
+    except Exception as exc:  # the region refused zero-filled inputs: keep what it was
+        return False, (f"-> NCHW kept (not measured: the region raised on the timing "
+                       f"inputs: {type(exc).__name__}: {str(exc)[:120]})")
     times = (f"NCHW vs channels-last: {choice.seconds['nchw'] * 1e3:.3f} vs "
              f"{choice.seconds['channels_last'] * 1e3:.3f} ms")
     if choice.name == "channels_last":

@@ -218,6 +218,26 @@ def test_measurement_keeps_nchw_where_channels_last_loses(chain):
     assert any("(measured, NCHW vs channels-last" in n for n in kernel.notes)
 
 
+class _RaisingCalibrator(ScriptedCalibrator):
+    """Runs the candidates, then fails as a region refusing its timing inputs would."""
+
+    def choose(self, op, size_class_key, candidates):
+        if op == "channels-last region":
+            raise RuntimeError("index out of range on zero-filled inputs")
+        return super().choose(op, size_class_key, candidates)
+
+
+def test_a_region_that_cannot_be_timed_keeps_nchw(chain):
+    model, program = chain
+    x = torch.randn(2, 3, 16, 16)
+    calibrator = _RaisingCalibrator(lambda op, key: {})
+    kernel, region = _kernel(program, x, channels_last="measured", calibrator=calibrator)
+    assert "to_channels_last" not in _code(kernel)
+    assert any("NCHW kept (not measured: the region raised" in n for n in kernel.notes)
+    with torch.no_grad():
+        torch.testing.assert_close(run_kernel(kernel, region, x), model(x), **TOL)
+
+
 def test_the_arena_leaves_channels_last_values_out_and_still_agrees(chain):
     model, program = chain
     x = torch.randn(3, 3, 16, 16)
