@@ -89,6 +89,7 @@ EXACT_NHWC = "EXACT_NHWC"
 
 
 def to_channels_last(x):
+    """`x` channels-last (itself when it already is: the in-place rule of the Note)."""
     return x.contiguous(memory_format=_CL)
 
 
