@@ -224,8 +224,14 @@ TENSOR_OPS: tuple[OpSpec, ...] = (
     tensor_op("CUMPROD", aten.cumprod.default, "cumulative product along a dim",
               impl=_cumprod),
     # -- views (no data movement) ----------------------------------------------------
-    tensor_op("VIEW", (aten.view.default, aten._unsafe_view.default), "view with a new shape",
-              impl=torch.Tensor.view),
+    # torch.export resolves `reshape` and `flatten` to
+    # `view` for the example's layout; a channels-last input (which eager's reshape
+    # copies) would then fail here. reshape is a view wherever view succeeds, else a
+    # copy with the same values; aliasing analysis still treats the result as a view,
+    # which only costs reuse it could have had.
+    tensor_op("VIEW", (aten.view.default, aten._unsafe_view.default),
+              "view with a new shape (a copy where the layout allows no view)",
+              impl=torch.Tensor.reshape),
     tensor_op("PERMUTE", aten.permute.default, "reorder dims", impl=torch.permute),
     tensor_op("TRANSPOSE", aten.transpose.int, "swap two dims", impl=torch.transpose),
     tensor_op("T", aten.t.default, "transpose a 2-D tensor", impl=torch.t),

@@ -6,6 +6,7 @@ interpreter and in the JIT with promotion forced (Notes [Zoo tolerance] and
 from __future__ import annotations
 
 import pytest
+import torch
 
 import dynvm
 from tests.zoo import _zoo_harness as harness
@@ -68,3 +69,30 @@ def test_jit_specializes_and_matches_eager(zoo_program, name):
             assert not harness.jit_failures(stats), f"{name} at {point}: " \
                 f"{harness.jit_failures(stats)}"
         assert stats["compiles"] >= 1
+
+
+IMAGE_MODELS = ("resnet", "mobilenet-v3", "vit")
+
+
+@pytest.mark.parametrize("name", IMAGE_MODELS)
+def test_image_models_take_channels_last_images(zoo_program, name):
+    """Images sent channels-last (a common pre-processing layout) get eager's answer, in
+    the interpreter and the JIT: the programs were exported from NCHW examples, so every
+    specialization met here is for another layout than the export's (the layout is in
+    the guard; Note [Channels-last chains]); tests/vm/test_view_layouts.py has the head
+    whose flatten has no view in that layout."""
+    compiled = zoo_program(name)
+    with dynvm.Runtime(compiled.program, jit=False) as interpreter, \
+            dynvm.Runtime(compiled.program, jit=harness.jit_config()) as jit:
+        for point, seed in _points(compiled.entry):
+            (image,) = compiled.built.make_inputs(point, seed)
+            image = image.contiguous(memory_format=torch.channels_last)
+            expected = harness.eager(compiled.built, (image,))
+            for runtime, what in ((interpreter, "interpreter"), (jit, "JIT")):
+                for call in ("first", "second"):
+                    harness.assert_matches(compiled.entry, runtime(image), expected,
+                                           f"{name} {what} {call} call, channels-last, "
+                                           f"at {point}")
+        stats = jit.stats()
+        assert stats["specialized_region_calls"] > 0, f"{name}: nothing ran specialized"
+        assert not harness.jit_failures(stats), f"{name}: {harness.jit_failures(stats)}"
