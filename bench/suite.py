@@ -45,6 +45,9 @@ def _choose(args) -> tuple[list[str], list[str]]:
 def run(args, prog: str = "python -m bench", log=None) -> int:
     """Run (or, with args.from_dir, re-report) the suite; returns the exit status."""
     log = log or (lambda m: print(m, flush=True))
+    if getattr(args, "jit_options", None):
+        raise BenchUsageError("--jit-option is for the zoo (dynvm bench zoo); the suite's "
+                              "JIT runs the default JitConfig its figures are published for")
     if args.from_dir:
         results = args.from_dir / "results.json"
         if not results.is_file():

@@ -157,7 +157,7 @@ def _settle(jit, inputs: list, season: int) -> tuple[int, bool]:
 
 
 def measure(entry, harness, warmup: int, calls: int, log, peers=(),
-            season: int = SEASON_CALLS) -> dict:
+            season: int = SEASON_CALLS, jit_config=None) -> dict:
     """One model's row (Note [Zoo timing]): at least `calls` steady calls, in whole
     cycles of the call orders."""
     import dynvm
@@ -171,7 +171,8 @@ def measure(entry, harness, warmup: int, calls: int, log, peers=(),
     # A second interpreter: the A/A that states the margin of "JIT <= interpreter" per
     # model (Note [Zoo timing]).
     interp_b = dynvm.Runtime(compiled.program, jit=False)
-    jit = dynvm.Runtime(compiled.program, jit=dynvm.JitConfig())
+    jit = dynvm.Runtime(compiled.program,
+                        jit=jit_config if jit_config is not None else dynvm.JitConfig())
     systems = {"eager": lambda *x: harness.eager(built, x), "interp": interp,
                "interp_b": interp_b, "jit": jit}
     compiled_peer = _torch_compile(built) if "torch.compile" in peers else None
@@ -300,6 +301,8 @@ def _command(prog: str, args) -> str:
                         ("--peer-models", getattr(args, "peer_models", None))):
         if value:
             words += [flag, str(value)]
+    for option in getattr(args, "jit_options", None) or ():
+        words += ["--jit-option", option]
     words += ["--quick"] * bool(args.quick) + ["--update-docs"] * bool(args.update_docs)
     return " ".join(map(shlex.quote, words))
 
@@ -319,7 +322,7 @@ def _names(text: str | None) -> list[str]:
 def run(args, prog: str = "dynvm bench zoo", log=None) -> int:
     """Measure the zoo (all of it, or args.models); returns the exit status: 1 when a
     model failed (its row says why), else 0."""
-    from bench import report, zoo_report
+    from bench import jit_options, report, zoo_report
 
     log = log or (lambda m: print(m, flush=True))
     zoo, harness = _registry()
@@ -340,6 +343,10 @@ def run(args, prog: str = "dynvm bench zoo", log=None) -> int:
     if stray := [m for m in peer_models if m not in {e.name for e in chosen}]:
         raise ZooUsageError(f"--peer-models names {stray[0]!r}, which this run does not "
                             "measure")
+    try:
+        config = jit_options.jit_config(getattr(args, "jit_options", None))
+    except jit_options.JitOptionError as exc:
+        raise ZooUsageError(str(exc)) from None
     # Steady calls per model: --quick gives one cycle of the call orders.
     warmup, calls, season = (2, 1, 0) if args.quick else (8, STEADY_CALLS, SEASON_CALLS)
     if args.calls:
@@ -353,7 +360,8 @@ def run(args, prog: str = "dynvm bench zoo", log=None) -> int:
     for entry in chosen:
         try:
             timed_peers = peers if not peer_models or entry.name in peer_models else ()
-            rows.append(measure(entry, harness, warmup, calls, log, timed_peers, season))
+            rows.append(measure(entry, harness, warmup, calls, log, timed_peers, season,
+                                config))
         except Exception as exc:  # a failing model is a row of the table, not the end
             log(traceback.format_exc())
             rows.append({"name": entry.name, "library": entry.library, "note": entry.note,

@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-models", metavar="A,B,...",
                         help="zoo only: time the peers on these models alone (default: "
                         "every model measured)")
+    parser.add_argument("--jit-option", dest="jit_options", action="append",
+                        metavar="KEY=VALUE",
+                        help="zoo only: a JitConfig field for the JIT's Runtime, e.g. "
+                        "cpu_channels_last=off (repeatable; default: JitConfig())")
     parser.add_argument("--from", dest="from_dir", type=Path, metavar="DIR",
                         help="no run: rebuild report.md and plots from DIR/results.json")
 

@@ -208,3 +208,38 @@ def test_jit_against_the_interpreter_with_its_a_a(suite):
     assert report.jit_over_interpreter(result)["wall"] == (pytest.approx(1.02), None, None)
     assert "1.020 (n/a, n/a): not measurable" in report.jit_interpreter_table(
         {"workloads": [result]})
+
+
+def test_jit_options_set_fields_by_their_default_type(suite):
+    """bench/jit_options.py: the zoo's JIT under another JitConfig, named on the command
+    line so that an on/off comparison is one command a reader can run again."""
+    from bench.jit_options import JitOptionError, jit_config
+
+    config = jit_config(["cpu_channels_last=off", "probation=false", "window=32",
+                         "expected-speedup=0.3"])
+    assert (config.cpu_channels_last, config.probation, config.window,
+            config.expected_speedup) == ("off", False, 32, 0.3)
+    assert jit_config(None) == jit_config([])
+    for bad, words in (("cpu_channels_last", "expected KEY=VALUE"),
+                       ("windows=3", "JitConfig has no such field"),
+                       ("window=3.5", "expected a int"),
+                       ("probation=maybe", "expected true or false"),
+                       ("cpu_channels_last=sideways", "cpu_channels_last")):
+        with pytest.raises(JitOptionError, match=words):
+            jit_config([bad])
+
+
+def test_jit_options_are_zoo_only_and_recorded_in_the_command(suite, capsys):
+    import argparse
+
+    import bench.zoo
+
+    assert main(["bench", "zoo", "--models", "gin", "--jit-option", "nope=1"]) == 2
+    assert "JitConfig has no such field" in capsys.readouterr().err
+    assert main(["bench", "gnn", "--quick", "--jit-option", "probation=off"]) == 2
+    assert "--jit-option is for the zoo" in capsys.readouterr().err
+    args = argparse.Namespace(models="resnet", calls=None, threads=None, peers=None,
+                              peer_models=None, quick=False, update_docs=False,
+                              jit_options=["cpu_channels_last=off"])
+    assert bench.zoo._command("dynvm bench zoo", args) == \
+        "dynvm bench zoo --models resnet --jit-option cpu_channels_last=off"
