@@ -293,15 +293,17 @@ def _best_peer_targets(jit: dict, systems: dict) -> list[str]:
     theirs = peers[best]
     label, seconds = theirs["label"], theirs["total_compile_seconds"]
     mine = jit["x_eager"]
+
+    def ratio(own: float) -> str:
+        return f"{own / seconds:.3f}" if seconds > 0 else "n/a"
     return [
         f"- steady p50: JIT {mine:.3f}x eager <= the best torch.compile variant, {label} "
         f"{theirs['x_eager']:.3f}x: {_verdict(mine <= theirs['x_eager'])}",
         f"- JIT compile s {jit['compile_seconds']:.2f} <= 1/10 of {label}'s "
-        f"{seconds:.2f} (ratio {jit['compile_seconds'] / seconds:.3f}): "
+        f"{seconds:.2f} (ratio {ratio(jit['compile_seconds'])}): "
         f"{_verdict(jit['compile_seconds'] <= seconds / 10)}",
         f"- the same with dynvm's one-time export/lowering ({jit['setup_seconds']:.2f} s): "
-        f"{jit['total_compile_seconds']:.2f} (ratio "
-        f"{jit['total_compile_seconds'] / seconds:.3f}): "
+        f"{jit['total_compile_seconds']:.2f} (ratio {ratio(jit['total_compile_seconds'])}): "
         f"{_verdict(jit['total_compile_seconds'] <= seconds / 10)}",
     ]
 
