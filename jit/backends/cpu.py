@@ -299,11 +299,17 @@ class CpuOptions:
                 "channels_last": self.channels_last}
 
 
-def _load(spec: SpecializedRegion, program, constants, device, name: str, options):
-    source, bindings = emit_source(spec, program, constants, device, name, "", options)
+def _define(source: str, bindings: dict, name: str):
+    """The kernel function `name` defined by `source` (emitted by emit_source)."""
     namespace = dict(bindings)
-    exec(compile(source, f"<dynvm {name}>", "exec"), namespace)  # safe: see compile_kernel
+    code = compile(source, f"<dynvm {name}>", "exec")
+    exec(code, namespace)  # safe: source generated from verified bytecode only
     return namespace[name]
+
+
+def _load(spec: SpecializedRegion, program, constants, device, name: str, options):
+    """`spec`'s kernel without an arena (the layout choice times it)."""
+    return _define(*emit_source(spec, program, constants, device, name, "", options), name)
 
 
 def _channels_last(spec: SpecializedRegion, program, constants, device, name: str,
@@ -361,7 +367,4 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
                        f"tensors (lower bound {layout.plan.lower_bound:,})")
     source, bindings = emit_source(spec, program, constants, device, name, header, options,
                                    arena)
-    namespace = dict(bindings)
-    code = compile(source, f"<dynvm {name}>", "exec")
-    exec(code, namespace)  # safe: source generated above from verified bytecode only
-    return CpuKernel(name, source, namespace[name], arena, notes)
+    return CpuKernel(name, source, _define(source, bindings, name), arena, notes)
