@@ -127,6 +127,13 @@ _INPUTS = msgspec.json.Decoder(list[_Input])
 _OUTPUTS = msgspec.json.Decoder(list[_Output])
 _ANY = msgspec.json.Decoder()
 
+# Every way a decoder refuses bytes. msgspec.DecodeError covers its ValidationError; the
+# sites that word a ValidationError apart catch that first. msgspec checks a string's
+# UTF-8 only when it builds the string, not when it skips it into a `Raw` field: invalid
+# UTF-8 inside a field passes `decode_header` and surfaces here, at the field's own
+# decode.
+_MALFORMED = (msgspec.DecodeError, RecursionError, UnicodeDecodeError)
+
 
 def describe_raw(raw, limit: int = 60) -> str:
     """A short description of a JSON value the client sent (raw JSON: msgspec.Raw or
@@ -135,7 +142,7 @@ def describe_raw(raw, limit: int = 60) -> str:
     if len(data) <= 4 * limit:
         try:
             text = repr(_ANY.decode(data))
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, ValueError):
+        except (*_MALFORMED, ValueError):
             text = data.decode("utf-8", "replace")
     else:
         text = data[:limit].decode("utf-8", "replace")
@@ -155,8 +162,10 @@ def is_null(raw: msgspec.Raw | None) -> bool:
 def _malformed(exc: Exception) -> str:
     if isinstance(exc, RecursionError):
         return "nested too deeply"
-    if isinstance(exc, UnicodeDecodeError):  # msgspec checks UTF-8 only when it decodes
+    if isinstance(exc, UnicodeDecodeError):
         return f"a string is not UTF-8 ({exc.reason} at byte {exc.start} of it)"
+    if "UTF-8" in str(exc):
+        return "a string is not valid UTF-8 (RFC 8259 JSON is UTF-8 text)"
     return str(exc)
 
 
@@ -170,7 +179,7 @@ def decode_header(raw: bytes | bytearray, what: str) -> _Header:
         return _HEADER.decode(raw)
     except msgspec.ValidationError:
         raise JsonError(f"{what} must be a JSON object, got {describe_raw(raw)}") from None
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+    except _MALFORMED as exc:
         raise JsonError(f"malformed JSON in {what}: {_malformed(exc)}") from None
 
 
@@ -183,8 +192,7 @@ def decode_typed_header(raw: bytes | bytearray) -> _TypedHeader | None:
         return None
     try:
         return _TYPED_HEADER.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError,
-            UnicodeDecodeError):
+    except _MALFORMED:
         return None
 
 
@@ -196,7 +204,7 @@ def _object_list(raw: msgspec.Raw, decoder, what: str) -> list:
         if found is None:  # the value itself is not a list
             raise JsonError(f"'{what}' must be a list, got {describe_raw(raw)}") from None
         raise JsonError(f"{what}[{found.group(1)}] must be an object ({exc})") from None
-    except (RecursionError, UnicodeDecodeError) as exc:
+    except _MALFORMED as exc:
         raise JsonError(f"'{what}': {_malformed(exc)}") from None
 
 
@@ -218,7 +226,7 @@ def field(raw: msgspec.Raw | None, what: str, default=None):
         raise JsonError(f"{what} is {len(raw)} bytes of JSON, the limit is {FIELD_BYTES}")
     try:
         return _ANY.decode(raw)
-    except (msgspec.ValidationError, RecursionError, UnicodeDecodeError) as exc:
+    except _MALFORMED as exc:
         raise JsonError(f"{what}: {_malformed(exc)}") from None
 
 
@@ -251,8 +259,7 @@ def decode_flat_data(raw: msgspec.Raw, numel: int, rank: int, where: str,
     _check_data_size(raw, numel, rank, where)
     try:
         return flat.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError,
-            UnicodeDecodeError):
+    except _MALFORMED:
         return None
 
 
@@ -263,5 +270,5 @@ def decode_data(raw: msgspec.Raw, numel: int, rank: int, where: str):
         return _ANY.decode(raw)
     except msgspec.ValidationError as exc:  # "Number out of range" (e.g. 1e400)
         raise JsonError(f"{where}: 'data': {exc}") from None
-    except (RecursionError, UnicodeDecodeError) as exc:
+    except _MALFORMED as exc:
         raise JsonError(f"{where}: 'data': {_malformed(exc)}") from None

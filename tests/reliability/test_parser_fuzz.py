@@ -18,15 +18,15 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dynvm.cluster import v2_protocol as v2
 from dynvm.vm.program import DimSpec, InputSpec
+from tests._fuzz import fuzz_settings
 from tests.cluster import _mutations as mutations
 
-FUZZ = settings(max_examples=200, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+FUZZ = fuzz_settings(200)
 MAX_BODY = 4096
 
 BATCH = DimSpec("batch", 1, 8)
@@ -367,6 +367,85 @@ def test_binary_bool_bytes_other_than_0_or_1_are_refused():
         v2.parse_infer_request(bytes(bad), INPUTS, header_length=length)
     assert caught.value.message == ("input 'mask': datatype BOOL needs bytes 0 or 1, "
                                     "byte 4 of its binary data is 2")
+
+
+# Found by test_fuzz_encodings (draws 1, 2, 'overlong') and the HTTP fuzz (an input name
+# "\x80ense"): msgspec checks a string's UTF-8 only when it builds it, so a bad string
+# passed the header's decode (its fields are kept raw) and the field's own decode raised
+# msgspec.DecodeError, which nothing mapped: a 500. Every field, JSON and binary header.
+_STRINGS = {  # (bytes spliced into the JSON text, what the parser must say)
+    "invalid byte": (b"\x80ense", "utf-8"),
+    "overlong": (b"fu\xc0\xafzz", "utf-8"),
+    "encoded surrogate": (b"x\xed\xa0\x80", "utf-8"),  # CESU-8, not UTF-8
+    "lone surrogate escape": (b"x\\ud800", "malformed"),
+    "raw NUL": (b"x\x00", "malformed"),  # a control character inside a string
+    "escaped NUL": (b"x\\u0000", "valid"),  # valid JSON: a NUL in the string
+}
+_PLACES = ["input name", "datatype", "parameter key", "parameter value", "data", "id",
+           "output name", "request parameter"]
+_SPLICE = "SPLICEDSTRING"
+
+
+def _with_string(doc: dict, place: str) -> dict:
+    """`doc` with _SPLICE as the string at `place`."""
+    entry = doc["inputs"][0]
+    if place == "input name":
+        entry["name"] = _SPLICE
+    elif place == "datatype":
+        entry["datatype"] = _SPLICE
+    elif place == "parameter key":
+        entry.setdefault("parameters", {})[_SPLICE] = 1
+    elif place == "parameter value":
+        entry.setdefault("parameters", {})["note"] = _SPLICE
+    elif place == "data":
+        entry["data"][0][0] = _SPLICE
+    elif place == "id":
+        doc["id"] = _SPLICE
+    elif place == "output name":
+        doc["outputs"] = [{"name": _SPLICE}]
+    else:
+        doc.setdefault("parameters", {})["note"] = _SPLICE
+    return doc
+
+
+_CASES = [(kind, place, label) for kind in ("json", "binary") for place in _PLACES
+          for label in _STRINGS
+          if not (kind == "binary" and place == "data")]  # binary data is raw bytes
+
+
+@pytest.mark.parametrize("kind,place,label", _CASES)
+def test_bad_strings_in_any_field_are_a_400(kind, place, label):
+    splice, verdict = _STRINGS[label]
+    if kind == "json":
+        head = json.dumps(_with_string(json_request(), place)).encode()
+        body, length = head.replace(_SPLICE.encode(), splice), None
+    else:
+        binary, length = binary_request()
+        header = _with_string(json.loads(binary[:int(length)]), place)
+        head = json.dumps(header).encode().replace(_SPLICE.encode(), splice)
+        body, length = head + binary[int(length):], str(len(head))
+    try:
+        v2.parse_infer_request(body, INPUTS, header_length=length,
+                               output_names=["output__0"])
+    except v2.ProtocolError as error:
+        assert error.status == 400, error.message
+        message = error.message
+    else:
+        message = None
+    if verdict == "utf-8":  # refused, naming the field
+        where = {"input name": "inputs[0].name", "datatype": "input 'x': 'datatype'",
+                 "parameter key": "input 'x': 'parameters'",
+                 "parameter value": "input 'x': 'parameters'", "data": "input 'x': 'data'",
+                 "id": "'id'", "output name": "outputs[0].name",
+                 "request parameter": "request: 'parameters'"}[place]
+        assert message == f"{where}: a string is not valid UTF-8 (RFC 8259 JSON is UTF-8 " \
+                          "text)", message
+    elif verdict == "malformed":
+        assert message is not None and message.startswith("malformed JSON in the "), message
+    elif place in ("input name", "datatype", "data", "output name"):  # a NUL is no match
+        assert message is not None and "'x\\x00'" in message, message
+    else:  # a NUL in an id or a parameter is a string like any other
+        assert message is None
 
 
 def test_a_huge_client_name_is_not_echoed_whole():
