@@ -39,6 +39,17 @@ Requests of at most INLINE_PARSE_BYTES are parsed on the event loop (21-32 us fo
 KiB of raw contents on the loaded 2-core host, less than a thread hop); larger ones on
 the replica's parse threads.
 
+Note [Malformed gRPC messages]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Serve's gRPC proxy parses each request message with the deserializer registered for its
+method before routing it. grpc's own handling of a deserializer that raises (bytes that
+are not the message, a truncated one, or a proto3 string field that is not UTF-8, which
+protobuf refuses as corrupt wire format) answers INTERNAL or UNKNOWN, which clients read
+as a server fault. So the handlers are registered here, from the protos' service
+descriptor, with a parser that returns a `MalformedMessage` (type and size, nothing the
+client sent) instead of raising; the replica's RPC answers it INVALID_ARGUMENT like any
+other client fault, counted as an error.
+
 Status codes: a client fault (ProtocolError, or a model error that the HTTP path answers
 with a 400, Note [Client or server fault]) is INVALID_ARGUMENT, an unknown model or
 version NOT_FOUND, a message past the body limit RESOURCE_EXHAUSTED, a full replica
@@ -52,6 +63,7 @@ request).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import json
@@ -60,6 +72,7 @@ import sys
 
 import grpc
 import msgspec
+from google.protobuf.message import DecodeError
 
 import dynvm
 from dynvm.cluster import v2_protocol as v2
@@ -71,6 +84,7 @@ from dynvm.vm.errors import DynvmError
 SERVICER_FUNCTION = "dynvm.cluster.grpc_v2.add_inference_servicer"
 PROTO_MODULE = "tritonclient.grpc.service_pb2"
 PROTO_MODULE_AS_BUILT = "grpc_service_pb2"  # Note [tritonclient's proto module name]
+SERVICE = "GRPCInferenceService"  # in the protos' package "inference"
 INLINE_PARSE_BYTES = 64 * 1024
 TRACE_KEYS = ("traceparent", "tracestate")
 
@@ -113,12 +127,57 @@ def grpc_options(port: int) -> dict:
     return {"port": int(port), "grpc_servicer_functions": [SERVICER_FUNCTION]}
 
 
+@dataclasses.dataclass(frozen=True)
+class MalformedMessage:
+    """What a request message that protobuf cannot parse arrives as: its type and size,
+    so the RPC answers INVALID_ARGUMENT (Note [Malformed gRPC messages])."""
+
+    type_name: str
+    """The message type it should have been, e.g. "ModelInferRequest"."""
+    size: int
+    """Its length in bytes."""
+
+    def error(self) -> v2.BadRequest:
+        """The client fault it stands for."""
+        return v2.BadRequest(f"the {self.type_name} message ({self.size} bytes) cannot be "
+                             "parsed: its wire format is corrupt or a string field is not "
+                             "valid UTF-8")
+
+
+def _tolerant_parser(message_class):
+    """`message_class.FromString` that returns a MalformedMessage instead of raising."""
+    def parse(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError:
+            return MalformedMessage(message_class.DESCRIPTOR.name, len(data))
+    return parse
+
+
+# grpc's handler constructor by (client streaming, server streaming).
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
 def add_inference_servicer(servicer, server) -> None:
     """Register GRPCInferenceService on Serve's gRPC server (Serve replaces every
-    handler with its own routing; `servicer` is its placeholder)."""
-    protos()
-    grpc_services = importlib.import_module("tritonclient.grpc.service_pb2_grpc")
-    grpc_services.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    handler's behaviour with its own routing; `servicer` is its placeholder), each
+    request parsed by a tolerant parser (Note [Malformed gRPC messages])."""
+    pb = protos()
+    service = pb.DESCRIPTOR.services_by_name[SERVICE]
+    handlers = {
+        method.name: _HANDLER_KINDS[method.client_streaming, method.server_streaming](
+            getattr(servicer, method.name),
+            request_deserializer=_tolerant_parser(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString)
+        for method in service.methods}
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 with contextlib.suppress(GrpcUnavailable):  # Note [tritonclient's proto module name]
@@ -319,7 +378,7 @@ class GrpcInferenceMixin:
         """Whether this model (and version, if given) is ready; NOT_FOUND for another."""
         pb = protos()
         try:
-            self._grpc_check_model(request.name, request.version)
+            self._grpc_check_model(request)
         except v2.ProtocolError as exc:
             return self._grpc_error(grpc_context, exc, pb.ModelReadyResponse())
         return pb.ModelReadyResponse(ready=bool(self.is_ready()))
@@ -327,7 +386,7 @@ class GrpcInferenceMixin:
     async def ModelMetadata(self, request, grpc_context=None):  # noqa: N802
         """The HTTP metadata document's content: inputs and outputs, -1 for dynamic."""
         try:
-            self._grpc_check_model(request.name, request.version)
+            self._grpc_check_model(request)
         except v2.ProtocolError as exc:
             return self._grpc_error(grpc_context, exc, protos().ModelMetadataResponse())
         return model_metadata_response(self.metadata())
@@ -348,7 +407,7 @@ class GrpcInferenceMixin:
     async def _grpc_infer(self, request, grpc_context):
         trace = _trace(grpc_context)
         try:
-            self._grpc_check_model(request.model_name, request.model_version)
+            self._grpc_check_model(request)
             if _request_bytes(request) <= INLINE_PARSE_BYTES:
                 parsed = self._grpc_parse(request)
             else:
@@ -366,7 +425,15 @@ class GrpcInferenceMixin:
                                    output_names=self.output_names,
                                    refuse_non_finite=self.limits.refuse_non_finite)
 
-    def _grpc_check_model(self, name: str, version: str) -> None:
+    def _grpc_check_model(self, request) -> None:
+        """Raises the ProtocolError of a request that is malformed (Note [Malformed gRPC
+        messages]) or names another model or version."""
+        if isinstance(request, MalformedMessage):
+            raise request.error()
+        if isinstance(request, protos().ModelInferRequest):
+            name, version = request.model_name, request.model_version
+        else:  # ModelReadyRequest, ModelMetadataRequest
+            name, version = request.name, request.version
         if name != self.model_name:
             raise v2.NotFound(f"this application serves model {self.model_name!r}, not "
                               f"{v2.cut(repr(name))} (route with the 'application' metadata "
