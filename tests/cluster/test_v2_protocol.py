@@ -7,12 +7,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dynvm.cluster import v2_json
 from dynvm.cluster import v2_protocol as v2
 from dynvm.vm.program import DimSpec, InputSpec
+from tests._fuzz import fuzz_settings
 
 BATCH = DimSpec("batch", 1, 16)
 INPUTS = (
@@ -265,8 +266,7 @@ def test_metadata_reports_dynamic_dims_as_minus_one():
 
 # --------------------------------------------------------------------------- fuzzing
 
-FUZZ = settings(max_examples=300, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+FUZZ = fuzz_settings(300)
 
 _json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
                           st.floats(allow_nan=True), st.text(max_size=8))

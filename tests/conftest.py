@@ -1,0 +1,56 @@
+"""What every test shares: the Hypothesis profiles (Note [Fuzz profiles] in
+tests/_fuzz.py), loaded before any test module builds its settings, the run's seed in the
+session header and a replay command under each failing property-based test."""
+
+from __future__ import annotations
+
+import secrets
+import shlex
+
+import pytest
+from hypothesis import settings
+
+from tests import _fuzz
+
+# Loaded here, at the first conftest's import, so that test modules' settings inherit
+# it; Hypothesis's own plugin loads a profile named on the command line after this.
+settings.load_profile(_fuzz.CI)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """Under the explore profile without a seed, pick one for the run, so that it can be
+    printed and a failure replayed (Hypothesis reads the option after this hook)."""
+    if (config.getoption("--hypothesis-profile") == _fuzz.EXPLORE
+            and config.getoption("--hypothesis-seed") is None):
+        config.option.hypothesis_seed = str(secrets.randbelow(2**32))
+
+
+def _replay_options(config) -> list[str]:
+    options = []
+    profile = config.getoption("--hypothesis-profile")
+    if profile:
+        options.append(f"--hypothesis-profile={profile}")
+    seed = config.getoption("--hypothesis-seed")
+    if seed is not None:
+        options.append(f"--hypothesis-seed={seed}")
+    return options
+
+
+def pytest_report_header(config):
+    """The profile and seed of this run's property-based tests."""
+    profile = config.getoption("--hypothesis-profile") or _fuzz.CI
+    seed = config.getoption("--hypothesis-seed")
+    return f"fuzz: hypothesis profile {profile!r}, " + (
+        f"seed {seed}" if seed is not None else "fixed examples (derandomized)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing property-based test prints the command that runs it again with the same
+    examples."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+        command = ["scripts/test", *_replay_options(item.config), item.nodeid]
+        report.sections.append(("replay", shlex.join(command)))
