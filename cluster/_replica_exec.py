@@ -32,6 +32,7 @@ from dynvm.cluster.batcher import OpportunisticBatcher
 from dynvm.cluster.serving_config import ServingConfig
 from dynvm.vm.budget import CallBudget
 from dynvm.vm.errors import CallBudgetError
+from dynvm.vm.isa import Flow
 
 logger = logging.getLogger("dynvm.cluster.replica")
 
@@ -48,6 +49,17 @@ class Outcome:
     outputs: list[torch.Tensor] | None = None
     error: BaseException | None = None
     response: tuple[bytes, dict[str, str]] | None = None   # encoded on the worker thread
+
+
+def time_follows_shapes(program) -> bool:
+    """Whether a call's work is decided by its input shapes: no loop, no branch and no
+    op whose output size depends on values (Note [Inline fast batches] in
+    dynvm.cluster.batcher: only such a program's fast calls may run on the loop)."""
+    return not any(instr.spec.flow in _CONTROL or instr.spec.data_dependent
+                   for instr in program.code)
+
+
+_CONTROL = (Flow.JUMP, Flow.BRANCH_IF_FALSE)
 
 
 def find_batch_dim(program) -> tuple[str, int] | None:
@@ -92,7 +104,8 @@ class ReplicaExecutor:
             self.outputs_meta = self._probe_outputs()
         self.batcher = OpportunisticBatcher(
             self._execute, config.batching,
-            high_rows=self.batch_dim[1] if self.batch_dim is not None else None)
+            high_rows=self.batch_dim[1] if self.batch_dim is not None else None,
+            inline=time_follows_shapes(program))
         # Bumped only on the worker thread (Note [Lean request path]).
         self.counters = {"vm_calls": 0, "batches": 0, "batched_vm_calls": 0,
                          "batched_requests": 0, "max_requests_per_vm_call": 0,
@@ -275,11 +288,12 @@ class ReplicaExecutor:
         tensors = request.tensors
         if self.batch_dim is not None and tensors:
             rows = tensors[0].shape[0]
-            key = tuple((t.dtype, tuple(t.shape[1:])) for t in tensors)
+            key = signature = tuple((t.dtype, tuple(t.shape[1:])) for t in tensors)
         else:
             rows, key = 1, None
+            signature = tuple((t.dtype, tuple(t.shape)) for t in tensors)
         return await self.batcher.submit((request, trace), rows, key,
-                                         sum(t.nbytes for t in tensors))
+                                         sum(t.nbytes for t in tensors), signature)
 
     def close(self) -> None:
         """Stop the worker thread once the batch it runs (if any) ends."""

@@ -44,15 +44,23 @@ Note [Inline fast batches]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 Handing a batch to the worker thread costs two thread hops and the GIL hand-offs
 between the loop and the worker, on a small model more than the model call itself
-(the recommender: ~0.3 ms a call). So a batch whose row count last ran in at most
+(the recommender: ~0.3 ms a call). So a batch whose signature last ran in at most
 `inline_run_s` (default 2 ms) runs on the event loop itself, as a plain Serve handler
-runs its model; a row count never seen, or one whose last run took longer (a cold
-shape, a big model, a loaded host), runs on the worker and is timed there, so the loop
-is never blocked longer than about that bound plus one slower-than-last call. After an
+runs its model; a signature never seen, or one whose last run took longer (a cold
+shape, a big model, a loaded host), runs on the worker and is timed there. After an
 inline batch the loop yields once, so that requests that arrived meanwhile are read
 before the next batch is formed. Measured (issue 17, one cluster, recommender, JSON,
 8 clients, 4 alternating 6 s runs, load 10-11): 228 req/s, 3.20 ms of replica CPU per
 request inline against 188 req/s and 3.73 ms on the worker thread.
+
+What bounds the loop's wait is that a call's time follows from what the batcher knows
+before it runs: the signature (the batch's row count and each input's other dims,
+`submit`'s `signature`), not the row count alone, and only for a program whose work
+the shapes decide (`inline=False` otherwise: the replica passes that for a program with
+a loop, a branch or an op whose output size depends on values, where a client's data
+could make one call of a fast signature run to its budget, 30 s, on the loop and stall
+every other request and /ready with it). The loop is then never blocked longer than
+about `inline_run_s` plus one slower-than-last call of a signature that ran fast.
 """
 
 from __future__ import annotations
@@ -68,6 +76,9 @@ from dataclasses import dataclass
 from dynvm.cluster.serving_config import BatchingOptions
 from dynvm.vm.errors import DynvmError
 
+RUN_TIMES = 4096
+"""Signatures whose last run time a batcher remembers (the least recently run go)."""
+
 
 class Overloaded(DynvmError):
     """Too many requests wait for the model already; the client should retry later
@@ -81,6 +92,7 @@ class _Pending:
     key: Hashable | None   # None: never batched with another request
     nbytes: int
     future: asyncio.Future
+    signature: Hashable    # with the batch's rows, what its call time follows from
 
 
 @dataclass(frozen=True)
@@ -136,9 +148,13 @@ class OpportunisticBatcher:
     event loop; `execute` and `record` run on its worker thread."""
 
     def __init__(self, execute: Callable[[list], list], options: BatchingOptions,
-                 high_rows: int | None = None, name: str = "dynvm-model") -> None:
+                 high_rows: int | None = None, name: str = "dynvm-model",
+                 inline: bool = True) -> None:
         self._execute = execute
         self.options = options
+        # False: no batch runs on the loop, whatever it measured (Note [Inline fast
+        # batches]).
+        self._inline = inline and options.inline_run_s > 0
         self.high_rows = high_rows
         self._queue: deque[_Pending] = deque()
         self._running = False
@@ -147,7 +163,8 @@ class OpportunisticBatcher:
         self._incoming = 0   # accepted by the replica, not yet submitted
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=name)
         self._hot: dict[int, bool] = {}
-        self._run_seconds: dict[int, float] = {}   # rows -> the last batch's wall time
+        # (rows, signature) -> the last batch's wall time; at most RUN_TIMES entries.
+        self._run_seconds: dict[tuple, float] = {}
         self._lock = threading.Lock()
         self.counters = {"batches": 0, "batched_requests": 0, "max_batch_requests": 0,
                          "held_batches": 0, "split_batches": 0, "rejected_overload": 0,
@@ -156,16 +173,20 @@ class OpportunisticBatcher:
 
     # ------------------------------------------------------------------ requests
 
-    async def submit(self, item, rows: int, key: Hashable | None, nbytes: int = 0):
+    async def submit(self, item, rows: int, key: Hashable | None, nbytes: int = 0,
+                     signature: Hashable = None):
         """`execute`'s result for `item`, once its batch has run; Overloaded when
-        `max_queued` requests are waiting already."""
+        `max_queued` requests are waiting already. `signature`: with the batch's row
+        count, what its call time follows from (the inputs' other dims; `key` when
+        None, Note [Inline fast batches])."""
         if len(self._queue) >= self.options.max_queued:
             self.counters["rejected_overload"] += 1
             raise Overloaded(f"{len(self._queue)} requests are waiting for the model, the "
                              f"limit is {self.options.max_queued}")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.append(_Pending(item, int(rows), key, int(nbytes), future))
+        self._queue.append(_Pending(item, int(rows), key, int(nbytes), future,
+                                    key if signature is None else signature))
         if self._arrived is not None:
             self._arrived.set()
         if not self._running:
@@ -174,24 +195,28 @@ class OpportunisticBatcher:
         return await future
 
     async def _run(self, batch: list[_Pending], loop) -> list:
-        """`execute`'s results for `batch`: on the loop itself when its row count last
+        """`execute`'s results for `batch`: on the loop itself when its signature last
         ran fast enough, else on the worker thread (Note [Inline fast batches])."""
         items = [p.item for p in batch]
-        rows = sum(p.rows for p in batch)
-        last = self._run_seconds.get(rows)
+        signature = (sum(p.rows for p in batch), batch[0].signature)
+        last = self._run_seconds.get(signature) if self._inline else None
         if last is not None and last <= self.options.inline_run_s:
-            results = self._timed(rows, items)
+            results = self._timed(signature, items)
             self.counters["inline_batches"] += 1
             await asyncio.sleep(0)   # the loop reads what arrived meanwhile
             return results
-        return await loop.run_in_executor(self._worker, self._timed, rows, items)
+        return await loop.run_in_executor(self._worker, self._timed, signature, items)
 
-    def _timed(self, rows: int, items: list) -> list:
+    def _timed(self, signature: tuple, items: list) -> list:
         start = time.perf_counter()
         try:
             return self._execute(items)
         finally:
-            self._run_seconds[rows] = time.perf_counter() - start
+            times = self._run_seconds
+            times.pop(signature, None)   # re-inserted last: the oldest go first
+            times[signature] = time.perf_counter() - start
+            if len(times) > RUN_TIMES:
+                del times[next(iter(times))]
 
     def arriving(self, change: int) -> None:
         """The replica accepted (+1) a request it will submit, or submitted or dropped

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from dynvm.cluster import batcher as batcher_module
 from dynvm.cluster.batcher import OpportunisticBatcher, Overloaded, plan_batch
 from dynvm.cluster.serving_config import BatchingOptions
 from dynvm.vm.errors import DynvmError
@@ -290,3 +291,46 @@ def test_fast_row_counts_run_on_the_loop_slow_and_new_ones_on_the_worker():
     assert all(name.startswith("worker") for _, name in threads)
     assert never.counters["inline_batches"] == 0
     never.close()
+
+
+def _where_batches_ran(batcher, sequence) -> list[str]:
+    """The thread each (item, rows, signature) of `sequence` ran on, in order."""
+    threads: list[str] = []
+    batcher._execute = lambda items: (threads.append(threading.current_thread().name)
+                                      or [("out", item) for item in items])
+
+    async def main():
+        for item, rows, signature in sequence:
+            await batcher.submit(item, rows=rows, key="k", signature=signature)
+
+    run(main())
+    return threads
+
+
+def test_a_signature_that_ran_fast_does_not_vouch_for_another_of_the_same_rows():
+    # Rows alone do not say how long a call takes: [2, 8] and [2, 512] inputs have the
+    # same row count (Note [Inline fast batches]).
+    batcher = OpportunisticBatcher(None, BatchingOptions(inline_run_s=0.05), name="worker")
+    loop_thread = threading.current_thread().name
+    where = _where_batches_ran(batcher, [("a", 2, (8,)), ("b", 2, (8,)), ("c", 2, (512,)),
+                                         ("d", 2, (512,))])
+    assert where[0].startswith("worker") and where[1] == loop_thread
+    assert where[2].startswith("worker") and where[3] == loop_thread
+    batcher.close()
+
+
+def test_a_program_whose_data_decides_its_time_never_runs_on_the_loop():
+    batcher = OpportunisticBatcher(None, BatchingOptions(inline_run_s=0.05), name="worker",
+                                   inline=False)
+    where = _where_batches_ran(batcher, [("a", 1, None)] * 4)
+    assert all(name.startswith("worker") for name in where), where
+    assert batcher.counters["inline_batches"] == 0
+    batcher.close()
+
+
+def test_run_times_are_bounded(monkeypatch):
+    monkeypatch.setattr(batcher_module, "RUN_TIMES", 3)
+    batcher = OpportunisticBatcher(None, BatchingOptions(inline_run_s=0.05), name="worker")
+    _where_batches_ran(batcher, [(i, 1, (i,)) for i in range(10)])
+    assert list(batcher._run_seconds) == [(1, (7,)), (1, (8,)), (1, (9,))]
+    batcher.close()

@@ -129,6 +129,40 @@ def test_a_runaway_request_stops_at_its_budget_and_the_server_serves_on(server):
           f"other model meanwhile: max {max(s for _, s in during):.3f} s")
 
 
+def test_a_slow_call_of_a_fast_signature_never_holds_the_event_loop(server):
+    # The spin program's time is its data's (a loop of n iterations), not its shapes':
+    # before the fix, calls of n=1 made its signature "fast", so the next call of the
+    # same shapes ran on the replica's event loop, however long (Note [Inline fast
+    # batches]); /ready and every other request to that replica waited for it.
+    for _ in range(5):
+        assert server.request("POST", SPIN, _spin_body(1))[0] == 200
+    answer: dict = {}
+
+    def runaway() -> None:
+        answer["reply"] = server.request("POST", SPIN, _spin_body(2**62))
+
+    thread = threading.Thread(target=runaway)
+    thread.start()
+    time.sleep(0.1)
+    ready, others = [], []
+    while thread.is_alive():
+        start = time.perf_counter()
+        status, _, _ = server.request("GET", "/v2/models/spin/ready")
+        ready.append((status, time.perf_counter() - start))
+        others.append(server.good())   # another model's request, meanwhile
+        time.sleep(0.02)
+    thread.join()
+    assert answer["reply"][0] == 500   # it ran to its 1 s budget
+    assert len(ready) >= 5 and all(status == 200 for status, _ in ready), ready
+    worst = max(seconds for _, seconds in ready)
+    print(f"\n/ready of the spinning model during its 1 s call: {len(ready)} polls, "
+          f"median {sorted(s for _, s in ready)[len(ready) // 2] * 1000:.1f} ms, max "
+          f"{worst * 1000:.1f} ms; another model meanwhile max "
+          f"{max(s for _, s in others) * 1000:.1f} ms")
+    assert worst < 0.4, ready   # the call holds the loop for ~1 s when it runs there
+    assert all(status == 200 for status, _ in others), others
+
+
 def _edited(server, index: int, **changes) -> bytes:
     doc = server.good_doc()
     doc["inputs"][index].update(changes)
