@@ -51,6 +51,7 @@ from dynvm.vm.errors import ConfigError
 
 logger = logging.getLogger("dynvm.cluster.proxy")
 PROXY_CALLBACK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"  # Ray Serve's variable
+GRPC_MAX_MESSAGE = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # Ray Serve's, read by its gRPC proxy
 CALLBACK_PATH = "dynvm.cluster.proxy_guard:proxy_middlewares"
 _JSON = b"application/json"
 
@@ -86,13 +87,17 @@ class ProxyLimits:
         return cls(**{k: v for k, v in overrides.items() if v is not None})
 
     def environment(self) -> dict[str, str]:
-        """The variables that make Serve's proxy run the guard with these limits: set
-        them in the environment of the process that starts Ray (its proxy inherits
-        them) before `ray.init`. Serve (2.60) takes proxy middlewares only from
-        RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH, not from `serve.start`."""
+        """The variables that make Serve's proxies apply these limits: set them in the
+        environment of the process that starts Ray (its proxies inherit them) before
+        `ray.init`. Serve (2.60) takes HTTP proxy middlewares only from
+        RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH, not from `serve.start`; its gRPC
+        server's message limit (both directions, Serve's one setting) only from
+        RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, which grpc checks against a message's length
+        prefix before it buffers the message: RESOURCE_EXHAUSTED, no handler run."""
         return {PROXY_CALLBACK: CALLBACK_PATH,
                 PROXY_MAX_BODY_BYTES: str(self.max_body_bytes),
-                PROXY_BODY_TIMEOUT_S: repr(float(self.body_timeout_s))}
+                PROXY_BODY_TIMEOUT_S: repr(float(self.body_timeout_s)),
+                GRPC_MAX_MESSAGE: str(self.max_body_bytes)}
 
     def http_options(self, host: str, port: int) -> dict:
         """`http_options` for `serve.start`: the address and keep-alive bound."""

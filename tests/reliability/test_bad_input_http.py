@@ -14,6 +14,7 @@ explore profile (Note [Fuzz profiles] in tests/_fuzz.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from hypothesis import HealthCheck, given
@@ -459,6 +461,48 @@ def test_grpc_strings_not_utf8_are_invalid_argument(server, model, bad):
     assert details == (f"the ModelInferRequest message ({len(damaged)} bytes) cannot be "
                        "parsed: its wire format is corrupt or a string field is not valid "
                        "UTF-8")
+
+
+def _serving_processes() -> dict[int, str]:
+    """pid -> title of this test's Serve proxy and replica processes: descendants of
+    this process (ray.init started the raylet that started them), titled by Ray after
+    their actor (ray::ProxyActor..., ray::ServeReplica:...)."""
+    found = {}
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            title = " ".join(proc.cmdline())
+            if title.startswith(("ray::ProxyActor", "ray::ServeReplica")):
+                found[proc.pid] = title[:60]
+    return found
+
+
+def _peak_resident_bytes(pid: int) -> int:
+    """The process's resident-memory high-water mark (VmHWM): it rises if the process
+    ever held a message, however briefly."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for pid {pid}")
+
+
+def test_grpc_message_past_the_limit_is_refused_before_any_process_holds_it(server):
+    # The proxy's limit (ProxyLimits' default, 64 MiB) is Serve's gRPC message limit
+    # too: grpc refuses by the length prefix, before buffering the message.
+    processes = _serving_processes()
+    assert any(t.startswith("ray::ProxyActor") for t in processes.values()), processes
+    assert any(t.startswith("ray::ServeReplica") for t in processes.values()), processes
+    message = infer_message(MODELS["transformer"], transformer_inputs(1, 3))
+    message.raw_input_contents[0] = bytes(80 * 2**20)
+    data = message.SerializeToString()
+    before = {pid: _peak_resident_bytes(pid) for pid in processes}
+    code, details = server.infer_grpc("transformer", data)
+    grown = {processes[pid]: _peak_resident_bytes(pid) - peak for pid, peak in before.items()}
+    del data, message
+    print(f"\n80 MiB gRPC request: {code.name} ({details}); peak resident growth, MiB: "
+          + ", ".join(f"{title.split()[0]} {g / 2**20:.1f}" for title, g in grown.items()))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    assert all(g < 16 * 2**20 for g in grown.values()), grown
 
 
 def test_server_still_healthy_after_everything(server):
