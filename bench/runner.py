@@ -1,6 +1,7 @@
 """Run the systems over one workload's input sequence and reduce the samples to figures.
 
 Note [Side by side]
+~~~~~~~~~~~~~~~~~~~
 Eager, TorchScript and both dynvm systems run interleaved, call by call on the same
 input, so machine noise hits them alike. torch.compile systems cannot share a process
 with each other unchanged (Dynamo keeps its code cache per code object, process-wide,

@@ -2,6 +2,7 @@
 `__call__(*inputs)` and compile accounting.
 
 Note [Counting compiles]
+~~~~~~~~~~~~~~~~~~~~~~~~
 Every system reports `setup_seconds` (work done before the first call: dynvm's
 torch.export lowering) and a list of `compile_events` (call index, seconds):
 - TorchScript: a call whose shape has not been traced yet traces it (torch.jit.trace);
@@ -21,6 +22,7 @@ torch.export lowering) and a list of `compile_events` (call index, seconds):
 Total compile seconds = setup_seconds + the compile seconds above.
 
 Note [Shared first use]
+~~~~~~~~~~~~~~~~~~~~~~~
 torch.export (dynvm's frontend) and torch.compile are both built on Dynamo, and the
 first use of either in a process imports it and what it needs (torch._dynamo,
 torch.export._trace, sympy: ~1,000 modules, 2.7 s by -X importtime here, 5.4 s of a

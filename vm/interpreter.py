@@ -62,6 +62,7 @@ class Interpreter:
         self._meter_slot = len(self._template) - 2
         self._loops = any(_is_back_edge(pc, instr) for pc, instr in enumerate(program.code))
         kills = _dead_after(program.code)
+        # Every instruction decoded once, here (Note [Pre-decoding]).
         self._steps = [self._decode(instr, kills[pc]) for pc, instr in enumerate(program.code)]
         self._slots: list[RegionSlot | None] = [None] * len(program.regions)
         self._plan: list[tuple[Callable[[list], int], int] | None] = [None] * len(program.code)
