@@ -37,6 +37,30 @@ from dynvm.vm.errors import ConfigError
 # replica CPU per request against 156 req/s and 3.93 ms with Serve's defaults.
 REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
+# Note [Replica drain]
+# ~~~~~~~~~~~~~~~~~~~~
+# A replica that Serve stops (scale-down, redeploy, `serve.shutdown`, hence `dynvm
+# serve` on SIGTERM) drains as Serve 2.60 drains any replica (serve/_private/
+# replica.py, `_perform_graceful_shutdown`, read and measured): it stops getting new
+# requests from the proxy and handles, its Serve health check says DRAINING, in direct
+# ingress its own port keeps answering for the draining period (ingress.DRAIN_S under
+# `dynvm serve`, Serve's 30 s default elsewhere: a load balancer's time to notice) and
+# then closes (a new connection is refused); its in-flight requests finish, then its
+# destructor runs. The whole drain is bounded by the deployment's
+# graceful_shutdown_timeout_s, ServingConfig.drain_s here (Serve raises it to the
+# draining period + 5 s for an ingress in direct ingress); past it the controller kills
+# the replica. Serve checks for in-flight requests every graceful_shutdown_wait_loop_s,
+# 2 s by default, first after sleeping that long: DRAIN_POLL_S makes an idle replica
+# stop in a fraction of a second instead. The deploy/ manifests give pods a grace
+# period above drain_s.
+DRAIN_POLL_S = 0.2
+
+
+def drain_options(config: ServingConfig) -> dict:
+    """A deployment's Serve options for its drain (Note [Replica drain])."""
+    return {"graceful_shutdown_timeout_s": config.drain_s,
+            "graceful_shutdown_wait_loop_s": min(DRAIN_POLL_S, config.drain_s)}
+
 
 def start_serve(host: str, port: int, proxy: ProxyLimits | None = None,
                 grpc_port: int | None = None) -> None:
@@ -69,7 +93,7 @@ def model_application(name: str, path, config: ServingConfig | None = None, **ch
         ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": num_gpus,
                            "runtime_env": {"env_vars": REPLICA_ENV}},
         logging_config={"enable_access_log": config.access_log},
-        **scaling,
+        **drain_options(config), **scaling,
     ).bind(name, str(path), config)
 
 
@@ -95,8 +119,8 @@ def serve_models(models: Mapping[str, str], config: ServingConfig | None = None,
     targets = [RunTarget(model_application(name, path, per_model.get(name, config)),
                          name=model_app_name(name), route_prefix=f"/v2/models/{name}")
                for name, path in models.items()]
-    targets.append(RunTarget(ServerFront.bind(list(models)), name=SERVER_APP,
-                             route_prefix="/v2"))
+    targets.append(RunTarget(ServerFront.options(**drain_options(config)).bind(list(models)),
+                             name=SERVER_APP, route_prefix="/v2"))
     # All applications deploy at once (in parallel); returns when all are running.
     handles = serve.run_many(targets)
     if ingress == "direct":  # the cluster must be in that mode (Note [Direct ingress])

@@ -10,10 +10,13 @@ a memory cap. Its configuration, password included, goes to redis-server on stdi
 
 from __future__ import annotations
 
+import ctypes
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -38,6 +41,25 @@ class LocalRedisOptions:
     """How long redis-server may take to answer PING before start() gives up."""
     password: str = field(default_factory=lambda: secrets.token_hex(24), repr=False)
     """requirepass; random per run by default, never shown by repr."""
+    die_with_parent: bool = True
+    """On Linux, the server gets SIGTERM when the thread that started it exits (its
+    parent-death signal, prctl(PR_SET_PDEATHSIG)), so even a SIGKILL of `dynvm serve`
+    leaves no redis-server behind (Note [Stopping dynvm serve] in dynvm._serve_cmd).
+    Start it from a thread that lives as long as the server should: the main thread,
+    not a pool's."""
+
+
+def _parent_death_signal():
+    """A preexec_fn that gives the child SIGTERM when its parent (thread) dies. prctl is
+    looked up here, in the parent: between fork and exec the child only calls it."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        if prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+    return preexec
 
 
 def free_port() -> int:
@@ -88,9 +110,11 @@ class LocalRedis:
         self.port = free_port()
         # Its log goes to a file: a pipe nobody reads would block the server once full.
         with open(self._log_path(), "wb") as log:
+            tie = self.options.die_with_parent and sys.platform.startswith("linux")
             self.process = subprocess.Popen(
                 [executable, "-"], stdin=subprocess.PIPE, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True)
+                stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_parent_death_signal() if tie else None)
         # start_new_session: Ctrl-C in the terminal reaches `dynvm serve` only, which then
         # stops this server itself, in order, after the replicas that use it.
         self.process.stdin.write(self._config_text().encode())
@@ -147,6 +171,12 @@ class LocalRedis:
         if self._workdir is not None:
             self._workdir.cleanup()
             self._workdir = None
+
+    def kill(self) -> None:
+        """SIGKILL now, without waiting (a forced stop, from any thread)."""
+        process = self.process
+        if process is not None and process.poll() is None:
+            process.kill()
 
     def __enter__(self) -> LocalRedis:
         return self.start()

@@ -161,6 +161,7 @@ class ReplicaServer(GrpcInferenceMixin):
         self.output_names = [m.name for m in self.outputs_meta] or None
         self.request_stats = ReplicaStats(self.model_name, self.runtime, self.executor,
                                      self.link)
+        self.draining = False  # Note [Replica drain] in dynvm.cluster._deployment
 
     def _signing_secret(self, fleet: FleetOptions | None) -> bytes | None:
         if not self.limits.require_signed_programs:
@@ -190,8 +191,16 @@ class ReplicaServer(GrpcInferenceMixin):
         return outcome.outputs
 
     def is_ready(self) -> bool:
-        """Serve's readiness probe: a replica exists only once loaded."""
-        return True
+        """Readiness (/v2/health/ready asks it): a replica exists only once loaded, and
+        is not ready once it drains."""
+        return not self.draining
+
+    def begin_drain(self) -> int:
+        """Stop taking requests: readiness turns false, a new infer request gets 503 +
+        Retry-After + Connection: close, those in flight finish. Returns how many are in
+        flight (Note [Replica drain] in dynvm.cluster._deployment)."""
+        self.draining = True
+        return self.request_stats.in_flight
 
     def metadata(self) -> dict:
         """The model's v2 metadata (inputs, outputs; dynamic dims -1)."""
@@ -227,7 +236,8 @@ class ReplicaServer(GrpcInferenceMixin):
         return json_response(self.metadata())
 
     async def _get_ready(self, request: Request, version: str | None) -> Response:
-        return json_response({"name": self.model_name, "ready": True})
+        return json_response({"name": self.model_name, "ready": not self.draining},
+                             status=503 if self.draining else 200)
 
     async def _get_stats(self, request: Request, version: str | None) -> Response:
         return json_response(await self._off_loop(self.stats))
@@ -236,6 +246,11 @@ class ReplicaServer(GrpcInferenceMixin):
         # Bounded concurrency: past the limit, a quick 503 the client may retry, instead
         # of one more body held in memory and one more request queued behind the others.
         stats = self.request_stats
+        if self.draining:
+            return error_response(
+                f"model {self.model_name!r} is shutting down on this replica; retry "
+                f"another (after {self.limits.retry_after_s} s)", 503,
+                {"Retry-After": str(self.limits.retry_after_s), "Connection": "close"})
         if stats.full(self.limits.max_concurrent_requests):
             return self._busy_response(
                 f"{stats.in_flight} requests in flight on this replica, the limit is "

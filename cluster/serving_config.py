@@ -135,6 +135,11 @@ class ServingConfig:
     """CPUs Ray reserves per replica."""
     num_gpus: float | None = None
     """GPUs per replica; None: 1 when the Ray cluster has GPUs, else 0."""
+    drain_s: float = 5.0
+    """How long a replica that Serve stops (`dynvm serve` on SIGTERM/SIGINT, a
+    scale-down, a redeploy) may take to finish its in-flight requests before it is
+    stopped anyway (Serve's graceful_shutdown_timeout_s; Note [Replica drain] in
+    dynvm.cluster._deployment). Set a pod's terminationGracePeriodSeconds above it."""
     access_log: bool = False
     """Serve's access log line per request in the replica's log (off: the replica's own
     counters and metrics count requests; Note [Replica on Serve's loop])."""
@@ -155,6 +160,10 @@ class ServingConfig:
         if type(self.num_replicas) is not int or self.num_replicas < 1:
             raise ConfigError(f"ServingConfig.num_replicas must be an integer >= 1, "
                              f"got {self.num_replicas!r}")
+        if not (isinstance(self.drain_s, int | float) and math.isfinite(self.drain_s)
+                and 0 < self.drain_s <= 600):
+            raise ConfigError(f"ServingConfig.drain_s must be between 0 and 600 s, "
+                             f"got {self.drain_s!r}")
         check_ingress(self.ingress)
         for name, kind in (("batching", BatchingOptions), ("limits", ServingLimits)):
             if not isinstance(getattr(self, name), kind):

@@ -1,11 +1,30 @@
 """`dynvm serve MODEL.dvm`: the one-command embedded default of DESIGN.md's cluster.
 
-It starts, in order, a local Ray (no dashboard), a private redis-server when the
-environment names no Redis (dynvm.cluster.local_redis), the compile service, Serve's
-HTTP proxy on loopback, and the model's replicas with their fleet links, each replica
-serving HTTP on a loopback port of its own too (Serve's direct ingress, unless
-`--ingress proxy`: Note [Direct ingress]); prints the URLs;
-waits for SIGINT or SIGTERM; then stops what it started, in reverse order, and exits 0.
+It starts, in order, a private redis-server when the environment names no Redis
+(dynvm.cluster.local_redis), a local Ray (no dashboard), the compile service, Serve's
+HTTP proxy on --host (127.0.0.1 by default), and the model's replicas with their fleet
+links, each replica serving HTTP on a port of its own too (Serve's direct ingress,
+unless `--ingress proxy`: Note [Direct ingress]); prints the URLs; waits for SIGINT or
+SIGTERM. With the default --host every socket of the run, Ray's included, listens on
+loopback only (Note [Loopback listeners] in dynvm.cluster._loopback).
+
+Note [Stopping dynvm serve]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+SIGINT and SIGTERM (Ctrl-C, `timeout`, `docker stop`, Kubernetes, systemd) start the
+same graceful stop (Note [Stop signals] in dynvm.cluster._stop_signals). First the
+model's replicas drain (Note [Drain before Serve stops] in dynvm.cluster._drain):
+/v2/health/ready turns 503 at once, a new request gets 503 + Retry-After, those in
+flight finish, within ServingConfig.drain_s (`--drain-seconds`). Then Serve shuts down
+(each replica as on scale-down, Note [Replica drain] in dynvm.cluster._deployment: its
+listener closes, a later connection is refused), then the compile service, Ray (its
+raylet, GCS and workers) and the private redis-server, in that order, and the command
+exits EXIT_STOPPED (0). A second signal, or a stop still running STOP_BUDGET_S
+after the drain, forces it: the redis-server is killed and the command exits at once,
+EXIT_FORCED_BY_SIGNAL + the signal's number (130 for SIGINT, 143 for SIGTERM) or
+EXIT_STOP_TIMEOUT; Ray's own processes share the command's fate (Ray starts its GCS
+and raylet with a parent-death signal; its workers and agents exit when the raylet is
+gone). Even a SIGKILL of the command leaves nothing behind: the redis-server has a
+parent-death signal of its own (LocalRedisOptions.die_with_parent).
 
 The kernel store's secret comes from DYNVM_STORE_SECRET when it is set (replicas of
 another `dynvm serve`, or `dynvm precompile`, can then share the store). Otherwise it is
@@ -18,9 +37,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import secrets
-import signal
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +55,15 @@ from dynvm._env import (
 from dynvm._run_cmd import CliError
 
 if TYPE_CHECKING:
+    from dynvm.cluster._stop_signals import StopSignals
+    from dynvm.cluster.local_redis import LocalRedis
     from dynvm.cluster.serving_config import ServingConfig
+
+# Exit statuses (Note [Stopping dynvm serve]).
+EXIT_STOPPED = 0
+EXIT_FORCED_BY_SIGNAL = 128
+EXIT_STOP_TIMEOUT = 124
+STOP_BUDGET_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -52,9 +78,13 @@ class ServeOptions:
     """How the model is served: the flags over ServingConfig's defaults (the fleet is
     added at start-up, once the store exists)."""
     port: int = 8000
-    """HTTP port on 127.0.0.1."""
+    """HTTP port of Serve's proxy on `host`."""
+    host: str = "127.0.0.1"
+    """Address every socket of the run listens on: loopback by default, Ray's own
+    sockets included (Note [Loopback listeners]); another address (0.0.0.0: every
+    interface) opens Serve's proxy and direct-ingress ports there, and Ray's."""
     grpc_port: int | None = None
-    """The v2 gRPC protocol's port (Serve binds it on every interface); None: no gRPC."""
+    """The v2 gRPC protocol's port, on `host`; None: no gRPC."""
     service_shards: int = 1
     """Compile service actors; a program goes to one of them by its hash (Note [Compile
     service shards])."""
@@ -81,9 +111,24 @@ def options_from_args(args) -> ServeOptions:
     except ValueError as exc:
         raise CliError(f"bad --name: {exc}", 2) from None
     return ServeOptions(model_path=str(path.resolve()), name=name, port=args.port,
-                        grpc_port=args.grpc_port, serving=_serving_from_args(args),
+                        host=_host_from_args(args), grpc_port=args.grpc_port,
+                        serving=_serving_from_args(args),
                         service_shards=_service_shards_from_args(args),
                         gpu_targets=_gpu_targets_from_args(args))
+
+
+def _host_from_args(args) -> str:
+    """--host, checked (an address this machine can bind)."""
+    import ipaddress
+
+    host = args.host.strip()
+    if host != "localhost":
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise CliError(f"--host takes an IP address (127.0.0.1, 0.0.0.0, an "
+                           f"interface's address), got {args.host[:60]!r}", 2) from None
+    return host
 
 
 def _service_shards_from_args(args) -> int:
@@ -152,6 +197,7 @@ def _serving_from_args(args) -> ServingConfig:
     try:
         return ServingConfig(**_given(
             device=args.device, num_replicas=args.replicas, num_cpus=args.num_cpus,
+            drain_s=args.drain_seconds,
             access_log=args.access_log or None, ingress=args.ingress,
             jit=None if args.online_compile else JitConfig(online_compile=False)),
             batching=batching, limits=limits, autoscaling=autoscaling)
@@ -159,9 +205,10 @@ def _serving_from_args(args) -> ServingConfig:
         raise CliError(str(exc), 2) from None
 
 
-def _store_config(stack: contextlib.ExitStack, say):
+def _store_config(stack: contextlib.ExitStack, say, private: list[LocalRedis]):
     """The store: the environment's Redis, else a private redis-server (stopped by
-    `stack`); the environment's secret, else a random one."""
+    `stack`, and listed in `private` for a forced stop); the environment's secret, else
+    a random one."""
     from dynvm.cluster.config import StoreConfig, StoreConfigError
     from dynvm.cluster.local_redis import LocalRedis, LocalRedisError
 
@@ -179,14 +226,25 @@ def _store_config(stack: contextlib.ExitStack, say):
         local = LocalRedis().start()
     except LocalRedisError as exc:
         raise CliError(str(exc), 1) from None
+    private.append(local)
     stack.callback(local.stop)
     say(f"store     private redis-server on 127.0.0.1:{local.port} (pid {local.pid})")
     return StoreConfig(secret=settings.secret.encode(), redis=local.config())
 
 
-def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> dict:
+def _start(options: ServeOptions, stack: contextlib.ExitStack, say, signals: StopSignals,
+           private: list[LocalRedis]) -> dict:
     """Start everything; returns {application: [(host, port)]} of each application's
     replicas in direct ingress (Note [Direct ingress]), else {}."""
+    from dynvm.cluster._loopback import (
+        is_loopback,
+        loopback_environment,
+        loopback_runtime_env,
+    )
+
+    loopback = is_loopback(options.host)
+    if loopback:  # before Ray is first imported: Note [Loopback listeners]
+        export(loopback_environment())
     import ray
     from ray import serve
 
@@ -201,14 +259,21 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> dict:
     from dynvm.cluster.ingress import direct_addresses, ingress_environment
     from dynvm.cluster.proxy_guard import ProxyLimits
 
-    store = _store_config(stack, say)
+    store = _store_config(stack, say, private)
     proxy = ProxyLimits()
     # Serve's proxy (or, in direct ingress, each replica's own HTTP server) takes
     # dynvm's guard only from its environment, and Serve its ingress mode: Ray's
     # processes inherit both from this one (Notes [Limits at the proxy], [Direct ingress]).
     export({**proxy.environment(), **ingress_environment(options.serving.ingress)})
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(include_dashboard=False, log_to_driver=False,
+             runtime_env=loopback_runtime_env() if loopback else None)
     stack.callback(ray.shutdown)
+    signals.install()  # Ray installed its own SIGTERM handlers (Note [Stop signals])
+    if loopback and not is_loopback(ray.util.get_node_ip_address()):
+        raise CliError(f"Ray took {ray.util.get_node_ip_address()} as this node's "
+                       f"address, not loopback: its sockets would listen on every "
+                       f"interface (Note [Loopback listeners]); give --host to serve on "
+                       f"another address on purpose", 1)
     say(f"ray       local, {int(ray.cluster_resources().get('CPU', 0))} CPUs")
     # The compile service's actor and Serve's controller and proxies start at once (each
     # is a new worker process: seconds on a small host); replicas need both.
@@ -219,7 +284,7 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> dict:
                               namespace=NAMESPACE, gpu_targets=options.gpu_targets,
                               shards=shards)
         stack.callback(serve.shutdown)
-        start_serve("127.0.0.1", options.port, proxy, grpc_port=options.grpc_port)
+        start_serve(options.host, options.port, proxy, grpc_port=options.grpc_port)
         service.result()
     say("compile   service started")
     handles = serve_models({options.name: options.model_path}, options.serving,
@@ -229,8 +294,14 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say) -> dict:
     return direct_addresses(handles) if options.serving.ingress == "direct" else {}
 
 
+def _url_host(options: ServeOptions) -> str:
+    """The host the printed URLs name: --host, or loopback for every interface."""
+    return "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
+
+
 def _hint(options: ServeOptions, direct: dict) -> str:
-    base = f"http://127.0.0.1:{options.port}"
+    host = _url_host(options)
+    base = f"http://{host}:{options.port}"
     model = f"{base}/v2/models/{options.name}"
     return f"""\
 {_direct_hint(options, direct)}serving   {options.name} at {model}
@@ -238,7 +309,7 @@ def _hint(options: ServeOptions, direct: dict) -> str:
   curl {model}                  # inputs, datatypes, shapes (-1: dynamic)
   curl -X POST {model}/infer -H 'Content-Type: application/json' -d '{{"inputs": [...]}}'
   curl {model}/stats            # runtime and fleet counters
-  python: tritonclient.http.InferenceServerClient("127.0.0.1:{options.port}"){_grpc_hint(options)}
+  python: tritonclient.http.InferenceServerClient("{host}:{options.port}"){_grpc_hint(options)}
 Ctrl-C stops everything."""
 
 
@@ -249,7 +320,7 @@ def _direct_hint(options: ServeOptions, direct: dict) -> str:
     from dynvm.cluster.http_front import SERVER_APP, model_app_name
 
     def urls(app: str) -> str:
-        return ", ".join(f"http://127.0.0.1:{port}" for _, port in direct[app])
+        return ", ".join(f"http://{_url_host(options)}:{port}" for _, port in direct[app])
 
     return (f"direct    {options.name}'s replicas at {urls(model_app_name(options.name))} "
             f"(every /v2/models/{options.name}/... route; each replica its port), "
@@ -263,42 +334,75 @@ def _grpc_hint(options: ServeOptions) -> str:
         return ""
     from dynvm.cluster.http_front import model_app_name
 
-    client = f'tritonclient.grpc.InferenceServerClient("127.0.0.1:{options.grpc_port}")'
+    client = (f'tritonclient.grpc.InferenceServerClient('
+              f'"{_url_host(options)}:{options.grpc_port}")')
     return (f"\n  gRPC:   {client}, every call with "
             f"headers={{'application': '{model_app_name(options.name)}'}}")
 
 
-def serve_command(args) -> int:
-    """Run `dynvm serve` until SIGINT or SIGTERM; returns the exit status."""
-    options = options_from_args(args)
-    stop = threading.Event()
+def _drain(options: ServeOptions, say) -> None:
+    """Drain the model's replicas before Serve stops (Note [Drain before Serve stops])."""
+    from dynvm.cluster._drain import drain_replicas
+    from dynvm.cluster.http_front import model_app_name
 
-    def on_signal(signum, frame) -> None:
-        stop.set()
+    drain_s = options.serving.drain_s
+    say(f"draining  {options.name}'s replicas: not ready, new requests 503, in-flight "
+        f"ones finish (up to {drain_s:g} s)")
+    try:
+        report = drain_replicas([model_app_name(options.name)], drain_s)
+    except Exception as exc:  # Ray already going: Serve's own drain still runs
+        say(f"draining  failed ({type(exc).__name__}: {exc}); Serve's own drain follows")
+        return
+    say(f"drained   {report.replicas} replica(s) in {report.seconds:.1f} s: "
+        f"{report.in_flight_at_start} request(s) were in flight, "
+        f"{report.in_flight_at_end} still are")
+
+
+def serve_command(args) -> int:
+    """Run `dynvm serve` until SIGINT or SIGTERM; returns the exit status (Note
+    [Stopping dynvm serve])."""
+    from dynvm.cluster._stop_signals import StopSignals
+
+    options = options_from_args(args)
+    private: list[LocalRedis] = []  # the private redis-server, once started
 
     def say(line: str) -> None:
         print(line, flush=True)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    def force(signum: int | None) -> None:
+        # The watcher thread, while the main thread may hold stdout's lock: write the
+        # line with os.write, kill what Ray does not take down with this process, exit.
+        for server in private:
+            server.kill()
+        if signum is None:
+            why, code = (f"stop still running {STOP_BUDGET_S:.0f} s after the drain",
+                         EXIT_STOP_TIMEOUT)
+        else:
+            why, code = f"second signal {signum}", EXIT_FORCED_BY_SIGNAL + signum
+        os.write(2, f"dynvm serve: {why}: forced stop, exit {code}\n".encode())
+        os._exit(code)
+
+    signals = StopSignals(force, deadline_s=options.serving.drain_s + STOP_BUDGET_S)
+    signals.install()
     try:
         with contextlib.ExitStack() as stack:
             try:
-                direct = _start(options, stack, say)
+                direct = _start(options, stack, say, signals, private)
             except CliError:
                 raise
             except Exception as exc:  # Ray or Serve failed to start: say what, then unwind
                 raise CliError(f"serve failed to start: {type(exc).__name__}: {exc}") \
                     from None
-            if not stop.is_set():
+            if not signals.requested.is_set():
                 say(_hint(options, direct))
-            while not stop.wait(0.5):
+            while not signals.requested.wait(0.5):
                 pass
-            say("stopping  (serve, compile service, ray, redis)")
+            _drain(options, say)
+            say("stopping  serve, compile service, ray, redis")
         say("stopped")
-        return 0
+        return EXIT_STOPPED
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        signals.close()
 
 
 def add_parser(sub) -> None:
@@ -306,19 +410,30 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a .dvm file over HTTP (local Ray, Redis, compile "
                        "service)", formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="""\
-Serve a program over the Open Inference Protocol (KServe v2) on 127.0.0.1: a local Ray,
+Serve a program over the Open Inference Protocol (KServe v2) on 127.0.0.1 (--host): a local Ray,
 a private redis-server as the kernel store (unless DYNVM_REDIS_URL names one), the
 compile service, and the model's replicas, which share every compiled kernel. Prints
-the URL; Ctrl-C (or SIGTERM) stops everything it started.
+the URL; Ctrl-C or SIGTERM drains the replicas (in-flight requests finish, within
+--drain-seconds) and stops everything it started, then exits 0; a second signal stops
+at once (exit 128 + the signal's number).
 
   dynvm compile recommender -o rec.dvm && dynvm serve rec.dvm --replicas 2""")
     p.add_argument("file", metavar="MODEL.dvm")
     p.add_argument("--name", help="model name in the routes (default: the file's stem)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
+                   help="address every socket listens on (default 127.0.0.1: loopback "
+                   "only, Ray's own sockets included); 0.0.0.0 opens the HTTP, gRPC and "
+                   "direct-ingress ports, and Ray's, on every interface")
     p.add_argument("--grpc-port", type=int, metavar="P",
                    help="also serve the v2 gRPC protocol (KServe GRPCInferenceService) on "
-                   "port P of every interface; calls name the model's application in "
+                   "port P of --host; calls name the model's application in "
                    "their 'application' metadata (dynvm-model-<name>)")
+    p.add_argument("--drain-seconds", type=float, metavar="S",
+                   help="on SIGTERM or SIGINT (and for a replica Serve stops), how long "
+                   "in-flight requests may take to finish before the replica is "
+                   "stopped anyway (default: ServingConfig.drain_s, 5 s); a second "
+                   "signal stops at once")
     p.add_argument("--service-shards", type=int, metavar="N", default=1,
                    help="run the compile service as N actors, each program on one of them "
                    "by its hash (default 1; a fleet with many programs)")

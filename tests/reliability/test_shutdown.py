@@ -1,0 +1,227 @@
+"""`dynvm serve` as an operator runs it (issues 35 and 28): real processes, its own local
+Ray and private redis-server, real HTTP clients.
+
+- every socket it listens on is on loopback (no --host);
+- SIGTERM, and SIGINT, during a closed loop of requests: every request sent before the
+  signal is answered, later ones are answered or cleanly refused (connection refused
+  or 503), the command exits 0 within its deadline, and no process of its tree is left;
+- SIGKILL: no redis-server left within 10 s, and no Ray process once Ray's own clean-up
+  ran (the time it took is printed);
+- a second signal forces the stop (exit 128 + the signal), in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.cluster._cluster_helpers import saved_recommender
+from tests.cluster._redis_server import REDIS_SERVER
+from tests.reliability._serve_process import (
+    ClosedLoop,
+    HealthWatch,
+    descendants,
+    is_loopback_address,
+    listening_sockets,
+    start_serve,
+    stop_hard,
+    survivors,
+    wait_gone,
+)
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+DRAIN_S = 5.0
+# The command's own bound (Note [Stopping dynvm serve]): drain + STOP_BUDGET_S; the
+# test waits that long and a little more (a loaded host).
+EXIT_WITHIN_S = DRAIN_S + 30.0 + 15.0
+RAY_CLEANUP_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    assert REDIS_SERVER is not None, "redis-server is not installed (run scripts/setup)"
+    demo, program, path = saved_recommender(tmp_path_factory.mktemp("shutdown"), "rec.dvm")
+    inputs = demo.sample_inputs(random.Random(7))
+    body = json.dumps({"inputs": [
+        {"name": spec.name, "shape": list(tensor.shape),
+         "datatype": "FP32" if tensor.is_floating_point() else "INT64",
+         "data": tensor.flatten().tolist()}
+        for spec, tensor in zip(program.inputs, inputs, strict=True)]}).encode()
+    return path, body
+
+
+@pytest.fixture(scope="module")
+def served(model, tmp_path_factory):
+    """One `dynvm serve` with the defaults but the drain; the SIGTERM test ends it."""
+    path, _ = model
+    run = start_serve(path, tmp_path_factory.mktemp("sigterm"), "--drain-seconds",
+                      str(DRAIN_S))
+    yield run
+    stop_hard(run)
+
+
+def test_every_listening_socket_is_on_loopback(served):
+    sockets = listening_sockets({served.process.pid: "dynvm serve", **served.tree})
+    print(f"{len(sockets)} listening sockets in {len(served.tree) + 1} processes")
+    # The run's own: the proxy's port, each replica's direct-ingress port, Ray's.
+    ports = {port for _, _, port, _, _ in sockets}
+    assert served.port in ports and set(served.direct_ports()) <= ports, sockets
+    outside = [s for s in sockets if not is_loopback_address(s[1])]
+    assert not outside, "listening outside loopback: " + "\n".join(
+        f"{table} {address}:{port} pid {pid} {name}"
+        for table, address, port, pid, name in outside)
+
+
+def _drain_under_load(run, body: bytes, signum: int) -> None:
+    """Signal `run` during a closed loop of requests at a replica's own port and at the
+    proxy's; check the answers, the exit and that nothing of its tree survives."""
+    ports = run.direct_ports()
+    assert ports, run.output()
+    loops = [ClosedLoop(f"http://127.0.0.1:{port}/v2/models/rec/infer", body,
+                        clients=3).start() for port in (ports[0], run.port)]
+    tree = {**run.tree, **descendants(run.process.pid)}
+    health = HealthWatch(f"http://127.0.0.1:{run.port}/v2/health/ready").start()
+    try:
+        deadline = time.monotonic() + 60
+        while any(loop.count("ok") < 20 for loop in loops):
+            assert time.monotonic() < deadline, [loop.outcomes[-3:] for loop in loops]
+            assert all(loop.count("failed") == 0 for loop in loops), \
+                [loop.outcomes[-3:] for loop in loops]
+            time.sleep(0.1)
+        signalled = time.monotonic()
+        run.process.send_signal(signum)
+        code = run.process.wait(timeout=EXIT_WITHIN_S)
+        took = time.monotonic() - signalled
+    finally:
+        health.stop()
+        for loop in loops:
+            loop.stop()
+        if run.process.poll() is None:
+            stop_hard(run)
+    left, waited = wait_gone(tree, 10.0)
+    outcomes = [o for loop in loops for o in loop.outcomes]
+
+    def timeline(selected) -> str:
+        return "\n".join(f"port {o.port}: sent {o.sent - signalled:+.3f} s, done "
+                         f"{o.done - signalled:+.3f} s: {o.kind} {o.detail}"
+                         for o in selected)
+
+    before = [o for o in outcomes if o.sent < signalled]
+    after = [o for o in outcomes if o.sent >= signalled]
+    print(f"signal {signum}: exit {code} after {took:.1f} s; {len(before)} requests sent "
+          f"before it ({sum(o.done > signalled for o in before)} answered after it), "
+          f"{len(after)} after it: {sum(o.kind == 'ok' for o in after)} answered, "
+          f"{sum(o.kind == 'refused' for o in after)} refused; "
+          f"{len(tree)} processes gone {waited:.1f} s after the exit; health 503 from "
+          f"{min([t for t, c in health.seen if c == 503], default=signalled) - signalled:+.2f}"
+          f" s")
+    assert code == 0, run.output()
+    assert "stopped" in run.out.read_text(), run.output()
+    assert "SIGTERM received" not in run.err.read_text(), run.output()
+    # Sent before the signal: answered, or, if it was still on its way (through the
+    # proxy's hop) when the drain began, refused by the drain's 503 at the replica's
+    # door; never cut, never refused at connect.
+    unanswered = [o for o in before if o.kind == "failed" or (
+        o.kind == "refused" and "shutting down" not in o.detail)]
+    assert not unanswered, timeline(unanswered)
+    # Health turns not-ready while the server still answers (a load balancer's cue),
+    # before any request is refused at connect.
+    not_ready = [t for t, status in health.seen if t >= signalled and status == 503]
+    refused_at_connect = [o.done for o in outcomes if o.detail == "connection refused"]
+    assert not_ready, f"/v2/health/ready never answered 503 after the signal: {health.seen}"
+    assert not refused_at_connect or min(not_ready) < min(refused_at_connect), \
+        (min(not_ready) - signalled, min(refused_at_connect) - signalled)
+    unclean = [o for o in after if o.kind == "failed"]
+    assert not unclean, timeline(unclean) + "\n(every request after the signal:)\n" \
+        + timeline(after)
+    assert not left, f"left running after the exit: {left}"
+
+
+def test_sigterm_drains_in_flight_requests_and_stops_everything(served, model):
+    _drain_under_load(served, model[1], signal.SIGTERM)
+
+
+def test_sigint_drains_the_same_way(model, tmp_path):
+    run = start_serve(model[0], tmp_path, "--drain-seconds", str(DRAIN_S))
+    try:
+        _drain_under_load(run, model[1], signal.SIGINT)
+    finally:
+        stop_hard(run)
+
+
+def test_sigkill_leaves_no_redis_server_nor_ray_process(model, tmp_path):
+    run = start_serve(model[0], tmp_path)
+    tree = {**run.tree, **descendants(run.process.pid)}
+    redis = {pid: name for pid, name in tree.items() if name == "redis-server"}
+    assert redis and any(name == "raylet" for name in tree.values()), tree
+    try:
+        run.process.kill()
+        run.process.wait(timeout=10)
+        left, waited = wait_gone(redis, 10.0)
+        assert not left, f"redis-server still running 10 s after SIGKILL: {left}"
+        print(f"SIGKILL: redis-server gone after {waited:.1f} s")
+        left, waited = wait_gone(tree, RAY_CLEANUP_S)
+        print(f"SIGKILL: {len(tree)} processes gone after {waited:.1f} s "
+              f"(left: {survivors(tree)})")
+        assert not left, f"still running {RAY_CLEANUP_S} s after SIGKILL: {left}"
+    finally:
+        stop_hard(run)
+
+
+def test_second_signal_forces_the_stop():
+    from dynvm.cluster._stop_signals import StopSignals
+
+    forced = []
+    done = threading.Event()
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def on_force(signum):
+        forced.append(signum)
+        done.set()
+
+    signals = StopSignals(on_force).install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert signals.requested.wait(5), "the first SIGTERM asked for no stop"
+        assert signals.signum == signal.SIGTERM and not forced
+        # The watcher thread hears the second one (Note [Stop signals]), and no
+        # KeyboardInterrupt reaches the main thread.
+        os.kill(os.getpid(), signal.SIGINT)
+        assert done.wait(5) and forced == [signal.SIGINT]
+    finally:
+        signals.close()
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_stop_past_its_deadline_is_forced():
+    from dynvm.cluster._stop_signals import StopSignals
+
+    forced = []
+    signals = StopSignals(forced.append, deadline_s=0.3).install()
+    try:
+        signals.request()
+        deadline = time.monotonic() + 5
+        while not forced and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert forced == [None]
+    finally:
+        signals.close()
+
+
+def test_a_stop_within_its_deadline_is_not_forced():
+    from dynvm.cluster._stop_signals import StopSignals
+
+    forced = []
+    signals = StopSignals(forced.append, deadline_s=0.5).install()
+    signals.request()
+    signals.close()  # stopped in time
+    time.sleep(0.8)
+    assert forced == []
