@@ -24,7 +24,9 @@ EXIT_FORCED_BY_SIGNAL + the signal's number (130 for SIGINT, 143 for SIGTERM) or
 EXIT_STOP_TIMEOUT; Ray's own processes share the command's fate (Ray starts its GCS
 and raylet with a parent-death signal; its workers and agents exit when the raylet is
 gone). Even a SIGKILL of the command leaves nothing behind: the redis-server has a
-parent-death signal of its own (LocalRedisOptions.die_with_parent).
+parent-death signal of its own (LocalRedisOptions.die_with_parent), and a watchdog
+kills whatever else the command started at once (Note [Orphan watch] in
+dynvm.cluster._orphan_watch) instead of the minute Ray's agents take alone.
 
 The kernel store's secret comes from DYNVM_STORE_SECRET when it is set (replicas of
 another `dynvm serve`, or `dynvm precompile`, can then share the store). Otherwise it is
@@ -361,6 +363,8 @@ def _drain(options: ServeOptions, say) -> None:
 def serve_command(args) -> int:
     """Run `dynvm serve` until SIGINT or SIGTERM; returns the exit status (Note
     [Stopping dynvm serve])."""
+    from dynvm.cluster._orphan_watch import RUN_MARKER, new_marker
+    from dynvm.cluster._orphan_watch import start as start_orphan_watch
     from dynvm.cluster._stop_signals import StopSignals
 
     options = options_from_args(args)
@@ -384,6 +388,9 @@ def serve_command(args) -> int:
 
     signals = StopSignals(force, deadline_s=options.serving.drain_s + STOP_BUDGET_S)
     signals.install()
+    marker = new_marker()  # every process this run starts carries it (Note [Orphan watch])
+    export(marker)
+    watch = start_orphan_watch(marker[RUN_MARKER])
     try:
         with contextlib.ExitStack() as stack:
             try:
@@ -403,6 +410,8 @@ def serve_command(args) -> int:
         return EXIT_STOPPED
     finally:
         signals.close()
+        if watch is not None:  # EOF: the watch kills whatever is left, then exits
+            watch.stdin.close()
 
 
 def add_parser(sub) -> None:

@@ -5,8 +5,8 @@ Ray and private redis-server, real HTTP clients.
 - SIGTERM, and SIGINT, during a closed loop of requests: every request sent before the
   signal is answered, later ones are answered or cleanly refused (connection refused
   or 503), the command exits 0 within its deadline, and no process of its tree is left;
-- SIGKILL: no redis-server left within 10 s, and no Ray process once Ray's own clean-up
-  ran (the time it took is printed);
+- SIGKILL: no redis-server left within 10 s, nor any other process of its tree (Ray's
+  agents alone would take a minute: Note [Orphan watch]);
 - a second signal forces the stop (exit 128 + the signal), in-process.
 """
 
@@ -42,7 +42,8 @@ DRAIN_S = 5.0
 # The command's own bound (Note [Stopping dynvm serve]): drain + STOP_BUDGET_S; the
 # test waits that long and a little more (a loaded host).
 EXIT_WITHIN_S = DRAIN_S + 30.0 + 15.0
-RAY_CLEANUP_S = 120.0
+# Ray alone needs 60 s (its agents), the orphan watch a moment (Note [Orphan watch]).
+ALL_GONE_S = 15.0
 
 
 @pytest.fixture(scope="module")
@@ -168,10 +169,10 @@ def test_sigkill_leaves_no_redis_server_nor_ray_process(model, tmp_path):
         left, waited = wait_gone(redis, 10.0)
         assert not left, f"redis-server still running 10 s after SIGKILL: {left}"
         print(f"SIGKILL: redis-server gone after {waited:.1f} s")
-        left, waited = wait_gone(tree, RAY_CLEANUP_S)
+        left, waited = wait_gone(tree, ALL_GONE_S)
         print(f"SIGKILL: {len(tree)} processes gone after {waited:.1f} s "
               f"(left: {survivors(tree)})")
-        assert not left, f"still running {RAY_CLEANUP_S} s after SIGKILL: {left}"
+        assert not left, f"still running {ALL_GONE_S} s after SIGKILL: {left}"
     finally:
         stop_hard(run)
 

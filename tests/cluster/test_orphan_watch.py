@@ -1,0 +1,76 @@
+"""The orphan watch (Note [Orphan watch]): real processes, a real SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dynvm.cluster import _orphan_watch
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+
+# A command that starts the watch, then a child that would outlive it (sleep in a
+# session of its own, as Ray's agents end up), prints both pids and waits.
+COMMAND = """
+import os, subprocess, sys, time
+from dynvm.cluster import _orphan_watch
+os.environ.update(_orphan_watch.new_marker())
+watch = _orphan_watch.start(os.environ[_orphan_watch.RUN_MARKER])
+child = subprocess.Popen(["sleep", "120"], start_new_session=True)
+print(watch.pid, child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids, timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+def test_a_sigkilled_commands_children_are_killed_by_the_watch():
+    command = subprocess.Popen([sys.executable, "-c", COMMAND], stdout=subprocess.PIPE,
+                               text=True)
+    watch = child = None
+    try:
+        watch, child = (int(p) for p in command.stdout.readline().split())
+        time.sleep(1.5 * _orphan_watch.SNAPSHOT_S)  # the watch has listed the child
+        assert _alive(child)
+        command.kill()
+        command.wait(timeout=10)
+        assert _wait_gone([child, watch], 10.0) == []
+    finally:
+        command.kill()
+        for pid in (watch, child):
+            if pid is not None and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_reused_pid_is_left_alone():
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        listed = _orphan_watch.tree(os.getpid())
+        assert other.pid in listed
+        # The same pid with another start time: not the process that was listed.
+        assert _orphan_watch.kill_left("no-such-token", {other.pid: listed[other.pid] + 1}) \
+            == 0
+        assert other.poll() is None
+        assert _orphan_watch.kill_left("no-such-token", {other.pid: listed[other.pid]}) == 1
+        assert other.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        other.kill()
+        other.wait()
