@@ -17,7 +17,7 @@ Sections, each at version 1:
     CONST  the constants as safetensors, keyed by constant name
            (see Note [complex128 constants])
     META   optional msgpack map of strings: torch and dynvm versions, writer; only its
-           type is checked on load
+           type is checked on load (at most META_MAX_BYTES, 64 short strings)
 
 A reader of format version 1 rejects sections it does not know: a new section is a new
 format version. Loading validates everything before using any of it; see
@@ -35,10 +35,12 @@ import struct
 from dataclasses import dataclass
 from types import MappingProxyType
 
+import msgpack
 import safetensors.torch
 import torch
 
 from dynvm.vm import dvm_signature
+from dynvm.vm.bounded_decode import DecodeError, DecodeLimits, unpack_json
 from dynvm.vm.errors import (
     ChecksumError,
     CorruptSectionError,
@@ -70,9 +72,12 @@ MAX_SECTIONS = 64
 MAX_REGS = 1 << 20
 """Largest register count a loaded program may declare. The verifier's cost grows with
 the register count, so a forged count could otherwise stall a load."""
-MAX_NESTING = 64
-"""Deepest list/map nesting a msgpack section may have (real programs need about 8); the
-decoders recurse, and this keeps them far from Python's recursion limit."""
+META_MAX_BYTES = 64 * 1024
+"""Largest META section a loaded file may have (the writer's is about 100 bytes)."""
+_META_LIMITS = DecodeLimits(max_bytes=META_MAX_BYTES, max_str=4096, max_map=64,
+                            max_containers=1, max_depth=1)
+# Safetensors' JSON header: {name: {"dtype", "shape": [...], "data_offsets": [a, b]}}.
+_CONST_HEADER_DEPTH = 3
 
 _HEADER = struct.Struct("<8sII")    # magic, format version, section count
 _ENTRY = struct.Struct("<8sIQQ")    # name, section version, offset, length
@@ -81,12 +86,19 @@ _MIN_SIZE = _HEADER.size + _DIGEST_SIZE
 
 # Note [Validating a .dvm file]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The bytes come from outside the process, so `loads` checks, in this order: the magic,
-# the format version, the checksum (or truncation, see Note [Truncated or corrupt]), the
-# section table (names, duplicates, offsets in range, no overlaps or gaps, required
-# sections present), the section versions, then each section's structure field by field,
-# the constants against the CODE section's specs, the verifier (via `Program`), and last
-# the stored content hash against the rebuilt program's. Every failure is a specific
+# The bytes come from outside the process, so `loads` checks, cheapest first: the magic,
+# the format version, the checksum of the whole file (or truncation, see Note [Truncated
+# or corrupt]), the section table (names, duplicates, offsets in range, no overlaps or
+# gaps, required sections present), the section versions; then the CODE section's
+# top-level fields and specs, and the stored content hash against the hash of the raw
+# bytes it covers (the CODE section without its hash field, and each constant's bytes as
+# safetensors lays them out), before any instruction, tensor or treespec is built; then
+# META, the instructions, the treespecs, the constants against the CODE section's specs,
+# the verifier (via `Program`), and the stored content hash against the rebuilt
+# program's. `load` checks the signature, when one is required, before all of it. Every
+# msgpack section is decoded within limits that follow from what it holds (Note [Bounded
+# decoding] in dynvm.vm.bounded_decode): META is one flat map of short strings, so a
+# bomb there is refused at its first header. Every failure is a specific
 # `DvmFormatError` subclass. Exceptions of other libraries are caught only around the
 # single calls that decode outside bytes (msgpack in `serialize.unpack`, safetensors,
 # the treespec parser); `struct` is never handed a buffer shorter than it reads.
@@ -252,14 +264,13 @@ def loads(data: bytes | bytearray | memoryview) -> Program:
         expected = SECTION_VERSIONS[section.name]
         if section.version != expected:
             raise VersionError(section.name, expected, section.version)
-    if "META" in sections:
-        _check_meta(_payload(data, sections["META"]))
+    meta = _payload(data, sections["META"]) if "META" in sections else None
     return _decode_program(_payload(data, sections["CODE"]),
-                           _payload(data, sections["CONST"]))
+                           _payload(data, sections["CONST"]), meta)
 
 
-def _payload(data: bytes, section: _Section) -> bytes:
-    return data[section.offset:section.end]
+def _payload(data: bytes, section: _Section) -> memoryview:
+    return memoryview(data)[section.offset:section.end]   # no copy of a large section
 
 
 def _read_sections(data: bytes) -> dict[str, _Section]:
@@ -369,21 +380,15 @@ def _section_name(raw: bytes, index: int) -> str:
     return name.decode("ascii")
 
 
-def _unpack_section(payload: bytes, section: str) -> object:
+def _unpack_section(payload: memoryview, section: str,
+                    limits: DecodeLimits | None = None) -> object:
+    """A msgpack section within `limits` (None: serialize.unpack's, bounded by the
+    section's size and MAX_NESTING levels; Note [Bounded decoding])."""
     try:
-        obj = unpack(payload, section)
+        return unpack(payload, section, limits)
     except DvmFormatError as exc:
         raise CorruptSectionError(section,
                                   str(exc).removeprefix(f"section {section}: ")) from exc
-    stack = [(obj, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, list | dict):
-            if depth > MAX_NESTING:
-                raise CorruptSectionError(section, f"nested more than {MAX_NESTING} levels")
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, depth + 1) for child in children)
-    return obj
 
 
 def _describe(value: object) -> str:
@@ -391,8 +396,8 @@ def _describe(value: object) -> str:
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
-def _check_meta(payload: bytes) -> None:
-    meta = _unpack_section(payload, "META")
+def _check_meta(payload: memoryview) -> None:
+    meta = _unpack_section(payload, "META", _META_LIMITS)
     if not (isinstance(meta, dict)
             and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
         raise CorruptSectionError("META", f"expected a map of strings to strings, got "
@@ -410,7 +415,8 @@ def _corrupt_code(problem: str) -> CorruptSectionError:
     return CorruptSectionError("CODE", problem)
 
 
-def _decode_program(code_payload: bytes, const_payload: bytes) -> Program:
+def _decode_program(code_payload: memoryview, const_payload: memoryview,
+                    meta_payload: memoryview | None) -> Program:
     header = _unpack_section(code_payload, "CODE")
     if not isinstance(header, dict):
         raise _corrupt_code(f"expected a map, got {_describe(header)}")
@@ -432,10 +438,13 @@ def _decode_program(code_payload: bytes, const_payload: bytes) -> Program:
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise _corrupt_code(f"constant names repeat: {names}")
+    _check_raw_content_hash(code_payload, len(header), header["hash"], const_payload, names)
+    if meta_payload is not None:
+        _check_meta(meta_payload)
     code = _decode_code(header["code"])
     for key in ("in_spec", "out_spec"):
         _check_treespec(key, header[key])
-    constants = _decode_constants(const_payload, specs)
+    constants = _decode_constants(bytes(const_payload), specs)
     try:
         program = Program(code=code, n_regs=n_regs, inputs=inputs, constants=constants,
                           constant_names=tuple(names), in_spec=header["in_spec"],
@@ -447,6 +456,70 @@ def _decode_program(code_payload: bytes, const_payload: bytes) -> Program:
                             f"program's {program.content_hash!r}: code or constants were "
                             "changed after the file was written")
     return program
+
+
+def _check_raw_content_hash(code_payload: memoryview, n_fields: int, stored: str,
+                            const_payload: memoryview, names: list[str]) -> None:
+    """The stored content hash against the bytes it covers, before anything is built
+    from them (Note [Validating a .dvm file]): `Program.content_hash` hashes
+    `encode_header(with_hash=False)` and each constant's bytes in program order, which
+    are the CODE section without its last field ("hash") and the constants' raw
+    safetensors data."""
+    packer = msgpack.Packer(use_bin_type=True)
+    suffix = packer.pack("hash") + packer.pack(stored)
+    head = packer.pack_map_header(n_fields)
+    if code_payload.nbytes <= len(head) + len(suffix) \
+            or bytes(code_payload[:len(head)]) != head \
+            or bytes(code_payload[code_payload.nbytes - len(suffix):]) != suffix:
+        raise _corrupt_code("the content hash is not the last of its fields as the writer "
+                            "lays them out: the section was re-encoded or changed")
+    digest = hashlib.sha256(packer.pack_map_header(n_fields - 1))
+    digest.update(code_payload[len(head):code_payload.nbytes - len(suffix)])
+    for data in _raw_constants(const_payload, names):
+        digest.update(data)
+    if digest.hexdigest() != stored:
+        raise _corrupt_code(f"stored content hash {stored!r} differs from the hash of the "
+                            f"file's code and constant bytes {digest.hexdigest()!r}: code or "
+                            "constants were changed after the file was written")
+
+
+def _raw_constants(payload: memoryview, names: list[str]):
+    """The bytes of each constant in `names`' order, read from the safetensors
+    layout (an 8-byte little-endian header size, a JSON header, the data) without
+    building a tensor."""
+    def corrupt(problem: str) -> CorruptSectionError:
+        return CorruptSectionError("CONST", f"not valid safetensors ({problem})")
+
+    if payload.nbytes < 8:
+        raise corrupt(f"{payload.nbytes} bytes, shorter than its 8-byte header size")
+    size = int.from_bytes(payload[:8], "little")
+    if size > payload.nbytes - 8:
+        raise corrupt(f"header of {size} bytes, {payload.nbytes - 8} bytes follow")
+    limits = DecodeLimits(max_bytes=size, max_depth=_CONST_HEADER_DEPTH)
+    try:
+        header = unpack_json(payload[8:8 + size], limits, "header")
+    except DecodeError as exc:
+        raise corrupt(str(exc)) from None
+    if not isinstance(header, dict):
+        raise corrupt(f"the header is a {type(header).__name__}, not a map")
+    declared = set(names)
+    extra = sorted(name for name in header if name not in declared and name != "__metadata__")
+    if extra:
+        raise CorruptSectionError("CONST", f"holds tensors {extra} that the CODE section "
+                                  "does not declare")
+    data = payload[8 + size:]
+    for name in names:
+        entry = header.get(name)
+        if entry is None:
+            raise CorruptSectionError("CONST", f"constant {name!r}, declared in the CODE "
+                                      "section, is missing")
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data.nbytes):
+            raise corrupt(f"constant {name!r}: data offsets {_describe(offsets)} are not "
+                          f"within the {data.nbytes} data bytes")
+        yield data[offsets[0]:offsets[1]]
 
 
 def _dtype(name: object, where: str) -> torch.dtype:

@@ -29,12 +29,16 @@ import json
 import os
 from pathlib import Path
 
+from dynvm.vm.bounded_decode import DecodeError, DecodeLimits, unpack_json
 from dynvm.vm.errors import ConfigTypeError, DvmSignatureError
 
 SUFFIX = ".sig"
 VERSION = 1
 _DOMAIN = b"dynvm .dvm v1\0"  # a MAC for a .dvm file is never a MAC for anything else
 MAX_SIGNATURE_BYTES = 4096
+_LIMITS = DecodeLimits(max_bytes=MAX_SIGNATURE_BYTES, max_depth=1)
+"""A signature is one flat JSON object (Note [Bounded decoding] in dynvm.vm.bounded_decode):
+4 KiB of `[` would otherwise raise RecursionError out of the loader."""
 
 
 def signature_path(path: str | os.PathLike) -> Path:
@@ -75,9 +79,10 @@ def check(data: bytes, signature: bytes, secret: bytes, where: str) -> None:
         raise DvmSignatureError(where, f"the signature is {len(signature)} bytes, more than "
                                        f"{MAX_SIGNATURE_BYTES}")
     try:
-        doc = json.loads(signature)
-    except (ValueError, UnicodeDecodeError):
-        raise DvmSignatureError(where, "the signature is not a JSON document") from None
+        doc = unpack_json(signature, _LIMITS, "the signature")
+    except DecodeError as error:
+        raise DvmSignatureError(where, f"the signature is not a flat JSON document ({error})") \
+            from None
     if not isinstance(doc, dict) or doc.get("v") != VERSION \
             or doc.get("alg") != "HMAC-SHA256" or not isinstance(doc.get("mac"), str):
         raise DvmSignatureError(where, f"the signature is not a version {VERSION} "

@@ -12,11 +12,16 @@ import msgpack
 import torch
 
 from dynvm.vm import torch_literals
+from dynvm.vm.bounded_decode import DecodeError, DecodeLimits, unpack_msgpack
 from dynvm.vm.errors import DvmFormatError, VerifyError
 from dynvm.vm.instr import Instr
 from dynvm.vm.opcodes import OPCODES
 from dynvm.vm.operands import Const, Imm, IntList, Label, Operand, Reg, RegList
 from dynvm.vm.torch_literals import UnknownTorchLiteral, literal_name
+
+MAX_NESTING = 64
+"""Deepest list/map nesting a msgpack section may have (real programs need about 8); the
+decoders recurse, and this keeps them far from Python's recursion limit."""
 
 # msgpack extension type codes for torch literals; names from dynvm.vm.torch_literals.
 _EXT_KINDS = {1: "dtype", 2: "device", 3: "layout", 4: "memory_format"}
@@ -143,15 +148,19 @@ def pack(obj: object) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack(data: bytes, what: str) -> object:
-    """The object in msgpack `data`; bytes that are not msgpack raise DvmFormatError
-    naming the section `what`."""
+def unpack(data: bytes | memoryview, what: str, limits: DecodeLimits | None = None) -> object:
+    """The object in msgpack `data`, decoded within `limits` (Note [Bounded decoding] in
+    dynvm.vm.bounded_decode; None: no container or string larger than the data, at most
+    MAX_NESTING levels); bytes that are not msgpack, or break a limit, raise
+    DvmFormatError naming the section `what`."""
+    if limits is None:
+        size = memoryview(data).nbytes
+        limits = DecodeLimits(max_bytes=size, max_str=size, max_bin=size, max_array=size,
+                              max_map=size, max_ext=size, max_depth=MAX_NESTING)
     try:
-        return msgpack.unpackb(data, raw=False, ext_hook=_ext_hook, strict_map_key=True)
-    except DvmFormatError:
-        raise
-    except Exception as exc:  # msgpack raises several unrelated types on bad bytes
-        raise DvmFormatError(f"section {what}: not valid msgpack ({exc})") from exc
+        return unpack_msgpack(data, limits, f"section {what}", ext_hook=_ext_hook)
+    except DecodeError as exc:
+        raise DvmFormatError(str(exc)) from None
 
 
 def encode_header(program, with_hash: bool = True) -> bytes:
