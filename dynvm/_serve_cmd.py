@@ -312,7 +312,7 @@ def _hint(options: ServeOptions, direct: dict) -> str:
   curl -X POST {model}/infer -H 'Content-Type: application/json' -d '{{"inputs": [...]}}'
   curl {model}/stats            # runtime and fleet counters
   python: tritonclient.http.InferenceServerClient("{host}:{options.port}"){_grpc_hint(options)}
-Ctrl-C stops everything."""
+Ctrl-C (or SIGTERM) drains and stops everything; a second one stops at once."""
 
 
 def _direct_hint(options: ServeOptions, direct: dict) -> str:

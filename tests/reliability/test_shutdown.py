@@ -27,7 +27,9 @@ from tests.reliability._serve_process import (
     ClosedLoop,
     HealthWatch,
     descendants,
+    free_port,
     is_loopback_address,
+    kill_all,
     listening_sockets,
     start_serve,
     stop_hard,
@@ -175,6 +177,40 @@ def test_sigkill_leaves_no_redis_server_nor_ray_process(model, tmp_path):
         assert not left, f"still running {ALL_GONE_S} s after SIGKILL: {left}"
     finally:
         stop_hard(run)
+
+
+def test_a_second_signal_forces_the_stop_of_a_real_process(model, tmp_path):
+    """SIGTERM twice while Ray starts: exit 128 + SIGTERM at once, nothing left."""
+    import subprocess
+    import sys
+
+    out, err_path = tmp_path / "serve.out", tmp_path / "serve.err"
+    with out.open("wb") as stdout, err_path.open("wb") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "dynvm", "serve", str(model[0]),
+                                    "--port", str(free_port())], stdout=stdout,
+                                   stderr=stderr)
+    tree: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 90
+        while "ray       local" not in out.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.1)
+        tree = descendants(process.pid)
+        assert any(name == "raylet" for name in tree.values()), tree
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=15)
+        err = err_path.read_text(errors="replace")
+        assert code == 128 + signal.SIGTERM, err[-3000:]
+        assert "forced stop" in err
+        left, waited = wait_gone(tree, 10.0)
+        assert not left, f"left running after a forced stop: {left}"
+        print(f"forced: exit {code}, {len(tree)} processes gone after {waited:.1f} s")
+    finally:
+        if process.poll() is None:
+            process.kill()
+        kill_all(tree)
 
 
 def test_second_signal_forces_the_stop():
