@@ -90,6 +90,16 @@ def test_drain_options_follow_the_serving_config():
     assert ServingConfig.from_mapping({"drain_s": 12}).drain_s == 12
 
 
+def test_the_model_deployment_carries_its_drain(tmp_path):
+    from dynvm.cluster._deployment import model_application
+
+    app = model_application("m", tmp_path / "m.dvm", ServingConfig(drain_s=7, num_gpus=0.0))
+    # What Serve will stop the replica with (its deployment config; no public getter).
+    deployment_config = app._bound_deployment._deployment_config
+    assert deployment_config.graceful_shutdown_timeout_s == 7
+    assert deployment_config.graceful_shutdown_wait_loop_s == DRAIN_POLL_S
+
+
 def _serve_args(*flags: str):
     import argparse
 

@@ -104,7 +104,8 @@ def _socket_inodes(pid: int) -> set[str]:
     return inodes
 
 
-def _address(hex_address: str) -> str:
+def proc_address(hex_address: str) -> str:
+    """The address of a /proc/net/tcp{,6} 'HEX:PORT' field, as text."""
     host_hex = hex_address.split(":")[0]
     raw = bytes.fromhex(host_hex)
     if len(raw) == 4:
@@ -130,7 +131,7 @@ def listening_sockets(pids: dict[int, str]) -> list[tuple[str, str, int, int, st
                     continue
                 local = parts[1]
                 pid, name = owner[parts[9]]
-                found.append((table, _address(local), int(local.split(":")[1], 16), pid,
+                found.append((table, proc_address(local), int(local.split(":")[1], 16), pid,
                               name))
     return found
 
