@@ -35,12 +35,12 @@ import struct
 from dataclasses import dataclass
 from types import MappingProxyType
 
-import msgpack
 import safetensors.torch
 import torch
 
 from dynvm.vm import dvm_signature
-from dynvm.vm.bounded_decode import DecodeError, DecodeLimits, unpack_json
+from dynvm.vm.bounded_decode import DecodeLimits
+from dynvm.vm.dvm_raw_hash import check_raw_content_hash
 from dynvm.vm.errors import (
     ChecksumError,
     CorruptSectionError,
@@ -76,8 +76,6 @@ META_MAX_BYTES = 64 * 1024
 """Largest META section a loaded file may have (the writer's is about 100 bytes)."""
 _META_LIMITS = DecodeLimits(max_bytes=META_MAX_BYTES, max_str=4096, max_map=64,
                             max_containers=1, max_depth=1)
-# Safetensors' JSON header: {name: {"dtype", "shape": [...], "data_offsets": [a, b]}}.
-_CONST_HEADER_DEPTH = 3
 
 _HEADER = struct.Struct("<8sII")    # magic, format version, section count
 _ENTRY = struct.Struct("<8sIQQ")    # name, section version, offset, length
@@ -438,7 +436,7 @@ def _decode_program(code_payload: memoryview, const_payload: memoryview,
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise _corrupt_code(f"constant names repeat: {names}")
-    _check_raw_content_hash(code_payload, len(header), header["hash"], const_payload, names)
+    check_raw_content_hash(code_payload, len(header), header["hash"], const_payload, names)
     if meta_payload is not None:
         _check_meta(meta_payload)
     code = _decode_code(header["code"])
@@ -456,70 +454,6 @@ def _decode_program(code_payload: memoryview, const_payload: memoryview,
                             f"program's {program.content_hash!r}: code or constants were "
                             "changed after the file was written")
     return program
-
-
-def _check_raw_content_hash(code_payload: memoryview, n_fields: int, stored: str,
-                            const_payload: memoryview, names: list[str]) -> None:
-    """The stored content hash against the bytes it covers, before anything is built
-    from them (Note [Validating a .dvm file]): `Program.content_hash` hashes
-    `encode_header(with_hash=False)` and each constant's bytes in program order, which
-    are the CODE section without its last field ("hash") and the constants' raw
-    safetensors data."""
-    packer = msgpack.Packer(use_bin_type=True)
-    suffix = packer.pack("hash") + packer.pack(stored)
-    head = packer.pack_map_header(n_fields)
-    if code_payload.nbytes <= len(head) + len(suffix) \
-            or bytes(code_payload[:len(head)]) != head \
-            or bytes(code_payload[code_payload.nbytes - len(suffix):]) != suffix:
-        raise _corrupt_code("the content hash is not the last of its fields as the writer "
-                            "lays them out: the section was re-encoded or changed")
-    digest = hashlib.sha256(packer.pack_map_header(n_fields - 1))
-    digest.update(code_payload[len(head):code_payload.nbytes - len(suffix)])
-    for data in _raw_constants(const_payload, names):
-        digest.update(data)
-    if digest.hexdigest() != stored:
-        raise _corrupt_code(f"stored content hash {stored!r} differs from the hash of the "
-                            f"file's code and constant bytes {digest.hexdigest()!r}: code or "
-                            "constants were changed after the file was written")
-
-
-def _raw_constants(payload: memoryview, names: list[str]):
-    """The bytes of each constant in `names`' order, read from the safetensors
-    layout (an 8-byte little-endian header size, a JSON header, the data) without
-    building a tensor."""
-    def corrupt(problem: str) -> CorruptSectionError:
-        return CorruptSectionError("CONST", f"not valid safetensors ({problem})")
-
-    if payload.nbytes < 8:
-        raise corrupt(f"{payload.nbytes} bytes, shorter than its 8-byte header size")
-    size = int.from_bytes(payload[:8], "little")
-    if size > payload.nbytes - 8:
-        raise corrupt(f"header of {size} bytes, {payload.nbytes - 8} bytes follow")
-    limits = DecodeLimits(max_bytes=size, max_depth=_CONST_HEADER_DEPTH)
-    try:
-        header = unpack_json(payload[8:8 + size], limits, "header")
-    except DecodeError as exc:
-        raise corrupt(str(exc)) from None
-    if not isinstance(header, dict):
-        raise corrupt(f"the header is a {type(header).__name__}, not a map")
-    declared = set(names)
-    extra = sorted(name for name in header if name not in declared and name != "__metadata__")
-    if extra:
-        raise CorruptSectionError("CONST", f"holds tensors {extra} that the CODE section "
-                                  "does not declare")
-    data = payload[8 + size:]
-    for name in names:
-        entry = header.get(name)
-        if entry is None:
-            raise CorruptSectionError("CONST", f"constant {name!r}, declared in the CODE "
-                                      "section, is missing")
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2
-                and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1] <= data.nbytes):
-            raise corrupt(f"constant {name!r}: data offsets {_describe(offsets)} are not "
-                          f"within the {data.nbytes} data bytes")
-        yield data[offsets[0]:offsets[1]]
 
 
 def _dtype(name: object, where: str) -> torch.dtype:
