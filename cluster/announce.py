@@ -50,6 +50,7 @@ import redis
 from dynvm.cluster.store_base import check_key
 from dynvm.cluster.store_redis import RedisConfig, redis_client
 from dynvm.jit.artifact_keys import program_tag
+from dynvm.vm.bounded_decode import DecodeLimits, unpack_msgpack
 from dynvm.vm.errors import ConfigError
 
 CHANNEL_PREFIX = "dynvm:announce:"
@@ -64,6 +65,12 @@ def channel_for(program_hash: str) -> str:
 
 
 _MAX_MESSAGE_BYTES = 4096
+_LIMITS = DecodeLimits(max_bytes=_MAX_MESSAGE_BYTES, max_str=_MAX_MESSAGE_BYTES,
+                       max_bin=_MAX_MESSAGE_BYTES, max_map=8, max_containers=2, max_depth=2)
+"""An announcement is a map of six fields, one of them (the trace carrier) a map of a few
+strings (Note [Bounded decoding] in dynvm.vm.bounded_decode): anyone who can publish on
+the channel chooses these bytes. Strings and stamps are checked after decoding (a bad
+stamp is a hint ignored, not a message dropped)."""
 logger = logging.getLogger(__name__)
 
 
@@ -92,7 +99,7 @@ class Announcement:
         if not isinstance(data, bytes) or len(data) > _MAX_MESSAGE_BYTES:
             return None
         try:
-            raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+            raw = unpack_msgpack(data, _LIMITS, "announcement")
             program, target, key = raw["program"], raw["target"], check_key(raw["key"])
             trace = raw.get("trace")
             stamp, after = raw.get("stamp"), raw.get("after")

@@ -185,7 +185,7 @@ class FleetLink:
                          "registrations": 0, "installed": 0, "install_rejected": 0,
                          "announcements": 0, "announcements_dropped": 0,
                          "warm_start_installs": 0, "index_reads_skipped": 0,
-                         "index_stamps_followed": 0}
+                         "index_stamps_followed": 0, "index_rejected": 0}
         rate = options.max_announced_fetches_per_s
         self._announce_rate = RateLimit(rate, burst=max(1, round(rate)))
         self.warm_start_seconds = 0.0
@@ -329,8 +329,15 @@ class FleetLink:
             self.counters["index_reads_skipped"] += 1
             return 0
         key = index_key(self.program_hash, self.target)
-        fields = self._fetch([key]).get(key)
+        rejected: set[str] = set()
+        fields = self._fetch([key], rejected).get(key)
         if fields is None:
+            if key in rejected:
+                # An index that was read and refused (forged, corrupt, a decode bomb) is
+                # not read again, at every poll, until its stamp changes or
+                # MAX_STAMP_SKIPS polls passed: the same bound as an unchanged one.
+                self._index_stamp, self._stamp_skips = stamp, 0
+                self.counters["index_rejected"] += 1
             return 0
         listed = keys_from_index(fields, self.program_hash)
         installed = self._install(listed)
@@ -400,14 +407,15 @@ class FleetLink:
 
     _on_announcement = on_announcement  # the name tests/reliability use
 
-    def _fetch(self, keys: list[str]) -> dict[str, dict]:
-        """Verified entries among `keys`; traced as a store read when tracing is on."""
+    def _fetch(self, keys: list[str], rejected: set[str] | None = None) -> dict[str, dict]:
+        """Verified entries among `keys` (rejected ones added to `rejected`, when given);
+        traced as a store read when tracing is on."""
         if not self._tracing:
-            return self.cache.fetch(keys)
+            return self.cache.fetch(keys, rejected)
         before = self.cache.stats()
         with self.runtime.telemetry.tracer.start_as_current_span(
                 "dynvm.store_read", attributes={"dynvm.keys": len(keys)}) as span:
-            found = self.cache.fetch(keys)
+            found = self.cache.fetch(keys, rejected)
             after = self.cache.stats()
             span.set_attributes({name: after[name] - before[name] for name in
                                  ("valid", "missing", "rejected", "unavailable")})

@@ -37,6 +37,12 @@ passed; loading `source` is the caller's job. The entry is
                          target or toolchain than this process's.
   The format version sits outside the MAC (a future version may sign differently), so
   anyone can turn an entry into "Incompatible": that is a rejection too, never a pass.
+* Decoding is bounded (Note [Bounded decoding] in dynvm.vm.bounded_decode): the envelope
+  is read before its MAC can be checked, by every replica, from bytes anyone who can
+  write to the store chose, so it is decoded as what it is, one map of four fields with
+  a short key and two byte strings (ENVELOPE_LIMITS): a header that promises millions of
+  items is refused at that header. The body is decoded only after its MAC matched,
+  still within its own size and MAX_BODY_DEPTH levels.
 * The secret comes from configuration: DYNVM_STORE_SECRET, read only by
   dynvm.cluster.config.StoreConfig.from_env. It is passed as bytes, kept in private
   attributes, and no message, repr or log line built here contains it; messages quote
@@ -57,10 +63,27 @@ import msgpack
 
 from dynvm.cluster.store_base import KernelStore, StoreUnavailable, check_key, shorten
 from dynvm.jit.artifact import Artifact
+from dynvm.vm.bounded_decode import DecodeError, DecodeLimits, unpack_msgpack
 from dynvm.vm.errors import ConfigError, ConfigTypeError, DynvmError
 
 FORMAT_VERSION = 1
 _ENVELOPE_FIELDS = frozenset({"v", "key", "body", "mac"})
+_MAX_KEY_CHARS = 128
+"""A store key is 64 hex digits and an 18-character program tag; field names are shorter."""
+MAX_BODY_DEPTH = 32
+"""Deepest nesting of a signed body (a portable specialization's record needs about 8)."""
+
+
+def envelope_limits(size: int) -> DecodeLimits:
+    """What an envelope of `size` bytes may hold: one map of at most four fields, strings
+    no longer than a key, bytes (body and MAC) within its size, nothing nested."""
+    return DecodeLimits(max_bytes=size, max_str=_MAX_KEY_CHARS, max_bin=size,
+                        max_map=len(_ENVELOPE_FIELDS), max_containers=1, max_depth=1)
+
+
+def _body_limits(size: int) -> DecodeLimits:
+    return DecodeLimits(max_bytes=size, max_str=size, max_bin=size, max_array=size,
+                        max_map=size, max_depth=MAX_BODY_DEPTH)
 
 REQUIRED_FIELDS: Mapping[str, type | tuple[type, ...]] = {
     "backend": str,
@@ -201,8 +224,6 @@ def seal(key: str, artifact_fields: Mapping[str, Any], secret: bytes) -> bytes:
     return msgpack.packb(envelope, use_bin_type=True)
 
 
-def _unpack(data: bytes) -> object:
-    return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
 
 
 def open_sealed(key: str, data: bytes, secret: bytes, expect: Mapping[str, Any]) -> dict:
@@ -217,12 +238,9 @@ def open_sealed(key: str, data: bytes, secret: bytes, expect: Mapping[str, Any])
     if not isinstance(data, bytes | bytearray | memoryview):
         raise CorruptArtifact(key, f"value is a {type(data).__name__}, not bytes")
     try:
-        envelope = _unpack(bytes(data))
-    # Any failure to parse outside bytes is corruption; msgpack raises several types
-    # (ValueError and subclasses, TypeError, UnicodeDecodeError, OverflowError).
-    except Exception as error:
-        raise CorruptArtifact(
-            key, f"not a msgpack document ({type(error).__name__}, {len(data)} bytes)") from None
+        envelope = unpack_msgpack(data, envelope_limits(len(data)), "envelope")
+    except DecodeError as error:  # any failure to decode outside bytes is corruption
+        raise CorruptArtifact(key, f"{error} ({len(data)} bytes)") from None
     if not isinstance(envelope, dict):
         raise CorruptArtifact(key, f"envelope is a {type(envelope).__name__}, not a map")
     version = envelope.get("v")
@@ -251,10 +269,9 @@ def open_sealed(key: str, data: bytes, secret: bytes, expect: Mapping[str, Any])
         raise ForgedArtifact(key, "signature does not match: sealed with another secret, "
                                   "or altered after sealing")
     try:
-        fields = _unpack(body)
-    except Exception as error:  # see above: every parse failure is corruption
-        raise CorruptArtifact(key, f"signed body is not msgpack ({type(error).__name__})") \
-            from None
+        fields = unpack_msgpack(body, _body_limits(len(body)), "signed body")
+    except DecodeError as error:  # see above: every decode failure is corruption
+        raise CorruptArtifact(key, str(error)) from None
     problem = _field_problem(key, fields)
     if problem is not None:
         raise CorruptArtifact(key, problem)
@@ -314,8 +331,9 @@ class ArtifactCache:
             expect["backend"] = self._backend
         return expect
 
-    def fetch(self, keys: Sequence[str]) -> dict[str, dict]:
-        """The valid artifacts among `keys` (missing, rejected and unreachable ones absent)."""
+    def fetch(self, keys: Sequence[str], rejected: set[str] | None = None) -> dict[str, dict]:
+        """The valid artifacts among `keys` (missing, rejected and unreachable ones absent);
+        the keys whose entries were rejected are added to `rejected` when given."""
         keys = [check_key(key) for key in keys]
         try:
             found = self.store.get(keys)
@@ -335,6 +353,8 @@ class ArtifactCache:
             except RejectedArtifact as rejection:
                 self._count(rejection.reason)
                 logger.warning("%s", rejection)
+                if rejected is not None:
+                    rejected.add(key)
                 continue
             self._count("valid")
         return valid
