@@ -19,9 +19,10 @@ Variables (the README's "Environment variables" section lists the same):
     DYNVM_JIT              "0"/"off"/"false"/"no": disable the JIT entirely, whatever a
                            Runtime was asked for (debugging: every call interpreted);
                            Runtime.stats() then says "jit_disabled_by". Default on.
-    DYNVM_STORE_SECRET     required by the kernel store, non-empty: the HMAC-SHA256 key
-                           that seals artifacts (Note [Signed artifacts] in
-                           dynvm.cluster.signed); the same value on every process.
+    DYNVM_STORE_SECRET     required by the kernel store: the HMAC-SHA256 key that seals
+                           artifacts (Note [Signed artifacts] in dynvm.cluster.signed);
+                           the same value on every process; at least 32 bytes and not
+                           guessable (Note [Store secret strength]).
     DYNVM_REDIS_URL        redis://, rediss:// or unix:// URL: the store is Redis.
     DYNVM_STORE_DIR        a directory: the store is local (one machine). Without it or
                            DYNVM_REDIS_URL: $XDG_CACHE_HOME/dynvm/kernels
@@ -57,12 +58,14 @@ Without OTEL_TRACES_EXPORTER or an OTLP endpoint, tracing is off (a no-op tracer
 
 from __future__ import annotations
 
+import math
 import os
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynvm.vm.errors import DynvmError
+from dynvm.vm.errors import ConfigError
 
 JIT = "DYNVM_JIT"
 STORE_SECRET = "DYNVM_STORE_SECRET"
@@ -95,9 +98,51 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-class EnvVarError(DynvmError, ValueError):
+class EnvVarError(ConfigError):
     """An environment variable has a value dynvm cannot use; the message names it (and
     quotes the value unless the variable holds a secret)."""
+
+
+MIN_SECRET_BYTES = 32
+"""Shortest DYNVM_STORE_SECRET accepted, in UTF-8 bytes (Note [Store secret strength])."""
+MIN_SECRET_BITS = 80
+"""Least empirical entropy of DYNVM_STORE_SECRET's characters, in bits."""
+
+# Note [Store secret strength]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The store secret is the only thing that keeps anyone who can write to Redis from
+# running code in every replica (Note [Signed artifacts] in dynvm.cluster.signed): an
+# HMAC key of one character can be guessed offline from one sealed entry in
+# microseconds. So a secret must be at least MIN_SECRET_BYTES long (HMAC-SHA256's own
+# key size; `openssl rand -hex 32` gives 64 characters) and must not look made by hand:
+# its characters carry at least MIN_SECRET_BITS of empirical entropy (length times the
+# Shannon entropy of their frequencies: one repeated character carries none, "ab" * 16
+# 32 bits, a random 32-character hex string about 110), it is not a shorter string
+# repeated, and no single step between neighbouring characters (0 for "aaaa", 1 for
+# "abcd...") makes up half of them. These refuse the secrets people type; they cannot
+# prove a secret random, and the message never shows the value.
+
+
+def _secret_weakness(secret: str) -> str | None:
+    """Why `secret` is too weak for DYNVM_STORE_SECRET, or None (Note [Store secret
+    strength]); the answer never quotes the secret."""
+    size = len(secret.encode("utf-8", "surrogatepass"))
+    if size < MIN_SECRET_BYTES:
+        return f"is {size} bytes long, at least {MIN_SECRET_BYTES} are required"
+    n = len(secret)
+    bits = sum(c * math.log2(n / c) for c in Counter(secret).values())
+    if bits < MIN_SECRET_BITS:
+        return (f"has {len(set(secret))} distinct characters ({bits:.0f} bits of "
+                f"entropy, at least {MIN_SECRET_BITS} are required)")
+    for period in range(1, n // 2 + 1):
+        if secret == (secret[:period] * (n // period + 1))[:n]:
+            return f"is a {period}-character string repeated"
+    steps = Counter(ord(b) - ord(a) for a, b in zip(secret, secret[1:], strict=False))
+    step, count = steps.most_common(1)[0]
+    if 2 * count >= n - 1:
+        return (f"is a run: {count} of its {n - 1} neighbouring characters differ by "
+                f"{step}")
+    return None
 
 
 def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:
@@ -243,6 +288,12 @@ def store_settings(environ: Mapping[str, str] | None = None) -> StoreSettings:
         raise EnvVarError(
             f"{STORE_SECRET} is {state}: the kernel store signs and verifies compiled "
             f"kernels with it. Set it to the same random value on every process of "
+            f"the cluster (e.g. `openssl rand -hex 32`).")
+    weakness = _secret_weakness(secret)
+    if weakness is not None:
+        raise EnvVarError(
+            f"{STORE_SECRET} {weakness}: anyone who guesses it can make every replica "
+            f"run their code. Set it to a random value, the same on every process of "
             f"the cluster (e.g. `openssl rand -hex 32`).")
     url, directory = _optional(env, REDIS_URL), _optional(env, STORE_DIR)
     if url is not None and directory is not None:

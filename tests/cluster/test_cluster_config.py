@@ -11,7 +11,7 @@ import pytest
 import dynvm.cluster as cluster
 from dynvm.cluster import LocalDirStore, RedisStore, StoreConfig, StoreConfigError
 
-SECRET = "from-env-secret-0123456789"
+SECRET = "from-env-secret-7f3a9c2e5b8d41f6a0c3e9b2d7"
 
 
 def test_secret_is_required():
@@ -76,12 +76,13 @@ def test_bad_environment_is_named(env, message):
 def test_config_reads_no_environment_itself(tmp_path, monkeypatch):
     # The mapping passed in is all it sees (dynvm._env reads the real one: see
     # tests/dynvm/test_env.py); with None it sees the process environment.
-    monkeypatch.setenv("DYNVM_STORE_SECRET", "process-secret-0123")
+    monkeypatch.setenv("DYNVM_STORE_SECRET", "process-secret-0123-" + "9f2c4e7a1b3d5f60")
     monkeypatch.setenv("DYNVM_STORE_DIR", str(tmp_path))
     with pytest.raises(StoreConfigError, match="DYNVM_STORE_SECRET is not set"):
         StoreConfig.from_env({})
     config = StoreConfig.from_env()
-    assert config.secret == b"process-secret-0123" and config.local_dir == str(tmp_path)
+    assert config.secret == b"process-secret-0123-9f2c4e7a1b3d5f60"
+    assert config.local_dir == str(tmp_path)
     assert "import os" not in Path(cluster.config.__file__).read_text()
 
 

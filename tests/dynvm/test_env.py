@@ -4,6 +4,7 @@ switch, and that every variable it reads is documented."""
 from __future__ import annotations
 
 import re
+import secrets
 from pathlib import Path
 
 import pytest
@@ -108,7 +109,7 @@ def test_trace_settings_resolve_exporters():
 
 
 def test_store_settings_never_show_secrets():
-    secret, password = "s3cret-value-123", "pa55word-xyz"
+    secret, password = "s3cret-value-" + secrets.token_hex(16), "pa55word-xyz"
     settings = store_settings({"DYNVM_STORE_SECRET": secret, "DYNVM_REDIS_URL": "redis://h",
                                "DYNVM_REDIS_PASSWORD": password, "DYNVM_REDIS_TLS": "yes"})
     assert settings.redis_tls and settings.local_dir is None

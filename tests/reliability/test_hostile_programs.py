@@ -165,7 +165,7 @@ def test_dynvm_serve_require_signed_needs_the_store_secret(tmp_path, monkeypatch
     with pytest.raises(CliError, match="--require-signed checks .* DYNVM_STORE_SECRET, "
                                        "which is not set"):
         options_from_args(_serve_args(str(path), "--require-signed"))
-    monkeypatch.setenv("DYNVM_STORE_SECRET", "s" * 32)
+    monkeypatch.setenv("DYNVM_STORE_SECRET", secrets.token_hex(32))
     signed = options_from_args(_serve_args(str(path), "--require-signed"))
     assert signed.serving.limits.require_signed_programs
     assert not options_from_args(_serve_args(str(path))).serving.limits.require_signed_programs
