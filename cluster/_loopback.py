@@ -23,9 +23,12 @@ listening sockets of a running `dynvm serve`:
   own processes `serve_grpc_on_loopback` (a Ray worker_process_setup_hook, run in
   every worker of the job before any task or actor: the controller, the proxies and
   the replicas are the job's actors) rewrites "[::]" to 127.0.0.1 in those two calls,
-  only when the node's address is loopback. It wraps two private Ray functions: Ray
-  is pinned (2.60.0); a Ray whose functions moved fails the socket test, not the
-  serving, since the hook leaves anything it cannot find as it is.
+  only when the node's address is loopback. It patches the two modules when a worker
+  imports them (an import hook), not before: a worker that never serves (the compile
+  service, an idle worker) would pay 0.66 s and 47 MB to import them. It wraps two
+  private Ray functions: Ray is pinned (2.60.0); a Ray whose functions moved fails the
+  socket tests (here and tests/cluster/test_loopback.py), not the serving: the hook
+  leaves anything it cannot find as it is.
 
 With `--host` other than loopback none of this applies: Ray picks the host's address,
 Serve's proxy and direct-ingress servers bind --host, and the ports README "Running on
@@ -35,7 +38,9 @@ a cluster" lists are open on every interface, to be firewalled.
 from __future__ import annotations
 
 import functools
+import importlib.abc
 import logging
+import sys
 
 LOOPBACK = "127.0.0.1"
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -78,6 +83,44 @@ def _wrapped(function):
     return bind
 
 
+# Serve's functions that bind a gRPC server, by module (Note [Loopback listeners]).
+SERVE_BINDERS = {"ray.serve._private.replica": "add_port_to_grpc_server",
+                 "ray.serve._private.default_impl": "add_grpc_address"}
+
+
+def _patch(module) -> None:
+    attribute = SERVE_BINDERS[module.__name__]
+    function = getattr(module, attribute, None)
+    if function is None:
+        logger.warning("dynvm: %s.%s not found; Serve's gRPC servers keep Serve's address",
+                       module.__name__, attribute)
+    elif not getattr(function, "__dynvm_loopback__", False):
+        setattr(module, attribute, _wrapped(function))
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds SERVE_BINDERS' modules through the other finders, and patches each once
+    it has run."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in SERVE_BINDERS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                run = spec.loader.exec_module
+
+                def exec_module(module, run=run):
+                    run(module)
+                    _patch(module)
+
+                spec.loader.exec_module = exec_module
+                return spec
+        return None
+
+
 def serve_grpc_on_loopback() -> None:
     """Ray worker_process_setup_hook: Serve's gRPC servers in this worker bind 127.0.0.1
     instead of every interface, when the node's address is loopback (Note [Loopback
@@ -86,21 +129,12 @@ def serve_grpc_on_loopback() -> None:
 
     try:
         node_ip = ray.util.get_node_ip_address()
-    except Exception:  # not connected yet: the hook runs in a worker, which is
+    except Exception:  # no address to judge by: leave Serve as it is
         return
     if not is_loopback(node_ip):
         return
-    import importlib
-
-    for module_name, attribute in (("ray.serve._private.replica", "add_port_to_grpc_server"),
-                                   ("ray.serve._private.default_impl", "add_grpc_address")):
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            logger.warning("dynvm: %s not found; Serve's gRPC servers keep Serve's address",
-                           module_name)
-            continue
-        function = getattr(module, attribute, None)
-        if function is None or getattr(function, "__dynvm_loopback__", False):
-            continue
-        setattr(module, attribute, _wrapped(function))
+    for name in SERVE_BINDERS:
+        if name in sys.modules:
+            _patch(sys.modules[name])
+    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
