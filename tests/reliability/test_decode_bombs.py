@@ -26,11 +26,13 @@ from dynvm.cluster.announce import Announcement
 from dynvm.cluster.fleet_link import FleetLink, FleetOptions
 from dynvm.cluster.fleet_records import index_key, index_stamp_key
 from dynvm.cluster.signed import ArtifactCache, CorruptArtifact, open_sealed
+from dynvm.cluster.store_redis import PIECE_BYTES
 from dynvm.jit.artifact import toolchain_versions
 from dynvm.vm import dvm_file, dvm_signature
 from dynvm.vm.bounded_decode import DecodeLimitError, DecodeLimits, unpack_msgpack
 from dynvm.vm.errors import CorruptSectionError, DvmSignatureError
 from tests.cluster._redis_server import redis_config
+from tests.cluster.test_cluster_store_redis import command_calls
 from tests.vm._programs import compiled
 
 MIB = 1 << 20
@@ -121,6 +123,23 @@ def test_a_16_mib_store_entry_bomb_is_refused_at_its_header(redis_server):
     assert seconds < TIME_BOUND_S
     assert peak < 2 * len(bomb)
     assert fetched < 4 * TIME_BOUND_S
+    # The download (Note [Reading in pieces]): the value itself and at most 1.5x more
+    # (one MGET held it three times: +50 MiB for 16).
+    assert fetch_peak - len(bomb) < 1.5 * len(bomb)
+
+
+def test_an_entry_longer_than_a_piece_is_read_whole(redis_server):
+    value = secrets.token_bytes(2 * PIECE_BYTES + 12345)
+    key = "d" * 64
+    with RedisStore(redis_config(redis_server)) as store:
+        store.put(key, value)
+        before = command_calls(redis_server, "getrange")
+        assert store.get([key]) == {key: value}
+        # The head, then three pieces.
+        assert command_calls(redis_server, "getrange") - before == 4
+        with redis_server.client() as admin:   # shrunk after it was measured: a miss
+            admin.set(store.config.namespace + key, value[:PIECE_BYTES + 1])
+        assert store._read_pieces(store.config.namespace + key, len(value)) is None
 
 
 @pytest.fixture(scope="module")
