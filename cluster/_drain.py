@@ -13,8 +13,11 @@ then closes the listener under connections still in its backlog (connection rese
 So `dynvm serve` drains first, itself: every replica of the model applications is
 told `begin_drain()` (readiness false, so /v2/health/ready answers 503 at once; a new
 infer request 503 + Retry-After + Connection: close; those in flight finish), then
-polled until none is in flight or ServingConfig.drain_s passed; only then Serve stops,
-its proxy with nothing in flight.
+polled until none is in flight or ServingConfig.drain_s passed, and for at least
+`min_s` (dynvm serve: ingress.DRAIN_S, 1 s): time for a load balancer polling
+readiness to notice, and for the last refusals to travel back through the proxy (they
+are not in flight at the replica any more, but would be cut with it); only then Serve
+stops, its proxy with nothing in flight.
 
 The replicas are reached one by one: Ray's named actors (`list_named_actors`) whose
 names Serve gives its replicas ("SERVE_REPLICA::<app>#...", the names its target
@@ -77,11 +80,11 @@ def replica_actors(app_names) -> list:
     return handles
 
 
-def drain_replicas(app_names, deadline_s: float, poll_s: float = 0.05,
+def drain_replicas(app_names, deadline_s: float, min_s: float = 0.0, poll_s: float = 0.05,
                    call_timeout_s: float = 5.0) -> DrainReport:
     """Tell every replica of `app_names` to drain, then wait until none has a request
-    in flight, at most `deadline_s` (Note [Drain before Serve stops]). A replica that
-    does not answer is left to Serve's own drain."""
+    in flight and `min_s` passed, at most `deadline_s` (Note [Drain before Serve
+    stops]). A replica that does not answer is left to Serve's own drain."""
     import ray
 
     start = time.monotonic()
@@ -93,6 +96,9 @@ def drain_replicas(app_names, deadline_s: float, poll_s: float = 0.05,
         time.sleep(poll_s)
         left = sum(n or 0 for n in _gather(
             ray, [a.__ray_call__.remote(_in_flight) for a in actors], call_timeout_s))
+    rest = min(min_s, deadline_s) - (time.monotonic() - start)
+    if actors and rest > 0:
+        time.sleep(rest)
     return DrainReport(len(actors), at_start, left, time.monotonic() - start)
 
 

@@ -346,12 +346,13 @@ def _drain(options: ServeOptions, say) -> None:
     """Drain the model's replicas before Serve stops (Note [Drain before Serve stops])."""
     from dynvm.cluster._drain import drain_replicas
     from dynvm.cluster.http_front import model_app_name
+    from dynvm.cluster.ingress import DRAIN_S
 
     drain_s = options.serving.drain_s
     say(f"draining  {options.name}'s replicas: not ready, new requests 503, in-flight "
         f"ones finish (up to {drain_s:g} s)")
     try:
-        report = drain_replicas([model_app_name(options.name)], drain_s)
+        report = drain_replicas([model_app_name(options.name)], drain_s, min_s=DRAIN_S)
     except Exception as exc:  # Ray already going: Serve's own drain still runs
         say(f"draining  failed ({type(exc).__name__}: {exc}); Serve's own drain follows")
         return

@@ -86,10 +86,10 @@ def test_every_listening_socket_is_on_loopback(served):
 def _drain_under_load(run, body: bytes, signum: int) -> None:
     """Signal `run` during a closed loop of requests at a replica's own port and at the
     proxy's; check the answers, the exit and that nothing of its tree survives."""
-    ports = run.direct_ports()
+    ports = run.direct_ports()  # each model replica's own port
     assert ports, run.output()
     loops = [ClosedLoop(f"http://127.0.0.1:{port}/v2/models/rec/infer", body,
-                        clients=3).start() for port in (ports[0], run.port)]
+                        clients=3).start() for port in (*ports, run.port)]
     tree = {**run.tree, **descendants(run.process.pid)}
     health = HealthWatch(f"http://127.0.0.1:{run.port}/v2/health/ready").start()
     try:
@@ -152,8 +152,10 @@ def test_sigterm_drains_in_flight_requests_and_stops_everything(served, model):
     _drain_under_load(served, model[1], signal.SIGTERM)
 
 
-def test_sigint_drains_the_same_way(model, tmp_path):
-    run = start_serve(model[0], tmp_path, "--drain-seconds", str(DRAIN_S))
+def test_sigint_drains_the_same_way_every_replica(model, tmp_path):
+    run = start_serve(model[0], tmp_path, "--drain-seconds", str(DRAIN_S), "--replicas", "2",
+                      "--num-cpus", "0.5")
+    assert len(run.direct_ports()) == 2, run.output()
     try:
         _drain_under_load(run, model[1], signal.SIGINT)
     finally:
