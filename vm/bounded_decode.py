@@ -77,19 +77,22 @@ class DecodeLimits:
     """Bytes of one msgpack extension value."""
     max_containers: int | None = None
     """Maps and arrays in the whole document; None: only what the other limits allow."""
-    max_depth: int = 1
-    """Deepest nesting of maps and arrays (a flat map is depth 1, a scalar depth 0)."""
+    max_depth: int | None = 1
+    """Deepest nesting of maps and arrays (a flat map is depth 1, a scalar depth 0);
+    None: msgpack's own bound of 1,024 levels, with no walk over the decoded object (for
+    authenticated documents, whose every container that walk would visit)."""
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_str", "max_bin", "max_array", "max_map",
-                     "max_ext", "max_depth"):
+                     "max_ext"):
             value = getattr(self, name)
             if type(value) is not int or value < 0:
                 raise ConfigError(f"DecodeLimits.{name} must be an int >= 0, got {value!r}")
-        if self.max_containers is not None and (type(self.max_containers) is not int
-                                                or self.max_containers < 0):
-            raise ConfigError(f"DecodeLimits.max_containers must be None or an int >= 0, "
-                              f"got {self.max_containers!r}")
+        for name in ("max_containers", "max_depth"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise ConfigError(f"DecodeLimits.{name} must be None or an int >= 0, "
+                                  f"got {value!r}")
 
 
 def _check_size(data: object, limits: DecodeLimits, what: str) -> None:
@@ -98,6 +101,10 @@ def _check_size(data: object, limits: DecodeLimits, what: str) -> None:
     size = memoryview(data).nbytes
     if size > limits.max_bytes:
         raise DecodeLimitError(f"{what}: {size} bytes, at most {limits.max_bytes} allowed")
+
+
+_MSGPACK_DEPTH = 1024
+"""msgpack's unpacker stops at this many levels (its own stack) whatever it is told."""
 
 
 class _Counter:
@@ -138,7 +145,9 @@ def unpack_msgpack(data: bytes | bytearray | memoryview, limits: DecodeLimits, w
     except DynvmError:
         raise
     except msgpack.StackError:  # a ValueError too: before the clause below
-        raise DecodeLimitError(f"{what}: nested more than {limits.max_depth} levels") from None
+        raise DecodeLimitError(f"{what}: nested more than "
+                               f"{min(limits.max_depth or _MSGPACK_DEPTH, _MSGPACK_DEPTH)} "
+                               "levels") from None
     except ValueError as exc:
         # msgpack names a header over its limit as "N exceeds max_x_len(M)".
         if "exceeds max_" in str(exc):
@@ -148,7 +157,10 @@ def unpack_msgpack(data: bytes | bytearray | memoryview, limits: DecodeLimits, w
     except Exception as exc:  # msgpack raises several unrelated types on bad bytes
         raise MalformedDocument(f"{what}: not a msgpack document ({type(exc).__name__}: "
                                 f"{exc})") from None
-    check_depth(obj, limits.max_depth, what)
+    # Nesting never exceeds the container count: with few enough, no walk is needed.
+    if limits.max_depth is not None and (limits.max_containers is None
+                                         or limits.max_containers > limits.max_depth):
+        check_depth(obj, limits.max_depth, what)
     return obj
 
 
@@ -163,10 +175,12 @@ def unpack_json(data: bytes | bytearray | memoryview | str, limits: DecodeLimits
     try:
         obj = json.loads(bytes(data))
     except RecursionError:
-        raise DecodeLimitError(f"{what}: nested more than {limits.max_depth} levels") from None
+        levels = limits.max_depth if limits.max_depth is not None else "Python's parser's"
+        raise DecodeLimitError(f"{what}: nested more than {levels} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise MalformedDocument(f"{what}: not a JSON document ({exc})") from None
-    check_depth(obj, limits.max_depth, what)
+    if limits.max_depth is not None:
+        check_depth(obj, limits.max_depth, what)
     return obj
 
 
