@@ -10,8 +10,10 @@ Ctrl-C only once that call returns. So the handlers here do nothing themselves: 
 level writes each signal's number to a wakeup socket (`signal.set_wakeup_fd`), and a
 watcher thread reads it at once, whatever the main thread is doing. The first
 SIGINT/SIGTERM sets `requested` (the main thread then stops everything in order); a
-second one, or `requested` still unanswered by `close()` after `deadline_s`, calls
-`on_force(signum)` in the watcher thread, which must end the process.
+second one, or a stop still running `deadline_s` after the main thread began it
+(`stopping()`: a signal during start-up waits for the start-up, whose length the stop
+should not pay for), calls `on_force(signum)` (None for the deadline) in the watcher
+thread, which must end the process.
 
 Ray's `ray.init` installs its own SIGTERM handlers in the driver (a Python one that
 kills the node's processes and exits 1, and the C++ core worker's fatal-signal handler,
@@ -40,7 +42,7 @@ class StopSignals:
         self.deadline_s = deadline_s
         self.requested = threading.Event()
         self.signum: int | None = None
-        self._asked_at: float | None = None
+        self._stop_began: float | None = None
         self._reader, self._writer = socket.socketpair()
         self._reader.settimeout(0.2)
         self._writer.setblocking(False)
@@ -81,22 +83,20 @@ class StopSignals:
                 seen += 1
                 if seen == 1:
                     self.signum = signum
-                    self._asked_at = time.monotonic()
                     self.requested.set()
                 else:
                     self.on_force(signum)
-            asked = self._asked_at
-            if (asked is not None and self.deadline_s is not None
+            began = self._stop_began
+            if (began is not None and self.deadline_s is not None
                     and not self._closed.is_set()
-                    and time.monotonic() - asked > self.deadline_s):
+                    and time.monotonic() - began > self.deadline_s):
                 self.on_force(None)
                 return
 
-    def request(self) -> None:
-        """Ask for the graceful stop as a first signal would (the deadline runs)."""
-        if not self.requested.is_set():
-            self._asked_at = time.monotonic()
-            self.requested.set()
+    def stopping(self) -> None:
+        """The main thread begins its stop: from now on, `deadline_s` runs."""
+        if self._stop_began is None:
+            self._stop_began = time.monotonic()
 
     def close(self) -> None:
         """Stop watching; the previous handlers and wakeup fd are back (main thread)."""

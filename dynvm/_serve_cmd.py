@@ -18,15 +18,15 @@ flight finish, within ServingConfig.drain_s (`--drain-seconds`). Then Serve shut
 (each replica as on scale-down, Note [Replica drain] in dynvm.cluster._deployment: its
 listener closes, a later connection is refused), then the compile service, Ray (its
 raylet, GCS and workers) and the private redis-server, in that order, and the command
-exits EXIT_STOPPED (0). A second signal, or a stop still running STOP_BUDGET_S
-after the drain, forces it: the redis-server is killed and the command exits at once,
-EXIT_FORCED_BY_SIGNAL + the signal's number (130 for SIGINT, 143 for SIGTERM) or
-EXIT_STOP_TIMEOUT; Ray's own processes share the command's fate (Ray starts its GCS
-and raylet with a parent-death signal; its workers and agents exit when the raylet is
-gone). Even a SIGKILL of the command leaves nothing behind: the redis-server has a
-parent-death signal of its own (LocalRedisOptions.die_with_parent), and a watchdog
-kills whatever else the command started at once (Note [Orphan watch] in
-dynvm.cluster._orphan_watch) instead of the minute Ray's agents take alone.
+exits EXIT_STOPPED (0). A second signal, or a stop still running STOP_BUDGET_S after
+the drain (counted from the end of start-up), forces it: the redis-server is killed
+and the command exits at once, EXIT_FORCED_BY_SIGNAL + the signal's number (130 for
+SIGINT, 143 for SIGTERM) or EXIT_STOP_TIMEOUT. Even then, and even after a SIGKILL of
+the command, nothing is left behind: the redis-server has a parent-death signal
+(LocalRedisOptions.die_with_parent), Ray starts its GCS and raylet with one too (its
+workers exit when the raylet is gone), and a watchdog kills whatever else the command
+started at once (Note [Orphan watch] in dynvm.cluster._orphan_watch), instead of the
+minute Ray's agents take alone.
 
 The kernel store's secret comes from DYNVM_STORE_SECRET when it is set (replicas of
 another `dynvm serve`, or `dynvm precompile`, can then share the store). Otherwise it is
@@ -395,16 +395,19 @@ def serve_command(args) -> int:
     try:
         with contextlib.ExitStack() as stack:
             try:
-                direct = _start(options, stack, say, signals, private)
-            except CliError:
-                raise
-            except Exception as exc:  # Ray or Serve failed to start: say what, then unwind
-                raise CliError(f"serve failed to start: {type(exc).__name__}: {exc}") \
-                    from None
-            if not signals.requested.is_set():
-                say(_hint(options, direct))
-            while not signals.requested.wait(0.5):
-                pass
+                try:
+                    direct = _start(options, stack, say, signals, private)
+                except CliError:
+                    raise
+                except Exception as exc:  # Ray or Serve failed to start: say what, unwind
+                    raise CliError(f"serve failed to start: {type(exc).__name__}: "
+                                   f"{exc}") from None
+                if not signals.requested.is_set():
+                    say(_hint(options, direct))
+                while not signals.requested.wait(0.5):
+                    pass
+            finally:
+                signals.stopping()  # from here the stop is bounded (Note [Stop signals])
             _drain(options, say)
             say("stopping  serve, compile service, ray, redis")
         say("stopped")

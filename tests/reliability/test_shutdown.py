@@ -246,7 +246,7 @@ def test_a_stop_past_its_deadline_is_forced():
     forced = []
     signals = StopSignals(forced.append, deadline_s=0.3).install()
     try:
-        signals.request()
+        signals.stopping()
         deadline = time.monotonic() + 5
         while not forced and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -260,7 +260,7 @@ def test_a_stop_within_its_deadline_is_not_forced():
 
     forced = []
     signals = StopSignals(forced.append, deadline_s=0.5).install()
-    signals.request()
+    signals.stopping()
     signals.close()  # stopped in time
     time.sleep(0.8)
     assert forced == []
