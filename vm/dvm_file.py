@@ -436,7 +436,8 @@ def _decode_program(code_payload: memoryview, const_payload: memoryview,
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise _corrupt_code(f"constant names repeat: {names}")
-    check_raw_content_hash(code_payload, len(header), header["hash"], const_payload, names)
+    unhashed = check_raw_content_hash(code_payload, len(header), header["hash"],
+                                      const_payload, names)
     if meta_payload is not None:
         _check_meta(meta_payload)
     code = _decode_code(header["code"])
@@ -449,10 +450,13 @@ def _decode_program(code_payload: memoryview, const_payload: memoryview,
                           out_spec=header["out_spec"], name=header["name"])
     except VerifyError as exc:
         raise _corrupt_code(f"the program does not verify: {exc}") from exc
-    if program.content_hash != header["hash"]:
-        raise _corrupt_code(f"stored content hash {header['hash']!r} differs from the loaded "
-                            f"program's {program.content_hash!r}: code or constants were "
-                            "changed after the file was written")
+    # The stored hash covers the raw bytes (checked above); the program hashes what it
+    # re-encodes. Its constants are those raw bytes, so the code alone is compared, and
+    # the verified hash is kept rather than every constant hashed a second time.
+    if encode_header(program, with_hash=False) != unhashed:
+        raise _corrupt_code("the loaded program does not re-encode to the file's bytes: the "
+                            "section was written by another encoder or changed")
+    program._cache["hash"] = header["hash"]
     return program
 
 

@@ -22,12 +22,13 @@ def _describe(value: object) -> str:
 
 
 def check_raw_content_hash(code_payload: memoryview, n_fields: int, stored: str,
-                            const_payload: memoryview, names: list[str]) -> None:
+                            const_payload: memoryview, names: list[str]) -> bytes:
     """The stored content hash against the bytes it covers, before anything is built
     from them (Note [Validating a .dvm file]): `Program.content_hash` hashes
     `encode_header(with_hash=False)` and each constant's bytes in program order, which
     are the CODE section without its last field ("hash") and the constants' raw
-    safetensors data."""
+    safetensors data. Returns that CODE section without its hash: what
+    `encode_header(program, with_hash=False)` of the loaded program must give."""
     packer = msgpack.Packer(use_bin_type=True)
     suffix = packer.pack("hash") + packer.pack(stored)
     head = packer.pack_map_header(n_fields)
@@ -37,8 +38,9 @@ def check_raw_content_hash(code_payload: memoryview, n_fields: int, stored: str,
         raise CorruptSectionError("CODE", "the content hash is not the last of its fields "
                                   "as the writer lays them out: the section was re-encoded "
                                   "or changed")
-    digest = hashlib.sha256(packer.pack_map_header(n_fields - 1))
-    digest.update(code_payload[len(head):code_payload.nbytes - len(suffix)])
+    unhashed = packer.pack_map_header(n_fields - 1) \
+        + bytes(code_payload[len(head):code_payload.nbytes - len(suffix)])
+    digest = hashlib.sha256(unhashed)
     for data in _raw_constants(const_payload, names):
         digest.update(data)
     if digest.hexdigest() != stored:
@@ -46,6 +48,7 @@ def check_raw_content_hash(code_payload: memoryview, n_fields: int, stored: str,
                                   f"hash of the file's code and constant bytes "
                                   f"{digest.hexdigest()!r}: code or constants were changed "
                                   "after the file was written")
+    return unhashed
 
 
 def _raw_constants(payload: memoryview, names: list[str]) -> Iterator[memoryview]:

@@ -502,6 +502,29 @@ def test_changed_constant_with_old_hash_is_caught():
         dvm_file.loads(data)
 
 
+def test_a_code_section_another_encoder_wrote_is_caught():
+    # n_regs as a 9-byte int64 where the writer uses one byte: the same values, other
+    # bytes, and a content hash recomputed over them. The loaded program's hash is the
+    # verified one, so what it re-encodes must be exactly those bytes.
+    data = tiny_bytes()
+    header = code_header(data)
+    canonical = msgpack.packb("n_regs") + msgpack.packb(header["n_regs"])
+    wide = msgpack.packb("n_regs") + b"\xd3" + header["n_regs"].to_bytes(8, "big")
+    unhashed = msgpack.packb({k: v for k, v in header.items() if k != "hash"},
+                             use_bin_type=True)
+    assert unhashed.count(canonical) == 1 and unhashed[0] == 0x80 | (len(header) - 1)
+    unhashed = unhashed.replace(canonical, wide)
+    const = next(p for n, _, p in split(data) if n == "CONST")
+    digest = hashlib.sha256(unhashed)
+    tensors = safetensors.torch.load(const)
+    for name, *_ in header["constants"]:
+        digest.update(_raw(tensors[name]))
+    code = (bytes([0x80 | len(header)]) + unhashed[1:] + msgpack.packb("hash")
+            + msgpack.packb(digest.hexdigest()))
+    with pytest.raises(CorruptSectionError, match="does not re-encode"):
+        dvm_file.loads(replace(data, "CODE", code))
+
+
 def test_verify_error_becomes_corrupt_code_section():
     header = code_header(tiny_bytes())
     header["code"][3] = ["RETURN", [], [["t", [["r", 3]]]]]  # %3 is never written
