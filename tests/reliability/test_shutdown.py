@@ -7,7 +7,10 @@ Ray and private redis-server, real HTTP clients.
   or 503), the command exits 0 within its deadline, and no process of its tree is left;
 - SIGKILL: no redis-server left within 10 s, nor any other process of its tree (Ray's
   agents alone would take a minute: Note [Orphan watch]);
-- a second signal forces the stop (exit 128 + the signal), in-process.
+- a second signal forces the stop (exit 128 + the signal), on a real process and
+  in-process;
+- a replica that Serve stops (scale-down, redeploy, delete) finishes its in-flight
+  requests within ServingConfig.drain_s, and is cut past it.
 """
 
 from __future__ import annotations
@@ -264,3 +267,68 @@ def test_a_stop_within_its_deadline_is_not_forced():
     signals.close()  # stopped in time
     time.sleep(0.8)
     assert forced == []
+
+
+def _post(url: str, body: bytes, timeout_s: float = 60.0) -> tuple[int | str, dict | None]:
+    """(status, decoded body) of one POST; a cut connection's status is its error."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, None
+    except OSError as error:
+        return repr(error), None
+
+
+def test_a_replica_serve_stops_finishes_in_flight_requests_within_drain_s(tmp_path):
+    """Scale-down, redeploy or delete: Serve stops the replica, which finishes what it
+    serves within ServingConfig.drain_s (Note [Replica drain]); past it, cut. Two models
+    of the same slow program, one drained for 15 s and one for 0.5 s, each stopped
+    with a ~4 s request in flight."""
+    from ray import serve
+
+    import dynvm
+    from dynvm.cluster import BatchingOptions, ServingConfig, serve_models
+    from tests.cluster._cluster_helpers import local_serve
+    from tests.vm._programs import DATA_LOOP, DATA_LOOP_INPUTS, build
+
+    path = tmp_path / "spin.dvm"
+    dynvm.save(build(DATA_LOOP, regs=8, inputs=DATA_LOOP_INPUTS, outputs=2, name="spin"),
+               path)
+    config = ServingConfig(device="cpu", jit=False, num_cpus=0.5, drain_s=15.0,
+                           batching=BatchingOptions(enabled=False))
+
+    def body(n: int) -> bytes:
+        return json.dumps({"inputs": [
+            {"name": "n", "datatype": "INT64", "shape": [], "data": [n]},
+            {"name": "x", "datatype": "FP32", "shape": [2], "data": [1.0, -1.0]}]}).encode()
+
+    with local_serve("dynvm-test-drain") as port:
+        serve_models({"long": str(path), "short": str(path)}, config,
+                     per_model={"short": config.replace(drain_s=0.5)})
+        url = f"http://127.0.0.1:{port}/v2/models/{{}}/infer"
+        start = time.monotonic()
+        status, _ = _post(url.format("long"), body(100_000))
+        assert status == 200
+        # ~4 s a call: past the short drain by seconds even if this calibration ran
+        # twice as slow as the calls will.
+        n = int(100_000 * 4.0 / max(time.monotonic() - start, 0.01))
+        answers: dict[str, tuple] = {}
+        threads = [threading.Thread(target=lambda m=m: answers.__setitem__(
+            m, _post(url.format(m), body(n)))) for m in ("long", "short")]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)  # both in flight
+        serve.delete("dynvm-model-short", _blocking=False)
+        serve.delete("dynvm-model-long", _blocking=False)
+        for thread in threads:
+            thread.join(timeout=60)
+    status, answer = answers["long"]
+    print(f"n = {n}; drained for 15 s: {status}; for 0.5 s: {answers['short'][0]}")
+    assert status == 200 and answer["outputs"][1]["data"] == [n], answers["long"]
+    assert answers["short"][0] != 200, answers["short"]
