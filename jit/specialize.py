@@ -31,6 +31,14 @@ if shapes and dtypes match at all of them. A probe that one of the program's own
 rejects stands for inputs the program refuses: the check stays in the code (so those
 inputs are refused by the kernel too) and the probe is not used for anything else. The
 first probe is the one memory is planned for (the bucket's upper bounds).
+
+A family's buckets are in sizes, but a derived input dim (`32*k`, Note [Derived dims] in
+dynvm.vm.input_check) takes only the sizes its root gives: a bucket's low end (65) and
+the point after it are sizes the program refuses, and dropping them would leave too few
+probes to vary anything. So a family's probes are first moved onto the root's grid
+(`on_root_grid`): each derived dim to the next size its root gives, within the declared
+range, a probe that lands on an earlier one one root step further; the family then
+probes distinct root values, as it probes distinct sizes of a plain dim.
 """
 
 from __future__ import annotations
@@ -77,7 +85,10 @@ def specialize(program, region, live_in_values: dict[int, object],
     probes: list[dict[int, object]] = []
     kept_checks: set[int] = set()
     memo = ShapeMemo()
-    for index, live_in in enumerate((live_in_values, *extra_probes)):
+    candidates = (live_in_values, *extra_probes)
+    if extra_probes:
+        candidates = on_root_grid(program, candidates)
+    for index, live_in in enumerate(candidates):
         try:
             probes.append(evaluate_region(program, region, live_in, memo.apply))
         except CheckFailed as exc:
@@ -96,6 +107,42 @@ def specialize(program, region, live_in_values: dict[int, object],
                 probe.pop(reg, None)
     rewriter = _Rewriter(program, region, probes, kept_checks)
     return rewriter.run()
+
+
+def on_root_grid(program, probes) -> tuple[dict[int, object], ...]:
+    """A family's probes with every derived input dim moved onto its root's grid
+    (Note [Probes]); probes without a derived dim are returned as they are."""
+    derived = {register: spec.dims for register, spec in enumerate(program.inputs)
+               if any(d.is_derived for d in spec.dims)}
+    if not derived or not any(r in derived for r in probes[0]):
+        return tuple(probes)
+    moved: list[dict[int, object]] = []
+    seen: set[tuple] = set()
+    for probe in probes:
+        for step in (0, 1):
+            candidate = dict(probe)
+            for register, dims in derived.items():
+                value = probe.get(register)
+                if isinstance(value, torch.Tensor) and value.dim() == len(dims):
+                    shape = [_grid_size(d, int(n), step) if d.is_derived else int(n)
+                             for d, n in zip(dims, value.shape)]
+                    candidate[register] = torch.empty(shape, dtype=value.dtype,
+                                                      device=value.device)
+            key = tuple((r, tuple(v.shape)) for r, v in candidate.items()
+                        if isinstance(v, torch.Tensor))
+            if key not in seen:
+                seen.add(key)
+                moved.append(candidate)
+                break
+    return tuple(moved)
+
+
+def _grid_size(dim, size: int, step: int) -> int:
+    """The size of `dim`'s root at `step` roots past the first one giving >= `size`,
+    kept within the declared range."""
+    low, high = dim.root_range()
+    root = -(-(size - dim.offset) // dim.scale) + step
+    return dim.scale * min(max(root, low), high) + dim.offset
 
 
 class ShapeMemo:

@@ -277,14 +277,16 @@ def _parse_dims(text: str, line_no: int):
         raise AssembleError(f"line {line_no}: dims must be written [d0, d1, ...]")
     dims = []
     for item in filter(None, (p.strip() for p in body[1:-1].split(","))):
-        match = re.fullmatch(r"(\w+):(\d+)\.\.(\d+)|(\d+)", item)
+        # name:low..high, a derived 32*name+1:low..high (Note [Derived dims]), or a size
+        match = re.fullmatch(r"(?:(\d+)\*)?(\w+)([+-]\d+)?:(\d+)\.\.(\d+)|(\d+)", item)
         if match is None:
             raise AssembleError(f"line {line_no}: bad dim {item!r}")
-        if match.group(4) is not None:
-            size = int(match.group(4))
+        if match.group(6) is not None:
+            size = int(match.group(6))
             dims.append(DimSpec("", size, size))
         else:
-            dims.append(DimSpec(match.group(1), int(match.group(2)), int(match.group(3))))
+            dims.append(DimSpec(match.group(2), int(match.group(4)), int(match.group(5)),
+                                int(match.group(1) or 1), int(match.group(3) or 0)))
     return tuple(dims)
 
 

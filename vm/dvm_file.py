@@ -484,12 +484,18 @@ def _decode_input(index: int, item: object) -> InputSpec:
 
 
 def _decode_dim(where: str, item: object) -> DimSpec:
-    if not (_is_triple(item) and type(item[1]) is int and type(item[2]) is int):
-        raise _corrupt_code(f"{where}: expected [name, low, high], got {_describe(item)}")
-    name, low, high = item
+    # [name, low, high], or [name, low, high, scale, offset] (Note [Derived dims]).
+    derived = isinstance(item, list) and len(item) == 5 and isinstance(item[0], str) \
+        and all(type(v) is int for v in item[1:])
+    if not (derived or _is_triple(item) and type(item[1]) is int and type(item[2]) is int):
+        raise _corrupt_code(f"{where}: expected [name, low, high] or [name, low, high, "
+                            f"scale, offset], got {_describe(item)}")
+    name, low, high = item[:3]
     if not 0 <= low <= high:
         raise _corrupt_code(f"{where}: range {low}..{high} is empty or negative")
-    return DimSpec(name, low, high)
+    if derived and item[3] < 1:
+        raise _corrupt_code(f"{where}: derived dim scale {item[3]}, expected >= 1")
+    return DimSpec(name, low, high, *item[3:])
 
 
 def _decode_const_spec(index: int, item: object) -> ConstSpec:

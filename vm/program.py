@@ -17,24 +17,56 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dynvm.vm.input_check import derived_text
 from dynvm.vm.instr import Instr
 from dynvm.vm.regions import Region, compute_regions
 
 
 @dataclass(frozen=True, slots=True)
 class DimSpec:
-    """One dim of an input: static (`low == high`, no name) or dynamic in [low, high]."""
+    """One dim of an input: static (`low == high`, no name), dynamic in [low, high], or
+    derived: `scale * name + offset`, torch.export's `a * Dim(...) + b`, within
+    [low, high] (see Note [Derived dims] in dynvm.vm.input_check)."""
 
     name: str
+    """The dim's name (a derived dim's: its root's), empty for a static dim."""
     low: int
+    """The smallest size the dim may have."""
     high: int
+    """The largest size the dim may have."""
+    scale: int = 1
+    """A derived dim's size is `scale * root + offset`; 1 for a plain dim."""
+    offset: int = 0
+    """See `scale`; 0 for a plain dim."""
 
     @property
     def is_static(self) -> bool:
         return self.low == self.high and not self.name
 
+    @property
+    def is_derived(self) -> bool:
+        """True when the size is an expression of the named root, not the root itself."""
+        return self.scale != 1 or self.offset != 0
+
+    @property
+    def expression(self) -> str:
+        """The size as the user declared it: `32*k`, `2*n+1`, or the name alone."""
+        return derived_text(self.name, self.scale, self.offset)
+
+    def root_of(self, size: int) -> int | None:
+        """The root's value for `size`, None when no root value gives it."""
+        root, rest = divmod(size - self.offset, self.scale)
+        return None if rest else root
+
+    def root_range(self) -> tuple[int, int]:
+        """The root's (low, high): the values that give sizes in [low, high]."""
+        return (-(-(self.low - self.offset) // self.scale),
+                (self.high - self.offset) // self.scale)
+
     def __str__(self) -> str:
-        return str(self.low) if self.is_static else f"{self.name}:{self.low}..{self.high}"
+        if self.is_static:
+            return str(self.low)
+        return f"{self.expression}:{self.low}..{self.high}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +83,10 @@ class InputSpec:
         return tuple(i for i, d in enumerate(self.dims) if not d.is_static)
 
     def as_assert_operand(self) -> tuple:
-        """The dims literal SHAPE_ASSERT carries: (low, high, name) per dim."""
-        return tuple((d.low, d.high, d.name) for d in self.dims)
+        """The dims literal SHAPE_ASSERT carries: (low, high, name) per dim, and
+        (low, high, name, scale, offset) for a derived one (Note [Derived dims])."""
+        return tuple((d.low, d.high, d.name, d.scale, d.offset) if d.is_derived
+                     else (d.low, d.high, d.name) for d in self.dims)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,30 +24,36 @@ def dim_key(spec, axis: int, dim) -> str:
 
 
 def declared_dims(program) -> dict[str, tuple[int, int]]:
-    """Each dynamic dim's key and the range every input using it accepts."""
+    """Each dynamic dim's key and the range every input using it accepts. A derived dim
+    (`32*k`, Note [Derived dims]) is keyed by its root, and the range is the root's."""
     dims: dict[str, tuple[int, int]] = {}
     for spec in program.inputs:
         for axis, dim in enumerate(spec.dims):
             if not dim.is_static:
                 key = dim_key(spec, axis, dim)
-                low, high = dims.get(key, (dim.low, dim.high))
-                dims[key] = (max(low, dim.low), min(high, dim.high))
+                root_low, root_high = dim.root_range()
+                low, high = dims.get(key, (root_low, root_high))
+                dims[key] = (max(low, root_low), min(high, root_high))
     return dims
 
 
 def dim_values(program, flat) -> dict[str, int]:
-    """The dynamic dims' sizes in a call's flat inputs."""
+    """The dynamic dims' values in a call's flat inputs (a derived dim's root's)."""
     values: dict[str, int] = {}
     for spec, tensor in zip(program.inputs, flat):
         for axis, dim in enumerate(spec.dims):
             if not dim.is_static and axis < tensor.dim():
-                values.setdefault(dim_key(spec, axis, dim), int(tensor.shape[axis]))
+                root = dim.root_of(int(tensor.shape[axis]))
+                if root is not None:
+                    values.setdefault(dim_key(spec, axis, dim), root)
     return values
 
 
 def random_tensor(spec, values: dict[str, int], generator: torch.Generator) -> torch.Tensor:
-    """One input of `spec`'s dtype, its dynamic dims sized by `values` (by dim key)."""
-    shape = [dim.low if dim.is_static else values[dim_key(spec, axis, dim)]
+    """One input of `spec`'s dtype, its dynamic dims sized by `values` (by dim key; a
+    derived dim's size is its expression of the root's value)."""
+    shape = [dim.low if dim.is_static
+             else dim.scale * values[dim_key(spec, axis, dim)] + dim.offset
              for axis, dim in enumerate(spec.dims)]
     dtype = spec.dtype
     if dtype.is_complex:

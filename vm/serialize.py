@@ -163,12 +163,19 @@ def unpack(data: bytes | memoryview, what: str, limits: DecodeLimits | None = No
         raise DvmFormatError(str(exc)) from None
 
 
+def _dim_record(dim) -> list:
+    # A derived dim adds its relation; a plain one keeps three items (Note [Derived dims]).
+    if dim.is_derived:
+        return [dim.name, dim.low, dim.high, dim.scale, dim.offset]
+    return [dim.name, dim.low, dim.high]
+
+
 def encode_header(program, with_hash: bool = True) -> bytes:
     """The program minus its constant data, as msgpack bytes (the CODE section)."""
     body = {
         "name": program.name,
         "n_regs": program.n_regs,
-        "inputs": [[i.name, literal_name(i.dtype), [[d.name, d.low, d.high] for d in i.dims]]
+        "inputs": [[i.name, literal_name(i.dtype), [_dim_record(d) for d in i.dims]]
                    for i in program.inputs],
         "constants": [[c.name, literal_name(c.dtype), list(c.shape)]
                       for c in program.constant_specs],

@@ -91,11 +91,19 @@ def _check_signature(program) -> None:
             if dim.low != dim.high and not dim.name:
                 raise VerifyError(f"{where}: a dynamic dim [{dim.low}, {dim.high}] needs "
                                   "a name")
+            if not (type(dim.scale) is int and type(dim.offset) is int and dim.scale >= 1
+                    and dim.root_of(dim.low) is not None
+                    and dim.root_of(dim.high) is not None):
+                raise VerifyError(f"{where}: derived dim {dim.expression} with bounds "
+                                  f"[{dim.low}, {dim.high}], expected a scale >= 1 and "
+                                  "bounds it gives (Note [Derived dims])")
             if dim.name:
-                low, high, first = ranges.setdefault(dim.name, (dim.low, dim.high, spec.name))
-                if (low, high) != (dim.low, dim.high):
-                    raise VerifyError(f"{where}: dim {dim.name!r} is [{dim.low}, "
-                                      f"{dim.high}] here but [{low}, {high}] in input "
+                # Dims sharing a name share a root: its range must agree.
+                root_low, root_high = dim.root_range()
+                low, high, first = ranges.setdefault(dim.name, (root_low, root_high, spec.name))
+                if (low, high) != (root_low, root_high):
+                    raise VerifyError(f"{where}: dim {dim.name!r} is [{root_low}, "
+                                      f"{root_high}] here but [{low}, {high}] in input "
                                       f"{first!r}")
 
 

@@ -31,7 +31,8 @@ def user_dim_names(module, example_inputs: tuple, dynamic_shapes) -> list[dict[i
         found: dict[int, str] = {}
         items = spec.items() if isinstance(spec, dict) else enumerate(spec or ())
         for index, dim in items:
-            name = getattr(dim, "__name__", None)
+            # A derived dim (`32 * Dim("k")`) is addressed by its root's name.
+            name = getattr(getattr(dim, "root", dim), "__name__", None)
             if name:
                 found[int(index)] = name
         names.append(found)
@@ -54,10 +55,50 @@ def _finite_int(bound, default: int) -> int:
     return default
 
 
+def _linear(expr) -> tuple[sympy.Symbol, int, int] | None:
+    """(root, scale, offset) when `expr` is `scale * root + offset` with int coefficients
+    and scale >= 1, else None."""
+    if isinstance(expr, sympy.Symbol):
+        return expr, 1, 0
+    symbols = expr.free_symbols
+    if len(symbols) != 1:
+        return None
+    (root,) = symbols
+    try:
+        poly = sympy.Poly(expr, root)
+    except sympy.PolynomialError:
+        return None
+    coeffs = poly.all_coeffs()
+    if poly.degree() != 1 or not all(c.is_Integer for c in coeffs) or coeffs[0] < 1:
+        return None
+    return root, int(coeffs[0]), int(coeffs[1])
+
+
+def _dim_spec(exported, where: str, expr, name: str) -> DimSpec:
+    """The DimSpec of a dynamic input dim whose size is `expr` (Note [Derived dims])."""
+    relation = _linear(expr)
+    if relation is None:
+        raise UnsupportedOpError(
+            f"{where} is the size {expr}; declare each input dim as its own Dim, "
+            "a * Dim(...) + b, or a static size")
+    root, scale, offset = relation
+    root_low, root_high = _bounds(exported, root)
+    if scale == 1 and offset == 0:
+        return DimSpec(name, root_low, root_high)
+    size_low, size_high = _bounds(exported, expr)
+    root_low = max(root_low, -(-(size_low - offset) // scale))
+    root_high = min(root_high, (min(size_high, _UNBOUNDED) - offset) // scale)
+    if root_low > root_high:
+        raise UnsupportedOpError(f"{where} ({expr}) has no valid size: {root} in "
+                                 f"{root_low}..{root_high}")
+    return DimSpec(name, scale * root_low + offset, scale * root_high + offset, scale, offset)
+
+
 def input_specs(exported, placeholders, names: list[str],
-                user_names: list[dict[int, str]]) -> tuple[tuple[InputSpec, ...], dict]:
-    """InputSpecs of the user inputs, and {symbol: (input index, dim)} of each dynamic
-    symbol's first appearance (later appearances must equal it)."""
+                user_names: list[dict[int, str]]) -> tuple[tuple[InputSpec, ...], list]:
+    """InputSpecs of the user inputs, and the repeats: pairs of (input index, dim) whose
+    sizes share a root symbol, the first appearance and a later one, which the program
+    checks agree (on the size, or on the root's value for derived dims)."""
     specs = []
     first_seen: dict[sympy.Symbol, tuple[int, int]] = {}
     repeats: list[tuple[tuple[int, int], tuple[int, int]]] = []
@@ -72,17 +113,15 @@ def input_specs(exported, placeholders, names: list[str],
                 dims.append(DimSpec("", size, size))
                 continue
             expr = size.node.expr
-            if not isinstance(expr, sympy.Symbol):
-                raise UnsupportedOpError(
-                    f"input {names[index]!r} dim {dim_index} is the derived size {expr}; "
-                    "declare each input dim as its own Dim or a static size")
-            low, high = _bounds(exported, expr)
-            name = user_names[index].get(dim_index, str(expr)) if index < len(user_names) \
-                else str(expr)
-            dims.append(DimSpec(name, low, high))
-            if expr in first_seen:
-                repeats.append((first_seen[expr], (index, dim_index)))
+            relation = _linear(expr)
+            root = relation[0] if relation is not None else expr
+            name = user_names[index].get(dim_index, str(root)) if index < len(user_names) \
+                else str(root)
+            dims.append(_dim_spec(exported, f"input {names[index]!r} dim {dim_index}", expr,
+                                  name))
+            if root in first_seen:
+                repeats.append((first_seen[root], (index, dim_index)))
             else:
-                first_seen[expr] = (index, dim_index)
+                first_seen[root] = (index, dim_index)
         specs.append(InputSpec(names[index], fake.dtype, tuple(dims)))
     return tuple(specs), repeats

@@ -293,6 +293,19 @@ def _is_neutral(value, argument) -> bool:
     return name == "alpha" and value == 1
 
 
+def _root_value(lowering: _Lowering, place: tuple[int, int], dim) -> Reg:
+    """A register holding input dim `place`'s size, or with a derived `dim`, its root's
+    value (Note [Derived dims]; SHAPE_ASSERT has already checked that it divides)."""
+    out = lowering.new_reg()
+    lowering.emit("DIM", (out,), (Reg(place[0]), Imm(place[1])))
+    if dim is None or not dim.is_derived:
+        return out
+    shifted, root = lowering.new_reg(), lowering.new_reg()
+    lowering.emit("SSUB", (shifted,), (out, Imm(dim.offset)))
+    lowering.emit("SFLOORDIV", (root,), (shifted, Imm(dim.scale)))
+    return root
+
+
 def lower_exported(exported, user_names, name: str, example_inputs: tuple) -> Program:
     """Lower an ExportedProgram (already decomposed) to a verified Program."""
     lowering = _Lowering(exported)
@@ -330,11 +343,15 @@ def lower_exported(exported, user_names, name: str, example_inputs: tuple) -> Pr
         lowering.emit("SHAPE_ASSERT", (), (Reg(index), Imm(spec.name), Imm(spec.dtype),
                                            device, Imm(spec.as_assert_operand())))
     for (first, other) in repeats:
-        a, b = lowering.new_reg(), lowering.new_reg()
-        lowering.emit("DIM", (a,), (Reg(first[0]), Imm(first[1])))
-        lowering.emit("DIM", (b,), (Reg(other[0]), Imm(other[1])))
+        dims = inputs[first[0]].dims[first[1]], inputs[other[0]].dims[other[1]]
+        same = (dims[0].scale, dims[0].offset) == (dims[1].scale, dims[1].offset)
+        a, b = (_root_value(lowering, place, None if same else dim)
+                for place, dim in zip((first, other), dims))
         what = (f"input {names[other[0]]!r} dim {other[1]} must equal input "
-                f"{names[first[0]]!r} dim {first[1]} ({inputs[first[0]].dims[first[1]].name})")
+                f"{names[first[0]]!r} dim {first[1]} ({dims[0].name})") if same else (
+                f"input {names[other[0]]!r} dim {other[1]} ({dims[1].expression}) must "
+                f"agree with input {names[first[0]]!r} dim {first[1]} "
+                f"({dims[0].expression}) on {dims[0].name}")
         lowering.emit("DIMS_EQUAL", (), (a, b, Imm(what)))
     outs = lowering.lower_graph(exported.graph_module, env)
     returned = []
