@@ -31,6 +31,10 @@ _LAZY: dict[str, str] = {
     "Program": "dynvm.vm.program",
     "RegionStats": "dynvm._runtime_stats",
     "RuntimeStats": "dynvm._runtime_stats",
+    "Generator": "dynvm._generate",
+    "GenerationStats": "dynvm._generate",
+    "compile_generator": "dynvm._generate",
+    "Sampling": "dynvm._sampling",
     **{name: "dynvm.vm.errors" for name in (
         "AssembleError", "CallBudgetError", "ConfigError", "ConfigTypeError",
         "DvmFormatError", "DynvmError", "ExecutionError", "InputError", "SaveError",
@@ -85,7 +89,7 @@ def load(path) -> Program:
 __all__ = [
     "AssembleError", "CallBudget", "CallBudgetError", "ConfigError", "ConfigTypeError",
     "DvmFormatError", "DynvmError", "ExecutionError", "InputError", "SaveError",
-    "JitConfig",
+    "GenerationStats", "Generator", "JitConfig", "Sampling", "compile_generator",
     "Program", "RegionStats", "Runtime", "RuntimeStats", "ShapeError", "UnsupportedOpError",
     "VerifyError", "compile", "load", "save",
 ]

@@ -1,0 +1,1 @@
+"""Tests of the generation loop (dynvm.compile_generator)."""

@@ -1,0 +1,118 @@
+"""dynvm.compile_generator over tiny Hugging Face causal LMs: greedy tokens equal to
+Hugging Face's `generate` (interpreter and JIT, batches of different prompt lengths),
+seeded sampling, stop tokens, streaming, and one resident copy of the weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dynvm
+from tests.generation._tiny import ARCHITECTURES, hf_greedy, left_padded, tiny_causal_lm
+from tests.jit._jit_helpers import eager_config
+
+NEW = 6
+LENGTHS = (7, 3, 5)  # a batch with three prompt lengths, left-padded
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def built(request):
+    model = tiny_causal_lm(request.param)
+    programs = dynvm.compile_generator(model, max_batch=8, max_length=64, jit=False).programs
+    return request.param, model, programs
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["interpreter", "jit"])
+def test_greedy_matches_hf_generate(built, jit):
+    kind, model, programs = built
+    config = eager_config(families=True) if jit else False
+    with dynvm.Generator(programs, jit=config) as generator:
+        for lengths in ((6,), LENGTHS):
+            ids, mask = left_padded(lengths, seed=len(lengths))
+            expected = hf_greedy(model, ids, mask, NEW, eos_token_id=None)
+            actual = generator.generate(ids, mask, max_new_tokens=NEW, stop_tokens=())
+            assert torch.equal(actual, expected), (
+                f"{kind} ({'JIT' if jit else 'interpreter'}), prompt lengths {lengths}: "
+                f"dynvm {actual[:, ids.shape[1]:].tolist()} != "
+                f"HF {expected[:, ids.shape[1]:].tolist()}")
+        stats = generator.stats()
+        assert stats.decode_steps == 2 * (NEW - 1)
+        if jit:
+            assert stats.specialized_steps > 0, stats
+
+
+def test_stream_yields_generate_tokens(built):
+    _, _, programs = built
+    ids, mask = left_padded(LENGTHS, seed=3)
+    with dynvm.Generator(programs, jit=False) as generator:
+        whole = generator.generate(ids, mask, max_new_tokens=NEW, stop_tokens=())
+        steps = list(generator.stream(ids, mask, max_new_tokens=NEW, stop_tokens=()))
+    assert len(steps) == NEW and all(step.shape == (len(LENGTHS),) for step in steps)
+    assert torch.equal(torch.stack(steps, dim=1), whole[:, ids.shape[1]:])
+
+
+def test_stop_tokens_match_hf(built):
+    """Each row stops at its first stop token and is padded after it, as Hugging Face
+    pads it; the loop ends once every row has stopped."""
+    kind, model, programs = built
+    ids, mask = left_padded(LENGTHS, seed=5)
+    with dynvm.Generator(programs, jit=False) as generator:
+        free = generator.generate(ids, mask, max_new_tokens=NEW, stop_tokens=())
+        new = free[:, ids.shape[1]:]
+        row = new[0].tolist()
+        # Row 0 stops at the first of its tokens (past the first) not seen before in it.
+        at = next((j for j in range(1, NEW - 1) if row[j] not in row[:j]), 0)
+        stop = row[at]
+        stopped = generator.generate(ids, mask, max_new_tokens=NEW, stop_tokens=(stop,))
+    expected = hf_greedy(model, ids, mask, NEW, eos_token_id=stop)
+    assert torch.equal(stopped, expected), (kind, stopped.tolist(), expected.tolist())
+    assert stopped[0, ids.shape[1]:ids.shape[1] + at + 1].tolist() == row[:at + 1]
+    assert (stopped[0, ids.shape[1] + at + 1:] == 0).all()
+
+
+def test_sampling_reproducible_with_a_seed(built):
+    _, _, programs = built
+    ids, mask = left_padded(LENGTHS, seed=7)
+    sampling = dynvm.Sampling(temperature=1.5, top_k=40, top_p=0.9, seed=1234)
+    with dynvm.Generator(programs, jit=False) as generator:
+        first = generator.generate(ids, mask, max_new_tokens=NEW, sampling=sampling,
+                                   stop_tokens=())
+        again = generator.generate(ids, mask, max_new_tokens=NEW, sampling=sampling,
+                                   stop_tokens=())
+        other = [generator.generate(ids, mask, max_new_tokens=NEW, stop_tokens=(),
+                                    sampling=dynvm.Sampling(temperature=1.5, seed=seed))
+                 for seed in range(3)]
+        greedy = generator.generate(ids, mask, max_new_tokens=NEW, stop_tokens=())
+    assert torch.equal(first, again)
+    # High temperature over 128 tokens: three other seeds all giving the greedy tokens
+    # would be a sampler that does not sample.
+    assert any(not torch.equal(tokens, greedy) for tokens in other)
+
+
+def test_weights_resident_once(built):
+    """Both programs hold the model's own weight storages: no second copy."""
+    _, model, programs = built
+    def storages(program):
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in program.constants}
+    prefill, decode = storages(programs.prefill), storages(programs.decode)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    both = {**prefill, **decode}
+    shared = {ptr for ptr in both if ptr in params}
+    assert sum(both[ptr] for ptr in shared) >= 0.99 * weight_bytes
+    # Whatever is not a parameter is small (rotary tables, masks' constants).
+    assert sum(n for ptr, n in both.items() if ptr not in params) < 0.05 * weight_bytes
+
+
+def test_refusals_name_the_input(built):
+    _, _, programs = built
+    ids, mask = left_padded(LENGTHS)
+    with dynvm.Generator(programs, jit=False) as generator:
+        with pytest.raises(dynvm.InputError, match="max_new_tokens"):
+            generator.generate(ids, mask, max_new_tokens=64)
+        right = mask.flip(1)
+        with pytest.raises(dynvm.ShapeError, match="left padding"):
+            generator.generate(ids, right, max_new_tokens=2)
+    with pytest.raises(dynvm.ConfigError, match="top_p"):
+        dynvm.Sampling(top_p=0.0)
