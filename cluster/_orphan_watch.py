@@ -46,10 +46,10 @@ def marked(token: str, exclude: frozenset[int] = frozenset()) -> list[int]:
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read()
+                variables = f.read()
         except OSError:  # gone, or another user's
             continue
-        if needle in environ.split(b"\0"):
+        if needle in variables.split(b"\0"):
             found.append(int(entry))
     return found
 
