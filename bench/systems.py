@@ -48,7 +48,8 @@ from bench.workloads import shape_key
 from dynvm.models import DemoModel
 
 SYSTEMS = ["eager", "torchscript", "compile-static", "compile-dynamic", "compile-auto",
-           "compile-max-autotune", "dynvm-interp", "dynvm-interp-b", "dynvm-jit"]
+           "compile-max-autotune", "dynvm-interp", "dynvm-interp-b", "dynvm-jit",
+           "onnxruntime", "onnxruntime-int8", "openvino", "openvino-bf16"]
 LABELS = {
     "eager": "eager PyTorch",
     "torchscript": "TorchScript (trace per shape)",
@@ -59,6 +60,10 @@ LABELS = {
     "dynvm-interp": "dynvm interpreter",
     "dynvm-interp-b": "dynvm interpreter B (A/A)",
     "dynvm-jit": "dynvm JIT",
+    "onnxruntime": "ONNX Runtime (fp32)",
+    "onnxruntime-int8": "ONNX Runtime (int8 dynamic quantization)",
+    "openvino": "OpenVINO (f32)",
+    "openvino-bf16": "OpenVINO (bf16)",
 }
 
 
@@ -253,6 +258,31 @@ class Dynvm(System):
         self.runtime.close()
 
 
+class OnnxPeer(System):
+    """ONNX Runtime or OpenVINO on the model exported to ONNX (Note [ONNX peers] in
+    bench.peers): the export and the runtime's build are its setup seconds; it never
+    compiles during calls. Not installed: setup fails with PeerUnavailable, which the
+    runner reports as the system's row."""
+
+    def __init__(self, demo: DemoModel, name: str) -> None:
+        from bench.peers import Peer
+
+        super().__init__(demo)
+        self.name = name
+        self.peer = Peer(name, demo.module, demo.example_inputs, demo.dynamic_shapes)
+        self.setup_seconds = self.peer.setup_seconds
+
+    def _run(self, inputs):
+        out = self.peer(*inputs)
+        return out[0] if len(out) == 1 else out
+
+    def extra(self) -> dict:
+        return {"exporter": self.peer.exporter, "version": self.peer.version}
+
+    def close(self) -> None:
+        self.peer.close()
+
+
 def make(name: str, demo: DemoModel) -> System:
     if name == "eager":
         return Eager(demo)
@@ -277,4 +307,6 @@ def make(name: str, demo: DemoModel) -> System:
         return Dynvm(demo, name, jit=False)
     if name == "dynvm-jit":
         return Dynvm(demo, name, jit=True)
+    if name in ("onnxruntime", "onnxruntime-int8", "openvino", "openvino-bf16"):
+        return OnnxPeer(demo, name)
     raise KeyError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")

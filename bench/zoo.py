@@ -68,6 +68,14 @@ tolerance (Inductor's own numerics are not dynvm's to check). `--peer-models A,B
 the peers on those models only (the CPU backend issue names the CNNs and two encoders;
 torch.compile's compiles take 10-45 s a model here, minutes for the whole zoo), the
 other rows as without peers.
+
+`--peers onnxruntime,openvino` (and their -int8 / -bf16 forms) add ONNX Runtime and
+OpenVINO (Note [ONNX peers] in bench.peers), exported once per model on its export
+point with its dynamic dims, in the same rotation. Their setup seconds are the export
+plus the runtime's build; their largest distance from eager over the first steady call
+of every shape is stated beside the figure (int8 and bf16 are not fp32), not held to the
+zoo's tolerance. A peer that is not installed or does not export that model is a row
+saying why, and the run goes on.
 """
 
 from __future__ import annotations
@@ -178,6 +186,9 @@ def measure(entry, harness, warmup: int, calls: int, log, peers=(),
     compiled_peer = _torch_compile(built) if "torch.compile" in peers else None
     if compiled_peer is not None:   # Note [Zoo peers]
         systems["compile"] = lambda *x: compiled_peer(*x)[0]
+    onnx_peers, unavailable = _onnx_peers(built, entry, peers, log)
+    systems.update(onnx_peers)
+    peer_error = {name: 0.0 for name in onnx_peers}
     order = list(systems)
     steps = balanced_steps(len(inputs), len(order), calls)
     ratios = {name: [] for name in order if name != "eager"}
@@ -209,6 +220,9 @@ def measure(entry, harness, warmup: int, calls: int, log, peers=(),
                 for name in ("interp", "jit"):
                     harness.assert_matches(entry, outputs[name], expected[index],
                                            f"{entry.name} {name} at {points[index]}")
+                for name in onnx_peers:   # stated, not asserted (Note [Zoo peers])
+                    peer_error[name] = max(peer_error[name],
+                                           _max_error(outputs[name], expected[index]))
             if jit.stats()["promotions"] != promotions or _busy(jit):
                 discarded += 1  # this call started a compile, which ran beside it
                 continue
@@ -226,6 +240,8 @@ def measure(entry, harness, warmup: int, calls: int, log, peers=(),
         jit.close()
         if compiled_peer is not None:
             compiled_peer.close()
+        for peer in onnx_peers.values():
+            peer.close()
     failures = harness.jit_failures(stats)
     row = {
         "name": entry.name, "library": entry.library, "note": entry.note,
@@ -266,6 +282,14 @@ def measure(entry, harness, warmup: int, calls: int, log, peers=(),
                                 + stats["compile_seconds"]}
         log(f"{entry.name}: torch.compile (default) {row['torch_compile']['x_eager']:.3f}x "
             f"eager, compile {seconds:.1f} s")
+    for name, peer in onnx_peers.items():
+        row.setdefault("onnx_peers", {})[name] = {
+            "x_eager": statistics.median(ratios[name]), "setup_seconds": peer.setup_seconds,
+            "exporter": peer.exporter, "version": peer.version,
+            "max_abs_error": peer_error[name]}
+        log(f"{entry.name}: {name} {row['onnx_peers'][name]['x_eager']:.3f}x eager")
+    for name, reason in unavailable.items():
+        row.setdefault("onnx_peers", {})[name] = {"unavailable": reason}
     log(f"{entry.name}: interp {row['interp_x_eager']:.3f}x, JIT {row['jit_x_eager']:.3f}x "
         f"eager ({row['eager_ms']:.2f} ms), compile {row['compile_seconds']:.1f} s, "
         f"{row['warmup_calls']} warm-up calls{'' if settled else ' (not settled)'}")
@@ -279,6 +303,32 @@ def _torch_compile(built):
     from bench.systems import TorchCompile
 
     return TorchCompile(SimpleNamespace(module=built.module), "compile-auto", dynamic=None)
+
+
+def _onnx_peers(built, entry, peers, log) -> tuple[dict, dict]:
+    """The ONNX peers asked for, built on the entry's export point (Note [Zoo peers]),
+    and the reason of each that cannot run here."""
+    from bench.peers import PEER_SYSTEMS, Peer, PeerUnavailable
+
+    built_peers, unavailable = {}, {}
+    example = built.make_inputs(entry.export_point, 0)
+    for name in peers:
+        if name not in PEER_SYSTEMS:
+            continue
+        try:
+            built_peers[name] = Peer(name, built.module, example, built.dynamic_shapes)
+        except PeerUnavailable as exc:
+            unavailable[name] = str(exc)
+            log(f"{entry.name}: {name} skipped: {exc}")
+    return built_peers, unavailable
+
+
+def _max_error(actual, expected) -> float:
+    actual = actual if isinstance(actual, tuple | list) else (actual,)
+    if len(actual) != len(expected):
+        return float("inf")
+    return max(float((a.float() - e.float()).abs().max()) if a.shape == e.shape
+               else float("inf") for a, e in zip(actual, expected))
 
 
 def _spread(samples: list[float]) -> float:
@@ -307,7 +357,7 @@ def _command(prog: str, args) -> str:
     return " ".join(map(shlex.quote, words))
 
 
-PEERS = ("torch.compile",)
+PEERS = ("torch.compile", "onnxruntime", "onnxruntime-int8", "openvino", "openvino-bf16")
 
 
 def _peers(args) -> list[str]:

@@ -115,6 +115,31 @@ def _peer_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _onnx_text() -> str:
+    return ("`--peers onnxruntime,openvino,...` (Note [ONNX peers] in bench/peers.py): the "
+            "model exported to ONNX once, run by each runtime on the same inputs in the "
+            "same rotation; x eager as above; 'max |err|' is its largest distance from "
+            "eager over the first steady call of each shape; setup s is the export plus "
+            "the runtime's build.")
+
+
+def _onnx_table(rows: list[dict]) -> str:
+    lines = ["| model | JIT | peer | peer x eager | JIT / peer | max abs err | setup s "
+             "| exporter, version |", "|---|---:|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        for name, peer in r["onnx_peers"].items():
+            if "unavailable" in peer:
+                lines.append(f"| {r['name']} | | {name} | | | | | not run: "
+                             f"{peer['unavailable'][:160]} |")
+                continue
+            jit = r.get("jit_x_eager")
+            lines.append(f"| {r['name']} | {_x(jit)} | {name} | {_x(peer['x_eager'])} | "
+                         + (f"{jit / peer['x_eager']:.2f}" if jit else "—")
+                         + f" | {peer['max_abs_error']:.1e} | {peer['setup_seconds']:.1f} | "
+                         f"{peer['exporter']}, {peer['version']} |")
+    return "\n".join(lines)
+
+
 def markdown(run: dict) -> str:
     rows = run["models"]
     parts = [
@@ -169,6 +194,9 @@ def markdown(run: dict) -> str:
     peers = [r for r in rows if "torch_compile" in r]
     if peers:
         parts += ["## Against torch.compile (default)", _peer_text(), _peer_table(peers)]
+    onnx = [r for r in rows if "onnx_peers" in r]
+    if onnx:
+        parts += ["## Against ONNX Runtime and OpenVINO", _onnx_text(), _onnx_table(onnx)]
     notes = [f"- **{r['name']}**: {r['note']}" for r in rows if r.get("note")]
     if notes:
         parts += ["## What export fixed", "\n".join(notes)]

@@ -18,7 +18,8 @@ from dynvm._run_cmd import CliError
 # Kept in step with bench.workloads.NAMES and bench.systems.SYSTEMS (a test checks).
 WORKLOADS = ("walk", "jitter", "nlp", "gnn", "loop", "heldout", "heldout-walk")
 SYSTEMS = ("eager", "torchscript", "compile-static", "compile-dynamic", "compile-auto",
-           "compile-max-autotune", "dynvm-interp", "dynvm-interp-b", "dynvm-jit")
+           "compile-max-autotune", "dynvm-interp", "dynvm-interp-b", "dynvm-jit",
+           "onnxruntime", "onnxruntime-int8", "openvino", "openvino-bf16")
 
 DESCRIPTION = f"""\
 Run eager PyTorch, TorchScript (traced per shape), torch.compile (dynamic=False,
@@ -33,6 +34,8 @@ systems:   {", ".join(SYSTEMS)}
   dynvm bench all --update-docs       regenerate docs/BENCHMARKS.md and its plots
   dynvm bench zoo --update-docs       the model zoo (tests/zoo): eager vs interpreter vs
                                       JIT per model, regenerates docs/MODELS.md
+  dynvm bench generate                greedy generation (issue 32): eager loop, HF
+                                      generate, dynvm interpreter and JIT, CTranslate2
   dynvm bench walk --quick            about 2 min, mostly torch.compile compiling
   dynvm bench nlp --systems eager,dynvm-jit --quick"""
 
@@ -62,7 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="zoo only: comma-separated zoo models (default: all)")
     parser.add_argument("--peers", metavar="A,B,...",
                         help="zoo only: peers timed beside eager, interpreter and JIT "
-                        "(torch.compile: its default mode, with its compile seconds)")
+                        "(torch.compile: its default mode, with its compile seconds; "
+                        "onnxruntime, onnxruntime-int8, openvino, openvino-bf16: the bench "
+                        "extra)")
     parser.add_argument("--peer-models", metavar="A,B,...",
                         help="zoo only: time the peers on these models alone (default: "
                         "every model measured)")
@@ -70,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="KEY=VALUE",
                         help="zoo only: a JitConfig field for the JIT's Runtime, e.g. "
                         "cpu_channels_last=off (repeatable; default: JitConfig())")
+    parser.add_argument("--batch-sizes", metavar="A,B,...",
+                        help="generate only: batch sizes (default 1,4); --models "
+                        "llama,gpt2 and --systems eager,hf,dynvm-interp,dynvm-jit,"
+                        "ctranslate2 choose the rest")
     parser.add_argument("--from", dest="from_dir", type=Path, metavar="DIR",
                         help="no run: rebuild report.md and plots from DIR/results.json")
 
@@ -108,11 +117,24 @@ def _zoo_command(args) -> int:
         raise CliError(str(exc), 2) from None
 
 
+def _generate_command(args) -> int:
+    # Generation is a workload of its own (bench/generate.py): its own systems and table.
+    if args.workloads != ["generate"] or args.from_dir:
+        raise CliError("dynvm bench generate runs alone, without --from", 2)
+    _suite()  # puts the checkout on sys.path, or says that there is none
+    generate = importlib.import_module("bench.generate")
+    if args.systems == ",".join(SYSTEMS):  # the suite's default list: generate's own
+        args.systems = None
+    return generate.run(args)
+
+
 def bench_command(args) -> int:
     """`dynvm bench`: the zoo timings, or the benchmark suite under bench/; the
     exit status."""
     if "zoo" in args.workloads:
         return _zoo_command(args)
+    if "generate" in args.workloads:
+        return _generate_command(args)
     suite = _suite()
     try:
         return suite.run(args, prog="dynvm bench")
