@@ -76,6 +76,7 @@ from google.protobuf.message import DecodeError
 
 import dynvm
 from dynvm.cluster import v2_protocol as v2
+from dynvm.cluster._faults import is_client_fault
 from dynvm.cluster.batcher import Overloaded
 from dynvm.cluster.http_front import MODEL_VERSION
 from dynvm.vm.errors import DynvmError
@@ -355,6 +356,7 @@ class GrpcInferenceMixin:
     """The RPCs of GRPCInferenceService, for a Serve deployment that is also a v2 model
     replica. What it uses of the class it is mixed into: `model_name`, `program`
     (its `inputs`), `output_names`, `max_body_bytes`, `limits` (ServingLimits),
+    `draining` (True once the replica stops taking requests),
     `request_stats` (`full`, `tracked`, `counters`: gRPC requests count as HTTP ones
     do), `_off_loop(fn, ...)` (the parse threads), `_server_fault(error, trace)`
     (the traced 500), and the replica's seam, `infer_request(request, trace)`,
@@ -396,6 +398,10 @@ class GrpcInferenceMixin:
         same in-flight bound (UNAVAILABLE past it), counters and latency series."""
         stats = self.request_stats
         limit = self.limits.max_concurrent_requests
+        if self.draining:  # as HTTP answers 503 (Note [Replica drain] in _deployment)
+            return self._grpc_error(grpc_context, Overloaded(
+                "shutting down on this replica; retry another"),
+                protos().ModelInferResponse())
         if stats.full(limit):
             stats.counters["rejected_busy"] += 1
             return self._grpc_error(grpc_context, Overloaded(
@@ -443,9 +449,6 @@ class GrpcInferenceMixin:
                               f"{v2.cut(repr(version))} (versions: {MODEL_VERSION})")
 
     def _grpc_error(self, grpc_context, error: BaseException, empty, trace=None):
-        # The HTTP path's rule; imported here, as dynvm.cluster.replica imports this module.
-        from dynvm.cluster.replica import is_client_fault
-
         if grpc_context is None:  # called directly, not through Serve: raise it
             raise error
         status = status_of(error, self.model_name, is_client_fault)

@@ -86,6 +86,7 @@ from starlette.responses import Response
 
 import dynvm
 from dynvm.cluster import v2_protocol as v2
+from dynvm.cluster._faults import is_client_fault
 from dynvm.cluster._replica_exec import ReplicaExecutor
 from dynvm.cluster._replica_stats import ReplicaStats
 from dynvm.cluster.batcher import Overloaded
@@ -104,7 +105,7 @@ from dynvm.cluster.http_front import (
 from dynvm.cluster.serving_config import ServingConfig
 from dynvm.telemetry import Telemetry
 from dynvm.vm import dvm_file
-from dynvm.vm.errors import ConfigError, ExecutionError, InputError, ShapeError
+from dynvm.vm.errors import ConfigError
 
 # Bodies up to this size are decoded on the event loop (Note [Lean request path]).
 INLINE_PARSE_BYTES = 8192
@@ -115,14 +116,6 @@ def pick_device(device: str | None) -> str:
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
-
-
-def is_client_fault(error: BaseException) -> bool:
-    """Whether a model call's error is the request's fault (Note [Client or server
-    fault])."""
-    if isinstance(error, ShapeError | InputError):
-        return True
-    return isinstance(error, ExecutionError) and isinstance(error.__cause__, IndexError)
 
 
 class ReplicaServer(GrpcInferenceMixin):

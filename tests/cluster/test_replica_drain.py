@@ -78,6 +78,33 @@ def test_a_draining_replica_is_not_ready_and_refuses_new_requests(replica):
     assert headers["connection"] == "close"
     # Metadata still answers (a client may look while the replica drains).
     assert _call(replica, "GET", "")[0] == 200
+    # gRPC as HTTP: UNAVAILABLE, the code clients retry elsewhere.
+    grpc = pytest.importorskip("grpc")
+    from dynvm.cluster.grpc_v2 import protos
+
+    message = protos().ModelInferRequest(model_name="double")
+    message.inputs.add(name=replica.program.inputs[0].name, datatype="FP32", shape=[1, 3])
+    message.raw_input_contents.append(torch.ones(1, 3).numpy().tobytes())
+    context = _GrpcStatus()
+    asyncio.run(replica.ModelInfer(message, grpc_context=context))
+    assert context.code == grpc.StatusCode.UNAVAILABLE, context.details
+    assert "shutting down on this replica" in context.details
+
+
+class _GrpcStatus:
+    """What a gRPC servicer context records of a call's status (the part of Serve's
+    grpc_context an RPC of dynvm.cluster.grpc_v2 uses)."""
+
+    code = details = None
+
+    def set_code(self, code) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    def invocation_metadata(self):
+        return ()
 
 
 def test_drain_options_follow_the_serving_config():
