@@ -16,13 +16,14 @@ from dynvm._env import STORE_SECRET, EnvVarError, store_settings
 from dynvm.cluster.store_base import KernelStore
 from dynvm.cluster.store_local import LocalDirStore
 from dynvm.cluster.store_redis import RedisConfig, RedisStore
-from dynvm.vm.errors import DynvmError
+from dynvm.vm.errors import ConfigError
 
 SECRET_VARIABLE = STORE_SECRET
 
 
-class StoreConfigError(DynvmError, ValueError):
-    """The environment does not describe a usable kernel store (names the variable)."""
+class StoreConfigError(ConfigError):
+    """The environment does not describe a usable kernel store (names the variable); a
+    setting error like any other (Conventions 11)."""
 
 
 @dataclass(frozen=True)
