@@ -111,10 +111,14 @@ class LocalRedis:
         # Its log goes to a file: a pipe nobody reads would block the server once full.
         with open(self._log_path(), "wb") as log:
             tie = self.options.die_with_parent and sys.platform.startswith("linux")
-            self.process = subprocess.Popen(
-                [executable, "-"], stdin=subprocess.PIPE, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_parent_death_signal() if tie else None)
+            try:
+                self.process = subprocess.Popen(
+                    [executable, "-"], stdin=subprocess.PIPE, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True,
+                    preexec_fn=_parent_death_signal() if tie else None)
+            except subprocess.SubprocessError as exc:  # the preexec_fn failed in the child
+                raise LocalRedisError(f"could not start {executable}: {exc} (tying it to "
+                                      "this process with PR_SET_PDEATHSIG)") from None
         # start_new_session: Ctrl-C in the terminal reaches `dynvm serve` only, which then
         # stops this server itself, in order, after the replicas that use it.
         self.process.stdin.write(self._config_text().encode())

@@ -70,6 +70,9 @@ PROTOCOL_BUILTINS = frozenset({"AttributeError", "NotImplementedError", "StopIte
 
 # (file, function, builtin) -> why it is not an error a user or operator can cause.
 INTERNAL = {
+    ("cluster/local_redis.py", "_parent_death_signal.preexec", "OSError"):
+        "raised in the child between fork and exec, where subprocess turns any exception "
+        "into SubprocessError, which LocalRedis.start raises as LocalRedisError",
     ("arena/pool.py", "ArenaPool.acquire", "ValueError"):
         "the JIT's arena leases are its only callers; a bad size is a planner bug",
     ("arena/pool.py", "ArenaPool.release", "ValueError"):
