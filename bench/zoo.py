@@ -339,6 +339,9 @@ def _spread(samples: list[float]) -> float:
 def _dim_range(program, name: str) -> str:
     for spec in program.inputs:
         for dim in spec.dims:
+            if dim.name == name and dim.is_derived:   # Note [Derived dims]: 2..5 (size 32*kh)
+                low, high = dim.root_range()
+                return f"{low}..{high} (size {dim.expression})"
             if dim.name == name:
                 return f"{dim.low}..{dim.high}"
     return "?"

@@ -34,6 +34,45 @@ def _convnet(name: str, library: str, make, note: str = "", static_width: bool =
     return ZooEntry(name, library, build, points[0], points[1:], note=note)
 
 
+# Note [Derived resolution]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# The entries below declare their resolution as torch.export's docs tell a user to
+# declare a CNN's: a multiple of the net's total stride, `32 * Dim(...)` (Note [Derived
+# dims] in dynvm.vm.input_check). Issue 30 found VGG, SqueezeNet, ShuffleNet, GoogLeNet
+# and GhostNet running only at a static resolution before dynvm took such dims. A point
+# names the multiples: {"kh": 3} is 96 px high.
+DERIVED_POINTS = ({"batch": 1, "kh": 3, "kw": 2}, {"batch": 3, "kh": 2, "kw": 4},
+                  {"batch": 2, "kh": 5, "kw": 3})
+DERIVED_EXPORT_POINT = {"batch": 2, "kh": 2, "kw": 2}
+
+
+def _derived_convnet(name: str, library: str, make, note: str = ""):
+    def build() -> Built:
+        torch.manual_seed(0)
+        module = make().eval()
+        shape = {0: dim("batch", 1, 8), 2: 32 * dim("kh", 1, 5), 3: 32 * dim("kw", 1, 5)}
+        return Built(module, (shape,), lambda point, seed: (torch.randn(
+            point["batch"], 3, 32 * point["kh"], 32 * point["kw"],
+            generator=generator(seed)),))
+
+    return ZooEntry(name, library, build, DERIVED_EXPORT_POINT, DERIVED_POINTS,
+                    note=note or "resolution 32*k (Note [Derived resolution])")
+
+
+def _vgg():
+    # VGG-11's layout (conv stages, 2x2 max pools, adaptive 7x7 pool, two hidden fully
+    # connected layers) at 8..64 channels and a 64-wide classifier.
+    from torchvision.models.vgg import VGG, make_layers
+
+    model = VGG(make_layers([8, "M", 16, "M", 32, "M", 32, "M", 64, "M"], batch_norm=True),
+                num_classes=CLASSES)
+    model.classifier = torch.nn.Sequential(
+        torch.nn.Linear(64 * 7 * 7, 64), torch.nn.ReLU(True), torch.nn.Dropout(),
+        torch.nn.Linear(64, 64), torch.nn.ReLU(True), torch.nn.Dropout(),
+        torch.nn.Linear(64, CLASSES))
+    return model
+
+
 def _resnet():
     from torchvision.models.resnet import BasicBlock, ResNet
 
@@ -82,4 +121,21 @@ ENTRIES = (
              "unbounded int_oo (vm/frontend/dims.py _bounds)", static_width=True),
     _convnet("regnet", "timm",
              lambda: timm.create_model("regnetx_002", pretrained=False, num_classes=CLASSES)),
+    _derived_convnet("vgg", "torchvision", _vgg),
+    _derived_convnet("squeezenet", "torchvision",
+                     lambda: torchvision.models.squeezenet1_1(num_classes=CLASSES)),
+    _derived_convnet("shufflenet-v2", "torchvision",
+                     lambda: torchvision.models.ShuffleNetV2([1, 1, 1], [8, 16, 32, 64, 128],
+                                                             num_classes=CLASSES)),
+    _derived_convnet("googlenet", "torchvision",
+                     lambda: torchvision.models.GoogLeNet(num_classes=CLASSES, aux_logits=False,
+                                                          init_weights=False),
+                     note="resolution 32*k (Note [Derived resolution]); released widths "
+                     "(5.6 M parameters): torchvision builds no smaller GoogLeNet"),
+    _derived_convnet("ghostnet", "timm",
+                     lambda: timm.create_model("ghostnet_050", pretrained=False,
+                                               num_classes=CLASSES)),
+    _derived_convnet("resnet-32k", "torchvision", _resnet,
+                     note="the zoo's resnet with its resolution declared as 32*k "
+                     "(Note [Derived resolution]) instead of a free range"),
 )

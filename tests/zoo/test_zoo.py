@@ -96,3 +96,22 @@ def test_image_models_take_channels_last_images(zoo_program, name):
         stats = jit.stats()
         assert stats["specialized_region_calls"] > 0, f"{name}: nothing ran specialized"
         assert not harness.jit_failures(stats), f"{name}: {harness.jit_failures(stats)}"
+
+
+DERIVED = tuple(name for name, entry in ENTRIES.items() if "kh" in entry.export_point)
+
+
+def test_six_cnns_declare_a_derived_resolution():
+    assert len(DERIVED) >= 6, DERIVED
+
+
+@pytest.mark.parametrize("name", DERIVED)
+def test_derived_resolution_is_kept_and_checked(zoo_program, name):
+    """Note [Derived resolution]: the program keeps 32*kh and 32*kw (not a free range),
+    and refuses a side off the grid with the expression in the message."""
+    compiled = zoo_program(name)
+    dims = compiled.program.inputs[0].dims
+    assert [(d.name, d.scale, d.offset) for d in dims[2:]] == [("kh", 32, 0), ("kw", 32, 0)]
+    with dynvm.Runtime(compiled.program, jit=False) as runtime, \
+            pytest.raises(dynvm.ShapeError, match=r"dim 3 must be 32\*kw for kw in"):
+        runtime(torch.randn(1, 3, 64, 100))
