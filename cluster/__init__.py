@@ -51,6 +51,8 @@ _SERVING = {
     "model_application": "dynvm.cluster._deployment",
     "serve_models": "dynvm.cluster._deployment",
     "start_serve": "dynvm.cluster._deployment",
+    "KernelKeeper": "dynvm.cluster.kernel_keeper",
+    "keep_kernels": "dynvm.cluster.kernel_keeper",
 }
 
 
@@ -65,6 +67,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "FORMAT_VERSION",
+    "KernelKeeper",
+    "keep_kernels",
     "ArtifactCache",
     "CorruptArtifact",
     "ForgedArtifact",

@@ -37,13 +37,18 @@ class Runtime:
     bounds every call; a call past it raises `dynvm.CallBudgetError` naming the loop
     (Note [Call budget]). `runtime(*inputs, budget=...)` overrides it for one call.
 
+    `kernel_store` (a `dynvm.cluster.StoreConfig`, e.g. a local directory and a secret)
+    keeps the JIT's kernels across restarts: what the store holds for this program is
+    installed now, without compiling, and what the JIT compiles from now on is kept
+    there (Note [Kept kernels] in dynvm.cluster.kernel_keeper).
+
     DYNVM_JIT=0 in the environment (dynvm._env) turns the JIT off for every Runtime,
     whatever `jit` says, for debugging; stats()["jit_disabled_by"] then says so.
     """
 
     def __init__(self, program, device: str | torch.device = "cpu",
                  jit: bool | JitConfig = True, telemetry: Telemetry | None = None,
-                 budget: CallBudget | None = None) -> None:
+                 budget: CallBudget | None = None, kernel_store=None) -> None:
         self.program = program
         self.interpreter = Interpreter(program, device, budget)
         self.budget = self.interpreter.budget
@@ -66,6 +71,13 @@ class Runtime:
             self.jit = Jit(program, self.interpreter, jit if jit is not True else None,
                            self.telemetry)
             self.jit.attach()
+        # A StoreConfig: kernels kept there install now, new ones are kept (Note [Kept
+        # kernels] in dynvm.cluster.kernel_keeper); nothing to keep without the JIT.
+        self.kernel_keeper = None
+        if kernel_store is not None and self.jit is not None:
+            from dynvm.cluster.kernel_keeper import keep_kernels
+
+            self.kernel_keeper = keep_kernels(self, kernel_store)
         self._in_spec = pytree.treespec_loads(program.in_spec)
         self._out_spec = pytree.treespec_loads(program.out_spec)
         self._n_inputs = len(program.inputs)
