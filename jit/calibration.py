@@ -94,6 +94,7 @@ class Calibrator:
         self._choices: dict[tuple, Choice] = {}
         self._lock = threading.Lock()
         self.measurements = 0     # choices measured (not answered from the cache)
+        self.seconds = 0.0        # wall seconds spent measuring them, warm-up runs included
 
     def known(self, op: str, size_class_key) -> Choice | None:
         return self._choices.get((op, size_class_key))
@@ -105,6 +106,7 @@ class Calibrator:
         choice = self._choices.get(key)
         if choice is not None:
             return choice
+        start = time.perf_counter()
         if callable(candidates):
             candidates = candidates()
         # Measured outside the lock: a compile thread and a calibration elsewhere may
@@ -112,6 +114,7 @@ class Calibrator:
         choice = self._measure(candidates)
         with self._lock:
             self.measurements += 1
+            self.seconds += time.perf_counter() - start
             return self._choices.setdefault(key, choice)
 
     def _measure(self, candidates: dict[str, Callable[[], object]]) -> Choice:
