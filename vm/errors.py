@@ -31,6 +31,11 @@ class UnsupportedOpError(DynvmError):
     """The frontend met an operator the bytecode has no instruction for."""
 
 
+class UnregisteredOpError(DynvmError):
+    """A program calls a custom op (Note [Custom ops] in dynvm.vm.ops_custom) that this
+    process has not registered, or registered with another schema."""
+
+
 class InputError(DynvmError, TypeError):
     """A call passed the wrong number or kind of inputs (to a program, or to a dynvm
     function: bytes where bytes are read, for instance)."""

@@ -8,6 +8,7 @@ from types import MappingProxyType
 
 from dynvm.vm.isa import OpSpec
 from dynvm.vm.ops_control import CONTROL_OPS
+from dynvm.vm.ops_custom import CUSTOM_OPS
 from dynvm.vm.ops_elementwise import ELEMENTWISE_OPS
 from dynvm.vm.ops_index import INDEX_OPS
 from dynvm.vm.ops_nn import NN_OPS
@@ -36,7 +37,7 @@ def _by_source(specs: tuple[OpSpec, ...]) -> MappingProxyType:
 
 
 ALL_OPS: tuple[OpSpec, ...] = (TENSOR_OPS + ELEMENTWISE_OPS + NN_OPS + INDEX_OPS + SHAPE_OPS
-                               + CONTROL_OPS)
+                               + CONTROL_OPS + CUSTOM_OPS)
 OPCODES = _by_name(ALL_OPS)
 """name -> OpSpec for every opcode."""
 BY_SOURCE = _by_source(ALL_OPS)

@@ -301,6 +301,9 @@ TENSOR_OPS: tuple[OpSpec, ...] = (
     tensor_op("EMPTY_STRIDED", aten.empty_strided.default,
               "an uninitialized tensor with given strides", n_args=5,
               impl=factory(torch.empty_strided)),
+    tensor_op("EMPTY_PERMUTED", aten.empty_permuted.default,
+              "an uninitialized tensor laid out in a given dim order", n_args=5,
+              impl=factory(torch.empty_permuted)),
     # Random tensors: a program may draw noise (sampling, diffusion); never folded.
     tensor_op("RAND", aten.rand.default, "uniform random numbers in [0, 1)", n_args=4,
               impl=factory(torch.rand)),

@@ -41,6 +41,8 @@ from dynvm.vm.operands import (
     ValueKind,
     operand_matches,
 )
+from dynvm.vm.ops_custom import OPCODE as CUSTOM_OPCODE
+from dynvm.vm.ops_custom import check_registered
 from dynvm.vm.regions import successors
 
 MAX_DIM = 2**31 - 1
@@ -69,6 +71,21 @@ def verify(program) -> None:
                           "the end of the code (last instruction must be RETURN or JUMP)")
     _check_operand_kinds(code, kinds)
     _check_defined_before_use(program)
+    _check_custom_ops(code)
+
+
+def _check_custom_ops(code) -> None:
+    """Note [Custom ops]: every custom op the code calls is registered here, with the
+    schema the program was built for (UnregisteredOpError, at load rather than at call)."""
+    for pc, instr in enumerate(code):
+        if instr.op != CUSTOM_OPCODE:
+            continue
+        name, _tensors, layout, schema, module = (getattr(a, "value", a) for a in instr.args)
+        if not (isinstance(name, str) and isinstance(schema, str) and isinstance(module, str)
+                and isinstance(layout, tuple)):
+            raise _fail(pc, instr, "a custom op call needs a name, a layout, a schema and a "
+                        "module (Note [Custom ops])")
+        check_registered(name, schema, module)
 
 
 def _check_signature(program) -> None:

@@ -13,6 +13,7 @@ from dynvm.vm.opcodes import ALL_OPS, BY_SOURCE, OPCODES
 from dynvm.vm.operands import ArgKind, Const, Imm, IntList, Label, Reg, RegList
 from dynvm.vm.ops_common import aten_call
 from dynvm.vm.serialize import decode_instr, encode_instr, pack, unpack
+from tests.vm import _custom_ops  # noqa: F401 - registers CALL_CUSTOM's example op
 
 f32 = torch.float32
 cpu = torch.device("cpu")
@@ -125,6 +126,11 @@ EXAMPLES = {
     "FFT_C2R": lambda: (torch.randn(3, 5, dtype=torch.complex64), [1], 2, 8),
     "EMPTY": lambda: ([2, 3], torch.int64, None, cpu),
     "EMPTY_STRIDED": lambda: ([2, 3], [1, 2], f32, None, cpu),
+    "CALL_CUSTOM": lambda: ("dvmtest::scaled_gelu.default", [rand(3, 4)],
+                            (("t", 0), ("v", 0.5)),
+                            "dvmtest::scaled_gelu(Tensor x, float scale) -> Tensor",
+                            "tests.vm._custom_ops"),
+    "EMPTY_PERMUTED": lambda: ([2, 3, 4], [0, 2, 1], f32, None, cpu),
     "RAND": lambda: ([2, 3], f32, None, cpu),
     "RANDN": lambda: ([2, 3], torch.float64, None, cpu),
     "RANDPERM": lambda: (7, torch.int64, None, cpu),
@@ -376,12 +382,15 @@ def test_view_flag_matches_the_schema(spec):
                 args[0].untyped_storage().data_ptr()
 
 
-_UNINITIALIZED_OR_RANDOM = {"EMPTY", "EMPTY_STRIDED", "RAND", "RANDN", "RANDPERM",
+_UNINITIALIZED_OR_RANDOM = {"EMPTY", "EMPTY_STRIDED", "EMPTY_PERMUTED", "RAND", "RANDN", "RANDPERM",
                             "RAND_LIKE", "RANDN_LIKE", "MULTINOMIAL"}
 
 
+# CALL_CUSTOM stands for no ATen op: tests/vm/test_custom_ops.py compares it with the
+# custom op it calls.
 @pytest.mark.parametrize("spec", [s for s in EXECUTABLE if s.opclass is OpClass.TENSOR
-                                  and s.lower_operands is None], ids=lambda s: s.name)
+                                  and s.lower_operands is None and s.aten],
+                         ids=lambda s: s.name)
 def test_impl_is_the_aten_operator(spec):
     """`impl` is a faster entry to the kernel of the ATen overload the opcode stands for:
     both give the same results on the same operands."""

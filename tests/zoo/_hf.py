@@ -176,6 +176,17 @@ def _entries() -> tuple[ZooEntry, ...]:
         _text("qwen2", hf.Qwen2Model, hf.Qwen2Config(**_decoder_sizes())),
         _text("gemma", hf.GemmaModel, hf.GemmaConfig(head_dim=HIDDEN // HEADS, **_decoder_sizes())),
         _text("phi", hf.PhiModel, hf.PhiConfig(**_decoder_sizes())),
+        # Mixture of experts: transformers' MoE integration exports its experts as the
+        # custom op transformers::grouped_mm_fallback (Note [Custom ops] in
+        # dynvm.vm.ops_custom), routed by data (top-k, histc, sort).
+        _text("mixtral", hf.MixtralModel, hf.MixtralConfig(
+            num_local_experts=4, num_experts_per_tok=2, **_decoder_sizes(sliding_window=None)),
+              note="experts through the custom op transformers::grouped_mm_fallback"),
+        _text("qwen2-moe", hf.Qwen2MoeModel, hf.Qwen2MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=FFN // 2,
+            shared_expert_intermediate_size=FFN, **_decoder_sizes()),
+              note="experts through the custom op transformers::grouped_mm_fallback; a "
+              "shared expert"),
         _text("t5-encoder", hf.T5EncoderModel, hf.T5Config(
             d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=FFN, num_layers=LAYERS,
             num_heads=HEADS, vocab_size=VOCAB)),

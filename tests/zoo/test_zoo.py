@@ -115,3 +115,14 @@ def test_derived_resolution_is_kept_and_checked(zoo_program, name):
     with dynvm.Runtime(compiled.program, jit=False) as runtime, \
             pytest.raises(dynvm.ShapeError, match=r"dim 3 must be 32\*kw for kw in"):
         runtime(torch.randn(1, 3, 64, 100))
+
+
+@pytest.mark.parametrize("name", ("mixtral", "qwen2-moe"))
+def test_moe_experts_are_one_custom_op_call(zoo_program, name):
+    """Note [Custom ops]: transformers' MoE experts stay the op the model exports, one
+    CALL_CUSTOM per layer (the interpreter and JIT tests above run them against eager)."""
+    compiled = zoo_program(name)
+    calls = [instr for instr in compiled.program.code if instr.op == "CALL_CUSTOM"]
+    assert calls, f"{name}: no custom op in the program"
+    assert {instr.args[0].value for instr in calls} == \
+        {"transformers::grouped_mm_fallback.default"}

@@ -23,6 +23,8 @@ from dynvm.vm.instr import Instr
 from dynvm.vm.isa import OpSpec
 from dynvm.vm.opcodes import BY_SOURCE, OPCODES
 from dynvm.vm.operands import ArgKind, Const, Imm, IntList, Label, Operand, Reg, RegList
+from dynvm.vm.ops_custom import OPCODE as CUSTOM_OPCODE
+from dynvm.vm.ops_custom import check_lowerable, is_custom, lower_layout, providing_module
 from dynvm.vm.program import Program
 
 aten = torch.ops.aten
@@ -37,6 +39,8 @@ DROPPED_OPS = {
 _ALPHA_OPS = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar}
 _HOP_COND = torch.ops.higher_order.cond
 _HOP_WHILE = torch.ops.higher_order.while_loop
+_FUNCTIONALIZED = (torch.ops.higher_order.auto_functionalized,
+                   torch.ops.higher_order.auto_functionalized_v2)
 
 
 def _source_line(node) -> str:
@@ -122,7 +126,15 @@ class _Lowering:
             return self.lower_cond(node, env)
         if target is _HOP_WHILE:
             return self.lower_while(node, env)
+        if target in _FUNCTIONALIZED:
+            raise UnsupportedOpError(
+                f"custom op {node.args[0]} mutates its inputs (export wrapped it in "
+                f"{target.__name__}; from {_source_line(node)}): dynvm programs are pure "
+                "and do not run mutating ops; return a new tensor from the op instead "
+                "(Note [Custom ops])")
         spec = BY_SOURCE.get(target)
+        if spec is None and is_custom(target):
+            return self.lower_custom(node, env)
         if spec is None:
             raise UnsupportedOpError(
                 f"operator {target} is not supported by dynvm (from {_source_line(node)}). "
@@ -173,6 +185,21 @@ class _Lowering:
         if not dsts:
             return None
         return dsts[0] if len(dsts) == 1 and spec.outs.__class__ is tuple else dsts
+
+    def lower_custom(self, node, env: dict):
+        """A torch.library op as one CALL_CUSTOM (Note [Custom ops])."""
+        overload = node.target
+        check_lowerable(overload, _source_line(node))
+        values = [self.add_constant(f"_tensor_constant_{len(self.constants)}", v)
+                  if isinstance(v, torch.Tensor) else v
+                  for v in self.schema_values(node, env)]
+        tensors, layout = lower_layout(overload, values)
+        dsts = tuple(self.new_reg() for _ in overload._schema.returns)
+        self.emit(CUSTOM_OPCODE, dsts, (Imm(f"{overload._schema.name}.{overload._overloadname}"),
+                                        RegList(tuple(tensors)), Imm(layout),
+                                        Imm(str(overload._schema)),
+                                        Imm(providing_module(overload))))
+        return dsts[0] if len(dsts) == 1 else dsts
 
     def scale(self, value, alpha):
         if isinstance(value, Reg | Const):

@@ -1,0 +1,168 @@
+"""Custom operators: any op registered with `torch.library`, called by name.
+
+Note [Custom ops]
+~~~~~~~~~~~~~~~~~
+torch.export keeps a `torch.library` custom op whole (Hugging Face's MoE layers export
+`transformers::grouped_mm_fallback`, a user's own op stays one node), with its schema
+and its fake kernel. One opcode, CALL_CUSTOM, stands for all of them; its operands are
+
+    name     the qualified overload, "transformers::grouped_mm_fallback.default"
+    tensors  the tensor arguments, an operand list (registers and constants)
+    layout   per schema argument, ("t", i): tensors[i]; ("tl", (i, j, ...)): a tensor
+             list; ("v", literal): a literal (None, a number, a string, a dtype, ...)
+    schema   the op's schema as torch prints it, so a file says what it calls
+    module   the Python module that registered it ("" when torch.library has no record)
+
+The interpreter and the JIT's CPU backend call the op through `torch.ops` (an opaque
+call: no pass fuses across an opcode it does not know), and abstract evaluation calls it
+on meta tensors, which runs the fake kernel the op registered (`register_fake` installs
+it as the op's Meta kernel). The frontend refuses, when compiling, an op whose schema
+says it mutates an argument, whether export left it mutating or wrapped it in
+`auto_functionalized` (running that wrapper, a copy then the op, is not built yet), and
+an op returning anything but tensors. A program is
+checked when it is built or loaded (`check_registered`, from the verifier): an op that
+is not registered in this process, or registered with another schema, is an
+`UnregisteredOpError` naming the op and the module that usually provides it, at
+`dynvm.load`, not at the first call. The module is a hint only: a name read from a file
+is never imported.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynvm.vm.errors import UnregisteredOpError, UnsupportedOpError
+from dynvm.vm.isa import OpClass, op
+from dynvm.vm.operands import Const, Reg
+
+OPCODE = "CALL_CUSTOM"
+
+
+def _split_name(name: str) -> tuple[str, str, str]:
+    namespace, _, rest = name.partition("::")
+    op_name, _, overload = rest.partition(".")
+    return namespace, op_name, overload or "default"
+
+
+def resolve(name: str):
+    """The OpOverload called `name` ("ns::op.overload"), or None when this process has
+    none registered."""
+    namespace, op_name, overload = _split_name(name)
+    try:
+        packet = getattr(getattr(torch.ops, namespace), op_name)
+        return getattr(packet, overload)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _build_args(tensors, layout) -> list:
+    args = []
+    for kind, value in layout:
+        if kind == "t":
+            args.append(tensors[value])
+        elif kind == "tl":
+            args.append([tensors[i] for i in value])
+        else:
+            args.append(list(value) if isinstance(value, tuple) else value)
+    return args
+
+
+def call_custom(name: str, tensors, layout: tuple, _schema: str, _module: str):
+    """Run the custom op `name` on its operands (Note [Custom ops])."""
+    overload = resolve(name)
+    if overload is None:
+        raise UnregisteredOpError(f"custom op {name} is not registered in this process")
+    return overload(*_build_args(tensors, layout))
+
+
+def providing_module(overload) -> str:
+    """The module that registered `overload`'s Python implementation or fake kernel, as
+    torch.library records it; "" when it records none."""
+    from torch._library import custom_ops, simple_registry
+
+    qualname = overload._schema.name
+    definition = custom_ops.OPDEFS.get(qualname)
+    if definition is not None:
+        return getattr(definition._init_fn, "__module__", "") or ""
+    entry = simple_registry.singleton.find(qualname)
+    kernel = getattr(getattr(entry, "fake_impl", None), "kernel", None)
+    return getattr(kernel, "__module__", "") or ""
+
+
+def is_custom(target) -> bool:
+    """True for an OpOverload outside torch's own namespaces: a `torch.library` op."""
+    return isinstance(target, torch._ops.OpOverload) and \
+        target.namespace not in ("aten", "prims", "prim", "quantized", "_quantized")
+
+
+def lower_layout(overload, values: list) -> tuple[list, tuple]:
+    """The tensor operands and the layout (Note [Custom ops]) of a custom op's lowered
+    schema argument values (tensors as `Reg` or `Const`, the rest literals)."""
+    tensors: list = []
+    layout = []
+    for argument, value in zip(overload._schema.arguments, values):
+        kind = str(argument.type)
+        if kind in ("Tensor", "Optional[Tensor]") and isinstance(value, Reg | Const):
+            layout.append(("t", len(tensors)))
+            tensors.append(value)
+        elif kind == "List[Tensor]" and all(isinstance(v, Reg | Const) for v in value):
+            layout.append(("tl", tuple(range(len(tensors), len(tensors) + len(value)))))
+            tensors.extend(value)
+        elif _is_literal(value):
+            layout.append(("v", tuple(value) if isinstance(value, list) else value))
+        else:
+            raise UnsupportedOpError(
+                f"custom op {overload}: argument {argument.name} ({kind}) is {value!r}, "
+                "neither a tensor nor a literal (a size computed at run time is not "
+                "supported)")
+    return tensors, tuple(layout)
+
+
+def _is_literal(value) -> bool:
+    if isinstance(value, list | tuple):
+        return all(_is_literal(v) for v in value)
+    return isinstance(value, type(None) | bool | int | float | str | torch.dtype
+                      | torch.device | torch.layout | torch.memory_format)
+
+
+def check_lowerable(overload, where: str) -> None:
+    """UnsupportedOpError unless dynvm can call `overload` as a pure function."""
+    schema = overload._schema
+    if schema.is_mutable:
+        mutated = [a.name for a in schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write]
+        raise UnsupportedOpError(
+            f"custom op {overload} mutates its argument(s) {', '.join(mutated) or '?'} "
+            f"({where}); dynvm programs are pure: export it functionalized (torch.export "
+            "does so for ops declared with torch.library.custom_op and mutates_args), or "
+            "return a new tensor instead")
+    for ret in schema.returns:
+        if ret.alias_info is not None:
+            raise UnsupportedOpError(f"custom op {overload} returns a view of an input "
+                                     f"({where}); dynvm calls custom ops whose results are "
+                                     "new tensors")
+        if str(ret.type) != "Tensor":
+            raise UnsupportedOpError(f"custom op {overload} returns {ret.type} ({where}); "
+                                     "dynvm calls custom ops that return tensors")
+
+
+def check_registered(name: str, schema: str, module: str) -> None:
+    """UnregisteredOpError unless this process has `name` registered with `schema`
+    (Note [Custom ops]). `module` only names where the op usually comes from: a module
+    named in a file is never imported on the file's word."""
+    overload = resolve(name)
+    if overload is None:
+        hint = (f"; import {module} (which registers it) before loading the program"
+                if module else "; import the library that registers it first")
+        raise UnregisteredOpError(f"custom op {name} is not registered in this process"
+                                  f"{hint}")
+    if str(overload._schema) != schema:
+        raise UnregisteredOpError(f"custom op {name}: the program was built for schema "
+                                  f"{schema!r}, this process registers "
+                                  f"{str(overload._schema)!r}")
+
+
+CUSTOM_OPS = (
+    op(OPCODE, OpClass.TENSOR, "K,TL,K,K,K", "T*",
+       "call a torch.library custom op by name (Note [Custom ops])", impl=call_custom),
+)
