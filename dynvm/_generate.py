@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dynvm._generation_ahead import LengthBucketsAhead
 from dynvm._generation_export import GeneratorPrograms, export_generator
 from dynvm._runtime import Runtime
 from dynvm._sampling import Sampling, next_tokens
@@ -41,13 +42,17 @@ class Generator:
     Both programs hold the model's own weight tensors (the same storages), so a
     generator's weights are resident once. The cache is passed between steps as plain
     tensors per layer, grown by one position per step (the programs are pure: the
-    cache is not yet Runtime state)."""
+    cache is not yet Runtime state). With the JIT on and `compile_ahead`, the decode
+    step's family kernels for the growing length are asked for before the length gets
+    there (Note [Compiling the next length bucket])."""
 
     def __init__(self, programs: GeneratorPrograms, device: str | torch.device = "cpu",
-                 jit: bool | JitConfig = True) -> None:
+                 jit: bool | JitConfig = True, compile_ahead: bool = True) -> None:
         self.programs = programs
         self.prefill = Runtime(programs.prefill, device, jit=jit)
         self.decode = Runtime(programs.decode, device, jit=jit)
+        # Note [Compiling the next length bucket]
+        self._ahead = LengthBucketsAhead(self.decode) if compile_ahead else None
         self.device = self.prefill.device
         self._generations = 0
         self._decode_steps = 0
@@ -99,6 +104,8 @@ class Generator:
         self._decode_steps += 1
         if after[0] > before[0] and after[1] == before[1]:
             self._specialized_steps += 1
+        if self._ahead is not None:
+            self._ahead.after_step(mask.shape[1], mask.shape[0])
         return outputs
 
     def _check(self, input_ids, attention_mask, max_new_tokens: int) -> torch.Tensor:
@@ -140,8 +147,10 @@ class Generator:
 
 def compile_generator(model: torch.nn.Module, *, max_batch: int = 64,
                       max_length: int = 2048, device: str | torch.device = "cpu",
-                      jit: bool | JitConfig = True, name: str | None = None) -> Generator:
+                      jit: bool | JitConfig = True, compile_ahead: bool = True,
+                      name: str | None = None) -> Generator:
     """Lower a Hugging Face causal LM to a prefill and a decode program (dynamic batch
-    and lengths) and return a `Generator` running them."""
+    and lengths) and return a `Generator` running them (`jit`, `compile_ahead`: as
+    Generator takes them)."""
     programs = export_generator(model, max_batch=max_batch, max_length=max_length, name=name)
-    return Generator(programs, device, jit=jit)
+    return Generator(programs, device, jit=jit, compile_ahead=compile_ahead)

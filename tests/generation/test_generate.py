@@ -116,3 +116,25 @@ def test_refusals_name_the_input(built):
             generator.generate(ids, right, max_new_tokens=2)
     with pytest.raises(dynvm.ConfigError, match="top_p"):
         dynvm.Sampling(top_p=0.0)
+
+
+def test_length_buckets_compiled_ahead(built):
+    """Note [Compiling the next length bucket]: with a recurrence threshold no decode
+    step ever reaches, only the generator's requests compile anything; they cover the
+    first generation from its second step on (the first shows no varying dim yet)."""
+    kind, _, programs = built
+    never = eager_config(families=True, min_recurrence=1000, max_recurrence=1000,
+                         window=1000)
+    ids, mask = left_padded((6,), seed=9)
+    new = 20   # L = 6..24: the buckets 5..16 and 17..64
+    counts = {}
+    for ahead in (False, True):
+        with dynvm.Generator(programs, jit=never, compile_ahead=ahead) as generator:
+            tokens = generator.generate(ids, mask, max_new_tokens=new, stop_tokens=())
+            counts[ahead] = generator.stats()
+            assert generator.decode.stats().family_compiles == (2 if ahead else 0), kind
+        with dynvm.Generator(programs, jit=False) as interpreter:
+            assert torch.equal(tokens, interpreter.generate(ids, mask, max_new_tokens=new,
+                                                            stop_tokens=()))
+    assert counts[False].specialized_steps == 0, counts
+    assert counts[True].specialized_steps >= counts[True].decode_steps - 2, counts

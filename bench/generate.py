@@ -1,0 +1,325 @@
+"""`dynvm bench generate`: greedy generation, prompt 32 + 128 new tokens, on a Llama-style
+and a GPT-2-width decoder (random weights, nothing downloaded), in an eager step loop,
+Hugging Face `generate`, the dynvm interpreter and JIT (dynvm.compile_generator), and
+CTranslate2 when the bench extra brought it; writes results.json and report.md.
+
+Note [Generation timing]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Each system generates the same prompts one after another (not interleaved call by call
+as the suite: a generation is one long call whose steps depend on each other). Decode
+tokens/s is B x decode steps / the decode steps' wall time (prefill apart, its own
+column); p50/p99 are per decode step. The JIT runs its default JitConfig (background
+compiles, a server's policy) and is measured on its first generation (what a fresh
+server gives its first request, compiles running meanwhile) and its second and third
+(the first's compiles landed or not); `specialized` is the share of decode steps in
+which every region ran specialized code (Generator.stats). `dynvm-jit-wait` is the JIT
+without the generator's compile-ahead (Note [Compiling the next length bucket]), first
+generation only. HF `generate` is timed whole
+(its decode rate: B x new tokens / (total - our eager prefill time)). CTranslate2 gets a
+model converted from the same weights by its own converter (a word-level tokenizer
+with one token per id is written beside it, since the converter reads the vocabulary
+from a tokenizer) and generates with `sampling_topk=1`, min = max length, so it does
+the same steps. Tokens are compared with the eager loop's, and the report says where
+they differ. One torch thread count for everything (--threads, default 2), and the
+1-minute load average beside the table: the host is shared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+PROMPT, NEW = 32, 128
+MODELS = ("llama", "gpt2")
+SYSTEMS = ("eager", "hf", "dynvm-interp", "dynvm-jit-wait", "dynvm-jit", "ctranslate2")
+
+
+@dataclass
+class Row:
+    """One system's generation on one model and batch size."""
+
+    model: str
+    batch: int
+    system: str
+    prefill_ms: float
+    decode_tokens_per_s: float
+    step_p50_ms: float
+    step_p99_ms: float
+    specialized: str = ""
+    same_tokens: str = ""
+    note: str = ""
+
+
+@dataclass
+class Results:
+    """A run's rows and its conditions."""
+
+    rows: list[Row] = field(default_factory=list)
+    export_seconds: dict[str, float] = field(default_factory=dict)
+    resident_mb: dict[str, dict[str, float]] = field(default_factory=dict)
+    threads: int = 2
+    load_before: str = ""
+    load_after: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
+
+
+def build_model(kind: str) -> torch.nn.Module:
+    """Random-weight decoders at the issue's widths (4 layers each)."""
+    from tests.zoo._schemas import declare_torchvision_schemas
+
+    declare_torchvision_schemas()
+    import transformers as hf
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = hf.LlamaForCausalLM(hf.LlamaConfig(
+            hidden_size=768, num_attention_heads=12, num_key_value_heads=4,
+            num_hidden_layers=4, intermediate_size=2048, vocab_size=32000,
+            max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    elif kind == "gpt2":
+        model = hf.GPT2LMHeadModel(hf.GPT2Config(
+            n_embd=768, n_head=12, n_layer=4, vocab_size=32000, n_positions=2048,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    else:
+        raise ValueError(f"model {kind!r}: expected one of {MODELS}")
+    model.config._attn_implementation = "sdpa"
+    model.generation_config.eos_token_id = None  # every run makes all NEW steps
+    return model.eval()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _row(model, batch, system, prefill_s, steps, **extra) -> Row:
+    steps_ms = sorted(s * 1e3 for s in steps)
+    p99 = steps_ms[min(len(steps_ms) - 1, int(round(0.99 * (len(steps_ms) - 1))))]
+    return Row(model, batch, system, prefill_s * 1e3, batch * len(steps) / sum(steps),
+               statistics.median(steps_ms), p99, **extra)
+
+
+def _eager_loop(model, ids, mask, new: int = NEW):
+    """The step functions compile_generator exports, run eagerly: the same loop."""
+    from dynvm._generation_export import _Decode, _Prefill
+
+    prefill, decode = _Prefill(model), _Decode(model)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        logits, keys, values = prefill(ids, mask, positions)
+        token = logits.argmax(-1)
+        prefill_s = time.perf_counter() - start
+        tokens, steps = [token], []
+        for _ in range(new - 1):
+            start = time.perf_counter()
+            position = mask.sum(-1, keepdim=True)
+            logits, keys, values = decode(token[:, None], mask, position, keys, values)
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            token = logits.argmax(-1)
+            steps.append(time.perf_counter() - start)
+            tokens.append(token)
+    return torch.stack(tokens, 1), prefill_s, steps
+
+
+def _dynvm(generator, ids, mask):
+    before = generator.stats()
+    start = time.perf_counter()
+    tokens, stamps = [], []
+    for token in generator.stream(ids, mask, max_new_tokens=NEW, stop_tokens=()):
+        tokens.append(token)
+        stamps.append(time.perf_counter())
+    after = generator.stats()
+    steps = [b - a for a, b in zip(stamps, stamps[1:])]
+    share = (after.specialized_steps - before.specialized_steps,
+             after.decode_steps - before.decode_steps)
+    return torch.stack(tokens, 1), stamps[0] - start, steps, share
+
+
+def _ctranslate2(model, kind: str, threads: int):
+    """A CTranslate2 generator converted from the same weights, or a reason why not."""
+    try:
+        import ctranslate2
+        from tokenizers import Tokenizer, models
+        from transformers import PreTrainedTokenizerFast
+    except ImportError as exc:
+        return None, f"not installed ({exc.name}): pip install -e .[bench]"
+    folder = Path(tempfile.mkdtemp(prefix=f"dynvm-ct2-{kind}-"))
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+        vocab, unk_token="t0")), unk_token="t0", pad_token="t0", bos_token="t1",
+        eos_token="t2")
+    model.save_pretrained(folder / "hf")
+    tokenizer.save_pretrained(folder / "hf")
+    try:
+        ctranslate2.converters.TransformersConverter(str(folder / "hf")).convert(
+            str(folder / "ct2"), force=True)
+        return ctranslate2.Generator(str(folder / "ct2"), device="cpu",
+                                     intra_threads=threads), ""
+    except Exception as exc:  # a converter that refuses this transformers: reported
+        return None, f"conversion failed: {type(exc).__name__}: {str(exc)[:160]}"
+
+
+def _ct2_run(ct2, ids):
+    prompts = [[f"t{int(t)}" for t in row] for row in ids]
+    start = time.perf_counter()
+    first = ct2.generate_batch(prompts, max_length=1, sampling_topk=1,
+                               include_prompt_in_result=False)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    out = ct2.generate_batch(prompts, max_length=NEW, min_length=NEW, sampling_topk=1,
+                             include_prompt_in_result=False)
+    total = time.perf_counter() - start
+    tokens = torch.tensor([r.sequences_ids[0][:NEW] for r in out])
+    del first
+    return tokens, prefill_s, total
+
+
+def _packed_mb(generator) -> float:
+    """MiB of oneDNN-packed weight copies the generator's JIT engines hold (Note
+    [Prepacked weights]: one cache per engine, i.e. per program)."""
+    total = 0
+    for runtime in (generator.prefill, generator.decode):
+        options = getattr(runtime.jit, "_cpu_options", None)
+        cache = getattr(getattr(options, "prepacked", None), "_packed", None)
+        for packed in list(cache.values()) if cache is not None else ():
+            total += packed.numel() * packed.element_size()
+    return total / 2**20
+
+
+def run_model(kind: str, batches, systems, threads: int, results: Results,
+              jit_config=True) -> None:
+    """Every system on one model, each batch size."""
+    import gc
+
+    import dynvm
+
+    model = build_model(kind)
+    weights_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    gc.collect()
+    after_model = _rss_mb()
+    start = time.perf_counter()
+    programs = dynvm.compile_generator(model, max_batch=max(16, *batches),
+                                       max_length=PROMPT + NEW + 1, jit=False).programs
+    results.export_seconds[kind] = time.perf_counter() - start
+    interp = dynvm.Generator(programs, jit=False) if "dynvm-interp" in systems else None
+    gc.collect()
+    memory = results.resident_mb[kind] = {"weights": weights_mb,
+                                          "after_export": _rss_mb() - after_model}
+    ct2, ct2_note = (_ctranslate2(model, kind, threads) if "ctranslate2" in systems
+                     else (None, ""))
+    for batch in batches:
+        gen = torch.Generator().manual_seed(batch)
+        ids = torch.randint(3, model.config.vocab_size, (batch, PROMPT), generator=gen)
+        mask = torch.ones_like(ids)
+        _eager_loop(model, ids, mask, new=3)  # first-use costs of this batch size
+        reference, prefill_s, steps = _eager_loop(model, ids, mask)
+        if "eager" in systems:
+            results.rows.append(_row(kind, batch, "eager", prefill_s, steps))
+
+        def same(tokens, reference=reference):
+            return "yes" if torch.equal(tokens, reference) else "NO"
+
+        if "hf" in systems:
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+                start = time.perf_counter()
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW,
+                                     min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+                total = time.perf_counter() - start
+            decode_s = max(total - prefill_s, 1e-9)
+            results.rows.append(Row(kind, batch, "hf", float("nan"),
+                                    batch * (NEW - 1) / decode_s, float("nan"),
+                                    float("nan"), same_tokens=same(out[:, PROMPT:]),
+                                    note="timed whole"))
+        if interp is not None:
+            interp.generate(ids, mask, max_new_tokens=3, stop_tokens=())
+            tokens, prefill_s, steps, _ = _dynvm(interp, ids, mask)
+            results.rows.append(_row(kind, batch, "dynvm-interp", prefill_s, steps,
+                                     same_tokens=same(tokens)))
+        if "dynvm-jit-wait" in systems:
+            # The JIT's own rule alone (no compile-ahead): its first generation.
+            with dynvm.Generator(programs, jit=jit_config, compile_ahead=False) as jit:
+                tokens, prefill_s, steps, (hit, total) = _dynvm(jit, ids, mask)
+                results.rows.append(_row(kind, batch, "dynvm-jit-wait gen 1", prefill_s,
+                                         steps, specialized=f"{hit}/{total}",
+                                         same_tokens=same(tokens)))
+        if "dynvm-jit" in systems:
+            with dynvm.Generator(programs, jit=jit_config) as jit:
+                for n in (1, 2, 3):
+                    tokens, prefill_s, steps, (hit, total) = _dynvm(jit, ids, mask)
+                    results.rows.append(_row(
+                        kind, batch, f"dynvm-jit gen {n}", prefill_s, steps,
+                        specialized=f"{hit}/{total}", same_tokens=same(tokens)))
+                memory[f"jit_b{batch}"] = _rss_mb() - after_model
+                memory[f"packed_b{batch}"] = _packed_mb(jit)
+        if ct2 is not None:
+            _ct2_run(ct2, ids)  # its first call: allocations, not a generation's steady time
+            tokens, prefill_s, total = _ct2_run(ct2, ids)
+            decode_s = max(total - prefill_s, 1e-9)
+            results.rows.append(Row(kind, batch, "ctranslate2", prefill_s * 1e3,
+                                    batch * (NEW - 1) / decode_s, float("nan"),
+                                    float("nan"), same_tokens=same(tokens),
+                                    note="timed whole (prefill: a 1-token call)"))
+        elif ct2_note:
+            results.rows.append(Row(kind, batch, "ctranslate2", float("nan"), float("nan"),
+                                    float("nan"), float("nan"), note=ct2_note))
+
+
+def report(results: Results) -> str:
+    """The markdown table of a run."""
+    lines = [f"prompt {PROMPT} + {NEW} greedy tokens, {results.threads} torch threads; "
+             f"load average (1 min) before {results.load_before}, after "
+             f"{results.load_after}; export (both programs): " + ", ".join(
+                 f"{k} {v:.1f} s" for k, v in results.export_seconds.items()), "",
+             "| model | B | system | prefill ms | decode tok/s | step p50 ms | "
+             "step p99 ms | specialized steps | tokens = eager | note |",
+             "|---|---:|---|---:|---:|---:|---:|---|---|---|"]
+    for r in results.rows:
+        cells = [r.model, str(r.batch), r.system] + [
+            "-" if v != v else f"{v:.1f}" for v in (r.prefill_ms, r.decode_tokens_per_s,
+                                                    r.step_p50_ms, r.step_p99_ms)]
+        lines.append("| " + " | ".join(cells + [r.specialized, r.same_tokens, r.note]) + " |")
+    for kind, mem in results.resident_mb.items():
+        lines.append(f"\n{kind}: weights {mem['weights']:.0f} MiB; resident memory over the "
+                     "built model: " + ", ".join(f"{k} +{v:.0f} MiB" for k, v in mem.items()
+                                                 if k != "weights"))
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    """`dynvm bench generate`; the exit status."""
+    threads = args.threads or 2
+    torch.set_num_threads(threads)
+    models = tuple(args.models.split(",")) if args.models else MODELS
+    systems = tuple(args.systems.split(",")) if args.systems else SYSTEMS
+    batches = tuple(int(b) for b in (args.batch_sizes or "1,4").split(","))
+    results = Results(threads=threads, load_before=Path("/proc/loadavg").read_text().split()[0])
+    import transformers
+
+    results.versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    from bench.jit_options import jit_config
+
+    config = jit_config(args.jit_options) if args.jit_options else True
+    for kind in models:
+        run_model(kind, batches, systems, threads, results, config)
+    results.load_after = Path("/proc/loadavg").read_text().split()[0]
+    out = args.out or Path(__file__).resolve().parent / "results" / time.strftime(
+        "generate-%Y%m%d-%H%M%S")
+    os.makedirs(out, exist_ok=True)
+    text = report(results)
+    (out / "results.json").write_text(json.dumps(asdict(results), indent=1, default=str))
+    (out / "report.md").write_text(text + "\n")
+    print(text)
+    print(f"\nwritten to {out}")
+    return 0
