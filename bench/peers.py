@@ -149,7 +149,8 @@ def cpu_has_bf16() -> bool:
 class OpenvinoRunner:
     """An OpenVINO CPU compiled model over an exported file (Note [ONNX peers])."""
 
-    def __init__(self, path: str, threads: int, bf16: bool = False) -> None:
+    def __init__(self, path: str, threads: int, bf16: bool = False,
+                 perf_count: bool = False) -> None:
         try:
             import openvino as ov
         except ImportError:
@@ -161,7 +162,9 @@ class OpenvinoRunner:
         model = core.read_model(path)
         self.compiled = core.compile_model(model, "CPU", {
             "INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY",
-            "NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": "bf16" if bf16 else "f32"})
+            "NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": "bf16" if bf16 else "f32",
+            # per-node timers (bench.width_profile); off for timing
+            "PERF_COUNT": perf_count})
         self.request = self.compiled.create_infer_request()
         self.outputs = len(self.compiled.outputs)
         self.version = ov.__version__.split("-")[0]
@@ -208,6 +211,11 @@ class Peer:
         for needed in (module, "onnx", "onnxscript"):
             if importlib.util.find_spec(needed) is None:
                 raise PeerUnavailable(f"{name}: {needed} is not installed: {INSTALL_HINT}")
+
+    @property
+    def path(self) -> str:
+        """The exported ONNX file (removed by close())."""
+        return self._exported.path
 
     def __call__(self, *inputs) -> tuple[torch.Tensor, ...]:
         return self.runner(*inputs)
