@@ -38,7 +38,10 @@ the point after it are sizes the program refuses, and dropping them would leave 
 probes to vary anything. So a family's probes are first moved onto the root's grid
 (`on_root_grid`): each derived dim to the next size its root gives, within the declared
 range, a probe that lands on an earlier one one root step further; the family then
-probes distinct root values, as it probes distinct sizes of a plain dim.
+probes distinct root values, as it probes distinct sizes of a plain dim. A family's
+guard checks each dim's bounds, not the grid, so the input check of a derived dim stays
+in the family kernel (`_grid_checks`): a size within the bucket but off the grid is
+refused by the kernel as by the interpreter.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def specialize(program, region, live_in_values: dict[int, object],
     candidates = (live_in_values, *extra_probes)
     if extra_probes:
         candidates = on_root_grid(program, candidates)
+        kept_checks.update(_grid_checks(program, region))
     for index, live_in in enumerate(candidates):
         try:
             probes.append(evaluate_region(program, region, live_in, memo.apply))
@@ -135,6 +139,15 @@ def on_root_grid(program, probes) -> tuple[dict[int, object], ...]:
                 moved.append(candidate)
                 break
     return tuple(moved)
+
+
+def _grid_checks(program, region) -> set[int]:
+    """The region's SHAPE_ASSERTs of inputs with a derived dim: a family's guard checks
+    each dim's bounds, not its root's grid, so these stay in a family kernel (Note
+    [Probes])."""
+    return {pc for pc in range(region.start, region.stop)
+            if program.code[pc].op == "SHAPE_ASSERT"
+            and any(len(dim) == 5 for dim in program.code[pc].args[4].value)}
 
 
 def _grid_size(dim, size: int, step: int) -> int:

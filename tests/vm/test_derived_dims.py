@@ -139,6 +139,12 @@ def test_jit_family_probes_valid_sizes_and_matches_eager(pooled):
             for _ in range(2):
                 torch.testing.assert_close(runtime(x), module(x), rtol=1e-5, atol=1e-5)
         stats = runtime.stats()
+        # Within the family's buckets but off the grid: its guard passes them, the input
+        # check kept in the kernel refuses them as the interpreter does.
+        with pytest.raises(ShapeError, match=r"dim 2 must be 8\*k for k in 2\.\.6, got 36"):
+            runtime(torch.randn(2, 3, 36, 20))
+        with pytest.raises(ShapeError, match=r"dim 3 must be 4\*w\+4 for w in 2\.\.6, got 21"):
+            runtime(torch.randn(2, 3, 40, 21))
     assert stats["specialized_region_calls"] >= 3
     assert stats["family_compiles"] >= 1, stats
     assert stats["deopts"] == 0 and stats["specialize_failures_total"] == 0, stats
