@@ -16,10 +16,12 @@ and its fake kernel. One opcode, CALL_CUSTOM, stands for all of them; its operan
 The interpreter and the JIT's CPU backend call the op through `torch.ops` (an opaque
 call: no pass fuses across an opcode it does not know), and abstract evaluation calls it
 on meta tensors, which runs the fake kernel the op registered (`register_fake` installs
-it as the op's Meta kernel). The frontend refuses, when compiling, an op whose schema
-says it mutates an argument, whether export left it mutating or wrapped it in
-`auto_functionalized` (running that wrapper, a copy then the op, is not built yet), and
-an op returning anything but tensors. A program is
+it as the op's Meta kernel). An op whose schema says it mutates an argument runs only
+as export functionalized it (`auto_functionalized_v2`, each written argument a whole
+base tensor): CALL_CUSTOM_FUNCTIONAL copies what the op writes, calls it on the copies
+and returns its results and then the copies, so the instruction is pure like every
+other. A mutating op that export left mutating, one written through a view of a base,
+and an op returning a view or anything but tensors are refused when compiling. A program is
 checked when it is built or loaded (`check_registered`, from the verifier): an op that
 is not registered in this process, or registered with another schema, is an
 `UnregisteredOpError` naming the op and the module that usually provides it, at
@@ -75,6 +77,23 @@ def call_custom(name: str, tensors, layout: tuple, _schema: str, _module: str):
     return overload(*_build_args(tensors, layout))
 
 
+def call_custom_functional(name: str, tensors, layout: tuple, _schema: str, _module: str,
+                           copied: tuple):
+    """Run the mutating custom op `name` on copies of the tensors it writes (positions
+    `copied` of `tensors`): its results, then those copies as it left them (Note
+    [Custom ops]); the operands themselves are never written."""
+    overload = resolve(name)
+    if overload is None:
+        raise UnregisteredOpError(f"custom op {name} is not registered in this process")
+    tensors = list(tensors)
+    for index in copied:
+        tensors[index] = tensors[index].clone()
+    result = overload(*_build_args(tensors, layout))
+    results = () if result is None else result if isinstance(result, tuple) else (result,)
+    out = (*results, *(tensors[i] for i in copied))
+    return out[0] if len(out) == 1 else out
+
+
 def providing_module(overload) -> str:
     """The module that registered `overload`'s Python implementation or fake kernel, as
     torch.library records it; "" when it records none."""
@@ -125,10 +144,17 @@ def _is_literal(value) -> bool:
                       | torch.device | torch.layout | torch.memory_format)
 
 
-def check_lowerable(overload, where: str) -> None:
-    """UnsupportedOpError unless dynvm can call `overload` as a pure function."""
+def mutated_arguments(overload) -> tuple[str, ...]:
+    """The names of the arguments `overload`'s schema says it writes."""
+    return tuple(a.name for a in overload._schema.arguments
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+def check_lowerable(overload, where: str, functionalized: bool = False) -> None:
+    """UnsupportedOpError unless dynvm can call `overload` as a pure function (a
+    mutating op only as export functionalized it, on copies)."""
     schema = overload._schema
-    if schema.is_mutable:
+    if schema.is_mutable and not functionalized:
         mutated = [a.name for a in schema.arguments
                    if a.alias_info is not None and a.alias_info.is_write]
         raise UnsupportedOpError(
@@ -162,7 +188,13 @@ def check_registered(name: str, schema: str, module: str) -> None:
                                   f"{str(overload._schema)!r}")
 
 
+FUNCTIONAL_OPCODE = "CALL_CUSTOM_FUNCTIONAL"
+
 CUSTOM_OPS = (
     op(OPCODE, OpClass.TENSOR, "K,TL,K,K,K", "T*",
        "call a torch.library custom op by name (Note [Custom ops])", impl=call_custom),
+    op(FUNCTIONAL_OPCODE, OpClass.TENSOR, "K,TL,K,K,K,K", "T*",
+       "call a mutating custom op on copies of what it writes; its results, then the "
+       "copies (export's auto_functionalized; Note [Custom ops])",
+       impl=call_custom_functional),
 )

@@ -41,8 +41,8 @@ from dynvm.vm.operands import (
     ValueKind,
     operand_matches,
 )
+from dynvm.vm.ops_custom import FUNCTIONAL_OPCODE, check_registered
 from dynvm.vm.ops_custom import OPCODE as CUSTOM_OPCODE
-from dynvm.vm.ops_custom import check_registered
 from dynvm.vm.regions import successors
 
 MAX_DIM = 2**31 - 1
@@ -78,14 +78,32 @@ def _check_custom_ops(code) -> None:
     """Note [Custom ops]: every custom op the code calls is registered here, with the
     schema the program was built for (UnregisteredOpError, at load rather than at call)."""
     for pc, instr in enumerate(code):
-        if instr.op != CUSTOM_OPCODE:
+        if instr.op not in (CUSTOM_OPCODE, FUNCTIONAL_OPCODE):
             continue
-        name, _tensors, layout, schema, module = (getattr(a, "value", a) for a in instr.args)
+        name, tensors, layout, schema, module = (getattr(a, "value", a)
+                                                 for a in instr.args[:5])
+        copied = instr.args[5].value if instr.op == FUNCTIONAL_OPCODE else ()
+        count = len(tensors.items) if hasattr(tensors, "items") else -1
         if not (isinstance(name, str) and isinstance(schema, str) and isinstance(module, str)
-                and isinstance(layout, tuple)):
-            raise _fail(pc, instr, "a custom op call needs a name, a layout, a schema and a "
-                        "module (Note [Custom ops])")
+                and _custom_layout_ok(layout, count) and isinstance(copied, tuple)
+                and all(type(i) is int and 0 <= i < count for i in copied)):
+            raise _fail(pc, instr, "a custom op call needs a name, a layout naming its "
+                        f"{count} tensor operands, a schema and a module (Note [Custom ops])")
         check_registered(name, schema, module)
+
+
+def _custom_layout_ok(layout, count: int) -> bool:
+    if not isinstance(layout, tuple):
+        return False
+    for item in layout:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            return False
+        kind, value = item
+        indices = (value,) if kind == "t" else value if kind == "tl" else ()
+        if kind not in ("t", "tl", "v") or (kind == "tl" and not isinstance(value, tuple)) \
+                or not all(type(i) is int and 0 <= i < count for i in indices):
+            return False
+    return True
 
 
 def _check_signature(program) -> None:

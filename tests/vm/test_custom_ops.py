@@ -108,12 +108,40 @@ def test_schema_mismatch_and_unknown_op_are_refused():
     assert issubclass(UnregisteredOpError, dynvm.DynvmError)
 
 
-def test_mutating_op_is_refused_at_compile_time():
-    class Mutating(torch.nn.Module):
-        def forward(self, x):
-            y = x * 2
-            torch.ops.dvmtest.add_into(x, y)
-            return y
+class _Mutating(torch.nn.Module):
+    """Calls dvmtest::add_into, which writes its `out` argument: export wraps it in
+    auto_functionalized_v2."""
 
-    with pytest.raises(UnsupportedOpError, match=r"dvmtest.add_into.default mutates"):
-        dynvm.compile(Mutating(), (torch.randn(3),))
+    def forward(self, x):
+        y = x * 2
+        torch.ops.dvmtest.add_into(x, y)
+        return y + 1, x
+
+
+def test_functionalized_mutating_op_runs_on_copies():
+    program = dynvm.compile(_Mutating(), (torch.randn(3, 4),), ({0: Dim("n", min=1, max=16)},))
+    (call,) = [i for i in program.code if i.op.startswith("CALL_CUSTOM")]
+    assert call.op == "CALL_CUSTOM_FUNCTIONAL" and call.args[5].value == (1,)
+    with dynvm.Runtime(program, jit=False) as interpreter, \
+            dynvm.Runtime(program, jit=eager_config(families=True)) as jit:
+        for n in (2, 5, 9):
+            x = torch.randn(n, 4)
+            before = x.clone()
+            expected = _Mutating()(x.clone())
+            for runtime in (interpreter, jit, jit):
+                got = runtime(x)
+                assert torch.equal(x, before), "the program wrote its input"
+                for a, e in zip(got, expected, strict=True):
+                    torch.testing.assert_close(a, e)
+        stats = jit.stats()
+    assert stats["specialized_region_calls"] >= 3 and stats["deopts"] == 0
+
+
+def test_mutating_op_left_mutating_is_refused_at_compile_time():
+    """An op called on the mutated tensor itself, as export would never leave it: the
+    lowering refuses it before any program exists."""
+    from dynvm.vm.ops_custom import check_lowerable
+
+    with pytest.raises(UnsupportedOpError, match=r"dvmtest.add_into.default mutates its "
+                                                 r"argument\(s\) out"):
+        check_lowerable(torch.ops.dvmtest.add_into.default, "test")

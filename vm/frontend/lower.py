@@ -23,8 +23,15 @@ from dynvm.vm.instr import Instr
 from dynvm.vm.isa import OpSpec
 from dynvm.vm.opcodes import BY_SOURCE, OPCODES
 from dynvm.vm.operands import ArgKind, Const, Imm, IntList, Label, Operand, Reg, RegList
+from dynvm.vm.ops_custom import (
+    FUNCTIONAL_OPCODE,
+    check_lowerable,
+    is_custom,
+    lower_layout,
+    mutated_arguments,
+    providing_module,
+)
 from dynvm.vm.ops_custom import OPCODE as CUSTOM_OPCODE
-from dynvm.vm.ops_custom import check_lowerable, is_custom, lower_layout, providing_module
 from dynvm.vm.program import Program
 
 aten = torch.ops.aten
@@ -39,8 +46,8 @@ DROPPED_OPS = {
 _ALPHA_OPS = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar}
 _HOP_COND = torch.ops.higher_order.cond
 _HOP_WHILE = torch.ops.higher_order.while_loop
-_FUNCTIONALIZED = (torch.ops.higher_order.auto_functionalized,
-                   torch.ops.higher_order.auto_functionalized_v2)
+_FUNCTIONALIZED_V1 = torch.ops.higher_order.auto_functionalized
+_FUNCTIONALIZED_V2 = torch.ops.higher_order.auto_functionalized_v2
 
 
 def _source_line(node) -> str:
@@ -126,12 +133,13 @@ class _Lowering:
             return self.lower_cond(node, env)
         if target is _HOP_WHILE:
             return self.lower_while(node, env)
-        if target in _FUNCTIONALIZED:
+        if target is _FUNCTIONALIZED_V2:
+            return self.lower_functionalized(node, env)
+        if target is _FUNCTIONALIZED_V1:
             raise UnsupportedOpError(
-                f"custom op {node.args[0]} mutates its inputs (export wrapped it in "
-                f"{target.__name__}; from {_source_line(node)}): dynvm programs are pure "
-                "and do not run mutating ops; return a new tensor from the op instead "
-                "(Note [Custom ops])")
+                f"custom op {node.args[0]} mutates its inputs and export wrapped it in "
+                f"auto_functionalized (v1; from {_source_line(node)}); dynvm runs mutating "
+                "ops as auto_functionalized_v2 wraps them (Note [Custom ops])")
         spec = BY_SOURCE.get(target)
         if spec is None and is_custom(target):
             return self.lower_custom(node, env)
@@ -200,6 +208,57 @@ class _Lowering:
                                         Imm(str(overload._schema)),
                                         Imm(providing_module(overload))))
         return dsts[0] if len(dsts) == 1 else dsts
+
+    def lower_functionalized(self, node, env: dict):
+        """auto_functionalized_v2(op, args..., _<arg>_base_index=i, _all_bases=[...]) as
+        one CALL_CUSTOM_FUNCTIONAL (Note [Custom ops]): the op runs on copies of the
+        bases it writes. Its value is (op results, or one None, then the new bases)."""
+        overload = node.args[0]
+        where = _source_line(node)
+        check_lowerable(overload, where, functionalized=True)
+        kwargs = dict(node.kwargs)
+        bases = [self.value(env, b) for b in kwargs.pop("_all_bases")]
+        mutated = set(mutated_arguments(overload))
+        values = []
+        for argument in overload._schema.arguments:
+            if argument.name in mutated:
+                extra = [k for k in kwargs if k.startswith(f"_{argument.name}_")
+                         and k != f"_{argument.name}_base_index"]
+                index = kwargs.get(f"_{argument.name}_base_index")
+                if extra or index is None:
+                    raise UnsupportedOpError(
+                        f"custom op {overload} writes {argument.name} through a view "
+                        f"({', '.join(extra) or 'no base'}; from {where}); dynvm runs "
+                        "mutating custom ops that write whole tensors")
+                values.append(bases[index])
+            elif argument.name in kwargs:
+                values.append(self.value(env, kwargs[argument.name]))
+            elif argument.has_default_value():
+                values.append(argument.default_value)
+            else:
+                raise UnsupportedOpError(f"{overload}: argument {argument.name} missing "
+                                         f"({where})")
+        values = [self.add_constant(f"_tensor_constant_{len(self.constants)}", v)
+                  if isinstance(v, torch.Tensor) else v for v in values]
+        tensors, layout = lower_layout(overload, values)
+        # Each base written: its position among the tensor operands (one per base).
+        copied = tuple(dict.fromkeys(
+            layout[i][1] for i, a in enumerate(overload._schema.arguments)
+            if a.name in mutated and layout[i][0] == "t"))
+        n_results = len(overload._schema.returns)
+        dsts = tuple(self.new_reg() for _ in range(n_results + len(copied)))
+        self.emit(FUNCTIONAL_OPCODE, dsts, (
+            Imm(f"{overload._schema.name}.{overload._overloadname}"), RegList(tuple(tensors)),
+            Imm(layout), Imm(str(overload._schema)), Imm(providing_module(overload)),
+            Imm(copied)))
+        # The HOP's value: the op's results (one None when it returns nothing), then
+        # every base, written or not (a base it does not write comes back as it was).
+        written = {bases_index: dsts[n_results + k]
+                   for k, bases_index in enumerate(
+                       kwargs[f"_{a.name}_base_index"] for a in overload._schema.arguments
+                       if a.name in mutated)}
+        head = list(dsts[:n_results]) or [None]
+        return (*head, *(written.get(i, base) for i, base in enumerate(bases)))
 
     def scale(self, value, alpha):
         if isinstance(value, Reg | Const):
