@@ -145,3 +145,28 @@ def test_mutating_op_left_mutating_is_refused_at_compile_time():
     with pytest.raises(UnsupportedOpError, match=r"dvmtest.add_into.default mutates its "
                                                  r"argument\(s\) out"):
         check_lowerable(torch.ops.dvmtest.add_into.default, "test")
+
+
+def test_specialization_with_a_custom_op_travels_to_a_replica(block):
+    """A fleet replica installs the portable record of a specialization that calls the
+    op (re-emitted from its own opcode table, Note [Portable specializations]) and runs
+    it specialized."""
+    import msgpack
+
+    from dynvm.jit.config import JitConfig
+    from dynvm.jit.portable import decode, encode
+
+    module, _, path = block
+    program = dynvm.load(path)
+    x = torch.randn(2, 7, 8)
+    with dynvm.Runtime(program, jit=eager_config()) as source:
+        source(x)
+        records = [(spec.artifact.key, msgpack.unpackb(msgpack.packb(
+            encode(spec.ir, spec.strength, spec.signature, spec.family))))
+            for region_jit in source.jit.regions.values() for spec in region_jit._all()]
+    assert records
+    with dynvm.Runtime(program, jit=JitConfig(online_compile=False)) as target:
+        for key, record in records:
+            assert target.jit.install_portable(decode(record, program), key) is not None
+        torch.testing.assert_close(target(x), module(x))
+        assert target.stats()["specialized_region_calls"] == 1
