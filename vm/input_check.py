@@ -15,9 +15,10 @@ its three-item form, so programs without derived dims are byte for byte as befor
 size is accepted when it lies in [low, high] and `size - offset` is a multiple of
 `scale`; the message names the expression ("dim 2 must be 32*k for k in 1..5, got 100").
 Dims that share a root agree on the root's value, not on their sizes (`32*k` and `16*k`
-in two inputs). Everything downstream (regions, signatures, families) sees sizes;
-families and guards work over the root through these checks: a family probe that is not
-a valid size is refused by the program's own check, and nothing is compiled for it.
+in two inputs). Everything downstream (regions, signatures, guards, family buckets)
+sees sizes. A code family probes its buckets at sizes its root gives, and keeps this
+check in its kernel, since its guard checks bounds, not the grid (Note [Probes] in
+dynvm.jit.specialize); an exact specialization's guard is its one valid shape.
 """
 
 from __future__ import annotations
