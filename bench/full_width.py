@@ -345,9 +345,12 @@ def markdown(run: dict) -> str:
             f"{steady['jit_over_interp']:.3f}; A/A (interpreter B / A) "
             f"{steady['interp_aa']:.3f}, margin {steady['aa_margin']:.3f}; load "
             f"{steady['loadavg'][0]:.2f} at its end.")
-        table = ["| shape | " + " | ".join(systems) + " | JIT / best peer |",
+        # The JIT runs fp32: it is held against the fp32 peers; bf16 and int8 peers
+        # are columns of their own (Note [ONNX peers]).
+        table = ["| shape | " + " | ".join(systems) + " | JIT / best fp32 peer |",
                  "|---|" + "---:|" * (len(systems) + 1)]
-        peer_names = [s for s in systems if s not in ("interp", "interp_b", "jit")]
+        peer_names = [s for s in systems if s not in ("interp", "interp_b", "jit")
+                      and not s.endswith(("-bf16", "-int8"))]
         for label in m["labels"]:
             cells = [steady["x_eager"][s].get(label) for s in systems]
             best = min((steady["x_eager"][p][label] for p in peer_names), default=None)
@@ -426,12 +429,22 @@ def main(argv=None) -> int:
                         help="hidden width (heads = hidden / 64, FFN = 4 x hidden)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--update-docs", action="store_true")
+    parser.add_argument("--from", dest="from_dir", type=Path, metavar="DIR",
+                        help="no run: rebuild report.md from DIR/results.json")
     args = parser.parse_args(argv)
+    log = lambda m: print(m, flush=True)
+    if args.from_dir:
+        text = markdown(json.loads((args.from_dir / "results.json").read_text()))
+        (args.from_dir / "report.md").write_text(text)
+        log(text)
+        if args.update_docs:
+            update_docs(text)
+            log(f"updated {DOCS}")
+        return 0
     torch.set_num_threads(args.threads)
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     out = args.out or ROOT / "bench" / "results" / time.strftime("full-width-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    log = lambda m: print(m, flush=True)
     started, load_start = time.time(), os.getloadavg()
     from bench.systems import warm_shared_imports
 

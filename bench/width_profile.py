@@ -102,7 +102,7 @@ def profile_openvino(runner, x, calls: int) -> dict:
     return {"by_kind": dict(by_kind), "other": dict(other)}
 
 
-def _settle(runtime, x, cap_s: float = 120.0) -> None:
+def _settle(runtime, x, cap_s: float = 60.0) -> None:
     deadline = time.monotonic() + cap_s
     runtime(*x)
     while time.monotonic() < deadline and not runtime.settled():

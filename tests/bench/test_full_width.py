@@ -51,7 +51,7 @@ def test_report_and_docs_block(measured, tmp_path):
            "loadavg_start": (1.0, 1.0, 1.0), "loadavg_end": (1.0, 1.0, 1.0),
            "models": [result]}
     text = full_width.markdown(run)
-    assert "| 2x32 |" in text and "JIT / best peer" in text and "Warm-up" in text
+    assert "| 2x32 |" in text and "JIT / best fp32 peer" in text and "Warm-up" in text
     doc = tmp_path / "BENCHMARKS.md"
     doc.write_text("# Benchmarks\n\nhand-written text\n")
     full_width.update_docs(text, doc)
