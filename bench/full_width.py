@@ -204,10 +204,10 @@ def _warmup(model, systems, jit, calls: int, log) -> dict:
             "loadavg": os.getloadavg()}
 
 
-def _settle(model, systems, jit, log) -> dict:
+def _settle(model, systems, jit, log, cap_s: float = SETTLE_SECONDS) -> dict:
     """Phase 2: the JIT alone until settled (capped), every system once per shape."""
     started, rounds = time.perf_counter(), 0
-    deadline = time.monotonic() + SETTLE_SECONDS
+    deadline = time.monotonic() + cap_s
     while time.monotonic() < deadline:
         _drain(jit)
         if jit.settled() and rounds:
@@ -270,7 +270,7 @@ def _steady(model, systems, jit, calls_per_shape: int, log) -> dict:
 
 
 def measure(model: FullWidthModel, warmup: int, calls_per_shape: int, peers=(),
-            log=print) -> dict:
+            log=print, settle_s: float = SETTLE_SECONDS) -> dict:
     """One model's result (Note [Full-width timing])."""
     import dynvm
     from bench.peers import Peer, PeerUnavailable
@@ -302,7 +302,7 @@ def measure(model: FullWidthModel, warmup: int, calls_per_shape: int, peers=(),
                 log(f"[{model.name}] {name} skipped: {exc}")
         systems.update(built)
         warm = _warmup(model, systems, jit, warmup, log)
-        seasoned = _settle(model, systems, jit, log)
+        seasoned = _settle(model, systems, jit, log, settle_s)
         steady = _steady(model, systems, jit, calls_per_shape, log)
     finally:
         for runtime in (interp, interp_b, jit):
@@ -423,6 +423,8 @@ def main(argv=None) -> int:
                         help="the same for ResNet-50 (default 60: its calls take seconds)")
     parser.add_argument("--resnet-calls", type=int, default=4,
                         help="steady calls per batch size for ResNet-50 (default 4)")
+    parser.add_argument("--settle-seconds", type=float, default=SETTLE_SECONDS,
+                        help=f"cap of the seasoning phase per model (default {SETTLE_SECONDS:.0f})")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--bert-layers", type=int, default=4)
     parser.add_argument("--bert-hidden", type=int, default=768,
@@ -460,7 +462,7 @@ def main(argv=None) -> int:
             warmup, calls = args.resnet_warmup, args.resnet_calls
         else:
             parser.error(f"unknown model {name!r}; known: bert, resnet50")
-        models.append(measure(model, warmup, calls, peers, log))
+        models.append(measure(model, warmup, calls, peers, log, args.settle_seconds))
     run = {"command": "python -m bench.full_width " + " ".join(argv or sys.argv[1:]),
            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
            "total_wall_seconds": time.time() - started, "machine": report.machine(),

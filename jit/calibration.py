@@ -95,6 +95,7 @@ class Calibrator:
         self._lock = threading.Lock()
         self.measurements = 0     # choices measured (not answered from the cache)
         self.seconds = 0.0        # wall seconds spent measuring them, warm-up runs included
+        self.seconds_by_op: dict[str, float] = {}   # the same per op (diagnostics)
 
     def known(self, op: str, size_class_key) -> Choice | None:
         return self._choices.get((op, size_class_key))
@@ -114,7 +115,9 @@ class Calibrator:
         choice = self._measure(candidates)
         with self._lock:
             self.measurements += 1
-            self.seconds += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            self.seconds += spent
+            self.seconds_by_op[op] = self.seconds_by_op.get(op, 0.0) + spent
             return self._choices.setdefault(key, choice)
 
     def _measure(self, candidates: dict[str, Callable[[], object]]) -> Choice:

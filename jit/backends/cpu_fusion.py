@@ -49,8 +49,8 @@ Unlike torch's own ops, a `torch.ops.mkldnn` call did not release the GIL here (
 looping a 2048x1024x1024 oneDNN GEMM left the main thread's Python 15% of its solo
 progress; looping F.linear, 54%, on the same loaded 2 cores). A specialized kernel runs
 on the request thread anyway; what matters is the compile thread's calibration, whose
-calls are kept to a few milliseconds each (`_CALIBRATION_MAX_M`) so that a request waits
-at most that long for the GIL.
+calls are kept to a few milliseconds each (`_CALIBRATION_MAX_M`, and by multiply-adds
+`calibration_max_m`) so that a request waits at most that long for the GIL.
 
 Every rewrite must measure faster: the pass asks the device's `Calibrator` (Note
 [Calibration]) to time the eager pair against the fused call on operands of the op's
@@ -163,6 +163,19 @@ _COMMUTATIVE = {"ADD", "MUL"}
 # one calibration cost seconds of a compile thread, and each oneDNN call holds the GIL
 # (Note [oneDNN holds the GIL]): a few ms per call at most keeps request threads moving.
 _CALIBRATION_MAX_M = 512
+# ... and at most this many multiply-adds (M x N x K): at BERT-base width a 512-row FFN
+# GEMM (N x K = 3072 x 768) took 11-24 ms a call in calibration on 2 loaded cores, each
+# holding the GIL through oneDNN; 2**28 keeps it to about a quarter of that (113 rows
+# there, 455 at 768 x 768), and the verdict of the top class measured answers above it,
+# as above _CALIBRATION_MAX_M. Rows stay at least _CALIBRATION_MIN_M.
+_CALIBRATION_MAX_MACS = 1 << 28
+_CALIBRATION_MIN_M = 16
+
+
+def calibration_max_m(n: int, k: int) -> int:
+    """The most rows a GEMM of N x K is calibrated at (the caps above)."""
+    return max(_CALIBRATION_MIN_M,
+               min(_CALIBRATION_MAX_M, _CALIBRATION_MAX_MACS // max(1, n * k)))
 
 
 @dataclass(frozen=True)
@@ -485,22 +498,24 @@ def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
         return Choice(choice.name, {**build.seconds, **choice.seconds}, choice.default,
                       {**build.fastest, **choice.fastest} if both else {})
 
+    cap = calibration_max_m(n, k)
     if not new_rows:
-        m = min(probe_ms.pop(), _CALIBRATION_MAX_M)
+        m = min(probe_ms.pop(), cap)
         choice = ask(m)
         if choice.name != ONEDNN:
             return _Decision(False, _NO_FASTER)
         return _Decision(True, f" (measured, oneDNN vs torch: M={m} "
                                f"{choice.seconds[ONEDNN] * 1e3:.3f} vs "
                                f"{choice.seconds[TORCH] * 1e3:.3f} ms)")
-    return _decide_per_size_class(ask, probe_ms, calibrator.margin)
+    return _decide_per_size_class(ask, probe_ms, calibrator.margin, cap)
 
 
-def _decide_per_size_class(ask, probe_ms: set[int], margin: float) -> _Decision:
+def _decide_per_size_class(ask, probe_ms: set[int], margin: float,
+                           cap: int = _CALIBRATION_MAX_M) -> _Decision:
     """Note [oneDNN at a new row count]: a verdict per size class of M over the family's
-    range (capped), each measured at the class's smallest M in that range."""
-    low = min(min(probe_ms), _CALIBRATION_MAX_M)
-    high = min(max(probe_ms), _CALIBRATION_MAX_M)
+    range (capped at `cap` rows), each measured at the class's smallest M in that range."""
+    low = min(min(probe_ms), cap)
+    high = min(max(probe_ms), cap)
     first = size_class(low)
     after: list = [None] * first
     measured = []
