@@ -50,6 +50,9 @@ class Row:
     system: str
     prefill_ms: float
     decode_tokens_per_s: float
+    decode_tokens_per_cpu_s: float
+    """B x decode steps / this process's CPU seconds over them (time.process_time): what
+    other processes on a shared host cannot inflate; background compiles included."""
     step_p50_ms: float
     step_p99_ms: float
     specialized: str = ""
@@ -102,11 +105,11 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def _row(model, batch, system, prefill_s, steps, **extra) -> Row:
+def _row(model, batch, system, prefill_s, steps, cpu_s, **extra) -> Row:
     steps_ms = sorted(s * 1e3 for s in steps)
     p99 = steps_ms[min(len(steps_ms) - 1, int(round(0.99 * (len(steps_ms) - 1))))]
     return Row(model, batch, system, prefill_s * 1e3, batch * len(steps) / sum(steps),
-               statistics.median(steps_ms), p99, **extra)
+               batch * len(steps) / cpu_s, statistics.median(steps_ms), p99, **extra)
 
 
 def _eager_loop(model, ids, mask, new: int = NEW):
@@ -121,6 +124,7 @@ def _eager_loop(model, ids, mask, new: int = NEW):
         token = logits.argmax(-1)
         prefill_s = time.perf_counter() - start
         tokens, steps = [token], []
+        cpu = time.process_time()
         for _ in range(new - 1):
             start = time.perf_counter()
             position = mask.sum(-1, keepdim=True)
@@ -129,7 +133,8 @@ def _eager_loop(model, ids, mask, new: int = NEW):
             token = logits.argmax(-1)
             steps.append(time.perf_counter() - start)
             tokens.append(token)
-    return torch.stack(tokens, 1), prefill_s, steps
+        cpu = time.process_time() - cpu
+    return torch.stack(tokens, 1), prefill_s, steps, cpu
 
 
 def _dynvm(generator, ids, mask):
@@ -139,11 +144,14 @@ def _dynvm(generator, ids, mask):
     for token in generator.stream(ids, mask, max_new_tokens=NEW, stop_tokens=()):
         tokens.append(token)
         stamps.append(time.perf_counter())
+        if len(stamps) == 1:
+            cpu = time.process_time()
+    cpu = time.process_time() - cpu
     after = generator.stats()
     steps = [b - a for a, b in zip(stamps, stamps[1:])]
     share = (after.specialized_steps - before.specialized_steps,
              after.decode_steps - before.decode_steps)
-    return torch.stack(tokens, 1), stamps[0] - start, steps, share
+    return torch.stack(tokens, 1), stamps[0] - start, steps, share, cpu
 
 
 def _ctranslate2(model, kind: str, threads: int):
@@ -172,17 +180,15 @@ def _ctranslate2(model, kind: str, threads: int):
 
 def _ct2_run(ct2, ids):
     prompts = [[f"t{int(t)}" for t in row] for row in ids]
-    start = time.perf_counter()
-    first = ct2.generate_batch(prompts, max_length=1, sampling_topk=1,
-                               include_prompt_in_result=False)
-    prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
+    ct2.generate_batch(prompts, max_length=1, sampling_topk=1, include_prompt_in_result=False)
+    prefill_s, prefill_cpu = time.perf_counter() - start, time.process_time() - cpu
+    start, cpu = time.perf_counter(), time.process_time()
     out = ct2.generate_batch(prompts, max_length=NEW, min_length=NEW, sampling_topk=1,
                              include_prompt_in_result=False)
-    total = time.perf_counter() - start
+    total, total_cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = torch.tensor([r.sequences_ids[0][:NEW] for r in out])
-    del first
-    return tokens, prefill_s, total
+    return tokens, prefill_s, total, max(total_cpu - prefill_cpu, 1e-9)
 
 
 def _packed_mb(generator) -> float:
@@ -212,10 +218,18 @@ def run_model(kind: str, batches, systems, threads: int, results: Results,
     programs = dynvm.compile_generator(model, max_batch=max(16, *batches),
                                        max_length=PROMPT + NEW + 1, jit=False).programs
     results.export_seconds[kind] = time.perf_counter() - start
-    interp = dynvm.Generator(programs, jit=False) if "dynvm-interp" in systems else None
     gc.collect()
     memory = results.resident_mb[kind] = {"weights": weights_mb,
-                                          "after_export": _rss_mb() - after_model}
+                                          "programs": _rss_mb() - after_model}
+    with dynvm.Generator(programs, jit=jit_config) as jit:
+        # One generation at B=1 before anything else is built: what a generator adds.
+        ids = torch.randint(3, model.config.vocab_size, (1, PROMPT))
+        jit.generate(ids, max_new_tokens=NEW, stop_tokens=())
+        while not (jit.prefill.settled() and jit.decode.settled()):
+            time.sleep(0.05)
+        memory["jit_generator_b1"] = _rss_mb() - after_model
+        memory["of_which_packed_weights"] = _packed_mb(jit)
+    interp = dynvm.Generator(programs, jit=False) if "dynvm-interp" in systems else None
     ct2, ct2_note = (_ctranslate2(model, kind, threads) if "ctranslate2" in systems
                      else (None, ""))
     for batch in batches:
@@ -223,9 +237,9 @@ def run_model(kind: str, batches, systems, threads: int, results: Results,
         ids = torch.randint(3, model.config.vocab_size, (batch, PROMPT), generator=gen)
         mask = torch.ones_like(ids)
         _eager_loop(model, ids, mask, new=3)  # first-use costs of this batch size
-        reference, prefill_s, steps = _eager_loop(model, ids, mask)
+        reference, prefill_s, steps, cpu_s = _eager_loop(model, ids, mask)
         if "eager" in systems:
-            results.rows.append(_row(kind, batch, "eager", prefill_s, steps))
+            results.rows.append(_row(kind, batch, "eager", prefill_s, steps, cpu_s))
 
         def same(tokens, reference=reference):
             return "yes" if torch.equal(tokens, reference) else "NO"
@@ -233,47 +247,85 @@ def run_model(kind: str, batches, systems, threads: int, results: Results,
         if "hf" in systems:
             with torch.inference_mode():
                 model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW,
                                      min_new_tokens=NEW, do_sample=False, pad_token_id=0)
-                total = time.perf_counter() - start
+                total, cpu = time.perf_counter() - start, time.process_time() - cpu
             decode_s = max(total - prefill_s, 1e-9)
             results.rows.append(Row(kind, batch, "hf", float("nan"),
-                                    batch * (NEW - 1) / decode_s, float("nan"),
-                                    float("nan"), same_tokens=same(out[:, PROMPT:]),
-                                    note="timed whole"))
+                                    batch * (NEW - 1) / decode_s, batch * NEW / cpu,
+                                    float("nan"), float("nan"),
+                                    same_tokens=same(out[:, PROMPT:]),
+                                    note="timed whole; CPU rate with its prefill"))
         if interp is not None:
             interp.generate(ids, mask, max_new_tokens=3, stop_tokens=())
-            tokens, prefill_s, steps, _ = _dynvm(interp, ids, mask)
-            results.rows.append(_row(kind, batch, "dynvm-interp", prefill_s, steps,
+            tokens, prefill_s, steps, _, cpu_s = _dynvm(interp, ids, mask)
+            results.rows.append(_row(kind, batch, "dynvm-interp", prefill_s, steps, cpu_s,
                                      same_tokens=same(tokens)))
         if "dynvm-jit-wait" in systems:
             # The JIT's own rule alone (no compile-ahead): its first generation.
             with dynvm.Generator(programs, jit=jit_config, compile_ahead=False) as jit:
-                tokens, prefill_s, steps, (hit, total) = _dynvm(jit, ids, mask)
+                tokens, prefill_s, steps, (hit, total), cpu_s = _dynvm(jit, ids, mask)
                 results.rows.append(_row(kind, batch, "dynvm-jit-wait gen 1", prefill_s,
-                                         steps, specialized=f"{hit}/{total}",
+                                         steps, cpu_s, specialized=f"{hit}/{total}",
                                          same_tokens=same(tokens)))
         if "dynvm-jit" in systems:
             with dynvm.Generator(programs, jit=jit_config) as jit:
                 for n in (1, 2, 3):
-                    tokens, prefill_s, steps, (hit, total) = _dynvm(jit, ids, mask)
+                    tokens, prefill_s, steps, (hit, total), cpu_s = _dynvm(jit, ids, mask)
                     results.rows.append(_row(
-                        kind, batch, f"dynvm-jit gen {n}", prefill_s, steps,
+                        kind, batch, f"dynvm-jit gen {n}", prefill_s, steps, cpu_s,
                         specialized=f"{hit}/{total}", same_tokens=same(tokens)))
-                memory[f"jit_b{batch}"] = _rss_mb() - after_model
-                memory[f"packed_b{batch}"] = _packed_mb(jit)
         if ct2 is not None:
             _ct2_run(ct2, ids)  # its first call: allocations, not a generation's steady time
-            tokens, prefill_s, total = _ct2_run(ct2, ids)
+            tokens, prefill_s, total, cpu_s = _ct2_run(ct2, ids)
             decode_s = max(total - prefill_s, 1e-9)
             results.rows.append(Row(kind, batch, "ctranslate2", prefill_s * 1e3,
-                                    batch * (NEW - 1) / decode_s, float("nan"),
+                                    batch * (NEW - 1) / decode_s, batch * (NEW - 1) / cpu_s,
+                                    float("nan"),
                                     float("nan"), same_tokens=same(tokens),
                                     note="timed whole (prefill: a 1-token call)"))
         elif ct2_note:
-            results.rows.append(Row(kind, batch, "ctranslate2", float("nan"), float("nan"),
-                                    float("nan"), float("nan"), note=ct2_note))
+            nan = float("nan")
+            results.rows.append(Row(kind, batch, "ctranslate2", nan, nan, nan, nan, nan,
+                                    note=ct2_note))
+
+
+def long_context(kind: str, length: int, steps: int, results: Results, jit_config=True):
+    """Decode steps at a cache of `length` (B=1, random past): eager against the dynvm
+    interpreter and JIT (the JIT after one warm-up generation over the same lengths)."""
+    import dynvm
+
+    model = build_model(kind)
+    programs = dynvm.compile_generator(model, max_batch=4, max_length=length + steps + 2,
+                                       jit=False).programs
+    ids = torch.randint(3, model.config.vocab_size, (1, length))
+    mask = torch.ones_like(ids)
+    _eager_loop(model, ids, mask, new=3)
+    _, prefill_s, wall, cpu_s = _eager_loop(model, ids, mask, new=steps + 1)
+    results.rows.append(_row(kind, 1, f"eager, L={length}", prefill_s, wall, cpu_s))
+    for name, config in (("dynvm-interp", False), ("dynvm-jit gen 2", jit_config)):
+        with dynvm.Generator(programs, jit=config) as generator:
+            if config is not False:
+                _dynvm_n(generator, ids, mask, steps + 1)
+                while not generator.decode.settled():
+                    time.sleep(0.05)
+            before = generator.stats()
+            _, prefill_s, wall, _, cpu_s = _dynvm_n(generator, ids, mask, steps + 1)
+            hit = generator.stats().specialized_steps - before.specialized_steps
+            results.rows.append(_row(kind, 1, f"{name}, L={length}", prefill_s, wall, cpu_s,
+                                     specialized=f"{hit}/{steps}"))
+
+
+def _dynvm_n(generator, ids, mask, new):
+    start = time.perf_counter()
+    stamps = []
+    for _ in generator.stream(ids, mask, max_new_tokens=new, stop_tokens=()):
+        stamps.append(time.perf_counter())
+        if len(stamps) == 1:
+            cpu = time.process_time()
+    cpu = time.process_time() - cpu
+    return None, stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])], None, cpu
 
 
 def report(results: Results) -> str:
@@ -282,13 +334,14 @@ def report(results: Results) -> str:
              f"load average (1 min) before {results.load_before}, after "
              f"{results.load_after}; export (both programs): " + ", ".join(
                  f"{k} {v:.1f} s" for k, v in results.export_seconds.items()), "",
-             "| model | B | system | prefill ms | decode tok/s | step p50 ms | "
+             "| model | B | system | prefill ms | decode tok/s | tok/CPU s | step p50 ms | "
              "step p99 ms | specialized steps | tokens = eager | note |",
-             "|---|---:|---|---:|---:|---:|---:|---|---|---|"]
+             "|---|---:|---|---:|---:|---:|---:|---:|---|---|---|"]
     for r in results.rows:
         cells = [r.model, str(r.batch), r.system] + [
-            "-" if v != v else f"{v:.1f}" for v in (r.prefill_ms, r.decode_tokens_per_s,
-                                                    r.step_p50_ms, r.step_p99_ms)]
+            "-" if v != v else f"{v:.1f}" for v in (
+                r.prefill_ms, r.decode_tokens_per_s, r.decode_tokens_per_cpu_s,
+                r.step_p50_ms, r.step_p99_ms)]
         lines.append("| " + " | ".join(cells + [r.specialized, r.same_tokens, r.note]) + " |")
     for kind, mem in results.resident_mb.items():
         lines.append(f"\n{kind}: weights {mem['weights']:.0f} MiB; resident memory over the "
@@ -312,7 +365,10 @@ def run(args) -> int:
 
     config = jit_config(args.jit_options) if args.jit_options else True
     for kind in models:
-        run_model(kind, batches, systems, threads, results, config)
+        if args.long_context:
+            long_context(kind, args.long_context, 16, results, config)
+        else:
+            run_model(kind, batches, systems, threads, results, config)
     results.load_after = Path("/proc/loadavg").read_text().split()[0]
     out = args.out or Path(__file__).resolve().parent / "results" / time.strftime(
         "generate-%Y%m%d-%H%M%S")

@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="generate only: batch sizes (default 1,4); --models "
                         "llama,gpt2 and --systems eager,hf,dynvm-interp,dynvm-jit,"
                         "ctranslate2 choose the rest")
+    parser.add_argument("--long-context", type=int, metavar="L",
+                        help="generate only: instead of the table, 16 decode steps (B=1) "
+                        "at a cache of L tokens, eager vs interpreter vs JIT")
     parser.add_argument("--from", dest="from_dir", type=Path, metavar="DIR",
                         help="no run: rebuild report.md and plots from DIR/results.json")
 
