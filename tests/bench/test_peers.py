@@ -113,3 +113,21 @@ def test_zoo_report_states_a_peer_that_did_not_run():
     table = zoo_report._onnx_table(rows)
     assert "| bert | 0.50x | onnxruntime | 0.25x | 2.00 |" in table
     assert "| bert | | openvino | | | | | not run: openvino is not installed" in table
+
+
+def test_bench_zoo_times_a_peer_beside_the_jit(tmp_path):
+    import json
+
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("transformers")
+    from dynvm.cli import main
+
+    assert main(["bench", "zoo", "--models", "bert", "--peers", "onnxruntime", "--quick",
+                 "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "results.json").read_text())["models"]
+    peer = row["onnx_peers"]["onnxruntime"]
+    assert peer["x_eager"] > 0 and peer["setup_seconds"] > 0
+    assert peer["max_abs_error"] < 1e-4, peer
+    report = (tmp_path / "report.md").read_text()
+    assert "## Against ONNX Runtime and OpenVINO" in report
+    assert f"| bert | {row['jit_x_eager']:.2f}x | onnxruntime |" in report
