@@ -49,8 +49,8 @@ Unlike torch's own ops, a `torch.ops.mkldnn` call did not release the GIL here (
 looping a 2048x1024x1024 oneDNN GEMM left the main thread's Python 15% of its solo
 progress; looping F.linear, 54%, on the same loaded 2 cores). A specialized kernel runs
 on the request thread anyway; what matters is the compile thread's calibration, whose
-calls are kept to a few milliseconds each (`_CALIBRATION_MAX_M`, and by multiply-adds
-`calibration_max_m`) so that a request waits at most that long for the GIL.
+calls are kept to a few milliseconds each (`calibration_max_m` in cpu_calibration_rows)
+so that a request waits at most that long for the GIL.
 
 Every rewrite must measure faster: the pass asks the device's `Calibrator` (Note
 [Calibration]) to time the eager pair against the fused call on operands of the op's
@@ -93,6 +93,10 @@ from dataclasses import dataclass
 import torch
 
 from dynvm.jit.aliasing import flat_values
+from dynvm.jit.backends.cpu_calibration_rows import (
+    CALIBRATION_MAX_M as _CALIBRATION_MAX_M,
+)
+from dynvm.jit.backends.cpu_calibration_rows import calibration_max_m
 from dynvm.jit.backends.cpu_prepack import PrepackCache
 from dynvm.jit.backends.cpu_row_gate import (
     ONEDNN,
@@ -158,26 +162,6 @@ _UNARY_ATTRS = {"RELU": ("relu", 0), "SILU": ("swish", 0), "SIGMOID": ("sigmoid"
                 "LEAKY_RELU": ("leaky_relu", 1), "HARDTANH": ("hardtanh", 2)}
 _BINARY_ATTRS = {"ADD": "add", "SUB": "sub", "MUL": "mul"}
 _COMMUTATIVE = {"ADD", "MUL"}
-# Calibration operands are at most this many rows: past it the choice does not change
-# (oneDNN's lead grows with M), a family's upper bound (batch 64 x seq 512) would make
-# one calibration cost seconds of a compile thread, and each oneDNN call holds the GIL
-# (Note [oneDNN holds the GIL]): a few ms per call at most keeps request threads moving.
-_CALIBRATION_MAX_M = 512
-# ... and at most this many multiply-adds (M x N x K): at BERT-base width a 512-row FFN
-# GEMM (N x K = 3072 x 768) took 11-24 ms a call in calibration on 2 loaded cores, each
-# holding the GIL through oneDNN; 2**28 keeps it to about a quarter of that (113 rows
-# there, 455 at 768 x 768), and the verdict of the top class measured answers above it,
-# as above _CALIBRATION_MAX_M. Rows stay at least _CALIBRATION_MIN_M.
-_CALIBRATION_MAX_MACS = 1 << 28
-_CALIBRATION_MIN_M = 16
-
-
-def calibration_max_m(n: int, k: int) -> int:
-    """The most rows a GEMM of N x K is calibrated at (the caps above)."""
-    return max(_CALIBRATION_MIN_M,
-               min(_CALIBRATION_MAX_M, _CALIBRATION_MAX_MACS // max(1, n * k)))
-
-
 @dataclass(frozen=True)
 class FusionResult:
     """A region after a fusion rewrite, with notes on what was fused or why not."""

@@ -1,20 +1,21 @@
-"""The oneDNN calibration's row cap by work (jit/backends/cpu_fusion.calibration_max_m):
+"""The oneDNN calibration's row cap by work (jit/backends/cpu_calibration_rows):
 each calibration call holds the GIL (Note [oneDNN holds the GIL]), so at full width the
 rows it is measured at shrink with N x K, never below the floor nor above the row cap."""
 
 from __future__ import annotations
 
+from dynvm.jit.backends import cpu_calibration_rows as rows
 from dynvm.jit.backends import cpu_fusion
 
 
 def test_rows_shrink_with_the_gemm_width():
     # BERT-base's FFN (3072 x 768) and attention projections (768 x 768)
-    assert cpu_fusion.calibration_max_m(3072, 768) == (1 << 28) // (3072 * 768) == 113
-    assert cpu_fusion.calibration_max_m(768, 768) == 455
+    assert rows.calibration_max_m(3072, 768) == (1 << 28) // (3072 * 768) == 113
+    assert rows.calibration_max_m(768, 768) == 455
     # the zoo's and the demo models' widths keep the row cap
-    assert cpu_fusion.calibration_max_m(256, 256) == cpu_fusion._CALIBRATION_MAX_M
+    assert rows.calibration_max_m(256, 256) == rows.CALIBRATION_MAX_M
     # a GEMM too wide for the budget still gets the floor, never zero rows
-    assert cpu_fusion.calibration_max_m(1 << 16, 1 << 14) == cpu_fusion._CALIBRATION_MIN_M
+    assert rows.calibration_max_m(1 << 16, 1 << 14) == rows.CALIBRATION_MIN_M
 
 
 def test_per_class_verdicts_stop_at_the_cap():
