@@ -114,14 +114,20 @@ class ReplicaExecutor:
     # ------------------------------------------------------------------ start-up
 
     def _probe_inputs(self, bump: bool) -> list[torch.Tensor]:
-        sizes: dict[str, int] = {}
+        # Each dynamic dim's root takes its lowest value (or the next one) that every dim
+        # of that root allows; a derived dim's size follows from it (Note [Derived dims]
+        # in dynvm.vm.input_check): `low + 1` of a dim `8*k` is not a size it may have.
+        bounds: dict[str, tuple[int, int]] = {}
         for spec in self.program.inputs:
             for d in spec.dims:
                 if not d.is_static:
-                    size = min(d.low + 1, d.high) if bump else d.low
-                    sizes.setdefault(d.name, size)
-        return [torch.zeros([d.low if d.is_static else sizes[d.name] for d in spec.dims],
-                            dtype=spec.dtype, device=self.device)
+                    low, high = d.root_range()
+                    known = bounds.get(d.name, (low, high))
+                    bounds[d.name] = (max(low, known[0]), min(high, known[1]))
+        roots = {name: min(low + 1, high) if bump else low
+                 for name, (low, high) in bounds.items()}
+        return [torch.zeros([d.low if d.is_static else d.scale * roots[d.name] + d.offset
+                             for d in spec.dims], dtype=spec.dtype, device=self.device)
                 for spec in self.program.inputs]
 
     def _probe_outputs(self) -> list[v2.TensorMetadata]:

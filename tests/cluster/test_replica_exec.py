@@ -80,6 +80,28 @@ def _execution_error(program, inputs) -> dynvm.ExecutionError:
     return info.value
 
 
+class PairSums(torch.nn.Module):
+    """A row of 8*k features summed in pairs: [batch, 8*k] -> [batch, 4*k]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], -1, 2).sum(-1)
+
+
+def test_the_start_up_probe_respects_derived_dims(tmp_path):
+    # The probe's second run bumps each root by one: a size `low + 1` of a dim 8*k is
+    # off its grid, the program refuses it, and the replica started without output
+    # metadata or a batchability check (Note [Batchability decided once]).
+    path = tmp_path / "pairs.dvm"
+    k = Dim("k", min=1, max=8)
+    program = dynvm.compile(PairSums(), (torch.randn(4, 16),),
+                            ({0: Dim("batch", min=1, max=16), 1: 8 * k},), name="pairs")
+    assert program.inputs[0].dims[1].is_derived
+    dynvm.save(program, path)
+    replica = ReplicaServer("pairs", str(path), ServingConfig(device="cpu", jit=False))
+    assert replica.executor.batch_dim is not None   # both probes ran: rows follow dim 0
+    assert [(m.datatype, m.shape) for m in replica.outputs_meta] == [("FP32", (-1, -1))]
+
+
 def test_client_and_server_faults_are_told_apart():
     lookup = build("""
         0  %1 = EMBEDDING c0, %0, -1
