@@ -38,7 +38,7 @@ _LAZY: dict[str, str] = {
     **{name: "dynvm.vm.errors" for name in (
         "AssembleError", "CallBudgetError", "ConfigError", "ConfigTypeError",
         "DvmFormatError", "DynvmError", "ExecutionError", "InputError", "SaveError",
-        "ShapeError", "UnsupportedOpError", "VerifyError")},
+        "ShapeError", "UnregisteredOpError", "UnsupportedOpError", "VerifyError")},
 }
 
 
@@ -90,6 +90,6 @@ __all__ = [
     "AssembleError", "CallBudget", "CallBudgetError", "ConfigError", "ConfigTypeError",
     "DvmFormatError", "DynvmError", "ExecutionError", "InputError", "SaveError",
     "GenerationStats", "Generator", "JitConfig", "Sampling", "compile_generator",
-    "Program", "RegionStats", "Runtime", "RuntimeStats", "ShapeError", "UnsupportedOpError",
-    "VerifyError", "compile", "load", "save",
+    "Program", "RegionStats", "Runtime", "RuntimeStats", "ShapeError", "UnregisteredOpError",
+    "UnsupportedOpError", "VerifyError", "compile", "load", "save",
 ]
