@@ -225,8 +225,7 @@ def run_model(kind: str, batches, systems, threads: int, results: Results,
         # One generation at B=1 before anything else is built: what a generator adds.
         ids = torch.randint(3, model.config.vocab_size, (1, PROMPT))
         jit.generate(ids, max_new_tokens=NEW, stop_tokens=())
-        while not (jit.prefill.settled() and jit.decode.settled()):
-            time.sleep(0.05)
+        _settle(jit)
         memory["jit_generator_b1"] = _rss_mb() - after_model
         memory["of_which_packed_weights"] = _packed_mb(jit)
     interp = dynvm.Generator(programs, jit=False) if "dynvm-interp" in systems else None
@@ -308,13 +307,25 @@ def long_context(kind: str, length: int, steps: int, results: Results, jit_confi
         with dynvm.Generator(programs, jit=config) as generator:
             if config is not False:
                 _dynvm_n(generator, ids, mask, steps + 1)
-                while not generator.decode.settled():
-                    time.sleep(0.05)
+                _settle(generator)
             before = generator.stats()
             _, prefill_s, wall, _, cpu_s = _dynvm_n(generator, ids, mask, steps + 1)
             hit = generator.stats().specialized_steps - before.specialized_steps
             results.rows.append(_row(kind, 1, f"{name}, L={length}", prefill_s, wall, cpu_s,
                                      specialized=f"{hit}/{steps}"))
+
+
+def _settle(generator, seconds: float = 10.0) -> None:
+    """Wait until no compile is queued or running (at most `seconds`: settled() also
+    waits for probation verdicts, which a generator's last kernels may never reach)."""
+    deadline = time.monotonic() + seconds
+    def busy(runtime) -> bool:
+        jit = runtime.jit
+        return jit is not None and (len(jit.queue) > 0 or any(
+            region.pending for region in list(jit.regions.values())))
+
+    while time.monotonic() < deadline and (busy(generator.prefill) or busy(generator.decode)):
+        time.sleep(0.05)
 
 
 def _dynvm_n(generator, ids, mask, new):
