@@ -7,7 +7,7 @@
 - `count_allocations` (alloc_count.py): how many fresh storages a call's ATen ops
   create, to check that a planned forward allocates (almost) nothing.
 
-Imports only torch and dynvm.vm (docs: DESIGN.md, Layout).
+Imports only torch and dynvm.vm (docs: docs/ARCHITECTURE.md, Layout).
 """
 
 from dynvm.arena.alloc_count import AllocationCounter, count_allocations

@@ -1,5 +1,5 @@
 """HTTP error responses of the v2 routes: the protocol's `{"error": "..."}` body for
-every status, and an error id on every server fault (DESIGN.md, Conventions 11).
+every status, and an error id on every server fault (docs/ARCHITECTURE.md, Conventions 11).
 
 A server fault (a 5xx) gets a fresh id that is in the response body, in the
 `Dynvm-Error-Id` header, in the replica's log line (with the traceback) and, when the

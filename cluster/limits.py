@@ -1,4 +1,4 @@
-"""`ServingLimits`: the bounds a replica puts on every request (DESIGN.md, Invariants:
+"""`ServingLimits`: the bounds a replica puts on every request (docs/ARCHITECTURE.md, Invariants:
 every call and request is bounded). One frozen dataclass, handed to `serve_models`,
 `model_application` and `ModelReplica`; `dynvm serve` sets it from its flags.
 """

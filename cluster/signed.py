@@ -5,7 +5,7 @@ Note [Signed artifacts]
 A kernel store entry becomes code that runs inside every replica, so a replica trusts
 an entry only if it was written by a holder of the cluster's secret, for exactly the
 key it was asked for, by a build of this format, for this process's target and
-toolchain. Anything else is rejected, counted and never executed (DESIGN.md,
+toolchain. Anything else is rejected, counted and never executed (docs/ARCHITECTURE.md,
 Invariants): `open_sealed` only returns plain fields, and only after every check below
 passed; loading `source` is the caller's job. The entry is
 

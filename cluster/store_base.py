@@ -1,4 +1,5 @@
-"""The kernel store's interface: `get(keys) -> dict`, `put(key, bytes)` (DESIGN.md, Conventions 6).
+"""The kernel store's interface: `get(keys) -> dict`, `put(key, bytes)`
+(docs/ARCHITECTURE.md, Conventions 6).
 
 A store holds opaque bytes under artifact cache keys. It is a cache: an entry may vanish
 at any time (eviction, a restarted Redis, a wiped directory) and that only costs a

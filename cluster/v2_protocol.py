@@ -2,7 +2,7 @@
 
 Pure functions, no Ray, no web framework: `dynvm.cluster.replica` feeds them the raw
 body bytes and the `Inference-Header-Content-Length` header and sends back what they
-build. Everything a client sends is validated before a tensor is made from it (DESIGN.md,
+build. Everything a client sends is validated before a tensor is made from it (docs/ARCHITECTURE.md,
 Invariants): the body size, the JSON header, every input's name, datatype, shape (rank,
 each dim against its declared range, dims that share a name agreeing across inputs) and
 the length of its data. Only then is a tensor built, from a validated slice of the body

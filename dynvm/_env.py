@@ -1,5 +1,5 @@
-"""The one module that reads the process environment (DESIGN.md, Conventions 8). A leaf
-(DESIGN.md, Layout): it imports nothing above dynvm.vm, so every layer may use it.
+"""The one module that reads the process environment (docs/ARCHITECTURE.md, Conventions 8). A leaf
+(docs/ARCHITECTURE.md, Layout): it imports nothing above dynvm.vm, so every layer may use it.
 
 Everything else asks this module for parsed, frozen settings, and every parser takes an
 optional mapping instead of the real environment, so tests never touch os.environ:

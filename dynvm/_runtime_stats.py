@@ -1,4 +1,4 @@
-"""`RuntimeStats`: what `Runtime.stats()` returns, typed (DESIGN.md, Conventions 13).
+"""`RuntimeStats`: what `Runtime.stats()` returns, typed (docs/ARCHITECTURE.md, Conventions 13).
 
 The JIT engine reports its counters as a dict (`Jit.stats()`); the Runtime turns that,
 with its own counters, into a `RuntimeStats` at its boundary, and everything above reads

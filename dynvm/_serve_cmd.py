@@ -1,4 +1,4 @@
-"""`dynvm serve MODEL.dvm`: the one-command embedded default of DESIGN.md's cluster.
+"""`dynvm serve MODEL.dvm`: the one-command embedded default of docs/ARCHITECTURE.md's cluster.
 
 It starts, in order, a private redis-server when the environment names no Redis
 (dynvm.cluster.local_redis), a local Ray (no dashboard), the compile service, Serve's

@@ -11,7 +11,7 @@ application's global provider (Note [Global tracer provider]); a disabled `Telem
 (what `from_env` gives when nothing is configured) makes the Runtime skip every tracing
 call: the call path checks once and creates no span and no context.
 
-This module is a leaf (DESIGN.md, Layout): it imports nothing above dynvm.vm, and the
+This module is a leaf (docs/ARCHITECTURE.md, Layout): it imports nothing above dynvm.vm, and the
 OpenTelemetry SDK only inside the constructors that build an SDK provider, so importing
 it (and every layer that does) costs the OpenTelemetry API alone.
 
@@ -34,7 +34,7 @@ on a background thread long after the request returned.
 
 Note [Global tracer provider]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-OpenTelemetry's library convention (DESIGN.md, Conventions 12): an application that
+OpenTelemetry's library convention (docs/ARCHITECTURE.md, Conventions 12): an application that
 configures tracing the standard way (`trace.set_tracer_provider(...)`, or the
 `opentelemetry-instrument` launcher) expects every instrumented library to report to
 that provider with no set-up of its own. So a Runtime with `telemetry=None` traces into

@@ -3,7 +3,7 @@
 Every compiled artifact has exactly one cache key, built here and only here, from
 everything that affects what it computes: program hash, region, family key (for an
 exact specialization: the signature), backend, target, toolchain versions and options
-(DESIGN.md, Invariants). Two processes that would build the same code compute the same
+(docs/ARCHITECTURE.md, Invariants). Two processes that would build the same code compute the same
 key; anything that could change the code changes the key.
 """
 

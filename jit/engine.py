@@ -8,7 +8,8 @@ the region's slot, from whichever thread ran it.
 
 Note [Fleet hooks]
 ~~~~~~~~~~~~~~~~~~
-In a cluster, one compile service specializes for every replica (DESIGN.md, Cluster).
+In a cluster, one compile service specializes for every replica (docs/ARCHITECTURE.md,
+How a request travels).
 The JIT knows nothing of Ray or Redis; it offers three seams that dynvm.cluster uses:
 `connect(fleet)` lets a replica's link hear every interpreted region call (the
 signature statistics it ships to the service) and decide whether promotions compile

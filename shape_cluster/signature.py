@@ -14,7 +14,7 @@ shape_cluster.families), the engine turns them into meta tensors. Each tells a t
 entry from a scalar one with `is_tensor_entry` and takes dims with `entry_dims`, here,
 rather than by its own test (the length of the entry in one place, the type of its first
 item in another): the format lives in one module. It sits in shape_cluster, not in the
-JIT, because shape_cluster imports only dynvm.vm (DESIGN.md, Layout) and the JIT may
+JIT, because shape_cluster imports only dynvm.vm (docs/ARCHITECTURE.md, Layout) and the JIT may
 import shape_cluster.
 """
 

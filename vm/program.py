@@ -6,7 +6,7 @@ the pytree structure of the inputs and outputs. Inputs occupy registers 0..n_inp
 the RETURN instruction lists the output registers. Constants are read through `Const`
 operands and never copied into registers.
 
-A program never depends on a concrete shape (see DESIGN.md, Invariants). It is immutable;
+A program never depends on a concrete shape (see docs/ARCHITECTURE.md, Invariants). It is immutable;
 its regions and content hash are derived once, on first use.
 """
 

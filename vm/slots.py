@@ -1,6 +1,6 @@
 """The region cache-slot interface: the only way the VM reaches the JIT.
 
-The VM defines it and the JIT implements it (DESIGN.md, Layout). At each entry of a
+The VM defines it and the JIT implements it (docs/ARCHITECTURE.md, Layout). At each entry of a
 region that has a slot, the interpreter calls `enter(regs)`:
 
 - it returns None when a specialization's guard passed and the specialized code has run

@@ -11,7 +11,7 @@ allocator for each of them. Which results go to the arena:
   (Note [Arena by measurement]), plus the scratch outputs some of them need (layer
   norm's mean and rstd);
 - never a region output, nor anything a region output views: the caller keeps outputs
-  after the call, and the arena is handed to the next call (DESIGN.md, Invariants);
+  after the call, and the arena is handed to the next call (docs/ARCHITECTURE.md, Invariants);
 - not an operation rewritten in place (it writes into its operand's storage already) or
   to a kernel without `out=` (SDPA): those allocate as before. SDPA
   was tried in its math form with out= buffers: its strided q/k/v views made matmul

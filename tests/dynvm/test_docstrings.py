@@ -1,5 +1,5 @@
 """Every public top-level class and function of a shipped module has a docstring, and
-every named note a comment cites has its header somewhere (DESIGN.md, Conventions 9)."""
+every named note a comment cites has its header somewhere (docs/ARCHITECTURE.md, Conventions 9)."""
 
 from __future__ import annotations
 

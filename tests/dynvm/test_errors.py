@@ -1,4 +1,5 @@
-"""Every exception class dynvm defines derives from DynvmError (DESIGN.md, Conventions 11),
+"""Every exception class dynvm defines derives from DynvmError (docs/ARCHITECTURE.md,
+Conventions 11),
 so `except dynvm.DynvmError` catches whatever dynvm raises on purpose; the classes keep
 their builtin bases (ValueError, TimeoutError, ...) so existing `except` clauses work."""
 

@@ -125,7 +125,7 @@ def test_the_scanner_sees_lazy_relative_and_from_imports(tmp_path):
 
 def test_imports_follow_the_layering():
     found = violations()
-    assert not found, "imports against DESIGN.md's layering:\n" + "\n".join(found)
+    assert not found, "imports against docs/ARCHITECTURE.md's layering:\n" + "\n".join(found)
 
 
 # Folders of the checkout that are not shipped: an installed package has none of them.

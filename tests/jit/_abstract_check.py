@@ -1,4 +1,4 @@
-"""Abstract evaluation against real execution, register by register (DESIGN.md,
+"""Abstract evaluation against real execution, register by register (docs/ARCHITECTURE.md,
 Invariants: "abstract evaluation gives every register the shape, dtype and strides real
 execution gives it").
 

@@ -1,5 +1,5 @@
 """Abstract evaluation equals execution: every register's shape, dtype and strides
-(DESIGN.md, Invariants), on the demo models, on tiny Llama / Qwen2 / T5 encoders from
+(docs/ARCHITECTURE.md, Invariants), on the demo models, on tiny Llama / Qwen2 / T5 encoders from
 transformers, and on random chains of views and stride-sensitive ops.
 
 The Llama / Qwen2 / T5 case: their attention is SDPA with a mask over q/k/v transposed

@@ -1,4 +1,4 @@
-"""Abstract evaluation equals execution on every zoo model (DESIGN.md, Invariants): each
+"""Abstract evaluation equals execution on every zoo model (docs/ARCHITECTURE.md, Invariants): each
 entry's program, at its first held-out shape, register by register
 (tests/jit/_abstract_check.py). Slow: it exports every zoo model once more (the zoo's own
 session cache lives in tests/zoo/test_zoo.py, out of reach here)."""

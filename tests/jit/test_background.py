@@ -1,4 +1,4 @@
-"""Background compiles (DESIGN.md: no call ever waits for a compile): calls made while a
+"""Background compiles (docs/ARCHITECTURE.md: no call ever waits for a compile): calls made while a
 compile runs are interpreted and return at once; a finished compile is installed from
 the compile thread; one cache key is compiled once; the queue serves the highest benefit
 first and drops the lowest beyond its length; a failing compile backs off.

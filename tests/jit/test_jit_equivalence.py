@@ -1,5 +1,5 @@
 """A specialized region, the interpreter and eager PyTorch agree on random call sequences
-(DESIGN.md, Invariants): repeats of a few shapes (so that promotions and compiles really
+(docs/ARCHITECTURE.md, Invariants): repeats of a few shapes (so that promotions and compiles really
 happen), fresh shapes, and strided / offset / transposed-back views of the float input
 with a shape that was already specialized (so guards must send them elsewhere).
 """
