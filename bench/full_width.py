@@ -392,14 +392,15 @@ def markdown(run: dict) -> str:
     return "\n\n".join(lines) + "\n"
 
 
-def update_docs(markdown_text: str, docs: Path = DOCS) -> None:
-    """Put the report between the full-width markers of docs/BENCHMARKS.md (appended
-    with them the first time); everything else in the file is kept."""
+def update_docs(markdown_text: str, docs: Path = DOCS, begin: str = BEGIN,
+                end: str = END) -> None:
+    """Put the report between the markers `begin` and `end` of docs/BENCHMARKS.md
+    (appended with them the first time); everything else in the file is kept."""
     text = docs.read_text() if docs.exists() else ""
-    block = f"{BEGIN}\n\n{markdown_text}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
+    block = f"{begin}\n\n{markdown_text}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     docs.write_text(text)

@@ -186,14 +186,7 @@ def markdown(rows: list[dict], command: str, layers: int) -> str:
 
 def update_docs(text: str, docs=full_width.DOCS) -> None:
     """Write the block between this tool's markers (appended the first time)."""
-    old = docs.read_text() if docs.exists() else ""
-    block = f"{BEGIN}\n\n{text}\n{END}"
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        old = head + block + rest.split(END, 1)[1]
-    else:
-        old = old.rstrip("\n") + "\n\n" + block + "\n"
-    docs.write_text(old)
+    full_width.update_docs(text, docs, BEGIN, END)
 
 
 def main(argv=None) -> int:

@@ -32,6 +32,15 @@ def saved_recommender(directory: Path, filename: str = "recommender.dvm",
     return demo, dynvm.load(path), path
 
 
+def process_alive(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie, exited but not reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def wait_until(predicate: Callable[[], object], timeout_s: float = 30.0,
                interval_s: float = 0.05) -> float | None:
     """Seconds until `predicate()` was true, or None if it never was within `timeout_s`."""

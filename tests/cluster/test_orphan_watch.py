@@ -11,6 +11,7 @@ import time
 import pytest
 
 from dynvm.cluster import _orphan_watch
+from tests.cluster._cluster_helpers import process_alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 
@@ -27,19 +28,11 @@ time.sleep(120)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _wait_gone(pids, timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if process_alive(p)]
 
 
 def test_a_sigkilled_commands_children_are_killed_by_the_watch():
@@ -49,14 +42,14 @@ def test_a_sigkilled_commands_children_are_killed_by_the_watch():
     try:
         watch, child = (int(p) for p in command.stdout.readline().split())
         time.sleep(1.5 * _orphan_watch.SNAPSHOT_S)  # the watch has listed the child
-        assert _alive(child)
+        assert process_alive(child)
         command.kill()
         command.wait(timeout=10)
         assert _wait_gone([child, watch], 10.0) == []
     finally:
         command.kill()
         for pid in (watch, child):
-            if pid is not None and _alive(pid):
+            if pid is not None and process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 

@@ -17,7 +17,7 @@ import torch
 
 import dynvm
 from dynvm.cluster.local_redis import LocalRedis, LocalRedisError, LocalRedisOptions
-from tests.cluster._cluster_helpers import saved_recommender
+from tests.cluster._cluster_helpers import process_alive, saved_recommender
 from tests.cluster._redis_server import REDIS_SERVER, free_port
 
 httpclient = pytest.importorskip("tritonclient.http")
@@ -49,14 +49,6 @@ def _descendants(pid: int) -> dict[int, str]:
                 continue
             todo.append(child)
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _get(url: str, timeout: float = 2.0):
@@ -122,15 +114,15 @@ def test_serve_answers_and_ctrl_c_stops_everything_it_started(model, tmp_path):
         except subprocess.TimeoutExpired:
             process.kill()
             for pid in started:
-                if _alive(pid):
+                if process_alive(pid):
                     os.kill(pid, signal.SIGKILL)
             raise
     assert code == 0, err.read_text()[-3000:]
     assert "stopped" in out.read_text()
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.2)
-    survivors = {pid: name for pid, name in started.items() if _alive(pid)}
+    survivors = {pid: name for pid, name in started.items() if process_alive(pid)}
     assert not survivors, survivors
 
 
@@ -151,7 +143,7 @@ def test_local_redis_keeps_its_password_off_the_command_line():
         pid = server.pid
     finally:
         server.stop()
-    assert not _alive(pid)
+    assert not process_alive(pid)
     server.stop()  # twice is fine
 
 
