@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from bench._timing import aa_margin, call_order, percentile, stream_input
+from bench.zoo import _drain
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "BENCHMARKS.md"
@@ -157,15 +158,8 @@ def _timed(fn, inputs) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def _busy(runtime) -> bool:
-    return bool(runtime.stats()["queue_length"]
-                or any(rj.pending for rj in runtime.jit.regions.values()))
-
-
-def _drain(runtime, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while _busy(runtime) and time.monotonic() < deadline:
-        time.sleep(0.01)
+# Compiles at full width take longer than the zoo's: wait up to this long for them.
+DRAIN_S = 600.0
 
 
 def _warmup(model, systems, jit, calls: int, log) -> dict:
@@ -209,14 +203,14 @@ def _settle(model, systems, jit, log, cap_s: float = SETTLE_SECONDS) -> dict:
     started, rounds = time.perf_counter(), 0
     deadline = time.monotonic() + cap_s
     while time.monotonic() < deadline:
-        _drain(jit)
+        _drain(jit, DRAIN_S)
         if jit.settled() and rounds:
             break
         for x in model.inputs:
-            _drain(jit)
+            _drain(jit, DRAIN_S)
             jit(*x)
         rounds += 1
-    _drain(jit)
+    _drain(jit, DRAIN_S)
     for name, fn in systems.items():
         if name != "jit":
             for x in model.inputs:
@@ -245,7 +239,7 @@ def _steady(model, systems, jit, calls_per_shape: int, log) -> dict:
     for step in range(steps):
         index = stream_input(step, n, len(order))
         x, label = model.inputs[index], model.labels[index]
-        _drain(jit)
+        _drain(jit, DRAIN_S)
         seconds, outputs = {}, {}
         for name in call_order(order, step):
             seconds[name], outputs[name] = _timed(systems[name], x)

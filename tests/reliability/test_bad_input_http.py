@@ -329,6 +329,18 @@ def test_bad_input_is_a_4xx_naming_the_problem(server, case, path, body, headers
 # ------------------------------------------------------------------ fuzz over HTTP
 
 
+def _damaged(draw, data: bytes) -> bytes:
+    """`data` with one to three bytes set to any value, or runs of up to 16 deleted."""
+    out = bytearray(data)
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.integers(0, len(out) - 1))
+        if draw(st.booleans()):
+            out[at] = draw(st.integers(0, 255))
+        else:
+            del out[at:at + draw(st.integers(1, 16))]
+    return bytes(out)
+
+
 @st.composite
 def http_requests(draw, model: Served) -> tuple[bytes, dict]:
     """A valid request (JSON or binary), then damaged: bytes, a field, or its header."""
@@ -341,14 +353,7 @@ def http_requests(draw, model: Served) -> tuple[bytes, dict]:
         body, headers = json.dumps(good_doc()).encode(), {}
     damage = draw(st.sampled_from(["bytes", "field", "header", "none"]))
     if damage == "bytes":
-        out = bytearray(body)
-        for _ in range(draw(st.integers(1, 3))):
-            at = draw(st.integers(0, len(out) - 1))
-            if draw(st.booleans()):
-                out[at] = draw(st.integers(0, 255))
-            else:
-                del out[at:at + draw(st.integers(1, 16))]
-        body = bytes(out)
+        body = _damaged(draw, body)
     elif damage == "field":
         doc = good_doc()
         entry = doc["inputs"][draw(st.integers(0, len(model.names) - 1))]
@@ -416,12 +421,7 @@ def grpc_messages(draw, model: Served) -> tuple[bytes, str]:
                 draw(st.text(max_size=6))
     data = bytearray(message.SerializeToString())
     if damage == "bytes":
-        for _ in range(draw(st.integers(1, 3))):
-            at = draw(st.integers(0, len(data) - 1))
-            if draw(st.booleans()):
-                data[at] = draw(st.integers(0, 255))
-            else:
-                del data[at:at + draw(st.integers(1, 16))]
+        data = bytearray(_damaged(draw, data))
     elif damage == "cut":
         del data[draw(st.integers(0, len(data) - 1)):]
     elif damage == "string":
