@@ -4,7 +4,7 @@ Note [Compile service shards]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 One compile service actor reads every observation of every replica of every program;
 past a few hundred replicas it is the fleet's bottleneck (bench/fleet_sim.py, "Fleet
-at scale" in docs/BENCHMARKS.md). The service is therefore split by program: with n
+at scale" in docs/bench_log.md). The service is therefore split by program: with n
 shards, the actors are named `<service>-0` .. `<service>-<n-1>` and program P is served
 by shard int(P[:16], 16) mod n, a pure function of the content hash that every process
 computes alike, so replicas of P, and only they, talk to that shard. A program's

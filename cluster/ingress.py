@@ -7,7 +7,7 @@ Note [Direct ingress]
 Through Serve's proxy (`ingress="proxy"`), a request costs the host a uvicorn parse in
 the proxy actor, an actor call to the replica and a second call back from the replica
 for the body: on a 2-core host a replica that does nothing at all reached only 1.00x
-plain Serve's requests/s (issue 17, "Serve's floor" in docs/BENCHMARKS.md).
+plain Serve's requests/s (issue 17, "Serve's floor" in docs/bench_log.md).
 
 Ray Serve 2.60 has a feature flag, RAY_SERVE_ENABLE_DIRECT_INGRESS=1 (read once, when
 `ray.serve._private.constants` is imported, in each of Serve's processes: the controller
@@ -51,7 +51,7 @@ gains from the same switch too (4.7-6.4x and 1.1-1.6x), and dynvm is then 1.49-1
 (recommender) and 2.29-2.30x (transformer) plain Serve's requests/s, where behind the
 proxy the two were within 0.86-1.07x on the recommender. So `dynvm serve` runs in
 direct ingress unless told otherwise; `ServingConfig.ingress` stays "proxy" by default,
-the mode of a cluster started without the variable. Figures: docs/BENCHMARKS.md,
+the mode of a cluster started without the variable. Figures: docs/bench_log.md,
 "Serve's direct ingress (issue 17)".
 """
 
