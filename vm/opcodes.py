@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from dynvm.vm.isa import OpSpec
+from dynvm.vm.ops_attention import ATTENTION_OPS
 from dynvm.vm.ops_control import CONTROL_OPS
 from dynvm.vm.ops_custom import CUSTOM_OPS
 from dynvm.vm.ops_elementwise import ELEMENTWISE_OPS
@@ -36,8 +37,8 @@ def _by_source(specs: tuple[OpSpec, ...]) -> MappingProxyType:
     return MappingProxyType(table)
 
 
-ALL_OPS: tuple[OpSpec, ...] = (TENSOR_OPS + ELEMENTWISE_OPS + NN_OPS + INDEX_OPS + SHAPE_OPS
-                               + CONTROL_OPS + CUSTOM_OPS)
+ALL_OPS: tuple[OpSpec, ...] = (TENSOR_OPS + ATTENTION_OPS + ELEMENTWISE_OPS + NN_OPS
+                               + INDEX_OPS + SHAPE_OPS + CONTROL_OPS + CUSTOM_OPS)
 OPCODES = _by_name(ALL_OPS)
 """name -> OpSpec for every opcode."""
 BY_SOURCE = _by_source(ALL_OPS)

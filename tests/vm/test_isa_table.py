@@ -36,6 +36,8 @@ EXAMPLES = {
     "ADDMM": lambda: (rand(5), rand(3, 4), rand(4, 5)),
     "SDPA": lambda: (rand(2, 4, 6, 8), rand(2, 4, 6, 8), rand(2, 4, 6, 8), None, 0.0, False,
                      None),
+    "SDPA_GQA": lambda: (rand(2, 6, 1, 8), rand(2, 2, 5, 8), rand(2, 2, 5, 8), None, 0.0,
+                         False, None),
     "LAYER_NORM": lambda: (rand(2, 3, 8), [8], rand(8), rand(8), 1e-5, False),
     "SOFTMAX": lambda: (rand(2, 7), -1, None),
     "SOFTMAX_": lambda: (rand(2, 7), -1, False),

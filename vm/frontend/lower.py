@@ -44,6 +44,9 @@ DROPPED_OPS = {
     aten._assert_async.msg,
 }
 _ALPHA_OPS = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar}
+# An overload whose keyword argument, past the opcode's operands, has this value lowers to
+# another opcode with the same operands (Note [Grouped heads without copies]).
+_KEYWORD_VARIANTS = {(aten.scaled_dot_product_attention.default, "enable_gqa", True): "SDPA_GQA"}
 _HOP_COND = torch.ops.higher_order.cond
 _HOP_WHILE = torch.ops.higher_order.while_loop
 _FUNCTIONALIZED_V1 = torch.ops.higher_order.auto_functionalized
@@ -177,7 +180,10 @@ class _Lowering:
             values[2] = 1
         n = len(spec.args)
         for argument, extra in zip(arguments[n:], values[n:]):
-            if not _is_neutral(extra, argument):
+            variant = _KEYWORD_VARIANTS.get((node.target, argument.name, extra))
+            if variant is not None:
+                spec = OPCODES[variant]
+            elif not _is_neutral(extra, argument):
                 raise UnsupportedOpError(
                     f"{node.target} with {argument.name}={extra!r} is not supported (dynvm "
                     f"keeps {spec.name} with its default {argument.name}; from "
