@@ -139,6 +139,8 @@ class SimulatedLink(FleetLink):
     process (`Reference`, see the module docstring); notes when each artifact was
     installed and when each shape became served."""
 
+    installed_by_poll = 0   # artifacts the index poll installed (the base's init polls)
+
     def __init__(self, runtime, dvm_bytes, options, client, program: int,
                  reference: Reference) -> None:
         super().__init__(runtime, dvm_bytes, options, client)
@@ -152,9 +154,12 @@ class SimulatedLink(FleetLink):
 
     def install_indexed(self) -> int:
         installed = super().install_indexed()
-        self.counters["installed_by_poll"] = \
-            self.counters.get("installed_by_poll", 0) + installed
+        self.installed_by_poll += installed
         return installed
+
+    def stats(self) -> dict:
+        """The link's stats and the simulator's own count of poll installs."""
+        return {**super().stats(), "installed_by_poll": self.installed_by_poll}
 
     def _install(self, keys: list[str]) -> int:
         with self._install_lock:
@@ -167,11 +172,11 @@ class SimulatedLink(FleetLink):
                 try:
                     self.reference.install(self.program_index, key, fields)
                 except PortableError:
-                    self.counters["install_rejected"] += 1
+                    self.counters.install_rejected += 1
                     continue
                 self._installed.add(key)
                 self.installed_at[key] = now
-            self.counters["installed"] += len(found)
+            self.counters.installed += len(found)
             for shape in self.reference.shapes:
                 if shape not in self.served_at and self.serves(shape):
                     self.served_at[shape] = now
@@ -281,7 +286,7 @@ class SubscriberPool:
             try:
                 link.on_announcements([announcement for announcement, _ in pending])
             except Exception:  # noqa: BLE001 - as Subscription._deliver
-                link.counters["install_rejected"] += 1
+                link.counters.install_rejected += 1
             self._count_cpu(time.thread_time() - start)
 
     def _count_cpu(self, seconds: float) -> None:

@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from dynvm.cluster import v2_protocol as v2
 from dynvm.cluster.batcher import OpportunisticBatcher
+from dynvm.cluster.counters import ExecCounters
 from dynvm.cluster.serving_config import ServingConfig
 from dynvm.vm.budget import CallBudget
 from dynvm.vm.errors import CallBudgetError
@@ -107,9 +108,7 @@ class ReplicaExecutor:
             high_rows=self.batch_dim[1] if self.batch_dim is not None else None,
             inline=time_follows_shapes(program))
         # Bumped only on the worker thread (Note [Lean request path]).
-        self.counters = {"vm_calls": 0, "batches": 0, "batched_vm_calls": 0,
-                         "batched_requests": 0, "max_requests_per_vm_call": 0,
-                         "unbatched_fallbacks": 0}
+        self.counters = ExecCounters()
 
     # ------------------------------------------------------------------ start-up
 
@@ -213,12 +212,11 @@ class ReplicaExecutor:
         return _attached(propagate.extract(carrier))
 
     def run_batch(self, requests: Sequence[v2.InferRequest],
-                  traces: Sequence[dict | None]) -> tuple[list[Outcome], dict]:
+                  traces: Sequence[dict | None]) -> tuple[list[Outcome], ExecCounters]:
         """One VM call per group, split back per request, and this batch's counts. A
         batched call joins the trace of its first request (a span has one parent)."""
         outcomes: list[Outcome | None] = [None] * len(requests)
-        counts = {"vm_calls": 0, "batched_vm_calls": 0, "batched_requests": 0,
-                  "max_requests_per_vm_call": 1, "unbatched_fallbacks": 0}
+        counts = ExecCounters(max_requests_per_vm_call=1)
         for group in self._groups(requests):
             with self._trace_parent(traces[group[0]]):
                 self._run_group(requests, traces, group, outcomes, counts)
@@ -226,7 +224,7 @@ class ReplicaExecutor:
                 for o in outcomes], counts
 
     def _run_group(self, requests, traces, group: list[int], outcomes: list,
-                   counts: dict) -> None:
+                   counts: ExecCounters) -> None:
         """One batched VM call for `group`, or one call per request when batching does
         not apply or fails; fills `outcomes` and `counts`. After a batched call that ran
         past its budget, the re-runs share one budget between them (each gets its share),
@@ -240,15 +238,15 @@ class ReplicaExecutor:
                 cat = [torch.cat([requests[i].tensors[k] for i in group])
                        for k in range(len(self.program.inputs))]
                 outputs = self._run_recorded(cat)
-                counts["vm_calls"] += 1
+                counts.vm_calls += 1
                 if self._outputs_follow_rows(outputs, total):
                     pieces = [o.split(sizes) for o in outputs]
                     for j, i in enumerate(group):
                         outcomes[i] = Outcome(outputs=[p[j].clone() for p in pieces])
-                    counts["batched_vm_calls"] += 1
-                    counts["batched_requests"] += len(group)
-                    counts["max_requests_per_vm_call"] = max(
-                        counts["max_requests_per_vm_call"], len(group))
+                    counts.batched_vm_calls += 1
+                    counts.batched_requests += len(group)
+                    counts.max_requests_per_vm_call = max(counts.max_requests_per_vm_call,
+                                                          len(group))
                     return
                 # Only when the start-up probe could not tell: never again.
                 logger.warning("model %r: outputs do not carry the batch dim; serving it "
@@ -259,11 +257,11 @@ class ReplicaExecutor:
                     self._budget, seconds=self._budget.seconds / len(group))
             except Exception:  # each request re-runs below and gets its own error
                 pass
-            counts["unbatched_fallbacks"] += 1
+            counts.unbatched_fallbacks += 1
         for i in group:
             with self._trace_parent(traces[i]):
                 outcomes[i] = self._run_one(requests[i].tensors, budget)
-            counts["vm_calls"] += 1
+            counts.vm_calls += 1
 
     def _execute(self, items: list[tuple[v2.InferRequest, dict | None]]) -> list[Outcome]:
         """One batch, on the batcher's worker thread (Note [Opportunistic batching]); small
@@ -279,13 +277,8 @@ class ReplicaExecutor:
                 with contextlib.suppress(v2.ProtocolError):
                     outcome.response = v2.build_infer_response(
                         self.model_name, self._version, outputs, request)
-        counters = self.counters
-        counters["batches"] += 1
-        for key, value in counts.items():
-            if key == "max_requests_per_vm_call":
-                counters[key] = max(counters[key], value)
-            else:
-                counters[key] += value
+        counts.batches = 1
+        self.counters.add(counts)
         return outcomes
 
     async def submit(self, request: v2.InferRequest, trace: dict | None) -> Outcome:

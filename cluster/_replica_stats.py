@@ -19,6 +19,7 @@ from collections import deque
 
 from ray import serve
 
+from dynvm.cluster.counters import RequestCounters, as_dict
 from dynvm.cluster.metrics import ReplicaMetrics
 
 logger = logging.getLogger("dynvm.cluster.replica")
@@ -65,7 +66,7 @@ class ReplicaStats:
         self._runtime = runtime
         self._executor = executor
         self._link = link
-        self.counters = {"requests": 0, "errors": 0, "rejected_busy": 0}
+        self.counters = RequestCounters()
         self.in_flight = 0
         self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._unobserved: list[float] = []   # for the histogram, at the next refresh
@@ -85,7 +86,7 @@ class ReplicaStats:
         """Around one inference request of any transport: counted in flight and in
         `requests`, its latency observed when it ends."""
         self.in_flight += 1
-        self.counters["requests"] += 1
+        self.counters.requests += 1
         start = time.perf_counter()
         try:
             yield
@@ -103,7 +104,8 @@ class ReplicaStats:
         """The replica's stats: the runtime's, the request and batch counters, latency
         percentiles, the fleet's; what `/stats` answers and Prometheus exports."""
         stats = {"model": self.model_name, "replica": self._replica,
-                 **self._runtime.stats().to_dict(), **self._executor.counters, **self.counters,
+                 **self._runtime.stats().to_dict(), **as_dict(self._executor.counters),
+                 **as_dict(self.counters),
                  "in_flight": self.in_flight,
                  "batching": self._executor.batcher.stats(),
                  "latency_ms": _percentiles_ms(list(self._latencies)),
@@ -124,7 +126,7 @@ class ReplicaStats:
         seen = -1
         failures = 0
         while not self._stop.wait(METRICS_EVERY_S):
-            requests = self.counters["requests"]
+            requests = self.counters.requests
             if requests == seen:
                 continue   # idle: nothing new to export
             try:

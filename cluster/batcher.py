@@ -73,6 +73,7 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from dynvm.cluster.counters import BatcherCounters, as_dict
 from dynvm.cluster.serving_config import BatchingOptions
 from dynvm.vm.errors import DynvmError
 
@@ -166,10 +167,7 @@ class OpportunisticBatcher:
         # (rows, signature) -> the last batch's wall time; at most RUN_TIMES entries.
         self._run_seconds: dict[tuple, float] = {}
         self._lock = threading.Lock()
-        self.counters = {"batches": 0, "batched_requests": 0, "max_batch_requests": 0,
-                         "held_batches": 0, "split_batches": 0, "rejected_overload": 0,
-                         "recorded_batches": 0, "specialized_batches": 0,
-                         "inline_batches": 0}
+        self.counters = BatcherCounters()
 
     # ------------------------------------------------------------------ requests
 
@@ -180,7 +178,7 @@ class OpportunisticBatcher:
         count, what its call time follows from (the inputs' other dims; `key` when
         None, Note [Inline fast batches])."""
         if len(self._queue) >= self.options.max_queued:
-            self.counters["rejected_overload"] += 1
+            self.counters.rejected_overload += 1
             raise Overloaded(f"{len(self._queue)} requests are waiting for the model, the "
                              f"limit is {self.options.max_queued}")
         loop = asyncio.get_running_loop()
@@ -202,7 +200,7 @@ class OpportunisticBatcher:
         last = self._run_seconds.get(signature) if self._inline else None
         if last is not None and last <= self.options.inline_run_s:
             results = self._timed(signature, items)
-            self.counters["inline_batches"] += 1
+            self.counters.inline_batches += 1
             await asyncio.sleep(0)   # the loop reads what arrived meanwhile
             return results
         return await loop.run_in_executor(self._worker, self._timed, signature, items)
@@ -277,18 +275,18 @@ class OpportunisticBatcher:
                 now = time.monotonic()
                 if deadline is None:
                     deadline = now + self.options.max_delay_s
-                    self.counters["held_batches"] += 1
+                    self.counters.held_batches += 1
                 if now < deadline and await self._wait_arrival(deadline - now):
                     continue
                 plan = Plan(plan.count)
             batch = [self._queue.popleft() for _ in range(plan.count)]
             counters = self.counters
-            counters["batches"] += 1
-            counters["batched_requests"] += len(batch)
-            if len(batch) > counters["max_batch_requests"]:
-                counters["max_batch_requests"] = len(batch)
+            counters.batches += 1
+            counters.batched_requests += len(batch)
+            if len(batch) > counters.max_batch_requests:
+                counters.max_batch_requests = len(batch)
             if plan.split:
-                counters["split_batches"] += 1
+                counters.split_batches += 1
             return batch
 
     async def _wait_arrival(self, seconds: float) -> bool:
@@ -309,9 +307,9 @@ class OpportunisticBatcher:
         thread reports it after each call; Note [Opportunistic batching])."""
         with self._lock:
             self._hot[int(rows)] = bool(specialized)
-            self.counters["recorded_batches"] += 1
+            self.counters.recorded_batches += 1
             if specialized:
-                self.counters["specialized_batches"] += 1
+                self.counters.specialized_batches += 1
 
     def is_hot(self, rows: int) -> bool:
         """Whether the last VM call with `rows` rows ran entirely specialized."""
@@ -319,8 +317,8 @@ class OpportunisticBatcher:
 
     def stats(self) -> dict:
         """Counters, the hot row counts and the specialized share of recorded batches."""
-        counters = dict(self.counters)
-        recorded = counters["recorded_batches"]
+        counters = as_dict(self.counters)
+        recorded = counters["recorded_batches"]   # from the one copy, consistent
         counters["specialized_batch_ratio"] = (
             round(counters["specialized_batches"] / recorded, 4) if recorded else None)
         counters["hot_sizes"] = sorted(r for r, hot in list(self._hot.items()) if hot)

@@ -55,6 +55,7 @@ from opentelemetry import propagate
 
 from dynvm.cluster.announce import Announcement, RateLimit, Subscription
 from dynvm.cluster.config import StoreConfig
+from dynvm.cluster.counters import LinkCounters, as_dict
 from dynvm.cluster.fleet_compiler import TARGET
 from dynvm.cluster.fleet_records import (
     MAX_STAMP_SKIPS,
@@ -180,12 +181,7 @@ class FleetLink:
         self._thread = threading.Thread(target=self._run, name="dynvm-fleet-link", daemon=True)
         self._subscription = None
         self._tracing = runtime.telemetry is not None
-        self.counters = {"reported": 0, "records": 0, "reports": 0,
-                         "dropped_observations": 0, "service_failures": 0, "backoffs": 0,
-                         "registrations": 0, "installed": 0, "install_rejected": 0,
-                         "announcements": 0, "announcements_dropped": 0,
-                         "warm_start_installs": 0, "index_reads_skipped": 0,
-                         "index_stamps_followed": 0, "index_rejected": 0}
+        self.counters = LinkCounters()
         rate = options.max_announced_fetches_per_s
         self._announce_rate = RateLimit(rate, burst=max(1, round(rate)))
         self.warm_start_seconds = 0.0
@@ -201,7 +197,7 @@ class FleetLink:
             return self
         self.jit.connect(self)
         start = time.perf_counter()
-        self.counters["warm_start_installs"] = self.install_indexed()
+        self.counters.warm_start_installs = self.install_indexed()
         self.warm_start_seconds = time.perf_counter() - start
         self.flush()  # learn whether the service is there before the first request
         if not threads:
@@ -236,13 +232,13 @@ class FleetLink:
                     entry[0] += 1
                     entry[1] += seconds
                 elif len(self._counts) >= self.options.max_buffered:
-                    self.counters["dropped_observations"] += 1
+                    self.counters.dropped_observations += 1
                 else:
                     self._counts[(region, signature)] = [1, seconds, carrier or None]
                 return
             if len(self._buffer) >= self.options.max_buffered:
                 self._buffer.popleft()
-                self.counters["dropped_observations"] += 1
+                self.counters.dropped_observations += 1
             self._buffer.append((region, signature, seconds, carrier or None))
 
     def compiles_locally(self) -> bool:
@@ -281,9 +277,9 @@ class FleetLink:
         now = time.monotonic()
         self._next_heartbeat = now + self.options.poll_interval_s
         answer = self.client.report(self.program_hash, batch)
-        self.counters["reports"] += 1
+        self.counters.reports += 1
         if answer is not None and not answer.get("known", True):
-            self.counters["registrations"] += 1
+            self.counters.registrations += 1
             if self.client.register(self.program_hash, self._dvm_bytes):
                 answer = self.client.report(self.program_hash, batch)
         if answer is None or not answer.get("known", False):
@@ -291,15 +287,15 @@ class FleetLink:
                 logger.warning("compile service unreachable: compiling locally until it "
                                "answers again")
             self._service_ok = False
-            self.counters["service_failures"] += 1
-            self.counters["dropped_observations"] += observations
+            self.counters.service_failures += 1
+            self.counters.dropped_observations += observations
             return
         self._service_ok = True
-        self.counters["reported"] += observations
-        self.counters["records"] += len(batch)
+        self.counters.reported += observations
+        self.counters.records += len(batch)
         backoff = answer.get("backoff_s", 0.0)
         if isinstance(backoff, int | float) and backoff > 0:
-            self.counters["backoffs"] += 1
+            self.counters.backoffs += 1
             self._next_report = now + min(float(backoff), self.options.max_backoff_s)
 
     def _take_batch(self) -> list[list]:
@@ -326,7 +322,7 @@ class FleetLink:
         if stamp is not None and stamp == self._index_stamp \
                 and self._stamp_skips < MAX_STAMP_SKIPS:
             self._stamp_skips += 1
-            self.counters["index_reads_skipped"] += 1
+            self.counters.index_reads_skipped += 1
             return 0
         key = index_key(self.program_hash, self.target)
         rejected: set[str] = set()
@@ -337,7 +333,7 @@ class FleetLink:
                 # not read again, at every poll, until its stamp changes or
                 # MAX_STAMP_SKIPS polls passed: the same bound as an unchanged one.
                 self._index_stamp, self._stamp_skips = stamp, 0
-                self.counters["index_rejected"] += 1
+                self.counters.index_rejected += 1
             return 0
         listed = keys_from_index(fields, self.program_hash)
         installed = self._install(listed)
@@ -364,11 +360,11 @@ class FleetLink:
         for announcement in announcements:
             if not self.wants(announcement):
                 continue
-            self.counters["announcements"] += 1
+            self.counters.announcements += 1
             if announcement.key in self._installed or announcement.key in keys:
                 continue
             if not self._announce_rate.allow():
-                self.counters["announcements_dropped"] += 1
+                self.counters.announcements_dropped += 1
                 continue
             keys.append(announcement.key)
             traced.append(announcement)
@@ -389,7 +385,7 @@ class FleetLink:
                         and announcement.after == self._index_stamp \
                         and announcement.key in self._installed and self.wants(announcement):
                     self._index_stamp = announcement.stamp
-                    self.counters["index_stamps_followed"] += 1
+                    self.counters.index_stamps_followed += 1
 
     def _install_traced(self, announcement: Announcement) -> None:
         token = None
@@ -435,20 +431,21 @@ class FleetLink:
                         portable = portable_from_fields(fields, self.program)
                         spec = self.jit.install_portable(portable, key)
                 except PortableError as error:
-                    self.counters["install_rejected"] += 1
+                    self.counters.install_rejected += 1
                     logger.warning("artifact %s not installed: %s", key[:16], error)
                     continue
                 self._installed.add(key)
                 if spec is not None:
                     installed += 1
-        self.counters["installed"] += installed
+        self.counters.installed += installed
         return installed
 
     def stats(self) -> dict:
         with self._buffer_lock:
             buffered = len(self._buffer) + len(self._counts)
         gpu = self.gpu.stats() if self.gpu is not None else {}
-        return {**self.counters, **gpu, "buffered": buffered, "service_ok": self._service_ok,
+        return {**as_dict(self.counters), **gpu, "buffered": buffered,
+                "service_ok": self._service_ok,
                 "shared": self.shared, "warm_start_seconds": self.warm_start_seconds,
                 "store": store_counters(self.cache),
                 "announce_reconnects": self._subscription.reconnects

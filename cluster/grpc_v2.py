@@ -403,7 +403,7 @@ class GrpcInferenceMixin:
                 "shutting down on this replica; retry another"),
                 protos().ModelInferResponse())
         if stats.full(limit):
-            stats.counters["rejected_busy"] += 1
+            stats.counters.rejected_busy += 1
             return self._grpc_error(grpc_context, Overloaded(
                 f"{stats.in_flight} requests in flight on this replica, the limit is "
                 f"{limit}"), protos().ModelInferResponse())
@@ -422,7 +422,11 @@ class GrpcInferenceMixin:
             return infer_response(self.model_name, outputs, parsed)
         except Exception as exc:  # every error becomes this request's status
             busy = isinstance(exc, Overloaded)
-            self.request_stats.counters["rejected_busy" if busy else "errors"] += 1
+            counters = self.request_stats.counters
+            if busy:
+                counters.rejected_busy += 1
+            else:
+                counters.errors += 1
             return self._grpc_error(grpc_context, exc, protos().ModelInferResponse(), trace)
 
     def _grpc_parse(self, request) -> v2.InferRequest:

@@ -7,10 +7,12 @@
 `update` takes the replica's stats dict (`RuntimeStats.to_dict()`, the batching and
 request counters, and an `ArtifactCache.stats()` dict under "store" when the replica
 has one) and turns it into Prometheus series; the runtime's part is read back as a
-`RuntimeStats` and read by attribute. Counters in the stats are cumulative, so
-each update adds the increase since the previous one; a value lower than before means
-the source restarted (a new Runtime) and the whole value is added, so the Prometheus
-counter never goes down. Keys that are absent (JIT off, no store) are skipped.
+`RuntimeStats`, the request counters as `RequestCounters` (dynvm.cluster.counters), and
+both are read by attribute: a series names a field, checked when it is defined.
+Counters in the stats are cumulative, so each update adds the increase since the
+previous one; a value lower than before means the source restarted (a new Runtime) and
+the whole value is added, so the Prometheus counter never goes down. Keys that are
+absent (JIT off, no store) are skipped.
 
 Ray exports every metric with a `ray_` prefix and counters with a `_total` suffix, on
 each node's metrics export port (`ray start --metrics-export-port`); Serve adds the
@@ -46,11 +48,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ray.serve import metrics
 
 from dynvm._runtime_stats import RuntimeStats
+from dynvm.cluster.counters import RequestCounters, field_of, read
 from dynvm.cluster.signed import REJECTIONS
 
 MODEL_TAG = "model"
@@ -61,7 +64,7 @@ REQUEST_SECONDS_BOUNDARIES = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0
 @dataclass(frozen=True)
 class Series:
     """One exported series: a metric name, its extra tags, and where its value is: a
-    RuntimeStats attribute, or keys into the replica's stats dict."""
+    RuntimeStats attribute, a RequestCounters field, or keys into the store's stats."""
 
     metric: str
     """Name given to Ray (exported as ray_<metric>, plus _total for a counter)."""
@@ -71,9 +74,19 @@ class Series:
     """The RuntimeStats attribute holding the value ("" when it is the replica's)."""
     path: tuple[str, ...] = ()
     """Keys to the value: into the `runtime` attribute's mapping when that is set, else
-    into the replica's stats dict."""
+    into the replica's stats dict (the store's counters, under "store")."""
     tags: Mapping[str, str] = field(default_factory=dict)
     """Tags beside `model` (the same keys for every series of one metric)."""
+    requests: str = ""
+    """The RequestCounters field holding the value ("" when it is not one)."""
+
+    def __post_init__(self) -> None:
+        # A series that names a field no type has fails here, at import, not by
+        # silently exporting nothing.
+        if self.runtime and self.runtime not in _RUNTIME_NAMES:
+            raise AttributeError(f"RuntimeStats has no attribute {self.runtime!r}")
+        if self.requests:
+            field_of(RequestCounters, self.requests)
 
     @property
     def key(self) -> str:
@@ -83,13 +96,16 @@ class Series:
         return self.metric + "{" + ",".join(f"{k}={v}" for k, v in self.tags.items()) + "}"
 
 
+_RUNTIME_NAMES = frozenset({f.name for f in fields(RuntimeStats)} | {
+    name for name, value in vars(RuntimeStats).items() if isinstance(value, property)})
+
 _STORE_RESULTS = {"valid": "hit", "missing": "miss", "rejected": "rejected",
                   "unavailable": "unavailable"}
 
 COUNTERS: tuple[Series, ...] = (
     Series("dynvm_calls", "Runtime calls.", "calls"),
-    Series("dynvm_requests", "Inference requests received.", path=("requests",)),
-    Series("dynvm_request_errors", "Inference requests that failed.", path=("errors",)),
+    Series("dynvm_requests", "Inference requests received.", requests="requests"),
+    Series("dynvm_request_errors", "Inference requests that failed.", requests="errors"),
     Series("dynvm_compiles", "Specializations compiled.", "compiles"),
     Series("dynvm_compile_seconds", "Seconds spent compiling.", "compile_seconds"),
     Series("dynvm_compile_failures", "Compiles that failed.", "compile_failures"),
@@ -138,9 +154,12 @@ def _lookup(value, path: tuple[str, ...]) -> float | None:
     return _number(value)
 
 
-def _value(spec: Series, runtime: RuntimeStats, stats: Mapping) -> float | None:
+def _value(spec: Series, runtime: RuntimeStats, requests: RequestCounters,
+           stats: Mapping) -> float | None:
     if spec.runtime:
         return _lookup(getattr(runtime, spec.runtime), spec.path)
+    if spec.requests:
+        return _number(getattr(requests, spec.requests))
     return _lookup(stats, spec.path)
 
 
@@ -174,9 +193,10 @@ class ReplicaMetrics:
         {Series.key: counter increase or gauge value}; unchanged counters are left out."""
         recorded: dict[str, float] = {}
         runtime = RuntimeStats.from_dict(stats)
+        requests = read(RequestCounters, stats)
         with self._lock:
             for spec in COUNTERS:
-                value = _value(spec, runtime, stats)
+                value = _value(spec, runtime, requests, stats)
                 if value is None:
                     continue
                 last = self._last.get(spec.key, 0)
@@ -186,7 +206,7 @@ class ReplicaMetrics:
                     self._counters[spec.metric].inc(increase, tags=dict(spec.tags))
                     recorded[spec.key] = increase
             for spec in GAUGES:
-                value = _value(spec, runtime, stats)
+                value = _value(spec, runtime, requests, stats)
                 if value is not None:
                     self._gauges[spec.metric].set(value, tags=dict(spec.tags))
                     recorded[spec.key] = value

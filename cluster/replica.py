@@ -253,7 +253,7 @@ class ReplicaServer(GrpcInferenceMixin):
 
     def _busy_response(self, why: str) -> Response:
         """503 + Retry-After: the replica is full (`why`), the client may retry."""
-        self.request_stats.counters["rejected_busy"] += 1
+        self.request_stats.counters.rejected_busy += 1
         return error_response(
             f"model {self.model_name!r} is busy: {why}; retry after "
             f"{self.limits.retry_after_s} s", 503,
@@ -316,12 +316,12 @@ class ReplicaServer(GrpcInferenceMixin):
                     v2.build_infer_response, self.model_name, version or MODEL_VERSION,
                     outcome.outputs, parsed)
         except v2.ProtocolError:
-            counters["errors"] += 1
+            counters.errors += 1
             raise
         except Overloaded as exc:  # the batcher's queue is full (BatchingOptions.max_queued)
             return self._busy_response(str(exc))
         except Exception as exc:  # a server fault, CallBudgetError included: logged, an id
-            counters["errors"] += 1
+            counters.errors += 1
             return self._server_fault(exc, trace)
         return bytes_response(body, headers)
 

@@ -1,10 +1,12 @@
 """`RuntimeStats`: what `Runtime.stats()` returns, typed (docs/ARCHITECTURE.md, Conventions 13).
 
-The JIT engine reports its counters as a dict (`Jit.stats()`); the Runtime turns that,
-with its own counters, into a `RuntimeStats` at its boundary, and everything above reads
-attributes. `to_dict()` is the JSON form (what a replica's `/stats` route serves and
-`dynvm top` reads; `from_dict` reads it back). A key the engine reports that has no
-field here is kept in `extra` rather than lost, and tests/dynvm/test_runtime_stats.py
+Its fields are the Runtime's own counters and, taken from dynvm.jit.engine_stats.JitStats
+field by field, the JIT engine's (each None while the JIT is off): a counter the engine
+adds to JitStats is a RuntimeStats field at once, with the docstring written there, and
+nothing is kept in step by hand. The Runtime builds it from the engine's report at its
+boundary, and everything above reads attributes. `to_dict()` is the JSON form (what a
+replica's `/stats` route serves and `dynvm top` reads; `from_dict` reads it back). A key
+that has no field is kept in `extra` rather than lost, and tests/dynvm/test_runtime_stats.py
 fails until it gets a field.
 
 Note [Stats as a mapping]
@@ -18,68 +20,30 @@ code keeps working; library code reads attributes.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from functools import cached_property
 
-from dynvm.vm.errors import DynvmError
+from dynvm.jit.engine_stats import JitStats, RegionStats, StatsFormatError
+from dynvm.jit.engine_stats import from_dict as _from_dict
 
+__all__ = ["RegionStats", "RuntimeStats", "StatsFormatError"]
 
-class StatsFormatError(DynvmError, ValueError):
-    """A stats document (`RuntimeStats.to_dict()`'s form, e.g. from a replica's /stats)
-    lacks a field or has one of the wrong kind; the message names it."""
-
-
-@dataclass(frozen=True)
-class RegionStats:
-    """One region's JIT figures (`RuntimeStats.regions`)."""
-
-    calls: int
-    """Entries of the region, specialized and interpreted."""
-    hit_rate: float
-    """Share of those entries that ran specialized code."""
-    specializations: int
-    """Exact and weak specializations installed now."""
-    family_kernels: int
-    """Code-family kernels installed now."""
-    guard_failures: int
-    """Entries whose signature no installed guard accepted."""
-    deopts: int
-    """Specialized runs that failed and fell back to the interpreter."""
-    last_guard_failure: str | None
-    """The latest guard failure's first failing check, None before any."""
-    detached: bool
-    """Whether the region is detached now (Note [Detached regions])."""
-    sample_every: int
-    """Entries per watched entry (Note [Sampled watching])."""
-    watch_cost_seconds: float
-    """What watching one entry costs, as measured at the region's last check (its
-    profiled misses' median, plus a layout key; a prior before any check)."""
-    detached_program_calls: int
-    """Program calls that ran while the region was detached."""
-    extra: Mapping[str, object] = field(default_factory=dict)
-    """Keys the engine reported that have no field here (should stay empty)."""
-
-    def to_dict(self) -> dict:
-        """The JSON form: one key per field, then `extra`'s keys."""
-        return _to_dict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping) -> RegionStats:
-        """The RegionStats of `to_dict()`'s form (StatsFormatError when a field lacks)."""
-        return _from_dict(cls, data, "region")
-
-
-# Fields of RuntimeStats the Runtime always reports; every other field (extra aside) is
-# the JIT's, reported only when `jit` is true (to_dict leaves them out otherwise).
-_RUNTIME_FIELDS = frozenset({
-    "calls", "instructions_executed", "region_count", "instructions", "device", "jit",
-    "jit_disabled_by", "allocations_per_forward", "telemetry_events_dropped"})
+# The JIT's fields, as RuntimeStats has them: JitStats's, each optional (None with the
+# JIT off) and keyword-only, so that they may precede the Runtime's required fields.
+_JitFields = make_dataclass(
+    "_JitFields",
+    [(f.name, f"{f.type} | None", field(default=None, kw_only=True))
+     for f in fields(JitStats)],
+    frozen=True)
+_JitFields.__doc__ = "RuntimeStats's JIT fields: dynvm.jit.engine_stats.JitStats's, optional."
+_JitFields.__module__ = __name__
+_JIT_FIELDS = tuple(f.name for f in fields(JitStats))
 # Reported only when set (absent from the dict otherwise, as before the type existed).
 _ONLY_WHEN_SET = frozenset({"jit_disabled_by", "telemetry_events_dropped"})
 
 
 @dataclass(frozen=True)
-class RuntimeStats(Mapping):
+class RuntimeStats(_JitFields, Mapping):
     """Counters of one Runtime since it was made: the runtime's own, and the JIT's when
     it is on (None when it is off). A read-only Mapping of `to_dict()` too (Note [Stats
     as a mapping])."""
@@ -100,69 +64,6 @@ class RuntimeStats(Mapping):
     """Allocations of the latest call that counted them (count_allocations), else None."""
     jit_disabled_by: str | None = None
     """What turned the JIT off (an environment variable), None when nothing did."""
-    interpreted_region_calls: int | None = None
-    """Region entries the interpreter ran."""
-    specialized_region_calls: int | None = None
-    """Region entries that ran specialized code."""
-    promotions: int | None = None
-    """Signatures the policy promoted."""
-    compiles: int | None = None
-    """Specializations compiled."""
-    family_compiles: int | None = None
-    """Of those, code-family kernels."""
-    compile_seconds: float | None = None
-    """Seconds spent compiling."""
-    compile_failures: int | None = None
-    """Compiles that failed."""
-    specialize_failures: Mapping[str, int] | None = None
-    """Specializer failures by reason (Note [Failure accounting]: a dynvm bug if any)."""
-    specialize_failures_total: int | None = None
-    """Their sum."""
-    specialize_rejections: int | None = None
-    """Regions the specializer declined (expected, not failures)."""
-    probation: Mapping[str, int] | None = None
-    """Probation counters: shadow_calls, confirmed, demotions, drops."""
-    installs: int | None = None
-    """Specializations installed from another process (portable records)."""
-    install_seconds: float | None = None
-    """Seconds spent installing them."""
-    install_rejections: int | None = None
-    """Records refused at install."""
-    compiles_locally: bool | None = None
-    """Whether this runtime compiles (False when a fleet compiles for it)."""
-    backend: str | None = None
-    """The JIT's code generator ("cpu" or "triton")."""
-    triton_compiles: int | None = None
-    """Compiles by the Triton backend."""
-    triton_fallbacks: int | None = None
-    """Triton compiles that fell back to the CPU backend."""
-    queue_length: int | None = None
-    """Compile tasks waiting."""
-    compile_timeouts: int | None = None
-    """Compiles abandoned past their timeout."""
-    dropped_tasks: int | None = None
-    """Compile tasks dropped because the queue was full."""
-    arena: Mapping[str, int] | None = None
-    """The arena pool's ArenaPool.stats() (reserved_bytes, in_use_bytes, ...), None
-    without a pool."""
-    guard_failures: int | None = None
-    """Guard failures over all regions."""
-    deopts: int | None = None
-    """Deoptimizations over all regions."""
-    evictions: int | None = None
-    """Specializations evicted from full caches."""
-    cold_periods: int | None = None
-    """Regions' periods without a promotion (Note [Cold regions])."""
-    detached_regions: int | None = None
-    """Regions detached now (Note [Detached regions])."""
-    detachments: int | None = None
-    """Detachments so far."""
-    reattachments: int | None = None
-    """Re-attachments so far."""
-    detached_program_calls: int | None = None
-    """Program calls that ran with some region detached, over all regions."""
-    regions: Mapping[int, RegionStats] | None = None
-    """Per-region figures, by region index."""
     telemetry_events_dropped: int | None = None
     """Span events the telemetry rate limit dropped, when it has one."""
     extra: Mapping[str, object] = field(default_factory=dict)
@@ -197,9 +98,14 @@ class RuntimeStats(Mapping):
     def to_dict(self) -> dict:
         """The JSON form: a key per field that is reported (the JIT's only when it is
         on), regions keyed by index, then `extra`'s keys. A fresh dict."""
-        data = _to_dict(self, skip=lambda name, value: (
-            (name in _ONLY_WHEN_SET and value is None)
-            or (not self.jit and name not in _RUNTIME_FIELDS)))
+        data = {}
+        for name in _KEY_ORDER:   # the order the keys had before the JIT's were derived
+            value = getattr(self, name)
+            if (name in _ONLY_WHEN_SET and value is None) or (
+                    not self.jit and name in _JIT_FIELDS):
+                continue
+            data[name] = dict(value) if isinstance(value, Mapping) else value
+        data.update(self.extra)
         if "regions" in data and self.regions is not None:
             data["regions"] = {index: r.to_dict() for index, r in self.regions.items()}
         return data
@@ -234,31 +140,15 @@ class RuntimeStats(Mapping):
         return len(self._as_dict)
 
 
+# The Runtime's own fields, the JIT's, then the telemetry's count (where it always was).
+_KEY_ORDER = (*(f.name for f in fields(RuntimeStats)
+                if f.name not in _JIT_FIELDS + ("extra", "telemetry_events_dropped")),
+              *_JIT_FIELDS, "telemetry_events_dropped")
+
+
 def _index(key) -> int:
     if isinstance(key, int) and not isinstance(key, bool):
         return key
     if isinstance(key, str) and key.isdigit():
         return int(key)
     raise StatsFormatError(f"stats: region index {key!r} is not an integer")
-
-
-def _to_dict(stats, skip=lambda name, value: False) -> dict:
-    data = {}
-    for f in fields(stats):
-        value = getattr(stats, f.name)
-        if f.name != "extra" and not skip(f.name, value):
-            data[f.name] = dict(value) if isinstance(value, Mapping) else value
-    data.update(stats.extra)
-    return data
-
-
-def _from_dict(cls, data: Mapping, what: str):
-    if not isinstance(data, Mapping):
-        raise StatsFormatError(f"{what}: expected a mapping, got {type(data).__name__}")
-    names = {f.name for f in fields(cls)} - {"extra"}
-    known = {key: value for key, value in data.items() if key in names}
-    extra = {key: value for key, value in data.items() if key not in names}
-    try:
-        return cls(**known, extra=extra)
-    except TypeError as exc:  # a required field lacks
-        raise StatsFormatError(f"{what}: {exc}") from None

@@ -1,9 +1,11 @@
 """`dynvm top`: a live table of a running dynvm cluster, read over its HTTP API.
 
 Each refresh GETs /v2/models/<name>/stats for every model: the JSON of
-`RuntimeStats.to_dict()` (dynvm._runtime_stats, whose field names are the keys read
-here) plus the replica's request and batching counters. Keys are read tolerantly (a
-model total, or an older server, may lack some). Those stats are one replica's: Serve routes
+`RuntimeStats.to_dict()` (dynvm._runtime_stats) plus the replica's request and batching
+counters (dynvm.cluster.counters). It is read back through those types
+(`dynvm.cluster.counters.read`), by attribute: a renamed field changes what is read here
+too, or fails at import. Reading is tolerant (a model total, or an older server, may
+lack some keys: they show as '-'). Those stats are one replica's: Serve routes
 each GET to one replica of the model. So each model is polled `--samples` times per
 refresh; when the stats carry a "replica" id, every replica seen gets its own row (the
 latest stats it answered with) and the model a total row; without one, the row is a
@@ -29,6 +31,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dynvm._run_cmd import CliError
+from dynvm._runtime_stats import RegionStats, RuntimeStats
+from dynvm.cluster.counters import RequestCounters, field_of, read
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 _CLEAR = "\x1b[H\x1b[2J"
@@ -137,9 +141,12 @@ def poll(client: _Client, models: Sequence[str], samples: int) -> list[Row]:
     return rows
 
 
-_SUMMED = ("calls", "requests", "errors", "specialized_region_calls",
-           "interpreted_region_calls", "compiles", "guard_failures", "deopts",
-           "specialize_failures_total", "queue_length")
+# What a model's total sums over its replicas: fields of the types that write /stats.
+_SUMMED = (*(field_of(RuntimeStats, name) for name in (
+               "calls", "specialized_region_calls", "interpreted_region_calls", "compiles",
+               "guard_failures", "deopts", "specialize_failures_total", "queue_length")),
+           *(field_of(RequestCounters, name) for name in ("requests", "errors")))
+_FAMILY_KERNELS = field_of(RegionStats, "family_kernels")
 
 
 def total(replicas) -> dict:
@@ -160,18 +167,13 @@ def families(stats: Mapping) -> int | None:
     regions = stats.get("regions")
     if not isinstance(regions, Mapping):
         return None
-    return sum(r.get("family_kernels", 0) for r in regions.values() if isinstance(r, Mapping))
+    return sum(r.get(_FAMILY_KERNELS, 0) for r in regions.values() if isinstance(r, Mapping))
 
 
 def specialized_ratio(stats: Mapping) -> float | None:
     """The share of region calls that ran specialized code, or None before any
     (or when the stats lack the counters)."""
-    specialized = stats.get("specialized_region_calls")
-    interpreted = stats.get("interpreted_region_calls")
-    if not isinstance(specialized, int | float) or not isinstance(interpreted, int | float):
-        return None
-    calls = specialized + interpreted
-    return specialized / calls if calls else None
+    return read(RuntimeStats, stats).specialized_ratio
 
 
 def _latency(stats: Mapping, key: str) -> str:
@@ -196,16 +198,17 @@ def format_table(rows: Sequence[Row]) -> str:
             lines.append([row.model, row.replica, row.error])
             continue
         s = row.stats
-        ratio = specialized_ratio(s)
-        lines.append([row.model, row.replica, _count(s.get("calls")),
-                      _count(s.get("requests")),
+        runtime, requests = read(RuntimeStats, s), read(RequestCounters, s)
+        ratio = runtime.specialized_ratio
+        lines.append([row.model, row.replica, _count(runtime.calls),
+                      _count(requests.requests),
                       "-" if ratio is None else f"{100 * ratio:.1f}",
-                      _latency(s, "p50"), _latency(s, "p99"), _count(s.get("compiles")),
-                      _count(families(s)), _count(s.get("guard_failures")),
-                      _count(s.get("deopts")),
+                      _latency(s, "p50"), _latency(s, "p99"), _count(runtime.compiles),
+                      _count(families(s)), _count(runtime.guard_failures),
+                      _count(runtime.deopts),
                       # Note [Failure accounting]: anything but 0 is a dynvm bug
-                      _count(s.get("specialize_failures_total")),
-                      _count(s.get("queue_length"))])
+                      _count(runtime.specialize_failures_total),
+                      _count(runtime.queue_length)])
     full = [cells for cells in lines if len(cells) == len(COLUMNS)]
     widths = [max([len(c), *(len(cells[i]) for cells in full)]) for i, c in enumerate(COLUMNS)]
     for i in (0, 1):  # error rows share the first two columns

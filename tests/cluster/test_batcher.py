@@ -57,7 +57,7 @@ def test_lone_request_runs_at_once_not_after_the_delay():
     result, seconds = run(main())
     assert result == ("out", "a")
     assert model.batches == [["a"]]
-    assert batcher.counters["held_batches"] == 0
+    assert batcher.counters.held_batches == 0
     assert seconds < 0.5  # the hold (1 s) was never waited out; margin for a loaded host
 
 
@@ -163,7 +163,7 @@ def test_held_batch_runs_after_the_delay_or_when_the_request_comes():
 
     run(main())
     assert model.batches == [["x"], [1, 2, 3]]
-    assert batcher.counters["held_batches"] == 1
+    assert batcher.counters.held_batches == 1
 
 
 def test_overload_is_refused_not_queued():
@@ -184,7 +184,7 @@ def test_overload_is_refused_not_queued():
     error, results = run(main())
     assert isinstance(error, DynvmError)
     assert results == [("out", 0), ("out", 1), ("out", 2)]
-    assert batcher.counters["rejected_overload"] == 1
+    assert batcher.counters.rejected_overload == 1
 
 
 def test_cancelled_request_is_dropped_and_failures_reach_each_caller():
@@ -282,14 +282,14 @@ def test_fast_row_counts_run_on_the_loop_slow_and_new_ones_on_the_worker():
     # both times; 3: never seen, so the worker.
     assert where[0].startswith("model-worker") and where[1] == loop_thread
     assert all(name.startswith("model-worker") for name in where[2:])
-    assert batcher.counters["inline_batches"] == 1
+    assert batcher.counters.inline_batches == 1
     batcher.close()
 
     threads.clear()
     never = OpportunisticBatcher(execute, BatchingOptions(inline_run_s=0), name="worker")
     run(main(never, [("a", 1)] * 3))
     assert all(name.startswith("worker") for _, name in threads)
-    assert never.counters["inline_batches"] == 0
+    assert never.counters.inline_batches == 0
     never.close()
 
 
@@ -324,7 +324,7 @@ def test_a_program_whose_data_decides_its_time_never_runs_on_the_loop():
                                    inline=False)
     where = _where_batches_ran(batcher, [("a", 1, None)] * 4)
     assert all(name.startswith("worker") for name in where), where
-    assert batcher.counters["inline_batches"] == 0
+    assert batcher.counters.inline_batches == 0
     batcher.close()
 
 

@@ -58,7 +58,7 @@ def test_outputs_without_the_batch_dim_are_never_batched_when_the_probe_says_so(
     replica = _replica(tmp_path, probe_outputs=True)
     assert replica.executor.batch_dim is None  # the probe saw dim 0 vanish
     outcomes, counts = replica.executor.run_batch(_two_requests(replica), [None, None])
-    assert counts["vm_calls"] == 2 and counts["unbatched_fallbacks"] == 0
+    assert counts.vm_calls == 2 and counts.unbatched_fallbacks == 0
     assert [o.outputs[0].tolist() for o in outcomes] == [[2.0, 4.0, 6.0], [12.0, 12.0, 12.0]]
 
 
@@ -66,9 +66,9 @@ def test_without_a_probe_a_thrown_away_batch_happens_once(tmp_path):
     replica = _replica(tmp_path, probe_outputs=False)
     assert replica.executor.batch_dim == ("batch", 16)
     first, counts = replica.executor.run_batch(_two_requests(replica), [None, None])
-    assert counts["unbatched_fallbacks"] == 1 and counts["vm_calls"] == 3
+    assert counts.unbatched_fallbacks == 1 and counts.vm_calls == 3
     second, counts = replica.executor.run_batch(_two_requests(replica), [None, None])
-    assert counts["unbatched_fallbacks"] == 0 and counts["vm_calls"] == 2
+    assert counts.unbatched_fallbacks == 0 and counts.vm_calls == 2
     for outcomes in (first, second):
         assert [o.outputs[0].tolist() for o in outcomes] == [[2.0, 4.0, 6.0],
                                                              [12.0, 12.0, 12.0]]

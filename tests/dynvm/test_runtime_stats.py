@@ -116,3 +116,19 @@ def test_dynvm_top_reads_runtime_stats_fields_by_their_names():
     names = {f.name for f in fields(RuntimeStats)}
     assert set(_top_cmd._SUMMED) - replica_counters <= names
     assert "family_kernels" in {f.name for f in fields(RegionStats)}
+
+
+def test_the_jits_fields_are_jit_stats_fields_not_a_copy(jit_stats):
+    # RuntimeStats takes the JIT's fields from JitStats (nothing kept in step by hand):
+    # each is there, optional, and what the engine reports is exactly JitStats's form.
+    from dynvm.jit import engine_stats
+    from dynvm.jit.engine_stats import JitStats
+
+    by_name = {f.name: f for f in fields(RuntimeStats)}
+    for f in fields(JitStats):
+        assert by_name[f.name].default is None and by_name[f.name].kw_only, f.name
+    assert RegionStats is engine_stats.RegionStats   # one class, not two
+    reported = {f.name for f in fields(JitStats)}
+    assert reported <= set(jit_stats.to_dict())
+    off = RuntimeStats.from_dict({**_minimal(), "jit": False})
+    assert not reported & set(off.to_dict())

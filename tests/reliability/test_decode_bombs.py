@@ -167,8 +167,8 @@ def test_an_index_bomb_is_refused_and_not_reread_every_poll(redis_server, progra
         print(f"\nindex bomb, 16 MiB: first poll {first * 1e3:.1f} ms (download included), "
               f"next poll {second * 1e3:.2f} ms")
         assert link.cache.stats()["corrupt"] == 1
-        assert link.counters["index_rejected"] == 1
-        assert link.counters["index_reads_skipped"] == 1
+        assert link.counters.index_rejected == 1
+        assert link.counters.index_reads_skipped == 1
         assert first < 4 * TIME_BOUND_S
         with redis_server.client() as admin:   # a new index write: read at the next poll
             admin.set(namespace + index_stamp_key(link.program_hash, link.target), b"s2")

@@ -71,8 +71,8 @@ def test_a_flood_of_forged_announcements_is_rate_bounded(tmp_path):
     looked_up = link.cache.stats()["missing"]
     allowed = 20 + 20 * elapsed + 1
     print(f"\n{sent} forged announcements in {elapsed:.2f} s: {looked_up} store lookups "
-          f"(bound {allowed:.0f}), {link.counters['announcements_dropped']} dropped")
+          f"(bound {allowed:.0f}), {link.counters.announcements_dropped} dropped")
     assert looked_up <= allowed
-    assert link.counters["announcements_dropped"] == sent - looked_up
+    assert link.counters.announcements_dropped == sent - looked_up
     assert store.stats.snapshot()["misses"] == looked_up
     runtime.close()

@@ -163,7 +163,7 @@ def test_a_runaway_batch_holds_its_replica_for_about_two_budgets(tmp_path):
     start = time.monotonic()
     outcomes, counts = replica.executor.run_batch(requests, [None] * len(requests))
     took = time.monotonic() - start
-    assert counts["unbatched_fallbacks"] == 1 and counts["vm_calls"] == len(requests)
+    assert counts.unbatched_fallbacks == 1 and counts.vm_calls == len(requests)
     assert all(isinstance(o.error, dynvm.CallBudgetError) for o in outcomes[:4])
     assert outcomes[4].error is None and outcomes[4].outputs[0].tolist() == [3.0]
     print(f"\n4 runaway requests and a good one batched (budget 1 s): {took:.2f} s in all")
