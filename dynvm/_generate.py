@@ -18,10 +18,11 @@ import torch
 
 from dynvm._generation_ahead import LengthBucketsAhead
 from dynvm._generation_export import GeneratorPrograms, export_generator
+from dynvm._kv_state import KvState
 from dynvm._runtime import Runtime
 from dynvm._sampling import Sampling, next_tokens
 from dynvm.jit.config import JitConfig
-from dynvm.vm.errors import InputError, ShapeError
+from dynvm.vm.errors import ConfigError, InputError, ShapeError
 
 
 @dataclass(frozen=True)
@@ -40,19 +41,34 @@ class Generator:
     """Generates tokens with two Runtimes, prefill and decode, over one set of weights.
 
     Both programs hold the model's own weight tensors (the same storages), so a
-    generator's weights are resident once. The cache is passed between steps as plain
-    tensors per layer, grown by one position per step (the programs are pure: the
-    cache is not yet Runtime state). With the JIT on and `compile_ahead`, the decode
-    step's family kernels for the growing length are asked for before the length gets
-    there (Note [Compiling the next length bucket])."""
+    generator's weights are resident once. When the programs have a decode step over
+    the KV cache as state (`programs.decode_kv`) and `kv_state` is not False, decoding
+    runs it: the prompt's keys and values are written into a `KvState` allocated once
+    (max_batch x max_length), each step appends in place and attends over per-row
+    lengths (Note [KV cache as state] in dynvm.vm.ops_kv). Otherwise the cache is passed
+    between steps as plain tensors per layer, grown by one position per step, and with
+    the JIT on and `compile_ahead`, the decode step's family kernels for the growing
+    length are asked for before the length gets there (Note [Compiling the next length
+    bucket])."""
 
     def __init__(self, programs: GeneratorPrograms, device: str | torch.device = "cpu",
-                 jit: bool | JitConfig = True, compile_ahead: bool = True) -> None:
+                 jit: bool | JitConfig = True, compile_ahead: bool = True,
+                 kv_state: bool | None = None) -> None:
         self.programs = programs
         self.prefill = Runtime(programs.prefill, device, jit=jit)
         self.decode = Runtime(programs.decode, device, jit=jit)
-        # Note [Compiling the next length bucket]
-        self._ahead = LengthBucketsAhead(self.decode) if compile_ahead else None
+        # Note [KV cache as state] in dynvm.vm.ops_kv: kv_state None uses it when the
+        # programs have it.
+        if kv_state and programs.decode_kv is None:
+            raise ConfigError("Generator(kv_state=True): the programs have no decode step "
+                              "over the cache state (compile_generator(..., kv_state=True))")
+        self.decode_kv = self.state = None
+        if programs.decode_kv is not None and kv_state is not False:
+            self.decode_kv = Runtime(programs.decode_kv, device, jit=jit)
+            self.state = KvState(programs.decode_kv, self.decode_kv.device)
+        # Note [Compiling the next length bucket] (the state's step has no growing dim)
+        self._ahead = LengthBucketsAhead(self.decode) if compile_ahead and \
+            self.decode_kv is None else None
         self.device = self.prefill.device
         self._generations = 0
         self._decode_steps = 0
@@ -84,6 +100,10 @@ class Generator:
         logits, keys, values = self.prefill(ids, mask, positions)
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.device)
         pad = self.programs.pad_token_id
+        if self.state is not None:
+            lengths = mask.sum(dim=-1)
+            slots = self.state.begin(ids.shape[0], ids.shape[1] + max_new_tokens)
+            self.state.write_prompt(keys, values, lengths)
         for step in range(max_new_tokens):
             token = next_tokens(logits, sampling, rng).masked_fill(done, pad)
             done = done | torch.isin(token, stops)
@@ -92,20 +112,26 @@ class Generator:
                 return
             if step == 0:
                 self._generations += 1
+            if self.state is not None:
+                logits = self._counted(self.decode_kv, token[:, None], slots, lengths,
+                                       self.state.keys, self.state.values)
+                lengths = lengths + 1
+                continue
             position = mask.sum(dim=-1, keepdim=True)
-            logits, keys, values = self._decode_step(token[:, None], mask, position,
-                                                     keys, values)
+            logits, keys, values = self._counted(self.decode, token[:, None], mask, position,
+                                                 keys, values)
+            if self._ahead is not None:
+                self._ahead.after_step(mask.shape[1], mask.shape[0])
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
 
-    def _decode_step(self, token, mask, position, keys, values):
-        before = self.decode.region_calls()
-        outputs = self.decode(token, mask, position, keys, values)
-        after = self.decode.region_calls()
+    def _counted(self, runtime: Runtime, *inputs):
+        """One decode step on `runtime`, counted in stats()."""
+        before = runtime.region_calls()
+        outputs = runtime(*inputs)
+        after = runtime.region_calls()
         self._decode_steps += 1
         if after[0] > before[0] and after[1] == before[1]:
             self._specialized_steps += 1
-        if self._ahead is not None:
-            self._ahead.after_step(mask.shape[1], mask.shape[0])
         return outputs
 
     def _check(self, input_ids, attention_mask, max_new_tokens: int) -> torch.Tensor:
@@ -137,6 +163,8 @@ class Generator:
         """Stop both runtimes' background compiles (they keep working, interpreted)."""
         self.prefill.close()
         self.decode.close()
+        if self.decode_kv is not None:
+            self.decode_kv.close()
 
     def __enter__(self) -> Generator:
         return self
@@ -148,9 +176,11 @@ class Generator:
 def compile_generator(model: torch.nn.Module, *, max_batch: int = 64,
                       max_length: int = 2048, device: str | torch.device = "cpu",
                       jit: bool | JitConfig = True, compile_ahead: bool = True,
-                      name: str | None = None) -> Generator:
+                      name: str | None = None, kv_state: bool = False) -> Generator:
     """Lower a Hugging Face causal LM to a prefill and a decode program (dynamic batch
     and lengths) and return a `Generator` running them (`jit`, `compile_ahead`: as
-    Generator takes them)."""
-    programs = export_generator(model, max_batch=max_batch, max_length=max_length, name=name)
+    Generator takes them). `kv_state`: also the decode step over the KV cache as state
+    (Note [KV cache as state] in dynvm.vm.ops_kv), which the generator then runs."""
+    programs = export_generator(model, max_batch=max_batch, max_length=max_length, name=name,
+                                kv_state=kv_state)
     return Generator(programs, device, jit=jit, compile_ahead=compile_ahead)

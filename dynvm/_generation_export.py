@@ -99,6 +99,9 @@ class GeneratorPrograms:
     """The model's end-of-sequence tokens (its generation config): default stop tokens."""
     pad_token_id: int
     """Written after a row has stopped, and where the caller gives no mask."""
+    decode_kv: Program | None = None
+    """input_ids [B, 1], slots [B], lengths [B], keys, values (the cache state, written in
+    place) -> last logits (dynvm._generation_kv); None unless exported with kv_state."""
 
 
 @contextlib.contextmanager
@@ -119,9 +122,11 @@ def _grouped_heads_folded():
 
 
 def export_generator(model: torch.nn.Module, *, max_batch: int = 64,
-                     max_length: int = 2048, name: str | None = None) -> GeneratorPrograms:
+                     max_length: int = 2048, name: str | None = None,
+                     kv_state: bool = False) -> GeneratorPrograms:
     """Lower a Hugging Face causal LM (`...ForCausalLM`, eval mode) to a prefill and a
-    decode program with dynamic batch (1..max_batch) and lengths (1..max_length)."""
+    decode program with dynamic batch (1..max_batch) and lengths (1..max_length); with
+    `kv_state`, also the decode step over the cache as state (`decode_kv`)."""
     from torch.export import Dim
 
     from dynvm import compile as dynvm_compile
@@ -155,6 +160,12 @@ def export_generator(model: torch.nn.Module, *, max_batch: int = 64,
                 _Decode(model), (ids[:, :1], ones, positions[:, :1], list(keys), list(values)),
                 ({0: batch}, {0: batch, 1: past}, {0: batch}, past_dims, past_dims),
                 name=f"{name}.decode")
+        decode_kv = None
+        if kv_state:
+            from dynvm._generation_kv import export_decode_kv
+
+            decode_kv = export_decode_kv(model, list(keys), max_batch=max_batch,
+                                         max_length=max_length, name=name)
     generation = getattr(model, "generation_config", None)
     eos = getattr(generation, "eos_token_id", None)
     if eos is None:
@@ -164,4 +175,4 @@ def export_generator(model: torch.nn.Module, *, max_batch: int = 64,
     pad = pad if pad is not None else getattr(config, "pad_token_id", None)
     pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
     return GeneratorPrograms(prefill, decode, layers, max_batch, max_length,
-                             tuple(int(t) for t in eos_ids), int(pad))
+                             tuple(int(t) for t in eos_ids), int(pad), decode_kv)

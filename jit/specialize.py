@@ -369,7 +369,8 @@ class _Rewriter:
 
     def try_alias(self, pc: int, instr: Instr) -> bool:
         """Drop an instruction whose result is its first operand, unchanged."""
-        if len(instr.dsts) != 1 or not instr.args or not isinstance(instr.args[0], Reg):
+        if len(instr.dsts) != 1 or not instr.args or not isinstance(instr.args[0], Reg) \
+                or instr.spec.writes_state:
             return False
         if not all(_unchanged(p.get(instr.args[0].index), p.get(instr.dsts[0].index))
                    for p in self.probes):

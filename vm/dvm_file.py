@@ -407,6 +407,7 @@ def _check_meta(payload: memoryview) -> None:
 _CODE_FIELDS = MappingProxyType({
     "name": str, "n_regs": int, "inputs": list, "constants": list, "in_spec": str,
     "out_spec": str, "code": list, "hash": str})
+_OPTIONAL_CODE_FIELDS = MappingProxyType({"state": list})
 
 
 def _corrupt_code(problem: str) -> CorruptSectionError:
@@ -421,13 +422,18 @@ def _decode_program(code_payload: memoryview, const_payload: memoryview,
     missing = [key for key in _CODE_FIELDS if key not in header]
     if missing:
         raise _corrupt_code(f"fields {missing} are missing")
-    unknown = sorted(repr(key) for key in header if key not in _CODE_FIELDS)
+    unknown = sorted(repr(key) for key in header
+                     if key not in _CODE_FIELDS and key not in _OPTIONAL_CODE_FIELDS)
     if unknown:
         raise _corrupt_code(f"unknown fields {', '.join(unknown)}")
     for key, kind in _CODE_FIELDS.items():
         if type(header[key]) is not kind:  # `is`, so that a bool is not taken for an int
             raise _corrupt_code(f"field {key!r} must be {kind.__name__}, got "
                                 f"{_describe(header[key])}")
+    state = header.get("state", [])
+    if type(state) is not list or not all(type(i) is int for i in state):
+        raise _corrupt_code(f"field 'state' must be a list of input indices, got "
+                            f"{_describe(state)}")
     n_regs = header["n_regs"]
     if not 0 <= n_regs <= MAX_REGS:
         raise _corrupt_code(f"n_regs is {n_regs}, expected 0..{MAX_REGS}")
@@ -447,7 +453,8 @@ def _decode_program(code_payload: memoryview, const_payload: memoryview,
     try:
         program = Program(code=code, n_regs=n_regs, inputs=inputs, constants=constants,
                           constant_names=tuple(names), in_spec=header["in_spec"],
-                          out_spec=header["out_spec"], name=header["name"])
+                          out_spec=header["out_spec"], name=header["name"],
+                          state=tuple(state))
     except VerifyError as exc:
         raise _corrupt_code(f"the program does not verify: {exc}") from exc
     # The stored hash covers the raw bytes (checked above); the program hashes what it

@@ -109,6 +109,9 @@ class OpSpec:
     """The result shares operand 0's storage (from the ATen schema's alias info)."""
     returns_operand: bool = False
     """The result may be operand 0 itself (MOVE; RESHAPE_IF when no reshape is needed)."""
+    writes_state: bool = False
+    """Writes operand 0, runtime state, in place (KV_APPEND; Note [KV cache as state] in
+    dynvm.vm.ops_kv): never dropped as a no-op, even where its result is operand 0."""
     is_check: bool = False
     """Only validates its operands (no result): a specialization drops it where its
     guard proves it (SHAPE_ASSERT, DIMS_EQUAL, ASSERT_SCALAR)."""

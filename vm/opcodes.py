@@ -12,6 +12,7 @@ from dynvm.vm.ops_control import CONTROL_OPS
 from dynvm.vm.ops_custom import CUSTOM_OPS
 from dynvm.vm.ops_elementwise import ELEMENTWISE_OPS
 from dynvm.vm.ops_index import INDEX_OPS
+from dynvm.vm.ops_kv import KV_OPS
 from dynvm.vm.ops_nn import NN_OPS
 from dynvm.vm.ops_shape import SHAPE_OPS
 from dynvm.vm.ops_tensor import TENSOR_OPS
@@ -37,7 +38,7 @@ def _by_source(specs: tuple[OpSpec, ...]) -> MappingProxyType:
     return MappingProxyType(table)
 
 
-ALL_OPS: tuple[OpSpec, ...] = (TENSOR_OPS + ATTENTION_OPS + ELEMENTWISE_OPS + NN_OPS
+ALL_OPS: tuple[OpSpec, ...] = (TENSOR_OPS + ATTENTION_OPS + KV_OPS + ELEMENTWISE_OPS + NN_OPS
                                + INDEX_OPS + SHAPE_OPS + CONTROL_OPS + CUSTOM_OPS)
 OPCODES = _by_name(ALL_OPS)
 """name -> OpSpec for every opcode."""

@@ -114,6 +114,10 @@ class Program:
     out_spec: str
     """treespec (JSON) of the outputs, in RETURN order."""
     name: str = "program"
+    state: tuple[int, ...] = ()
+    """Indices of the inputs that are runtime state its owner allocates once and passes
+    on every call, written in place by the program (Note [KV cache as state] in
+    dynvm.vm.ops_kv); empty for a pure program."""
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:

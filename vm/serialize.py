@@ -183,6 +183,8 @@ def encode_header(program, with_hash: bool = True) -> bytes:
         "out_spec": program.out_spec,
         "code": [encode_instr(instr) for instr in program.code],
     }
+    if program.state:   # absent for a pure program: its bytes and hash stay as they were
+        body["state"] = list(program.state)
     if with_hash:
         body["hash"] = program.content_hash
     return pack(body)

@@ -43,6 +43,7 @@ from dynvm.vm.operands import (
 )
 from dynvm.vm.ops_custom import FUNCTIONAL_OPCODE, check_registered
 from dynvm.vm.ops_custom import OPCODE as CUSTOM_OPCODE
+from dynvm.vm.ops_kv import KV_CACHE_OPERANDS
 from dynvm.vm.regions import successors
 
 MAX_DIM = 2**31 - 1
@@ -72,6 +73,36 @@ def verify(program) -> None:
     _check_operand_kinds(code, kinds)
     _check_defined_before_use(program)
     _check_custom_ops(code)
+    _check_state(program)
+
+
+def _check_state(program) -> None:
+    """Note [KV cache as state] in dynvm.vm.ops_kv: the state inputs are distinct inputs
+    of rank 4, never overwritten, and every cache operand of a KV instruction is a
+    state input or a KV_APPEND result chained from one."""
+    state = program.state
+    n_inputs = len(program.inputs)
+    if not isinstance(state, tuple) or len(set(state)) != len(state) or not all(
+            type(i) is int and 0 <= i < n_inputs for i in state):
+        raise VerifyError(f"state {state!r}: expected distinct input indices "
+                          f"0..{n_inputs - 1}")
+    for index in state:
+        if len(program.inputs[index].dims) != 4:
+            raise VerifyError(f"state input {program.inputs[index].name!r}: expected "
+                              "[slots, heads, capacity, head dim], got rank "
+                              f"{len(program.inputs[index].dims)}")
+    holds_state = set(state)
+    for pc, instr in enumerate(program.code):
+        for position in KV_CACHE_OPERANDS.get(instr.op, ()):
+            operand = instr.args[position]
+            if not (isinstance(operand, Reg) and operand.index in holds_state):
+                raise _fail(pc, instr, f"operand {position} ({operand}) must be cache "
+                            "state: a state input or a KV_APPEND of one")
+        written = {reg.index for reg in instr.dsts} & set(state)
+        if written:
+            raise _fail(pc, instr, f"writes state input register(s) {sorted(written)}")
+        if instr.op == "KV_APPEND":
+            holds_state.update(reg.index for reg in instr.dsts)
 
 
 def _check_custom_ops(code) -> None:

@@ -1,6 +1,9 @@
 """dynvm.compile_generator over tiny Hugging Face causal LMs: greedy tokens equal to
-Hugging Face's `generate` (interpreter and JIT, batches of different prompt lengths),
-seeded sampling, stop tokens, streaming, and one resident copy of the weights."""
+Hugging Face's `generate` (interpreter and JIT, batches of different prompt lengths, the
+pure decode step and the one over the KV cache as state), seeded sampling, stop tokens,
+streaming, and one resident copy of the weights. Generators run the state's decode step
+where the programs have it (the default), so every test but the greedy one's "pure"
+case and compile-ahead's runs it."""
 
 from __future__ import annotations
 
@@ -18,15 +21,18 @@ LENGTHS = (7, 3, 5)  # a batch with three prompt lengths, left-padded
 @pytest.fixture(scope="module", params=ARCHITECTURES)
 def built(request):
     model = tiny_causal_lm(request.param)
-    programs = dynvm.compile_generator(model, max_batch=8, max_length=64, jit=False).programs
+    programs = dynvm.compile_generator(model, max_batch=8, max_length=64, jit=False,
+                                       kv_state=True).programs
     return request.param, model, programs
 
 
+@pytest.mark.parametrize("kv_state", [False, True], ids=["pure", "state"])
 @pytest.mark.parametrize("jit", [False, True], ids=["interpreter", "jit"])
-def test_greedy_matches_hf_generate(built, jit):
+def test_greedy_matches_hf_generate(built, jit, kv_state):
     kind, model, programs = built
     config = eager_config(families=True) if jit else False
-    with dynvm.Generator(programs, jit=config) as generator:
+    with dynvm.Generator(programs, jit=config, kv_state=kv_state) as generator:
+        assert (generator.state is not None) == kv_state
         for lengths in ((6,), LENGTHS):
             ids, mask = left_padded(lengths, seed=len(lengths))
             expected = hf_greedy(model, ids, mask, NEW, eos_token_id=None)
@@ -98,7 +104,7 @@ def test_weights_resident_once(built):
     prefill, decode = storages(programs.prefill), storages(programs.decode)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    both = {**prefill, **decode}
+    both = {**prefill, **decode, **storages(programs.decode_kv)}
     shared = {ptr for ptr in both if ptr in params}
     assert sum(both[ptr] for ptr in shared) >= 0.99 * weight_bytes
     # Whatever is not a parameter is small (rotary tables, masks' constants).
@@ -132,7 +138,8 @@ def test_length_buckets_compiled_ahead(built):
     new = 20   # L = 6..24: the buckets 5..16 and 17..64
     counts = {}
     for ahead in (False, True):
-        with dynvm.Generator(programs, jit=never, compile_ahead=ahead) as generator:
+        with dynvm.Generator(programs, jit=never, compile_ahead=ahead,
+                             kv_state=False) as generator:
             tokens = generator.generate(ids, mask, max_new_tokens=new, stop_tokens=())
             counts[ahead] = generator.stats()
             assert generator.decode.stats().family_compiles == (2 if ahead else 0), kind

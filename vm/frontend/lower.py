@@ -32,6 +32,7 @@ from dynvm.vm.ops_custom import (
     providing_module,
 )
 from dynvm.vm.ops_custom import OPCODE as CUSTOM_OPCODE
+from dynvm.vm.ops_kv import KV_CACHE_OPERANDS
 from dynvm.vm.program import Program
 
 aten = torch.ops.aten
@@ -456,7 +457,11 @@ def lower_exported(exported, user_names, name: str, example_inputs: tuple) -> Pr
     lowering.emit("RETURN", (), (RegList(tuple(returned)),))
     in_spec = pytree.treespec_dumps(pytree.tree_flatten(tuple(example_inputs))[1])
     out_spec = pytree.treespec_dumps(exported.call_spec.out_spec)
+    # Note [KV cache as state]: the inputs a KV instruction takes as its cache are state.
+    state = sorted({instr.args[i].index for instr in lowering.code
+                    for i in KV_CACHE_OPERANDS.get(instr.op, ())
+                    if isinstance(instr.args[i], Reg) and instr.args[i].index < len(inputs)})
     return Program(code=tuple(lowering.code), n_regs=lowering.n_regs, inputs=inputs,
                    constants=tuple(lowering.constants),
                    constant_names=tuple(lowering.constant_names),
-                   in_spec=in_spec, out_spec=out_spec, name=name)
+                   in_spec=in_spec, out_spec=out_spec, name=name, state=tuple(state))

@@ -1,0 +1,109 @@
+"""The KV cache as state: KV_APPEND writes a step's keys or values into a preallocated
+cache in place; DECODE_ATTN attends over each row's cache slot up to its own length.
+
+Note [KV cache as state]
+~~~~~~~~~~~~~~~~~~~~~~~~
+A pure decode step takes the cache as an input and returns a new one one position
+longer: every step re-allocates each layer's [B, Hkv, L + 1, D] with CAT. Here the
+cache is state instead: one tensor per layer for keys and one for values, shaped
+[slots, Hkv, capacity, D] (capacity = the program's max_length, slots = its max_batch),
+allocated once by its owner (dynvm._kv_state.KvState) and passed to the program as
+inputs that the program's `state` lists (Program.state; the .dvm's CODE header records
+it). A row of a batch is a sequence living in slot `slots[b]`, holding `lengths[b]`
+tokens: no left padding, no mask.
+
+- KV_APPEND(cache, new [B, Hkv, T, D], slots [B], positions [B]) writes
+  cache[slots[b], :, positions[b] + t] = new[b, :, t] in place and returns the cache
+  itself (`returns_operand`: the JIT's alias analysis sees the result as the cache, so
+  it never plans it into an arena or reuses it). The attention that follows reads the
+  returned register, so the data dependency orders the write before the read.
+- DECODE_ATTN(query [B, H, 1, D], keys, values, slots, lengths, scale) attends over
+  keys[slots[b], :, :lengths[b]]: one SDPA over the slots' prefix up to the longest
+  row, with a key mask built inside only when the rows' lengths differ, and grouped
+  heads folded into the query (Note [Grouped heads without copies]). Contiguous slots
+  (b -> first + b, the generator's assignment) are a view of the cache; any other
+  assignment gathers the rows' prefixes.
+
+Both are idempotent for the same operands (the same values written at the same
+positions), so the JIT's probation shadow calls and calibration runs, which run a
+region twice, leave the cache as one run does. The verifier checks that every cache
+operand is a state input or a KV_APPEND result chained from one (vm/verifier.py).
+
+For torch.export, the two are torch.library ops (`dynvm::kv_append`,
+`dynvm::decode_attention`) whose schemas declare no mutation: export would otherwise
+functionalize the write into a copy of the whole cache. Their kernels are the
+instructions' own implementations; only the exported decode step calls them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynvm.vm.ops_attention import sdpa_gqa
+from dynvm.vm.ops_common import tensor_op
+
+_LIB = torch.library.Library("dynvm", "FRAGMENT")
+_LIB.define("kv_append(Tensor cache, Tensor new, Tensor slots, Tensor positions) -> Tensor")
+_LIB.define("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor slots, "
+            "Tensor lengths, float? scale=None) -> Tensor")
+
+
+def kv_append(cache, new, slots, positions):
+    """KV_APPEND: write `new` at each row's slot and position, in place; the cache."""
+    steps = new.shape[2]
+    if steps == 1:
+        cache[slots, :, positions] = new[:, :, 0]
+    else:
+        where = positions[:, None] + torch.arange(steps, device=positions.device)
+        cache[slots[:, None], :, where] = new.transpose(1, 2)
+    return cache
+
+
+def _kv_append_abstract(cache, new, slots, positions):
+    return cache
+
+
+def _rows(cache, slots, length: int):
+    """cache[slots, :, :length]: a view when the slots are first, first + 1, ..."""
+    batch = slots.shape[0]
+    first = int(slots[0])
+    if first + batch <= cache.shape[0] and bool(
+            (slots == torch.arange(first, first + batch, device=slots.device)).all()):
+        return cache[first:first + batch, :, :length]
+    return cache[:, :, :length].index_select(0, slots)
+
+
+def decode_attention(query, keys, values, slots, lengths, scale=None):
+    """DECODE_ATTN: each row's query over its slot's first lengths[b] keys and values."""
+    longest = int(lengths.max())
+    k, v = _rows(keys, slots, longest), _rows(values, slots, longest)
+    mask = None
+    if bool((lengths != longest).any()):
+        mask = (torch.arange(longest, device=lengths.device) < lengths[:, None])[:, None, None]
+    return sdpa_gqa(query, k, v, mask, 0.0, False, scale).contiguous()
+
+
+def _decode_attention_abstract(query, keys, values, slots, lengths, scale):
+    return query.new_empty((*query.shape[:-1], values.shape[-1]))
+
+
+_LIB.impl("kv_append", kv_append, "CompositeExplicitAutograd")
+_LIB.impl("decode_attention", decode_attention, "CompositeExplicitAutograd")
+torch.library.register_fake("dynvm::kv_append", lib=_LIB)(
+    lambda cache, new, slots, positions: torch.empty_like(cache))
+torch.library.register_fake("dynvm::decode_attention", lib=_LIB)(
+    lambda query, keys, values, slots, lengths, scale=None: query.new_empty(
+        (*query.shape[:-1], values.shape[-1])))
+
+KV_OPS = (
+    tensor_op("KV_APPEND", torch.ops.dynvm.kv_append.default,
+              "write a step's keys or values into the cache state in place",
+              impl=kv_append, custom_shape_fn=_kv_append_abstract,
+              returns_operand=True, writes_state=True),
+    tensor_op("DECODE_ATTN", torch.ops.dynvm.decode_attention.default,
+              "attention of one query per row over its cache slot's first lengths[b] "
+              "positions", impl=decode_attention, custom_shape_fn=_decode_attention_abstract),
+)
+
+KV_CACHE_OPERANDS = {"KV_APPEND": (0,), "DECODE_ATTN": (1, 2)}
+"""Which operands of each KV instruction must hold cache state (checked by the verifier)."""
