@@ -11,6 +11,7 @@ from dynvm._env import JIT as JIT_VARIABLE
 from dynvm._env import runtime_settings
 from dynvm._runtime_stats import RuntimeStats
 from dynvm.arena import count_allocations
+from dynvm.jit.background import serving_call
 from dynvm.jit.config import JitConfig
 from dynvm.jit.engine import Jit
 from dynvm.telemetry import GlobalProviderWatch, Telemetry
@@ -124,7 +125,9 @@ class Runtime:
                 # Checked here, before any region's guard hashes the inputs.
                 raise ShapeError(f"input {self.program.inputs[position].name!r}: expected a "
                                  f"tensor, got {type(value).__name__}")
-        with torch.inference_mode():
+        # Counted in flight, with or without a JIT: compiles wait for it (Note
+        # [Background work yields to calls] in dynvm.jit.background).
+        with serving_call(), torch.inference_mode():
             outputs = self.interpreter.run(flat, budget)
         with self._lock:
             self._calls += 1

@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dynvm.jit.background import checkpoint
+
 Candidates = dict[str, Callable[[], object]] | Callable[[], dict[str, Callable[[], object]]]
 
 
@@ -95,6 +97,7 @@ class Calibrator:
         self._lock = threading.Lock()
         self.measurements = 0     # choices measured (not answered from the cache)
         self.seconds = 0.0        # wall seconds spent measuring them, warm-up runs included
+        self.waited_seconds = 0.0   # ... not counted: waits for calls in flight (checkpoint)
         self.seconds_by_op: dict[str, float] = {}   # the same per op (diagnostics)
 
     def known(self, op: str, size_class_key) -> Choice | None:
@@ -107,23 +110,31 @@ class Calibrator:
         choice = self._choices.get(key)
         if choice is not None:
             return choice
+        # Note [Background work yields to calls]: operands are built, and every run is
+        # timed, once no call is in flight; the waits are not calibration time.
+        waited = checkpoint()
         start = time.perf_counter()
         if callable(candidates):
             candidates = candidates()
         # Measured outside the lock: a compile thread and a calibration elsewhere may
         # overlap; the first answer stored wins, so every caller sees one choice.
-        choice = self._measure(candidates)
+        choice, waited_measuring = self._measure(candidates)
         with self._lock:
             self.measurements += 1
-            spent = time.perf_counter() - start
+            self.waited_seconds += waited + waited_measuring
+            spent = time.perf_counter() - start - waited_measuring
             self.seconds += spent
             self.seconds_by_op[op] = self.seconds_by_op.get(op, 0.0) + spent
             return self._choices.setdefault(key, choice)
 
-    def _measure(self, candidates: dict[str, Callable[[], object]]) -> Choice:
+    def _measure(self, candidates: dict[str, Callable[[], object]]) -> tuple[Choice, float]:
+        """The choice, and the seconds its checkpoints waited for calls (Note
+        [Background work yields to calls])."""
         names = list(candidates)
         default = names[0]
+        waited = 0.0
         for fn in candidates.values():
+            waited += checkpoint()
             fn()
             self._sync()
         samples: dict[str, list[float]] = {name: [] for name in names}
@@ -133,6 +144,9 @@ class Calibrator:
             shift = round_ % len(names)
             for name in names[shift:] + names[:shift]:
                 fn = candidates[name]
+                wait = checkpoint()
+                waited += wait
+                began += wait   # the budget counts measuring, not waiting
                 start = clock()
                 fn()
                 self._sync()
@@ -145,7 +159,7 @@ class Calibrator:
         if medians[best] >= medians[default] * (1.0 - self.margin):
             best = default
         return Choice(best, medians, default,
-                      {name: min(times) for name, times in samples.items()})
+                      {name: min(times) for name, times in samples.items()}), waited
 
     def _decided(self, samples: dict[str, list[float]]) -> bool:
         """Whether one candidate's slowest sample beats every other's fastest by

@@ -33,6 +33,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
+from dynvm.jit.background import background_thread, checkpoint
 from dynvm.vm.errors import DynvmError
 
 
@@ -174,12 +175,22 @@ class CompileQueue:
 
     def _work(self) -> None:
         me = threading.current_thread()
+        background_thread()   # Note [Background work yields to calls]
         while True:
             with self._cond:
                 while not self._heap and not self._closed and me in self._workers:
                     self._cond.wait()
                 if self._closed or me not in self._workers:
                     return
+            # A promotion comes from a call's `leave`, so the task usually arrives while
+            # that call is still in flight: it starts once no call is (Note [Background
+            # work yields to calls]), outside the lock and before its deadline runs.
+            checkpoint()
+            with self._cond:
+                if self._closed or me not in self._workers:
+                    return
+                if not self._heap:
+                    continue
                 _, _, key, task = heapq.heappop(self._heap)
                 future = self._futures[key]
                 self._running[me] = (time.monotonic(), key, future)

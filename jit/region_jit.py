@@ -31,10 +31,14 @@ dynvm.jit.region_watch.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
 
+import torch
+
+from dynvm.jit.background import checkpoint
 from dynvm.jit.policy import Decision, benefit_seconds, decide, horizon, recurrence_threshold
 from dynvm.jit.probation import CONFIRMED, DEMOTE, DROP, EARLY_SAMPLES, Probation
 from dynvm.jit.profiler import RegionProfile
@@ -51,6 +55,7 @@ from dynvm.jit.specialization import RegionCounters, Specialization
 from dynvm.shape_cluster import FamilyIndex
 
 TIER_CHECK_EVERY = 32
+SHADOW_BENEFIT = 1e18   # shadow samples run before compiles: a verdict is waiting on them
 _MEMO_LIMIT = 4096
 _MANY = object()       # a family with more than one member signature so far
 _UNMATCHED = object()  # a signature not looked up among the family kernels yet
@@ -90,6 +95,7 @@ class RegionJit(RegionWatch):
         # The interpreter's own steps of this region, for shadow calls (Note [Probation]).
         self._steps = tuple(engine.interpreter.region_steps(region.index))
         self._verdicts: deque[float] = deque(maxlen=8)   # recent measured ratios
+        self._shadow_ids = itertools.count()   # shadow samples' queue keys
         self._resolve_seconds = 0.0   # spent resolving new layouts (Note [Probation])
         self._policy_inputs: tuple[float, float] | None = None
         self._clipped: dict[str, str] = {}
@@ -113,7 +119,7 @@ class RegionJit(RegionWatch):
         signature, spec = resolved
         if spec is not None:
             if spec.probation is not None and spec.probation.due():
-                return self._shadow(spec, signature, regs)
+                self._shadow_later(spec, regs)   # Note [Probation]: not on this call
             start = self._clock_fn()
             try:
                 spec.fn(regs)
@@ -256,10 +262,21 @@ class RegionJit(RegionWatch):
                 self.engine.clip_to_declared(self, family).key
         return clipped
 
-    def _shadow(self, spec: Specialization, signature: tuple, regs: list):
-        """A shadow call (Note [Probation]): the interpreter's steps on a copy of the
-        registers and the specialization on the registers, back to back, each timed."""
-        copy = regs.copy()  # before the specialization writes its outputs into regs
+    def _shadow_later(self, spec: Specialization, regs: list) -> None:
+        """Queue a shadow sample of this hit (Note [Probation]) on the compile worker,
+        on a copy of its registers taken before the specialization writes its outputs;
+        under the synchronous switch it runs here, first."""
+        copy = regs.copy()
+        key = f"shadow {spec.artifact.key} {next(self._shadow_ids)}"
+        self.engine.queue.submit(key, SHADOW_BENEFIT, lambda: self._shadow(spec, copy))
+
+    def _shadow(self, spec: Specialization, regs: list) -> None:
+        """A shadow sample (Note [Probation]): the interpreter's steps and the
+        specialization on copies of a hit's registers, back to back, each timed once no
+        call is in flight (Note [Background work yields to calls])."""
+        probation = spec.probation
+        if probation is None:
+            return   # decided meanwhile
         clock = self._clock_fn
         # The specialized side is charged its signature too: a call the interpreter
         # runs alone (no JIT) pays none, and in a region of a few microseconds (a loop
@@ -267,39 +284,32 @@ class RegionJit(RegionWatch):
         start = clock()
         self._resolved.get(self._layout_sign(regs))
         signing = clock() - start
-        probation = spec.probation
         specialization_first = len(probation.ratios) % 2 == 1
-        interpreted = None if specialization_first else self._interpret(copy)
-        start = clock()
-        try:
-            spec.fn(regs)
-        except Exception as exc:  # deopt, as in enter
-            self.counters.deopts += 1
-            self.engine.on_deopt(self, spec, exc)
-            return signature
-        seconds = clock() - start
-        if specialization_first:
-            interpreted = self._interpret(copy)
-        spec.seconds += seconds
-        spec.calls += 1
-        self._clock += 1
-        spec.last_used = self._clock
-        self.counters.specialized += 1
+        with torch.inference_mode():   # as a call runs
+            checkpoint()
+            interpreted = None if specialization_first else self._interpret(regs.copy())
+            checkpoint()
+            start = clock()
+            try:
+                spec.fn(regs.copy())
+            except Exception:  # noqa: BLE001 — the hit itself deopts if it must
+                return
+            seconds = clock() - start
+            if specialization_first:
+                checkpoint()
+                interpreted = self._interpret(regs.copy())
         self.engine.probation_counters.shadow_calls += 1
-        if interpreted is not None:
-            # Each hit also carries its share of the signatures of the region's misses
-            # since the install (they buy nothing without this specialization's hits).
-            calls = self.counters.interpreted + self.counters.specialized - spec.installed_at
-            share = max(0, calls - spec.calls) / max(1, spec.calls)
-            # ... and its share of resolving new layouts (a shape storm: most calls).
-            resolving = self._resolve_seconds / max(1, self._region_calls())
-            ratio = probation.add(seconds + (signing + resolving) * (1.0 + share),
-                                  interpreted)
-            if ratio is not None and spec.probation is probation:
-                self._decide(spec, ratio)
-        if spec.family is not None:
-            self._family_hit(signature, spec)
-        return None
+        if interpreted is None:
+            return
+        # Each hit also carries its share of the signatures of the region's misses
+        # since the install (they buy nothing without this specialization's hits).
+        calls = self.counters.interpreted + self.counters.specialized - spec.installed_at
+        share = max(0, calls - spec.calls) / max(1, spec.calls)
+        # ... and its share of resolving new layouts (a shape storm: most calls).
+        resolving = self._resolve_seconds / max(1, self._region_calls())
+        ratio = probation.add(seconds + (signing + resolving) * (1.0 + share), interpreted)
+        if ratio is not None and spec.probation is probation:
+            self._decide(spec, ratio)
 
     def _interpret(self, regs: list) -> float | None:
         """Seconds the interpreter takes over the region on `regs` (None if it raised:

@@ -1,0 +1,155 @@
+"""Background work never makes serving slower: the calls in flight, and the compile
+thread's checkpoints that wait for them.
+
+Note [Background work yields to calls]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The compile thread shares two cores and one GIL with the calls it serves. Its work is
+Python (specializing, emitting), torch ops that release the GIL but take the cores, and
+oneDNN calls that hold the GIL for their whole length (Note [oneDNN holds the GIL] in
+cpu_fusion): a calibration question timed beside a call slows that call by its cores,
+and by a convoy on the GIL, where every op of the call that released the GIL waits to
+take it back (up to the switch interval, 5 ms, behind Python on the compile thread, or
+a whole oneDNN call). On BERT-base width (2 cores, bench.full_width's warm-up) that
+cost calls at some shapes 1.3-4x the interpreter's p90 while kernels compiled.
+
+So every call of every Runtime in the process (with or without a JIT: both serve) is
+counted in flight (`ServingActivity`, one per process, `serving()`), and the compile
+thread waits, at checkpoints between its steps, until no call is in flight:
+
+- where: before each compile starts (jit.queue), between specializing and building,
+  before each calibration question is built and before each timed run of a candidate
+  (jit.calibration): between steps that are short by construction (a calibration run is
+  capped at a few ms of GIL, Note [oneDNN holds the GIL]), never inside one, and never
+  while holding a lock a call may take (no checkpoint sits inside a `with lock`);
+- only on a compile worker (`background_thread`): a synchronous compile (the test
+  switch) runs inside the call it would wait for;
+- how long: until the last call in flight ends, or `MAX_WAIT_S`, whichever is first.
+  Under traffic with no gap at all a compile must still progress (a JIT that never
+  compiles serves at the interpreter's speed for good): after that wait it takes one
+  step while calls run. A step is then timed beside a call, a calibration sample
+  included: the calibrator's medians and early stops absorb a noisy sample as they do
+  under any load;
+- the time spent waiting is counted (`waited_seconds`, `waits`), per process.
+
+A call that begins while a step runs still shares the cores with that one step; what
+the checkpoints remove is a compile that keeps working through the whole call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+MAX_WAIT_S = 1.0   # the longest a checkpoint waits for calls to end (module docstring)
+
+
+class ServingActivity:
+    """Calls in flight in this process (Note [Background work yields to calls]).
+    Thread-safe; `begin`/`end` cost one uncontended lock each."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self.in_flight = 0
+        self.calls = 0            # calls begun (diagnostics, tests)
+        self.waits = 0            # checkpoints that found a call in flight
+        self.waited_seconds = 0.0
+        self._waiting = 0
+        self.pacing = True        # False: checkpoints never wait (an on/off figure)
+
+    def begin(self) -> None:
+        """A call starts."""
+        with self._cond:
+            self.in_flight += 1
+            self.calls += 1
+
+    def end(self) -> None:
+        """A call ends (wakes the checkpoints waiting for the last one)."""
+        with self._cond:
+            self.in_flight -= 1
+            if self.in_flight <= 0:
+                self.in_flight = 0
+                if self._waiting:
+                    self._cond.notify_all()
+
+    def busy(self) -> bool:
+        """Whether a call is in flight now."""
+        return self.in_flight > 0
+
+    def wait_idle(self, timeout: float) -> float:
+        """Wait until no call is in flight, at most `timeout` seconds; the seconds
+        waited (0.0 when none was in flight)."""
+        if self.in_flight <= 0:
+            return 0.0
+        start = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if self.in_flight <= 0:
+                return 0.0
+            self._waiting += 1
+            try:
+                while self.in_flight > 0:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._cond.wait(left):
+                        break
+            finally:
+                self._waiting -= 1
+            waited = time.perf_counter() - start
+            self.waits += 1
+            self.waited_seconds += waited
+        return waited
+
+
+class _Serving:
+    """Begin/end as a context manager (Runtime wraps each call in it)."""
+
+    __slots__ = ("activity",)
+
+    def __init__(self, activity: ServingActivity) -> None:
+        self.activity = activity
+
+    def __enter__(self) -> None:
+        self.activity.begin()
+
+    def __exit__(self, *exc) -> None:
+        self.activity.end()
+
+
+# One per process, as the calibrator is (jit.calibration): every Runtime's calls share
+# the cores that every compile thread uses.
+_ACTIVITY = ServingActivity()
+_SERVING = _Serving(_ACTIVITY)
+_LOCAL = threading.local()
+
+
+def serving() -> ServingActivity:
+    """The process's calls in flight."""
+    return _ACTIVITY
+
+
+def serving_call() -> _Serving:
+    """A context manager counting one call in flight (reentrant across threads)."""
+    return _SERVING
+
+
+def background_thread(enabled: bool = True) -> None:
+    """Mark the current thread as a compile worker whose checkpoints wait for calls
+    (Note [Background work yields to calls])."""
+    _LOCAL.background = enabled
+
+
+def checkpoint(max_wait_s: float = MAX_WAIT_S) -> float:
+    """A point between two steps of background work: on a compile worker, wait while a
+    call is in flight (at most `max_wait_s`); elsewhere return at once. The seconds
+    waited."""
+    if _ACTIVITY.in_flight <= 0 or not _ACTIVITY.pacing or \
+            not getattr(_LOCAL, "background", False):
+        return 0.0
+    waited = _ACTIVITY.wait_idle(max_wait_s)
+    _LOCAL.waited = getattr(_LOCAL, "waited", 0.0) + waited
+    return waited
+
+
+def waited_here() -> float:
+    """Seconds this thread's checkpoints have waited so far (a compile's own time is
+    its wall time less what it waited for calls)."""
+    return getattr(_LOCAL, "waited", 0.0)

@@ -1,0 +1,224 @@
+"""Background work yields to calls (Note [Background work yields to calls] in
+dynvm.jit.background): every Runtime call is counted in flight; a compile worker's
+checkpoints wait while one is, a synchronous compile's never do; a queued compile and a
+calibration's timed runs start only once no call is in flight; an exact specialization
+is run once on the compile side before its install (Note [Prewarmed installs] in
+dynvm.jit.prewarm). Mechanism only: no
+speed is asserted here (bench.full_width and bench.warmup_trace measure it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+
+import pytest
+import torch
+
+import dynvm
+from dynvm.jit.background import background_thread, checkpoint, serving, waited_here
+from dynvm.jit.calibration import Calibrator
+from dynvm.jit.prewarm import warm_registers
+from dynvm.jit.queue import CompileQueue
+
+h = importlib.import_module("tests.jit._jit_helpers")
+
+QUIET = 0.15   # how long a waiting thread is watched to stay waiting
+
+
+class _InFlight:
+    """One call in flight for the duration of the `with` block."""
+
+    def __enter__(self):
+        serving().begin()
+        return self
+
+    def __exit__(self, *exc):
+        serving().end()
+
+
+def _on_worker(fn) -> tuple[threading.Thread, threading.Event, list]:
+    """Run `fn` on a thread marked as a compile worker; (thread, done, results)."""
+    done, results = threading.Event(), []
+
+    def run():
+        background_thread()
+        results.append(fn())
+        done.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, done, results
+
+
+def test_a_worker_checkpoint_waits_for_the_call_in_flight_and_counts_the_wait():
+    with _InFlight():
+        thread, done, results = _on_worker(lambda: (checkpoint(5.0), waited_here()))
+        assert not done.wait(QUIET), "the checkpoint ran beside a call in flight"
+    assert done.wait(5.0), "the checkpoint did not resume when the call ended"
+    thread.join()
+    waited, counted = results[0]
+    assert waited >= QUIET and counted == pytest.approx(waited)
+
+
+def test_a_checkpoint_off_the_workers_never_waits():
+    # A synchronous compile runs inside the call it would wait for.
+    with _InFlight():
+        assert checkpoint(5.0) == 0.0
+
+
+def test_pacing_off_makes_checkpoints_return_at_once():
+    activity = serving()
+    activity.pacing = False
+    try:
+        with _InFlight():
+            _, done, results = _on_worker(lambda: checkpoint(5.0))
+            assert done.wait(5.0)
+        assert results == [0.0]
+    finally:
+        activity.pacing = True
+
+
+def test_a_checkpoint_waits_at_most_its_bound():
+    # Under traffic with no gap a compile must still progress.
+    with _InFlight():
+        _, done, results = _on_worker(lambda: checkpoint(0.05))
+        assert done.wait(5.0), "a checkpoint outwaited its bound"
+    assert results[0] >= 0.05
+
+
+def test_a_queued_compile_starts_only_once_no_call_is_in_flight():
+    queue = CompileQueue(threads=1)
+    started = threading.Event()
+    try:
+        with _InFlight():
+            future = queue.submit("k", 1.0, lambda: started.set() or "done")
+            assert not started.wait(QUIET), "the compile started beside a call in flight"
+        assert future.result(timeout=5.0) == "done"
+    finally:
+        queue.close()
+
+
+def test_calibration_times_no_candidate_while_a_call_is_in_flight():
+    calibrator = Calibrator("cpu", rounds=3, min_rounds=3)
+    runs: list[str] = []
+    candidates = {"a": lambda: runs.append("a"), "b": lambda: runs.append("b")}
+    with _InFlight():
+        _, done, results = _on_worker(lambda: calibrator.choose("op", 0, candidates))
+        assert not done.wait(QUIET)
+        assert runs == [], "a candidate ran beside a call in flight"
+    assert done.wait(5.0)
+    assert results[0].name in ("a", "b") and len(runs) == 2 * (1 + 3)
+    # The wait is not calibration time.
+    assert calibrator.waited_seconds >= QUIET
+    assert calibrator.seconds < calibrator.waited_seconds
+
+
+PROGRAM = """
+   0  %1 = RELU %0
+   1  %2 = TANH %1
+   2  RETURN {%2}
+"""
+
+
+def test_every_runtime_call_is_in_flight_while_it_runs_and_only_then():
+    program = h.build(PROGRAM, regs=3, inputs=('"x" float32 [n:1..64]',))
+    x = torch.randn(8)
+    expected = torch.tanh(torch.relu(x))
+    activity = serving()
+
+    class Probe:
+        """A region slot that reads the count (and raises when told to)."""
+
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+            self.boom = False
+
+        def enter(self, regs):
+            self.seen.append(activity.in_flight)
+            if self.boom:
+                raise RuntimeError("injected")
+            return 0   # a ticket: the interpreter runs the region
+
+        def leave(self, ticket, seconds):
+            pass
+
+    with dynvm.Runtime(program, jit=False) as interp:
+        probe = Probe()
+        interp.interpreter.install_slot(program.regions[0].index, probe)
+        before = activity.calls
+        torch.testing.assert_close(interp(x), expected)
+        assert probe.seen and min(probe.seen) >= 1
+        assert activity.calls == before + 1 and activity.in_flight == 0
+        probe.boom = True
+        with pytest.raises(RuntimeError, match="injected"):
+            interp(x)
+        assert activity.in_flight == 0, "a call that raised stayed in flight"
+
+
+def test_an_exact_specialization_runs_once_on_the_compile_side_before_its_install():
+    # Note [Prewarmed installs]: the first call's one-time costs are not a request's.
+    program = h.build(PROGRAM, regs=3, inputs=('"x" float32 [n:1..64]',))
+    x = torch.randn(16)[2::2]   # a strided, offset view: the warm inputs take its layout
+    with dynvm.Runtime(program, jit=h.eager_config(sync=True)) as rt:
+        for _ in range(3):
+            torch.testing.assert_close(rt(x), torch.tanh(torch.relu(x)))
+        assert rt.stats()["compiles"] >= 1
+        assert rt.jit.prewarm_seconds > 0.0
+        region = rt.jit.regions[0]
+        signature = next(iter(region.strong))
+        regs = warm_registers(program.n_regs, rt.jit._constants, region.live_in,
+                              signature, torch.device("cpu"))
+        warm = regs[region.live_in[0]]
+        assert (warm.shape, warm.stride(), warm.storage_offset()) == \
+            (x.shape, x.stride(), x.storage_offset())
+        assert not warm.any()
+
+
+def test_a_shadow_sample_runs_on_the_compile_worker_not_on_the_call():
+    # Note [Probation]: the hit that is due a shadow sample runs the kernel alone; the
+    # interpreter and the kernel are timed on a copy of its registers, in the background.
+    import types
+
+    from dynvm.jit.config import JitConfig
+    from dynvm.jit.region_jit import Specialization
+    from dynvm.jit.signature import GuardStrength
+
+    program = h.build(PROGRAM, regs=3, inputs=('"x" float32 [n:1..64]',))
+    x = torch.randn(8)
+    config = JitConfig(families=False, compile_seconds_base=1e9, probation_shadow_every=1)
+    threads: dict[str, list[str]] = {"kernel": [], "interpreter": []}
+    with dynvm.Runtime(program, jit=config) as rt:
+        region_jit = rt.jit.regions[0]
+        (out,) = [r.index for r in program.regions[0].live_out]
+
+        def kernel(regs):
+            threads["kernel"].append(threading.current_thread().name)
+            regs[out] = torch.tanh(torch.relu(regs[0]))
+
+        interpret = region_jit._interpret
+
+        def timed_interpret(regs):
+            threads["interpreter"].append(threading.current_thread().name)
+            return interpret(regs)
+
+        region_jit._interpret = timed_interpret
+        regs = [None] * program.n_regs
+        regs[0] = x
+        spec = Specialization(signature=region_jit._sign(regs), strength=GuardStrength.STRONG,
+                              fn=kernel, artifact=types.SimpleNamespace(kernel_name="k",
+                                                                        key="k"))
+        region_jit.install(spec)
+        calls = 6
+        for _ in range(calls):
+            torch.testing.assert_close(rt(x), torch.tanh(torch.relu(x)))
+        deadline = time.monotonic() + 30
+        # After the warm-up hit every hit is due a sample, until a verdict ends them.
+        while (spec.probation is not None and len(threads["interpreter"]) < calls - 1
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        me = threading.current_thread().name
+        assert spec.calls == calls and threads["kernel"].count(me) == calls
+        assert threads["interpreter"] and set(threads["interpreter"]) == {"dynvm-compile"}
+        assert rt.stats()["probation"]["shadow_calls"] == len(threads["interpreter"])
