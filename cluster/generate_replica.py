@@ -207,8 +207,8 @@ class GeneratorServer:
             seq = self.scheduler.submit(completion.request, lambda event: (
                 loop.call_soon_threadsafe(events.put_nowait, event)))
         except InputError as exc:
-            return self._error(openai, str(exc), 400, "prompt" if "prompt" in str(exc)
-                               else "max_tokens")
+            # The scheduler's messages begin with the parameter's name.
+            return self._error(openai, str(exc), 400, str(exc).partition(":")[0])
         except GenerateBusy as exc:
             return self._error(openai, f"model {self.model_name!r} is busy: {exc}; retry "
                                f"after {self.config.limits.retry_after_s} s", 503,

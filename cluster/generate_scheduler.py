@@ -208,6 +208,7 @@ class GenerateScheduler:
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
+        self._joining: list[Sequence] = []   # taken from waiting, in this step's prefill
         self._batch: _BatchCache | None = None
         self._reserved = 0
         self._ids = itertools.count(1)
@@ -289,7 +290,8 @@ class GenerateScheduler:
         """Wait until no sequence runs or waits (True), or `timeout` seconds (False)."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: not self._running and not self._waiting, timeout)
+                lambda: not self._running and not self._waiting and not self._joining,
+                timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread; sequences still admitted end in an error."""
@@ -307,7 +309,7 @@ class GenerateScheduler:
                     self._cond.wait()
                 if self._closed:
                     break
-                joining = self._arrivals()
+                joining = self._joining = self._arrivals()
             try:
                 self._step(joining)
             except Exception as exc:  # a failed call: its sequences get the error
@@ -316,6 +318,7 @@ class GenerateScheduler:
                         self._end(seq, "error", exc)
                 self._running, self._batch = [], None
             with self._cond:
+                self._joining = []
                 self._cond.notify_all()
             self._publish()
         failure = GenerateBusy("the replica shut down before the sequence finished")

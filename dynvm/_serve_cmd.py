@@ -90,6 +90,9 @@ class ServeOptions:
     service_shards: int = 1
     """Compile service actors; a program goes to one of them by its hash (Note [Compile
     service shards])."""
+    generate: object | None = None
+    """For a generator directory (dynvm._serve_generate_cmd): its SchedulerConfig; None:
+    a .dvm file served for inference."""
     gpu_targets: tuple = ()
     """GPU targets, e.g. (("cuda", 90, 32),): the compile service also builds Triton
     binaries for them, and CUDA replicas install those instead of compiling (Note [GPU
@@ -98,9 +101,15 @@ class ServeOptions:
 
 def options_from_args(args) -> ServeOptions:
     """`dynvm serve`'s flags, checked, as ServeOptions (CliError for a bad one)."""
+    from dynvm import _serve_generate_cmd as generate
+
     path = Path(args.file)
-    if not path.is_file():
-        raise CliError(f"cannot read {args.file}: no such file", 2)
+    generator = generate.is_generator(args.file)
+    if not path.is_file() and not generator:
+        raise CliError(f"cannot read {args.file}: no such file (nor a generator directory)",
+                       2)
+    if generator and args.require_signed:
+        raise CliError("--require-signed: a generator directory is not signed", 2)
     from dynvm.cluster.http_front import check_model_name
 
     if args.require_signed and not child_environment().get(STORE_SECRET, "").strip():
@@ -116,7 +125,8 @@ def options_from_args(args) -> ServeOptions:
                         host=_host_from_args(args), grpc_port=args.grpc_port,
                         serving=_serving_from_args(args),
                         service_shards=_service_shards_from_args(args),
-                        gpu_targets=_gpu_targets_from_args(args))
+                        gpu_targets=_gpu_targets_from_args(args),
+                        generate=generate.scheduler_from_args(args) if generator else None)
 
 
 def _host_from_args(args) -> str:
@@ -289,6 +299,11 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say, signals: Sto
         start_serve(options.host, options.port, proxy, grpc_port=options.grpc_port)
         service.result()
     say("compile   service started")
+    if options.generate is not None:  # a generator: its own application (at /)
+        from dynvm._serve_generate_cmd import deploy
+
+        handles = deploy(options)
+        return direct_addresses(handles) if options.serving.ingress == "direct" else {}
     handles = serve_models({options.name: options.model_path}, options.serving,
                            fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE,
                                               gpu_targets=options.gpu_targets,
@@ -304,6 +319,11 @@ def _url_host(options: ServeOptions) -> str:
 def _hint(options: ServeOptions, direct: dict) -> str:
     host = _url_host(options)
     base = f"http://{host}:{options.port}"
+    if options.generate is not None:
+        from dynvm._serve_generate_cmd import hint
+
+        return hint(options, base, [f"http://{host}:{port}" for addresses in direct.values()
+                                    for _, port in addresses])
     model = f"{base}/v2/models/{options.name}"
     return f"""\
 {_direct_hint(options, direct)}serving   {options.name} at {model}
@@ -499,4 +519,7 @@ at once (exit 128 + the signal's number).
     batching.add_argument("--max-queued", type=int, metavar="N",
                           help="requests waiting for the model at most; more get 503 + "
                           "Retry-After")
+    from dynvm._serve_generate_cmd import add_generate_arguments
+
+    add_generate_arguments(p)
     p.set_defaults(handler=serve_command)

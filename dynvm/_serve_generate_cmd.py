@@ -1,0 +1,87 @@
+"""`dynvm serve GENERATOR_DIR`: what `dynvm serve` does differently for a generator (a
+directory written by `save_generator`): its flags, its deployment and its hint.
+
+    dynvm serve gen/ --name tiny --max-tokens 256
+    curl -N localhost:8000/v1/completions -d '{"prompt": [1, 2, 3], "stream": true}'
+
+The generator is one Serve application at route prefix `/` (dynvm.cluster.
+generate_replica): OpenAI's /v1/completions and the v2 generate extension, with
+continuous batching (dynvm.cluster.generate_scheduler). --max-batch-size caps the rows
+decoded at once and --max-queued the waiting room, as they cap inference batches.
+"""
+
+from __future__ import annotations
+
+from dynvm._run_cmd import CliError
+
+
+def add_generate_arguments(parser) -> None:
+    """The generator's flags (`dynvm serve`'s "generation" group)."""
+    group = parser.add_argument_group(
+        "generation", "for a generator directory (dynvm.save_generator's): OpenAI "
+        "/v1/completions and /v2/models/<name>/generate[_stream], continuous batching")
+    group.add_argument("--max-tokens", type=int, metavar="N",
+                       help="largest max_tokens a request may ask (default: max_length - 1)")
+    group.add_argument("--max-prompt-tokens", type=int, metavar="N",
+                       help="longest prompt accepted (default: max_length - 1)")
+    group.add_argument("--request-seconds", type=float, metavar="S",
+                       help="budget of one generation request from its arrival (default "
+                       "120); past it the request ends in an error (504 / an error event)")
+    group.add_argument("--step-token-budget", type=int, metavar="N",
+                       help="tokens per scheduler step: one per running sequence plus the "
+                       "prompts prefilled in it (default 512)")
+    group.add_argument("--cache-tokens", type=int, metavar="N",
+                       help="cache tokens reserved at once, prompt + max_tokens per "
+                       "sequence (default: rows x max_length); a request that does not fit "
+                       "waits; past --max-queued waiting, 503 + Retry-After")
+
+
+def scheduler_from_args(args):
+    """SchedulerConfig from the flags that were given (CliError for a bad one)."""
+    from dynvm.cluster.generate_scheduler import SchedulerConfig
+    from dynvm.vm.errors import ConfigError
+
+    given = {key: value for key, value in (
+        ("max_tokens", args.max_tokens), ("max_prompt_tokens", args.max_prompt_tokens),
+        ("request_seconds", args.request_seconds),
+        ("step_token_budget", args.step_token_budget), ("cache_tokens", args.cache_tokens),
+        ("max_sequences", args.max_batch_size), ("max_waiting", args.max_queued),
+    ) if value is not None}
+    try:
+        return SchedulerConfig(**given)
+    except ConfigError as exc:
+        raise CliError(f"bad generation flag: {exc}", 2) from None
+
+
+def is_generator(path: str) -> bool:
+    """Whether `dynvm serve` was given a generator directory."""
+    from dynvm._serve_generate_bundle import is_generator_bundle
+
+    return is_generator_bundle(path)
+
+
+def deploy(options) -> dict:
+    """Deploy the generator of `options` (ServeOptions); Serve must be started."""
+    from dynvm.cluster.generate_replica import serve_generator
+
+    return serve_generator(options.name, options.model_path, options.serving,
+                           options.generate)
+
+
+def hint(options, base: str, replicas: list[str]) -> str:
+    """The lines `dynvm serve` prints for a generator at `base` (http://host:port, Serve's
+    proxy) whose replicas also answer at `replicas` (direct ingress)."""
+    model = f"{base}/v2/models/{options.name}"
+    direct = (f"direct    {options.name}'s replicas at {', '.join(replicas)} (every route; "
+              f"each replica its port); everything also answers through Serve's proxy, "
+              f"slower:\n") if replicas else ""
+    return f"""\
+{direct}serving   generator {options.name} at {base}/v1/completions and {model}/generate
+  curl -N {base}/v1/completions -d '{{"model": "{options.name}", "prompt": [1, 2, 3], \
+"max_tokens": 16, "stream": true}}'
+  curl -N {model}/generate_stream -d '{{"input_ids": [1, 2, 3], "parameters": \
+{{"max_tokens": 16}}}}'
+  python: openai.OpenAI(base_url="{base}/v1", api_key="-").completions.create(...)
+  curl {model}/stats  /  curl {base}/metrics     # TTFT, ITL, tokens/s, occupancy
+Ctrl-C (or SIGTERM) drains and stops everything; a second one stops at once."""
+
