@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from dynvm.vm.errors import ConfigError
 
 BACKENDS = ("auto", "cpu", "triton")
+PRECISIONS = ("fp32", "bf16", "int8-dynamic")   # Note [Lower-precision GEMMs]
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,15 @@ class JitConfig:
     dynvm.jit.backends.cpu_layout): "measured" where the region measures faster so on
     this device, "always" wherever a chain has a convolution (debugging), "off" never."""
 
+    precision: str = "fp32"
+    """CPU backend: the precision of GEMMs with a constant weight (linear, addmm, mm,
+    matmul; Note [Lower-precision GEMMs] in dynvm.jit.backends.cpu_precision): "fp32";
+    "bf16" (weights packed in bf16 once, activations cast at the GEMM's boundary, the
+    result back to fp32 where a reader needs it; needs AVX512-BF16 or AMX); or
+    "int8-dynamic" (weights int8 per channel, activations quantized per call, fp32 out).
+    The interpreter, and so probation's reference, stays fp32; the Triton backend
+    ignores it."""
+
     compile_timeout_s: float = 120.0
     """A compile running longer is abandoned and counts as failed (Note [Compile
     deadline] in dynvm.jit.queue); its region backs off as after any failure."""
@@ -171,6 +181,9 @@ class JitConfig:
         if self.cpu_channels_last not in ("measured", "always", "off"):
             raise ConfigError(f"JitConfig.cpu_channels_last must be 'measured', 'always' or "
                              f"'off', got {self.cpu_channels_last!r}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"JitConfig.precision must be one of {', '.join(PRECISIONS)}, "
+                             f"got {self.precision!r}")
         if not 0.0 <= self.probation_margin < 1.0:
             raise ConfigError(f"JitConfig.probation_margin must be in [0, 1), "
                              f"got {self.probation_margin}")

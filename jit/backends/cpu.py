@@ -39,6 +39,11 @@ from dynvm.jit.backends.cpu_layout import (
     layout_comment,
     plan_channels_last,
 )
+from dynvm.jit.backends.cpu_precision import (
+    PRECISION_KERNELS,
+    PRECISION_VARIANT,
+    lower_precision,
+)
 from dynvm.jit.backends.cpu_prepack import PrepackCache
 from dynvm.jit.calibration import Calibrator, calibrator_for, size_class
 from dynvm.jit.inplace import INPLACE
@@ -233,6 +238,8 @@ def _emit_body(emitter, spec, program, constants, device,
             fn = emitter.bind(op.opcode.lower() + "_", INPLACE[op.opcode])
         elif is_fused(op):  # Note [CPU fusion]
             fn = emitter.bind(op.opcode.lower(), FUSED_KERNELS[op.opcode])
+        elif op.variant == PRECISION_VARIANT:  # Note [Lower-precision GEMMs]
+            fn = emitter.bind(op.opcode.lower(), PRECISION_KERNELS[op.opcode])
         else:
             fn = emitter.bind(op.opcode, opcode(op.opcode).impl)
         call = f"{fn}({', '.join(args)})"
@@ -294,9 +301,15 @@ class CpuOptions:
     whoever emits the code, on its own device, from the same IR (a replica re-emits
     what it installs, Note [Portable specializations]), so no key could name it."""
 
+    precision: str = "fp32"
+    """GEMMs with constant weights in "fp32", "bf16" or "int8-dynamic" (Note
+    [Lower-precision GEMMs] in cpu_precision)."""
+
     def as_key(self) -> dict:
-        return {"arena": self.arena_pool is not None, "fusion": self.fusion,
-                "channels_last": self.channels_last}
+        key = {"arena": self.arena_pool is not None, "fusion": self.fusion,
+               "channels_last": self.channels_last}
+        # fp32 keys stay what they were (stored kernels keep their keys).
+        return key if self.precision == "fp32" else {**key, "precision": self.precision}
 
 
 def _define(source: str, bindings: dict, name: str):
@@ -343,6 +356,10 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
               f"{spec.region_index} ({spec.instructions} instructions -> {len(spec.ops)} "
               f"operations)\nsignature: {signature_text}\nguard: {guard}")
     notes: tuple[str, ...] = ()
+    if options.precision != "fp32":  # Note [Lower-precision GEMMs]: before fp32 fusion
+        lowered = lower_precision(spec, constants, device, precision=options.precision,
+                                  prepacked=options.prepacked)
+        spec, notes = lowered.spec, lowered.notes
     if options.fusion != "off":
         calibrator = None if options.fusion == "always" else (
             options.calibrator or calibrator_for(device))
