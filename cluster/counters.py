@@ -9,15 +9,20 @@ Each owner bumps fields by attribute (`counters.requests += 1`), on the thread i
 module names, as the dicts these replace were bumped. The JSON keys of a replica's
 `/stats` are the field names (`as_dict`), and the readers, `dynvm top` and the
 Prometheus exporter (dynvm.cluster.metrics), take them back through the same types
-(`read`): renaming a field renames the key for every reader at once, and a reader that
-asks for a name no type has fails at import (`field_of`), not with a '-' in a table.
-Nothing here imports Ray or torch: `dynvm top` imports it.
+(`read`, `field_of`, from dynvm._runtime_stats, which reads RuntimeStats the same way):
+renaming a field renames the key for every reader at once, and a reader that asks for a
+name no type has fails when it is defined, not with a '-' in a table. Nothing here
+imports Ray.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
+
+from dynvm._runtime_stats import field_of, read
+
+__all__ = ["BatcherCounters", "ExecCounters", "LinkCounters", "RequestCounters", "as_dict",
+           "field_of", "read"]
 
 
 @dataclass
@@ -127,25 +132,3 @@ COUNTER_TYPES = (RequestCounters, ExecCounters, BatcherCounters, LinkCounters)
 def as_dict(counters) -> dict[str, int]:
     """The JSON form of one counters object: a key per field."""
     return asdict(counters)
-
-
-def field_of(kind: type, name: str) -> str:
-    """`name`, once checked to be a field of the counters (or stats) dataclass `kind`;
-    a reader names its keys through this, so a renamed field fails at import."""
-    if name not in {f.name for f in fields(kind)}:
-        raise AttributeError(f"{kind.__name__} has no field {name!r}")
-    return name
-
-
-def read(kind: type, stats: Mapping):
-    """The `kind` counters (or RuntimeStats) in a stats document (a replica's /stats,
-    whose keys are the field names), read tolerantly: a field that is absent or not a
-    number reads as None, a container field keeps its default."""
-    values = {}
-    for f in fields(kind):
-        if f.default_factory is not MISSING:   # a container (RuntimeStats.extra): its own
-            continue
-        value = stats.get(f.name) if isinstance(stats, Mapping) else None
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        values[f.name] = value if number else None
-    return kind(**values)

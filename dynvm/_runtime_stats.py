@@ -20,13 +20,13 @@ code keeps working; library code reads attributes.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields, make_dataclass
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from functools import cached_property
 
 from dynvm.jit.engine_stats import JitStats, RegionStats, StatsFormatError
 from dynvm.jit.engine_stats import from_dict as _from_dict
 
-__all__ = ["RegionStats", "RuntimeStats", "StatsFormatError"]
+__all__ = ["RegionStats", "RuntimeStats", "StatsFormatError", "field_of", "read"]
 
 # The JIT's fields, as RuntimeStats has them: JitStats's, each optional (None with the
 # JIT off) and keyword-only, so that they may precede the Runtime's required fields.
@@ -152,3 +152,27 @@ def _index(key) -> int:
     if isinstance(key, str) and key.isdigit():
         return int(key)
     raise StatsFormatError(f"stats: region index {key!r} is not an integer")
+
+
+# -- reading a stats document through its type (dynvm top, dynvm.cluster.metrics) -----
+
+def field_of(kind: type, name: str) -> str:
+    """`name`, once checked to be a field of the counters (or stats) dataclass `kind`;
+    a reader names its keys through this, so a renamed field fails at import."""
+    if name not in {f.name for f in fields(kind)}:
+        raise AttributeError(f"{kind.__name__} has no field {name!r}")
+    return name
+
+
+def read(kind: type, stats: Mapping):
+    """The `kind` counters (or RuntimeStats) in a stats document (a replica's /stats,
+    whose keys are the field names), read tolerantly: a field that is absent or not a
+    number reads as None, a container field keeps its default."""
+    values = {}
+    for f in fields(kind):
+        if f.default_factory is not MISSING:   # a container (RuntimeStats.extra): its own
+            continue
+        value = stats.get(f.name) if isinstance(stats, Mapping) else None
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        values[f.name] = value if number else None
+    return kind(**values)

@@ -3,13 +3,16 @@
 Each refresh GETs /v2/models/<name>/stats for every model: the JSON of
 `RuntimeStats.to_dict()` (dynvm._runtime_stats) plus the replica's request and batching
 counters (dynvm.cluster.counters). It is read back through those types
-(`dynvm.cluster.counters.read`), by attribute: a renamed field changes what is read here
-too, or fails at import. Reading is tolerant (a model total, or an older server, may
-lack some keys: they show as '-'). Those stats are one replica's: Serve routes
-each GET to one replica of the model. So each model is polled `--samples` times per
-refresh; when the stats carry a "replica" id, every replica seen gets its own row (the
-latest stats it answered with) and the model a total row; without one, the row is a
-sample: one replica's counters, and the table says so.
+(`dynvm._runtime_stats.read`), by attribute: a renamed field changes what is read here
+too, or fails when the name is checked (`field_of`: at import for RuntimeStats, at the
+first table for RequestCounters, whose module loads dynvm.cluster and Redis's client,
+which only `dynvm top` itself should pay, not every `dynvm` command). Reading is
+tolerant (a model total, or an older server, may lack some keys: they show as '-').
+Those stats are one replica's: Serve routes each GET to one replica of the model. So
+each model is polled `--samples` times per refresh; when the stats carry a "replica" id,
+every replica seen gets its own row (the latest stats it answered with) and the model a
+total row; without one, the row is a sample: one replica's counters, and the table says
+so.
 
 Models come from --model, or else from the repository index (POST /v2/repository/index,
 the Open Inference Protocol's repository extension), when the server has it.
@@ -31,10 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dynvm._run_cmd import CliError
-from dynvm._runtime_stats import RegionStats, RuntimeStats
-from dynvm.cluster.counters import RequestCounters, field_of, read
+from dynvm._runtime_stats import RegionStats, RuntimeStats, field_of, read
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 _CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -141,18 +142,29 @@ def poll(client: _Client, models: Sequence[str], samples: int) -> list[Row]:
     return rows
 
 
-# What a model's total sums over its replicas: fields of the types that write /stats.
+# What a model's total sums over its replicas: fields of the types that write /stats
+# (the last two RequestCounters's, checked by _request_counters).
 _SUMMED = (*(field_of(RuntimeStats, name) for name in (
                "calls", "specialized_region_calls", "interpreted_region_calls", "compiles",
                "guard_failures", "deopts", "specialize_failures_total", "queue_length")),
-           *(field_of(RequestCounters, name) for name in ("requests", "errors")))
+           "requests", "errors")
 _FAMILY_KERNELS = field_of(RegionStats, "family_kernels")
+
+
+def _request_counters(stats: Mapping):
+    """The replica's RequestCounters in `stats` (module docstring: imported here)."""
+    from dynvm.cluster.counters import RequestCounters
+
+    for name in _SUMMED[-2:]:
+        field_of(RequestCounters, name)
+    return read(RequestCounters, stats)
 
 
 def total(replicas) -> dict:
     """A model's total over its replicas: counters summed, families the largest (each
     replica installs the kernels it uses), percentiles not combinable (left out)."""
     replicas = list(replicas)
+    _request_counters({})  # the summed request counters' names are RequestCounters's
     summed = {key: sum(s.get(key) or 0 for s in replicas) for key in _SUMMED
               if any(isinstance(s.get(key), int | float) for s in replicas)}
     summed["families"] = max((families(s) or 0) for s in replicas)
@@ -198,7 +210,7 @@ def format_table(rows: Sequence[Row]) -> str:
             lines.append([row.model, row.replica, row.error])
             continue
         s = row.stats
-        runtime, requests = read(RuntimeStats, s), read(RequestCounters, s)
+        runtime, requests = read(RuntimeStats, s), _request_counters(s)
         ratio = runtime.specialized_ratio
         lines.append([row.model, row.replica, _count(runtime.calls),
                       _count(requests.requests),
@@ -238,7 +250,7 @@ def top_command(args, out=None) -> int:
     """`dynvm top`: poll the server's models and print their table, once or every
     interval until Ctrl-C; the exit status."""
     out = sys.stdout if out is None else out
-    client = _Client(args.url, args.timeout)
+    client = _Client(args.url or default_url(), args.timeout)
     check_server(client)
     models = list(dict.fromkeys(args.model)) if args.model else discover_models(client)
     live = not args.once and out.isatty()
@@ -260,6 +272,14 @@ def top_command(args, out=None) -> int:
             time.sleep(args.interval)
     except KeyboardInterrupt:
         return 0
+
+
+def default_url() -> str:
+    """Where `dynvm serve` listens by default (dynvm.cluster.serving_config.HTTP_PORT:
+    the port is stated there once; imported here, not at the CLI's start)."""
+    from dynvm.cluster.serving_config import HTTP_PORT
+
+    return f"http://127.0.0.1:{HTTP_PORT}"
 
 
 def _seconds(text: str) -> float:
@@ -299,8 +319,9 @@ row is a sample of one replica.
 
   dynvm top http://127.0.0.1:8000 --model recommender --model gnn
   dynvm top --once > snapshot.txt""")
-    p.add_argument("url", metavar="URL", nargs="?", default=DEFAULT_URL,
-                   help=f"the server's HTTP address (default {DEFAULT_URL})")
+    p.add_argument("url", metavar="URL", nargs="?",
+                   help="the server's HTTP address (default: where `dynvm serve` listens "
+                   "by default, http://127.0.0.1 at ServingConfig's HTTP_PORT)")
     p.add_argument("--model", action="append", metavar="NAME",
                    help="a model to show (repeatable; default: the server's repository "
                    "index, when it has one)")

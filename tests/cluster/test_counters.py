@@ -101,3 +101,13 @@ def test_a_reader_naming_a_missing_field_fails_when_it_is_defined():
         Series("dynvm_compiles", "Specializations compiled.", "compile")
     Series("dynvm_specialized_ratio", "a derived figure is an attribute too",
            "specialized_ratio")
+
+
+def test_dynvm_top_reads_the_request_counters_through_their_type():
+    from dynvm import _top_cmd
+    from dynvm.cluster.serving_config import HTTP_PORT
+
+    assert _top_cmd._request_counters({"requests": 3, "errors": 1}) == RequestCounters(
+        requests=3, errors=1, rejected_busy=None)
+    assert set(_top_cmd._SUMMED[-2:]) <= set(WIRE_KEYS[RequestCounters])
+    assert _top_cmd.default_url() == f"http://127.0.0.1:{HTTP_PORT}"
