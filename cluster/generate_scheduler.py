@@ -136,7 +136,8 @@ class Sequence:
 
 
 class _BatchCache:
-    """The running rows' cache as the decode program takes it, and the copies it cost."""
+    """The running rows' cache as the decode program takes it, and the copies it cost
+    (Note [Continuous batching over plain caches])."""
 
     def __init__(self, keys, values, mask) -> None:
         self.keys, self.values, self.mask = list(keys), list(values), mask
