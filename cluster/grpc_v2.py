@@ -35,9 +35,10 @@ input) holds for gRPC without a second copy of it. Typed `contents` (the small-t
 form) become the header's JSON `data`. What this costs is one more copy of the raw
 bytes (into the body) next to the copy the validator makes anyway; the gRPC messages
 were already decoded by Serve, so the validator's work bound is the message size.
-Requests of at most INLINE_PARSE_BYTES are parsed on the event loop (21-32 us for 4-64
+Requests of at most INLINE_GRPC_BYTES are parsed on the event loop (21-32 us for 4-64
 KiB of raw contents on the loaded 2-core host, less than a thread hop); larger ones on
-the replica's parse threads.
+the replica's parse threads. (An HTTP body's bound, replica.INLINE_JSON_BYTES, is 8 KiB:
+JSON text costs more per byte.)
 
 Note [Malformed gRPC messages]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -86,7 +87,7 @@ SERVICER_FUNCTION = "dynvm.cluster.grpc_v2.add_inference_servicer"
 PROTO_MODULE = "tritonclient.grpc.service_pb2"
 PROTO_MODULE_AS_BUILT = "grpc_service_pb2"  # Note [tritonclient's proto module name]
 SERVICE = "GRPCInferenceService"  # in the protos' package "inference"
-INLINE_PARSE_BYTES = 64 * 1024
+INLINE_GRPC_BYTES = 64 * 1024
 TRACE_KEYS = ("traceparent", "tracestate")
 
 # The typed field of InferTensorContents that carries each datatype's values; FP16 and
@@ -414,7 +415,7 @@ class GrpcInferenceMixin:
         trace = _trace(grpc_context)
         try:
             self._grpc_check_model(request)
-            if _request_bytes(request) <= INLINE_PARSE_BYTES:
+            if _request_bytes(request) <= INLINE_GRPC_BYTES:
                 parsed = self._grpc_parse(request)
             else:
                 parsed = await self._off_loop(self._grpc_parse, request)

@@ -33,7 +33,7 @@ call that fails is re-run request by request so that every request gets its own 
 Note [Lean request path]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 A request crosses threads at most twice: the parse threads decode a body larger than
-INLINE_PARSE_BYTES (off the event loop, Note [Bounded JSON]; a smaller one, ~0.02-0.1
+INLINE_JSON_BYTES (off the event loop, Note [Bounded JSON]; a smaller one, ~0.02-0.1
 ms of decoding (Note [Typed JSON fast path]), is decoded on the loop, where a hop would
 cost more than the work), the
 batcher's one worker thread runs its batch unless the batch is fast enough to run on the
@@ -107,8 +107,10 @@ from dynvm.telemetry import Telemetry
 from dynvm.vm import dvm_file
 from dynvm.vm.errors import ConfigError
 
-# Bodies up to this size are decoded on the event loop (Note [Lean request path]).
-INLINE_PARSE_BYTES = 8192
+# HTTP bodies up to this size are decoded on the event loop (Note [Lean request path]):
+# JSON text costs far more per byte to decode than a gRPC message's raw contents, whose
+# bound is grpc_v2.INLINE_GRPC_BYTES (64 KiB).
+INLINE_JSON_BYTES = 8192
 
 
 def pick_device(device: str | None) -> str:
@@ -296,7 +298,7 @@ class ReplicaServer(GrpcInferenceMixin):
                     header_length=request.headers.get(v2.HEADER_LENGTH),
                     max_body_bytes=self.max_body_bytes, output_names=self.output_names,
                     refuse_non_finite=self.limits.refuse_non_finite)
-                parsed = (parse() if len(body) <= INLINE_PARSE_BYTES
+                parsed = (parse() if len(body) <= INLINE_JSON_BYTES
                           else await self._off_loop(parse))
             finally:
                 batcher.arriving(-1)

@@ -79,8 +79,8 @@ class ServeOptions:
     serving: ServingConfig
     """How the model is served: the flags over ServingConfig's defaults (the fleet is
     added at start-up, once the store exists)."""
-    port: int = 8000
-    """HTTP port of Serve's proxy on `host`."""
+    port: int
+    """HTTP port of Serve's proxy on `host` (--port, else serving_config.HTTP_PORT)."""
     host: str = "127.0.0.1"
     """Address every socket of the run listens on: loopback by default, Ray's own
     sockets included (Note [Loopback listeners]); another address (0.0.0.0: every
@@ -121,7 +121,10 @@ def options_from_args(args) -> ServeOptions:
         check_model_name(name)
     except ValueError as exc:
         raise CliError(f"bad --name: {exc}", 2) from None
-    return ServeOptions(model_path=str(path.resolve()), name=name, port=args.port,
+    from dynvm.cluster.serving_config import HTTP_PORT
+
+    port = HTTP_PORT if args.port is None else args.port
+    return ServeOptions(model_path=str(path.resolve()), name=name, port=port,
                         host=_host_from_args(args), grpc_port=args.grpc_port,
                         serving=_serving_from_args(args),
                         service_shards=_service_shards_from_args(args),
@@ -207,11 +210,12 @@ def _serving_from_args(args) -> ServingConfig:
     except ValueError as exc:
         raise CliError(f"--min-replicas/--max-replicas: {exc}", 2) from None
     try:
-        return ServingConfig(**_given(
+        # This command starts its own Ray: ServingConfig.local_stack()'s defaults.
+        return ServingConfig.local_stack(**_given(
             device=args.device, num_replicas=args.replicas, num_cpus=args.num_cpus,
             drain_s=args.drain_seconds,
             access_log=args.access_log or None, ingress=args.ingress,
-            jit=None if args.online_compile else JitConfig(online_compile=False)),
+            jit=JitConfig(online_compile=False) if args.online_compile is False else None),
             batching=batching, limits=limits, autoscaling=autoscaling)
     except ValueError as exc:
         raise CliError(str(exc), 2) from None
@@ -453,7 +457,8 @@ at once (exit 128 + the signal's number).
   dynvm compile recommender -o rec.dvm && dynvm serve rec.dvm --replicas 2""")
     p.add_argument("file", metavar="MODEL.dvm")
     p.add_argument("--name", help="model name in the routes (default: the file's stem)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--port", type=int, help="HTTP port of Serve's proxy (default: "
+                   "dynvm.cluster.serving_config.HTTP_PORT, Serve's own)")
     p.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
                    help="address every socket listens on (default 127.0.0.1: loopback "
                    "only, Ray's own sockets included); 0.0.0.0 opens the HTTP, gRPC and "
@@ -465,18 +470,19 @@ at once (exit 128 + the signal's number).
     p.add_argument("--drain-seconds", type=float, metavar="S",
                    help="on SIGTERM or SIGINT (and for a replica Serve stops), how long "
                    "in-flight requests may take to finish before the replica is "
-                   "stopped anyway (default: ServingConfig.drain_s, 5 s); a second "
+                   "stopped anyway (default: ServingConfig.drain_s); a second "
                    "signal stops at once")
     p.add_argument("--service-shards", type=int, metavar="N", default=1,
                    help="run the compile service as N actors, each program on one of them "
                    "by its hash (default 1; a fleet with many programs)")
-    # Flags left out are None: ServingConfig's defaults apply (stated there only).
+    # Flags left out are None: ServingConfig.local_stack()'s defaults apply (stated in
+    # dynvm.cluster.serving_config only; tests/cluster/test_serve_cmd.py checks it).
     p.add_argument("--replicas", type=int, metavar="N", help="fixed replica count")
     p.add_argument("--min-replicas", type=int, metavar="A", help="autoscale from A ...")
     p.add_argument("--max-replicas", type=int, metavar="B", help="... up to B replicas")
     p.add_argument("--target-ongoing-requests", type=float, metavar="R",
                    help="autoscaling: requests in flight per replica")
-    p.add_argument("--online-compile", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--online-compile", action=argparse.BooleanOptionalAction,
                    help="whether replicas may compile (--no-online-compile: install "
                    "from the store only, e.g. after `dynvm precompile`)")
     p.add_argument("--device", help="replica device: auto (a GPU when Ray has one), cpu, "
@@ -485,12 +491,11 @@ at once (exit 128 + the signal's number).
     p.add_argument("--call-seconds", type=float, metavar="S",
                    help="budget of one model call: a call still looping after S seconds "
                    "stops and its request gets a 500")
-    # The one flag with a default of its own: this command starts its own Ray, so it
-    # picks Serve's ingress mode: direct measured 8.1-11.1x the proxy's requests/s
-    # (recommender, JSON, 8 clients; 1.7-2.3x the transformer; Note [Direct ingress]),
-    # and the proxy still answers every route at --port.
-    p.add_argument("--ingress", choices=("proxy", "direct"), default="direct",
-                   help="direct (default): each replica also serves HTTP at a port of its "
+    # This command starts its own Ray, so it picks Serve's ingress mode: direct, as
+    # ServingConfig.local_stack() says (and why).
+    p.add_argument("--ingress", choices=("proxy", "direct"),
+                   help="direct (default, ServingConfig.local_stack()'s): each replica "
+                   "also serves HTTP at a port of its "
                    "own, printed at start-up, without the proxy's hop (Serve's direct "
                    "ingress); every route still answers at --port through Serve's proxy. "
                    "proxy: every route at --port through Serve's HTTP proxy only")

@@ -172,10 +172,10 @@ def test_flags_map_to_one_serving_config(tmp_path):
 
     path = tmp_path / "m.dvm"
     path.write_bytes(b"x")  # options_from_args only checks that the file exists
-    # No flag: ServingConfig's own defaults, nothing restated by the CLI but the ingress
-    # (the command starts its own Ray in direct ingress: Note [Direct ingress]).
+    # No flag: ServingConfig.local_stack(), the defaults but the ingress (the command
+    # starts its own Ray in direct ingress: Note [Direct ingress]).
     assert options_from_args(_serve_args(str(path))).serving == ServingConfig(
-        ingress="direct")
+        ingress="direct") == ServingConfig.local_stack()
     options = options_from_args(_serve_args(
         str(path), "--max-batch-size", "16", "--max-batch-delay-ms", "1.5",
         "--preferred-batch-sizes", "8,4,16", "--no-shape-aware-batching",
@@ -201,6 +201,40 @@ def test_flags_map_to_one_serving_config(tmp_path):
                          (["--min-replicas", "3", "--max-replicas", "2"], "min_replicas")):
         with pytest.raises(CliError, match=message):
             options_from_args(_serve_args(str(path), *bad))
+
+
+# Flags that set a ServingConfig field (or a part's) or the port: each defaults to None
+# (False for an on-switch), so that the default stated in dynvm.cluster.serving_config
+# applies: one default per setting.
+_CONFIG_FLAGS = {"port", "drain_seconds", "replicas", "min_replicas", "max_replicas",
+                 "target_ongoing_requests", "online_compile", "device", "num_cpus",
+                 "call_seconds", "ingress", "access_log", "require_signed", "max_batch_size",
+                 "max_batch_delay_ms", "preferred_batch_sizes", "shape_aware_batching",
+                 "max_queued"}
+
+
+def test_the_clis_defaults_are_serving_configs(tmp_path):
+    import argparse
+
+    from dynvm._serve_cmd import add_parser, options_from_args
+    from dynvm.cluster.serving_config import HTTP_PORT, ServingConfig
+
+    subparsers = argparse.ArgumentParser().add_subparsers()
+    add_parser(subparsers)
+    actions = {a.dest: a for a in subparsers.choices["serve"]._actions}
+    assert set(actions) >= _CONFIG_FLAGS
+    restated = {dest: actions[dest].default for dest in _CONFIG_FLAGS
+                if actions[dest].default is not None
+                and not (actions[dest].default is False and actions[dest].nargs == 0)}
+    assert not restated, f"flags with a default of their own: {restated}"
+    path = tmp_path / "m.dvm"
+    path.write_bytes(b"x")
+    options = options_from_args(_serve_args(str(path)))
+    assert (options.serving, options.port) == (ServingConfig.local_stack(), HTTP_PORT)
+    # local_stack() differs from the library's defaults in the ingress alone.
+    assert options_from_args(_serve_args(str(path), "--ingress", "proxy")).serving \
+        == ServingConfig.local_stack(ingress="proxy") == ServingConfig()
+    assert options_from_args(_serve_args(str(path), "--port", "8123")).port == 8123
 
 
 def test_gpu_targets_flag_reaches_the_options(tmp_path):
