@@ -1,7 +1,7 @@
 """Abstract evaluation equals execution on every zoo model (docs/ARCHITECTURE.md, Invariants): each
 entry's program, at its first held-out shape, register by register
-(tests/jit/_abstract_check.py). Slow: it exports every zoo model once more (the zoo's own
-session cache lives in tests/zoo/test_zoo.py, out of reach here)."""
+(tests/jit/_abstract_check.py). Each export is the zoo's own, made once per process
+(tests/zoo/_zoo_harness.compiled) and shared with tests/zoo."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ harness = pytest.importorskip("tests.zoo._zoo_harness")
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [entry.name for entry in zoo.entries()])
 def test_zoo_model_abstract_matches_real(name):
-    compiled = harness.compile_entry(zoo.by_name(name))
+    compiled = harness.compiled(name)
     point = compiled.entry.held_out[0]
     runtime = dynvm.Runtime(compiled.program, jit=False)
     with torch_threads(1):

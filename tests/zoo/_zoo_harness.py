@@ -13,15 +13,21 @@ wrong mask, index or stride still fails by orders of magnitude.
 Note [Zoo JIT forcing]
 ~~~~~~~~~~~~~~~~~~~~~~
 The JIT runs with promotion forced (tests/jit/_jit_helpers.eager_config: K = 1, every
-promotion worth its compile, compiles on the calling thread) and code families on, as
-a server runs: the first call of a shape is interpreted and promotes it, the second
-runs specialized code. That the second call really ran specialized code is checked
-from the runtime's counters, as is that no specializer, compile or run-time fallback
-failure happened (the JIT's stats contract: specialize_failures_total, deopts).
+promotion worth its compile, compiles on the calling thread) and code families on, as a
+server runs: the first call of a shape is interpreted and promotes it, the second runs
+specialized code. The CPU backend's measured choices are forced too: oneDNN fusion and
+channels-last chains wherever they apply ("always"), so every zoo model runs the fused
+code on every run, where "measured" would pick it by timing on a shared host; their
+calibration (two thirds of a zoo JIT test's time when measured) is tested in
+tests/jit/test_cpu_fusion.py, test_cpu_conv.py and test_cpu_layout.py. That the second
+call really ran specialized code is checked from the runtime's counters, as is that no
+specializer, compile or run-time fallback failure happened (the JIT's stats contract:
+specialize_failures_total, deopts).
 """
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 from collections import Counter
@@ -32,7 +38,7 @@ import torch
 
 import dynvm
 from tests.jit._jit_helpers import eager_config
-from tests.zoo._zoo import Built, ZooEntry
+from tests.zoo._zoo import Built, ZooEntry, by_name
 
 
 @dataclass(frozen=True)
@@ -64,9 +70,18 @@ def compile_entry(entry: ZooEntry, folder: Path | None = None) -> Compiled:
     return Compiled(entry, built, loaded, seconds)
 
 
+@functools.cache
+def compiled(name: str) -> Compiled:
+    """compile_entry of the zoo entry `name`, once per process: tests/zoo and
+    tests/jit/test_abstract_zoo.py share it, since a zoo test's time is mostly its export
+    (torch.export and its decompositions), not its calls. Programs are read-only to the
+    Runtimes that run them, so sharing one between tests changes nothing they check."""
+    return compile_entry(by_name(name))
+
+
 def jit_config() -> dynvm.JitConfig:
     """Note [Zoo JIT forcing]."""
-    return eager_config(families=True)
+    return eager_config(families=True, cpu_fusion="always", cpu_channels_last="always")
 
 
 def as_tuple(outputs) -> tuple[torch.Tensor, ...]:
