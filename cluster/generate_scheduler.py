@@ -16,13 +16,15 @@ multiple of `prefill_length_multiple`, so that prompt lengths fall on few shapes
 many as fit the step's token budget beside the running rows' one token each; join them;
 one decode step for every running row. The decode program takes the cache as plain
 per-layer tensors [B, Hkv, L, D], left-padded, with a [B, L] mask, and returns it grown
-by one column; it has no slots. So a join concatenates (left-padding the shorter side)
+by one column. So a join concatenates (left-padding the shorter side)
 and a leave gathers the kept rows (cutting the leading columns no kept row uses): both
 copy the whole cache. The scheduler counts those copies (`copies`, `copy_bytes`): they
-are the cost a paged cache with per-sequence blocks removes, which waits on runtime-owned
-KV state (issue 32's state instructions). Tokens equal `Generator.generate`'s for the
-same prompt and seed: each sequence samples from its own seeded torch.Generator, one
-draw per token, as a generation of batch 1 does.
+are the cost a cache with per-sequence slots removes: when the generator decodes over
+the KV cache as state (its programs have `decode_kv`), the scheduler uses slots instead
+and copies nothing (Note [Slots instead of copies] in dynvm.cluster.generate_slots).
+Tokens equal `Generator.generate`'s for the same prompt and seed: each sequence
+samples from its own seeded torch.Generator, one draw per token, as a generation of
+batch 1 does.
 
 Admission: a sequence reserves prompt + max_tokens cache tokens; it runs once its
 reservation fits `cache_tokens` and a row is free (`max_sequences`), else it waits in
@@ -44,6 +46,7 @@ import torch
 
 from dynvm._generation_ahead import LengthBucketsAhead
 from dynvm._sampling import Sampling, next_tokens
+from dynvm.cluster.generate_slots import SlotCache
 from dynvm.vm.errors import ConfigError, DynvmError, InputError
 
 
@@ -206,6 +209,9 @@ class GenerateScheduler:
         self._eos = frozenset(programs.eos_token_ids)
         self._pad = programs.pad_token_id
         self._ahead = LengthBucketsAhead(generator.decode)
+        # Note [Slots instead of copies]: the generator's KV state, when it has one.
+        self._slots = (SlotCache(generator) if getattr(generator, "state", None) is not None
+                       else None)
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
@@ -279,13 +285,17 @@ class GenerateScheduler:
     def occupancy(self) -> dict:
         """Running and waiting sequences, reserved and held cache tokens, the batch."""
         with self._cond:
-            batch = self._batch
-            return {"running": len(self._running), "waiting": len(self._waiting),
-                    "held": len(self.held), "reserved_tokens": self._reserved,
-                    "cache_tokens": self.cache_tokens,
-                    "cache_rows": 0 if batch is None else int(batch.mask.shape[0]),
-                    "cache_length": 0 if batch is None else batch.length,
-                    "cache_used_tokens": 0 if batch is None else int(batch.mask.sum())}
+            batch, slots = self._batch, self._slots
+            state = {"running": len(self._running), "waiting": len(self._waiting),
+                     "held": len(self.held), "reserved_tokens": self._reserved,
+                     "cache_tokens": self.cache_tokens, "cache": "plain",
+                     "cache_rows": 0 if batch is None else int(batch.mask.shape[0]),
+                     "cache_length": 0 if batch is None else batch.length,
+                     "cache_used_tokens": 0 if batch is None else int(batch.mask.sum())}
+            if slots is not None:
+                state.update(cache="slots", cache_rows=len(slots), cache_length=0,
+                             cache_used_tokens=slots.used_tokens())
+            return state
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no sequence runs or waits (True), or `timeout` seconds (False)."""
@@ -317,7 +327,7 @@ class GenerateScheduler:
                 for seq in joining + self._running:
                     if seq.finish_reason is None:
                         self._end(seq, "error", exc)
-                self._running, self._batch = [], None
+                self._clear()
             with self._cond:
                 self._joining = []
                 self._cond.notify_all()
@@ -326,6 +336,13 @@ class GenerateScheduler:
         for seq in list(self._waiting) + self._running:
             self._end(seq, "error", failure)
         self._waiting.clear()
+        self._clear()
+
+    def _clear(self) -> None:
+        """No running rows any more (their slots given back)."""
+        if self._slots is not None:
+            for seq in self._running + self._joining:
+                self._slots.release(seq)
         self._running, self._batch = [], None
 
     def _arrivals(self) -> list[Sequence]:
@@ -376,7 +393,13 @@ class GenerateScheduler:
         rows = [i for i, seq in enumerate(self._running) if seq.finish_reason is None]
         if len(rows) == len(self._running):
             return
+        if self._slots is not None:  # Note [Slots instead of copies]
+            for seq in self._running:
+                if seq.finish_reason is not None:
+                    self._slots.release(seq)
         self._running = [self._running[i] for i in rows]
+        if self._slots is not None:
+            return
         if not rows:
             self._batch = None
             return
@@ -406,6 +429,14 @@ class GenerateScheduler:
         rows = [i for i, seq in enumerate(joining) if seq.finish_reason is None]
         if not rows:
             return
+        if self._slots is not None:  # Note [Slots instead of copies]
+            index = torch.tensor(rows, dtype=torch.long, device=mask.device)
+            self._slots.admit([joining[i] for i in rows],
+                              [k.index_select(0, index) for k in keys],
+                              [v.index_select(0, index) for v in values],
+                              mask.index_select(0, index))
+            self._running = self._slots.order(self._running + [joining[i] for i in rows])
+            return
         if len(rows) < len(joining):
             index = torch.tensor(rows, dtype=torch.long, device=mask.device)
             keys = [k.index_select(0, index) for k in keys]
@@ -417,25 +448,42 @@ class GenerateScheduler:
             self._copying(lambda batch: batch.join(keys, values, mask))
         self._running.extend(joining[i] for i in rows)
 
+    def _counted(self, runtime, *inputs):
+        """One decode call, counted (specialized: every region ran specialized code)."""
+        before = runtime.region_calls()
+        outputs = runtime(*inputs)
+        after = runtime.region_calls()
+        if after[0] > before[0] and after[1] == before[1]:
+            self.counters["specialized_steps"] += 1
+        self.counters["decode_steps"] += 1
+        return outputs
+
     def _decode(self) -> None:
+        if self._slots is not None:
+            self._choose(self._running, self._counted_slots())
+            return
         batch = self._batch
         if batch.length > self.max_length - 1:  # left padding only: cut it
             self._copying(lambda b: b.keep(list(range(len(self._running)))))
         tokens = torch.tensor([[seq.tokens[-1]] for seq in self._running], dtype=torch.long,
                               device=batch.mask.device)
         position = batch.mask.sum(dim=-1, keepdim=True)
-        runtime = self.generator.decode
-        before = runtime.region_calls()
-        logits, batch.keys, batch.values = runtime(tokens, batch.mask, position, batch.keys,
-                                                   batch.values)
-        after = runtime.region_calls()
-        if after[0] > before[0] and after[1] == before[1]:  # every region specialized
-            self.counters["specialized_steps"] += 1
+        logits, batch.keys, batch.values = self._counted(
+            self.generator.decode, tokens, batch.mask, position, batch.keys, batch.values)
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(batch.mask.shape[0], 1)],
                                dim=1)
-        self.counters["decode_steps"] += 1
         self._ahead.after_step(batch.length - 1, batch.mask.shape[0])
         self._choose(self._running, logits)
+
+    def _counted_slots(self) -> torch.Tensor:
+        runtime = self.generator.decode_kv
+        before = runtime.region_calls()
+        logits = self._slots.decode(self._running)
+        after = runtime.region_calls()
+        if after[0] > before[0] and after[1] == before[1]:
+            self.counters["specialized_steps"] += 1
+        self.counters["decode_steps"] += 1
+        return logits
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Each sequence's next token (greedy rows at once, sampled rows from their own

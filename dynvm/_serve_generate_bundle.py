@@ -7,6 +7,7 @@ token loop needs to know about them, and the model's tokenizer when it ships one
     gen/generator.json   format, layers, max_batch, max_length, eos_token_ids, pad_token_id
     gen/prefill.dvm      the prefill program (dynvm.save)
     gen/decode.dvm       the decode program
+    gen/decode_kv.dvm    optional: the decode step over the KV cache as state
     gen/tokenizer.json   optional: a Hugging Face `tokenizers` file (text in and out)
 
 Each program is a .dvm file of its own, so each holds the weights: on disk and once
@@ -62,6 +63,8 @@ def save_generator(generator, path: str | os.PathLike, tokenizer=None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     dvm_file.save(programs.prefill, directory / "prefill.dvm")
     dvm_file.save(programs.decode, directory / "decode.dvm")
+    if getattr(programs, "decode_kv", None) is not None:
+        dvm_file.save(programs.decode_kv, directory / "decode_kv.dvm")
     if tokenizer is not None:
         backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         if not hasattr(backend, "save"):
@@ -93,9 +96,11 @@ def load_generator(path: str | os.PathLike) -> GeneratorBundle:
         eos = tuple(int(t) for t in manifest["eos_token_ids"])
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{directory / MANIFEST}: {exc}") from None
+    state = directory / "decode_kv.dvm"
+    extra = {"decode_kv": dvm_file.load(state)} if state.is_file() else {}
     programs = GeneratorPrograms(
         prefill=dvm_file.load(directory / "prefill.dvm"),
-        decode=dvm_file.load(directory / "decode.dvm"), eos_token_ids=eos, **facts)
+        decode=dvm_file.load(directory / "decode.dvm"), eos_token_ids=eos, **facts, **extra)
     tokenizer = None
     if (directory / TOKENIZER).is_file():
         from tokenizers import Tokenizer

@@ -17,13 +17,14 @@ MAX_BATCH = 8
 
 @functools.cache
 def tiny_programs():
-    """The tiny Llama-style generator's programs (tests/generation/_tiny.py), exported
-    once per session: the export is most of these tests' time."""
+    """The tiny Llama-style generator's programs (tests/generation/_tiny.py), the decode
+    step over the KV cache as state too, exported once per session: the export is most
+    of these tests' time."""
     import dynvm
     from tests.generation._tiny import tiny_causal_lm
 
     return dynvm.compile_generator(tiny_causal_lm("llama"), max_batch=MAX_BATCH,
-                                   max_length=MAX_LENGTH, jit=False).programs
+                                   max_length=MAX_LENGTH, jit=False, kv_state=True).programs
 
 
 def word_tokenizer(vocab: int = 128):
@@ -55,7 +56,8 @@ def reference(prompt, max_tokens: int, sampling=None, stop_tokens=None) -> list[
     """What `Generator.generate` gives for one prompt (the interpreter)."""
     import dynvm
 
-    with dynvm.Generator(tiny_programs(), jit=False, compile_ahead=False) as generator:
+    with dynvm.Generator(tiny_programs(), jit=False, compile_ahead=False,
+                         kv_state=False) as generator:
         out = generator.generate(torch.tensor([list(prompt)]), max_new_tokens=max_tokens,
                                  sampling=sampling, stop_tokens=stop_tokens)
     return out[0, len(prompt):].tolist()
