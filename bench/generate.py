@@ -20,7 +20,9 @@ model converted from the same weights by its own converter (a word-level tokeniz
 with one token per id is written beside it, since the converter reads the vocabulary
 from a tokenizer) and generates with `sampling_topk=1`, min = max length, so it does
 the same steps. Tokens are compared with the eager loop's, and the report says where
-they differ. One torch thread count for everything (--threads, default 2), and the
+they differ. The dynvm generators run the decode step over the KV cache as state (the
+default); `dynvm-jit-pure` is the JIT on the pure decode step (the cache as tensors).
+One torch thread count for everything (--threads, default 2), and the
 1-minute load average beside the table: the host is shared.
 """
 
@@ -38,7 +40,8 @@ import torch
 
 PROMPT, NEW = 32, 128
 MODELS = ("llama", "gpt2")
-SYSTEMS = ("eager", "hf", "dynvm-interp", "dynvm-jit-wait", "dynvm-jit", "ctranslate2")
+SYSTEMS = ("eager", "hf", "dynvm-interp", "dynvm-jit-wait", "dynvm-jit", "dynvm-jit-pure",
+           "ctranslate2")
 
 
 @dataclass
@@ -195,7 +198,9 @@ def _packed_mb(generator) -> float:
     """MiB of oneDNN-packed weight copies the generator's JIT engines hold (Note
     [Prepacked weights]: one cache per engine, i.e. per program)."""
     total = 0
-    for runtime in (generator.prefill, generator.decode):
+    for runtime in (generator.prefill, generator.decode, generator.decode_kv):
+        if runtime is None:
+            continue
         options = getattr(runtime.jit, "_cpu_options", None)
         cache = getattr(getattr(options, "prepacked", None), "_packed", None)
         for packed in list(cache.values()) if cache is not None else ():
@@ -228,6 +233,8 @@ def run_model(kind: str, batches, systems, threads: int, results: Results,
         _settle(jit)
         memory["jit_generator_b1"] = _rss_mb() - after_model
         memory["of_which_packed_weights"] = _packed_mb(jit)
+        if jit.state is not None:   # allocated once at max_batch x max_length
+            memory["of_which_kv_state"] = jit.state.nbytes / 2**20
     interp = dynvm.Generator(programs, jit=False) if "dynvm-interp" in systems else None
     ct2, ct2_note = (_ctranslate2(model, kind, threads) if "ctranslate2" in systems
                      else (None, ""))
@@ -275,6 +282,15 @@ def run_model(kind: str, batches, systems, threads: int, results: Results,
                     results.rows.append(_row(
                         kind, batch, f"dynvm-jit gen {n}", prefill_s, steps, cpu_s,
                         specialized=f"{hit}/{total}", same_tokens=same(tokens)))
+        if "dynvm-jit-pure" in systems:
+            # The pure decode step (the cache as tensors grown by CAT), as before the KV
+            # cache was state (Note [KV cache as state] in dynvm.vm.ops_kv).
+            with dynvm.Generator(programs, jit=jit_config, kv_state=False) as jit:
+                for n in (1, 2):
+                    tokens, prefill_s, steps, (hit, total), cpu_s = _dynvm(jit, ids, mask)
+                    results.rows.append(_row(
+                        kind, batch, f"dynvm-jit-pure gen {n}", prefill_s, steps, cpu_s,
+                        specialized=f"{hit}/{total}", same_tokens=same(tokens)))
         if ct2 is not None:
             _ct2_run(ct2, ids)  # its first call: allocations, not a generation's steady time
             tokens, prefill_s, total, cpu_s = _ct2_run(ct2, ids)
@@ -297,14 +313,19 @@ def long_context(kind: str, length: int, steps: int, results: Results, jit_confi
 
     model = build_model(kind)
     programs = dynvm.compile_generator(model, max_batch=4, max_length=length + steps + 2,
-                                       jit=False).programs
+                                       jit=False, kv_state=True).programs
     ids = torch.randint(3, model.config.vocab_size, (1, length))
     mask = torch.ones_like(ids)
     _eager_loop(model, ids, mask, new=3)
     _, prefill_s, wall, cpu_s = _eager_loop(model, ids, mask, new=steps + 1)
     results.rows.append(_row(kind, 1, f"eager, L={length}", prefill_s, wall, cpu_s))
-    for name, config in (("dynvm-interp", False), ("dynvm-jit gen 2", jit_config)):
-        with dynvm.Generator(programs, jit=config) as generator:
+    # "state": the decode step over the KV cache as state (Note [KV cache as state] in
+    # dynvm.vm.ops_kv); the others pass the cache as tensors and grow it by CAT.
+    for name, config, state in (("dynvm-interp", False, False),
+                                ("dynvm-jit gen 2", jit_config, False),
+                                ("dynvm-state interp", False, True),
+                                ("dynvm-state jit gen 2", jit_config, True)):
+        with dynvm.Generator(programs, jit=config, kv_state=state) as generator:
             if config is not False:
                 _dynvm_n(generator, ids, mask, steps + 1)
                 _settle(generator)

@@ -176,7 +176,7 @@ class Generator:
 def compile_generator(model: torch.nn.Module, *, max_batch: int = 64,
                       max_length: int = 2048, device: str | torch.device = "cpu",
                       jit: bool | JitConfig = True, compile_ahead: bool = True,
-                      name: str | None = None, kv_state: bool = False) -> Generator:
+                      name: str | None = None, kv_state: bool = True) -> Generator:
     """Lower a Hugging Face causal LM to a prefill and a decode program (dynamic batch
     and lengths) and return a `Generator` running them (`jit`, `compile_ahead`: as
     Generator takes them). `kv_state`: also the decode step over the KV cache as state

@@ -54,7 +54,15 @@ from dynvm.vm.errors import (
 )
 from dynvm.vm.instr import Instr
 from dynvm.vm.program import ConstSpec, DimSpec, InputSpec, Program
-from dynvm.vm.serialize import decode_instr, dtype_named, encode_header, pack, unpack
+from dynvm.vm.serialize import (
+    check_tied,
+    decode_instr,
+    dtype_named,
+    encode_header,
+    pack,
+    tied_constants,
+    unpack,
+)
 from dynvm.vm.torch_literals import literal_name
 
 __all__ = [
@@ -206,7 +214,10 @@ def _check_saveable(program: Program) -> None:
 def _encode_constants(program: Program) -> bytes:
     tensors: dict[str, torch.Tensor] = {}
     storages: set[tuple[int, int]] = set()
+    tied = {name for name, _ in tied_constants(program)}   # Note [Tied constants]
     for name, tensor in zip(program.constant_names, program.constants, strict=True):
+        if name in tied:
+            continue
         tensor = tensor.detach().to("cpu")
         if tensor.dtype == torch.complex128:  # Note [complex128 constants]
             tensor = torch.view_as_real(tensor)
@@ -407,7 +418,7 @@ def _check_meta(payload: memoryview) -> None:
 _CODE_FIELDS = MappingProxyType({
     "name": str, "n_regs": int, "inputs": list, "constants": list, "in_spec": str,
     "out_spec": str, "code": list, "hash": str})
-_OPTIONAL_CODE_FIELDS = MappingProxyType({"state": list})
+_OPTIONAL_CODE_FIELDS = MappingProxyType({"state": list, "tied": list})
 
 
 def _corrupt_code(problem: str) -> CorruptSectionError:
@@ -442,14 +453,18 @@ def _decode_program(code_payload: memoryview, const_payload: memoryview,
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise _corrupt_code(f"constant names repeat: {names}")
+    try:   # Note [Tied constants]: a tied name's bytes are its first name's
+        tied = check_tied(header.get("tied", []), names)
+    except DvmFormatError as exc:
+        raise _corrupt_code(str(exc)) from None
     unhashed = check_raw_content_hash(code_payload, len(header), header["hash"],
-                                      const_payload, names)
+                                      const_payload, [tied.get(n, n) for n in names])
     if meta_payload is not None:
         _check_meta(meta_payload)
     code = _decode_code(header["code"])
     for key in ("in_spec", "out_spec"):
         _check_treespec(key, header[key])
-    constants = _decode_constants(bytes(const_payload), specs)
+    constants = _decode_constants(bytes(const_payload), specs, tied)
     try:
         program = Program(code=code, n_regs=n_regs, inputs=inputs, constants=constants,
                           constant_names=tuple(names), in_spec=header["in_spec"],
@@ -535,7 +550,8 @@ def _check_treespec(key: str, text: str) -> None:
 # ---------------------------------------------------------------- the CONST section -
 
 
-def _decode_constants(payload: bytes, specs: tuple[ConstSpec, ...]) -> tuple[torch.Tensor, ...]:
+def _decode_constants(payload: bytes, specs: tuple[ConstSpec, ...],
+                      tied: dict[str, str]) -> tuple[torch.Tensor, ...]:
     try:
         tensors = safetensors.torch.load(payload)
     except Exception as exc:  # the parser raises SafetensorError; its torch glue others
@@ -548,7 +564,7 @@ def _decode_constants(payload: bytes, specs: tuple[ConstSpec, ...]) -> tuple[tor
                                   "does not declare")
     constants = []
     for spec in specs:
-        tensor = tensors.get(spec.name)
+        tensor = tensors.get(tied.get(spec.name, spec.name))
         if tensor is None:
             raise CorruptSectionError("CONST", f"constant {spec.name!r}, declared in the "
                                       "CODE section, is missing")

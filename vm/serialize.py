@@ -170,6 +170,54 @@ def _dim_record(dim) -> list:
     return [dim.name, dim.low, dim.high]
 
 
+# Note [Tied constants]
+# ~~~~~~~~~~~~~~~~~~~~~
+# A model may use one parameter in two places (GPT-2's token embedding is its LM head),
+# and the lowered program then holds the same tensor as two constants. safetensors
+# refuses two names over one storage, and copying the second doubled GPT-2's file (its
+# largest weight twice). The CODE header instead lists each such constant with the
+# first constant it is the same tensor as ("tied": [[name, first name], ...], present
+# only when there is one); CONST stores the first alone, and loading gives the tied
+# name that very tensor, so the loaded program holds it once in memory too. The content
+# hash covers the list and each constant's bytes in program order, as before.
+
+
+def check_tied(tied: object, names: list[str]) -> dict[str, str]:
+    """The header's "tied" list as {name: first name}, or DvmFormatError: each pair two
+    declared constants, the first appearing earlier and not tied itself."""
+    if type(tied) is not list:
+        raise DvmFormatError(f"CODE field 'tied' must be a list, got {type(tied).__name__}")
+    position = {name: i for i, name in enumerate(names)}
+    sources: dict[str, str] = {}
+    for pair in tied:
+        if not (type(pair) is list and len(pair) == 2 and all(
+                type(n) is str and n in position for n in pair)
+                and position[pair[1]] < position[pair[0]] and pair[1] not in sources
+                and pair[0] not in sources):
+            raise DvmFormatError(f"CODE field 'tied': {str(pair)[:80]} is not [a constant, "
+                                 "an earlier untied constant]")
+        sources[pair[0]] = pair[1]
+    return sources
+
+
+def tied_constants(program) -> list[list[str]]:
+    """[name, first name] for each constant that is the same tensor as an earlier one
+    (same storage, offset, shape, strides, dtype: GPT-2's embedding and LM head): the
+    .dvm stores its bytes once, under the first name (Note [Tied constants])."""
+    first: dict[tuple, str] = {}
+    tied = []
+    for name, tensor in zip(program.constant_names, program.constants):
+        if not tensor.untyped_storage().nbytes():
+            continue
+        key = (tensor.device.type, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(),
+               tensor.dtype)
+        if key in first:
+            tied.append([name, first[key]])
+        else:
+            first[key] = name
+    return tied
+
+
 def encode_header(program, with_hash: bool = True) -> bytes:
     """The program minus its constant data, as msgpack bytes (the CODE section)."""
     body = {
@@ -183,6 +231,9 @@ def encode_header(program, with_hash: bool = True) -> bytes:
         "out_spec": program.out_spec,
         "code": [encode_instr(instr) for instr in program.code],
     }
+    tied = tied_constants(program)
+    if tied:   # Note [Tied constants]; absent otherwise: bytes and hash stay as they were
+        body["tied"] = tied
     if program.state:   # absent for a pure program: its bytes and hash stay as they were
         body["state"] = list(program.state)
     if with_hash:

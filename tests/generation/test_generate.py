@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import dynvm
+from dynvm.vm.dvm_file import dumps, loads
+from dynvm.vm.serialize import tied_constants
 from tests.generation._tiny import ARCHITECTURES, hf_greedy, left_padded, tiny_causal_lm
 from tests.jit._jit_helpers import eager_config
 
@@ -109,6 +111,23 @@ def test_weights_resident_once(built):
     assert sum(both[ptr] for ptr in shared) >= 0.99 * weight_bytes
     # Whatever is not a parameter is small (rotary tables, masks' constants).
     assert sum(n for ptr, n in both.items() if ptr not in params) < 0.05 * weight_bytes
+
+
+def test_tied_weights_stored_once(built):
+    """GPT-2's token embedding is its LM head: each program's .dvm stores it once (Note
+    [Tied constants] in dynvm.vm.serialize) and loads it as one tensor."""
+    kind, model, programs = built
+    if kind != "gpt2":
+        pytest.skip("only GPT-2 of the tiny models ties its embedding and LM head")
+    table = model.get_input_embeddings().weight
+    for program in (programs.prefill, programs.decode, programs.decode_kv):
+        (name, first), = tied_constants(program)
+        constants = dict(zip(program.constant_names, program.constants))
+        assert constants[first].data_ptr() == table.data_ptr(), program.name
+        loaded = loads(dumps(program))
+        constants = dict(zip(loaded.constant_names, loaded.constants))
+        assert constants[name].data_ptr() == constants[first].data_ptr()
+        assert loaded.content_hash == program.content_hash
 
 
 def test_refusals_name_the_input(built):
