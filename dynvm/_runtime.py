@@ -14,6 +14,7 @@ from dynvm.arena import count_allocations
 from dynvm.jit.background import serving_call
 from dynvm.jit.config import JitConfig
 from dynvm.jit.engine import Jit
+from dynvm.jit.engine_stats import JitStats
 from dynvm.telemetry import GlobalProviderWatch, Telemetry
 from dynvm.vm.budget import CallBudget
 from dynvm.vm.errors import ConfigTypeError, InputError, ShapeError
@@ -178,22 +179,19 @@ class Runtime:
     def stats(self) -> RuntimeStats:
         """Counters since the runtime was made, the JIT's too when it is on (per-region
         figures in `regions`, by region index); `to_dict()` gives the JSON form."""
-        stats = {
-            "calls": self._calls,
-            "instructions_executed": self.interpreter.instructions_executed,
-            "region_count": len(self.program.regions),
-            "instructions": len(self.program.code),
-            "device": str(self.device),
-            "jit": self.jit is not None,
-            **({"jit_disabled_by": self.jit_disabled_by} if self.jit_disabled_by else {}),
-            "allocations_per_forward": self._last_allocations,
-        }
-        if self.jit is not None:
-            stats.update(self.jit.stats())
-            if self.jit.event_limiter is not None:
-                stats["telemetry_events_dropped"] = self.jit.event_limiter.dropped
-        # The engine's dict becomes typed here, at the Runtime's boundary.
-        return RuntimeStats.from_dict(stats)
+        own = {"calls": self._calls,
+               "instructions_executed": self.interpreter.instructions_executed,
+               "region_count": len(self.program.regions),
+               "instructions": len(self.program.code), "device": str(self.device),
+               "jit": self.jit is not None, "jit_disabled_by": self.jit_disabled_by or None,
+               "allocations_per_forward": self._last_allocations}
+        if self.jit is None:
+            return RuntimeStats.of(None, **own)
+        limiter = self.jit.event_limiter
+        # The engine's typed counters, taken field by field (dynvm.jit.engine_stats).
+        return RuntimeStats.of(JitStats.from_engine(self.jit), **own,
+                               telemetry_events_dropped=None if limiter is None
+                               else limiter.dropped)
 
     def close(self) -> None:
         """Stop background compiles; the runtime keeps working (interpreted)."""

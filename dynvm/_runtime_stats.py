@@ -4,7 +4,8 @@ Its fields are the Runtime's own counters and, taken from dynvm.jit.engine_stats
 field by field, the JIT engine's (each None while the JIT is off): a counter the engine
 adds to JitStats is a RuntimeStats field at once, with the docstring written there, and
 nothing is kept in step by hand. The Runtime builds it from the engine's report at its
-boundary, and everything above reads attributes. `to_dict()` is the JSON form (what a
+boundary (`RuntimeStats.of`, attribute by attribute), and everything above reads
+attributes. `to_dict()` is the JSON form (what a
 replica's `/stats` route serves and `dynvm top` reads; `from_dict` reads it back). A key
 that has no field is kept in `extra` rather than lost, and tests/dynvm/test_runtime_stats.py
 fails until it gets a field.
@@ -109,6 +110,14 @@ class RuntimeStats(_JitFields, Mapping):
         if "regions" in data and self.regions is not None:
             data["regions"] = {index: r.to_dict() for index, r in self.regions.items()}
         return data
+
+    @classmethod
+    def of(cls, engine: JitStats | None, /, **runtime) -> RuntimeStats:
+        """Built from the engine's JitStats (None with the JIT off), field by field, and
+        the Runtime's own counters (`runtime`, by field name): no dict between them."""
+        taken = {} if engine is None else {
+            f.name: getattr(engine, f.name) for f in fields(JitStats)}
+        return cls(**runtime, **taken)
 
     @classmethod
     def from_dict(cls, data: Mapping) -> RuntimeStats:

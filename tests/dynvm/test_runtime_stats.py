@@ -132,3 +132,18 @@ def test_the_jits_fields_are_jit_stats_fields_not_a_copy(jit_stats):
     assert reported <= set(jit_stats.to_dict())
     off = RuntimeStats.from_dict({**_minimal(), "jit": False})
     assert not reported & set(off.to_dict())
+
+
+def test_the_runtime_builds_its_stats_from_the_engines_types():
+    # Runtime.stats() takes JitStats field by field (RuntimeStats.of); Jit.stats() is the
+    # same JitStats as a dict, and reading that dict back gives the same RuntimeStats.
+    from dynvm.jit.engine_stats import JitStats
+
+    with dynvm.Runtime(compiled("branchy"), jit=eager_config()) as runtime:
+        for _ in range(3):
+            runtime(torch.randn(3, 32))
+    # Closed: no background compile moves a counter between the three readings.
+    typed, engine = runtime.stats(), runtime.jit.stats()
+    assert JitStats.from_engine(runtime.jit).to_dict() == engine and typed.compiles > 0
+    own = {k: v for k, v in typed.to_dict().items() if k not in engine}
+    assert RuntimeStats.from_dict({**own, **engine}) == typed
