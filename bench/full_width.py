@@ -184,6 +184,8 @@ def _warmup(model, systems, jit, calls: int, log) -> dict:
     stats = jit.stats()
     per_shape = {}
     for label in model.labels:
+        if not times["jit"][label]:   # a warm-up shorter than the shapes
+            continue
         jit_p90 = percentile(times["jit"][label], 90)
         interp_p90 = percentile(times["interp"][label], 90)
         per_shape[label] = {"calls": len(times["jit"][label]), "jit_p90_ms": 1e3 * jit_p90,
@@ -198,21 +200,32 @@ def _warmup(model, systems, jit, calls: int, log) -> dict:
             "loadavg": os.getloadavg()}
 
 
+def _jits(systems) -> dict:
+    """The JIT runtimes among `systems`: "jit" and its other precisions ("jit-bf16", ...)."""
+    return {n: s for n, s in systems.items() if n == "jit" or n.startswith("jit-")}
+
+
 def _settle(model, systems, jit, log, cap_s: float = SETTLE_SECONDS) -> dict:
-    """Phase 2: the JIT alone until settled (capped), every system once per shape."""
+    """Phase 2: the JIT alone until settled (capped), every system once per shape; a JIT
+    in another precision after it, the same way (its own cap)."""
     started, rounds = time.perf_counter(), 0
-    deadline = time.monotonic() + cap_s
-    while time.monotonic() < deadline:
-        _drain(jit, DRAIN_S)
-        if jit.settled() and rounds:
-            break
-        for x in model.inputs:
-            _drain(jit, DRAIN_S)
-            jit(*x)
-        rounds += 1
-    _drain(jit, DRAIN_S)
-    for name, fn in systems.items():
+    jits = _jits(systems)
+    for name, runtime in jits.items():
+        deadline, done = time.monotonic() + cap_s, 0
+        while time.monotonic() < deadline:
+            _drain(runtime, DRAIN_S)
+            if runtime.settled() and done:
+                break
+            for x in model.inputs:
+                _drain(runtime, DRAIN_S)
+                runtime(*x)
+            done += 1
+        _drain(runtime, DRAIN_S)
+        rounds = done if name == "jit" else rounds
         if name != "jit":
+            log(f"[{model.name}] {name} seasoned: {done} rounds, settled {runtime.settled()}")
+    for name, fn in systems.items():
+        if name not in jits:
             for x in model.inputs:
                 fn(*x)
     stats = jit.stats()
@@ -239,7 +252,8 @@ def _steady(model, systems, jit, calls_per_shape: int, log) -> dict:
     for step in range(steps):
         index = stream_input(step, n, len(order))
         x, label = model.inputs[index], model.labels[index]
-        _drain(jit, DRAIN_S)
+        for runtime in _jits(systems).values():
+            _drain(runtime, DRAIN_S)
         seconds, outputs = {}, {}
         for name in call_order(order, step):
             seconds[name], outputs[name] = _timed(systems[name], x)
@@ -263,17 +277,46 @@ def _steady(model, systems, jit, calls_per_shape: int, log) -> dict:
             "loadavg": os.getloadavg()}
 
 
-def measure(model: FullWidthModel, warmup: int, calls_per_shape: int, peers=(),
-            log=print, settle_s: float = SETTLE_SECONDS) -> dict:
-    """One model's result (Note [Full-width timing])."""
+def prepare(model: FullWidthModel, cache: Path | None, with_onnx: bool = False, log=print):
+    """The model's program, loaded from `cache` (a folder) if it holds one, else lowered
+    (and kept there); with `with_onnx`, its ONNX export kept there too. What --prepare
+    builds before a timed run, outside the benchmark lock (export and lowering take
+    minutes on a loaded host; neither is timed). Returns (program, seconds, onnx path)."""
     import dynvm
-    from bench.peers import Peer, PeerUnavailable
 
+    dvm = cache / f"{model.name}.dvm" if cache else None
+    onnx = str(cache / f"{model.name}.onnx") if cache else None
     start = time.perf_counter()
-    program = dynvm.compile(model.module, model.inputs[model.export_index],
-                            model.dynamic_shapes, name=model.name)
-    export_seconds = time.perf_counter() - start
-    log(f"[{model.name}] dynvm.compile {export_seconds:.1f} s")
+    if dvm is not None and dvm.exists():
+        program = dynvm.load(dvm)
+    else:
+        program = dynvm.compile(model.module, model.inputs[model.export_index],
+                                model.dynamic_shapes, name=model.name)
+        if dvm is not None:
+            dvm.parent.mkdir(parents=True, exist_ok=True)
+            dynvm.save(program, dvm)
+    seconds = time.perf_counter() - start
+    if with_onnx and onnx is not None and not os.path.exists(onnx):
+        from bench.peers import Exported
+
+        Exported(model.module, model.inputs[model.export_index], model.dynamic_shapes,
+                 kept=onnx).close()
+        log(f"[{model.name}] ONNX export kept at {onnx}")
+    return program, seconds, onnx
+
+
+def measure(model: FullWidthModel, warmup: int, calls_per_shape: int, peers=(),
+            log=print, settle_s: float = SETTLE_SECONDS, jit_precisions=(),
+            cache: Path | None = None) -> dict:
+    """One model's result (Note [Full-width timing]); `jit_precisions` ("bf16",
+    "int8-dynamic") add the JIT in that precision as a system ("jit-bf16", "jit-int8"),
+    seasoned after the fp32 JIT and timed beside it in the steady phase."""
+    import dynvm
+    from bench.peers import Exported, Peer, PeerUnavailable
+
+    program, export_seconds, onnx = prepare(model, cache, log=log)
+    log(f"[{model.name}] dynvm.compile {export_seconds:.1f} s"
+        + (" (loaded from the cache)" if cache else ""))
 
     def eager(*x):
         with torch.inference_mode():
@@ -283,12 +326,18 @@ def measure(model: FullWidthModel, warmup: int, calls_per_shape: int, peers=(),
     interp_b = dynvm.Runtime(program, jit=False)
     jit = dynvm.Runtime(program, jit=dynvm.JitConfig())
     systems = {"eager": eager, "interp": interp, "interp_b": interp_b, "jit": jit}
-    built, unavailable = {}, {}
+    for precision in jit_precisions:   # Note [Lower-precision GEMMs]
+        systems[jit_system(precision)] = dynvm.Runtime(
+            program, jit=dynvm.JitConfig(precision=precision))
+    built, unavailable, exported = {}, {}, None
     try:
         for name in peers:
             try:
+                # One ONNX export serves every peer (the export is most of the setup).
+                exported = exported or Exported(model.module, model.inputs[model.export_index],
+                                                model.dynamic_shapes, kept=onnx)
                 built[name] = Peer(name, model.module, model.inputs[model.export_index],
-                                   model.dynamic_shapes)
+                                   model.dynamic_shapes, exported=exported)
                 log(f"[{model.name}] {name}: {built[name].exporter} export + build "
                     f"{built[name].setup_seconds:.1f} s")
             except PeerUnavailable as exc:
@@ -299,16 +348,28 @@ def measure(model: FullWidthModel, warmup: int, calls_per_shape: int, peers=(),
         seasoned = _settle(model, systems, jit, log, settle_s)
         steady = _steady(model, systems, jit, calls_per_shape, log)
     finally:
-        for runtime in (interp, interp_b, jit):
+        for runtime in (interp, interp_b, *_jits(systems).values()):
             runtime.close()
         for peer in built.values():
             peer.close()
+        if exported is not None:
+            exported.close()
     return {"name": model.name, "labels": list(model.labels),
-            "dynvm_compile_seconds": export_seconds, "warmup": warm, "season": seasoned,
+            "dynvm_compile_seconds": export_seconds, "program_cached": cache is not None,
+            "warmup": warm, "season": seasoned,
             "steady": steady,
             "peers": {name: {"setup_seconds": p.setup_seconds, "exporter": p.exporter,
                              "version": p.version} for name, p in built.items()},
             "unavailable": unavailable}
+
+
+def jit_system(precision: str) -> str:
+    """The system name of the JIT in `precision` ("jit-bf16", "jit-int8")."""
+    return "jit-" + precision.split("-")[0]
+
+
+# A JIT in lower precision is held against the peers in the same precision.
+SAME_PRECISION = {"jit-bf16": ("openvino-bf16",), "jit-int8": ("onnxruntime-int8",)}
 
 
 def _cell(value) -> str:
@@ -341,18 +402,33 @@ def markdown(run: dict) -> str:
             f"{steady['loadavg'][0]:.2f} at its end.")
         # The JIT runs fp32: it is held against the fp32 peers; bf16 and int8 peers
         # are columns of their own (Note [ONNX peers]).
-        table = ["| shape | " + " | ".join(systems) + " | JIT / best fp32 peer |",
-                 "|---|" + "---:|" * (len(systems) + 1)]
-        peer_names = [s for s in systems if s not in ("interp", "interp_b", "jit")
-                      and not s.endswith(("-bf16", "-int8"))]
+        # Each JIT against the best peer of its own precision (Note [ONNX peers]).
+        peer_names = [s for s in systems if s not in ("interp", "interp_b")
+                      and not s.startswith("jit") and not s.endswith(("-bf16", "-int8"))]
+        versus = {"jit": (peer_names, "JIT / best fp32 peer")}
+        for jit_name, same in SAME_PRECISION.items():
+            present = [p for p in same if p in systems]
+            if jit_name in systems and present:
+                versus[jit_name] = (present, f"{jit_name} / {' or '.join(present)}")
+        table = ["| shape | " + " | ".join(systems) + " | "
+                 + " | ".join(title for _, title in versus.values()) + " |",
+                 "|---|" + "---:|" * (len(systems) + len(versus))]
+        ratios = {name: [] for name in versus}
         for label in m["labels"]:
             cells = [steady["x_eager"][s].get(label) for s in systems]
-            best = min((steady["x_eager"][p][label] for p in peer_names), default=None)
-            jit = steady["x_eager"]["jit"].get(label)
+            compared = []
+            for name, (against, _) in versus.items():
+                best = min((steady["x_eager"][p][label] for p in against), default=None)
+                mine = steady["x_eager"][name].get(label)
+                ratio = mine / best if best and mine else None
+                ratios[name] += [ratio] if ratio is not None else []
+                compared.append(_cell(ratio))
             table.append(f"| {label} | " + " | ".join(_cell(c) for c in cells) + " | "
-                         + (_cell(jit / best) if best and jit else "—") + " |")
+                         + " | ".join(compared) + " |")
         meds = {s: statistics.median(steady["x_eager"][s].values()) for s in systems}
-        table.append("| median | " + " | ".join(_cell(meds[s]) for s in systems) + " | |")
+        table.append("| median | " + " | ".join(_cell(meds[s]) for s in systems) + " | "
+                     + " | ".join(_cell(statistics.median(r)) if r else "—"
+                                  for r in ratios.values()) + " |")
         lines.append("\n".join(table))
         lines.append("Largest |output - eager| at the first steady call of each shape: "
                      + ", ".join(f"{s} {e:.1e}" for s, e in steady["max_abs_error"].items())
@@ -367,7 +443,8 @@ def markdown(run: dict) -> str:
             f"{warm['loadavg'][0]:.2f} at its end): {warm['compiles']} compiles, "
             f"{warm['compile_seconds']:.1f} s of compile (calibration included), of it "
             f"{warm['calibration_seconds']:.1f} s calibration; dynvm.compile (export and "
-            f"lowering) {m['dynvm_compile_seconds']:.1f} s; seasoning afterwards "
+            + ("lowering; here a load from --cache" if m.get("program_cached") else "lowering")
+            + f") {m['dynvm_compile_seconds']:.1f} s; seasoning afterwards "
             f"{m['season']['rounds']} rounds, settled {m['season']['settled']}, compile "
             f"seconds in all {m['season']['compile_seconds']:.1f}. JIT p90 above "
             f"{WARMUP_BAR}x the interpreter's: "
@@ -420,6 +497,14 @@ def main(argv=None) -> int:
                         help="steady calls per batch size for ResNet-50 (default 4)")
     parser.add_argument("--settle-seconds", type=float, default=SETTLE_SECONDS,
                         help=f"cap of the seasoning phase per model (default {SETTLE_SECONDS:.0f})")
+    parser.add_argument("--jit-precisions", default="",
+                        help="the JIT also in these precisions (bf16, int8-dynamic), "
+                             "comma-separated: systems jit-bf16, jit-int8")
+    parser.add_argument("--cache", type=Path, metavar="DIR",
+                        help="keep each model's program and ONNX export in DIR and reuse "
+                             "them (their seconds are then a load's)")
+    parser.add_argument("--prepare", action="store_true",
+                        help="no run: fill --cache (untimed: run it outside the lock)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--bert-layers", type=int, default=4)
     parser.add_argument("--bert-hidden", type=int, default=768,
@@ -457,7 +542,16 @@ def main(argv=None) -> int:
             warmup, calls = args.resnet_warmup, args.resnet_calls
         else:
             parser.error(f"unknown model {name!r}; known: bert, resnet50")
-        models.append(measure(model, warmup, calls, peers, log, args.settle_seconds))
+        if args.prepare:
+            if args.cache is None:
+                parser.error("--prepare fills --cache: give it")
+            prepare(model, args.cache, with_onnx=bool(peers), log=log)
+            continue
+        precisions = [p.strip() for p in args.jit_precisions.split(",") if p.strip()]
+        models.append(measure(model, warmup, calls, peers, log, args.settle_seconds,
+                              precisions, args.cache))
+    if args.prepare:
+        return 0
     run = {"command": "python -m bench.full_width " + " ".join(argv or sys.argv[1:]),
            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
            "total_wall_seconds": time.time() - started, "machine": report.machine(),

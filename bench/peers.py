@@ -27,6 +27,7 @@ system's row and go on.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -84,15 +85,25 @@ def _numpy(tensors) -> list:
     return [t.detach().contiguous().numpy() for t in tensors]
 
 
-class _Exported:
-    """One model's ONNX file in a temporary folder, removed by close()."""
+class Exported:
+    """One model's ONNX file in a temporary folder, removed by close(). Peers of one
+    model may share it (`Peer(..., exported=)`): the export is most of a peer's setup
+    (30-90 s at bert-base width on a loaded host), and every peer reads the same file."""
 
-    def __init__(self, module, example_inputs, dynamic_shapes) -> None:
+    def __init__(self, module, example_inputs, dynamic_shapes, kept: str | None = None) -> None:
+        """`kept`: a path where the export is kept across runs (bench.full_width --cache):
+        read from there if it exists (exporter "kept", 0 export seconds), else written."""
         self._folder = tempfile.TemporaryDirectory(prefix="dynvm-onnx-")
         self.path = os.path.join(self._folder.name, "model.onnx")
+        if kept is not None and os.path.exists(kept):
+            shutil.copyfile(kept, self.path)
+            self.exporter, self.export_seconds = "kept", 0.0
+            return
         start = time.perf_counter()
         self.exporter = export_onnx(module, example_inputs, dynamic_shapes, self.path)
         self.export_seconds = time.perf_counter() - start
+        if kept is not None:
+            shutil.copyfile(self.path, kept)
 
     def close(self) -> None:
         self._folder.cleanup()
@@ -181,14 +192,16 @@ class Peer:
     `setup_seconds` is the export plus the runtime's own build (session, compile)."""
 
     def __init__(self, name: str, module, example_inputs, dynamic_shapes,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, exported: Exported | None = None) -> None:
         if name not in PEER_SYSTEMS:
             raise KeyError(f"unknown peer {name!r}; known: {', '.join(PEER_SYSTEMS)}")
         self.name = name
         threads = threads or torch.get_num_threads()
         self._check_installed(name)
         start = time.perf_counter()
-        self._exported = _Exported(module, example_inputs, dynamic_shapes)
+        # A shared export is its owner's to close; its seconds count for every peer.
+        self._owns_export = exported is None
+        self._exported = exported or Exported(module, example_inputs, dynamic_shapes)
         try:
             if name.startswith("onnxruntime"):
                 self.runner = OrtRunner(self._exported.path, threads,
@@ -197,9 +210,11 @@ class Peer:
                 self.runner = OpenvinoRunner(self._exported.path, threads,
                                              bf16=name.endswith("bf16"))
         except BaseException:
-            self._exported.close()
+            if self._owns_export:
+                self._exported.close()
             raise
-        self.setup_seconds = time.perf_counter() - start
+        self.setup_seconds = time.perf_counter() - start + (
+            0.0 if self._owns_export else self._exported.export_seconds)
         self.exporter = self._exported.exporter
         self.version = self.runner.version
 
@@ -222,4 +237,5 @@ class Peer:
 
     def close(self) -> None:
         self.runner = None
-        self._exported.close()
+        if self._owns_export:
+            self._exported.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from bench import full_width
+from dynvm.jit.backends.cpu_precision import precision_available
 
 
 @pytest.fixture(scope="module")
@@ -15,8 +16,9 @@ def measured():
     shapes = ((1, 16), (2, 32), (4, 16))
     model = full_width.bert(hidden=32, layers=1, heads=2, ffn=64, vocab=128, shapes=shapes)
     peers = ("onnxruntime",) if _installed("onnxruntime") else ()
+    precisions = ("bf16",) if precision_available("bf16") is None else ()
     return model, full_width.measure(model, warmup=6, calls_per_shape=1, peers=peers,
-                                     log=lambda m: None)
+                                     log=lambda m: None, jit_precisions=precisions)
 
 
 def _installed(name: str) -> bool:
@@ -40,6 +42,9 @@ def test_phases_report_every_shape(measured):
         assert steady["max_abs_error"][system] < 1e-4, system
     assert steady["aa_margin"] >= abs(steady["interp_aa"] - 1.0)
     assert result["season"]["settled"] in (True, False)
+    if "jit-bf16" in steady["x_eager"]:   # the JIT in bf16 beside the others
+        assert set(steady["x_eager"]["jit-bf16"]) == set(model.labels)
+        assert steady["max_abs_error"]["jit-bf16"] < 0.1
     if "onnxruntime" in result["peers"]:
         assert steady["max_abs_error"]["onnxruntime"] < 1e-4
 
