@@ -1,0 +1,286 @@
+"""Generation served under a mixed trace: dynvm's generator replica (continuous
+batching, dynvm.cluster.generate_replica, as `dynvm serve GENERATOR_DIR` deploys it)
+against the same random-weight model in CTranslate2 behind a plain Ray Serve deployment.
+
+    flock /tmp/dynvm_bench.lock python -m bench.serve_generate --clients 1,8 --requests 32
+
+Note [Serving trace]
+~~~~~~~~~~~~~~~~~~~~
+One trace for both systems, fixed by --seed: arrivals a Poisson process of --rate
+requests/s, prompt lengths uniform in [--prompt-min, --prompt-max] tokens, output lengths
+uniform in [--new-min, --new-max] tokens, greedy, every output made to its full length
+(dynvm: ignore_eos; CTranslate2: min_length = max_length). C client threads take the
+trace in order: a request is sent at its arrival time or as soon as a client is free
+after it, and streamed (server-sent events); TTFT is send -> first token event, ITL the
+gaps between a request's token events (as the client sees them: the proxy's hop
+included), tokens/s all tokens / the run's wall time, lost the requests that ended
+without every token. Both systems sit in one Ray cluster behind Serve's proxy, one
+replica each with num_cpus 1 (Ray gives each 1 OpenMP thread; CTranslate2 gets
+intra_threads=1); they run one after the other, each after a warm-up pass of the same
+trace's first requests. The CTranslate2 deployment is what a plain Ray Serve app does:
+each request runs `generate_tokens` on a thread of a pool, the model shared (its own
+queue; no batching across requests). The model: a Llama-style decoder, --width,
+--layers, --vocab (random weights, nothing downloaded). The 1-minute load average is
+printed with every row: the host is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+CT2_PREFIX = "/ct2"
+
+
+def build_model(width: int, layers: int, vocab: int):
+    """A random-weight Llama-style causal LM (4 query heads per key/value head)."""
+    from tests.zoo._schemas import declare_torchvision_schemas
+
+    declare_torchvision_schemas()
+    import torch
+    import transformers as hf
+
+    torch.manual_seed(0)
+    heads = max(4, width // 64)
+    model = hf.LlamaForCausalLM(hf.LlamaConfig(
+        hidden_size=width, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+        num_hidden_layers=layers, intermediate_size=width * 8 // 3, vocab_size=vocab,
+        max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    model.config._attn_implementation = "sdpa"
+    return model.eval()
+
+
+def make_trace(args) -> list[dict]:
+    """The trace (Note [Serving trace]): arrival offset, prompt ids, new tokens."""
+    rng = random.Random(args.seed)
+    at, trace = 0.0, []
+    for _ in range(args.requests):
+        at += rng.expovariate(args.rate)
+        prompt = [rng.randrange(3, args.vocab) for _ in range(
+            rng.randint(args.prompt_min, args.prompt_max))]
+        trace.append({"at": at, "prompt": prompt,
+                      "new": rng.randint(args.new_min, args.new_max)})
+    return trace
+
+
+def _ct2_folder(model, folder: Path) -> Path:
+    """The model converted by CTranslate2's own converter (as bench/generate.py does)."""
+    import ctranslate2
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+        vocab, unk_token="t0")), unk_token="t0", pad_token="t0", bos_token="t1",
+        eos_token="t2")
+    model.save_pretrained(folder / "hf")
+    tokenizer.save_pretrained(folder / "hf")
+    ctranslate2.converters.TransformersConverter(str(folder / "hf")).convert(
+        str(folder / "ct2"), force=True)
+    return folder / "ct2"
+
+
+def _ct2_deployment():
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray import serve
+    from starlette.responses import StreamingResponse
+
+    @serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 1})
+    class Ct2Completions:
+        """CTranslate2 behind a plain Serve deployment: SSE per token, one request per
+        generate_tokens call on a pool thread."""
+
+        def __init__(self, folder: str) -> None:
+            import ctranslate2
+
+            self.model = ctranslate2.Generator(folder, device="cpu", intra_threads=1)
+            self.pool = ThreadPoolExecutor(16)
+
+        async def __call__(self, request):
+            doc = json.loads(await request.body())
+            prompt = [f"t{t}" for t in doc["prompt"]]
+            new = int(doc["max_tokens"])
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+
+            def run():
+                try:
+                    for step in self.model.generate_tokens(prompt, max_length=new,
+                                                           min_length=new, sampling_topk=1):
+                        loop.call_soon_threadsafe(queue.put_nowait, step.token_id)
+                finally:
+                    loop.call_soon_threadsafe(queue.put_nowait, None)
+
+            self.pool.submit(run)
+
+            async def events():
+                while (token := await queue.get()) is not None:
+                    yield f'data: {{"choices": [{{"token_ids": [{token}]}}]}}\n\n'
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Ct2Completions
+
+
+def _stream(port: int, path: str, body: dict) -> tuple[float, list[float], int, bool]:
+    """(TTFT, token arrival times, tokens, ended with [DONE]) of one streamed request."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    start = time.perf_counter()
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    times, tokens, done = [], 0, False
+    for line in response:
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        if data == b"[DONE]":
+            done = True
+            break
+        got = len(json.loads(data)["choices"][0].get("token_ids", []))
+        if got:
+            tokens += got
+            times.append(time.perf_counter())
+    conn.close()
+    ttft = times[0] - start if times else float("nan")
+    return ttft, times, tokens, done and response.status == 200
+
+
+def run_trace(port: int, path: str, trace: list[dict], clients: int, model: str) -> dict:
+    """Play the trace with `clients` client threads; TTFT/ITL percentiles, tokens/s."""
+    lock, results = threading.Lock(), []
+    order = iter(range(len(trace)))
+    start = time.perf_counter()
+
+    def client():
+        while True:
+            with lock:
+                index = next(order, None)
+            if index is None:
+                return
+            item = trace[index]
+            delay = start + item["at"] - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            body = {"model": model, "prompt": item["prompt"], "max_tokens": item["new"],
+                    "temperature": 0, "ignore_eos": True, "stream": True}
+            try:
+                outcome = _stream(port, path, body)
+            except OSError:
+                outcome = (float("nan"), [], 0, False)
+            with lock:
+                results.append((item, outcome))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    ttfts = sorted(o[0] for _, o in results if o[1])
+    itls = sorted(b - a for _, o in results for a, b in zip(o[1], o[1][1:]))
+    tokens = sum(o[2] for _, o in results)
+    lost = sum(1 for item, o in results if not o[3] or o[2] != item["new"])
+
+    def pct(values, q):
+        return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else None
+
+    return {"clients": clients, "requests": len(trace), "wall_s": wall,
+            "tokens_per_s": tokens / wall, "tokens": tokens, "lost": lost,
+            "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p99_ms": pct(ttfts, 0.99),
+            "itl_p50_ms": pct(itls, 0.5), "itl_p99_ms": pct(itls, 0.99),
+            "load_1min": os.getloadavg()[0]}
+
+
+def main(argv=None) -> int:
+    """Build the model, deploy both systems in one Ray cluster, play the trace."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", default="1,8")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
+    p.add_argument("--prompt-min", type=int, default=8)
+    p.add_argument("--prompt-max", type=int, default=64)
+    p.add_argument("--new-min", type=int, default=16)
+    p.add_argument("--new-max", type=int, default=96)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--systems", default="dynvm,ctranslate2")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    import ray
+    from ray import serve
+
+    import dynvm
+    from dynvm._serve_generate_bundle import save_generator
+    from dynvm.cluster.generate_replica import generator_application
+    from dynvm.cluster.generate_scheduler import SchedulerConfig
+    from dynvm.cluster.serving_config import ServingConfig
+
+    systems = args.systems.split(",")
+    folder = Path(tempfile.mkdtemp(prefix="dynvm-serve-generate-"))
+    model = build_model(args.width, args.layers, args.vocab)
+    started = time.perf_counter()
+    programs = dynvm.compile_generator(model, max_batch=args.max_batch,
+                                       max_length=args.prompt_max + args.new_max + 8,
+                                       jit=False, kv_state=True).programs
+    save_generator(programs, folder / "gen")
+    print(f"exported in {time.perf_counter() - started:.0f} s", flush=True)
+    ct2 = _ct2_folder(model, folder) if "ctranslate2" in systems else None
+    port = 8000 + random.Random().randrange(1000)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        targets = {}
+        if "dynvm" in systems:
+            serve.run(generator_application("gen", str(folder / "gen"), ServingConfig(
+                device="cpu", num_cpus=1), SchedulerConfig()), name="dynvm-gen",
+                route_prefix="/")
+            targets["dynvm"] = "/v1/completions"
+        if ct2 is not None:
+            serve.run(_ct2_deployment().bind(str(ct2)), name="ct2", route_prefix=CT2_PREFIX)
+            targets["ctranslate2"] = CT2_PREFIX
+        trace = make_trace(args)
+        rows = []
+        for clients in [int(c) for c in args.clients.split(",")]:
+            for system, path in targets.items():
+                run_trace(port, path, trace[:min(8, len(trace))], clients, "gen")  # warm-up
+                row = {"system": system, **run_trace(port, path, trace, clients, "gen")}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        print(report(rows))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def report(rows: list[dict]) -> str:
+    """A markdown table of the rows."""
+    lines = ["| system | clients | tokens/s | TTFT p50/p99 ms | ITL p50/p99 ms | lost | load |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        def f(v):
+            return "-" if v is None else f"{v:.1f}"
+        lines.append(f"| {r['system']} | {r['clients']} | {r['tokens_per_s']:.1f} | "
+                     f"{f(r['ttft_p50_ms'])} / {f(r['ttft_p99_ms'])} | {f(r['itl_p50_ms'])} / "
+                     f"{f(r['itl_p99_ms'])} | {r['lost']} | {r['load_1min']:.1f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
