@@ -41,6 +41,7 @@ class SlotCache:
         self.slot_of: dict[int, int] = {}     # sequence id -> slot
         self.length_of: dict[int, int] = {}   # sequence id -> tokens in its slot
         self.written_bytes = 0                # prompts written into slots
+        self.used = 0   # tokens in all slots: read by other threads, so kept as one int
 
     def __len__(self) -> int:
         return len(self.slot_of)
@@ -54,6 +55,7 @@ class SlotCache:
             slot = heapq.heappop(self.free)
             self.slot_of[seq.id] = slot
             self.length_of[seq.id] = length
+            self.used += length
             for cache, new in zip(self.state.tensors, (*keys, *values)):
                 cache[slot, :, :length] = new[row, :, width - length:]
                 self.written_bytes += new[row].numel() // width * length * new.element_size()
@@ -61,7 +63,7 @@ class SlotCache:
     def release(self, seq) -> None:
         """Give the sequence's slot back (nothing is copied)."""
         slot = self.slot_of.pop(seq.id, None)
-        self.length_of.pop(seq.id, None)
+        self.used -= self.length_of.pop(seq.id, 0)
         if slot is not None:
             heapq.heappush(self.free, slot)
 
@@ -83,8 +85,9 @@ class SlotCache:
                                           self.state.values)
         for seq in seqs:
             self.length_of[seq.id] += 1
+        self.used += len(seqs)
         return logits
 
     def used_tokens(self) -> int:
-        """Tokens the running sequences hold in their slots."""
-        return sum(self.length_of.values())
+        """Tokens the running sequences hold in their slots (any thread)."""
+        return self.used
