@@ -226,3 +226,18 @@ def test_prometheus_series_and_stats(served):
         assert series in text, series
     stats = server.stats()
     assert stats["tokens"] >= 4 and stats["ttft_p50_s"] > 0 and stats["itl_p99_s"] > 0
+
+
+def test_dynvm_top_shows_generation(served):
+    from dynvm._top_cmd import Row
+    from dynvm._top_generate import generation_lines
+
+    server, http_server = served
+    _post(http_server, "/v1/completions", {"prompt": [5], "max_tokens": 3})
+    conn = http.client.HTTPConnection("127.0.0.1", http_server.port, timeout=30)
+    conn.request("GET", f"/v2/models/{MODEL}/stats")
+    stats = json.loads(conn.getresponse().read())
+    conn.close()
+    lines = generation_lines([Row(MODEL, "sample", stats), Row("other", "-", error="down")])
+    assert lines[1] == "generation" and "TTFT p50/p99 ms" in lines[2]
+    assert len(lines) == 4 and lines[3].startswith(MODEL) and "slots" in lines[3]
