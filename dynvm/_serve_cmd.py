@@ -1,12 +1,13 @@
 """`dynvm serve MODEL.dvm`: the one-command embedded default of docs/ARCHITECTURE.md's cluster.
 
-It starts, in order, a private redis-server when the environment names no Redis
-(dynvm.cluster.local_redis), a local Ray (no dashboard), the compile service, Serve's
-HTTP proxy on --host (127.0.0.1 by default), and the model's replicas with their fleet
-links, each replica serving HTTP on a port of its own too (Serve's direct ingress,
-unless `--ingress proxy`: Note [Direct ingress]); prints the URLs; waits for SIGINT or
-SIGTERM. With the default --host every socket of the run, Ray's included, listens on
-loopback only (Note [Loopback listeners] in dynvm.cluster._loopback).
+It starts, in order (dynvm.cluster.local_stack, which Python calls as `serve_local`), a
+private redis-server when the environment names no Redis (dynvm.cluster.local_redis), a
+local Ray (no dashboard), the compile service, Serve's HTTP proxy on --host (127.0.0.1 by
+default), and the model's replicas with their fleet links, each replica serving HTTP on
+a port of its own too (Serve's direct ingress, unless `--ingress proxy`:
+Note [Direct ingress]); prints the URLs; waits for SIGINT or SIGTERM. With the default
+--host every socket of the run, Ray's included, listens on loopback only
+(Note [Loopback listeners] in dynvm.cluster._loopback).
 
 Note [Stopping dynvm serve]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -40,19 +41,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import secrets
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dynvm._env import (
-    REDIS_URL,
     STORE_SECRET,
     EnvVarError,
     child_environment,
     export,
-    store_settings,
 )
 from dynvm._run_cmd import CliError
 
@@ -221,97 +218,37 @@ def _serving_from_args(args) -> ServingConfig:
         raise CliError(str(exc), 2) from None
 
 
-def _store_config(stack: contextlib.ExitStack, say, private: list[LocalRedis]):
-    """The store: the environment's Redis, else a private redis-server (stopped by
-    `stack`, and listed in `private` for a forced stop); the environment's secret, else
-    a random one."""
-    from dynvm.cluster.config import StoreConfig, StoreConfigError
-    from dynvm.cluster.local_redis import LocalRedis, LocalRedisError
-
-    env = child_environment()  # dynvm._env reads the environment; we fill in defaults
-    if not env.get(STORE_SECRET, "").strip():
-        env[STORE_SECRET] = secrets.token_hex(32)
-    try:
-        settings = store_settings(env)
-        if settings.redis_url is not None:
-            say(f"store     Redis from {REDIS_URL}")
-            return StoreConfig.from_env(env)
-    except (EnvVarError, StoreConfigError) as exc:
-        raise CliError(str(exc), 2) from None
-    try:
-        local = LocalRedis().start()
-    except LocalRedisError as exc:
-        raise CliError(str(exc), 1) from None
-    private.append(local)
-    stack.callback(local.stop)
-    say(f"store     private redis-server on 127.0.0.1:{local.port} (pid {local.pid})")
-    return StoreConfig(secret=settings.secret.encode(), redis=local.config())
-
-
 def _start(options: ServeOptions, stack: contextlib.ExitStack, say, signals: StopSignals,
            private: list[LocalRedis]) -> dict:
-    """Start everything; returns {application: [(host, port)]} of each application's
-    replicas in direct ingress (Note [Direct ingress]), else {}."""
-    from dynvm.cluster._loopback import (
-        is_loopback,
-        loopback_environment,
-        loopback_runtime_env,
-    )
+    """Start everything (dynvm.cluster.local_stack, the store to Serve, then the model);
+    returns {application: [(host, port)]} of each application's replicas in direct
+    ingress (Note [Direct ingress]), else {}."""
+    from dynvm.cluster.config import StoreConfigError
+    from dynvm.cluster.ingress import direct_addresses
+    from dynvm.cluster.local_redis import LocalRedisError
+    from dynvm.cluster.local_stack import LocalStackError, start_local_stack
 
-    loopback = is_loopback(options.host)
-    if loopback:  # before Ray is first imported: Note [Loopback listeners]
-        export(loopback_environment())
-    import ray
-    from ray import serve
-
-    from dynvm.cluster._deployment import serve_models, start_serve
-    from dynvm.cluster.compile_service import (
-        NAMESPACE,
-        SERVICE_NAME,
-        start_compile_service,
-        stop_compile_service,
-    )
-    from dynvm.cluster.fleet_link import FleetOptions
-    from dynvm.cluster.ingress import direct_addresses, ingress_environment
-    from dynvm.cluster.proxy_guard import ProxyLimits
-
-    store = _store_config(stack, say, private)
-    proxy = ProxyLimits()
-    # Serve's proxy (or, in direct ingress, each replica's own HTTP server) takes
-    # dynvm's guard only from its environment, and Serve its ingress mode: Ray's
-    # processes inherit both from this one (Notes [Limits at the proxy], [Direct ingress]).
-    export({**proxy.environment(), **ingress_environment(options.serving.ingress)})
-    ray.init(include_dashboard=False, log_to_driver=False,
-             runtime_env=loopback_runtime_env() if loopback else None)
-    stack.callback(ray.shutdown)
-    signals.install()  # Ray installed its own SIGTERM handlers (Note [Stop signals])
-    if loopback and not is_loopback(ray.util.get_node_ip_address()):
-        raise CliError(f"Ray took {ray.util.get_node_ip_address()} as this node's "
-                       f"address, not loopback: its sockets would listen on every "
-                       f"interface (Note [Loopback listeners]); give --host to serve on "
-                       f"another address on purpose", 1)
-    say(f"ray       local, {int(ray.cluster_resources().get('CPU', 0))} CPUs")
-    # The compile service's actor and Serve's controller and proxies start at once (each
-    # is a new worker process: seconds on a small host); replicas need both.
-    shards = options.service_shards
-    stack.callback(stop_compile_service, SERVICE_NAME, NAMESPACE, shards)
-    with ThreadPoolExecutor(1, thread_name_prefix="dynvm-serve-start") as pool:
-        service = pool.submit(start_compile_service, store, name=SERVICE_NAME,
-                              namespace=NAMESPACE, gpu_targets=options.gpu_targets,
-                              shards=shards)
-        stack.callback(serve.shutdown)
-        start_serve(options.host, options.port, proxy, grpc_port=options.grpc_port)
-        service.result()
-    say("compile   service started")
+    try:
+        # Ray installs its own SIGTERM handlers: ours go back after it (Note [Stop signals]).
+        fleet = start_local_stack(options.serving, stack, host=options.host,
+                                  port=options.port, grpc_port=options.grpc_port,
+                                  service_shards=options.service_shards,
+                                  gpu_targets=options.gpu_targets, say=say,
+                                  after_ray_init=signals.install, private=private)
+    except (EnvVarError, StoreConfigError) as exc:
+        raise CliError(str(exc), 2) from None
+    except (LocalRedisError, LocalStackError) as exc:
+        raise CliError(str(exc), 1) from None
     if options.generate is not None:  # a generator: its own application (at /)
         from dynvm._serve_generate_cmd import deploy
 
         handles = deploy(options)
         return direct_addresses(handles) if options.serving.ingress == "direct" else {}
+    # Imported once Ray is (Serve's module imports Ray: Note [Loopback listeners]).
+    from dynvm.cluster._deployment import serve_models
+
     handles = serve_models({options.name: options.model_path}, options.serving,
-                           fleet=FleetOptions(store, SERVICE_NAME, NAMESPACE,
-                                              gpu_targets=options.gpu_targets,
-                                              service_shards=shards))
+                           fleet=fleet)
     return direct_addresses(handles) if options.serving.ingress == "direct" else {}
 
 
