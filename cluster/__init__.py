@@ -51,6 +51,7 @@ _SERVING = {
     "model_application": "dynvm.cluster._deployment",
     "serve_models": "dynvm.cluster._deployment",
     "start_serve": "dynvm.cluster._deployment",
+    "serve_local": "dynvm.cluster.local_stack",
     "KernelKeeper": "dynvm.cluster.kernel_keeper",
     "keep_kernels": "dynvm.cluster.kernel_keeper",
 }
