@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from pathlib import Path
 
 from ray import serve
 from starlette.requests import Request
@@ -82,15 +83,37 @@ class GeneratorServer:
         self.programs = bundle.programs
         self.generator = dynvm.Generator(bundle.programs, pick_device(config.device),
                                          jit=config.jit, compile_ahead=False)
+        # Warm start (Note [Fleet promotion]): what the fleet compiled for the programs
+        # this replica runs is installed before it reports ready; one link per Runtime.
+        self.links = self._fleet_links(Path(path), config.fleet)
         self.metrics = GenerateMetrics(self.model_name, export_to_ray=metrics_to_ray)
         self.scheduler = GenerateScheduler(self.generator, scheduler, self.metrics)
         self.request_stats = _InFlight()
         self.draining = False
         self.created = int(time.time())
 
+    def _fleet_links(self, directory: Path, fleet) -> list:
+        """A FleetLink per Runtime the scheduler calls (prefill, and the decode step it
+        uses), each with its .dvm file's bytes; none without a fleet or a JIT."""
+        if fleet is None:
+            return []
+        from dynvm.cluster.compile_service import RayServiceClient
+        from dynvm.cluster.fleet_link import FleetLink
+
+        generator = self.generator
+        decode = (("decode_kv.dvm", generator.decode_kv) if generator.decode_kv is not None
+                  else ("decode.dvm", generator.decode))
+        client = RayServiceClient.for_fleet(fleet)
+        return [FleetLink(runtime, (directory / name).read_bytes(), fleet, client).start()
+                for name, runtime in (("prefill.dvm", generator.prefill), decode)
+                if runtime.jit is not None]
+
     def close(self) -> None:
-        """Stop the scheduler (sequences still running end in an error) and the JIT."""
+        """Stop the scheduler (sequences still running end in an error), the fleet links
+        and the JIT."""
         self.scheduler.close()
+        for link in self.links:
+            link.close()
         self.generator.close()
 
     def __del__(self) -> None:
@@ -105,7 +128,8 @@ class GeneratorServer:
     def stats(self) -> dict:
         """Scheduler counters, occupancy and the latency snapshot."""
         return {"model": self.model_name, "scheduler": dict(self.scheduler.counters),
-                **self.metrics.snapshot(), **self.scheduler.occupancy()}
+                **self.metrics.snapshot(), **self.scheduler.occupancy(),
+                "fleet": [link.stats() for link in self.links]}
 
     # ------------------------------------------------------------------ HTTP
 
@@ -360,8 +384,8 @@ def generator_application(name: str, path: str, config: ServingConfig | None = N
 def serve_generator(name: str, path: str, config: ServingConfig | None = None,
                     scheduler: SchedulerConfig | None = None) -> dict:
     """Deploy a generator as the one application at route prefix `/` (Serve must be
-    started). In direct ingress, waits for the replica's port. Returns {app name:
-    DeploymentHandle}."""
+    started; with `config.fleet`, the compile service too). In direct ingress, waits for
+    the replica's port. Returns {app name: DeploymentHandle}."""
     from dynvm.cluster.http_front import model_app_name
     from dynvm.cluster.ingress import direct_addresses
 

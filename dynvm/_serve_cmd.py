@@ -242,7 +242,7 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say, signals: Sto
     if options.generate is not None:  # a generator: its own application (at /)
         from dynvm._serve_generate_cmd import deploy
 
-        handles = deploy(options)
+        handles = deploy(options, fleet)
         return direct_addresses(handles) if options.serving.ingress == "direct" else {}
     # Imported once Ray is (Serve's module imports Ray: Note [Loopback listeners]).
     from dynvm.cluster._deployment import serve_models

@@ -60,12 +60,14 @@ def is_generator(path: str) -> bool:
     return is_generator_bundle(path)
 
 
-def deploy(options) -> dict:
-    """Deploy the generator of `options` (ServeOptions); Serve must be started."""
+def deploy(options, fleet) -> dict:
+    """Deploy the generator of `options` (ServeOptions) with its replicas linked to the
+    fleet (`FleetOptions`: the compile service and the kernel store); Serve must be
+    started."""
     from dynvm.cluster.generate_replica import serve_generator
 
-    return serve_generator(options.name, options.model_path, options.serving,
-                           options.generate)
+    return serve_generator(options.name, options.model_path,
+                           options.serving.replace(fleet=fleet), options.generate)
 
 
 def hint(options, base: str, replicas: list[str]) -> str:

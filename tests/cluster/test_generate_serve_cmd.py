@@ -1,7 +1,8 @@
 """`dynvm serve GENERATOR_DIR` as a real subprocess (local Ray, Serve's proxy, the
 generator replica): the `openai` client and `curl -N` stream completions equal to
 `Generator.generate`'s tokens, a client that disconnects through Serve's proxy has its
-sequence freed, every sequence is freed at the end, and SIGINT stops the command."""
+sequence freed, every sequence is freed at the end, the replica's Runtimes are linked
+to the compile service, and SIGINT stops the command."""
 
 from __future__ import annotations
 
@@ -105,6 +106,8 @@ def test_serve_generator_streams_to_openai_and_curl(tmp_path):
         assert counters["cancelled"] == 1 and counters["tokens"] < 10 + 7 + 62, counters
         assert counters["admitted"] == counters["freed"] == 3, counters
         assert stats["cache_rows"] == 0 and stats["reserved_tokens"] == 0, stats
+        # The prefill and decode Runtimes are each linked to the compile service.
+        assert len(stats["fleet"]) == 2 and all(f["service_ok"] for f in stats["fleet"])
     finally:
         process.send_signal(signal.SIGINT)
         try:
