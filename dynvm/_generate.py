@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dynvm._generation_ahead import LengthBucketsAhead
+from dynvm._generation_ahead import LengthBucketsAhead, StepAhead
 from dynvm._generation_export import GeneratorPrograms, export_generator
 from dynvm._kv_state import KvState
 from dynvm._runtime import Runtime
@@ -69,6 +69,8 @@ class Generator:
         # Note [Compiling the next length bucket] (the state's step has no growing dim)
         self._ahead = LengthBucketsAhead(self.decode) if compile_ahead and \
             self.decode_kv is None else None
+        self._step_ahead = StepAhead(self.decode_kv) if compile_ahead and \
+            self.decode_kv is not None else None
         self.device = self.prefill.device
         self._generations = 0
         self._decode_steps = 0
@@ -115,6 +117,8 @@ class Generator:
             if self.state is not None:
                 logits = self._counted(self.decode_kv, token[:, None], slots, lengths,
                                        self.state.keys, self.state.values)
+                if self._step_ahead is not None:
+                    self._step_ahead.after_step()
                 lengths = lengths + 1
                 continue
             position = mask.sum(dim=-1, keepdim=True)

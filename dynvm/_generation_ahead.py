@@ -88,6 +88,39 @@ class LengthBucketsAhead:
                                                       2 * cost, cost))
 
 
+class StepAhead:
+    """The decode step over the KV cache as state has no growing dim: its signature at a
+    batch size recurs every step, so it is promoted exactly, at once, after its first
+    call instead of after K of them (the rest of Note [Compiling the next length bucket]
+    holds as is); `after_step()` after each step."""
+
+    def __init__(self, runtime) -> None:
+        self.jit = runtime.jit
+        self.requested = 0
+        self._seen: set[tuple] = set()
+
+    def after_step(self) -> None:
+        """Promote the last profiled signature of each region, once per signature."""
+        jit = self.jit
+        if jit is None or not jit.compiles_locally():
+            return
+        for region_jit in list(jit.regions.values()):
+            with region_jit._lock:
+                recent = region_jit.profile._recent
+                if not recent or (region_jit.region.index, recent[-1]) in self._seen:
+                    continue
+                signature = recent[-1]
+                self._seen.add((region_jit.region.index, signature))
+                if signature in region_jit.pending or signature in region_jit.strong:
+                    continue
+                region_jit.pending.add(signature)
+                region_jit.counters.promotions += 1
+            cost = jit.estimated_compile_seconds(len(region_jit.region))
+            self.requested += 1
+            jit.promote(region_jit, signature, Decision(True, 0, region_jit.threshold,
+                                                        2 * cost, cost))
+
+
 def _moved(family: Family, bucket: tuple[int, int], to: tuple[int, int]) -> Family | None:
     """`family` with every varying dim whose bounds are `bucket` moved to `to`; None when
     no dim moved."""

@@ -167,3 +167,25 @@ def test_length_buckets_compiled_ahead(built):
                                                             stop_tokens=()))
     assert counts[False].specialized_steps == 0, counts
     assert counts[True].specialized_steps >= counts[True].decode_steps - 2, counts
+
+
+def test_state_step_promoted_after_its_first_call(built):
+    """The KV-state decode step has no growing dim: compile-ahead promotes its exact
+    signature after the first step (StepAhead), so with a recurrence threshold no step
+    reaches, the first generation runs every step but the first specialized."""
+    kind, _, programs = built
+    if kind != "llama":
+        pytest.skip("the rule does not depend on the architecture: checked on llama")
+    never = eager_config(families=True, min_recurrence=1000, max_recurrence=1000,
+                         window=1000)
+    ids, mask = left_padded((6,), seed=9)
+    counts = {}
+    for ahead in (False, True):
+        with dynvm.Generator(programs, jit=never, compile_ahead=ahead) as generator:
+            tokens = generator.generate(ids, mask, max_new_tokens=12, stop_tokens=())
+            counts[ahead] = generator.stats()
+        with dynvm.Generator(programs, jit=False) as interpreter:
+            assert torch.equal(tokens, interpreter.generate(ids, mask, max_new_tokens=12,
+                                                            stop_tokens=()))
+    assert counts[False].specialized_steps == 0, counts
+    assert counts[True].specialized_steps == counts[True].decode_steps - 1, counts
