@@ -7,7 +7,9 @@ constant indices in range, jump targets inside the code, control never falling o
 end, every read register defined on every path to it, and each register holding one kind
 of value (tensor or scalar) throughout.
 
-The signature is checked too, not only the code (Note [Program signature]).
+The signature is checked too, not only the code (Note [Program signature]), and so are
+the state inputs a stateful program writes in place (Note [KV cache as state] in
+dynvm.vm.ops_kv): every cache operand of a KV instruction traces back to one.
 
 Note [Program signature]
 ~~~~~~~~~~~~~~~~~~~~~~~~
