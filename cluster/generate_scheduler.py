@@ -348,13 +348,16 @@ class GenerateScheduler:
     def _arrivals(self) -> list[Sequence]:
         """Waiting sequences that start in this step (called with the lock held)."""
         budget = self.config.step_token_budget - len(self._running)
+        now = time.monotonic()
+        for seq in [s for s in self._waiting if s.cancelled or now > s.deadline]:
+            self._waiting.remove(seq)  # a waiting one is freed at the next step too
+            if seq.cancelled:
+                self._end(seq, "cancelled")
+            else:
+                self._end(seq, "error", self._timeout(seq))
         joining: list[Sequence] = []
         while self._waiting:
             seq = self._waiting[0]
-            if seq.cancelled:
-                self._waiting.popleft()
-                self._end(seq, "cancelled")
-                continue
             if len(self._running) + len(joining) >= self.max_sequences:
                 break
             if self._reserved + seq.reserved > self.cache_tokens:
@@ -367,6 +370,11 @@ class GenerateScheduler:
             seq.reserving = True
             joining.append(seq)
         return joining
+
+    def _timeout(self, seq: Sequence) -> GenerateTimeout:
+        return GenerateTimeout(f"the request ran past its budget of "
+                               f"{self.config.request_seconds:g} s after {len(seq.tokens)} "
+                               f"tokens")
 
     def _prefill_width(self, seqs: list[Sequence]) -> int:
         longest = max(len(s.request.prompt) for s in seqs)
@@ -387,9 +395,7 @@ class GenerateScheduler:
             if seq.finish_reason is None and seq.cancelled:
                 self._end(seq, "cancelled")
             elif seq.finish_reason is None and now > seq.deadline:
-                self._end(seq, "error", GenerateTimeout(
-                    f"the request ran past its budget of {self.config.request_seconds:g} s "
-                    f"after {len(seq.tokens)} tokens"))
+                self._end(seq, "error", self._timeout(seq))
         rows = [i for i, seq in enumerate(self._running) if seq.finish_reason is None]
         if len(rows) == len(self._running):
             return
