@@ -1,11 +1,16 @@
 """What every test shares: the Hypothesis profiles (Note [Fuzz profiles] in
 tests/_fuzz.py), loaded before any test module builds its settings, the run's seed in the
-session header and a replay command under each failing property-based test."""
+session header and a replay command under each failing property-based test; and the zoo's
+exports, started in a second process once the session's tests are known (Note [Zoo
+exports ahead] in tests/zoo/_zoo_exports.py)."""
 
 from __future__ import annotations
 
 import secrets
 import shlex
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -54,3 +59,28 @@ def pytest_runtest_makereport(item, call):
     if report.failed and getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
         command = ["scripts/test", *_replay_options(item.config), item.nodeid]
         report.sections.append(("replay", shlex.join(command)))
+
+
+# The test files whose tests are parametrized by a zoo entry's name and export it.
+_ZOO_EXPORTERS = ("tests/zoo/test_zoo.py", "tests/jit/test_abstract_zoo.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Start exporting the selected zoo models ahead, in the order the tests need them
+    (Note [Zoo exports ahead]); not for a session that selects one model or none."""
+    names: list[str] = []
+    for item in items:
+        name = getattr(getattr(item, "callspec", None), "params", {}).get("name")
+        if name is not None and item.nodeid.split("::")[0] in _ZOO_EXPORTERS \
+                and name not in names:
+            names.append(name)
+    if len(names) > 1:
+        from tests.zoo import _zoo_exports
+
+        _zoo_exports.start(Path(tempfile.mkdtemp(prefix="dynvm-zoo-exports-")), names)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the zoo's export process if it is still running."""
+    if "tests.zoo._zoo_exports" in sys.modules:
+        sys.modules["tests.zoo._zoo_exports"].stop()
