@@ -30,6 +30,7 @@ import time
 import uuid
 from pathlib import Path
 
+from opentelemetry import propagate
 from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -57,6 +58,7 @@ from dynvm.cluster.http_errors import error_response, json_response, server_faul
 from dynvm.cluster.http_front import MODEL_VERSION, check_model_name, read_body
 from dynvm.cluster.replica import pick_device
 from dynvm.cluster.serving_config import ServingConfig
+from dynvm.telemetry import Telemetry
 from dynvm.vm.errors import InputError
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -74,7 +76,8 @@ class GeneratorServer:
     itself, without Serve: `GeneratorReplica` is its deployment; tests build it directly."""
 
     def __init__(self, model_name: str, path: str, config: ServingConfig | None = None,
-                 scheduler: SchedulerConfig | None = None, metrics_to_ray: bool = True) -> None:
+                 scheduler: SchedulerConfig | None = None, metrics_to_ray: bool = True,
+                 telemetry: Telemetry | None = None) -> None:
         config = config if config is not None else ServingConfig()
         self.model_name = check_model_name(model_name)
         self.config = config
@@ -88,6 +91,9 @@ class GeneratorServer:
         self.links = self._fleet_links(Path(path), config.fleet)
         self.metrics = GenerateMetrics(self.model_name, export_to_ray=metrics_to_ray)
         self.scheduler = GenerateScheduler(self.generator, scheduler, self.metrics)
+        # A span per generation (Note [Global tracer provider]): OTEL_* in the replica's
+        # environment, else the application's global provider, else none.
+        self.telemetry = telemetry if telemetry is not None else Telemetry.from_env()
         self.request_stats = _InFlight()
         self.draining = False
         self.created = int(time.time())
@@ -210,17 +216,18 @@ class GeneratorServer:
         completion = parse_openai(bytes(body), self.model_name, self.tokenizer)
         shape = _OpenAIShape(self.model_name, self.created)
         shape.prompt_tokens = len(completion.request.prompt)
-        return await self._serve(completion, shape)
+        return await self._serve(completion, shape, _trace_headers(request))
 
     async def _generate(self, request, path) -> Response:
         body = await read_body(request, self.config.max_body_bytes)
         stream = path.endswith("_stream")
         completion = parse_v2_generate(bytes(body), self.tokenizer, stream)
-        return await self._serve(completion, _V2Shape(self.model_name))
+        return await self._serve(completion, _V2Shape(self.model_name),
+                                 _trace_headers(request))
 
     # ------------------------------------------------------------------ generation
 
-    async def _serve(self, completion: Completion, shape) -> Response:
+    async def _serve(self, completion: Completion, shape, trace: dict | None) -> Response:
         openai = isinstance(shape, _OpenAIShape)
         if self.draining:
             return self._error(openai, f"model {self.model_name!r} is shutting down on this "
@@ -238,7 +245,7 @@ class GeneratorServer:
                                f"after {self.config.limits.retry_after_s} s", 503,
                                headers=self._retry())
         text = TextStream(self.tokenizer, completion.stop_strings)
-        pieces = self._pieces(seq, events, text)
+        pieces = self._pieces(seq, events, text, trace)
         if completion.stream:
             return StreamingResponse(self._events(seq, text, pieces, shape), 200,
                                      SSE_HEADERS, media_type="text/event-stream")
@@ -263,7 +270,8 @@ class GeneratorServer:
     def _reason(seq, text: TextStream) -> str:
         return "stop" if text.stopped else (seq.finish_reason or "stop")
 
-    async def _pieces(self, seq, events: asyncio.Queue, text: TextStream):
+    async def _pieces(self, seq, events: asyncio.Queue, text: TextStream,
+                      trace: dict | None):
         """(token, text piece) per token until the sequence ends; raises its error. On
         exit (the end, a stop string, a client gone) the sequence is cancelled if it
         still runs."""
@@ -282,6 +290,31 @@ class GeneratorServer:
             if seq.finish_reason is None:
                 seq.cancel()
                 self.scheduler.wake()
+            self._span(seq, text, trace)
+
+    def _span(self, seq, text: TextStream, trace: dict | None) -> None:
+        """A `dynvm.generate` span from the sequence's arrival to now, child of the
+        request's traceparent, with its time to first token, tokens and end."""
+        telemetry = self.telemetry
+        if not telemetry.enabled:
+            telemetry = Telemetry.from_global()
+            if telemetry is None:
+                return
+        now = time.monotonic()
+        start = time.time_ns() - int((now - seq.arrived) * 1e9)
+        parent = propagate.extract(trace) if trace else None
+        span = telemetry.tracer.start_span("dynvm.generate", context=parent, start_time=start)
+        first = seq.first_token_at
+        span.set_attributes({
+            "dynvm.model": self.model_name,
+            "dynvm.generate.prompt_tokens": len(seq.request.prompt),
+            "dynvm.generate.completion_tokens": len(text.ids),
+            "dynvm.generate.finish_reason": self._reason(seq, text) if seq.finish_reason
+            or text.stopped else "cancelled",
+            "dynvm.generate.ttft_s": -1.0 if first is None else first - seq.arrived,
+            "dynvm.generate.tokens_per_s": (len(text.ids) / (now - first)
+                                            if first is not None and now > first else 0.0)})
+        span.end()
 
     async def _events(self, seq, text: TextStream, pieces, shape):
         """The SSE body: a chunk per token, then one with the finish reason (and any text
@@ -352,6 +385,12 @@ class _V2Shape:
 
     def error(self, message: str, status: int) -> dict:
         return {"error": v2.cut(message, 1000)}
+
+
+def _trace_headers(request: Request) -> dict | None:
+    """The request's W3C trace-context headers, if it has any."""
+    return {k: request.headers[k] for k in ("traceparent", "tracestate")
+            if k in request.headers} or None
 
 
 def json_response_with(doc, status: int, headers: dict | None) -> Response:

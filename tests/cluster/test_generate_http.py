@@ -241,3 +241,27 @@ def test_dynvm_top_shows_generation(served):
     lines = generation_lines([Row(MODEL, "sample", stats), Row("other", "-", error="down")])
     assert lines[1] == "generation" and "TTFT p50/p99 ms" in lines[2]
     assert len(lines) == 4 and lines[3].startswith(MODEL) and "slots" in lines[3]
+
+
+def test_a_span_per_generation_joins_the_requests_trace(served):
+    from dynvm.telemetry import Telemetry
+
+    server, http_server = served
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    saved, (server.telemetry, spans) = server.telemetry, Telemetry.in_memory()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", http_server.port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"prompt": [5, 6], "max_tokens": 5, "temperature": 0, "ignore_eos": True}),
+            {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        server.telemetry = saved
+    [span] = [s for s in spans.get_finished_spans() if s.name == "dynvm.generate"]
+    assert format(span.context.trace_id, "032x") == trace_id
+    attributes = span.attributes
+    assert attributes["dynvm.generate.completion_tokens"] == 5
+    assert attributes["dynvm.generate.prompt_tokens"] == 2
+    assert attributes["dynvm.generate.finish_reason"] == "length"
+    assert 0 < attributes["dynvm.generate.ttft_s"] < span.end_time / 1e9
