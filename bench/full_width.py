@@ -28,6 +28,14 @@ system (the peers get the same count, Note [ONNX peers] in bench.peers):
 
 Each system's outputs at the first steady call of every shape are compared with eager's:
 the largest absolute difference is stated (peers in bf16/int8 are not fp32).
+
+`--jit-precisions bf16,int8-dynamic` adds the JIT in that precision (JitConfig.precision,
+Note [Lower-precision GEMMs] in dynvm.jit.backends.cpu_precision) as systems jit-bf16 and
+jit-int8: not in the warm-up (phase 1 is the fp32 JIT's), seasoned after the fp32 JIT
+with the same cap, timed in the same steady rotation, and held against the peers of its
+own precision (openvino-bf16, onnxruntime-int8) in columns of their own. `--cache DIR`
+keeps each model's program and ONNX export (`--prepare` fills it, untimed, outside the
+benchmark lock), so that a timed run is the phases alone.
 """
 
 from __future__ import annotations
@@ -236,7 +244,7 @@ def _settle(model, systems, jit, log, cap_s: float = SETTLE_SECONDS) -> dict:
             "compile_seconds": stats["compile_seconds"]}
 
 
-def _steady(model, systems, jit, calls_per_shape: int, log) -> dict:
+def _steady(model, systems, jit, calls_per_shape: int, log, deadline=None) -> dict:
     """Phase 3: every system interleaved, the JIT's queue drained before each call."""
     order = list(systems)
     n = len(model.inputs)
@@ -248,8 +256,17 @@ def _steady(model, systems, jit, calls_per_shape: int, log) -> dict:
     paired = {"jit": [], "interp_b": []}
     errors = {name: 0.0 for name in order if name != "eager"}
     checked: set[int] = set()
-    started = time.perf_counter()
+    started = round_started = time.perf_counter()
+    done, last_round = 0, 0.0
     for step in range(steps):
+        if step % n == 0 and step:
+            now = time.perf_counter()
+            last_round, round_started = now - round_started, now
+            # Whole rounds of the shapes only, so every shape has as many calls.
+            if deadline is not None and time.monotonic() + last_round > deadline:
+                log(f"[{model.name}] steady stopped at {step} calls: --budget-seconds")
+                break
+        done = step + 1
         index = stream_input(step, n, len(order))
         x, label = model.inputs[index], model.labels[index]
         for runtime in _jits(systems).values():
@@ -268,7 +285,8 @@ def _steady(model, systems, jit, calls_per_shape: int, log) -> dict:
         if (step + 1) % max(1, steps // 4) == 0:
             log(f"[{model.name}] steady {step + 1}/{steps} calls, "
                 f"{time.perf_counter() - started:.0f} s")
-    return {"calls": steps, "wall_seconds": time.perf_counter() - started,
+    return {"calls": done,
+            "wall_seconds": time.perf_counter() - started,
             "x_eager": {name: {label: statistics.median(r) for label, r in by.items() if r}
                         for name, by in ratios.items()},
             "jit_over_interp": statistics.median(paired["jit"]),
@@ -307,7 +325,7 @@ def prepare(model: FullWidthModel, cache: Path | None, with_onnx: bool = False, 
 
 def measure(model: FullWidthModel, warmup: int, calls_per_shape: int, peers=(),
             log=print, settle_s: float = SETTLE_SECONDS, jit_precisions=(),
-            cache: Path | None = None) -> dict:
+            cache: Path | None = None, deadline: float | None = None) -> dict:
     """One model's result (Note [Full-width timing]); `jit_precisions` ("bf16",
     "int8-dynamic") add the JIT in that precision as a system ("jit-bf16", "jit-int8"),
     seasoned after the fp32 JIT and timed beside it in the steady phase."""
@@ -346,7 +364,7 @@ def measure(model: FullWidthModel, warmup: int, calls_per_shape: int, peers=(),
         systems.update(built)
         warm = _warmup(model, systems, jit, warmup, log)
         seasoned = _settle(model, systems, jit, log, settle_s)
-        steady = _steady(model, systems, jit, calls_per_shape, log)
+        steady = _steady(model, systems, jit, calls_per_shape, log, deadline)
     finally:
         for runtime in (interp, interp_b, *_jits(systems).values()):
             runtime.close()
@@ -503,6 +521,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cache", type=Path, metavar="DIR",
                         help="keep each model's program and ONNX export in DIR and reuse "
                              "them (their seconds are then a load's)")
+    parser.add_argument("--budget-seconds", type=float,
+                        help="stop the steady phase after the last whole round of shapes "
+                             "that fits this many seconds from the start")
     parser.add_argument("--prepare", action="store_true",
                         help="no run: fill --cache (untimed: run it outside the lock)")
     parser.add_argument("--threads", type=int, default=2)
@@ -548,8 +569,10 @@ def main(argv=None) -> int:
             prepare(model, args.cache, with_onnx=bool(peers), log=log)
             continue
         precisions = [p.strip() for p in args.jit_precisions.split(",") if p.strip()]
+        deadline = None if args.budget_seconds is None else \
+            time.monotonic() - (time.time() - started) + args.budget_seconds
         models.append(measure(model, warmup, calls, peers, log, args.settle_seconds,
-                              precisions, args.cache))
+                              precisions, args.cache, deadline))
     if args.prepare:
         return 0
     run = {"command": "python -m bench.full_width " + " ".join(argv or sys.argv[1:]),
