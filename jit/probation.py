@@ -23,8 +23,10 @@ measurement decides:
   a list copy. It ran on the call once, so a shadow call took the interpreter's time
   plus the kernel's: at BERT-base width, with 11-13 warm-up calls per shape, two of
   them at a shape put its p90 near 1 + the kernel's ratio (~1.85x the interpreter's,
-  by that arithmetic), where the speed issue's bar is 1.1x. Under the synchronous
-  switch the pair runs on the call, before it. The specialized side is also charged
+  by that arithmetic), where the speed issue's bar is 1.1x. The verdict the samples
+  reach is acted on by the next hit, on its call's thread (a drop may detach the
+  region, Note [Detached regions], which counts the call in progress). Under the
+  synchronous switch the pair runs on the call, before it. The specialized side is also charged
   the time of building the call's signature (measured in the same shadow call): the
   interpreter alone, with no JIT, pays none, and in a region of a few microseconds
   (a loop body: ~5 us of signing and bookkeeping against ~20 us of work) that is what

@@ -96,6 +96,7 @@ class RegionJit(RegionWatch):
         self._steps = tuple(engine.interpreter.region_steps(region.index))
         self._verdicts: deque[float] = deque(maxlen=8)   # recent measured ratios
         self._shadow_ids = itertools.count()   # shadow samples' queue keys
+        self._verdicts_due: deque = deque()     # (spec, probation, ratio) from them
         self._resolve_seconds = 0.0   # spent resolving new layouts (Note [Probation])
         self._policy_inputs: tuple[float, float] | None = None
         self._clipped: dict[str, str] = {}
@@ -134,6 +135,8 @@ class RegionJit(RegionWatch):
             self.counters.specialized += 1
             if spec.family is not None:
                 self._family_hit(signature, spec)
+            if self._verdicts_due:
+                self._decide_due()
             return None
         if self._cold:  # a miss, not profiled: nothing more can be promoted here
             self._cold -= 1
@@ -309,7 +312,19 @@ class RegionJit(RegionWatch):
         resolving = self._resolve_seconds / max(1, self._region_calls())
         ratio = probation.add(seconds + (signing + resolving) * (1.0 + share), interpreted)
         if ratio is not None and spec.probation is probation:
-            self._decide(spec, ratio)
+            # Acted on by the next hit, on its call's thread: a verdict may detach the
+            # region (Note [Detached regions]), which counts the call in progress.
+            self._verdicts_due.append((spec, probation, ratio))
+
+    def _decide_due(self) -> None:
+        """The verdicts the background shadow samples reached (Note [Probation])."""
+        while self._verdicts_due:
+            try:
+                spec, probation, ratio = self._verdicts_due.popleft()
+            except IndexError:   # another thread took it
+                return
+            if spec.probation is probation:
+                self._decide(spec, ratio)
 
     def _interpret(self, regs: list) -> float | None:
         """Seconds the interpreter takes over the region on `regs` (None if it raised:

@@ -194,10 +194,12 @@ def test_a_shadow_call_charges_the_regions_layout_resolution():
     region_jit._resolve_seconds = 1.0 + region_jit._region_calls()
     for _ in range(EARLY_SAMPLES + 1):
         region_jit.enter(regs.copy())
-    # The shadow samples run on the compile worker (Note [Probation]).
+    # The shadow samples run on the compile worker; a hit acts on their verdict
+    # (Note [Probation]).
     deadline = time.monotonic() + 60
     while spec.probation is not None and time.monotonic() < deadline:
         time.sleep(0.01)
+        region_jit.enter(regs.copy())
     assert spec.probation is None and spec.ratio >= EARLY_LOSS
     assert runtime.stats()["probation"]["drops"] == 1
 
