@@ -56,6 +56,12 @@ def test_report_and_docs_block(measured, tmp_path):
            "loadavg_start": (1.0, 1.0, 1.0), "loadavg_end": (1.0, 1.0, 1.0),
            "models": [result]}
     text = full_width.markdown(run)
+    # --keep: an earlier run's model the later run did not measure, under its own line
+    other = {**result, "name": "resnet50-224"}
+    kept = full_width.keep_models({**run, "models": [result]},
+                                  {**run, "started": "earlier", "models": [result, other]})
+    assert [m["name"] for m in kept["models"]] == [result["name"], "resnet50-224"]
+    assert "From the run of earlier" in full_width.markdown(kept)
     assert "| 2x32 |" in text and "JIT / best fp32 peer" in text and "Warm-up" in text
     doc = tmp_path / "BENCHMARKS.md"
     doc.write_text("# Benchmarks\n\nhand-written text\n")

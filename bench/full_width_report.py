@@ -1,0 +1,127 @@
+"""The report of `python -m bench.full_width` (Note [Full-width timing] in
+bench/full_width.py): per model the steady table, each JIT against the peers of its
+precision, the warm-up table and the compile seconds; and the merge of an earlier run's
+models into a report (`--keep`)."""
+
+from __future__ import annotations
+
+import statistics
+
+WARMUP_BAR = 1.1         # the speed issue's bar: JIT p90 / interpreter p90 per shape
+
+
+def jit_system(precision: str) -> str:
+    """The system name of the JIT in `precision` ("jit-bf16", "jit-int8")."""
+    return "jit-" + precision.split("-")[0]
+
+
+# A JIT in lower precision is held against the peers in the same precision.
+SAME_PRECISION = {"jit-bf16": ("openvino-bf16",), "jit-int8": ("onnxruntime-int8",)}
+
+
+def _cell(value) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def markdown(run: dict) -> str:
+    """The report: per model a steady table (x eager per shape), the warm-up table and
+    the compile and calibration seconds."""
+    from bench import report
+
+    lines = ["## Full width: BERT-base (4 layers) and ResNet-50 at 224",
+             f"Run of {run['started']}: `{run['command']}`, {run['total_wall_seconds']:.0f} s "
+             f"wall; torch {run['machine']['torch']}, {run['threads']} threads for every "
+             f"system; load average (1 min) {run['loadavg_start'][0]:.2f} at the start, "
+             f"{run['loadavg_end'][0]:.2f} at the end. "
+             f"{report.machine().get('cpu_model', '')}. How it is measured: Note "
+             "[Full-width timing] in bench/full_width.py; peers: Note [ONNX peers] in "
+             "bench/peers.py. The host is shared with other work: the ratios, taken call "
+             "by call, are what is comparable, each with the A/A margin beside it."]
+    for m in run["models"]:
+        steady, warm = m["steady"], m["warmup"]
+        systems = list(steady["x_eager"])
+        lines.append(f"### {m['name']}")
+        if "from_run" in m:
+            r = m["from_run"]
+            lines.append(f"From the run of {r['started']}: `{r['command']}`, "
+                         f"{r['total_wall_seconds']:.0f} s wall; load average (1 min) "
+                         f"{r['loadavg_start'][0]:.2f} at the start, "
+                         f"{r['loadavg_end'][0]:.2f} at the end.")
+        lines.append(
+            f"Steady: {steady['calls']} calls ({steady['calls'] // len(m['labels'])} per "
+            f"shape), x eager, median per shape. JIT / interpreter over the same calls "
+            f"{steady['jit_over_interp']:.3f}; A/A (interpreter B / A) "
+            f"{steady['interp_aa']:.3f}, margin {steady['aa_margin']:.3f}; load "
+            f"{steady['loadavg'][0]:.2f} at its end.")
+        # The JIT runs fp32: it is held against the fp32 peers; bf16 and int8 peers
+        # are columns of their own (Note [ONNX peers]).
+        # Each JIT against the best peer of its own precision (Note [ONNX peers]).
+        peer_names = [s for s in systems if s not in ("interp", "interp_b")
+                      and not s.startswith("jit") and not s.endswith(("-bf16", "-int8"))]
+        versus = {"jit": (peer_names, "JIT / best fp32 peer")}
+        for jit_name, same in SAME_PRECISION.items():
+            present = [p for p in same if p in systems]
+            if jit_name in systems and present:
+                versus[jit_name] = (present, f"{jit_name} / {' or '.join(present)}")
+        table = ["| shape | " + " | ".join(systems) + " | "
+                 + " | ".join(title for _, title in versus.values()) + " |",
+                 "|---|" + "---:|" * (len(systems) + len(versus))]
+        ratios = {name: [] for name in versus}
+        for label in m["labels"]:
+            cells = [steady["x_eager"][s].get(label) for s in systems]
+            compared = []
+            for name, (against, _) in versus.items():
+                best = min((steady["x_eager"][p][label] for p in against), default=None)
+                mine = steady["x_eager"][name].get(label)
+                ratio = mine / best if best and mine else None
+                ratios[name] += [ratio] if ratio is not None else []
+                compared.append(_cell(ratio))
+            table.append(f"| {label} | " + " | ".join(_cell(c) for c in cells) + " | "
+                         + " | ".join(compared) + " |")
+        meds = {s: statistics.median(steady["x_eager"][s].values()) for s in systems}
+        table.append("| median | " + " | ".join(_cell(meds[s]) for s in systems) + " | "
+                     + " | ".join(_cell(statistics.median(r)) if r else "—"
+                                  for r in ratios.values()) + " |")
+        lines.append("\n".join(table))
+        lines.append("Largest |output - eager| at the first steady call of each shape: "
+                     + ", ".join(f"{s} {e:.1e}" for s, e in steady["max_abs_error"].items())
+                     + ".")
+        for name, why in m["unavailable"].items():
+            lines.append(f"- {name} not run: {why}")
+        over = [label for label, s in warm["per_shape"].items()
+                if s["jit_over_interp_p90"] > WARMUP_BAR]
+        lines.append(
+            f"Warm-up: the first {warm['calls']} calls of a cold JIT beside eager and the "
+            f"interpreter, nothing drained ({warm['wall_seconds']:.0f} s, load "
+            f"{warm['loadavg'][0]:.2f} at its end): {warm['compiles']} compiles, "
+            f"{warm['compile_seconds']:.1f} s of compile (calibration included), of it "
+            f"{warm['calibration_seconds']:.1f} s calibration; dynvm.compile (export and "
+            + ("lowering; here a load from --cache" if m.get("program_cached") else "lowering")
+            + f") {m['dynvm_compile_seconds']:.1f} s; seasoning afterwards "
+            f"{m['season']['rounds']} rounds, settled {m['season']['settled']}, compile "
+            f"seconds in all {m['season']['compile_seconds']:.1f}. JIT p90 above "
+            f"{WARMUP_BAR}x the interpreter's: "
+            + (", ".join(over) if over else "no shape") + ".")
+        table = ["| shape | calls | JIT p90 ms | interp. p90 ms | JIT / interp. p90 "
+                 "| JIT max ms | interp. p99 ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for label, s in warm["per_shape"].items():
+            table.append(f"| {label} | {s['calls']} | {s['jit_p90_ms']:.1f} | "
+                         f"{s['interp_p90_ms']:.1f} | {s['jit_over_interp_p90']:.2f} | "
+                         f"{s['jit_max_ms']:.1f} | {s['interp_p99_ms']:.1f} |")
+        lines.append("\n".join(table))
+        if m["peers"]:
+            lines.append("Peers: " + "; ".join(
+                f"{n} {p['version']} ({p['exporter']} export, setup {p['setup_seconds']:.1f} s)"
+                for n, p in m["peers"].items()) + ".")
+    return "\n\n".join(lines) + "\n"
+
+
+def keep_models(run: dict, earlier: dict) -> dict:
+    """`run` with the models of `earlier` it does not have, each marked with the run it
+    comes from (markdown prints that run's line under the model's heading)."""
+    have = {m["name"] for m in run["models"]}
+    origin = {k: earlier[k] for k in ("command", "started", "total_wall_seconds",
+                                      "loadavg_start", "loadavg_end")}
+    kept = [{**m, "from_run": m.get("from_run", origin)} for m in earlier["models"]
+            if m["name"] not in have]
+    return {**run, "models": run["models"] + kept}
