@@ -42,6 +42,10 @@ that call, asymmetric uint8) and returns fp32 with the bias added: what
 `torch.ao.quantization.quantize_dynamic` and ONNX Runtime's dynamic quantization do. No
 casts are needed, and epilogues stay the fp32 ops they were. `reduce_range` (7-bit
 activations) is on only on CPUs without VNNI, whose 16-bit accumulation could saturate.
+An activation whose whole range is below the quantizer's smallest scale (~1e-7) becomes
+zero: the zoo's random-weight mobilenet-v3, whose classifier input is ~1e-8, gives 0
+where fp32 gives 1.6e-8 (relative error 1.0); real models' activations are far larger,
+but a model with such a layer must stay fp32 or bf16.
 
 The accuracy each mode gives per model is stated in docs/BENCHMARKS.md (measured by
 bench/precision_accuracy.py) and held to a tolerance in tests/jit/test_cpu_precision.py.
