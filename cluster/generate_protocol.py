@@ -147,7 +147,10 @@ def _request(doc: dict, prompt: tuple[int, ...], default_temperature: float,
     return GenerationRequest(prompt, max_tokens, sampling, stop_ids)
 
 
-_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None}
+# OpenAI parameters whose other values this server does not implement: refused, never
+# silently ignored.
+_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None,
+                "presence_penalty": 0, "frequency_penalty": 0}
 
 
 def parse_openai(body: bytes, model_name: str, tokenizer) -> Completion:

@@ -131,6 +131,7 @@ def test_v2_generate_and_stop_strings(served):
     ("/v1/completions", {"prompt": list(range(3, 60)), "max_tokens": 16}, 400, "max_tokens"),
     ("/v1/completions", {"model": "other", "prompt": [5]}, 404, "model"),
     ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", {"prompt": [5], "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("/v2/models/tiny/generate", {"input_ids": [5], "parameters": {"top_p": 0}}, 400, None),
     ("/v2/models/tiny/generate", {"parameters": {}}, 400, None),
     ("/v2/models/other/generate", {"input_ids": [5]}, 404, None),
