@@ -18,7 +18,8 @@ from dynvm._run_cmd import CliError
 def add_generate_arguments(parser) -> None:
     """The generator's flags (`dynvm serve`'s "generation" group)."""
     group = parser.add_argument_group(
-        "generation", "for a generator directory (dynvm.save_generator's): OpenAI "
+        "generation", "for a generator directory (dynvm._serve_generate_bundle."
+        "save_generator): OpenAI "
         "/v1/completions and /v2/models/<name>/generate[_stream], continuous batching")
     group.add_argument("--max-tokens", type=int, metavar="N",
                        help="largest max_tokens a request may ask (default: max_length - 1)")
