@@ -31,6 +31,27 @@ Where oneDNN measures no faster, the batch norm is still folded, into torch's
 convolution (`_torch_folded`): the fold removes a whole pass over the result and adds
 nothing, so it is not a measured choice.
 
+Note [Conv choice in the chain's layout]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The calibration asks its question in the layout the convolution will run in. Under a
+strong or family guard the layout pass that follows (Note [Channels-last chains]) puts
+every convolution of a region in a channels-last chain, and the region runs so wherever
+that measures faster, which on this host is every CNN of the zoo but ConvNeXt (a tie).
+So there the candidates are timed on a channels-last input: torch's ops as the program
+has them against the channels-last fused call (`CONV_UNARY`/`CONV_BINARY`, no conversion
+back). Asked in NCHW (an NCHW input, the fused call converting its result back), it was
+another question: oneDNN then pays two reorders that the chain never pays. ResNet-50's
+convolutions, 2 threads, batch 1 and 4 (15:12 UTC, load 9-10, OMP_WAIT_POLICY=PASSIVE):
+oneDNN-NCHW 0.50-1.54x torch-NCHW with the batch norm (the stem and the 56x56 ones
+1.03-1.54x, so kept on torch: unfused inside what became a channels-last chain), where
+oneDNN channels-last is 0.17-1.13x torch channels-last with the batch norm folded (over 1
+at three of twenty, by 4-13%, within that load's noise).
+Under a weak guard no layout pass runs and the question stays NCHW (with the pass
+switched off, `cpu_channels_last="off"`, a debugging switch, it is still asked
+channels-last). Where a region keeps NCHW after all (its own measurement), its fused
+convolutions run in their NCHW form; the region's measurement, which times both layouts
+with the fused calls in them, is what guards the whole.
+
 Channels-last is not an op rewrite: oneDNN and torch were both 1.5-2.3x faster on a
 channels-last input, but that pays only when a whole chain of convolutions keeps the
 layout (a conversion at each op costs what it saves). The pass that runs after this
@@ -113,7 +134,8 @@ def fuse_conv_epilogues(spec: SpecializedRegion, constants, device: torch.device
         label = " + ".join(ops[p].opcode for p in chain.positions())
         try:
             weight, bias = _folded(ops, chain, constants)
-            verdict = _decide(ops, chain, weight, bias, constants, spec.abstract, calibrator)
+            verdict = _decide(ops, chain, weight, bias, constants, spec.abstract, calibrator,
+                              channels_last=not weak_guard)
             fused = None if verdict is None else _fused(ops, chain, weight, bias,
                                                         spec.abstract, prepacked, constants)
         except RuntimeError as exc:   # oneDNN refused these operands: torch keeps them
@@ -317,7 +339,10 @@ def _call(ops, chain: _Chain, x, other, weight, bias, kernels: tuple[str, str]):
 
 
 def _decide(ops, chain: _Chain, weight, bias, constants, probes,
-            calibrator: Calibrator | None) -> str | None:
+            calibrator: Calibrator | None, *, channels_last: bool) -> str | None:
+    """Whether the chain runs fused on oneDNN (a note saying how it was decided) or
+    stays on torch (None); `channels_last`: ask in the layout of a channels-last chain
+    (Note [Conv choice in the chain's layout])."""
     kernels = _kernel_names(ops, chain, probes)
     if kernels is None:
         return None
@@ -329,13 +354,16 @@ def _decide(ops, chain: _Chain, weight, bias, constants, probes,
     padding, stride, dilation, groups = _geometry(conv)
     chain_ops = [ops[p] for p in chain.positions()]
     label = "+".join(op.opcode.lower() for op in chain_ops)
-    # The output layout is part of the question: the NCHW kernels convert back.
+    # The layout is part of the question: the NCHW kernels convert back, the
+    # channels-last ones run as they will in a chain.
+    asked = (CONV_UNARY, CONV_BINARY) if channels_last else kernels
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
     key = (size_class(math.prod(shape)), tuple(weight.shape), tuple(stride), groups,
-           kernels[0], torch.get_num_threads())
+           asked[0], torch.get_num_threads())
 
     def candidates():
         # Built only when this key was never measured (Note [Calibration]).
-        x = torch.randn(shape)
+        x = torch.randn(shape).contiguous(memory_format=memory_format)
         packed = _mkldnn._reorder_convolution_weight(weight, padding, stride, dilation,
                                                      groups, list(shape))
         values = {conv.args[0].reg: x}
@@ -344,14 +372,15 @@ def _decide(ops, chain: _Chain, weight, bias, constants, probes,
             result_shape = torch.nn.functional.conv2d(
                 torch.empty(shape, device="meta"), weight.to("meta"), None, stride,
                 padding, dilation, groups).shape
-            other = torch.randn(result_shape)
+            other = torch.randn(result_shape).contiguous(memory_format=memory_format)
             values[chain.other.reg] = other
         return {"torch": lambda: run_original(chain_ops, values, constants),
-                "onednn": lambda: _call(ops, chain, x, other, packed, bias, kernels)}
+                "onednn": lambda: _call(ops, chain, x, other, packed, bias, asked)}
     choice = calibrator.choose(f"onednn {label}", key, candidates)
     if choice.name != "onednn":
         return None
-    return (f" (measured, oneDNN vs torch: batch {shape[0]} "
+    where = "channels-last" if channels_last else "NCHW"
+    return (f" (measured {where}, oneDNN vs torch: batch {shape[0]} "
             f"{choice.seconds['onednn'] * 1e3:.3f} vs {choice.seconds['torch'] * 1e3:.3f} ms)")
 
 
