@@ -168,9 +168,9 @@ def main(argv=None) -> int:
     """Parse the options, measure the models, write results.json and report.md."""
     parser = argparse.ArgumentParser(prog="python -m bench.precision_accuracy",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="bert,zoo",
-                        help="bert (bert-base width), zoo (every tiny zoo entry), or "
-                             "zoo entry names, comma-separated")
+    parser.add_argument("--models", default="bert-base,zoo",
+                        help="bert-base (bench.full_width's BERT), zoo (every tiny zoo "
+                             "entry), or zoo entry names, comma-separated")
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--bert-layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
@@ -192,10 +192,10 @@ def main(argv=None) -> int:
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     models = []
-    if "bert" in names:
+    if "bert-base" in names:
         name, program, shapes = _bert(args.bert_layers)
         models.append(measure(name, program, shapes, precisions, log))
-    zoo_names = [n for n in names if n not in ("bert", "zoo")]
+    zoo_names = [n for n in names if n not in ("bert-base", "zoo")]
     if "zoo" in names or zoo_names:
         for name, program, shapes in _zoo(set(zoo_names)):
             models.append(measure(name, program, shapes, precisions, log))
