@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from dynvm._run_cmd import CliError
 from dynvm._runtime_stats import RegionStats, RuntimeStats, field_of, read
+from dynvm._top_generate import generation_lines
 
 _CLEAR = "\x1b[H\x1b[2J"
 
@@ -260,7 +261,8 @@ def top_command(args, out=None) -> int:
             header = f"dynvm top  {client.url}  {time.strftime('%H:%M:%S')}"
             if not args.once:
                 header += f"  every {args.interval:g} s (Ctrl-C to quit)"
-            text = "\n".join([header, "", format_table(rows), "", *_notes(rows)]).rstrip()
+            text = "\n".join([header, "", format_table(rows), *generation_lines(rows), "",
+                              *_notes(rows)]).rstrip()
             # A terminal redraws in place; a pipe gets one table after another, as top -b.
             out.write((_CLEAR if live else "") + text + "\n")
             if args.once:
