@@ -187,6 +187,19 @@ def _entries() -> tuple[ZooEntry, ...]:
             shared_expert_intermediate_size=FFN, **_decoder_sizes()),
               note="experts through the custom op transformers::grouped_mm_fallback; a "
               "shared expert"),
+        # ALiBi: no position embeddings, a per-head linear bias on attention scores
+        # built from the mask's cumulative sum (transformers has no SDPA path for it).
+        _text("bloom", hf.BloomModel, hf.BloomConfig(
+            attn_implementation="eager", hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+            vocab_size=VOCAB, **TOKENS), note="ALiBi attention biases; eager attention "
+              "(transformers has no SDPA path for BLOOM)"),
+        # Disentangled attention: content-to-position and position-to-content scores over
+        # log-bucketed relative positions, gathered per query (DeBERTa-v2/v3).
+        _text("deberta-v2", hf.DebertaV2Model, hf.DebertaV2Config(
+            attn_implementation="eager", relative_attention=True, position_buckets=16,
+            max_relative_positions=32, pos_att_type=["p2c", "c2p"], **_SIZES),
+              note="relative-position (disentangled) attention; eager attention "
+              "(transformers has no SDPA path for DeBERTa-v2)"),
         _text("t5-encoder", hf.T5EncoderModel, hf.T5Config(
             d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=FFN, num_layers=LAYERS,
             num_heads=HEADS, vocab_size=VOCAB)),

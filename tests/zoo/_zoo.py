@@ -1,7 +1,8 @@
 """The model zoo's registry: real architectures from Hugging Face transformers,
 torchvision, timm and PyTorch Geometric, in small configurations with random weights.
 
-Each library has its own module (_hf.py, _vision.py, _pyg.py) that lists its entries;
+Each library has its own module (_hf.py, _vision.py, _pyg.py; segmentation models from
+two of them in _segmentation.py) that lists its entries;
 `entries()` gathers them. Nothing is downloaded: every model is built from a config
 object. The model libraries are a test extra (`pip install -e ".[zoo]"`), never a
 runtime dependency of dynvm; `dynvm bench zoo` imports this registry from a checkout.
@@ -95,9 +96,9 @@ def entries() -> tuple[ZooEntry, ...]:
     from tests.zoo._schemas import declare_torchvision_schemas
 
     declare_torchvision_schemas()  # before transformers or timm import torchvision
-    from tests.zoo import _hf, _pyg, _vision
+    from tests.zoo import _hf, _pyg, _segmentation, _vision
 
-    found = (*_hf.ENTRIES, *_vision.ENTRIES, *_pyg.ENTRIES)
+    found = (*_hf.ENTRIES, *_vision.ENTRIES, *_segmentation.ENTRIES, *_pyg.ENTRIES)
     names = [e.name for e in found]
     if len(set(names)) != len(names):
         raise ValueError(f"zoo entry names repeat: {names}")
