@@ -1,9 +1,11 @@
 """The convolution choice asked in the layout the convolution runs in (Note [Conv choice in
-the chain's layout] in jit/backends/cpu_conv.py): under a strong or family guard both
+the chain's layout] in jit/backends/cpu_conv.py), and packed weights per batch class
+(Note [Conv weights for one row or many]): under a strong or family guard both
 candidates are timed on channels-last operands, under a weak guard on NCHW ones; both
 candidates compute the same on those operands; and kernels built with either answer
 agree with eager on offset, strided and channels-last views, and fused channels-last
-families on sizes they were not compiled with.
+families on sizes they were not compiled with; kernels of batch 1 and of larger batches
+pack their own convolution weights, larger batches share theirs.
 
 No timing is asserted: the answers are scripted (oneDNN wins, or torch wins), the forms
 themselves really run. Tolerance as in test_cpu_conv.py (batch norm folded: 1e-4).
@@ -156,3 +158,25 @@ def test_fused_channels_last_families_agree_with_eager_over_random_shapes(bottle
             torch.testing.assert_close(got, interp(x), **TOL, msg=msg)
         stats = rt.stats()
         assert stats["specialized_region_calls"] > 0 and not stats["compile_failures"]
+
+
+def test_batch_one_and_larger_batches_pack_their_own_conv_weights(bottleneck):
+    model, program = bottleneck
+    options = CpuOptions(None, fusion="always", channels_last="always")
+    region = program.regions[0]
+    constants = [t.detach() for t in program.constants]
+    kernels, packs = {}, []
+    for batch in (2, 4, 1):
+        x = torch.randn(batch, 3, 64, 64)
+        spec = specialize(program, region, {region.live_in[0].index: x})
+        kernels[batch] = compile_kernel(spec, program, constants, torch.device("cpu"),
+                                        f"test{batch}", "strong", options)
+        packs.append(options.prepacked.packs)
+    # four convolutions (and the head's linear, whose key has no batch) at batch 2;
+    # batch 4 shares them all; batch 1 packs its four convolutions again
+    assert packs[1] == packs[0] and packs[2] == packs[0] + 4
+    with torch.no_grad():
+        for batch, kernel in kernels.items():
+            x = torch.randn(batch, 3, 64, 64)
+            torch.testing.assert_close(run_kernel(kernel, region, x), model(x), **TOL,
+                                       msg=f"batch {batch}")
