@@ -84,8 +84,9 @@ def start_local_stack(serving: ServingConfig, stack: contextlib.ExitStack, *,
     if loopback and not is_loopback(ray.util.get_node_ip_address()):
         raise LocalStackError(
             f"Ray took {ray.util.get_node_ip_address()} as this node's address, not "
-            f"loopback: its sockets would listen on every interface (Note [Loopback "
-            f"listeners]); give another host to serve on another address on purpose")
+            f"loopback: its sockets would listen on every interface "
+            f"(Note [Loopback listeners]); give another host to serve on another address "
+            f"on purpose")
     say(f"ray       local, {int(ray.cluster_resources().get('CPU', 0))} CPUs")
     # The compile service's actor and Serve's controller and proxies start at once (each
     # is a new worker process: seconds on a small host); replicas need both.
