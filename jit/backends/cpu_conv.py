@@ -19,9 +19,8 @@ weight and bias) on a 4-d input, optionally followed by:
 Every intermediate must have that one use; the fused call runs at the convolution's
 place (the same conditions as for GEMMs, Note [CPU fusion]); the residual must exist
 there already. The weight is packed with `mkldnn._reorder_convolution_weight` for the
-planning probe's input size (Note [Prepacked weights]); other sizes run correctly on it,
-and fast where the hint's batch is 1 exactly when theirs is
-(Note [Conv weights for one row or many]).
+planning probe's input size (Note [Prepacked weights]), one copy per planned batch
+(Note [Conv weights for one row or many]); other sizes run correctly on it.
 
 Measured on this 2-core AVX-512 machine, one thread, NCHW input, conv + relu: 64->64
 3x3 at 56x56, batch 8: torch 125 ms, oneDNN with a packed weight 93 ms; but a depthwise
@@ -36,18 +35,19 @@ nothing, so it is not a measured choice.
 Note [Conv weights for one row or many]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 `_reorder_convolution_weight` takes the input size as a hint, and for convolutions the
-blocking it picks at batch 1 is not the one oneDNN's primitive wants at larger batches:
-handed the other one, the call runs correctly but reorders (or takes a slow path) every
-time. ResNet-50's 256 -> 1024 1x1 convolution at 14x14 with its residual add (2 threads,
-15:46 UTC, load ~8): packed for batch 1 and run at batch 1 0.91 ms, at batch 2 28.8 ms,
-at 4 31.4 ms; packed for batch 2 and run at batch 1 28.5 ms; among hints 2..16, at
-batches 2..16, within 1.6x of the best. The cache key had no batch (Note [Prepacked
-weights]: the hint picks a blocking, any batch runs on it), so whichever kernel packed
-first (batch 1's, or a family's) poisoned the others: ResNet-50's batch-2 kernel ran
-at 330 ms against 210 ms with most of those convolutions left on torch. So the key says
-whether the hint is batch 1; a larger batch packs for its planning probe's batch (a
-family's upper bound) and every other kernel of batch > 1 shares that copy: at most two
-copies of a CNN's weights.
+blocking it picks depends on the batch: handed a weight packed for another batch, the
+call runs correctly but reorders (or takes a slow path) every time. ResNet-50's 256 ->
+1024 1x1 convolution at 14x14 with its residual add (2 threads, 15:46 UTC, load ~8):
+packed for batch 1 and run at batch 1 0.91 ms, at batch 2 28.8 ms, at 4 31.4 ms; packed
+for batch 2 and run at batch 1 28.5 ms, at batch 4 10.1 ms where packed for 3, 4 or 8 it
+took 6.2-6.4 ms. The cache key had no batch (Note [Prepacked weights]: the hint picks a
+blocking, any batch runs on it), so whichever kernel packed first made the others slow:
+ResNet-50's batch-2 kernel, sharing batch 1's weights, ran at 330 ms against 210 ms
+with most of those convolutions left on torch. So the hint's batch is in the key: each
+kernel packs for its planning probe's batch (a family's upper bound, which serves the
+bucket's smaller batches within ~1.2x of their own packing in the figures above), and
+kernels planned at the same batch share the copy. A CNN keeps one copy of its weights
+per planned batch alive (ResNet-50: ~100 MB each), freed with the kernels that use it.
 
 Note [Conv choice in the chain's layout]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -410,10 +410,9 @@ def _fused(ops, chain: _Chain, weight, bias, probes, prepacked: PrepackCache,
     input_size = list(probe_tensors(probes, x.reg)[0].shape)
     folded_from = tuple(a.index for a in ops[chain.bn].args[1:5]
                         if isinstance(a, ConstRef)) if chain.bn is not None else ()
-    # Note [Conv weights for one row or many]: batch 1 and larger batches get their
-    # own packed copy; among larger batches a CNN's kernels share one.
+    # Note [Conv weights for one row or many]: the hint's batch is in the key.
     key = (conv.args[1].index, "conv", folded_from, tuple(padding), tuple(stride),
-           tuple(dilation), groups, tuple(input_size[1:]), input_size[0] == 1)
+           tuple(dilation), groups, tuple(input_size))
     packed = prepacked.get(key, lambda: _mkldnn._reorder_convolution_weight(
         weight, padding, stride, dilation, groups, input_size))
     attr, scalars, algorithm = _post_ops(ops, chain)

@@ -1,11 +1,11 @@
 """The convolution choice asked in the layout the convolution runs in (Note [Conv choice in
-the chain's layout] in jit/backends/cpu_conv.py), and packed weights per batch class
+the chain's layout] in jit/backends/cpu_conv.py), and packed weights per planned batch
 (Note [Conv weights for one row or many]): under a strong or family guard both
 candidates are timed on channels-last operands, under a weak guard on NCHW ones; both
 candidates compute the same on those operands; and kernels built with either answer
 agree with eager on offset, strided and channels-last views, and fused channels-last
-families on sizes they were not compiled with; kernels of batch 1 and of larger batches
-pack their own convolution weights, larger batches share theirs.
+families on sizes they were not compiled with; kernels planned at different batches pack
+their own convolution weights, kernels planned at the same batch share them.
 
 No timing is asserted: the answers are scripted (oneDNN wins, or torch wins), the forms
 themselves really run. Tolerance as in test_cpu_conv.py (batch norm folded: 1e-4).
@@ -160,23 +160,23 @@ def test_fused_channels_last_families_agree_with_eager_over_random_shapes(bottle
         assert stats["specialized_region_calls"] > 0 and not stats["compile_failures"]
 
 
-def test_batch_one_and_larger_batches_pack_their_own_conv_weights(bottleneck):
+def test_each_planned_batch_packs_its_own_conv_weights(bottleneck):
     model, program = bottleneck
     options = CpuOptions(None, fusion="always", channels_last="always")
     region = program.regions[0]
     constants = [t.detach() for t in program.constants]
-    kernels, packs = {}, []
-    for batch in (2, 4, 1):
+    kernels, packs = [], []
+    for batch in (2, 4, 2, 1):
         x = torch.randn(batch, 3, 64, 64)
         spec = specialize(program, region, {region.live_in[0].index: x})
-        kernels[batch] = compile_kernel(spec, program, constants, torch.device("cpu"),
-                                        f"test{batch}", "strong", options)
+        kernels.append((batch, compile_kernel(spec, program, constants, torch.device("cpu"),
+                                              f"test{batch}", "strong", options)))
         packs.append(options.prepacked.packs)
     # four convolutions (and the head's linear, whose key has no batch) at batch 2;
-    # batch 4 shares them all; batch 1 packs its four convolutions again
-    assert packs[1] == packs[0] and packs[2] == packs[0] + 4
+    # batch 4 and batch 1 pack their four convolutions again; batch 2 again shares
+    assert packs[1] == packs[0] + 4 and packs[2] == packs[1] and packs[3] == packs[1] + 4
     with torch.no_grad():
-        for batch, kernel in kernels.items():
+        for batch, kernel in kernels:
             x = torch.randn(batch, 3, 64, 64)
             torch.testing.assert_close(run_kernel(kernel, region, x), model(x), **TOL,
                                        msg=f"batch {batch}")
