@@ -34,6 +34,7 @@ _LAZY: dict[str, str] = {
     "Generator": "dynvm._generate",
     "GenerationStats": "dynvm._generate",
     "compile_generator": "dynvm._generate",
+    "save_generator": "dynvm._serve_generate_bundle",
     "Sampling": "dynvm._sampling",
     **{name: "dynvm.vm.errors" for name in (
         "AssembleError", "CallBudgetError", "ConfigError", "ConfigTypeError",
@@ -91,5 +92,5 @@ __all__ = [
     "DvmFormatError", "DynvmError", "ExecutionError", "InputError", "SaveError",
     "GenerationStats", "Generator", "JitConfig", "Sampling", "compile_generator",
     "Program", "RegionStats", "Runtime", "RuntimeStats", "ShapeError", "UnregisteredOpError",
-    "UnsupportedOpError", "VerifyError", "compile", "load", "save",
+    "UnsupportedOpError", "VerifyError", "compile", "load", "save", "save_generator",
 ]

@@ -2,7 +2,7 @@
 token loop needs to know about them, and the model's tokenizer when it ships one.
 
     generator = dynvm.compile_generator(hf_causal_lm, max_batch=16, max_length=512)
-    save_generator(generator, "gen/", tokenizer=hf_tokenizer)   # then: dynvm serve gen/
+    dynvm.save_generator(generator, "gen/", tokenizer=hf_tokenizer)   # then: dynvm serve gen/
 
     gen/generator.json   format, layers, max_batch, max_length, eos_token_ids, pad_token_id
     gen/prefill.dvm      the prefill program (dynvm.save)
