@@ -65,6 +65,7 @@ def pytest_runtest_makereport(item, call):
 _ZOO_EXPORTERS = ("tests/zoo/test_zoo.py", "tests/jit/test_abstract_zoo.py")
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
 def pytest_collection_modifyitems(session, config, items):
     """Start exporting the selected zoo models ahead, in the order the tests need them
     (Note [Zoo exports ahead]); not for a session that selects one model or none."""
