@@ -5,26 +5,19 @@ process (uvicorn on a thread: no Ray), for the generation serving tests."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 import time
 
 import torch
 
-MAX_LENGTH = 64
-MAX_BATCH = 8
 
-
-@functools.cache
 def tiny_programs():
     """The tiny Llama-style generator's programs (tests/generation/_tiny.py), the decode
-    step over the KV cache as state too, exported once per session: the export is most
-    of these tests' time."""
-    import dynvm
-    from tests.generation._tiny import tiny_causal_lm
+    step over the KV cache as state too, exported once per session and shared with
+    tests/generation (the export is most of these tests' time)."""
+    from tests.generation._tiny import tiny_generator
 
-    return dynvm.compile_generator(tiny_causal_lm("llama"), max_batch=MAX_BATCH,
-                                   max_length=MAX_LENGTH, jit=False, kv_state=True).programs
+    return tiny_generator("llama")[1]
 
 
 def word_tokenizer(vocab: int = 128):

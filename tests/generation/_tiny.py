@@ -1,6 +1,9 @@
-"""Tiny Hugging Face causal LMs with random weights (nothing downloaded), and prompts."""
+"""Tiny Hugging Face causal LMs with random weights (nothing downloaded), their generator
+programs (exported once per session), and prompts."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -36,6 +39,23 @@ def tiny_causal_lm(kind: str) -> torch.nn.Module:
         raise ValueError(kind)
     model.config._attn_implementation = "sdpa"
     return model.eval()
+
+
+MAX_BATCH, MAX_LENGTH = 8, 64
+
+
+@functools.cache
+def tiny_generator(kind: str):
+    """(model, its generator's programs) for `kind`, the decode step over the KV cache as
+    state included, exported once per session: the export is most of a generation test's
+    time, and tests/generation and the serving tests (tests/cluster/_generate_helpers.py)
+    take the same one. The programs hold this model's own weight tensors."""
+    import dynvm
+
+    model = tiny_causal_lm(kind)
+    programs = dynvm.compile_generator(model, max_batch=MAX_BATCH, max_length=MAX_LENGTH,
+                                       jit=False, kv_state=True).programs
+    return model, programs
 
 
 def left_padded(lengths: tuple[int, ...], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

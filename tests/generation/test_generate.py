@@ -13,7 +13,7 @@ import torch
 import dynvm
 from dynvm.vm.dvm_file import dumps, loads
 from dynvm.vm.serialize import tied_constants
-from tests.generation._tiny import ARCHITECTURES, hf_greedy, left_padded, tiny_causal_lm
+from tests.generation._tiny import ARCHITECTURES, hf_greedy, left_padded, tiny_generator
 from tests.jit._jit_helpers import eager_config
 
 NEW = 6
@@ -22,9 +22,7 @@ LENGTHS = (7, 3, 5)  # a batch with three prompt lengths, left-padded
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
 def built(request):
-    model = tiny_causal_lm(request.param)
-    programs = dynvm.compile_generator(model, max_batch=8, max_length=64, jit=False,
-                                       kv_state=True).programs
+    model, programs = tiny_generator(request.param)
     return request.param, model, programs
 
 
