@@ -157,25 +157,35 @@ def _dynvm(generator, ids, mask):
     return torch.stack(tokens, 1), stamps[0] - start, steps, share, cpu
 
 
-def _ctranslate2(model, kind: str, threads: int):
-    """A CTranslate2 generator converted from the same weights, or a reason why not."""
-    try:
-        import ctranslate2
-        from tokenizers import Tokenizer, models
-        from transformers import PreTrainedTokenizerFast
-    except ImportError as exc:
-        return None, f"not installed ({exc.name}): pip install -e .[bench]"
-    folder = Path(tempfile.mkdtemp(prefix=f"dynvm-ct2-{kind}-"))
+def convert_to_ct2(model, folder: Path) -> Path:
+    """`model` converted by CTranslate2's own converter into folder/ct2 (through a Hugging
+    Face checkpoint in folder/hf, with a word-level tokenizer whose token t<i> is id i)."""
+    import ctranslate2
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
         vocab, unk_token="t0")), unk_token="t0", pad_token="t0", bos_token="t1",
         eos_token="t2")
     model.save_pretrained(folder / "hf")
     tokenizer.save_pretrained(folder / "hf")
+    ctranslate2.converters.TransformersConverter(str(folder / "hf")).convert(
+        str(folder / "ct2"), force=True)
+    return folder / "ct2"
+
+
+def _ctranslate2(model, kind: str, threads: int):
+    """A CTranslate2 generator converted from the same weights, or a reason why not."""
     try:
-        ctranslate2.converters.TransformersConverter(str(folder / "hf")).convert(
-            str(folder / "ct2"), force=True)
-        return ctranslate2.Generator(str(folder / "ct2"), device="cpu",
+        import ctranslate2
+        import tokenizers  # noqa: F401 (convert_to_ct2's; a missing one is reported here)
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        return None, f"not installed ({exc.name}): pip install -e .[bench]"
+    folder = Path(tempfile.mkdtemp(prefix=f"dynvm-ct2-{kind}-"))
+    try:
+        return ctranslate2.Generator(str(convert_to_ct2(model, folder)), device="cpu",
                                      intra_threads=threads), ""
     except Exception as exc:  # a converter that refuses this transformers: reported
         return None, f"conversion failed: {type(exc).__name__}: {str(exc)[:160]}"

@@ -70,23 +70,6 @@ def make_trace(args) -> list[dict]:
     return trace
 
 
-def _ct2_folder(model, folder: Path) -> Path:
-    """The model converted by CTranslate2's own converter (as bench/generate.py does)."""
-    import ctranslate2
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
-        vocab, unk_token="t0")), unk_token="t0", pad_token="t0", bos_token="t1",
-        eos_token="t2")
-    model.save_pretrained(folder / "hf")
-    tokenizer.save_pretrained(folder / "hf")
-    ctranslate2.converters.TransformersConverter(str(folder / "hf")).convert(
-        str(folder / "ct2"), force=True)
-    return folder / "ct2"
-
-
 def _ct2_deployment():
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
@@ -237,7 +220,9 @@ def main(argv=None) -> int:
                                        jit=False, kv_state=True).programs
     save_generator(programs, folder / "gen")
     print(f"exported in {time.perf_counter() - started:.0f} s", flush=True)
-    ct2 = _ct2_folder(model, folder) if "ctranslate2" in systems else None
+    from bench.generate import convert_to_ct2
+
+    ct2 = convert_to_ct2(model, folder) if "ctranslate2" in systems else None
     port = 8000 + random.Random().randrange(1000)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
