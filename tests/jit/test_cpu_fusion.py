@@ -31,6 +31,7 @@ from dynvm.jit.backends.cpu_fusion import fuse_gemm_epilogues, is_fused, onednn_
 from dynvm.jit.backends.cpu_prepack import PrepackCache
 from dynvm.jit.calibration import Calibrator
 from dynvm.jit.specialize import specialize
+from tests.jit._kernel_run import run_kernel_outputs, views
 
 h = importlib.import_module("tests.jit._jit_helpers")
 
@@ -86,23 +87,6 @@ def _kernel(program, x: torch.Tensor, fusion: str, prepacked: PrepackCache | Non
     return kernel, spec, region
 
 
-def _run(kernel, region, x: torch.Tensor) -> list[torch.Tensor]:
-    regs: list = [None] * 512
-    regs[region.live_in[0].index] = x
-    kernel.fn(regs)
-    return [regs[r.index] for r in region.live_out]
-
-
-def _views(x: torch.Tensor) -> dict[str, torch.Tensor]:
-    b, s, d = x.shape
-    big = torch.zeros(b + 1, s + 2, d + 3)
-    big[1:, 2:, 3:] = x
-    strided = torch.zeros(b, 2 * s, d)
-    strided[:, ::2] = x
-    # (Not a batch/seq transpose: the model's reshape lowers to VIEW, which the
-    # interpreter cannot run on one either; see the report of issue 15.)
-    return {"contiguous": x, "offset": big[1:, 2:, 3:], "strided": strided[:, ::2]}
-
 
 def test_every_gemm_form_with_its_epilogue_is_fused():
     _, program = _program()
@@ -119,15 +103,15 @@ def test_every_gemm_form_with_its_epilogue_is_fused():
 
 
 @pytest.mark.parametrize("shape", [(1, 2), (3, 7), (16, 33)])
-def test_fused_kernel_agrees_with_unfused_and_eager_on_views(shape):
+def test_fused_kernel_agrees_with_unfused_and_eager_onviews(shape):
     model, program = _program()
     gen = torch.Generator().manual_seed(shape[0] * 100 + shape[1])
     base = torch.randn(*shape, 32, generator=gen)
-    for kind, x in _views(base).items():
+    for kind, x in views(base).items():
         fused, _, region = _kernel(program, x, "always")
         plain, _, _ = _kernel(program, x, "off")
         assert "onednn" not in plain.source
-        (got,), (want,) = _run(fused, region, x), _run(plain, region, x)
+        (got,), (want,) = run_kernel_outputs(fused, region, x), run_kernel_outputs(plain, region, x)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, **TOL, msg=f"{kind} {shape}")
         with torch.no_grad():
@@ -154,8 +138,9 @@ def test_a_rewrite_that_does_not_measure_faster_is_not_made():
     before = fair.measurements
     _kernel(program, x, "measured", calibrator=fair)
     assert fair.measurements == before
-    torch.testing.assert_close(_run(kernel, region, x)[0],
-                               _run(_kernel(program, x, "off")[0], region, x)[0], **TOL)
+    torch.testing.assert_close(run_kernel_outputs(kernel, region, x)[0],
+                               run_kernel_outputs(_kernel(program, x, "off")[0], region, x)[0],
+                               **TOL)
 
 
 def test_packed_weights_are_shared_by_kernels_and_freed_with_them():
@@ -164,7 +149,7 @@ def test_packed_weights_are_shared_by_kernels_and_freed_with_them():
     first, _, _ = _kernel(program, torch.randn(2, 5, 32), "always", prepacked=cache)
     packed = cache.alive()
     assert packed == 6 and cache.packs == 6   # up, down, mm, addmm, matmul, twice
-    second, _, _ = _kernel(program, _views(torch.randn(2, 5, 32))["offset"], "always",
+    second, _, _ = _kernel(program, views(torch.randn(2, 5, 32))["offset"], "always",
                            prepacked=cache)
     assert cache.packs == 6                   # same batch hint (M=10): shared
     other_m, _, _ = _kernel(program, torch.randn(7, 3, 32), "always", prepacked=cache)
@@ -241,21 +226,21 @@ def test_a_family_kernel_fused_at_its_upper_bound_runs_every_member():
     for b, s in ((16, 33), (1, 2), (5, 7), (9, 20)):
         x = torch.randn(b, s, 32, generator=gen)
         with torch.no_grad():
-            torch.testing.assert_close(_run(kernel, region, x)[0], model(x), **TOL,
+            torch.testing.assert_close(run_kernel_outputs(kernel, region, x)[0], model(x), **TOL,
                                        msg=f"family member {(b, s)}")
 
 
-def test_demo_transformer_forced_onto_onednn_agrees_with_eager_on_views():
+def test_demo_transformer_forced_onto_onednn_agrees_with_eager_onviews():
     demo = h.demo("transformer")
     program = h.compiled("transformer")
     gen = torch.Generator().manual_seed(11)
     for b, s in ((1, 2), (3, 9)):
         base = torch.randn(b, s, h.SMALL_TRANSFORMER["hidden"], generator=gen)
-        for kind, x in _views(base).items():
+        for kind, x in views(base).items():
             kernel, _, region = _kernel(program, x, "always")
             assert kernel.source.count("onednn_linear_binary") == 2 * 2   # 2 per layer
             with torch.no_grad():
-                torch.testing.assert_close(_run(kernel, region, x)[0], demo.module(x),
+                torch.testing.assert_close(run_kernel_outputs(kernel, region, x)[0], demo.module(x),
                                            **TOL, msg=f"{kind} {(b, s)}")
 
 

@@ -30,6 +30,7 @@ from dynvm.jit.backends.cpu_precision import precision_available
 from dynvm.jit.backends.cpu_prepack import PrepackCache
 from dynvm.jit.specialize import specialize
 from dynvm.vm.errors import ConfigError
+from tests.jit._kernel_run import run_kernel_outputs, views
 
 RELATIVE = {"bf16": 3e-2, "int8-dynamic": 6e-2}
 PRECISIONS = [pytest.param(p, marks=pytest.mark.skipif(
@@ -85,21 +86,6 @@ def _kernel(program, x, precision, prepacked=None):
                           options), region
 
 
-def _run(kernel, region, x):
-    regs: list = [None] * 512
-    regs[region.live_in[0].index] = x
-    kernel.fn(regs)
-    return [regs[r.index] for r in region.live_out]
-
-
-def _views(x: torch.Tensor) -> dict[str, torch.Tensor]:
-    b, s, d = x.shape
-    big = torch.zeros(b + 1, s + 2, d + 3)
-    big[1:, 2:, 3:] = x
-    strided = torch.zeros(b, 2 * s, d)
-    strided[:, ::2] = x
-    return {"contiguous": x, "offset": big[1:, 2:, 3:], "strided": strided[:, ::2]}
-
 
 def test_bf16_casts_once_per_value_and_keeps_bf16_between_gemms():
     if precision_available("bf16") is not None:
@@ -121,15 +107,15 @@ def test_bf16_casts_once_per_value_and_keeps_bf16_between_gemms():
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("shape", [(1, 2), (16, 33)])
-def test_kernel_within_tolerance_of_fp32_on_views(precision, shape):
+def test_kernel_within_tolerance_of_fp32_onviews(precision, shape):
     model, program = _program()
     gen = torch.Generator().manual_seed(shape[0] * 100 + shape[1])
     base = torch.randn(*shape, 32, generator=gen)
     with torch.no_grad():
         want = model(base)
-    for kind, x in _views(base).items():
+    for kind, x in views(base).items():
         kernel, region = _kernel(program, x, precision)
-        got = _run(kernel, region, x)
+        got = run_kernel_outputs(kernel, region, x)
         assert [g.dtype for g in got] == [torch.float32] * 2
         assert [g.shape for g in got] == [w.shape for w in want]
         assert _relative(got, want) <= RELATIVE[precision], (kind, shape)
@@ -151,7 +137,7 @@ def test_families_and_guards_serve_random_shapes(precision):
     try:
         for _ in range(2):   # the second pass: every shape has a kernel by now
             for shape, kind in zip(shapes, kinds):
-                x = _views(torch.randn(*shape, 32))[kind]
+                x = views(torch.randn(*shape, 32))[kind]
                 assert _relative(jit(x), interp(x)) <= RELATIVE[precision]
         stats = jit.stats()
         assert stats["specialized_region_calls"] >= 10 and stats["family_compiles"] >= 1
