@@ -23,12 +23,13 @@ from dataclasses import dataclass
 from dynvm._sampling import Sampling
 from dynvm.cluster import v2_protocol as v2
 from dynvm.cluster.generate_scheduler import GenerationRequest
+from dynvm.vm.errors import InputError
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 
 
-class RequestError(Exception):
+class RequestError(InputError):
     """A request the protocol refuses: its HTTP status, message and the parameter."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,

@@ -21,6 +21,7 @@ import contextlib
 import torch
 
 import dynvm.vm.ops_kv  # noqa: F401 - defines torch.ops.dynvm.kv_append, decode_attention
+from dynvm.vm.errors import ConfigError
 from dynvm.vm.program import Program
 
 _IMPLEMENTATION = "dynvm_kv_state"
@@ -93,6 +94,7 @@ def export_decode_kv(model: torch.nn.Module, keys: list[torch.Tensor], *, max_ba
     # input_ids, slots, lengths, then the keys and values of every layer: the frontend
     # marks the inputs the KV instructions take as their cache as the state.
     if program.state != tuple(range(3, 3 + 2 * len(keys))):
-        raise RuntimeError(f"{name}: the decode step's state inputs are {program.state}, "
-                           f"expected the {2 * len(keys)} keys and values")
+        raise ConfigError(f"{name}: kv_state=True: the decode step's state inputs are "
+                          f"{program.state}, expected the {2 * len(keys)} keys and values; "
+                          f"kv_state=False exports this model with the cache as plain inputs")
     return program

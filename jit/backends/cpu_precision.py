@@ -77,6 +77,7 @@ from dynvm.jit.backends.cpu_prepack import PrepackCache
 from dynvm.jit.config import PRECISIONS
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
 from dynvm.jit.specialize import add_frees
+from dynvm.vm.errors import ConfigError
 
 # The variant of the ops this pass adds (casts, int8 GEMMs); the bf16 GEMM itself is a
 # fused oneDNN linear (cpu_fusion's opcode and variant) on bf16 operands.
@@ -135,7 +136,7 @@ def lower_precision(spec: SpecializedRegion, constants, device: torch.device, *,
     if precision == "fp32" or not onednn_available(device) or not spec.abstract:
         return FusionResult(spec, ())
     if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
+        raise ConfigError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
     why_not = precision_available(precision)
     if why_not is not None:
         return FusionResult(spec, (f"GEMMs stay fp32, not {precision}: {why_not}",))
