@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 import sys
 import threading
+import time
 import weakref
 
 import pytest
@@ -25,6 +26,7 @@ import torch
 from torch.export import Dim
 
 import dynvm
+from dynvm.jit.background import serving
 from dynvm.models import transformer
 
 pytestmark = pytest.mark.slow
@@ -128,6 +130,12 @@ def test_threads_calling_one_runtime_get_eager_results_and_private_arenas():
 
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
+    # The compile worker does not pace itself against the calls here (Note [Background
+    # work yields to calls]): eight threads leave it no gap, and this test needs its
+    # compiles, installs and evictions inside the calls' few seconds, not its manners
+    # (tests/jit/test_pacing.py has those).
+    activity = serving()
+    activity.pacing = False
     try:
         workers = [threading.Thread(target=worker, args=(t,)) for t in range(THREADS)]
         for w in workers:
@@ -136,6 +144,7 @@ def test_threads_calling_one_runtime_get_eager_results_and_private_arenas():
             w.join(timeout=300)
     finally:
         sys.setswitchinterval(interval)
+        activity.pacing = True
         runtime.close()
     stats = runtime.stats()
     pool = stats["arena"]
@@ -152,4 +161,12 @@ def test_threads_calling_one_runtime_get_eager_results_and_private_arenas():
     assert checker.leases > 0 and checker.max_live >= 2  # arenas really ran concurrently
     assert stats["evictions"] > 0  # kernels were evicted while calls were running
     assert stats["deopts"] == 0, runtime.jit.event_log[-5:]
-    assert pool["in_use_bytes"] == 0 and not checker.live, pool  # every lease returned
+    # Every lease returned: close() lets the compile worker finish the task it is
+    # running, and since background work runs kernels (a prewarm before an install,
+    # Note [Prewarmed installs]) that task may hold a lease for a moment.
+    deadline = time.monotonic() + 30
+    while (runtime.stats()["arena"]["in_use_bytes"] or checker.live) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pool = runtime.stats()["arena"]
+    assert pool["in_use_bytes"] == 0 and not checker.live, pool
