@@ -26,7 +26,10 @@ measurement decides:
   by that arithmetic), where the speed issue's bar is 1.1x. The verdict the samples
   reach is acted on by the next hit, on its call's thread (a drop may detach the
   region, Note [Detached regions], which counts the call in progress). Under the
-  synchronous switch the pair runs on the call, before it. The specialized side is also charged
+  synchronous switch the pair runs on the call, before it. A region that writes state
+  (KV_APPEND: `OpSpec.writes_state`) has no probation: its shadow pair would write the
+  hit's keys and values into the cache twice more, later, into a slot a continuous
+  batch may have given to another sequence by then. The specialized side is also charged
   the time of building the call's signature (measured in the same shadow call): the
   interpreter alone, with no JIT, pays none, and in a region of a few microseconds
   (a loop body: ~5 us of signing and bookkeeping against ~20 us of work) that is what

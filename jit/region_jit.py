@@ -94,6 +94,11 @@ class RegionJit(RegionWatch):
         self._init_watch()
         # The interpreter's own steps of this region, for shadow calls (Note [Probation]).
         self._steps = tuple(engine.interpreter.region_steps(region.index))
+        # A region that writes state (the KV cache) is never shadowed: a sample runs it
+        # again later, on the compile worker, and would write a hit's old values into
+        # a cache slot another sequence may hold by then (Note [Probation]).
+        self._writes_state = any(instr.spec.writes_state for instr in
+                                 engine.program.code[region.start:region.stop])
         self._verdicts: deque[float] = deque(maxlen=8)   # recent measured ratios
         self._shadow_ids = itertools.count()   # shadow samples' queue keys
         self._verdicts_due: deque = deque()     # (spec, probation, ratio) from them
@@ -487,7 +492,7 @@ class RegionJit(RegionWatch):
         pending = spec.target if pending_key is None else pending_key
         spec.promoted_as = pending
         config = self.engine.config
-        if config.probation:
+        if config.probation and not self._writes_state:
             spec.probation = Probation(config.probation_shadow_every,
                                        config.probation_samples, config.probation_margin)
         with self._lock:

@@ -187,3 +187,26 @@ def test_state_step_promoted_after_its_first_call(built):
                                                             stop_tokens=()))
     assert counts[False].specialized_steps == 0, counts
     assert counts[True].specialized_steps == counts[True].decode_steps - 1, counts
+
+
+def test_regions_writing_the_cache_have_no_probation(built):
+    """Note [Probation]: a shadow sample runs its region again later, on the compile
+    worker, so a region with KV_APPEND (writes_state) is never on probation; the others
+    of the same generator are, and the tokens stay the interpreter's."""
+    kind, _, programs = built
+    if kind != "llama":
+        pytest.skip("the rule does not depend on the architecture: checked on llama")
+    config = eager_config(families=True, probation=True)
+    ids, mask = left_padded(LENGTHS, seed=4)
+    with dynvm.Generator(programs, jit=config) as generator:
+        tokens = generator.generate(ids, mask, max_new_tokens=NEW, stop_tokens=())
+        regions = generator.decode_kv.jit.regions.values()
+        stateful = [rj for rj in regions if rj._writes_state]
+        assert stateful, "the decode step has no region that writes the cache"
+        installed = [spec for rj in stateful for spec in rj._all()]
+        assert installed and all(spec.probation is None for spec in installed)
+        others = [spec for rj in generator.prefill.jit.regions.values() for spec in rj._all()]
+        assert any(spec.probation is not None or spec.ratio is not None for spec in others)
+    with dynvm.Generator(programs, jit=False) as interpreter:
+        assert torch.equal(tokens, interpreter.generate(ids, mask, max_new_tokens=NEW,
+                                                        stop_tokens=()))
