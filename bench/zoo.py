@@ -91,6 +91,7 @@ from pathlib import Path
 
 import torch
 
+from bench import _omp
 from bench._timing import aa_margin, balanced_steps, call_order, stream_input
 from bench.systems import warm_shared_imports
 
@@ -378,6 +379,7 @@ def run(args, prog: str = "dynvm bench zoo", log=None) -> int:
     from bench import jit_options, report, zoo_report
 
     log = log or (lambda m: print(m, flush=True))
+    _omp.reexec_cli_passive()   # Note [OpenMP wait policy]: `dynvm bench zoo` only
     zoo, harness = _registry()
     torch.set_num_threads(args.threads or 1)
     wanted = _names(args.models)
@@ -424,14 +426,17 @@ def run(args, prog: str = "dynvm bench zoo", log=None) -> int:
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
             "total_wall_seconds": time.time() - started, "machine": report.machine(),
             "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-            "shared_import_seconds": imports, "warmup_rounds": warmup,
+            "omp": _omp.wait_policy(), "shared_import_seconds": imports, "warmup_rounds": warmup,
             "steady_calls_wanted": calls, "season_calls": season, "quick": bool(args.quick),
             "models": rows}
     (out / "results.json").write_text(json.dumps(run_, indent=1))
     markdown = zoo_report.markdown(run_)
     (out / "report.md").write_text(markdown)
     log(markdown)
-    if args.update_docs:
-        DOCS.write_text(markdown)
+    if args.update_docs:   # the full-width tier's block is another run's: kept
+        tier = zoo_report.tier_block(DOCS.read_text()) if DOCS.exists() else ""
+        DOCS.write_text(markdown if not tier else zoo_report.insert_block(
+            markdown, tier.removeprefix(zoo_report.TIER_BEGIN).removesuffix(
+                zoo_report.TIER_END)))
         log(f"updated {DOCS}")
     return 0 if all(r["status"] == "ok" for r in rows) else 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from bench import full_width
-from dynvm.jit.backends.cpu_precision import precision_available
+from dynvm.jit.backends.cpu.precision import precision_available
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +70,58 @@ def test_report_and_docs_block(measured, tmp_path):
     written = doc.read_text()
     assert written.startswith("# Benchmarks\n\nhand-written text\n")
     assert written.count(full_width.BEGIN) == 1 and "2x32 again" in written
+
+
+def test_tier_block_in_models_doc_survives_the_zoo_report(measured, tmp_path):
+    """--tier --update-docs writes its block into docs/MODELS.md (Note [Full-width
+    tier]); rewriting the zoo's part keeps it; a second tier run replaces it."""
+    from bench import zoo_report
+
+    model, result = measured
+    run = {"command": "python -m bench.full_width --tier", "started": "now",
+           "total_wall_seconds": 1.0, "machine": {"torch": "2.x"}, "threads": 2,
+           "loadavg_start": (1.0, 1.0, 1.0), "loadavg_end": (1.0, 1.0, 1.0),
+           "omp": "OMP_WAIT_POLICY=PASSIVE", "tier": True,
+           "models": [{**result, "tier": {"key": "bert", "description": "tiny BERT"}}]}
+    text = full_width.tier_markdown(run)
+    assert "OMP_WAIT_POLICY=PASSIVE" in text and "tiny BERT" in text
+    assert f"| {result['name']} | 2x32 |" in text   # the per-shape table
+    zoo_doc = "# The model zoo\n\n## Models\n\ntable\n\n## Opcodes used\n\nops\n"
+    doc = zoo_report.insert_block(zoo_doc, text)
+    assert doc.index("## Full-width tier") < doc.index("## Opcodes used")
+    assert doc.startswith("# The model zoo\n\n## Models\n\ntable\n")
+    # `dynvm bench zoo --update-docs` writes a new zoo part and keeps the tier's block
+    block = zoo_report.tier_block(doc)
+    kept = zoo_report.insert_block(zoo_doc.replace("table", "new table"), block.removeprefix(
+        zoo_report.TIER_BEGIN).removesuffix(zoo_report.TIER_END))
+    assert "new table" in kept and zoo_report.tier_block(kept) == block
+    again = zoo_report.insert_block(kept, text.replace("tiny BERT", "tiny BERT again"))
+    assert again.count(zoo_report.TIER_BEGIN) == 1 and "tiny BERT again" in again
+
+
+def test_openmp_wait_policy_reexec(monkeypatch):
+    """Note [OpenMP wait policy]: the process starts again with PASSIVE when the
+    variable is unset, and a value the user set is kept (no restart)."""
+    import os
+    import subprocess
+    import sys
+
+    from bench import _omp
+
+    probe = ("import sys; from bench._omp import reexec_passive; "
+             "reexec_passive([sys.executable, '-c', "
+             "'import os; print(os.environ[\"OMP_WAIT_POLICY\"])'])")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                         text=True, check=True, cwd=full_width.ROOT).stdout
+    assert out.strip() == "PASSIVE"
+    out = subprocess.run([sys.executable, "-c", probe + "; print('not restarted')"],
+                         env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True,
+                         text=True, check=True, cwd=full_width.ROOT).stdout
+    assert out.strip() == "not restarted"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert _omp.wait_policy() == "OMP_WAIT_POLICY=PASSIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert "unset" in _omp.wait_policy()
+    monkeypatch.setattr(sys, "argv", ["pytest", "bench", "zoo"])
+    _omp.reexec_cli_passive()   # not the dynvm command line: nothing happens
