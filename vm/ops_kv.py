@@ -1,5 +1,6 @@
 """The KV cache as state: KV_APPEND writes a step's keys or values into a preallocated
-cache in place; DECODE_ATTN attends over each row's cache slot up to its own length.
+cache in place; DECODE_ATTN attends over each row's cache slot up to its own length,
+causally for a chunk of several new tokens.
 
 Note [KV cache as state]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -17,12 +18,17 @@ tokens: no left padding, no mask.
   itself (`returns_operand`: the JIT's alias analysis sees the result as the cache, so
   it never plans it into an arena or reuses it). The attention that follows reads the
   returned register, so the data dependency orders the write before the read.
-- DECODE_ATTN(query [B, H, 1, D], keys, values, slots, lengths, scale) attends over
-  keys[slots[b], :, :lengths[b]]: one SDPA over the slots' prefix up to the longest
-  row, with a key mask built inside only when the rows' lengths differ, and grouped
-  heads folded into the query (Note [Grouped heads without copies]). Contiguous slots
-  (b -> first + b, the generator's assignment) are a view of the cache; any other
-  assignment gathers the rows' prefixes.
+- DECODE_ATTN(query [B, H, T, D], keys, values, slots, lengths, scale) attends over
+  keys[slots[b], :, :lengths[b]], lengths[b] counting the T new tokens already
+  appended: query t of row b sits at position lengths[b] - T + t and sees the keys up
+  to it (the cached prefix, then causal within the chunk). One SDPA over the slots'
+  prefix up to the longest row, grouped heads folded into the query (Note [Grouped
+  heads without copies]). T = 1 (decode) builds a key mask only when the rows' lengths
+  differ; T > 1 (a prompt chunk, Note [One step program for prompt and decode] in
+  dynvm._generation_kv) needs the causal band, a [T, L] mask shared by every row when
+  their lengths agree, [B, T, L] when they differ; never a copy of K or V. Contiguous
+  slots (b -> first + b) are a view of the cache; any other assignment gathers the
+  rows' prefixes.
 
 Both are idempotent for the same operands (the same values written at the same
 positions), so the JIT's probation shadow calls and calibration runs, which run a
@@ -74,12 +80,23 @@ def _rows(cache, slots, length: int):
 
 
 def decode_attention(query, keys, values, slots, lengths, scale=None):
-    """DECODE_ATTN: each row's query over its slot's first lengths[b] keys and values."""
+    """DECODE_ATTN: each row's T queries over its slot's first lengths[b] keys and
+    values, query t seeing positions up to lengths[b] - T + t (causal in the chunk)."""
     longest = int(lengths.max())
     k, v = _rows(keys, slots, longest), _rows(values, slots, longest)
+    steps = query.shape[2]
+    same = not bool((lengths != longest).any())
     mask = None
-    if bool((lengths != longest).any()):
-        mask = (torch.arange(longest, device=lengths.device) < lengths[:, None])[:, None, None]
+    positions = torch.arange(longest, device=lengths.device)
+    if steps > 1:
+        if same:   # one [T, L] band for every row: position j seen by query t if j <= last
+            last = positions[longest - steps:]
+            mask = (positions[None, :] <= last[:, None])[None, None]
+        else:
+            last = lengths[:, None] - steps + torch.arange(steps, device=lengths.device)
+            mask = (positions[None, None, :] <= last[:, :, None])[:, None]
+    elif not same:
+        mask = (positions < lengths[:, None])[:, None, None]
     return sdpa_gqa(query, k, v, mask, 0.0, False, scale).contiguous()
 
 
@@ -101,8 +118,9 @@ KV_OPS = (
               impl=kv_append, custom_shape_fn=_kv_append_abstract,
               returns_operand=True, writes_state=True),
     tensor_op("DECODE_ATTN", torch.ops.dynvm.decode_attention.default,
-              "attention of one query per row over its cache slot's first lengths[b] "
-              "positions", impl=decode_attention, custom_shape_fn=_decode_attention_abstract),
+              "attention of each row's queries over its cache slot's first lengths[b] "
+              "positions, causal within a chunk of several", impl=decode_attention,
+              custom_shape_fn=_decode_attention_abstract),
 )
 
 KV_CACHE_OPERANDS = {"KV_APPEND": (0,), "DECODE_ATTN": (1, 2)}
