@@ -46,11 +46,11 @@ from collections import defaultdict
 import psutil
 
 from bench._fleet_trace import ShapeTrace, record_observations
-from dynvm.cluster.announce import Announcement, channel_for
-from dynvm.cluster.compile_service import RayServiceClient
-from dynvm.cluster.fleet_link import FleetLink
-from dynvm.cluster.fleet_records import portable_from_fields
-from dynvm.cluster.store_redis import redis_client
+from dynvm.cluster.fleet._announce import Announcement, channel_for
+from dynvm.cluster.fleet._link import FleetLink
+from dynvm.cluster.fleet._records import portable_from_fields
+from dynvm.cluster.fleet.compile_service import RayServiceClient
+from dynvm.cluster.store._redis import redis_client
 from dynvm.jit.portable import PortableError
 
 
@@ -201,7 +201,7 @@ class SubscriberPool:
     meanwhile: a delivery thread hands them all to `on_announcements`, which fetches
     them in one store read, as a replica's own subscription thread does with the
     announcements waiting on its socket (Note [Announcement bursts] in
-    dynvm.cluster.announce). Queued one task per announcement, a link whose
+    dynvm.cluster.fleet._announce). Queued one task per announcement, a link whose
     announcements waited behind others' made one store round trip for each."""
 
     def __init__(self, redis_config, links: list[SimulatedLink], workers: int = 4) -> None:

@@ -8,7 +8,7 @@ import statistics
 
 import psutil
 
-from dynvm.cluster.announce import CHANNEL_PREFIX
+from dynvm.cluster.fleet._announce import CHANNEL_PREFIX
 
 
 def process_usage(pids: list[int]) -> tuple[float, int]:

@@ -50,7 +50,7 @@ def fleet_programs(count: int, shards: int) -> list[bytes]:
     """`count` .dvm files of the small transformer under different names, covering as
     many shards of `shards` as they can (one program per shard while count <= shards)."""
     import dynvm
-    from dynvm.cluster.fleet_shards import shard_of
+    from dynvm.cluster.fleet._shards import shard_of
     from dynvm.models import transformer
     from dynvm.vm import dvm_file
 

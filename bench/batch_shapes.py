@@ -2,7 +2,7 @@
 
     python bench/batch_shapes.py [--seconds 6] [--clients 8] [--repeats 2] [--json out.json]
 
-The recommender demo behind dynvm's `OpportunisticBatcher` (dynvm.cluster.batcher) and
+The recommender demo behind dynvm's `OpportunisticBatcher` (dynvm.cluster.serving._batcher) and
 a real JIT (families on, then off): `--clients` asyncio clients in a closed loop, each
 request 1..4 rows with a random 0..2 ms think time, so batches come in every size. Per
 run: the share of formed batches whose VM call ran entirely specialized (the batcher's
@@ -29,8 +29,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import dynvm  # noqa: E402
-from dynvm.cluster.batcher import OpportunisticBatcher  # noqa: E402
-from dynvm.cluster.serving_config import BatchingOptions  # noqa: E402
+from dynvm.cluster.serving._batcher import OpportunisticBatcher  # noqa: E402
+from dynvm.cluster.serving.serving_config import BatchingOptions  # noqa: E402
 from dynvm.jit.config import JitConfig  # noqa: E402
 from dynvm.models import recommender  # noqa: E402
 

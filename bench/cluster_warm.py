@@ -145,10 +145,10 @@ def main(argv=None) -> int:
 
     import dynvm
     from dynvm.cluster import StoreConfig, serve_models
-    from dynvm.cluster.compile_service import start_compile_service, stop_compile_service
-    from dynvm.cluster.fleet_link import FleetOptions
-    from dynvm.cluster.http_front import model_app_name
-    from dynvm.cluster.local_redis import LocalRedis, free_port
+    from dynvm.cluster.fleet._link import FleetOptions
+    from dynvm.cluster.fleet.compile_service import start_compile_service, stop_compile_service
+    from dynvm.cluster.protocol._http_front import model_app_name
+    from dynvm.cluster.store._local_redis import LocalRedis, free_port
     from dynvm.jit.config import JitConfig
     from dynvm.models import recommender
 

@@ -57,12 +57,12 @@ def run_one(mode: str, n: int, dvm_files: list[bytes], seconds: float, rate: flo
 
     from bench import _fleet_timeline as timeline
     from bench._fleet_host import ReplicaHost
-    from dynvm.cluster.compile_service import start_compile_service, stop_compile_service
-    from dynvm.cluster.config import StoreConfig
-    from dynvm.cluster.fleet_link import FleetOptions
-    from dynvm.cluster.fleet_shards import shard_names
-    from dynvm.cluster.local_redis import LocalRedis, LocalRedisOptions
-    from dynvm.cluster.store_redis import redis_client
+    from dynvm.cluster.fleet._link import FleetOptions
+    from dynvm.cluster.fleet._shards import shard_names
+    from dynvm.cluster.fleet.compile_service import start_compile_service, stop_compile_service
+    from dynvm.cluster.store._local_redis import LocalRedis, LocalRedisOptions
+    from dynvm.cluster.store._redis import redis_client
+    from dynvm.cluster.store._store_config import StoreConfig
 
     settings = MODES[mode]
     shards = settings["shards"]

@@ -30,11 +30,11 @@ that reads the body and answers a fixed response on dynvm's replica settings, th
 any handler could get from this host through Serve's HTTP proxy.
 
 "grpc" runs the same tensors through Serve's gRPC ingress (the v2 gRPC protocol,
-dynvm.cluster.grpc_v2, bench/_grpc_load.py) to dynvm only: the plain deployment speaks
+dynvm.cluster.protocol.grpc_v2, bench/_grpc_load.py) to dynvm only: the plain deployment speaks
 HTTP alone.
 
 `--ingress direct` starts this session's Ray in Serve's direct ingress (Note [Direct
-ingress] in dynvm.cluster.ingress) for every system alike: the client sends each
+ingress] in dynvm.cluster.protocol.ingress) for every system alike: the client sends each
 system's requests straight to its replica's own port, no proxy in the path (HTTP only:
 "grpc" is left out). Serve's ingress is one mode per Ray cluster, so the two cannot
 share a session: `--alternate-ingress N` runs N pairs of sessions, each its own Ray,
@@ -180,7 +180,7 @@ def _floor_deployment():
     from starlette.requests import Request
     from starlette.responses import Response
 
-    from dynvm.cluster._deployment import REPLICA_ENV
+    from dynvm.cluster.serving._deployment import REPLICA_ENV
 
     answer = json.dumps({"model_name": "floor", "outputs": [
         {"name": "output__0", "datatype": "FP32", "shape": [1, 1], "data": [0.0]}]}).encode()
@@ -426,10 +426,10 @@ def main(argv=None) -> int:
     import dynvm
     from bench import _grpc_load
     from dynvm.cluster import serve_models
-    from dynvm.cluster.grpc_v2 import grpc_options
-    from dynvm.cluster.http_front import model_app_name
-    from dynvm.cluster.ingress import direct_addresses, ingress_environment
-    from dynvm.cluster.proxy_guard import ProxyLimits
+    from dynvm.cluster.protocol._http_front import model_app_name
+    from dynvm.cluster.protocol.grpc_v2 import grpc_options
+    from dynvm.cluster.protocol.ingress import direct_addresses, ingress_environment
+    from dynvm.cluster.protocol.proxy_guard import ProxyLimits
     from dynvm.jit.config import JitConfig
     from tests.cluster._redis_server import free_port
 

@@ -1,5 +1,5 @@
 """Generation served under a mixed trace: dynvm's generator replica (continuous
-batching, dynvm.cluster.generate_replica, as `dynvm serve GENERATOR_DIR` deploys it)
+batching, dynvm.cluster.serving._generate_replica, as `dynvm serve GENERATOR_DIR` deploys it)
 against the same random-weight model in CTranslate2 behind a plain Ray Serve deployment.
 
     flock /tmp/dynvm_bench.lock python -m bench.serve_generate --clients 1,8 --requests 32
@@ -207,9 +207,9 @@ def main(argv=None) -> int:
 
     import dynvm
     from dynvm._serve_generate_bundle import save_generator
-    from dynvm.cluster.generate_replica import generator_application
-    from dynvm.cluster.generate_scheduler import SchedulerConfig
-    from dynvm.cluster.serving_config import ServingConfig
+    from dynvm.cluster.serving._generate_replica import generator_application
+    from dynvm.cluster.serving._generate_scheduler import SchedulerConfig
+    from dynvm.cluster.serving.serving_config import ServingConfig
 
     systems = args.systems.split(",")
     folder = Path(tempfile.mkdtemp(prefix="dynvm-serve-generate-"))

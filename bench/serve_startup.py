@@ -49,7 +49,7 @@ threading.Event().wait()
 
 
 def _free_port() -> int:
-    from dynvm.cluster.local_redis import free_port
+    from dynvm.cluster.store._local_redis import free_port
 
     return free_port()
 

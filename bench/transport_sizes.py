@@ -53,7 +53,7 @@ def _clients(port: int, grpc_port: int, x: np.ndarray) -> dict:
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
-    from dynvm.cluster.http_front import model_app_name
+    from dynvm.cluster.protocol._http_front import model_app_name
 
     http = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=600)
     grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
@@ -83,8 +83,8 @@ def main(argv=None) -> int:
 
     import dynvm
     from dynvm.cluster import ServingConfig, serve_models, start_serve
-    from dynvm.cluster.local_redis import free_port
-    from dynvm.cluster.proxy_guard import ProxyLimits
+    from dynvm.cluster.protocol.proxy_guard import ProxyLimits
+    from dynvm.cluster.store._local_redis import free_port
 
     proxy = ProxyLimits()
     os.environ.update({"RAY_USAGE_STATS_ENABLED": "0", **proxy.environment()})

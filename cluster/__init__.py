@@ -1,59 +1,63 @@
-"""dynvm.cluster: serving dynvm programs on Ray Serve, the kernel store (Redis or a local
-directory) and signed artifacts.
+"""dynvm.cluster: serving dynvm programs on Ray Serve, the compile fleet and the kernel
+store (Redis or a local directory) with signed artifacts.
+
+Its floors, one subpackage each:
+
+    store/     the kernel store (Redis, a local directory), sealed entries, StoreConfig
+    fleet/     the compile service, announcements, program index, kept kernels
+    serving/   replicas, execution, batching, deployment, config, process life
+    protocol/  the wire: v2 HTTP/JSON/binary, gRPC, proxy guard, ingress
 
 Serving: `serve_models({name: path}, ServingConfig(...))` after `start_serve(host,
-port)`; `ServingConfig` (dynvm.cluster.serving_config) holds every setting. Internals
-live in `_`-prefixed modules. The serving names load lazily (PEP 562): importing
-`dynvm.cluster.config` does not load Ray Serve.
+port)`, or `serve_local(...)` for the whole local stack; `ServingConfig`
+(dynvm.cluster.serving.serving_config) holds every setting. Internals live in
+`_`-prefixed modules; a module without the prefix is one a user names directly (a Serve
+config's import_path, a Serve gRPC servicer, the proxy callback). The serving names load
+lazily (PEP 562): importing `dynvm.cluster` or any `dynvm.cluster.store` module does not
+load Ray Serve.
 
 Ray Serve replicas and the compile service share compiled kernels through a
 `KernelStore`; `ArtifactCache` seals what is published and verifies what is fetched
-(Note [Signed artifacts] in dynvm.cluster.signed). Configuration comes from
-`StoreConfig.from_env()` (dynvm.cluster.config).
+(Note [Signed artifacts] in dynvm.cluster.store._signed). Configuration comes from
+`StoreConfig.from_env()`.
 """
 
 import importlib
 
-from dynvm.cluster.config import StoreConfig, StoreConfigError
-from dynvm.cluster.signed import (
-    FORMAT_VERSION,
+from dynvm.cluster.store._base import (
+    InvalidKey,
+    KernelStore,
+    StoreError,
+    StoreStats,
+    StoreUnavailable,
+)
+from dynvm.cluster.store._local import LocalDirStore
+from dynvm.cluster.store._redis import RedisConfig, RedisStore
+from dynvm.cluster.store._signed import (
     ArtifactCache,
     CorruptArtifact,
     ForgedArtifact,
     IncompatibleArtifact,
     RejectedArtifact,
     UnsignedArtifact,
-    artifact_fields,
-    artifact_from_fields,
-    open_sealed,
-    seal,
 )
-from dynvm.cluster.store_base import (
-    InvalidKey,
-    KernelStore,
-    StoreError,
-    StoreStats,
-    StoreUnavailable,
-    check_key,
-)
-from dynvm.cluster.store_local import LocalDirStore
-from dynvm.cluster.store_redis import RedisConfig, RedisStore
+from dynvm.cluster.store._store_config import StoreConfig, StoreConfigError
 
 # Serving API name -> its module, imported on first use (Ray Serve, FastAPI, torch).
 _SERVING = {
-    "Autoscaling": "dynvm.cluster.serving_config",
-    "BatchingOptions": "dynvm.cluster.serving_config",
-    "ServingConfig": "dynvm.cluster.serving_config",
-    "ServingLimits": "dynvm.cluster.limits",
-    "ProxyLimits": "dynvm.cluster.proxy_guard",
-    "ModelReplica": "dynvm.cluster.replica",
-    "ServerFront": "dynvm.cluster.server_front",
-    "model_application": "dynvm.cluster._deployment",
-    "serve_models": "dynvm.cluster._deployment",
-    "start_serve": "dynvm.cluster._deployment",
-    "serve_local": "dynvm.cluster.local_stack",
-    "KernelKeeper": "dynvm.cluster.kernel_keeper",
-    "keep_kernels": "dynvm.cluster.kernel_keeper",
+    "Autoscaling": "dynvm.cluster.serving.serving_config",
+    "BatchingOptions": "dynvm.cluster.serving.serving_config",
+    "ServingConfig": "dynvm.cluster.serving.serving_config",
+    "ServingLimits": "dynvm.cluster.serving._limits",
+    "ProxyLimits": "dynvm.cluster.protocol.proxy_guard",
+    "ModelReplica": "dynvm.cluster.serving._replica",
+    "ServerFront": "dynvm.cluster.serving._server_front",
+    "model_application": "dynvm.cluster.serving._deployment",
+    "serve_models": "dynvm.cluster.serving._deployment",
+    "start_serve": "dynvm.cluster.serving._deployment",
+    "serve_local": "dynvm.cluster.serving._local_stack",
+    "KernelKeeper": "dynvm.cluster.fleet._kernel_keeper",
+    "keep_kernels": "dynvm.cluster.fleet._kernel_keeper",
 }
 
 
@@ -67,7 +71,6 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "FORMAT_VERSION",
     "KernelKeeper",
     "keep_kernels",
     "ArtifactCache",
@@ -86,10 +89,5 @@ __all__ = [
     "StoreStats",
     "StoreUnavailable",
     "UnsignedArtifact",
-    "artifact_fields",
-    "artifact_from_fields",
-    "check_key",
-    "open_sealed",
-    "seal",
     *_SERVING,
 ]

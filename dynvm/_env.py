@@ -20,7 +20,7 @@ Variables (the README's "Environment variables" section lists the same):
                            Runtime was asked for (debugging: every call interpreted);
                            Runtime.stats() then says "jit_disabled_by". Default on.
     DYNVM_STORE_SECRET     required by the kernel store: the HMAC-SHA256 key that seals
-                           artifacts (Note [Signed artifacts] in dynvm.cluster.signed);
+                           artifacts (Note [Signed artifacts] in dynvm.cluster.store._signed);
                            the same value on every process; at least 32 bytes and not
                            guessable (Note [Store secret strength]).
     DYNVM_REDIS_URL        redis://, rediss:// or unix:// URL: the store is Redis.
@@ -38,7 +38,7 @@ Variables (the README's "Environment variables" section lists the same):
                            LRU eviction only).
     DYNVM_PROXY_MAX_BODY_BYTES, DYNVM_PROXY_BODY_TIMEOUT_S
                            limits of dynvm's guard in Ray Serve's HTTP proxy (Note
-                           [Limits at the proxy] in dynvm.cluster.proxy_guard): largest
+                           [Limits at the proxy] in dynvm.cluster.protocol.proxy_guard): largest
                            body (default 64 MiB), seconds for the whole body to arrive
                            (default 30). Launchers set them for the proxy process.
     OTEL_SDK_DISABLED      "true": no tracing, whatever else is set.
@@ -111,7 +111,7 @@ MIN_SECRET_BITS = 80
 # Note [Store secret strength]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The store secret is the only thing that keeps anyone who can write to Redis from
-# running code in every replica (Note [Signed artifacts] in dynvm.cluster.signed): an
+# running code in every replica (Note [Signed artifacts] in dynvm.cluster.store._signed): an
 # HMAC key of one character can be guessed offline from one sealed entry in
 # microseconds. So a secret must be at least MIN_SECRET_BYTES long (HMAC-SHA256's own
 # key size; `openssl rand -hex 32` gives 64 characters) and must not look made by hand:
@@ -232,7 +232,7 @@ def trace_settings(environ: Mapping[str, str] | None = None) -> TraceSettings:
 
 @dataclass(frozen=True)
 class StoreSettings:
-    """The kernel store's variables, checked and typed; dynvm.cluster.config turns them
+    """The kernel store's variables, checked and typed; dynvm.cluster.store._store_config turns them
     into a StoreConfig. Exactly one of `redis_url` and `local_dir` is set."""
 
     secret: str = field(repr=False)

@@ -1,4 +1,4 @@
-"""`dynvm precompile`: the command-line wrapper of dynvm.cluster.precompile (Note
+"""`dynvm precompile`: the command-line wrapper of dynvm.cluster.fleet.precompile (Note
 [Precompile rounds] there): reads the .dvm file, the shapes (--shapes, --trace-file) and
 the store, runs `precompile`, prints its outcome. Library errors (DynvmError) become
 `dynvm: error:` lines; a malformed shape spec is a usage error (exit status 2).
@@ -18,7 +18,7 @@ from dynvm._run_cmd import CliError
 
 def store_config(store_dir: str | None):
     """--store-dir, else the store the environment names (dynvm._env)."""
-    from dynvm.cluster.config import StoreConfig, StoreConfigError
+    from dynvm.cluster.store._store_config import StoreConfig, StoreConfigError
 
     try:
         if store_dir is None:
@@ -65,9 +65,9 @@ environment variables); DYNVM_STORE_SECRET must be the fleet's.
 
 def precompile_command(args) -> int:
     """`dynvm precompile`: read the program and the shapes, run
-    `dynvm.cluster.precompile.precompile`, print its outcome; the exit status."""
+    `dynvm.cluster.fleet.precompile.precompile`, print its outcome; the exit status."""
     # Imported here: `dynvm --help` need not load the cluster package (Redis, signing).
-    from dynvm.cluster.precompile import (
+    from dynvm.cluster.fleet.precompile import (
         PrecompileError,
         ShapeSpecError,
         check_shapes,

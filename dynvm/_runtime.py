@@ -42,7 +42,7 @@ class Runtime:
     `kernel_store` (a `dynvm.cluster.StoreConfig`, e.g. a local directory and a secret)
     keeps the JIT's kernels across restarts: what the store holds for this program is
     installed now, without compiling, and what the JIT compiles from now on is kept
-    there (Note [Kept kernels] in dynvm.cluster.kernel_keeper).
+    there (Note [Kept kernels] in dynvm.cluster.fleet._kernel_keeper).
 
     DYNVM_JIT=0 in the environment (dynvm._env) turns the JIT off for every Runtime,
     whatever `jit` says, for debugging; stats()["jit_disabled_by"] then says so.
@@ -74,10 +74,10 @@ class Runtime:
                            self.telemetry)
             self.jit.attach()
         # A StoreConfig: kernels kept there install now, new ones are kept (Note [Kept
-        # kernels] in dynvm.cluster.kernel_keeper); nothing to keep without the JIT.
+        # kernels] in dynvm.cluster.fleet._kernel_keeper); nothing to keep without the JIT.
         self.kernel_keeper = None
         if kernel_store is not None and self.jit is not None:
-            from dynvm.cluster.kernel_keeper import keep_kernels
+            from dynvm.cluster.fleet._kernel_keeper import keep_kernels
 
             self.kernel_keeper = keep_kernels(self, kernel_store)
         self._in_spec = pytree.treespec_loads(program.in_spec)

@@ -163,7 +163,7 @@ def _index(key) -> int:
     raise StatsFormatError(f"stats: region index {key!r} is not an integer")
 
 
-# -- reading a stats document through its type (dynvm top, dynvm.cluster.metrics) -----
+# -- reading a stats document through its type (dynvm top, dynvm.cluster.serving._metrics) -----
 
 def field_of(kind: type, name: str) -> str:
     """`name`, once checked to be a field of the counters (or stats) dataclass `kind`;

@@ -1,22 +1,22 @@
 """`dynvm serve MODEL.dvm`: the one-command embedded default of docs/ARCHITECTURE.md's cluster.
 
-It starts, in order (dynvm.cluster.local_stack, which Python calls as `serve_local`), a
-private redis-server when the environment names no Redis (dynvm.cluster.local_redis), a
+It starts, in order (dynvm.cluster.serving._local_stack, which Python calls as `serve_local`), a
+private redis-server when the environment names no Redis (dynvm.cluster.store._local_redis), a
 local Ray (no dashboard), the compile service, Serve's HTTP proxy on --host (127.0.0.1 by
 default), and the model's replicas with their fleet links, each replica serving HTTP on
 a port of its own too (Serve's direct ingress, unless `--ingress proxy`:
 Note [Direct ingress]); prints the URLs; waits for SIGINT or SIGTERM. With the default
 --host every socket of the run, Ray's included, listens on loopback only
-(Note [Loopback listeners] in dynvm.cluster._loopback).
+(Note [Loopback listeners] in dynvm.cluster.protocol._loopback).
 
 Note [Stopping dynvm serve]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 SIGINT and SIGTERM (Ctrl-C, `timeout`, `docker stop`, Kubernetes, systemd) start the
-same graceful stop (Note [Stop signals] in dynvm.cluster._stop_signals). First the
-model's replicas drain (Note [Drain before Serve stops] in dynvm.cluster._drain):
+same graceful stop (Note [Stop signals] in dynvm.cluster.serving._stop_signals). First the
+model's replicas drain (Note [Drain before Serve stops] in dynvm.cluster.serving._drain):
 /v2/health/ready turns 503 at once, a new request gets 503 + Retry-After, those in
 flight finish, within ServingConfig.drain_s (`--drain-seconds`). Then Serve shuts down
-(each replica as on scale-down, Note [Replica drain] in dynvm.cluster._deployment: its
+(each replica as on scale-down, Note [Replica drain] in dynvm.cluster.serving._deployment: its
 listener closes, a later connection is refused), then the compile service, Ray (its
 raylet, GCS and workers) and the private redis-server, in that order, and the command
 exits EXIT_STOPPED (0). A second signal, or a stop still running STOP_BUDGET_S after
@@ -26,7 +26,7 @@ SIGINT, 143 for SIGTERM) or EXIT_STOP_TIMEOUT. Even then, and even after a SIGKI
 the command, nothing is left behind: the redis-server has a parent-death signal
 (LocalRedisOptions.die_with_parent), Ray starts its GCS and raylet with one too (its
 workers exit when the raylet is gone), and a watchdog kills whatever else the command
-started at once (Note [Orphan watch] in dynvm.cluster._orphan_watch), instead of the
+started at once (Note [Orphan watch] in dynvm.cluster.serving._orphan_watch), instead of the
 minute Ray's agents take alone.
 
 The kernel store's secret comes from DYNVM_STORE_SECRET when it is set (replicas of
@@ -54,9 +54,9 @@ from dynvm._env import (
 from dynvm._run_cmd import CliError
 
 if TYPE_CHECKING:
-    from dynvm.cluster._stop_signals import StopSignals
-    from dynvm.cluster.local_redis import LocalRedis
-    from dynvm.cluster.serving_config import ServingConfig
+    from dynvm.cluster.serving._stop_signals import StopSignals
+    from dynvm.cluster.serving.serving_config import ServingConfig
+    from dynvm.cluster.store._local_redis import LocalRedis
 
 # Exit statuses (Note [Stopping dynvm serve]).
 EXIT_STOPPED = 0
@@ -107,7 +107,7 @@ def options_from_args(args) -> ServeOptions:
                        2)
     if generator and args.require_signed:
         raise CliError("--require-signed: a generator directory is not signed", 2)
-    from dynvm.cluster.http_front import check_model_name
+    from dynvm.cluster.protocol._http_front import check_model_name
 
     if args.require_signed and not child_environment().get(STORE_SECRET, "").strip():
         raise CliError(f"--require-signed checks the .dvm file's signature with "
@@ -118,7 +118,7 @@ def options_from_args(args) -> ServeOptions:
         check_model_name(name)
     except ValueError as exc:
         raise CliError(f"bad --name: {exc}", 2) from None
-    from dynvm.cluster.serving_config import HTTP_PORT
+    from dynvm.cluster.serving.serving_config import HTTP_PORT
 
     port = HTTP_PORT if args.port is None else args.port
     return ServeOptions(model_path=str(path.resolve()), name=name, port=port,
@@ -171,8 +171,8 @@ def _given(**values) -> dict:
 
 def _serving_from_args(args) -> ServingConfig:
     """ServingConfig from the flags that were given, over its defaults."""
-    from dynvm.cluster.limits import ServingLimits
-    from dynvm.cluster.serving_config import Autoscaling, BatchingOptions, ServingConfig
+    from dynvm.cluster.serving._limits import ServingLimits
+    from dynvm.cluster.serving.serving_config import Autoscaling, BatchingOptions, ServingConfig
     from dynvm.jit.config import JitConfig
 
     if (args.min_replicas is None) != (args.max_replicas is None):
@@ -220,13 +220,13 @@ def _serving_from_args(args) -> ServingConfig:
 
 def _start(options: ServeOptions, stack: contextlib.ExitStack, say, signals: StopSignals,
            private: list[LocalRedis]) -> dict:
-    """Start everything (dynvm.cluster.local_stack, the store to Serve, then the model);
+    """Start everything (dynvm.cluster.serving._local_stack, the store to Serve, then the model);
     returns {application: [(host, port)]} of each application's replicas in direct
     ingress (Note [Direct ingress]), else {}."""
-    from dynvm.cluster.config import StoreConfigError
-    from dynvm.cluster.ingress import direct_addresses
-    from dynvm.cluster.local_redis import LocalRedisError
-    from dynvm.cluster.local_stack import LocalStackError, start_local_stack
+    from dynvm.cluster.protocol.ingress import direct_addresses
+    from dynvm.cluster.serving._local_stack import LocalStackError, start_local_stack
+    from dynvm.cluster.store._local_redis import LocalRedisError
+    from dynvm.cluster.store._store_config import StoreConfigError
 
     try:
         # Ray installs its own SIGTERM handlers: ours go back after it (Note [Stop signals]).
@@ -245,7 +245,7 @@ def _start(options: ServeOptions, stack: contextlib.ExitStack, say, signals: Sto
         handles = deploy(options, fleet)
         return direct_addresses(handles) if options.serving.ingress == "direct" else {}
     # Imported once Ray is (Serve's module imports Ray: Note [Loopback listeners]).
-    from dynvm.cluster._deployment import serve_models
+    from dynvm.cluster.serving._deployment import serve_models
 
     handles = serve_models({options.name: options.model_path}, options.serving,
                            fleet=fleet)
@@ -280,7 +280,7 @@ def _direct_hint(options: ServeOptions, direct: dict) -> str:
     """The hint's lines on the replicas' own addresses ('' in proxy ingress)."""
     if not direct:
         return ""
-    from dynvm.cluster.http_front import SERVER_APP, model_app_name
+    from dynvm.cluster.protocol._http_front import SERVER_APP, model_app_name
 
     def urls(app: str) -> str:
         return ", ".join(f"http://{_url_host(options)}:{port}" for _, port in direct[app])
@@ -295,7 +295,7 @@ def _grpc_hint(options: ServeOptions) -> str:
     """The hint's gRPC line ('' without --grpc-port)."""
     if options.grpc_port is None:
         return ""
-    from dynvm.cluster.http_front import model_app_name
+    from dynvm.cluster.protocol._http_front import model_app_name
 
     client = (f'tritonclient.grpc.InferenceServerClient('
               f'"{_url_host(options)}:{options.grpc_port}")')
@@ -305,9 +305,9 @@ def _grpc_hint(options: ServeOptions) -> str:
 
 def _drain(options: ServeOptions, say) -> None:
     """Drain the model's replicas before Serve stops (Note [Drain before Serve stops])."""
-    from dynvm.cluster._drain import drain_replicas
-    from dynvm.cluster.http_front import model_app_name
-    from dynvm.cluster.ingress import DRAIN_S
+    from dynvm.cluster.protocol._http_front import model_app_name
+    from dynvm.cluster.protocol.ingress import DRAIN_S
+    from dynvm.cluster.serving._drain import drain_replicas
 
     drain_s = options.serving.drain_s
     say(f"draining  {options.name}'s replicas: not ready, new requests 503, in-flight "
@@ -325,9 +325,9 @@ def _drain(options: ServeOptions, say) -> None:
 def serve_command(args) -> int:
     """Run `dynvm serve` until SIGINT or SIGTERM; returns the exit status (Note
     [Stopping dynvm serve])."""
-    from dynvm.cluster._orphan_watch import RUN_MARKER, new_marker
-    from dynvm.cluster._orphan_watch import start as start_orphan_watch
-    from dynvm.cluster._stop_signals import StopSignals
+    from dynvm.cluster.serving._orphan_watch import RUN_MARKER, new_marker
+    from dynvm.cluster.serving._orphan_watch import start as start_orphan_watch
+    from dynvm.cluster.serving._stop_signals import StopSignals
 
     options = options_from_args(args)
     private: list[LocalRedis] = []  # the private redis-server, once started
@@ -395,7 +395,7 @@ at once (exit 128 + the signal's number).
     p.add_argument("file", metavar="MODEL.dvm")
     p.add_argument("--name", help="model name in the routes (default: the file's stem)")
     p.add_argument("--port", type=int, help="HTTP port of Serve's proxy (default: "
-                   "dynvm.cluster.serving_config.HTTP_PORT, Serve's own)")
+                   "dynvm.cluster.serving.serving_config.HTTP_PORT, Serve's own)")
     p.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
                    help="address every socket listens on (default 127.0.0.1: loopback "
                    "only, Ray's own sockets included); 0.0.0.0 opens the HTTP, gRPC and "
@@ -413,7 +413,7 @@ at once (exit 128 + the signal's number).
                    help="run the compile service as N actors, each program on one of them "
                    "by its hash (default 1; a fleet with many programs)")
     # Flags left out are None: ServingConfig.local_stack()'s defaults apply (stated in
-    # dynvm.cluster.serving_config only; tests/cluster/test_serve_cmd.py checks it).
+    # dynvm.cluster.serving.serving_config only; tests/cluster/test_serve_cmd.py checks it).
     p.add_argument("--replicas", type=int, metavar="N", help="fixed replica count")
     p.add_argument("--min-replicas", type=int, metavar="A", help="autoscale from A ...")
     p.add_argument("--max-replicas", type=int, metavar="B", help="... up to B replicas")

@@ -5,8 +5,8 @@ directory written by `save_generator`): its flags, its deployment and its hint.
     curl -N localhost:8000/v1/completions -d '{"prompt": [1, 2, 3], "stream": true}'
 
 The generator is one Serve application at route prefix `/` (dynvm.cluster.
-generate_replica): OpenAI's /v1/completions and the v2 generate extension, with
-continuous batching (dynvm.cluster.generate_scheduler). --max-batch-size caps the rows
+serving._generate_replica): OpenAI's /v1/completions and the v2 generate extension, with
+continuous batching (dynvm.cluster.serving._generate_scheduler). --max-batch-size caps the rows
 decoded at once and --max-queued the waiting room, as they cap inference batches.
 """
 
@@ -39,7 +39,7 @@ def add_generate_arguments(parser) -> None:
 
 def scheduler_from_args(args):
     """SchedulerConfig from the flags that were given (CliError for a bad one)."""
-    from dynvm.cluster.generate_scheduler import SchedulerConfig
+    from dynvm.cluster.serving._generate_scheduler import SchedulerConfig
     from dynvm.vm.errors import ConfigError
 
     given = {key: value for key, value in (
@@ -65,7 +65,7 @@ def deploy(options, fleet) -> dict:
     """Deploy the generator of `options` (ServeOptions) with its replicas linked to the
     fleet (`FleetOptions`: the compile service and the kernel store); Serve must be
     started."""
-    from dynvm.cluster.generate_replica import serve_generator
+    from dynvm.cluster.serving._generate_replica import serve_generator
 
     return serve_generator(options.name, options.model_path,
                            options.serving.replace(fleet=fleet), options.generate)

@@ -1,4 +1,4 @@
-"""`dynvm top`'s lines for generator replicas (dynvm.cluster.generate_replica): time to
+"""`dynvm top`'s lines for generator replicas (dynvm.cluster.serving._generate_replica): time to
 first token, inter-token latency, tokens/s, sequences running and waiting, cache
 occupancy and how sequences ended, from the same /v2/models/<name>/stats it polls.
 A row whose stats carry no "tokens_per_s" is not a generator's and gets no line."""

@@ -14,7 +14,7 @@ cache_key), followed by its program's tag in braces:
   program never spreads its traffic over every node while a cold one still costs each.
 * The store learns a key's program from the key alone (`program_tag_of`), which is how
   it groups entries for expiry and for its per-program size bound (Note [Artifact
-  lifetime] in dynvm.cluster.store_base), without opening anything.
+  lifetime] in dynvm.cluster.store._base), without opening anything.
 * The digest comes first so that a key's first characters, as logs print them
   (`key[:16]`), still tell artifacts apart; the tag only groups. 16 hex digits (64
   bits) of the program hash keep distinct programs apart by accident; the tag is not a

@@ -459,7 +459,7 @@ class Jit(JitTracing):
                        metadata: dict, load_seconds: float) -> Specialization | None:
         """Install a specialization compiled elsewhere whose code arrives built: a GPU
         replica's kernels loaded from an artifact's stored binaries
-        (dynvm.cluster.fleet_gpu), so nothing is specialized, generated or compiled here.
+        (dynvm.cluster.fleet._gpu), so nothing is specialized, generated or compiled here.
         The caller has checked that `portable` is the record `key` was built from.
         Returns None when the region is not watched here or `key` is installed."""
         region_jit = self.regions.get(portable.region)

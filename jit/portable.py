@@ -356,7 +356,7 @@ def decode(record, program) -> PortableSpecialization:
 def retarget(portable: PortableSpecialization, device: torch.device) -> PortableSpecialization:
     """The same specialization guarded for tensors on `device`. The compile service
     specializes from signatures on its own device (a CPU); a GPU replica installing the
-    record (dynvm.cluster.fleet_gpu) guards on its device instead. Only the guard's device
+    record (dynvm.cluster.fleet._gpu) guards on its device instead. Only the guard's device
     changes: shapes, dtypes, strides, bounds and the IR (whose abstract values are device
     free; device literals mean "the runtime's device") stay as they were."""
     device = torch.device(device)

@@ -3,7 +3,7 @@ what the bytes should hold (Note [Bounded decoding]).
 
 One helper for every reader of outside bytes: the .dvm loader (`dynvm.vm.dvm_file`), its
 signatures (`dynvm.vm.dvm_signature`), the kernel store's envelopes and program indexes
-(`dynvm.cluster.signed`) and the announcements (`dynvm.cluster.announce`). It lives in
+(`dynvm.cluster.store._signed`) and the announcements (`dynvm.cluster.fleet._announce`). It lives in
 the VM layer so that every layer may import it; it imports nothing above `dynvm.vm`.
 
 Note [Bounded decoding]

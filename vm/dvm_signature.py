@@ -9,7 +9,7 @@ dim bound of 2**62, a loop that never ends), and the file loads. The verifier re
 what is inconsistent (Note [Program signature] in dynvm.vm.verifier) and the call budget
 stops what never ends (Note [Call budget]), but a program that is consistent and wrong
 on purpose is still a program. So a .dvm file from anywhere untrusted must be signed,
-like a kernel store entry (Note [Signed artifacts] in dynvm.cluster.signed), with the
+like a kernel store entry (Note [Signed artifacts] in dynvm.cluster.store._signed), with the
 same kind of secret: whoever holds it vouches for the file.
 
 The signature is a small JSON document, {"v": 1, "alg": "HMAC-SHA256", "sha256": hex of

@@ -1,7 +1,7 @@
 """The one check of an input's shape against its declared dims.
 
 The interpreter's SHAPE_ASSERT runs it on every call, and the HTTP protocol
-(dynvm.cluster.v2_protocol) runs it on a request's declared shape before any data is
+(dynvm.cluster.protocol._v2) runs it on a request's declared shape before any data is
 decoded, so a client sees the same message whether the shape was refused at the door or
 by the program.
 

@@ -3,7 +3,7 @@
     declared_dims(program)            {"batch": (1, 64), "seq": (2, 512)}
     random_inputs(program, {"batch": 4, "seq": 32}, generator) -> flat input tensors
 
-`dynvm run` draws its calls with these, and precompile (dynvm.cluster.precompile) the
+`dynvm run` draws its calls with these, and precompile (dynvm.cluster.fleet.precompile) the
 calls that make a fleet's families.
 """
 

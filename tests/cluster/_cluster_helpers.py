@@ -57,12 +57,12 @@ def local_serve(namespace: str, num_cpus: int = 2, proxy_limits=None,
                 grpc_options: dict | None = None, **ray_options) -> Iterator[int]:
     """A local Ray cluster with Serve on a free loopback port (yielded); everything is
     shut down on exit, usage reporting off while it runs. The proxy runs dynvm's guard
-    (dynvm.cluster.proxy_guard) with `proxy_limits` (default ProxyLimits()), as `dynvm
-    serve` does; `grpc_options` (dynvm.cluster.grpc_v2.grpc_options) adds the gRPC one."""
+    (dynvm.cluster.protocol.proxy_guard) with `proxy_limits` (default ProxyLimits()), as `dynvm
+    serve` does; `grpc_options` (dynvm.cluster.protocol.grpc_v2.grpc_options) adds the gRPC one."""
     import ray
     from ray import serve
 
-    from dynvm.cluster.proxy_guard import ProxyLimits
+    from dynvm.cluster.protocol.proxy_guard import ProxyLimits
 
     limits = proxy_limits if proxy_limits is not None else ProxyLimits()
     variables = {"RAY_USAGE_STATS_ENABLED": "0", **limits.environment()}
@@ -92,8 +92,8 @@ def serve_fleet(directory: Path, namespace: str, jit_config, **fleet_options):
     """A private redis-server, a local Ray + Serve (`local_serve`) and a compile service
     with a unique name; yields (port, the RedisServer, the replicas' FleetOptions)."""
     from dynvm.cluster import StoreConfig
-    from dynvm.cluster.compile_service import start_compile_service
-    from dynvm.cluster.fleet_link import FleetOptions
+    from dynvm.cluster.fleet._link import FleetOptions
+    from dynvm.cluster.fleet.compile_service import start_compile_service
 
     redis_server = RedisServer(Path(directory) / "redis").start()
     store = StoreConfig(secret=secrets.token_bytes(32), redis=redis_config(redis_server))

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynvm.cluster.local_redis import free_port
+from dynvm.cluster.store._local_redis import free_port
 
 START_TIMEOUT_S = 120.0
 """A `ray start` on a loaded 2-core machine can take half a minute; this is the bound."""

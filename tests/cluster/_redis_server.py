@@ -15,7 +15,7 @@ from pathlib import Path
 import redis
 
 from dynvm.cluster import RedisConfig
-from dynvm.cluster.local_redis import free_port
+from dynvm.cluster.store._local_redis import free_port
 
 REDIS_SERVER = shutil.which("redis-server")
 

@@ -1,4 +1,4 @@
-"""The opportunistic batcher (dynvm.cluster.batcher) under real asyncio concurrency, in
+"""The opportunistic batcher (dynvm.cluster.serving._batcher) under real asyncio concurrency, in
 process: a worker thread that blocks on an event stands for a busy model."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from dynvm.cluster import batcher as batcher_module
-from dynvm.cluster.batcher import OpportunisticBatcher, Overloaded, plan_batch
-from dynvm.cluster.serving_config import BatchingOptions
+from dynvm.cluster.serving import _batcher as batcher_module
+from dynvm.cluster.serving._batcher import OpportunisticBatcher, Overloaded, plan_batch
+from dynvm.cluster.serving.serving_config import BatchingOptions
 from dynvm.vm.errors import DynvmError
 
 

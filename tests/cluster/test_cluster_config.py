@@ -10,6 +10,7 @@ import pytest
 
 import dynvm.cluster as cluster
 from dynvm.cluster import LocalDirStore, RedisStore, StoreConfig, StoreConfigError
+from dynvm.cluster.store import _store_config
 
 SECRET = "from-env-secret-7f3a9c2e5b8d41f6a0c3e9b2d7"
 
@@ -83,7 +84,7 @@ def test_config_reads_no_environment_itself(tmp_path, monkeypatch):
     config = StoreConfig.from_env()
     assert config.secret == b"process-secret-0123-9f2c4e7a1b3d5f60"
     assert config.local_dir == str(tmp_path)
-    assert "import os" not in Path(cluster.config.__file__).read_text()
+    assert "import os" not in Path(_store_config.__file__).read_text()
 
 
 def test_the_serving_api_loads_lazily():
@@ -93,14 +94,14 @@ def test_the_serving_api_loads_lazily():
     import subprocess
     import sys
 
-    code = ("import sys, dynvm.cluster.config; "
+    code = ("import sys, dynvm.cluster.store._store_config; "
             "print('ray.serve' in sys.modules, 'fastapi' in sys.modules); "
             "from dynvm.cluster import ServingConfig, serve_models; "
             "print(callable(serve_models), ServingConfig.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split("\n")
     assert out[0] == "False False"
-    assert out[1] == "True dynvm.cluster.serving_config"
+    assert out[1] == "True dynvm.cluster.serving.serving_config"
     with pytest.raises(AttributeError, match="no attribute 'serve_everything'"):
         cluster.serve_everything  # noqa: B018
 

@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynvm.cluster import (
-    FORMAT_VERSION,
     ArtifactCache,
     CorruptArtifact,
     ForgedArtifact,
@@ -20,12 +19,15 @@ from dynvm.cluster import (
     LocalDirStore,
     RejectedArtifact,
     UnsignedArtifact,
+)
+from dynvm.cluster.store._signed import (
+    FORMAT_VERSION,
+    _mac,
     artifact_fields,
     artifact_from_fields,
     open_sealed,
     seal,
 )
-from dynvm.cluster.signed import _mac
 from dynvm.jit.artifact import Artifact, cache_key
 from tests.cluster._mutations import mutated_bytes
 

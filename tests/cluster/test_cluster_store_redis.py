@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from dynvm.cluster import RedisConfig, RedisStore, StoreUnavailable
-from dynvm.cluster.store_redis import HEAD_BYTES
+from dynvm.cluster.store._redis import HEAD_BYTES
 from dynvm.jit.artifact import cache_key
 from tests.cluster._redis_server import RedisServer, free_port, redis_config
 

@@ -1,4 +1,4 @@
-"""The serving counters are typed (dynvm.cluster.counters) and their JSON keys, which
+"""The serving counters are typed (dynvm.cluster.serving._counters) and their JSON keys, which
 /stats serves and `dynvm top` and Prometheus read, are the ones they always were."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from dynvm._runtime_stats import RuntimeStats
-from dynvm.cluster.batcher import OpportunisticBatcher
-from dynvm.cluster.counters import (
+from dynvm.cluster.serving._batcher import OpportunisticBatcher
+from dynvm.cluster.serving._counters import (
     BatcherCounters,
     ExecCounters,
     LinkCounters,
@@ -18,8 +18,8 @@ from dynvm.cluster.counters import (
     field_of,
     read,
 )
-from dynvm.cluster.metrics import Series
-from dynvm.cluster.serving_config import BatchingOptions
+from dynvm.cluster.serving._metrics import Series
+from dynvm.cluster.serving.serving_config import BatchingOptions
 
 # The wire keys before the counters were typed (the dicts' keys, in their order).
 WIRE_KEYS = {
@@ -105,7 +105,7 @@ def test_a_reader_naming_a_missing_field_fails_when_it_is_defined():
 
 def test_dynvm_top_reads_the_request_counters_through_their_type():
     from dynvm import _top_cmd
-    from dynvm.cluster.serving_config import HTTP_PORT
+    from dynvm.cluster.serving.serving_config import HTTP_PORT
 
     assert _top_cmd._request_counters({"requests": 3, "errors": 1}) == RequestCounters(
         requests=3, errors=1, rejected_busy=None)

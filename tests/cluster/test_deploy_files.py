@@ -9,9 +9,9 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from dynvm.cluster.http_front import model_app_name
-from dynvm.cluster.serve_app import ModelAppArgs, build_server_app
-from dynvm.cluster.serving_config import Autoscaling, BatchingOptions, ServingConfig
+from dynvm.cluster.protocol._http_front import model_app_name
+from dynvm.cluster.serving.serve_app import ModelAppArgs, build_server_app
+from dynvm.cluster.serving.serving_config import Autoscaling, BatchingOptions, ServingConfig
 from dynvm.jit.config import JitConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -30,7 +30,7 @@ def _check_applications(config: dict) -> None:
     apps = {app.name: app for app in schema.applications}
     server = apps.pop("dynvm-server")
     assert server.route_prefix == "/v2"
-    assert server.import_path == "dynvm.cluster.serve_app:build_server_app"
+    assert server.import_path == "dynvm.cluster.serving.serve_app:build_server_app"
     models = server.args["models"]
     assert sorted(models) == sorted(app.args["name"] for app in apps.values())
     for name, app in apps.items():
@@ -38,7 +38,7 @@ def _check_applications(config: dict) -> None:
         # ServerFront finds a model's app by this name (readiness), the proxy by prefix.
         assert name == model_app_name(args.name)
         assert app.route_prefix == f"/v2/models/{args.name}"
-        assert app.import_path == "dynvm.cluster.serve_app:build_model_app"
+        assert app.import_path == "dynvm.cluster.serving.serve_app:build_model_app"
         assert isinstance(args.serving, ServingConfig)
 
 

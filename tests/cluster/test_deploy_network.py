@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from dynvm.cluster.serve_app import ModelAppArgs
+from dynvm.cluster.serving.serve_app import ModelAppArgs
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 

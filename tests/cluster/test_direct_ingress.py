@@ -18,9 +18,9 @@ serve = pytest.importorskip("ray.serve")
 
 import dynvm  # noqa: E402
 from dynvm.cluster import BatchingOptions, ServingConfig, ServingLimits  # noqa: E402
-from dynvm.cluster.http_front import SERVER_APP, model_app_name  # noqa: E402
-from dynvm.cluster.ingress import direct_addresses, ingress_environment  # noqa: E402
-from dynvm.cluster.proxy_guard import ProxyLimits  # noqa: E402
+from dynvm.cluster.protocol._http_front import SERVER_APP, model_app_name  # noqa: E402
+from dynvm.cluster.protocol.ingress import direct_addresses, ingress_environment  # noqa: E402
+from dynvm.cluster.protocol.proxy_guard import ProxyLimits  # noqa: E402
 from dynvm.vm.errors import ConfigError  # noqa: E402
 from tests.cluster._cluster_helpers import (  # noqa: E402
     assert_overloaded,

@@ -10,8 +10,8 @@ import time
 import msgpack
 import pytest
 
-from dynvm.cluster.announce import Announcement, Announcer, Subscription, channel_for
-from dynvm.cluster.service_warmup import Warmup
+from dynvm.cluster.fleet._announce import Announcement, Announcer, Subscription, channel_for
+from dynvm.cluster.fleet._service_warmup import Warmup
 from dynvm.jit.artifact_keys import program_tag, tagged_key
 from dynvm.vm.errors import ConfigError
 from tests.cluster._cluster_helpers import wait_until

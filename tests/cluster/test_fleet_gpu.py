@@ -1,4 +1,4 @@
-"""GPU replicas in the fleet (Note [GPU replicas in the fleet] in dynvm.cluster.fleet_gpu):
+"""GPU replicas in the fleet (Note [GPU replicas in the fleet] in dynvm.cluster.fleet._gpu):
 a real redis-server, the real FleetCompiler building sm_90 Triton binaries, real pub/sub.
 One replica is a CPU replica; the others are configured as CUDA replicas whose device is
 faked only at the launch boundary (tests/triton/_fake_device.py: the stored cubins are
@@ -16,9 +16,9 @@ import torch
 
 import dynvm
 from dynvm.cluster import StoreConfig
-from dynvm.cluster.compile_service import LocalServiceClient
-from dynvm.cluster.fleet_compiler import FleetCompiler
-from dynvm.cluster.fleet_link import FleetLink, FleetOptions
+from dynvm.cluster.fleet._compiler import FleetCompiler
+from dynvm.cluster.fleet._link import FleetLink, FleetOptions
+from dynvm.cluster.fleet.compile_service import LocalServiceClient
 from dynvm.jit.config import JitConfig
 from dynvm.jit.portable import PortableError
 from dynvm.telemetry import Telemetry
@@ -197,7 +197,7 @@ def test_family_kernels_reach_a_cuda_replica_too(model, tmp_path, secret,
         assert stats["specialized_region_calls"] == len(draws)
         # The store evicts the GPU index alone: the service lists its entries again, and
         # a CUDA replica that starts afterwards still warm-starts from them.
-        from dynvm.cluster.fleet_records import index_key
+        from dynvm.cluster.fleet._records import index_key
 
         (tmp_path / "kernels" / index_key(program.content_hash, "cuda:90")).unlink()
         compiler.repair_store()

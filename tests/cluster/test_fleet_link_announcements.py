@@ -1,6 +1,6 @@
 """A link installs a burst of announcements with one store read (Note [Announcement
-bursts] in dynvm.cluster.announce) and follows the index stamps they carry (Note [Index
-stamps] in dynvm.cluster.fleet_records). Real redis-server, the real FleetCompiler."""
+bursts] in dynvm.cluster.fleet._announce) and follows the index stamps they carry (Note [Index
+stamps] in dynvm.cluster.fleet._records). Real redis-server, the real FleetCompiler."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 
 import dynvm
 from dynvm.cluster import StoreConfig
-from dynvm.cluster.announce import Announcement, Subscription
-from dynvm.cluster.compile_service import LocalServiceClient
-from dynvm.cluster.fleet_compiler import FleetCompiler
-from dynvm.cluster.fleet_link import FleetLink, FleetOptions
-from dynvm.cluster.fleet_records import index_key
+from dynvm.cluster.fleet._announce import Announcement, Subscription
+from dynvm.cluster.fleet._compiler import FleetCompiler
+from dynvm.cluster.fleet._link import FleetLink, FleetOptions
+from dynvm.cluster.fleet._records import index_key
+from dynvm.cluster.fleet.compile_service import LocalServiceClient
 from dynvm.jit.config import JitConfig
 from tests.cluster._cluster_helpers import saved_recommender, wait_until
 from tests.cluster._redis_server import redis_config

@@ -25,7 +25,7 @@ httpclient = pytest.importorskip("tritonclient.http")
 
 import dynvm  # noqa: E402
 from dynvm.cluster import Autoscaling, BatchingOptions, serve_models  # noqa: E402
-from dynvm.cluster.fleet_link import FleetOptions  # noqa: E402
+from dynvm.cluster.fleet._link import FleetOptions  # noqa: E402
 from dynvm.jit.config import JitConfig  # noqa: E402
 from dynvm.models import recommender, transformer  # noqa: E402
 

@@ -15,10 +15,10 @@ import pytest
 
 import dynvm
 from dynvm.cluster import StoreConfig
-from dynvm.cluster.compile_service import LocalServiceClient, ReportLoad
-from dynvm.cluster.fleet_compiler import FleetCompiler
-from dynvm.cluster.fleet_link import FleetLink, FleetOptions
-from dynvm.cluster.fleet_shards import shard_actor_name, shard_of
+from dynvm.cluster.fleet._compiler import FleetCompiler
+from dynvm.cluster.fleet._link import FleetLink, FleetOptions
+from dynvm.cluster.fleet._shards import shard_actor_name, shard_of
+from dynvm.cluster.fleet.compile_service import LocalServiceClient, ReportLoad
 from dynvm.jit.config import JitConfig
 from tests.cluster._cluster_helpers import saved_recommender, wait_until
 from tests.cluster._redis_server import redis_config
@@ -211,7 +211,7 @@ def _two_programs(directory):
 def test_programs_land_on_their_shards_and_a_shard_restarts_alone(
         tmp_path, redis_store):
     ray = pytest.importorskip("ray")
-    from dynvm.cluster.compile_service import (
+    from dynvm.cluster.fleet.compile_service import (
         RayServiceClient,
         start_compile_service,
         stop_compile_service,

@@ -13,11 +13,11 @@ import torch
 
 import dynvm
 from dynvm.cluster import StoreConfig
-from dynvm.cluster.compile_service import LocalServiceClient
-from dynvm.cluster.fleet_compiler import DEFAULT_FORGET_AFTER_S, FleetCompiler
-from dynvm.cluster.fleet_link import FleetLink, FleetOptions
-from dynvm.cluster.fleet_records import MAX_STAMP_SKIPS, write_index
-from dynvm.cluster.signed import seal
+from dynvm.cluster.fleet._compiler import DEFAULT_FORGET_AFTER_S, FleetCompiler
+from dynvm.cluster.fleet._link import FleetLink, FleetOptions
+from dynvm.cluster.fleet._records import MAX_STAMP_SKIPS, write_index
+from dynvm.cluster.fleet.compile_service import LocalServiceClient
+from dynvm.cluster.store._signed import seal
 from dynvm.jit.config import JitConfig
 from tests.cluster._cluster_helpers import saved_recommender, wait_until
 from tests.cluster._redis_server import redis_config
@@ -178,7 +178,7 @@ def test_forged_store_entry_is_rejected_and_requests_still_succeed(model, store_
 def test_the_service_also_builds_triton_binaries_for_gpu_targets(model, tmp_path, secret):
     """With GPU targets configured, each promotion also yields a signed Triton artifact
     with sm_90 binaries (built here, without a GPU) in the store."""
-    from dynvm.cluster.signed import open_sealed
+    from dynvm.cluster.store._signed import open_sealed
     from dynvm.jit.artifact import toolchain_versions
     from dynvm.jit.backends.triton import TritonArtifact
 

@@ -10,9 +10,9 @@ import time
 
 import dynvm
 from dynvm.cluster import StoreConfig
-from dynvm.cluster.compile_service import LocalServiceClient
-from dynvm.cluster.fleet_compiler import FleetCompiler
-from dynvm.cluster.fleet_link import FleetLink, FleetOptions
+from dynvm.cluster.fleet._compiler import FleetCompiler
+from dynvm.cluster.fleet._link import FleetLink, FleetOptions
+from dynvm.cluster.fleet.compile_service import LocalServiceClient
 from dynvm.jit.config import JitConfig
 from dynvm.models import recommender
 from dynvm.telemetry import Telemetry

@@ -9,8 +9,8 @@ import pytest
 
 import dynvm
 from dynvm.cluster import LocalDirStore
-from dynvm.cluster.fleet_triton import triton_fields
-from dynvm.cluster.signed import ForgedArtifact, IncompatibleArtifact, open_sealed, seal
+from dynvm.cluster.fleet._triton import triton_fields
+from dynvm.cluster.store._signed import ForgedArtifact, IncompatibleArtifact, open_sealed, seal
 from dynvm.jit.artifact import toolchain_versions
 from dynvm.jit.backends.triton import TritonArtifact
 from dynvm.jit.portable import decode

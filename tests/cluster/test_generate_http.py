@@ -16,9 +16,9 @@ import time
 import pytest
 
 import dynvm
-from dynvm.cluster.generate_replica import GeneratorServer
-from dynvm.cluster.generate_scheduler import SchedulerConfig
-from dynvm.cluster.serving_config import ServingConfig
+from dynvm.cluster.serving._generate_replica import GeneratorServer
+from dynvm.cluster.serving._generate_scheduler import SchedulerConfig
+from dynvm.cluster.serving.serving_config import ServingConfig
 from tests.cluster._generate_helpers import HttpServer, reference, saved_generator, words
 
 openai = pytest.importorskip("openai")

@@ -1,4 +1,4 @@
-"""The generator replica's continuous batching (dynvm.cluster.generate_scheduler) on the
+"""The generator replica's continuous batching (dynvm.cluster.serving._generate_scheduler) on the
 tiny Llama-style generator: tokens equal to `Generator.generate` while sequences join
 and leave between steps, admission (waiting, 503), cancellation and time budgets, and
 every sequence's cache freed at the end."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dynvm
-from dynvm.cluster.generate_scheduler import (
+from dynvm.cluster.serving._generate_scheduler import (
     GenerateBusy,
     GenerateScheduler,
     GenerateTimeout,

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from dynvm.cluster import grpc_v2
-from dynvm.cluster import v2_protocol as v2
-from dynvm.cluster.batcher import Overloaded
-from dynvm.cluster.http_errors import server_fault
-from dynvm.cluster.replica import is_client_fault
+from dynvm.cluster.protocol import _v2 as v2
+from dynvm.cluster.protocol import grpc_v2
+from dynvm.cluster.protocol._http_errors import server_fault
+from dynvm.cluster.serving._batcher import Overloaded
+from dynvm.cluster.serving._replica import is_client_fault
 from dynvm.vm.errors import ExecutionError, ShapeError
 from dynvm.vm.program import DimSpec, InputSpec
 
@@ -254,8 +254,8 @@ def served(tmp_path_factory):
     port)."""
     pytest.importorskip("ray.serve")
     from dynvm.cluster import ServingConfig, serve_models
-    from dynvm.cluster.http_front import model_app_name
-    from dynvm.cluster.local_redis import free_port
+    from dynvm.cluster.protocol._http_front import model_app_name
+    from dynvm.cluster.store._local_redis import free_port
     from tests.cluster._cluster_helpers import local_serve, saved_recommender
 
     demo, _, path = saved_recommender(tmp_path_factory.mktemp("grpc"))

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from dynvm.cluster.v2_protocol import BadRequest, parse_infer_request
+from dynvm.cluster.protocol._v2 import BadRequest, parse_infer_request
 from dynvm.vm.errors import ShapeError
 from dynvm.vm.input_check import check_shape
 from dynvm.vm.ops_shape import check_input

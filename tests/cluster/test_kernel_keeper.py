@@ -85,7 +85,7 @@ def test_kept_kernels_need_the_jit(tmp_path):
     program = compiled("transformer")
     store = StoreConfig(secret=secrets.token_bytes(32), local_dir=str(tmp_path / "k"))
     assert dynvm.Runtime(program, jit=False, kernel_store=store).kernel_keeper is None
-    from dynvm.cluster.kernel_keeper import KernelKeeper
+    from dynvm.cluster.fleet._kernel_keeper import KernelKeeper
 
     with pytest.raises(ConfigError, match="JIT on"):
         KernelKeeper(dynvm.Runtime(program, jit=False), store)

@@ -1,4 +1,4 @@
-"""dynvm.cluster.local_stack without Ray: the store it picks and stops. The whole stack
+"""dynvm.cluster.serving._local_stack without Ray: the store it picks and stops. The whole stack
 (Ray, the compile service, Serve, a model answering) runs through `dynvm serve` in
 tests/cluster/test_serve_cmd.py, which starts it with `start_local_stack`."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from dynvm._env import REDIS_URL, STORE_SECRET
 from dynvm.cluster import RedisStore
-from dynvm.cluster.local_stack import _store_config
+from dynvm.cluster.serving._local_stack import _store_config
 from dynvm.vm.errors import ConfigError
 from tests.cluster._cluster_helpers import process_alive
 from tests.cluster._redis_server import REDIS_SERVER

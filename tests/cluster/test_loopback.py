@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dynvm.cluster._loopback import (
+from dynvm.cluster.protocol._loopback import (
     RAY_CLUSTER_VARIABLE,
     _on_loopback,
     is_loopback,
@@ -24,7 +24,7 @@ PROBE = """
 import os
 from concurrent.futures import ThreadPoolExecutor
 import grpc
-from dynvm.cluster._loopback import serve_grpc_on_loopback
+from dynvm.cluster.protocol._loopback import serve_grpc_on_loopback
 serve_grpc_on_loopback()
 import ray
 print("node", ray.util.get_node_ip_address())

@@ -34,7 +34,7 @@ from dynvm.cluster import (  # noqa: E402
     LocalDirStore,
     serve_models,
 )
-from dynvm.cluster.fleet_records import store_counters  # noqa: E402
+from dynvm.cluster.fleet._records import store_counters  # noqa: E402
 from dynvm.jit.artifact import cache_key  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ EXPECT = {"target": "cpu", "toolchain": TOOLCHAIN}
 def _probe_deployment():
     # Defined in a function so that Ray ships the class by value (the test module is not
     # importable on the workers).
-    from dynvm.cluster.metrics import ReplicaMetrics
+    from dynvm.cluster.serving._metrics import ReplicaMetrics
 
     @serve.deployment(ray_actor_options={"num_cpus": 0})
     class MetricsProbe:

@@ -37,11 +37,11 @@ serve = pytest.importorskip("ray.serve")
 from ray.serve.api import RunTarget  # noqa: E402
 
 from dynvm.cluster import BatchingOptions, ServingConfig, StoreConfig  # noqa: E402
-from dynvm.cluster.compile_service import start_compile_service  # noqa: E402
-from dynvm.cluster.fleet_link import FleetOptions  # noqa: E402
-from dynvm.cluster.http_front import model_app_name  # noqa: E402
-from dynvm.cluster.proxy_guard import ProxyLimits  # noqa: E402
-from dynvm.cluster.replica import ModelReplica  # noqa: E402
+from dynvm.cluster.fleet._link import FleetOptions  # noqa: E402
+from dynvm.cluster.fleet.compile_service import start_compile_service  # noqa: E402
+from dynvm.cluster.protocol._http_front import model_app_name  # noqa: E402
+from dynvm.cluster.protocol.proxy_guard import ProxyLimits  # noqa: E402
+from dynvm.cluster.serving._replica import ModelReplica  # noqa: E402
 from dynvm.jit.config import JitConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow

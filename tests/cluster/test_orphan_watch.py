@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dynvm.cluster import _orphan_watch
+from dynvm.cluster.serving import _orphan_watch
 from tests.cluster._cluster_helpers import process_alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/p
 # session of its own, as Ray's agents end up), prints both pids and waits.
 COMMAND = """
 import os, subprocess, sys, time
-from dynvm.cluster import _orphan_watch
+from dynvm.cluster.serving import _orphan_watch
 os.environ.update(_orphan_watch.new_marker())
 watch = _orphan_watch.start(os.environ[_orphan_watch.RUN_MARKER])
 child = subprocess.Popen(["sleep", "120"], start_new_session=True)

@@ -13,10 +13,10 @@ import torch
 
 import dynvm
 from dynvm.cluster import StoreConfig
-from dynvm.cluster.compile_service import LocalServiceClient
-from dynvm.cluster.fleet_compiler import FleetCompiler
-from dynvm.cluster.fleet_link import FleetLink, FleetOptions
-from dynvm.cluster.precompile import (
+from dynvm.cluster.fleet._compiler import FleetCompiler
+from dynvm.cluster.fleet._link import FleetLink, FleetOptions
+from dynvm.cluster.fleet.compile_service import LocalServiceClient
+from dynvm.cluster.fleet.precompile import (
     PrecompileError,
     ShapeSpecError,
     check_shapes,

@@ -13,9 +13,9 @@ from starlette.requests import Request
 from torch.export import Dim
 
 import dynvm
-from dynvm.cluster._deployment import DRAIN_POLL_S, drain_options
-from dynvm.cluster.replica import ReplicaServer
-from dynvm.cluster.serving_config import ServingConfig
+from dynvm.cluster.serving._deployment import DRAIN_POLL_S, drain_options
+from dynvm.cluster.serving._replica import ReplicaServer
+from dynvm.cluster.serving.serving_config import ServingConfig
 from dynvm.vm.errors import ConfigError
 
 
@@ -80,7 +80,7 @@ def test_a_draining_replica_is_not_ready_and_refuses_new_requests(replica):
     assert _call(replica, "GET", "")[0] == 200
     # gRPC as HTTP: UNAVAILABLE, the code clients retry elsewhere.
     grpc = pytest.importorskip("grpc")
-    from dynvm.cluster.grpc_v2 import protos
+    from dynvm.cluster.protocol.grpc_v2 import protos
 
     message = protos().ModelInferRequest(model_name="double")
     message.inputs.add(name=replica.program.inputs[0].name, datatype="FP32", shape=[1, 3])
@@ -93,7 +93,7 @@ def test_a_draining_replica_is_not_ready_and_refuses_new_requests(replica):
 
 class _GrpcStatus:
     """What a gRPC servicer context records of a call's status (the part of Serve's
-    grpc_context an RPC of dynvm.cluster.grpc_v2 uses)."""
+    grpc_context an RPC of dynvm.cluster.protocol.grpc_v2 uses)."""
 
     code = details = None
 
@@ -118,7 +118,7 @@ def test_drain_options_follow_the_serving_config():
 
 
 def test_the_model_deployment_carries_its_drain(tmp_path):
-    from dynvm.cluster._deployment import model_application
+    from dynvm.cluster.serving._deployment import model_application
 
     app = model_application("m", tmp_path / "m.dvm", ServingConfig(drain_s=7, num_gpus=0.0))
     # What Serve will stop the replica with (its deployment config; no public getter).

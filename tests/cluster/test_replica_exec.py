@@ -13,9 +13,9 @@ from torch.export import Dim
 
 import dynvm
 from dynvm.cluster import ServingConfig
-from dynvm.cluster import v2_protocol as v2
-from dynvm.cluster.http_errors import ERROR_ID_HEADER
-from dynvm.cluster.replica import ReplicaServer, is_client_fault
+from dynvm.cluster.protocol import _v2 as v2
+from dynvm.cluster.protocol._http_errors import ERROR_ID_HEADER
+from dynvm.cluster.serving._replica import ReplicaServer, is_client_fault
 from dynvm.telemetry import Telemetry
 from dynvm.vm.interpreter import Interpreter
 from tests.vm._programs import build

@@ -10,8 +10,8 @@ import pytest
 
 import dynvm
 from dynvm.cluster import ModelReplica, ServingConfig
-from dynvm.cluster import v2_protocol as v2
-from dynvm.cluster.replica import ReplicaServer
+from dynvm.cluster.protocol import _v2 as v2
+from dynvm.cluster.serving._replica import ReplicaServer
 from dynvm.telemetry import Telemetry
 from tests.cluster._cluster_helpers import saved_recommender
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import dynvm
-from dynvm.cluster.local_redis import LocalRedis, LocalRedisError, LocalRedisOptions
+from dynvm.cluster.store._local_redis import LocalRedis, LocalRedisError, LocalRedisOptions
 from tests.cluster._cluster_helpers import process_alive, saved_recommender
 from tests.cluster._redis_server import REDIS_SERVER, free_port
 
@@ -204,7 +204,7 @@ def test_flags_map_to_one_serving_config(tmp_path):
 
 
 # Flags that set a ServingConfig field (or a part's) or the port: each defaults to None
-# (False for an on-switch), so that the default stated in dynvm.cluster.serving_config
+# (False for an on-switch), so that the default stated in dynvm.cluster.serving.serving_config
 # applies: one default per setting.
 _CONFIG_FLAGS = {"port", "drain_seconds", "replicas", "min_replicas", "max_replicas",
                  "target_ongoing_requests", "online_compile", "device", "num_cpus",
@@ -217,7 +217,7 @@ def test_the_clis_defaults_are_serving_configs(tmp_path):
     import argparse
 
     from dynvm._serve_cmd import add_parser, options_from_args
-    from dynvm.cluster.serving_config import HTTP_PORT, ServingConfig
+    from dynvm.cluster.serving.serving_config import HTTP_PORT, ServingConfig
 
     subparsers = argparse.ArgumentParser().add_subparsers()
     add_parser(subparsers)

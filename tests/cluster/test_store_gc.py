@@ -11,9 +11,10 @@ import time
 import pytest
 from redis.crc import key_slot
 
-from dynvm.cluster import LocalDirStore, RedisConfig, RedisStore, check_key
-from dynvm.cluster.fleet_records import index_key, store_counters
-from dynvm.cluster.signed import ArtifactCache
+from dynvm.cluster import LocalDirStore, RedisConfig, RedisStore
+from dynvm.cluster.fleet._records import index_key, store_counters
+from dynvm.cluster.store._base import check_key
+from dynvm.cluster.store._signed import ArtifactCache
 from dynvm.jit.artifact import cache_key
 from dynvm.jit.artifact_keys import program_tag, program_tag_of
 from tests.cluster._redis_server import redis_config
@@ -181,7 +182,7 @@ def test_one_reader_of_the_fleet_renews_a_programs_ttls(redis_server):
 
 def test_dropped_entries_show_in_the_fleets_store_counters(make_store):
     """What the store left out or deleted is in the counters /stats and the compile
-    service's stats show (dynvm.cluster.fleet_records.store_counters), next to the
+    service's stats show (dynvm.cluster.fleet._records.store_counters), next to the
     fetch counts, where an oversized entry only reads as missing."""
     store = make_store(max_entries_per_program=2, refresh_interval_s=0.001)
     cache = ArtifactCache(store, b"gc-test-secret-0123456789abcdef",

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dynvm.cluster import v2_json
-from dynvm.cluster import v2_protocol as v2
+from dynvm.cluster.protocol import _v2 as v2
+from dynvm.cluster.protocol import _v2_json as v2_json
 from dynvm.vm.program import DimSpec, InputSpec
 from tests._fuzz import fuzz_settings
 

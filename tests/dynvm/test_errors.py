@@ -32,29 +32,29 @@ def exception_classes() -> dict[str, type]:
 def test_every_exception_class_derives_from_dynvm_error():
     classes = exception_classes()
     # The search sees the families it must (a broken search would pass vacuously).
-    assert {"dynvm.vm.errors.ShapeError", "dynvm.cluster.store_base.StoreError",
+    assert {"dynvm.vm.errors.ShapeError", "dynvm.cluster.store._base.StoreError",
             "dynvm.jit.specialize.SpecializationError",
-            "dynvm.cluster.precompile.PrecompileError"} <= set(classes)
+            "dynvm.cluster.fleet.precompile.PrecompileError"} <= set(classes)
     outside = sorted(name for name, cls in classes.items() if not issubclass(cls, DynvmError))
     assert not outside, f"exception classes outside DynvmError: {outside}"
 
 
 @pytest.mark.parametrize(("name", "builtin"), [
-    ("dynvm.cluster.config.StoreConfigError", ValueError),
-    ("dynvm.cluster.store_base.InvalidKey", ValueError),
+    ("dynvm.cluster.store._store_config.StoreConfigError", ValueError),
+    ("dynvm.cluster.store._base.InvalidKey", ValueError),
     ("dynvm.jit.queue.CompileTimeout", TimeoutError),
     ("dynvm.jit.portable.PortableError", ValueError),
     ("dynvm.arena.planner.ArenaPlanError", ValueError),
-    ("dynvm.cluster.local_redis.LocalRedisError", RuntimeError),
+    ("dynvm.cluster.store._local_redis.LocalRedisError", RuntimeError),
     ("dynvm._env.EnvVarError", ValueError),
     # classes that replaced builtin raises (below)
     ("dynvm.vm.errors.ConfigError", ValueError),
     ("dynvm.vm.errors.ConfigTypeError", TypeError),
     ("dynvm.vm.errors.SaveError", ValueError),
     ("dynvm.vm.torch_literals.UnknownTorchLiteral", ValueError),
-    ("dynvm.cluster.v2_protocol.NoDatatype", ValueError),
+    ("dynvm.cluster.protocol._v2.NoDatatype", ValueError),
     ("dynvm.models.UnknownDemoModel", KeyError),
-    ("dynvm.cluster.fleet_compiler.ProgramRejected", ValueError),
+    ("dynvm.cluster.fleet._compiler.ProgramRejected", ValueError),
 ])
 def test_rebased_classes_keep_their_builtin_base(name, builtin):
     module, cls = name.rsplit(".", 1)
@@ -71,7 +71,7 @@ PROTOCOL_BUILTINS = frozenset({"AttributeError", "NotImplementedError", "StopIte
 
 # (file, function, builtin) -> why it is not an error a user or operator can cause.
 INTERNAL = {
-    ("cluster/local_redis.py", "_parent_death_signal.preexec", "OSError"):
+    ("cluster/store/_local_redis.py", "_parent_death_signal.preexec", "OSError"):
         "raised in the child between fork and exec, where subprocess turns any exception "
         "into SubprocessError, which LocalRedis.start raises as LocalRedisError",
     ("arena/pool.py", "ArenaPool.acquire", "ValueError"):
@@ -102,13 +102,13 @@ INTERNAL = {
         "the backend builds it for CUDA runtimes, from kernels it generated with the plan",
     ("jit/backends/triton/run_interpreted.py", "InterpretedRegion.__init__", "ValueError"):
         "the backend builds it from kernels it generated with the plan",
-    ("cluster/fleet_triton.py", "triton_fields", "ValueError"):
+    ("cluster/fleet/_triton.py", "triton_fields", "ValueError"):
         "the compile service calls it only for specializations it built, which carry IR",
-    ("cluster/signed.py", "_expectation", "TypeError"):
+    ("cluster/store/_signed.py", "_expectation", "TypeError"):
         "ArtifactCache builds its expectation from its target and toolchain texts",
-    ("cluster/signed.py", "seal", "ValueError"):
+    ("cluster/store/_signed.py", "seal", "ValueError"):
         "fields come from fleet_records.specialization_fields, the shape open_sealed checks",
-    ("cluster/store_base.py", "check_value", "TypeError"):
+    ("cluster/store/_base.py", "check_value", "TypeError"):
         "stores are written with seal()'s bytes only",
     ("jit/backends/cpu.py", "_value", "TypeError"):
         "specialized IR holds only the operand kinds handled (the specializer makes it)",

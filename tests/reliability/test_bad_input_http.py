@@ -36,7 +36,7 @@ from tests._fuzz import fuzz_settings
 from tests.cluster._cluster_helpers import local_serve
 
 grpc = pytest.importorskip("grpc")
-grpc_v2 = pytest.importorskip("dynvm.cluster.grpc_v2")
+grpc_v2 = pytest.importorskip("dynvm.cluster.protocol.grpc_v2")
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ class Server:
 
     def infer_grpc(self, model: str, message: bytes) -> tuple[grpc.StatusCode, str]:
         """ModelInfer of the serialized `message`, routed to `model`: (code, details)."""
-        from dynvm.cluster.http_front import model_app_name
+        from dynvm.cluster.protocol._http_front import model_app_name
 
         self.sent += 1
         try:
@@ -114,7 +114,7 @@ def _saved(directory, demo) -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from dynvm.cluster.local_redis import free_port
+    from dynvm.cluster.store._local_redis import free_port
 
     directory = tmp_path_factory.mktemp("bad-input")
     paths = {demo.name: _saved(directory, demo)

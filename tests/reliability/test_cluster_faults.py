@@ -21,8 +21,8 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from dynvm.cluster import BatchingOptions, RedisStore, serve_models  # noqa: E402
-from dynvm.cluster.compile_service import NAMESPACE  # noqa: E402
-from dynvm.cluster.fleet_records import index_key  # noqa: E402
+from dynvm.cluster.fleet._records import index_key  # noqa: E402
+from dynvm.cluster.fleet.compile_service import NAMESPACE  # noqa: E402
 from dynvm.jit.config import JitConfig  # noqa: E402
 from dynvm.models import recommender  # noqa: E402
 

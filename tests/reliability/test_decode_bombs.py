@@ -22,11 +22,11 @@ import pytest
 
 import dynvm
 from dynvm.cluster import RedisStore, StoreConfig
-from dynvm.cluster.announce import Announcement
-from dynvm.cluster.fleet_link import FleetLink, FleetOptions
-from dynvm.cluster.fleet_records import index_key, index_stamp_key
-from dynvm.cluster.signed import ArtifactCache, CorruptArtifact, open_sealed
-from dynvm.cluster.store_redis import PIECE_BYTES
+from dynvm.cluster.fleet._announce import Announcement
+from dynvm.cluster.fleet._link import FleetLink, FleetOptions
+from dynvm.cluster.fleet._records import index_key, index_stamp_key
+from dynvm.cluster.store._redis import PIECE_BYTES
+from dynvm.cluster.store._signed import ArtifactCache, CorruptArtifact, open_sealed
 from dynvm.jit.artifact import toolchain_versions
 from dynvm.vm import dvm_file, dvm_signature
 from dynvm.vm.bounded_decode import DecodeLimitError, DecodeLimits, unpack_msgpack

@@ -23,8 +23,8 @@ import torch
 
 import dynvm
 from dynvm.cluster import BatchingOptions, serve_models
-from dynvm.cluster.limits import ServingLimits
-from dynvm.cluster.proxy_guard import ProxyLimits
+from dynvm.cluster.protocol.proxy_guard import ProxyLimits
+from dynvm.cluster.serving._limits import ServingLimits
 from tests.cluster._cluster_helpers import local_serve, saved_recommender
 from tests.vm._programs import DATA_LOOP, DATA_LOOP_INPUTS, build
 

@@ -13,9 +13,9 @@ import torch
 
 import dynvm
 from dynvm.cluster import ServingConfig, StoreConfig
-from dynvm.cluster.fleet_link import FleetOptions
-from dynvm.cluster.limits import ServingLimits
-from dynvm.cluster.replica import ReplicaServer
+from dynvm.cluster.fleet._link import FleetOptions
+from dynvm.cluster.serving._limits import ServingLimits
+from dynvm.cluster.serving._replica import ReplicaServer
 from dynvm.vm import dvm_file, dvm_signature
 from dynvm.vm.errors import CorruptSectionError, DvmSignatureError, VerifyError
 from dynvm.vm.program import DimSpec, InputSpec, Program

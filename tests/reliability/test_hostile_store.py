@@ -1,6 +1,6 @@
 """What the kernel store and the announcement channel can make a replica do, bounded
-(Note [Entry size cap] in dynvm.cluster.store_base; the announcement rate in
-dynvm.cluster.fleet_link): an oversized entry is never downloaded, and a flood of forged
+(Note [Entry size cap] in dynvm.cluster.store._base; the announcement rate in
+dynvm.cluster.fleet._link): an oversized entry is never downloaded, and a flood of forged
 announcements costs at most FleetOptions.max_announced_fetches_per_s store lookups a
 second. Real redis-server, real stores, a real Runtime."""
 
@@ -13,9 +13,9 @@ import pytest
 
 import dynvm
 from dynvm.cluster import LocalDirStore, RedisStore, StoreConfig
-from dynvm.cluster.announce import Announcement
-from dynvm.cluster.fleet_link import FleetLink, FleetOptions
-from dynvm.cluster.store_base import EntryTooLarge
+from dynvm.cluster.fleet._announce import Announcement
+from dynvm.cluster.fleet._link import FleetLink, FleetOptions
+from dynvm.cluster.store._base import EntryTooLarge
 from tests.cluster._redis_server import redis_config
 from tests.vm._programs import compiled
 

@@ -1,4 +1,4 @@
-"""Fuzzing the infer request parser (`dynvm.cluster.v2_protocol.parse_infer_request`),
+"""Fuzzing the infer request parser (`dynvm.cluster.protocol._v2.parse_infer_request`),
 called directly: whatever the body and headers, only a `ProtocolError` (4xx) comes out,
 and what is accepted matches the declared signature.
 
@@ -21,7 +21,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dynvm.cluster import v2_protocol as v2
+from dynvm.cluster.protocol import _v2 as v2
 from dynvm.vm.program import DimSpec, InputSpec
 from tests._fuzz import fuzz_settings
 from tests.cluster import _mutations as mutations

@@ -141,9 +141,9 @@ def test_a_runaway_batch_holds_its_replica_for_about_two_budgets(tmp_path):
     """The batched call runs away (1 s budget); its requests then re-run one by one
     sharing one more budget, so 4 runaway requests and a good one take <= ~2 s, not ~5."""
     from dynvm.cluster import ServingConfig
-    from dynvm.cluster import v2_protocol as v2
-    from dynvm.cluster.limits import ServingLimits
-    from dynvm.cluster.replica import ReplicaServer
+    from dynvm.cluster.protocol import _v2 as v2
+    from dynvm.cluster.serving._limits import ServingLimits
+    from dynvm.cluster.serving._replica import ReplicaServer
 
     path = tmp_path / "batch_loop.dvm"
     dynvm.save(build(BATCH_LOOP, regs=8, inputs=('"n" int64 [b:1..8]', '"x" float32 [b:1..8]'),

@@ -31,8 +31,8 @@ from dynvm.cluster import (
     StoreConfig,
     StoreConfigError,
     StoreUnavailable,
-    seal,
 )
+from dynvm.cluster.store._signed import seal
 from dynvm.telemetry import Telemetry
 
 TARGET = "cpu"

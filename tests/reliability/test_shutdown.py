@@ -219,7 +219,7 @@ def test_a_second_signal_forces_the_stop_of_a_real_process(model, tmp_path):
 
 
 def test_second_signal_forces_the_stop():
-    from dynvm.cluster._stop_signals import StopSignals
+    from dynvm.cluster.serving._stop_signals import StopSignals
 
     forced = []
     done = threading.Event()
@@ -244,7 +244,7 @@ def test_second_signal_forces_the_stop():
 
 
 def test_a_stop_past_its_deadline_is_forced():
-    from dynvm.cluster._stop_signals import StopSignals
+    from dynvm.cluster.serving._stop_signals import StopSignals
 
     forced = []
     signals = StopSignals(forced.append, deadline_s=0.3).install()
@@ -259,7 +259,7 @@ def test_a_stop_past_its_deadline_is_forced():
 
 
 def test_a_stop_within_its_deadline_is_not_forced():
-    from dynvm.cluster._stop_signals import StopSignals
+    from dynvm.cluster.serving._stop_signals import StopSignals
 
     forced = []
     signals = StopSignals(forced.append, deadline_s=0.5).install()

@@ -30,8 +30,14 @@ import msgpack
 import pytest
 import torch
 
-from dynvm.cluster import FORMAT_VERSION, ArtifactCache, RedisStore, open_sealed, seal
-from dynvm.cluster.signed import REJECTIONS, RejectedArtifact
+from dynvm.cluster import ArtifactCache, RedisStore
+from dynvm.cluster.store._signed import (
+    FORMAT_VERSION,
+    REJECTIONS,
+    RejectedArtifact,
+    open_sealed,
+    seal,
+)
 from tests.cluster._redis_server import redis_config
 
 TOOLCHAIN = {"torch": torch.__version__}

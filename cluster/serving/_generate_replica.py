@@ -1,0 +1,437 @@
+"""`GeneratorReplica`: the Ray Serve deployment that serves a generator (a directory
+written by `save_generator`, dynvm._serve_generate_bundle) with continuous batching
+(dynvm.cluster.serving._generate_scheduler) over OpenAI's completions and the KServe v2 generate
+extension (dynvm.cluster.protocol._generate).
+
+One Serve application, route prefix `/`, answers every route (a generator is served
+alone by `dynvm serve`):
+
+    POST /v1/completions                          OpenAI completions; "stream": true: SSE
+    GET  /v1/models                               the model, as OpenAI lists models
+    POST /v2/models/<name>/generate               v2 generate extension
+    POST /v2/models/<name>/generate_stream        the same as server-sent events
+    GET  /v2/models/<name>[/ready|/stats]         metadata, readiness, counters
+    GET  /v2, /v2/health/live, /v2/health/ready   the server's v2 routes
+    GET  /metrics                                 Prometheus text (generate_metrics)
+
+Like the inference replica (dynvm.cluster.serving._replica), it runs on Serve's own loop and
+never blocks it: the model runs on the scheduler's thread, tokens come back through
+`call_soon_threadsafe`. A client that goes away (Serve cancels its request; a plain
+ASGI server fails the next write) cancels its sequence, freed at the scheduler's next
+step. Limits: the body (ServingConfig.max_body_bytes), prompt and max_tokens
+(SchedulerConfig), the waiting room (503 + Retry-After), the time of one request
+(SchedulerConfig.request_seconds; 504 or an error event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+
+from opentelemetry import propagate
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+import dynvm
+from dynvm._serve_generate_bundle import load_generator
+from dynvm.cluster.protocol import _v2 as v2
+from dynvm.cluster.protocol._generate import (
+    Completion,
+    RequestError,
+    TextStream,
+    openai_error,
+    parse_openai,
+    parse_v2_generate,
+    sse,
+)
+from dynvm.cluster.protocol._http_errors import error_response, json_response, server_fault
+from dynvm.cluster.protocol._http_front import MODEL_VERSION, check_model_name, read_body
+from dynvm.cluster.serving._generate_metrics import GenerateMetrics
+from dynvm.cluster.serving._generate_scheduler import (
+    GenerateBusy,
+    GenerateScheduler,
+    GenerateTimeout,
+    SchedulerConfig,
+)
+from dynvm.cluster.serving._replica import pick_device
+from dynvm.cluster.serving.serving_config import ServingConfig
+from dynvm.telemetry import Telemetry
+from dynvm.vm.errors import InputError
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class _InFlight:
+    """What the drain reads (Note [Replica drain]): requests in flight."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+
+
+class GeneratorServer:
+    """A generator on one device behind OpenAI's and the v2 generate routes. The class
+    itself, without Serve: `GeneratorReplica` is its deployment; tests build it directly."""
+
+    def __init__(self, model_name: str, path: str, config: ServingConfig | None = None,
+                 scheduler: SchedulerConfig | None = None, metrics_to_ray: bool = True,
+                 telemetry: Telemetry | None = None) -> None:
+        config = config if config is not None else ServingConfig()
+        self.model_name = check_model_name(model_name)
+        self.config = config
+        bundle = load_generator(path)
+        self.tokenizer = bundle.tokenizer
+        self.programs = bundle.programs
+        self.generator = dynvm.Generator(bundle.programs, pick_device(config.device),
+                                         jit=config.jit, compile_ahead=False)
+        # Warm start (Note [Fleet promotion]): what the fleet compiled for the programs
+        # this replica runs is installed before it reports ready; one link per Runtime.
+        self.links = self._fleet_links(Path(path), config.fleet)
+        self.metrics = GenerateMetrics(self.model_name, export_to_ray=metrics_to_ray)
+        self.scheduler = GenerateScheduler(self.generator, scheduler, self.metrics)
+        # A span per generation (Note [Global tracer provider]): OTEL_* in the replica's
+        # environment, else the application's global provider, else none.
+        self.telemetry = telemetry if telemetry is not None else Telemetry.from_env()
+        self.request_stats = _InFlight()
+        self.draining = False
+        self.created = int(time.time())
+
+    def _fleet_links(self, directory: Path, fleet) -> list:
+        """A FleetLink per Runtime the scheduler calls (prefill, and the decode step it
+        uses), each with its .dvm file's bytes; none without a fleet or a JIT."""
+        if fleet is None:
+            return []
+        from dynvm.cluster.fleet._link import FleetLink
+        from dynvm.cluster.fleet.compile_service import RayServiceClient
+
+        generator = self.generator
+        decode = (("decode_kv.dvm", generator.decode_kv) if generator.decode_kv is not None
+                  else ("decode.dvm", generator.decode))
+        client = RayServiceClient.for_fleet(fleet)
+        return [FleetLink(runtime, (directory / name).read_bytes(), fleet, client).start()
+                for name, runtime in (("prefill.dvm", generator.prefill), decode)
+                if runtime.jit is not None]
+
+    def close(self) -> None:
+        """Stop the scheduler (sequences still running end in an error), the fleet links
+        and the JIT."""
+        self.scheduler.close()
+        for link in self.links:
+            link.close()
+        self.generator.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "scheduler", None) is not None:
+            self.close()
+
+    def begin_drain(self) -> int:
+        """Stop taking requests (Note [Replica drain]); returns how many are in flight."""
+        self.draining = True
+        return self.request_stats.in_flight
+
+    def stats(self) -> dict:
+        """Scheduler counters, occupancy and the latency snapshot."""
+        return {"model": self.model_name, "scheduler": dict(self.scheduler.counters),
+                **self.metrics.snapshot(), **self.scheduler.occupancy(),
+                "fleet": [link.stats() for link in self.links]}
+
+    # ------------------------------------------------------------------ HTTP
+
+    async def __call__(self, request: Request) -> Response:
+        """Every HTTP request (route prefix `/`)."""
+        path = request.scope["path"]
+        root = request.scope.get("root_path", "")
+        if root and root != "/" and path.startswith(root):
+            path = path[len(root):] or "/"
+        method = request.method
+        openai = path.startswith("/v1/")
+        try:
+            return await self._route(request, method, path.rstrip("/") or "/")
+        except RequestError as exc:
+            return self._error(openai, str(exc), exc.status, exc.param, exc.code)
+        except v2.ProtocolError as exc:
+            return self._error(openai, str(exc), exc.status)
+        except Exception as exc:
+            return server_fault(f"{v2.cut(method, 20)} {v2.cut(request.url.path)}", exc)
+
+    def _error(self, openai: bool, message: str, status: int, param: str | None = None,
+               code: str | None = None, headers: dict | None = None) -> Response:
+        if openai:
+            return json_response_with(openai_error(message, status, param, code), status,
+                                      headers)
+        return error_response(message, status, headers)
+
+    async def _route(self, request: Request, method: str, path: str) -> Response:
+        model = f"/v2/models/{self.model_name}"
+        gets = {"/v2": self._server_metadata, "/v2/health/live": self._live,
+                "/v2/health/ready": self._ready, model: self._metadata,
+                f"{model}/versions/{MODEL_VERSION}": self._metadata,
+                f"{model}/ready": self._ready, f"{model}/stats": self._stats,
+                "/v1/models": self._models, "/metrics": self._prometheus}
+        posts = {"/v1/completions": self._openai, f"{model}/generate": self._generate,
+                 f"{model}/generate_stream": self._generate}
+        for table, allowed in ((gets, "GET"), (posts, "POST")):
+            if method == allowed and path in table:
+                return await table[path](request, path)
+        if path in gets or path in posts:
+            allow = "GET" if path in gets else "POST"
+            raise RequestError(f"method {v2.cut(method, 20)} is not allowed on {path} "
+                               f"(allowed: {allow})", 405)
+        raise RequestError(f"no route {v2.cut(request.url.path)}", 404)
+
+    async def _server_metadata(self, request, path) -> Response:
+        return json_response({"name": "dynvm", "version": dynvm.__version__,
+                              "extensions": ["generate"]})
+
+    async def _live(self, request, path) -> Response:
+        return json_response({"live": True})
+
+    async def _ready(self, request, path) -> Response:
+        return json_response({"name": self.model_name, "ready": not self.draining},
+                             status=503 if self.draining else 200)
+
+    async def _metadata(self, request, path) -> Response:
+        p = self.programs
+        return json_response({"name": self.model_name, "versions": [MODEL_VERSION],
+                              "platform": "dynvm-generator", "max_length": p.max_length,
+                              "max_batch": p.max_batch, "eos_token_ids": list(p.eos_token_ids),
+                              "tokenizer": self.tokenizer is not None})
+
+    async def _stats(self, request, path) -> Response:
+        return json_response(self.stats())
+
+    async def _models(self, request, path) -> Response:
+        return json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created,
+             "owned_by": "dynvm", "max_model_len": self.programs.max_length}]})
+
+    async def _prometheus(self, request, path) -> Response:
+        return Response(self.metrics.prometheus_text(), 200,
+                        media_type="text/plain; version=0.0.4")
+
+    async def _openai(self, request, path) -> Response:
+        body = await read_body(request, self.config.max_body_bytes)
+        completion = parse_openai(bytes(body), self.model_name, self.tokenizer)
+        shape = _OpenAIShape(self.model_name, self.created)
+        shape.prompt_tokens = len(completion.request.prompt)
+        return await self._serve(completion, shape, _trace_headers(request))
+
+    async def _generate(self, request, path) -> Response:
+        body = await read_body(request, self.config.max_body_bytes)
+        stream = path.endswith("_stream")
+        completion = parse_v2_generate(bytes(body), self.tokenizer, stream)
+        return await self._serve(completion, _V2Shape(self.model_name),
+                                 _trace_headers(request))
+
+    # ------------------------------------------------------------------ generation
+
+    async def _serve(self, completion: Completion, shape, trace: dict | None) -> Response:
+        openai = isinstance(shape, _OpenAIShape)
+        if self.draining:
+            return self._error(openai, f"model {self.model_name!r} is shutting down on this "
+                               f"replica; retry another", 503, headers=self._retry())
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        try:
+            seq = self.scheduler.submit(completion.request, lambda event: (
+                loop.call_soon_threadsafe(events.put_nowait, event)))
+        except InputError as exc:
+            # The scheduler's messages begin with the parameter's name.
+            return self._error(openai, str(exc), 400, str(exc).partition(":")[0])
+        except GenerateBusy as exc:
+            return self._error(openai, f"model {self.model_name!r} is busy: {exc}; retry "
+                               f"after {self.config.limits.retry_after_s} s", 503,
+                               headers=self._retry())
+        text = TextStream(self.tokenizer, completion.stop_strings)
+        pieces = self._pieces(seq, events, text, trace)
+        if completion.stream:
+            return StreamingResponse(self._events(seq, text, pieces, shape), 200,
+                                     SSE_HEADERS, media_type="text/event-stream")
+        self.request_stats.in_flight += 1
+        try:
+            async for _ in pieces:
+                pass
+        except GenerateTimeout as exc:
+            return self._error(openai, str(exc), 504)
+        except Exception as exc:  # a failed model call: a server fault with an id
+            return server_fault(f"model {self.model_name!r}", exc)
+        finally:
+            self.request_stats.in_flight -= 1
+            await pieces.aclose()
+        text.flush()
+        return json_response(shape.whole(text, self._reason(seq, text)))
+
+    def _retry(self) -> dict:
+        return {"Retry-After": str(self.config.limits.retry_after_s)}
+
+    @staticmethod
+    def _reason(seq, text: TextStream) -> str:
+        return "stop" if text.stopped else (seq.finish_reason or "stop")
+
+    async def _pieces(self, seq, events: asyncio.Queue, text: TextStream,
+                      trace: dict | None):
+        """(token, text piece) per token until the sequence ends; raises its error. On
+        exit (the end, a stop string, a client gone) the sequence is cancelled if it
+        still runs."""
+        try:
+            while True:
+                kind, value = await events.get()
+                if kind == "token":
+                    yield value, text.push(value)
+                    if text.stopped:
+                        return
+                elif kind == "error":
+                    raise value
+                else:
+                    return
+        finally:
+            if seq.finish_reason is None:
+                seq.cancel()
+                self.scheduler.wake()
+            self._span(seq, text, trace)
+
+    def _span(self, seq, text: TextStream, trace: dict | None) -> None:
+        """A `dynvm.generate` span from the sequence's arrival to now, child of the
+        request's traceparent, with its time to first token, tokens and end."""
+        telemetry = self.telemetry
+        if not telemetry.enabled:
+            telemetry = Telemetry.from_global()
+            if telemetry is None:
+                return
+        now = time.monotonic()
+        start = time.time_ns() - int((now - seq.arrived) * 1e9)
+        parent = propagate.extract(trace) if trace else None
+        span = telemetry.tracer.start_span("dynvm.generate", context=parent, start_time=start)
+        first = seq.first_token_at
+        span.set_attributes({
+            "dynvm.model": self.model_name,
+            "dynvm.generate.prompt_tokens": len(seq.request.prompt),
+            "dynvm.generate.completion_tokens": len(text.ids),
+            "dynvm.generate.finish_reason": self._reason(seq, text) if seq.finish_reason
+            or text.stopped else "cancelled",
+            "dynvm.generate.ttft_s": -1.0 if first is None else first - seq.arrived,
+            "dynvm.generate.tokens_per_s": (len(text.ids) / (now - first)
+                                            if first is not None and now > first else 0.0)})
+        span.end()
+
+    async def _events(self, seq, text: TextStream, pieces, shape):
+        """The SSE body: a chunk per token, then one with the finish reason (and any text
+        held back), then the protocol's end; an error becomes an error event in the
+        protocol's shape. A client that goes away closes this generator: `pieces`
+        closes with it and cancels the sequence."""
+        self.request_stats.in_flight += 1
+        try:
+            try:
+                async for token, piece in pieces:
+                    yield sse(shape.chunk(token, piece, None))
+                yield sse(shape.chunk(None, text.flush(), self._reason(seq, text)))
+            except GenerateTimeout as exc:
+                yield sse(shape.error(str(exc), 504))
+            except Exception as exc:
+                yield sse(shape.error(f"server error: {type(exc).__name__}: "
+                                      f"{v2.cut(str(exc), 300)}", 500))
+            if shape.done is not None:
+                yield sse(shape.done)
+        finally:
+            self.request_stats.in_flight -= 1
+            await pieces.aclose()
+
+
+class _OpenAIShape:
+    """OpenAI completion objects (`text_completion`), whole or as stream chunks."""
+
+    done = "[DONE]"
+
+    def __init__(self, model_name: str, created: int) -> None:
+        self.head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                     "created": created, "model": model_name}
+
+    def chunk(self, token: int | None, piece: str, reason: str | None) -> dict:
+        return {**self.head, "choices": [{
+            "index": 0, "text": piece, "logprobs": None, "finish_reason": reason,
+            "token_ids": [] if token is None else [token]}]}
+
+    def whole(self, text: TextStream, reason: str) -> dict:
+        prompt = self.prompt_tokens
+        return {**self.head, "choices": [{
+            "index": 0, "text": text.text, "logprobs": None, "finish_reason": reason,
+            "token_ids": list(text.ids)}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": len(text.ids),
+                      "total_tokens": prompt + len(text.ids)}}
+
+    def error(self, message: str, status: int) -> dict:
+        return openai_error(message, status)
+
+    prompt_tokens = 0
+
+
+class _V2Shape:
+    """The v2 generate extension's response objects (`output_ids`, `text_output`)."""
+
+    done = None
+
+    def __init__(self, model_name: str) -> None:
+        self.head = {"model_name": model_name, "model_version": MODEL_VERSION}
+
+    def chunk(self, token: int | None, piece: str, reason: str | None) -> dict:
+        return {**self.head, "output_ids": [] if token is None else [token],
+                "text_output": piece, "finish_reason": reason}
+
+    def whole(self, text: TextStream, reason: str) -> dict:
+        return {**self.head, "output_ids": list(text.ids), "text_output": text.text,
+                "finish_reason": reason}
+
+    def error(self, message: str, status: int) -> dict:
+        return {"error": v2.cut(message, 1000)}
+
+
+def _trace_headers(request: Request) -> dict | None:
+    """The request's W3C trace-context headers, if it has any."""
+    return {k: request.headers[k] for k in ("traceparent", "tracestate")
+            if k in request.headers} or None
+
+
+def json_response_with(doc, status: int, headers: dict | None) -> Response:
+    """`doc` as JSON with `status` and extra headers."""
+    response = json_response(doc, status)
+    response.headers.update(headers or {})
+    return response
+
+
+GeneratorReplica = serve.deployment(name="GeneratorReplica",
+                                    max_ongoing_requests=512)(GeneratorServer)
+
+
+def generator_application(name: str, path: str, config: ServingConfig | None = None,
+                          scheduler: SchedulerConfig | None = None):
+    """The bound Serve deployment of one generator, its replicas on Serve's own loop
+    (Note [Replica on Serve's loop] in dynvm.cluster.serving._deployment)."""
+    from dynvm.cluster.serving._deployment import REPLICA_ENV, drain_options
+
+    config = config if config is not None else ServingConfig()
+    return GeneratorReplica.options(
+        name=f"GeneratorReplica-{check_model_name(name)}",
+        num_replicas=config.num_replicas,
+        ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": config.num_gpus or 0.0,
+                           "runtime_env": {"env_vars": REPLICA_ENV}},
+        logging_config={"enable_access_log": config.access_log}, **drain_options(config),
+    ).bind(name, str(path), config, scheduler)
+
+
+def serve_generator(name: str, path: str, config: ServingConfig | None = None,
+                    scheduler: SchedulerConfig | None = None) -> dict:
+    """Deploy a generator as the one application at route prefix `/` (Serve must be
+    started; with `config.fleet`, the compile service too). In direct ingress, waits for
+    the replica's port. Returns {app name: DeploymentHandle}."""
+    from dynvm.cluster.protocol._http_front import model_app_name
+    from dynvm.cluster.protocol.ingress import direct_addresses
+
+    config = config if config is not None else ServingConfig()
+    app = model_app_name(name)
+    handle = serve.run(generator_application(name, path, config, scheduler), name=app,
+                       route_prefix="/")
+    if config.ingress == "direct":
+        direct_addresses([app])
+    return {app: handle}
