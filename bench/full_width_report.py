@@ -175,7 +175,10 @@ def tier_markdown(run: dict) -> str:
         "background work drained before each call, after a cold warm-up and a capped "
         "seasoning); a model's figure is the median of its shapes'. 'JIT / best peer': "
         "the JIT over the faster of " + " and ".join(peer_names or ["the peers"])
-        + " per shape, the median of those; the A/A margin (interpreter B over A) is "
+        + " per shape, the median of those. 'dynvm.compile s': export and lowering, "
+        "'(load)' where the run read the program from --cache (filled by --prepare "
+        "before it); 'JIT compile s': the JIT's background compiles over the whole run, "
+        "calibrations included. The A/A margin (interpreter B over A) is "
         "what noise alone moves a ratio in that model's window. The host is shared: "
         "the ratios, taken call by call, are what is comparable."]
     head = (["model", "what", "parameters", "shapes", "eager ms", "interpreter", "JIT"]
@@ -212,7 +215,8 @@ def tier_markdown(run: dict) -> str:
             + f" | {_x(_median(versus.values()))} | {steady['jit_over_interp']:.3f} "
             f"({steady['interp_aa']:.3f}, {steady['aa_margin']:.3f}) | "
             f"{errors.get('interp', 0):.1e}, {errors.get('jit', 0):.1e} | "
-            f"{m['dynvm_compile_seconds']:.1f} | {compile_s:.1f} "
+            f"{m['dynvm_compile_seconds']:.1f}{' (load)' if m.get('program_cached') else ''}"
+            f" | {compile_s:.1f} "
             f"({warm['calibration_seconds']:.1f} in warm-up) | {m['season']['settled']} |")
     lines += ["\n".join(table), "Per shape (x eager):", "\n".join(shapes)]
     for m in run["models"]:
