@@ -20,8 +20,11 @@ model converted from the same weights by its own converter (a word-level tokeniz
 with one token per id is written beside it, since the converter reads the vocabulary
 from a tokenizer) and generates with `sampling_topk=1`, min = max length, so it does
 the same steps. Tokens are compared with the eager loop's, and the report says where
-they differ. The dynvm generators run the decode step over the KV cache as state (the
-default); `dynvm-jit-pure` is the JIT on the pure decode step (the cache as tensors).
+they differ. The dynvm generators run the one step program over the KV cache as state
+(the default: the prompt written in chunks of up to 128 tokens by the same program that
+decodes, Note [One step program for prompt and decode] in dynvm._generation_kv, so
+"prefill" is those calls); `dynvm-jit-pure` is the JIT on the pure prefill and decode
+programs (the cache as tensors).
 One torch thread count for everything (--threads, default 2), and the
 1-minute load average beside the table: the host is shared.
 """
@@ -208,7 +211,7 @@ def _packed_mb(generator) -> float:
     """MiB of oneDNN-packed weight copies the generator's JIT engines hold (Note
     [Prepacked weights]: one cache per engine, i.e. per program)."""
     total = 0
-    for runtime in (generator.prefill, generator.decode, generator.decode_kv):
+    for runtime in (generator.step, generator.prefill, generator.decode):
         if runtime is None:
             continue
         options = getattr(runtime.jit, "_cpu_options", None)
@@ -231,7 +234,8 @@ def run_model(kind: str, batches, systems, threads: int, results: Results,
     after_model = _rss_mb()
     start = time.perf_counter()
     programs = dynvm.compile_generator(model, max_batch=max(16, *batches),
-                                       max_length=PROMPT + NEW + 1, jit=False).programs
+                                       max_length=PROMPT + NEW + 1, jit=False,
+                                       pure="dynvm-jit-pure" in systems).programs
     results.export_seconds[kind] = time.perf_counter() - start
     gc.collect()
     memory = results.resident_mb[kind] = {"weights": weights_mb,
@@ -245,6 +249,8 @@ def run_model(kind: str, batches, systems, threads: int, results: Results,
         memory["of_which_packed_weights"] = _packed_mb(jit)
         if jit.state is not None:   # allocated once at max_batch x max_length
             memory["of_which_kv_state"] = jit.state.nbytes / 2**20
+        # What the generator plans: one copy of the weights + the KV state (stated).
+        memory.update({f"planned_{k}": v / 2**20 for k, v in jit.memory().items()})
     interp = dynvm.Generator(programs, jit=False) if "dynvm-interp" in systems else None
     ct2, ct2_note = (_ctranslate2(model, kind, threads) if "ctranslate2" in systems
                      else (None, ""))
@@ -323,7 +329,7 @@ def long_context(kind: str, length: int, steps: int, results: Results, jit_confi
 
     model = build_model(kind)
     programs = dynvm.compile_generator(model, max_batch=4, max_length=length + steps + 2,
-                                       jit=False, kv_state=True).programs
+                                       jit=False, kv_state=True, pure=True).programs
     ids = torch.randint(3, model.config.vocab_size, (1, length))
     mask = torch.ones_like(ids)
     _eager_loop(model, ids, mask, new=3)
@@ -355,7 +361,8 @@ def _settle(generator, seconds: float = 10.0) -> None:
         return jit is not None and (len(jit.queue) > 0 or any(
             region.pending for region in list(jit.regions.values())))
 
-    while time.monotonic() < deadline and (busy(generator.prefill) or busy(generator.decode)):
+    runtimes = [r for r in (generator.step, generator.prefill, generator.decode) if r is not None]
+    while time.monotonic() < deadline and any(busy(runtime) for runtime in runtimes):
         time.sleep(0.05)
 
 

@@ -1,4 +1,6 @@
-"""`Generator`: the token loop over a prefill and a decode Runtime.
+"""`Generator`: the token loop over the one step program over the KV cache as state
+(prompt chunks and decode; Note [One step program for prompt and decode] in
+dynvm._generation_kv), or over a prefill and a decode Runtime with plain caches.
 
     generator = dynvm.compile_generator(hf_causal_lm, max_batch=16, max_length=512)
     tokens = generator.generate(input_ids, attention_mask, max_new_tokens=64)
@@ -35,46 +37,67 @@ class GenerationStats:
     """Decode calls, over all generations and rows (one call per step per batch)."""
     specialized_steps: int
     """Decode calls in which every region ran specialized code (none interpreted)."""
+    prompt_calls: int = 0
+    """Calls that wrote prompt chunks into the KV state (T > 1, or a 1-token prompt)."""
 
 
 class Generator:
-    """Generates tokens with two Runtimes, prefill and decode, over one set of weights.
+    """Generates tokens with the programs' step over the KV cache as state, or with a
+    prefill and a decode Runtime over plain caches.
 
-    Both programs hold the model's own weight tensors (the same storages), so a
-    generator's weights are resident once. When the programs have a decode step over
-    the KV cache as state (`programs.decode_kv`) and `kv_state` is not False, decoding
-    runs it: the prompt's keys and values are written into a `KvState` allocated once
-    (max_batch x max_length), each step appends in place and attends over per-row
-    lengths (Note [KV cache as state] in dynvm.vm.ops_kv). Otherwise the cache is passed
-    between steps as plain tensors per layer, grown by one position per step, and with
-    the JIT on and `compile_ahead`, the decode step's family kernels for the growing
-    length are asked for before the length gets there (Note [Compiling the next length
-    bucket])."""
+    When the programs have the step (`programs.step`) and `kv_state` is not False, one
+    Runtime runs everything (Note [One step program for prompt and decode] in
+    dynvm._generation_kv): the prompt is written into a `KvState` allocated once
+    (max_batch x max_length) in chunks of at most `chunk` tokens per row, then each
+    decode step appends in place and attends over per-row lengths (Note [KV cache as
+    state] in dynvm.vm.ops_kv); the weights are held by that one program, and with the
+    JIT on, compile-ahead promotes the decode step's signature after its first call.
+    Otherwise (`kv_state=False`, programs exported with `pure`) the cache is passed
+    between a prefill and a decode step as plain tensors per layer, grown by one
+    position per step, and compile-ahead asks for the decode step's family kernels for
+    the growing length before the length gets there (Note [Compiling the next length
+    bucket]); both programs hold the model's own weight tensors (the same storages)."""
 
     def __init__(self, programs: GeneratorPrograms, device: str | torch.device = "cpu",
                  jit: bool | JitConfig = True, compile_ahead: bool = True,
-                 kv_state: bool | None = None) -> None:
+                 kv_state: bool | None = None, chunk: int | None = None) -> None:
         self.programs = programs
-        self.prefill = Runtime(programs.prefill, device, jit=jit)
-        self.decode = Runtime(programs.decode, device, jit=jit)
-        # Note [KV cache as state] in dynvm.vm.ops_kv: kv_state None uses it when the
-        # programs have it.
-        if kv_state and programs.decode_kv is None:
-            raise ConfigError("Generator(kv_state=True): the programs have no decode step "
-                              "over the cache state (compile_generator(..., kv_state=True))")
-        self.decode_kv = self.state = None
-        if programs.decode_kv is not None and kv_state is not False:
-            self.decode_kv = Runtime(programs.decode_kv, device, jit=jit)
-            self.state = KvState(programs.decode_kv, self.decode_kv.device)
-        # Note [Compiling the next length bucket] (the state's step has no growing dim)
-        self._ahead = LengthBucketsAhead(self.decode) if compile_ahead and \
-            self.decode_kv is None else None
-        self._step_ahead = StepAhead(self.decode_kv) if compile_ahead and \
-            self.decode_kv is not None else None
-        self.device = self.prefill.device
+        if kv_state and programs.step is None:
+            raise ConfigError("Generator(kv_state=True): the programs have no step over "
+                              "the cache state (compile_generator(..., kv_state=True))")
+        use_state = programs.step is not None and kv_state is not False
+        if not use_state and (programs.prefill is None or programs.decode is None):
+            raise ConfigError("Generator(kv_state=False): the programs have the state's "
+                              "step alone; export them with compile_generator(..., "
+                              "pure=True) for the plain-cache path")
+        self.prefill = self.decode = self.step = self.state = None
+        self._ahead = self._step_ahead = None
+        if use_state:
+            self.step = Runtime(programs.step, device, jit=jit)
+            self.state = KvState(programs.step, self.step.device)
+            self.chunk = min(chunk or programs.chunk, programs.chunk)
+            if compile_ahead:
+                self._step_ahead = StepAhead(self.step)
+            self.device = self.step.device
+        else:
+            self.prefill = Runtime(programs.prefill, device, jit=jit)
+            self.decode = Runtime(programs.decode, device, jit=jit)
+            self.chunk = 0
+            if compile_ahead:  # Note [Compiling the next length bucket]
+                self._ahead = LengthBucketsAhead(self.decode)
+            self.device = self.prefill.device
         self._generations = 0
         self._decode_steps = 0
         self._specialized_steps = 0
+        self._prompt_calls = 0
+
+    def memory(self) -> dict[str, int]:
+        """Resident bytes the generator plans: one copy of the weights (the distinct
+        storages its programs hold) and the KV state (0 over plain caches, which grow
+        with each generation instead)."""
+        cache = self.state.nbytes if self.state is not None else 0
+        weights = self.programs.weights_bytes
+        return {"weights": weights, "cache": cache, "total": weights + cache}
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int = 32, sampling: Sampling | None = None,
@@ -98,14 +121,13 @@ class Generator:
                              else list(stop_tokens), dtype=torch.long, device=self.device)
         rng = sampling.torch_generator() if sampling is not None else None
         ids = input_ids.to(self.device)
+        if self.state is not None:
+            yield from self._stream_state(ids, mask, max_new_tokens, sampling, rng, stops)
+            return
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         logits, keys, values = self.prefill(ids, mask, positions)
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.device)
         pad = self.programs.pad_token_id
-        if self.state is not None:
-            lengths = mask.sum(dim=-1)
-            slots = self.state.begin(ids.shape[0], ids.shape[1] + max_new_tokens)
-            self.state.write_prompt(keys, values, lengths)
         for step in range(max_new_tokens):
             token = next_tokens(logits, sampling, rng).masked_fill(done, pad)
             done = done | torch.isin(token, stops)
@@ -114,19 +136,64 @@ class Generator:
                 return
             if step == 0:
                 self._generations += 1
-            if self.state is not None:
-                logits = self._counted(self.decode_kv, token[:, None], slots, lengths,
-                                       self.state.keys, self.state.values)
-                if self._step_ahead is not None:
-                    self._step_ahead.after_step()
-                lengths = lengths + 1
-                continue
             position = mask.sum(dim=-1, keepdim=True)
             logits, keys, values = self._counted(self.decode, token[:, None], mask, position,
                                                  keys, values)
             if self._ahead is not None:
                 self._ahead.after_step(mask.shape[1], mask.shape[0])
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+
+    def _stream_state(self, ids, mask, max_new_tokens, sampling, rng, stops):
+        """stream() over the KV state: the prompts written chunk by chunk, then one
+        decode step per token, all on the one step program."""
+        slots = self.state.begin(ids.shape[0], ids.shape[1] + max_new_tokens)
+        lengths = mask.sum(dim=-1)
+        logits = self.write_prompts([row[row.shape[0] - n:] for row, n in
+                                     zip(ids, lengths.tolist())], slots)
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.device)
+        pad = self.programs.pad_token_id
+        for step in range(max_new_tokens):
+            token = next_tokens(logits, sampling, rng).masked_fill(done, pad)
+            done = done | torch.isin(token, stops)
+            yield token
+            if step + 1 == max_new_tokens or bool(done.all()):
+                return
+            if step == 0:
+                self._generations += 1
+            logits = self._counted(self.step, token[:, None], slots, lengths,
+                                   self.state.keys, self.state.values)
+            if self._step_ahead is not None:
+                self._step_ahead.after_step()
+            lengths = lengths + 1
+
+    def write_prompts(self, prompts: Sequence[torch.Tensor], slots: torch.Tensor,
+                      starts: Sequence[int] | None = None) -> torch.Tensor:
+        """Write each prompt (1-d token ids) into its slot of the KV state from position
+        starts[b] (default 0) with the step program, at most `chunk` tokens per row and
+        call; rows of one call share T, so prompts of different lengths are written in
+        calls of the lengths they share (Note [One step program for prompt and decode]
+        in dynvm._generation_kv), without padding. The logits of each prompt's last
+        token, [B, V]."""
+        counts = [int(p.shape[0]) for p in prompts]
+        written = [0] * len(prompts)
+        starts = [0] * len(prompts) if starts is None else list(starts)
+        last: list[torch.Tensor | None] = [None] * len(prompts)
+        while True:
+            active = [b for b, n in enumerate(counts) if written[b] < n]
+            if not active:
+                break
+            steps = min(self.chunk, min(counts[b] - written[b] for b in active))
+            tokens = torch.stack([prompts[b][written[b]:written[b] + steps] for b in active])
+            rows = torch.tensor(active, device=slots.device)
+            at = torch.tensor([starts[b] + written[b] for b in active], device=self.device)
+            logits = self.step(tokens.to(self.device), slots.index_select(0, rows), at,
+                               self.state.keys, self.state.values)
+            self._prompt_calls += 1
+            for i, b in enumerate(active):
+                written[b] += steps
+                if written[b] == counts[b]:
+                    last[b] = logits[i]
+        return torch.stack(last)
 
     def _counted(self, runtime: Runtime, *inputs):
         """One decode step on `runtime`, counted in stats()."""
@@ -161,14 +228,14 @@ class Generator:
 
     def stats(self) -> GenerationStats:
         """How many decode steps ran specialized, since the generator was made."""
-        return GenerationStats(self._generations, self._decode_steps, self._specialized_steps)
+        return GenerationStats(self._generations, self._decode_steps,
+                               self._specialized_steps, self._prompt_calls)
 
     def close(self) -> None:
-        """Stop both runtimes' background compiles (they keep working, interpreted)."""
-        self.prefill.close()
-        self.decode.close()
-        if self.decode_kv is not None:
-            self.decode_kv.close()
+        """Stop the runtimes' background compiles (they keep working, interpreted)."""
+        for runtime in (self.step, self.prefill, self.decode):
+            if runtime is not None:
+                runtime.close()
 
     def __enter__(self) -> Generator:
         return self
@@ -180,11 +247,14 @@ class Generator:
 def compile_generator(model: torch.nn.Module, *, max_batch: int = 64,
                       max_length: int = 2048, device: str | torch.device = "cpu",
                       jit: bool | JitConfig = True, compile_ahead: bool = True,
-                      name: str | None = None, kv_state: bool = True) -> Generator:
-    """Lower a Hugging Face causal LM to a prefill and a decode program (dynamic batch
-    and lengths) and return a `Generator` running them (`jit`, `compile_ahead`: as
-    Generator takes them). `kv_state`: also the decode step over the KV cache as state
-    (Note [KV cache as state] in dynvm.vm.ops_kv), which the generator then runs."""
+                      name: str | None = None, kv_state: bool = True, chunk: int = 128,
+                      pure: bool | None = None) -> Generator:
+    """Lower a Hugging Face causal LM (dynamic batch and lengths) and return a
+    `Generator` running it (`jit`, `compile_ahead`: as Generator takes them).
+    `kv_state`: one step program over the KV cache as state for prompt chunks of up to
+    `chunk` tokens and decoding (Note [One step program for prompt and decode] in
+    dynvm._generation_kv), which the generator then runs; `pure` (default: not
+    kv_state): the prefill and decode programs over plain caches too."""
     programs = export_generator(model, max_batch=max_batch, max_length=max_length, name=name,
-                                kv_state=kv_state)
+                                kv_state=kv_state, chunk=chunk, pure=pure)
     return Generator(programs, device, jit=jit, compile_ahead=compile_ahead)

@@ -1,4 +1,6 @@
-"""A Hugging Face causal LM as two dynvm programs: a prefill step and a decode step.
+"""A Hugging Face causal LM as dynvm programs: one step over the KV cache as state for
+the prompt and decoding alike (`step`, dynvm._generation_kv; kv_state=True), or, with
+the cache as plain tensors (kv_state=False, or `pure`), a prefill and a decode step:
 
     prefill(input_ids [B, T], attention_mask [B, T], position_ids [B, T])
         -> (last logits [B, V], keys [[B, Hkv, T, D]] per layer, values [...])
@@ -83,12 +85,15 @@ def _step_outputs(out):
 
 @dataclass(frozen=True)
 class GeneratorPrograms:
-    """The two programs of a generator and what the loop needs to know about them."""
+    """The programs of a generator and what the loop needs to know about them: the step
+    over the cache state, the pure prefill and decode, or both."""
 
-    prefill: Program
-    """input_ids, attention_mask, position_ids -> last logits, keys, values."""
-    decode: Program
-    """input_ids [B, 1], past_mask [B, L], position_ids [B, 1], keys, values -> the same."""
+    prefill: Program | None
+    """input_ids, attention_mask, position_ids -> last logits, keys, values (the pure
+    path; None when exported with the state's step alone)."""
+    decode: Program | None
+    """input_ids [B, 1], past_mask [B, L], position_ids [B, 1], keys, values -> the same
+    (the pure path; None with the step alone)."""
     layers: int
     """Number of decoder layers: the length of the keys and values lists."""
     max_batch: int
@@ -99,9 +104,28 @@ class GeneratorPrograms:
     """The model's end-of-sequence tokens (its generation config): default stop tokens."""
     pad_token_id: int
     """Written after a row has stopped, and where the caller gives no mask."""
-    decode_kv: Program | None = None
-    """input_ids [B, 1], slots [B], lengths [B], keys, values (the cache state, written in
-    place) -> last logits (dynvm._generation_kv); None unless exported with kv_state."""
+    step: Program | None = None
+    """input_ids [B, T], slots [B], lengths [B], keys, values (the cache state, written in
+    place) -> the last token's logits, T = 1..chunk (Note [One step program for prompt
+    and decode] in dynvm._generation_kv); None unless exported with kv_state."""
+    chunk: int = 0
+    """Largest T the step takes: a longer prompt is written chunk by chunk."""
+
+    def __post_init__(self) -> None:
+        if self.step is None and (self.prefill is None or self.decode is None):
+            raise ConfigError("GeneratorPrograms: expected the state's step, or a prefill "
+                              "and a decode program")
+
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes of the distinct weight storages the programs hold (shared storages and
+        tied weights counted once)."""
+        seen: dict[int, int] = {}
+        for program in (self.step, self.prefill, self.decode):
+            for tensor in (program.constants if program is not None else ()):
+                storage = tensor.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
 
 
 @contextlib.contextmanager
@@ -123,10 +147,12 @@ def _grouped_heads_folded():
 
 def export_generator(model: torch.nn.Module, *, max_batch: int = 64,
                      max_length: int = 2048, name: str | None = None,
-                     kv_state: bool = False) -> GeneratorPrograms:
-    """Lower a Hugging Face causal LM (`...ForCausalLM`, eval mode) to a prefill and a
-    decode program with dynamic batch (1..max_batch) and lengths (1..max_length); with
-    `kv_state`, also the decode step over the cache as state (`decode_kv`)."""
+                     kv_state: bool = False, chunk: int = 128,
+                     pure: bool | None = None) -> GeneratorPrograms:
+    """Lower a Hugging Face causal LM (`...ForCausalLM`, eval mode) with dynamic batch
+    (1..max_batch) and lengths (1..max_length). `kv_state`: the one step over the cache
+    as state (`step`, T = 1..chunk new tokens per row); `pure` (default: not kv_state):
+    the prefill and decode programs over plain caches."""
     from torch.export import Dim
 
     from dynvm import compile as dynvm_compile
@@ -138,6 +164,10 @@ def export_generator(model: torch.nn.Module, *, max_batch: int = 64,
     if max_batch < 2 or max_length < 8:
         raise ConfigError(f"compile_generator: expected max_batch >= 2 and max_length >= 8, "
                           f"got max_batch={max_batch}, max_length={max_length}")
+    if chunk < 1:
+        raise ConfigError(f"compile_generator: expected chunk >= 1, got {chunk}")
+    chunk = min(chunk, max_length)
+    pure = not kv_state if pure is None else pure
     if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
         config._attn_implementation = "sdpa"
     model = model.eval()
@@ -150,22 +180,24 @@ def export_generator(model: torch.nn.Module, *, max_batch: int = 64,
     ids = torch.arange(3, 13).reshape(2, 5) % max(3, config.vocab_size)
     ones = torch.ones(2, 5, dtype=torch.long)
     positions = torch.arange(5).expand(2, 5).contiguous()
+    prefill = decode = step = None
     with torch.no_grad():
-        prefill = dynvm_compile(_Prefill(model), (ids, ones, positions),
-                                ({0: batch, 1: prompt},) * 3, name=f"{name}.prefill")
-        _, keys, values = _Prefill(model)(ids, ones, positions)
-        past_dims = [{0: batch, 2: past}] * layers
-        with _grouped_heads_folded():
-            decode = dynvm_compile(
-                _Decode(model), (ids[:, :1], ones, positions[:, :1], list(keys), list(values)),
-                ({0: batch}, {0: batch, 1: past}, {0: batch}, past_dims, past_dims),
-                name=f"{name}.decode")
-        decode_kv = None
+        if pure:
+            prefill = dynvm_compile(_Prefill(model), (ids, ones, positions),
+                                    ({0: batch, 1: prompt},) * 3, name=f"{name}.prefill")
+            _, keys, values = _Prefill(model)(ids, ones, positions)
+            past_dims = [{0: batch, 2: past}] * layers
+            with _grouped_heads_folded():
+                decode = dynvm_compile(
+                    _Decode(model), (ids[:, :1], ones, positions[:, :1], list(keys),
+                                     list(values)),
+                    ({0: batch}, {0: batch, 1: past}, {0: batch}, past_dims, past_dims),
+                    name=f"{name}.decode")
         if kv_state:
-            from dynvm._generation_kv import export_decode_kv
+            from dynvm._generation_kv import export_step
 
-            decode_kv = export_decode_kv(model, list(keys), max_batch=max_batch,
-                                         max_length=max_length, name=name)
+            step = export_step(model, max_batch=max_batch, max_length=max_length,
+                               chunk=chunk, name=name)
     generation = getattr(model, "generation_config", None)
     eos = getattr(generation, "eos_token_id", None)
     if eos is None:
@@ -175,4 +207,5 @@ def export_generator(model: torch.nn.Module, *, max_batch: int = 64,
     pad = pad if pad is not None else getattr(config, "pad_token_id", None)
     pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
     return GeneratorPrograms(prefill, decode, layers, max_batch, max_length,
-                             tuple(int(t) for t in eos_ids), int(pad), decode_kv)
+                             tuple(int(t) for t in eos_ids), int(pad), step,
+                             chunk if kv_state else 0)

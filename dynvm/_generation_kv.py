@@ -1,11 +1,27 @@
-"""A Hugging Face causal LM's decode step over the KV cache as state (Note [KV cache as
-state] in dynvm.vm.ops_kv):
+"""A Hugging Face causal LM's one step program over the KV cache as state (Note [KV
+cache as state] in dynvm.vm.ops_kv), for the prompt and for decoding alike:
 
-    decode_kv(input_ids [B, 1], slots [B], lengths [B], keys, values) -> logits [B, V]
+    step(input_ids [B, T], slots [B], lengths [B], keys, values) -> logits [B, V]
 
 `keys` and `values` are the cache state, one [slots, Hkv, capacity, D] tensor per layer,
 written in place; row b is the sequence in slot slots[b] holding lengths[b] tokens (its
-new token's position). No mask: DECODE_ATTN reads each row's own length.
+first new token's position); the logits are those of each row's last new token. No
+mask: DECODE_ATTN reads each row's own length.
+
+Note [One step program for prompt and decode]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A generator used to hold a prefill program (no past; its keys and values then copied
+into the state row by row in Python) beside the decode step over the state: two
+programs, two Runtimes, two JIT engines packing the same weights. Decode (T = 1) and a
+prompt chunk (T > 1) are one computation over the state: KV_APPEND writes the T new
+keys and values at lengths[b].., DECODE_ATTN attends from each new token over the
+cached prefix and causally within the chunk. So one program with T dynamic (1..chunk)
+serves both, and a prompt longer than the chunk is written chunk by chunk (a long
+prompt need not stall the other sequences' next token: the serving scheduler
+interleaves chunks with their decode steps). The JIT sees T as one more dim: T = 1 is
+the decode shape, whole chunks recur at T = chunk, a prompt's last chunk falls in a
+family over T. Rows of one call share T; rows whose prompts differ in length are
+written in calls of the lengths they share (Generator._prompt), never left-padded.
 
 The model's own code is what gets lowered, as for the pure decode step, except its
 attention: the step runs the model with an attention function of ours (registered with
@@ -29,27 +45,31 @@ _IMPLEMENTATION = "dynvm_kv_state"
 
 def _state_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                      dynvm_kv=None, **kwargs):
-    """Hugging Face attention function: append this layer's key and value to the state,
-    attend over each row's slot; returns ([B, 1, H, D], None) as its own functions do."""
+    """Hugging Face attention function: append this layer's T new keys and values to the
+    state, attend over each row's slot (causal in the chunk); returns ([B, T, H, D],
+    None) as its own functions do."""
     keys, values, slots, lengths = dynvm_kv
     layer = module.layer_idx
     key_cache = torch.ops.dynvm.kv_append(keys[layer], key, slots, lengths)
     value_cache = torch.ops.dynvm.kv_append(values[layer], value, slots, lengths)
-    out = torch.ops.dynvm.decode_attention(query, key_cache, value_cache, slots, lengths + 1,
-                                           scaling)
+    out = torch.ops.dynvm.decode_attention(query, key_cache, value_cache, slots,
+                                           lengths + query.shape[2], scaling)
     return out.transpose(1, 2), None
 
 
-class _DecodeKv(torch.nn.Module):
-    """One new token per row, over the cache state."""
+class _Step(torch.nn.Module):
+    """T new tokens per row over the cache state (Note [One step program for prompt and
+    decode])."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, input_ids, slots, lengths, keys, values):
-        out = self.model(input_ids=input_ids, position_ids=lengths[:, None], use_cache=False,
-                         logits_to_keep=1, dynvm_kv=(keys, values, slots, lengths))
+        steps = torch.arange(input_ids.shape[1], device=input_ids.device)
+        out = self.model(input_ids=input_ids, position_ids=lengths[:, None] + steps,
+                         use_cache=False, logits_to_keep=1,
+                         dynvm_kv=(keys, values, slots, lengths))
         return out.logits[:, -1, :]
 
 
@@ -68,33 +88,46 @@ def _state_attention_on(model):
         config._attn_implementation = saved
 
 
-def export_decode_kv(model: torch.nn.Module, keys: list[torch.Tensor], *, max_batch: int,
-                     max_length: int, name: str) -> Program:
-    """The decode step over the cache state, with dynamic batch (1..max_batch); its state
+def _cache_shape(model: torch.nn.Module) -> tuple[int, int, int, torch.dtype]:
+    """(layers, key/value heads, head dim, dtype) of the model's cache, from its config."""
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = next(model.parameters()).dtype
+    return config.num_hidden_layers, kv_heads, head_dim, dtype
+
+
+def export_step(model: torch.nn.Module, *, max_batch: int, max_length: int, chunk: int,
+                name: str) -> Program:
+    """The step over the cache state (Note [One step program for prompt and decode]),
+    with dynamic batch (1..max_batch) and new tokens per row T (1..chunk); its state
     inputs declare slots 1..max_batch and capacity 2..max_length, and the state's owner
-    allocates their upper bounds. `keys`: one layer's prefill keys per layer (their
-    heads, head dim and dtype give the state's)."""
+    allocates their upper bounds."""
     from torch.export import Dim
 
     from dynvm import compile as dynvm_compile
 
+    layers, kv_heads, head_dim, dtype = _cache_shape(model)
     batch = Dim("batch", min=1, max=max_batch)
+    steps = Dim("steps", min=1, max=chunk)
     slots = Dim("slots", min=1, max=max_batch)
     capacity = Dim("capacity", min=2, max=max_length)
-    # Distinct example sizes (batch 2, slots 3, capacity 11): no dim taken for another.
-    state = [torch.zeros(3, k.shape[1], 11, k.shape[3], dtype=k.dtype) for k in keys]
+    # Distinct example sizes (batch 2, T 5, slots 3, capacity 13): no dim taken for
+    # another; the rows write positions 4..8 and 6..10 of 13.
+    state = [torch.zeros(3, kv_heads, 13, head_dim, dtype=dtype) for _ in range(layers)]
     values = [s.clone() for s in state]
-    ids = torch.full((2, 1), 3, dtype=torch.long)
+    ids = torch.full((2, 5), 3, dtype=torch.long)
     rows, lengths = torch.tensor([0, 2]), torch.tensor([4, 6])
-    state_dims = [{0: slots, 2: capacity}] * len(keys)
+    state_dims = [{0: slots, 2: capacity}] * layers
     with torch.no_grad(), _state_attention_on(model):
-        program = dynvm_compile(_DecodeKv(model), (ids, rows, lengths, state, values),
-                                ({0: batch}, {0: batch}, {0: batch}, state_dims, state_dims),
-                                name=f"{name}.decode_kv")
+        program = dynvm_compile(_Step(model), (ids, rows, lengths, state, values),
+                                ({0: batch, 1: steps}, {0: batch}, {0: batch}, state_dims,
+                                 state_dims), name=f"{name}.step")
     # input_ids, slots, lengths, then the keys and values of every layer: the frontend
     # marks the inputs the KV instructions take as their cache as the state.
-    if program.state != tuple(range(3, 3 + 2 * len(keys))):
-        raise ConfigError(f"{name}: kv_state=True: the decode step's state inputs are "
-                          f"{program.state}, expected the {2 * len(keys)} keys and values; "
+    if program.state != tuple(range(3, 3 + 2 * layers)):
+        raise ConfigError(f"{name}: kv_state=True: the step's state inputs are "
+                          f"{program.state}, expected the {2 * layers} keys and values; "
                           f"kv_state=False exports this model with the cache as plain inputs")
     return program

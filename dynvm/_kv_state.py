@@ -1,4 +1,4 @@
-"""`KvState`: the KV cache a stateful decode program writes in place (Note [KV cache as
+"""`KvState`: the KV cache a stateful step program writes in place (Note [KV cache as
 state] in dynvm.vm.ops_kv), allocated once from the program's declared state inputs."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ class KvState:
     """One [slots, Hkv, capacity, D] tensor per layer for keys and one for values, at the
     upper bounds the program declares for its state inputs (max_batch slots of
     max_length positions): allocated once, reused by every generation. Row b of a batch
-    lives in slot b (contiguous slots: DECODE_ATTN reads them as a view)."""
+    lives in slot b (contiguous slots: DECODE_ATTN reads them as a view); the step
+    program writes prompts and new tokens alike (dynvm._generation_kv)."""
 
     def __init__(self, program: Program, device: str | torch.device = "cpu") -> None:
         specs = [program.inputs[i] for i in program.state]
@@ -41,15 +42,3 @@ class KvState:
         for tensor in self.tensors:
             tensor[:batch, :, :span].zero_()
         return torch.arange(batch, device=self.tensors[0].device)
-
-    def write_prompt(self, keys, values, lengths: torch.Tensor) -> None:
-        """The prefill's left-padded keys and values ([B, Hkv, T, D] per layer) into slots
-        0..B-1, each row's last lengths[b] positions at the start of its slot."""
-        width = keys[0].shape[2]
-        rows = lengths.tolist()
-        for cache, new in zip(self.tensors, (*keys, *values)):
-            if all(n == width for n in rows):
-                cache[:len(rows), :, :width] = new
-                continue
-            for row, n in enumerate(rows):
-                cache[row, :, :n] = new[row, :, width - n:]

@@ -1,19 +1,21 @@
-"""A generator on disk, for `dynvm serve`: a directory with its two programs, what the
+"""A generator on disk, for `dynvm serve`: a directory with its programs, what the
 token loop needs to know about them, and the model's tokenizer when it ships one.
 
     generator = dynvm.compile_generator(hf_causal_lm, max_batch=16, max_length=512)
     dynvm.save_generator(generator, "gen/", tokenizer=hf_tokenizer)   # then: dynvm serve gen/
 
-    gen/generator.json   format, layers, max_batch, max_length, eos_token_ids, pad_token_id
-    gen/prefill.dvm      the prefill program (dynvm.save)
-    gen/decode.dvm       the decode program
-    gen/decode_kv.dvm    optional: the decode step over the KV cache as state
+    gen/generator.json   format, layers, max_batch, max_length, eos_token_ids, pad_token_id,
+                         chunk
+    gen/step.dvm         the step over the KV cache as state, prompt chunks and decode
+                         (Note [One step program for prompt and decode] in
+                         dynvm._generation_kv): one copy of the weights
+    gen/prefill.dvm      optional (a generator exported with `pure`): the prefill program
+    gen/decode.dvm       optional, with prefill.dvm: the decode program over plain caches
     gen/tokenizer.json   optional: a Hugging Face `tokenizers` file (text in and out)
 
-Each program is a .dvm file of its own, so each holds the weights: on disk and once
-loaded the weights are there twice (in memory, `compile_generator`'s two programs share
-one copy). One program with two entry points is issue 32's; this format then changes
-its `format` number.
+Each program is a .dvm file of its own, so each holds the weights: a generator saved
+with its step alone (compile_generator's default) has them once on disk and in memory.
+Format 1 (prefill, decode and a T = 1 decode_kv) is refused: export it again.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dynvm._generation_export import GeneratorPrograms
 from dynvm.vm import dvm_file
 from dynvm.vm.errors import ConfigError
 
-FORMAT = 1
+FORMAT = 2
 MANIFEST = "generator.json"
 TOKENIZER = "tokenizer.json"
 _FIELDS = ("layers", "max_batch", "max_length", "eos_token_ids", "pad_token_id")
@@ -39,7 +41,7 @@ class GeneratorBundle:
     tokenizer (a `tokenizers.Tokenizer`)."""
 
     programs: GeneratorPrograms
-    """The prefill and decode programs and the loop's facts (eos, pad, limits)."""
+    """The programs and the loop's facts (eos, pad, limits)."""
     tokenizer: object | None
     """The model's `tokenizers.Tokenizer`, or None: token ids only."""
     name: str
@@ -61,10 +63,9 @@ def save_generator(generator, path: str | os.PathLike, tokenizer=None) -> Path:
                           f"{type(generator).__name__}")
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    dvm_file.save(programs.prefill, directory / "prefill.dvm")
-    dvm_file.save(programs.decode, directory / "decode.dvm")
-    if getattr(programs, "decode_kv", None) is not None:
-        dvm_file.save(programs.decode_kv, directory / "decode_kv.dvm")
+    for name in ("step", "prefill", "decode"):
+        if getattr(programs, name) is not None:
+            dvm_file.save(getattr(programs, name), directory / f"{name}.dvm")
     if tokenizer is not None:
         backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         if not hasattr(backend, "save"):
@@ -73,6 +74,7 @@ def save_generator(generator, path: str | os.PathLike, tokenizer=None) -> Path:
         backend.save(str(directory / TOKENIZER))
     manifest = {"format": FORMAT, **{f: getattr(programs, f) for f in _FIELDS}}
     manifest["eos_token_ids"] = list(programs.eos_token_ids)
+    manifest["chunk"] = programs.chunk
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return directory
 
@@ -96,11 +98,13 @@ def load_generator(path: str | os.PathLike) -> GeneratorBundle:
         eos = tuple(int(t) for t in manifest["eos_token_ids"])
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{directory / MANIFEST}: {exc}") from None
-    state = directory / "decode_kv.dvm"
-    extra = {"decode_kv": dvm_file.load(state)} if state.is_file() else {}
-    programs = GeneratorPrograms(
-        prefill=dvm_file.load(directory / "prefill.dvm"),
-        decode=dvm_file.load(directory / "decode.dvm"), eos_token_ids=eos, **facts, **extra)
+    loaded = {name: dvm_file.load(directory / f"{name}.dvm") if (
+        directory / f"{name}.dvm").is_file() else None for name in ("step", "prefill", "decode")}
+    try:
+        chunk = int(manifest.get("chunk", 0))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{directory / MANIFEST}: chunk: {exc}") from None
+    programs = GeneratorPrograms(eos_token_ids=eos, chunk=chunk, **loaded, **facts)
     tokenizer = None
     if (directory / TOKENIZER).is_file():
         from tokenizers import Tokenizer

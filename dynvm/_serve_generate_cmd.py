@@ -30,7 +30,7 @@ def add_generate_arguments(parser) -> None:
                        "120); past it the request ends in an error (504 / an error event)")
     group.add_argument("--step-token-budget", type=int, metavar="N",
                        help="tokens per scheduler step: one per running sequence plus the "
-                       "prompts prefilled in it (default 512)")
+                       "prompt chunks written in it (default 64)")
     group.add_argument("--cache-tokens", type=int, metavar="N",
                        help="cache tokens reserved at once, prompt + max_tokens per "
                        "sequence (default: rows x max_length); a request that does not fit "

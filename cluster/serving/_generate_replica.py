@@ -99,20 +99,20 @@ class GeneratorServer:
         self.created = int(time.time())
 
     def _fleet_links(self, directory: Path, fleet) -> list:
-        """A FleetLink per Runtime the scheduler calls (prefill, and the decode step it
-        uses), each with its .dvm file's bytes; none without a fleet or a JIT."""
+        """A FleetLink per Runtime the scheduler calls (the step over the KV state, or
+        prefill and decode), each with its .dvm file's bytes; none without a fleet or a
+        JIT."""
         if fleet is None:
             return []
         from dynvm.cluster.fleet._link import FleetLink
         from dynvm.cluster.fleet.compile_service import RayServiceClient
 
         generator = self.generator
-        decode = (("decode_kv.dvm", generator.decode_kv) if generator.decode_kv is not None
-                  else ("decode.dvm", generator.decode))
+        runtimes = (("step.dvm", generator.step),) if generator.step is not None else (
+            ("prefill.dvm", generator.prefill), ("decode.dvm", generator.decode))
         client = RayServiceClient.for_fleet(fleet)
         return [FleetLink(runtime, (directory / name).read_bytes(), fleet, client).start()
-                for name, runtime in (("prefill.dvm", generator.prefill), decode)
-                if runtime.jit is not None]
+                for name, runtime in runtimes if runtime.jit is not None]
 
     def close(self) -> None:
         """Stop the scheduler (sequences still running end in an error), the fleet links

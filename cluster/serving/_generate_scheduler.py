@@ -20,8 +20,10 @@ by one column. So a join concatenates (left-padding the shorter side)
 and a leave gathers the kept rows (cutting the leading columns no kept row uses): both
 copy the whole cache. The scheduler counts those copies (`copies`, `copy_bytes`): they
 are the cost a cache with per-sequence slots removes: when the generator decodes over
-the KV cache as state (its programs have `decode_kv`), the scheduler uses slots instead
-and copies nothing (Note [Slots instead of copies] in dynvm.cluster.serving._generate_slots).
+the KV cache as state (its programs have the `step`), the scheduler uses slots instead
+and copies nothing (Note [Slots instead of copies] in dynvm.cluster.serving._generate_slots),
+and writes each arrival's prompt in chunks between the running rows' decode steps under
+the step's token budget (Note [Prompt chunks between decode steps], the same file).
 Tokens equal `Generator.generate`'s for the same prompt and seed: each sequence
 samples from its own seeded torch.Generator, one draw per token, as a generation of
 batch 1 does.
@@ -69,9 +71,14 @@ class SchedulerConfig:
     cache_tokens: int = 0
     """Cache tokens reserved at once (prompt + max_tokens per sequence); 0: max_sequences
     x max_length."""
-    step_token_budget: int = 512
-    """Tokens per step: the running rows' one each plus the prompts prefilled in it (a
-    prompt longer than the rest still runs alone in a step of its own)."""
+    step_token_budget: int = 64
+    """Tokens per step: the running rows' one each plus the prompts prefilled in it.
+    Over plain caches a prompt longer than the rest still runs alone in a step of its
+    own; over the KV state prompts are written in chunks that fit (Note [Prompt chunks
+    between decode steps] in dynvm.cluster.serving._generate_slots)."""
+    min_prompt_tokens: int = 8
+    """Over the KV state: prompt tokens a step writes at least (when a prompt waits),
+    however many rows decode: prompts always progress."""
     prefill_length_multiple: int = 8
     """Prompts prefilled together are left-padded to a multiple of this (1: not at all)."""
     max_prompt_tokens: int = 0
@@ -84,14 +91,16 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_sequences", "max_waiting", "cache_tokens", "step_token_budget",
-                     "prefill_length_multiple", "max_prompt_tokens", "max_tokens"):
+                     "prefill_length_multiple", "max_prompt_tokens", "max_tokens",
+                     "min_prompt_tokens"):
             value = getattr(self, name)
             if type(value) is not int or value < 0:
                 raise ConfigError(f"SchedulerConfig.{name}: expected an integer >= 0, got "
                                   f"{value!r}")
-        if self.prefill_length_multiple < 1 or self.step_token_budget < 1:
-            raise ConfigError("SchedulerConfig: prefill_length_multiple and "
-                              "step_token_budget must be >= 1")
+        if self.prefill_length_multiple < 1 or self.step_token_budget < 1 or \
+                self.min_prompt_tokens < 1:
+            raise ConfigError("SchedulerConfig: prefill_length_multiple, "
+                              "step_token_budget and min_prompt_tokens must be >= 1")
         if not self.request_seconds > 0:
             raise ConfigError(f"SchedulerConfig.request_seconds: expected > 0, got "
                               f"{self.request_seconds!r}")
@@ -208,7 +217,8 @@ class GenerateScheduler:
         self.vocab_size = self._probe_vocab(generator)
         self._eos = frozenset(programs.eos_token_ids)
         self._pad = programs.pad_token_id
-        self._ahead = LengthBucketsAhead(generator.decode)
+        self._ahead = (LengthBucketsAhead(generator.decode)
+                       if getattr(generator, "decode", None) is not None else None)
         # Note [Slots instead of copies]: the generator's KV state, when it has one.
         self._slots = (SlotCache(generator) if getattr(generator, "state", None) is not None
                        else None)
@@ -216,6 +226,7 @@ class GenerateScheduler:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._joining: list[Sequence] = []   # taken from waiting, in this step's prefill
+        self._prompting: list[Sequence] = []   # in a slot, prompt not all written yet
         self._batch: _BatchCache | None = None
         self._reserved = 0
         self._ids = itertools.count(1)
@@ -234,6 +245,9 @@ class GenerateScheduler:
         """The vocabulary size, from one prefill of one token (an id past it would fail
         the whole prefill batch it is in, so requests are checked against it)."""
         one = torch.ones((1, 1), dtype=torch.long, device=generator.device)
+        if getattr(generator, "step", None) is not None:   # slot 0, zeroed after
+            state, zero = generator.state, one[0] - 1
+            return int(generator.step(one, zero, zero, state.keys, state.values).shape[-1])
         logits, _, _ = generator.prefill(one, one, one - 1)
         return int(logits.shape[-1])
 
@@ -287,6 +301,7 @@ class GenerateScheduler:
         with self._cond:
             batch, slots = self._batch, self._slots
             state = {"running": len(self._running), "waiting": len(self._waiting),
+                     "prompting": len(self._prompting),
                      "held": len(self.held), "reserved_tokens": self._reserved,
                      "cache_tokens": self.cache_tokens, "cache": "plain",
                      "cache_rows": 0 if batch is None else int(batch.mask.shape[0]),
@@ -301,7 +316,8 @@ class GenerateScheduler:
         """Wait until no sequence runs or waits (True), or `timeout` seconds (False)."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: not self._running and not self._waiting and not self._joining,
+                lambda: not self._running and not self._waiting and not self._joining
+                and not self._prompting,
                 timeout)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -316,7 +332,8 @@ class GenerateScheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._waiting and not self._running:
+                while not self._closed and not self._waiting and not self._running and \
+                        not self._prompting:
                     self._cond.wait()
                 if self._closed:
                     break
@@ -324,7 +341,7 @@ class GenerateScheduler:
             try:
                 self._step(joining)
             except Exception as exc:  # a failed call: its sequences get the error
-                for seq in joining + self._running:
+                for seq in joining + self._running + self._prompting:
                     if seq.finish_reason is None:
                         self._end(seq, "error", exc)
                 self._clear()
@@ -333,7 +350,7 @@ class GenerateScheduler:
                 self._cond.notify_all()
             self._publish()
         failure = GenerateBusy("the replica shut down before the sequence finished")
-        for seq in list(self._waiting) + self._running:
+        for seq in list(self._waiting) + self._running + self._prompting:
             self._end(seq, "error", failure)
         self._waiting.clear()
         self._clear()
@@ -341,9 +358,9 @@ class GenerateScheduler:
     def _clear(self) -> None:
         """No running rows any more (their slots given back)."""
         if self._slots is not None:
-            for seq in self._running + self._joining:
+            for seq in self._running + self._joining + self._prompting:
                 self._slots.release(seq)
-        self._running, self._batch = [], None
+        self._running, self._prompting, self._batch = [], [], None
 
     def _arrivals(self) -> list[Sequence]:
         """Waiting sequences that start in this step (called with the lock held)."""
@@ -358,12 +375,14 @@ class GenerateScheduler:
         joining: list[Sequence] = []
         while self._waiting:
             seq = self._waiting[0]
-            if len(self._running) + len(joining) >= self.max_sequences:
+            if len(self._running) + len(self._prompting) + len(joining) >= \
+                    self.max_sequences:
                 break
             if self._reserved + seq.reserved > self.cache_tokens:
                 break
+            # Over the KV state prompts are written in chunks: no width to fit here.
             width = self._prefill_width(joining + [seq]) * (len(joining) + 1)
-            if joining and width > budget:
+            if joining and width > budget and self._slots is None:
                 break
             self._waiting.popleft()
             self._reserved += seq.reserved
@@ -382,6 +401,9 @@ class GenerateScheduler:
         return min(-(-longest // multiple) * multiple, self.max_length - 1)
 
     def _step(self, joining: list[Sequence]) -> None:
+        if self._slots is not None:
+            self._step_slots(joining)
+            return
         self._drop_finished()
         if joining:
             self._prefill(joining)
@@ -389,13 +411,43 @@ class GenerateScheduler:
             self._decode()
         self._drop_finished()
 
+    def _step_slots(self, joining: list[Sequence]) -> None:
+        """Note [Prompt chunks between decode steps]: the running rows' decode call, then
+        one call writing the next chunk of the waiting prompts within the budget left."""
+        self._drop_finished()
+        for seq in joining:
+            self._slots.take(seq)
+        self._prompting = self._prompting + joining
+        budget = max(self.config.step_token_budget - len(self._running),
+                     self.config.min_prompt_tokens)
+        if self._running:
+            self._choose(self._running, self._counted_slots())
+        if self._prompting:
+            done, logits = self._slots.prompt(self._prompting, budget)
+            self.counters["prefill_calls"] += 1
+            if done:
+                ids = {seq.id for seq in done}
+                self._prompting = [s for s in self._prompting if s.id not in ids]
+                self._choose(done, logits)
+                for seq in done:   # ended at its first token: its slot is free again
+                    if seq.finish_reason is not None:
+                        self._slots.release(seq)
+                self._running = self._slots.order(
+                    self._running + [s for s in done if s.finish_reason is None])
+        self._drop_finished()
+
     def _drop_finished(self) -> None:
         now = time.monotonic()
-        for seq in self._running:
+        for seq in self._running + self._prompting:
             if seq.finish_reason is None and seq.cancelled:
                 self._end(seq, "cancelled")
             elif seq.finish_reason is None and now > seq.deadline:
                 self._end(seq, "error", self._timeout(seq))
+        if self._slots is not None and self._prompting:
+            for seq in self._prompting:
+                if seq.finish_reason is not None:
+                    self._slots.release(seq)
+            self._prompting = [s for s in self._prompting if s.finish_reason is None]
         rows = [i for i, seq in enumerate(self._running) if seq.finish_reason is None]
         if len(rows) == len(self._running):
             return
@@ -435,14 +487,6 @@ class GenerateScheduler:
         rows = [i for i, seq in enumerate(joining) if seq.finish_reason is None]
         if not rows:
             return
-        if self._slots is not None:  # Note [Slots instead of copies]
-            index = torch.tensor(rows, dtype=torch.long, device=mask.device)
-            self._slots.admit([joining[i] for i in rows],
-                              [k.index_select(0, index) for k in keys],
-                              [v.index_select(0, index) for v in values],
-                              mask.index_select(0, index))
-            self._running = self._slots.order(self._running + [joining[i] for i in rows])
-            return
         if len(rows) < len(joining):
             index = torch.tensor(rows, dtype=torch.long, device=mask.device)
             keys = [k.index_select(0, index) for k in keys]
@@ -465,9 +509,6 @@ class GenerateScheduler:
         return outputs
 
     def _decode(self) -> None:
-        if self._slots is not None:
-            self._choose(self._running, self._counted_slots())
-            return
         batch = self._batch
         if batch.length > self.max_length - 1:  # left padding only: cut it
             self._copying(lambda b: b.keep(list(range(len(self._running)))))
@@ -478,11 +519,12 @@ class GenerateScheduler:
             self.generator.decode, tokens, batch.mask, position, batch.keys, batch.values)
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(batch.mask.shape[0], 1)],
                                dim=1)
-        self._ahead.after_step(batch.length - 1, batch.mask.shape[0])
+        if self._ahead is not None:
+            self._ahead.after_step(batch.length - 1, batch.mask.shape[0])
         self._choose(self._running, logits)
 
     def _counted_slots(self) -> torch.Tensor:
-        runtime = self.generator.decode_kv
+        runtime = self.generator.step
         before = runtime.region_calls()
         logits = self._slots.decode(self._running)
         after = runtime.region_calls()

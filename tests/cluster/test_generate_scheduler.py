@@ -42,8 +42,9 @@ class Collector:
 
 @pytest.fixture(scope="module", params=["plain", "slots"])
 def generator(request):
-    """The decode step over plain caches (joins and leaves copy them) or over the KV
-    state (a slot per sequence, Note [Slots instead of copies])."""
+    """The decode step over plain caches (joins and leaves copy them) or the step over
+    the KV state (a slot per sequence, Note [Slots instead of copies], prompts written
+    in chunks, Note [Prompt chunks between decode steps])."""
     with dynvm.Generator(tiny_programs(), jit=False, compile_ahead=False,
                          kv_state=request.param == "slots") as gen:
         yield gen
@@ -155,5 +156,48 @@ def test_a_sequence_past_its_time_budget_ends_in_an_error(generator):
         assert sink.end[0] == "error" and isinstance(sink.end[1], GenerateTimeout)
         assert scheduler.wait_idle(10) and not scheduler.held
         assert scheduler.counters["timeouts"] == 1
+    finally:
+        scheduler.close()
+
+
+def test_a_long_prompt_is_written_in_chunks_between_decode_steps(generator):
+    """Note [Prompt chunks between decode steps]: with a budget of 8 tokens a step, a
+    40-token prompt arriving while another sequence decodes is written 7 tokens a step
+    (the budget less the running row), and the running sequence gets a token in every
+    one of those steps instead of waiting for the whole prompt; both get
+    `Generator.generate`'s tokens. Over plain caches the prompt is prefilled whole."""
+    scheduler = GenerateScheduler(generator, SchedulerConfig(
+        step_token_budget=8, min_prompt_tokens=4))
+    try:
+        log: list[str] = []
+
+        class Logged(Collector):
+            def __init__(self, name):
+                super().__init__()
+                self.name = name
+
+            def __call__(self, event):
+                log.append(self.name)
+                super().__call__(event)
+
+        running, long = Logged("running"), Logged("long")
+        first = GenerationRequest((5, 6, 7), max_tokens=40, stop_token_ids=())
+        prompt = tuple(int(t) for t in torch.randint(
+            3, 128, (40,), generator=torch.Generator().manual_seed(3)))
+        second = GenerationRequest(prompt, max_tokens=4, stop_token_ids=())
+        scheduler.submit(first, running)
+        assert running.first.wait(10)
+        scheduler.submit(second, long)
+        assert running.ended.wait(30) and long.ended.wait(30)
+        assert scheduler.wait_idle(10) and not scheduler.held
+        assert running.tokens == reference(first.prompt, 40, None, ())
+        assert long.tokens == reference(prompt, 4, None, ())
+        before_first = log[log.index("running"):log.index("long")].count("running")
+        if scheduler.occupancy()["cache"] == "slots":
+            # ceil(40 / 7) = 6 prompt calls: 5 steps' tokens of the running one before.
+            assert scheduler.counters["prefill_calls"] == 1 + 6
+            assert before_first >= 6, log
+        else:
+            assert scheduler.counters["prefill_calls"] == 2
     finally:
         scheduler.close()

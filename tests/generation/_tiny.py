@@ -46,15 +46,16 @@ MAX_BATCH, MAX_LENGTH = 8, 64
 
 @functools.cache
 def tiny_generator(kind: str):
-    """(model, its generator's programs) for `kind`, the decode step over the KV cache as
-    state included, exported once per session: the export is most of a generation test's
-    time, and tests/generation and the serving tests (tests/cluster/_generate_helpers.py)
-    take the same one. The programs hold this model's own weight tensors."""
+    """(model, its generator's programs) for `kind`: the step over the KV cache as state
+    and the pure prefill and decode programs (`pure`, for kv_state=False), exported once
+    per session: the export is most of a generation test's time, and tests/generation
+    and the serving tests (tests/cluster/_generate_helpers.py) take the same one. The
+    programs hold this model's own weight tensors."""
     import dynvm
 
     model = tiny_causal_lm(kind)
     programs = dynvm.compile_generator(model, max_batch=MAX_BATCH, max_length=MAX_LENGTH,
-                                       jit=False, kv_state=True).programs
+                                       jit=False, kv_state=True, pure=True).programs
     return model, programs
 
 

@@ -1,9 +1,9 @@
 """dynvm.compile_generator over tiny Hugging Face causal LMs: greedy tokens equal to
 Hugging Face's `generate` (interpreter and JIT, batches of different prompt lengths, the
-pure decode step and the one over the KV cache as state), seeded sampling, stop tokens,
-streaming, and one resident copy of the weights. Generators run the state's decode step
-where the programs have it (the default), so every test but the greedy one's "pure"
-case and compile-ahead's runs it."""
+pure decode step and the one step program over the KV cache as state, prompts written
+in chunks smaller than them), seeded sampling, stop tokens, streaming, and one resident
+copy of the weights. Generators run the state's step where the programs have it (the
+default), so every test but the greedy one's "pure" case and compile-ahead's runs it."""
 
 from __future__ import annotations
 
@@ -26,13 +26,18 @@ def built(request):
     return request.param, model, programs
 
 
-@pytest.mark.parametrize("kv_state", [False, True], ids=["pure", "state"])
+@pytest.mark.parametrize("kv_state, chunk", [(False, None), (True, None), (True, 4)],
+                         ids=["pure", "state", "state-chunk4"])
 @pytest.mark.parametrize("jit", [False, True], ids=["interpreter", "jit"])
-def test_greedy_matches_hf_generate(built, jit, kv_state):
+def test_greedy_matches_hf_generate(built, jit, kv_state, chunk):
+    """Prompts of 6 and of 7, 3 and 5 tokens: written whole, in calls of the lengths the
+    rows share (3, 2, 2), or in chunks of at most 4 (6 = 4 + 2; 3, 1 + 1, 2), each
+    boundary mid-prompt."""
     kind, model, programs = built
     config = eager_config(families=True) if jit else False
-    with dynvm.Generator(programs, jit=config, kv_state=kv_state) as generator:
+    with dynvm.Generator(programs, jit=config, kv_state=kv_state, chunk=chunk) as generator:
         assert (generator.state is not None) == kv_state
+        assert (generator.prefill is None) == kv_state
         for lengths in ((6,), LENGTHS):
             ids, mask = left_padded(lengths, seed=len(lengths))
             expected = hf_greedy(model, ids, mask, NEW, eos_token_id=None)
@@ -43,6 +48,8 @@ def test_greedy_matches_hf_generate(built, jit, kv_state):
                 f"HF {expected[:, ids.shape[1]:].tolist()}")
         stats = generator.stats()
         assert stats.decode_steps == 2 * (NEW - 1)
+        if kv_state:   # (6,): 1 call or 4 + 2; (7, 3, 5): 3 calls, or 3 then 1 + 1 of 4
+            assert stats.prompt_calls == (1 + 3 if chunk is None else 2 + 3)
         if jit:
             assert stats.specialized_steps > 0, stats
 
@@ -96,19 +103,30 @@ def test_sampling_reproducible_with_a_seed(built):
 
 
 def test_weights_resident_once(built):
-    """Both programs hold the model's own weight storages: no second copy."""
+    """Every program holds the model's own weight storages: no second copy; the step
+    over the state holds them all by itself, and a generator running it has one Runtime
+    and plans one copy of the weights plus its KV state (Generator.memory)."""
     _, model, programs = built
     def storages(program):
         return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in program.constants}
-    prefill, decode = storages(programs.prefill), storages(programs.decode)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    both = {**prefill, **decode, **storages(programs.decode_kv)}
-    shared = {ptr for ptr in both if ptr in params}
-    assert sum(both[ptr] for ptr in shared) >= 0.99 * weight_bytes
-    # Whatever is not a parameter is small (rotary tables, masks' constants).
-    assert sum(n for ptr, n in both.items() if ptr not in params) < 0.05 * weight_bytes
+    weight_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters()
+                       if p.data_ptr() == p.untyped_storage().data_ptr())
+    step = storages(programs.step)
+    every = {**storages(programs.prefill), **storages(programs.decode), **step}
+    for held in (every, step):
+        shared = {ptr for ptr in held if ptr in params}
+        assert sum(held[ptr] for ptr in shared) >= 0.99 * weight_bytes
+        # Whatever is not a parameter is small (rotary tables, masks' constants).
+        assert sum(n for ptr, n in held.items() if ptr not in params) < 0.05 * weight_bytes
+    with dynvm.Generator(programs, jit=False) as generator:
+        assert generator.prefill is None and generator.decode is None
+        memory = generator.memory()
+        assert weight_bytes <= memory["weights"] < 1.05 * weight_bytes
+        assert memory["cache"] == generator.state.nbytes == sum(
+            t.numel() * t.element_size() for t in generator.state.tensors)
+        assert memory["total"] == memory["weights"] + memory["cache"]
 
 
 def test_tied_weights_stored_once(built):
@@ -118,7 +136,7 @@ def test_tied_weights_stored_once(built):
     if kind != "gpt2":
         pytest.skip("only GPT-2 of the tiny models ties its embedding and LM head")
     table = model.get_input_embeddings().weight
-    for program in (programs.prefill, programs.decode, programs.decode_kv):
+    for program in (programs.prefill, programs.decode, programs.step):
         (name, first), = tied_constants(program)
         constants = dict(zip(program.constant_names, program.constants))
         assert constants[first].data_ptr() == table.data_ptr(), program.name
@@ -168,9 +186,10 @@ def test_length_buckets_compiled_ahead(built):
 
 
 def test_state_step_promoted_after_its_first_call(built):
-    """The KV-state decode step has no growing dim: compile-ahead promotes its exact
-    signature after the first step (StepAhead), so with a recurrence threshold no step
-    reaches, the first generation runs every step but the first specialized."""
+    """The KV-state step at T = 1 has no growing dim: compile-ahead promotes its exact
+    signature after the first decode step (StepAhead), so with a recurrence threshold no
+    step reaches, the first generation runs every decode step but the first
+    specialized."""
     kind, _, programs = built
     if kind != "llama":
         pytest.skip("the rule does not depend on the architecture: checked on llama")
@@ -191,8 +210,9 @@ def test_state_step_promoted_after_its_first_call(built):
 
 def test_regions_writing_the_cache_have_no_probation(built):
     """Note [Probation]: a shadow sample runs its region again later, on the compile
-    worker, so a region with KV_APPEND (writes_state) is never on probation; the others
-    of the same generator are, and the tokens stay the interpreter's."""
+    worker, so a region with KV_APPEND (writes_state) is never on probation (the step
+    over the state is one such region); the pure prefill's regions, under the same
+    config, are; the tokens stay the interpreter's."""
     kind, _, programs = built
     if kind != "llama":
         pytest.skip("the rule does not depend on the architecture: checked on llama")
@@ -200,13 +220,39 @@ def test_regions_writing_the_cache_have_no_probation(built):
     ids, mask = left_padded(LENGTHS, seed=4)
     with dynvm.Generator(programs, jit=config) as generator:
         tokens = generator.generate(ids, mask, max_new_tokens=NEW, stop_tokens=())
-        regions = generator.decode_kv.jit.regions.values()
+        regions = generator.step.jit.regions.values()
         stateful = [rj for rj in regions if rj._writes_state]
-        assert stateful, "the decode step has no region that writes the cache"
+        assert stateful, "the step has no region that writes the cache"
         installed = [spec for rj in stateful for spec in rj._all()]
         assert installed and all(spec.probation is None for spec in installed)
-        others = [spec for rj in generator.prefill.jit.regions.values() for spec in rj._all()]
+    with dynvm.Generator(programs, jit=config, kv_state=False) as pure:
+        pure.generate(ids, mask, max_new_tokens=2, stop_tokens=())
+        others = [spec for rj in pure.prefill.jit.regions.values() for spec in rj._all()]
         assert any(spec.probation is not None or spec.ratio is not None for spec in others)
     with dynvm.Generator(programs, jit=False) as interpreter:
         assert torch.equal(tokens, interpreter.generate(ids, mask, max_new_tokens=NEW,
+                                                        stop_tokens=()))
+
+
+def test_prompt_chunks_run_in_families_and_decode_exact(built):
+    """The step's T is one more dim to the JIT: whole chunks recur at T = chunk (exact),
+    the prompts' last chunks of other lengths fall in a family kernel over T, and the
+    decode shape T = 1 is exact; after a few prompts of different lengths, every call
+    of a new prompt runs specialized. Tokens stay the interpreter's."""
+    kind, _, programs = built
+    if kind != "llama":
+        pytest.skip("the rule does not depend on the architecture: checked on llama")
+    lengths = (40, 37, 21, 45, 33, 29, 43)
+    with dynvm.Generator(programs, jit=eager_config(families=True), chunk=16) as generator:
+        for seed, length in enumerate(lengths):
+            ids, mask = left_padded((length,), seed=seed)
+            before = generator.step.region_calls()
+            tokens = generator.generate(ids, mask, max_new_tokens=3, stop_tokens=())
+            after = generator.step.region_calls()
+        assert after[1] == before[1], "the last prompt's calls were not all specialized"
+        stats = generator.step.stats()
+        assert stats["family_compiles"] >= 1 and stats["compiles"] >= 3, stats
+        assert generator.stats().prompt_calls == sum(-(-n // 16) for n in lengths)
+    with dynvm.Generator(programs, jit=False) as interpreter:
+        assert torch.equal(tokens, interpreter.generate(ids, mask, max_new_tokens=3,
                                                         stop_tokens=()))
