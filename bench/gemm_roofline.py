@@ -180,7 +180,7 @@ def kernel_call(program, x: torch.Tensor):
     """A zero-argument call of region 0's CPU kernel for `x` (oneDNN rewrites measured,
     no arena), without the Runtime around it: the profile then holds only the kernel's
     ops, not the interpreter calls the JIT makes while it checks a specialization."""
-    from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
+    from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
     from dynvm.jit.specialize import specialize
 
     region = program.regions[0]

@@ -1,5 +1,5 @@
 """`python -m bench.precision_accuracy`: how far the JIT's bf16 and int8 kernels
-(`JitConfig.precision`, Note [Lower-precision GEMMs] in dynvm.jit.backends.cpu_precision)
+(`JitConfig.precision`, Note [Lower-precision GEMMs] in dynvm.jit.backends.cpu.precision)
 land from fp32, per model: BERT at bert-base width (bench.full_width's 16 shapes) and
 the tiny zoo (tests/zoo, every entry's export point and held-out points).
 

@@ -19,7 +19,7 @@ import torch
 import dynvm
 from bench._timing import median
 from dynvm.jit.config import JitConfig
-from dynvm.jit.signature import strong_signer
+from dynvm.jit.guards import strong_signer
 from dynvm.models import transformer
 
 

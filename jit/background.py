@@ -6,8 +6,8 @@ Note [Background work yields to calls]
 The compile thread shares two cores and one GIL with the calls it serves. Its work is
 Python (specializing, emitting), torch ops that release the GIL but take the cores, and
 oneDNN calls that hold the GIL for their whole length (Note [oneDNN holds the GIL] in
-cpu_fusion): a calibration question timed beside a call slows that call by its cores,
-and by a convoy on the GIL, where every op of the call that released the GIL waits to
+cpu/fusion.py): a calibration question timed beside a call slows that call by its cores, and by
+a convoy on the GIL, where every op of the call that released the GIL waits to
 take it back (up to the switch interval, 5 ms, behind Python on the compile thread, or
 a whole oneDNN call). On BERT-base width (2 cores, bench.full_width's warm-up) that
 cost calls at some shapes 1.3-4x the interpreter's p90 while kernels compiled.

@@ -92,22 +92,22 @@ class JitConfig:
     arena_ops: str = "measured"
     """Which results go to the arena: "measured" (an op's out= form only where it
     measures faster on this device, Note [Arena by measurement] in
-    dynvm.jit.backends.cpu_arena_choice) or "all" (wherever an out= form applies)."""
+    dynvm.jit.backends.cpu.arena_choice) or "all" (wherever an out= form applies)."""
 
     cpu_fusion: str = "measured"
     """CPU backend: GEMM and convolution chains with their epilogues as one oneDNN call
-    (Note [CPU fusion] in dynvm.jit.backends.cpu_fusion): "measured" where that measures
+    (Note [CPU fusion] in dynvm.jit.backends.cpu.fusion): "measured" where that measures
     faster on this device, "always" wherever it applies (debugging), "off" never."""
 
     cpu_channels_last: str = "measured"
     """CPU backend: chains of convolutions run channels-last, converted once into the
     chain and back where a value leaves it (Note [Channels-last chains] in
-    dynvm.jit.backends.cpu_layout): "measured" where the region measures faster so on
+    dynvm.jit.backends.cpu.channels_last): "measured" where the region measures faster so on
     this device, "always" wherever a chain has a convolution (debugging), "off" never."""
 
     precision: str = "fp32"
     """CPU backend: the precision of GEMMs with a constant weight (linear, addmm, mm,
-    matmul; Note [Lower-precision GEMMs] in dynvm.jit.backends.cpu_precision): "fp32";
+    matmul; Note [Lower-precision GEMMs] in dynvm.jit.backends.cpu.precision): "fp32";
     "bf16" (weights packed in bf16 once, activations cast at the GEMM's boundary, the
     result back to fp32 where a reader needs it; needs AVX512-BF16 or AMX); or
     "int8-dynamic" (weights int8 per channel, activations quantized per call, fp32 out).

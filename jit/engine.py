@@ -45,17 +45,17 @@ from opentelemetry import context as otel_context
 
 from dynvm.arena import ArenaPool
 from dynvm.jit.artifact import Artifact, cache_key
-from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
+from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
 from dynvm.jit.background import checkpoint, waited_here
 from dynvm.jit.config import JitConfig
 from dynvm.jit.engine_stats import jit_stats
 from dynvm.jit.engine_tracing import JitTracing
+from dynvm.jit.guards import GuardStrength, describe
 from dynvm.jit.portable import PortableError, PortableSpecialization
 from dynvm.jit.prewarm import prewarm, warm_registers
 from dynvm.jit.probation import CONFIRMED, DEMOTE, ProbationCounters
 from dynvm.jit.queue import CompileQueue, CompileTimeout
 from dynvm.jit.region_jit import RegionJit, Specialization
-from dynvm.jit.signature import GuardStrength, describe
 from dynvm.jit.specialize import InputRejected, failure_reason, specialize
 from dynvm.shape_cluster import Family
 from dynvm.shape_cluster.signature import is_tensor_entry
@@ -409,7 +409,7 @@ class Jit(JitTracing):
     def _build_triton(self, ir, family_key: str, key: str):
         """The Triton build of `ir`, or (a str) why the CPU backend compiles it instead."""
         from dynvm.jit.backends.triton import TritonBackendError
-        from dynvm.jit.backends.triton.specialization import build_specialization
+        from dynvm.jit.backends.triton.compiled_region import build_specialization
 
         try:
             built = build_specialization(ir, self._constants, self.interpreter.device,

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
+from dynvm.jit.guards import describe
 from dynvm.jit.queue import CompileTimeout
-from dynvm.jit.signature import describe
-from dynvm.jit.specialization import Specialization
+from dynvm.jit.region_slot import Specialization
 from dynvm.jit.specialize import InputRejected, failure_reason
 from dynvm.shape_cluster import Family
 

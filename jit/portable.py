@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dynvm.jit.guards import GuardStrength
 from dynvm.jit.ir import ConstRef, SpecializedRegion, SpecOp, Var
 from dynvm.jit.ir_codec import IrCodecError, decode_value, encode_value
-from dynvm.jit.signature import GuardStrength
 from dynvm.shape_cluster import Family
 from dynvm.shape_cluster.signature import is_tensor_entry
 from dynvm.vm import torch_literals

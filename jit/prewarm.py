@@ -4,7 +4,7 @@ Note [Prewarmed installs]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 A kernel's first call at a shape pays what later calls do not: oneDNN builds (and
 caches, process-wide) a primitive for each fused GEMM or convolution at a row count it
-has not run (Note [oneDNN at a new row count] in cpu_row_gate: 0.4-1.4 ms each at
+has not run (Note [oneDNN at a new row count] in jit/backends/cpu/row_gate.py: 0.4-1.4 ms each at
 small sizes, more at BERT-base width's FFN) and the arena pool allocates the kernel's
 first buffer (later leases reuse it). Installed as it is,
 that first call is a request's. So before an exact specialization (strong guard: every

@@ -39,11 +39,7 @@ from collections import deque
 import torch
 
 from dynvm.jit.background import checkpoint
-from dynvm.jit.policy import Decision, benefit_seconds, decide, horizon, recurrence_threshold
-from dynvm.jit.probation import CONFIRMED, DEMOTE, DROP, EARLY_SAMPLES, Probation
-from dynvm.jit.profiler import RegionProfile
-from dynvm.jit.region_watch import COLD_CHECK_EVERY, RegionWatch
-from dynvm.jit.signature import (
+from dynvm.jit.guards import (
     GuardStrength,
     first_failure,
     layout_signer,
@@ -51,7 +47,11 @@ from dynvm.jit.signature import (
     weak_of,
     weak_signer,
 )
-from dynvm.jit.specialization import RegionCounters, Specialization
+from dynvm.jit.policy import Decision, benefit_seconds, decide, horizon, recurrence_threshold
+from dynvm.jit.probation import CONFIRMED, DEMOTE, DROP, EARLY_SAMPLES, Probation
+from dynvm.jit.profiler import RegionProfile
+from dynvm.jit.region_slot import RegionCounters, Specialization
+from dynvm.jit.region_watch import COLD_CHECK_EVERY, RegionWatch
 from dynvm.shape_cluster import FamilyIndex
 
 TIER_CHECK_EVERY = 32

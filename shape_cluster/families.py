@@ -2,7 +2,7 @@
 
 Note [Code families]
 ~~~~~~~~~~~~~~~~~~~~
-Signatures (see Note [Guard strength] in dynvm.jit.signature) that agree on everything
+Signatures (see Note [Guard strength] in dynvm.jit.guards) that agree on everything
 but a few dims form one *structure*: per tensor live-in the rank, dtype, device and
 layout class, per scalar live-in its type and value. Within a structure, a dim *varies*
 when two observed signatures differ in it. A family is a structure plus, per dim, bounds:

@@ -2,14 +2,14 @@
 
 Note [Signature format]
 ~~~~~~~~~~~~~~~~~~~~~~~
-A region's strong signature (Note [Guard strength] in dynvm.jit.signature builds it) is
+A region's strong signature (Note [Guard strength] in dynvm.jit.guards builds it) is
 a tuple with one entry per live-in register, in live-in order:
 
 - a tensor: (Shape, dtype, strides, storage offset, device), the Shape interned (Note
   [Interned shapes] in dynvm.vm.shapes), so a signature hashes and compares in C;
 - anything else (an int, a float, a dtype ...): (type, value).
 
-The JIT builds signatures (dynvm.jit.signature), the families read them (dynvm.
+The JIT builds signatures (dynvm.jit.guards), the families read them (dynvm.
 shape_cluster.families), the engine turns them into meta tensors. Each tells a tensor
 entry from a scalar one with `is_tensor_entry` and takes dims with `entry_dims`, here,
 rather than by its own test (the length of the entry in one place, the type of its first

@@ -249,8 +249,8 @@ def test_on_a_gpu_the_replica_launches_the_stored_binaries(model, tmp_path, secr
 def test_a_record_is_retargeted_to_the_replicas_device():
     """The service specializes on its CPU; a GPU replica guards on its own device, with
     every shape, dtype, stride and bound unchanged (portable.retarget)."""
+    from dynvm.jit.guards import GuardStrength, strong_signer
     from dynvm.jit.portable import PortableSpecialization, retarget
-    from dynvm.jit.signature import GuardStrength, strong_signer
     from dynvm.shape_cluster import family_for
 
     regs = [torch.empty(4, 8), torch.empty(8, 3).t(), 5]

@@ -110,7 +110,7 @@ INTERNAL = {
         "fields come from fleet_records.specialization_fields, the shape open_sealed checks",
     ("cluster/store/_base.py", "check_value", "TypeError"):
         "stores are written with seal()'s bytes only",
-    ("jit/backends/cpu.py", "_value", "TypeError"):
+    ("jit/backends/cpu/codegen.py", "_value", "TypeError"):
         "specialized IR holds only the operand kinds handled (the specializer makes it)",
     ("jit/specialize.py", "_Rewriter.operand", "TypeError"):
         "the verifier admits only the operand kinds handled",

@@ -201,7 +201,7 @@ def test_no_new_import_cycle():
 MAX_LINES = 600
 # Shipped files past MAX_LINES when this check came: each may only shrink (splitting
 # them is issue 29's renovation); every other file stays within MAX_LINES.
-OVERSIZE = {"cluster/protocol/_v2.py": 716, "jit/backends/cpu_fusion.py": 658}
+OVERSIZE = {"cluster/protocol/_v2.py": 716, "jit/backends/cpu/fusion.py": 658}
 
 
 def test_no_file_grows_past_its_bound():

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 import dynvm
-from dynvm.jit.backends.cpu_arena import OUT_KERNELS
-from dynvm.jit.backends.cpu_arena_choice import ALLOCATE, OUT, out_form_pays
+from dynvm.jit.backends.cpu.arena_choice import ALLOCATE, OUT, out_form_pays
+from dynvm.jit.backends.cpu.arena_layout import OUT_KERNELS
 from dynvm.jit.calibration import Calibrator, calibrator_for
 from tests.jit._jit_helpers import compiled, demo, eager_config, torch_threads
 
@@ -74,7 +74,7 @@ def _family_kernel_source(calibrator) -> str:
     from torch.export import Dim
 
     from dynvm.arena import ArenaPool
-    from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
+    from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
     from dynvm.jit.specialize import specialize
 
     program = dynvm.compile(_TwoLinears().eval(), (torch.randn(5, 16),),

@@ -1,11 +1,11 @@
-"""The oneDNN calibration's row cap by work (jit/backends/cpu_calibration_rows):
+"""The oneDNN calibration's row cap by work (jit/backends/cpu/calibration_rows.py):
 each calibration call holds the GIL (Note [oneDNN holds the GIL]), so at full width the
 rows it is measured at shrink with N x K, never below the floor nor above the row cap."""
 
 from __future__ import annotations
 
-from dynvm.jit.backends import cpu_calibration_rows as rows
-from dynvm.jit.backends import cpu_fusion
+from dynvm.jit.backends.cpu import calibration_rows as rows
+from dynvm.jit.backends.cpu import fusion as cpu_fusion
 
 
 def test_rows_shrink_with_the_gemm_width():

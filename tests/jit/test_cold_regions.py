@@ -146,8 +146,8 @@ def test_a_cold_region_still_looks_up_a_specialization_on_probation():
     """A cold period skips the lookups when hits were rare, except while an installed
     specialization awaits its probation verdict (gnn's kernels were never decided, and
     the JIT never settled, once their region went cold that way)."""
+    from dynvm.jit.guards import GuardStrength
     from dynvm.jit.region_jit import Specialization
-    from dynvm.jit.signature import GuardStrength
 
     runtime, region_jit = _fed(1.5, COLD_CHECK_EVERY - 1)
     spec = Specialization(signature=(("signature", 9),), strength=GuardStrength.STRONG,
@@ -218,8 +218,8 @@ def test_the_watch_is_priced_by_what_it_measured():
 def _kept(region_jit, ratio: float, kernel_seconds: float):
     """Install a specialization that probation kept at `ratio` (kernel / interpreter),
     its kernel having taken `kernel_seconds` a call over 100 calls."""
+    from dynvm.jit.guards import GuardStrength
     from dynvm.jit.region_jit import Specialization
-    from dynvm.jit.signature import GuardStrength
 
     spec = Specialization(signature=(("signature", 9),), strength=GuardStrength.STRONG,
                           fn=lambda regs: None, artifact=None)

@@ -15,8 +15,8 @@ from torch import nn
 from torch.export import Dim
 
 import dynvm
-from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
-from dynvm.jit.backends.cpu_fusion import onednn_available
+from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
+from dynvm.jit.backends.cpu.fusion import onednn_available
 from dynvm.jit.calibration import Calibrator
 from dynvm.jit.specialize import specialize
 from tests.jit._kernel_run import run_kernel

@@ -1,5 +1,5 @@
 """The convolution choice asked in the layout the convolution runs in (Note [Conv choice in
-the chain's layout] in jit/backends/cpu_conv.py), and packed weights per planned batch
+the chain's layout] in jit/backends/cpu/conv.py), and packed weights per planned batch
 (Note [Conv weights for one row or many]): under a strong or family guard both
 candidates are timed on channels-last operands, under a weak guard on NCHW ones; both
 candidates compute the same on those operands; and kernels built with either answer
@@ -19,8 +19,8 @@ from torch import nn
 from torch.export import Dim
 
 import dynvm
-from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
-from dynvm.jit.backends.cpu_fusion import CONV_UNARY, CONV_UNARY_NCHW, onednn_available
+from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
+from dynvm.jit.backends.cpu.fusion import CONV_UNARY, CONV_UNARY_NCHW, onednn_available
 from dynvm.jit.specialize import specialize
 from tests.jit import _jit_helpers as h
 from tests.jit._kernel_run import run_kernel

@@ -26,9 +26,9 @@ from torch.export import Dim
 
 import dynvm
 from dynvm.cli import main
-from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
-from dynvm.jit.backends.cpu_fusion import fuse_gemm_epilogues, is_fused, onednn_available
-from dynvm.jit.backends.cpu_prepack import PrepackCache
+from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
+from dynvm.jit.backends.cpu.fusion import fuse_gemm_epilogues, is_fused, onednn_available
+from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.calibration import Calibrator
 from dynvm.jit.specialize import specialize
 from tests.jit._kernel_run import run_kernel_outputs, views
@@ -246,7 +246,7 @@ def test_demo_transformer_forced_onto_onednn_agrees_with_eager_onviews():
 
 _TEAM_SCRIPT = """
 import os, threading, torch
-from dynvm.jit.backends.cpu_fusion import pin_openmp_team
+from dynvm.jit.backends.cpu.fusion import pin_openmp_team
 
 def tids():
     return set(os.listdir("/proc/self/task"))

@@ -16,9 +16,9 @@ from torch.export import Dim
 
 import dynvm
 from dynvm.arena import ArenaPool
-from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
-from dynvm.jit.backends.cpu_fusion import onednn_available
-from dynvm.jit.backends.cpu_layout import MEMBERS
+from dynvm.jit.backends.cpu.channels_last import MEMBERS
+from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
+from dynvm.jit.backends.cpu.fusion import onednn_available
 from dynvm.jit.config import JitConfig
 from dynvm.jit.specialize import specialize
 from dynvm.vm.errors import ConfigError

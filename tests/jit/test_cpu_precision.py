@@ -25,9 +25,9 @@ from torch import nn
 from torch.export import Dim
 
 import dynvm
-from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
-from dynvm.jit.backends.cpu_precision import precision_available
-from dynvm.jit.backends.cpu_prepack import PrepackCache
+from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
+from dynvm.jit.backends.cpu.precision import precision_available
+from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.specialize import specialize
 from dynvm.vm.errors import ConfigError
 from tests.jit._kernel_run import run_kernel_outputs, views

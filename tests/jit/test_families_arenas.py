@@ -26,10 +26,10 @@ from torch.export import Dim
 
 import dynvm
 from dynvm.arena import AllocationCounter
-from dynvm.jit.backends.cpu_arena import ArenaBinding
+from dynvm.jit.backends.cpu.arena_layout import ArenaBinding
 from dynvm.jit.config import JitConfig
+from dynvm.jit.guards import GuardStrength
 from dynvm.jit.region_jit import TIER_CHECK_EVERY
-from dynvm.jit.signature import GuardStrength
 from dynvm.models import transformer
 from tests.vm import _programs
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dynvm
-from dynvm.jit.signature import (
+from dynvm.jit.guards import (
     GuardStrength,
     describe,
     first_failure,

@@ -182,8 +182,8 @@ def test_a_shadow_sample_runs_on_the_compile_worker_not_on_the_call():
     import types
 
     from dynvm.jit.config import JitConfig
+    from dynvm.jit.guards import GuardStrength
     from dynvm.jit.region_jit import Specialization
-    from dynvm.jit.signature import GuardStrength
 
     program = h.build(PROGRAM, regs=3, inputs=('"x" float32 [n:1..64]',))
     x = torch.randn(8)

@@ -177,9 +177,9 @@ def test_a_shadow_call_charges_the_regions_layout_resolution():
     import types
 
     from bench.profile_overhead import captured_entry
+    from dynvm.jit.guards import GuardStrength
     from dynvm.jit.probation import EARLY_LOSS, EARLY_SAMPLES
     from dynvm.jit.region_jit import Specialization
-    from dynvm.jit.signature import GuardStrength
 
     program = compiled("recommender")
     runtime = dynvm.Runtime(program, "cpu", jit=JitConfig(families=False,
@@ -210,9 +210,9 @@ def test_the_next_family_waits_for_the_early_verdict_of_the_last():
     the first verdict); exact promotions are not held."""
     import types
 
+    from dynvm.jit.guards import GuardStrength
     from dynvm.jit.probation import EARLY_SAMPLES
     from dynvm.jit.region_jit import Specialization
-    from dynvm.jit.signature import GuardStrength
     from dynvm.shape_cluster import Family
 
     runtime = dynvm.Runtime(compiled("recommender"), "cpu", jit=JitConfig())

@@ -17,11 +17,11 @@ from torch import nn
 from torch.export import Dim
 
 import dynvm
-from dynvm.jit.backends import cpu_fusion
-from dynvm.jit.backends.cpu import CpuOptions, compile_kernel
-from dynvm.jit.backends.cpu_fusion import onednn_available
-from dynvm.jit.backends.cpu_prepack import PrepackCache
-from dynvm.jit.backends.cpu_row_gate import (
+from dynvm.jit.backends.cpu import fusion as cpu_fusion
+from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
+from dynvm.jit.backends.cpu.fusion import onednn_available
+from dynvm.jit.backends.cpu.prepack import PrepackCache
+from dynvm.jit.backends.cpu.row_gate import (
     MAX_SIGHTINGS,
     ONEDNN,
     ONEDNN_NEW_ROWS,

@@ -16,7 +16,7 @@ from dynvm.jit.backends.triton.graphs import (
     maybe_capture,
     static_tensor,
 )
-from dynvm.jit.signature import GuardStrength, strong_signer
+from dynvm.jit.guards import GuardStrength, strong_signer
 
 h = importlib.import_module("tests.jit._jit_helpers")
 

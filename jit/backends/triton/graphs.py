@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dynvm.jit.signature import GuardStrength
+from dynvm.jit.guards import GuardStrength
 
 
 def _use_count(tensor: torch.Tensor) -> int | None:

@@ -28,7 +28,7 @@ layout, so this is a pass over the region, not a rewrite of one op:
   views the specializer folded, the next region's guard and the caller's `.view` all
   see what they would have seen without the pass;
 - the fused oneDNN convolutions inside a chain take their channels-last forms (no
-  conversion back after each, cpu_fusion's `CONV_*_NCHW`).
+  conversion back after each, fusion's `CONV_*_NCHW`).
 
 Correctness never rests on the layout rules above: every member computes the same
 values whatever its operands' strides, and every value that leaves a chain is put back
@@ -71,8 +71,8 @@ import dataclasses
 import torch
 
 from dynvm.jit.aliasing import flat_values
-from dynvm.jit.backends.cpu_arena_choice import zeros_like_abstract
-from dynvm.jit.backends.cpu_fusion import (
+from dynvm.jit.backends.cpu.arena_choice import zeros_like_abstract
+from dynvm.jit.backends.cpu.fusion import (
     CONV_BINARY,
     CONV_BINARY_NCHW,
     CONV_UNARY,

@@ -49,7 +49,7 @@ Unlike torch's own ops, a `torch.ops.mkldnn` call did not release the GIL here (
 looping a 2048x1024x1024 oneDNN GEMM left the main thread's Python 15% of its solo
 progress; looping F.linear, 54%, on the same loaded 2 cores). A specialized kernel runs
 on the request thread anyway; what matters is the compile thread's calibration, whose
-calls are kept to a few milliseconds each (`calibration_max_m` in cpu_calibration_rows)
+calls are kept to a few milliseconds each (`calibration_max_m` in calibration_rows)
 so that a request waits at most that long for the GIL.
 
 Every rewrite must measure faster: the pass asks the device's `Calibrator` (Note
@@ -59,7 +59,7 @@ shapes, per (epilogue, M size class, N, K, threads). Where M is the same at ever
 is one question at that M (capped, see `_CALIBRATION_MAX_M`), and the rewrite is made
 where oneDNN wins. Where M varies, oneDNN's first call at each new M builds a primitive
 that costs more than the whole GEMM at small sizes (Note [oneDNN at a new row count] in
-cpu_row_gate): the question is asked per size class of M over the family's range, with
+row_gate): the question is asked per size class of M over the family's range, with
 oneDNN also timed at a new M on every call, and the kernel runs oneDNN only in the
 classes where it pays, for an M seen often enough to pay back the build. The choice and
 the timings become notes in the kernel's source header, which `dynvm explain` prints.
@@ -93,12 +93,12 @@ from dataclasses import dataclass
 import torch
 
 from dynvm.jit.aliasing import flat_values
-from dynvm.jit.backends.cpu_calibration_rows import (
+from dynvm.jit.backends.cpu.calibration_rows import (
     CALIBRATION_MAX_M as _CALIBRATION_MAX_M,
 )
-from dynvm.jit.backends.cpu_calibration_rows import calibration_max_m
-from dynvm.jit.backends.cpu_prepack import PrepackCache
-from dynvm.jit.backends.cpu_row_gate import (
+from dynvm.jit.backends.cpu.calibration_rows import calibration_max_m
+from dynvm.jit.backends.cpu.prepack import PrepackCache
+from dynvm.jit.backends.cpu.row_gate import (
     ONEDNN,
     ONEDNN_NEW_ROWS,
     TORCH,

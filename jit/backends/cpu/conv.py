@@ -73,7 +73,7 @@ with the fused calls in them, is what guards the whole.
 Channels-last is not an op rewrite: oneDNN and torch were both 1.5-2.3x faster on a
 channels-last input, but that pays only when a whole chain of convolutions keeps the
 layout (a conversion at each op costs what it saves). The pass that runs after this
-one (Note [Channels-last chains] in cpu_layout) turns the fused calls' NCHW forms,
+one (Note [Channels-last chains] in channels_last) turns the fused calls' NCHW forms,
 which convert their result back, into the channels-last ones inside such a chain.
 """
 
@@ -85,7 +85,7 @@ import math
 import torch
 
 from dynvm.jit.aliasing import flat_values
-from dynvm.jit.backends.cpu_fusion import (
+from dynvm.jit.backends.cpu.fusion import (
     CONV_BINARY,
     CONV_BINARY_NCHW,
     CONV_KERNELS,
@@ -101,7 +101,7 @@ from dynvm.jit.backends.cpu_fusion import (
     unary_post_op,
     use_counts,
 )
-from dynvm.jit.backends.cpu_prepack import PrepackCache
+from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.calibration import Calibrator, size_class
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
 from dynvm.jit.specialize import add_frees

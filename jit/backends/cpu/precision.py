@@ -9,7 +9,7 @@ call (ONNX Runtime's quantize_dynamic, on VNNI); `JitConfig.precision` asks the 
 the CPU backend. The interpreter stays fp32: it is the reference every specialization is
 checked against, and the rest of a model (layer norm, softmax/SDPA, GELU outside a GEMM,
 the embedding) stays fp32 in the kernels too. Only GEMMs with a constant fp32 weight are
-lowered: LINEAR, ADDMM, MM and MATMUL with a 2-D constant (the ops `cpu_fusion` matches,
+lowered: LINEAR, ADDMM, MM and MATMUL with a 2-D constant (the ops `fusion` matches,
 `_as_gemm`); convolutions stay fp32 here.
 
 "bf16": the weight is cast to bf16 and packed for oneDNN once per engine
@@ -60,7 +60,7 @@ import warnings
 import torch
 
 from dynvm.jit.aliasing import flat_values
-from dynvm.jit.backends.cpu_fusion import (
+from dynvm.jit.backends.cpu.fusion import (
     FUSED_VARIANT,
     LINEAR_UNARY,
     FusionResult,
@@ -73,14 +73,14 @@ from dynvm.jit.backends.cpu_fusion import (
     untouched_between,
     use_counts,
 )
-from dynvm.jit.backends.cpu_prepack import PrepackCache
+from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.config import PRECISIONS
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
 from dynvm.jit.specialize import add_frees
 from dynvm.vm.errors import ConfigError
 
 # The variant of the ops this pass adds (casts, int8 GEMMs); the bf16 GEMM itself is a
-# fused oneDNN linear (cpu_fusion's opcode and variant) on bf16 operands.
+# fused oneDNN linear (fusion's opcode and variant) on bf16 operands.
 PRECISION_VARIANT = "precision"
 TO_BF16, TO_FP32, INT8_LINEAR = "TO_BF16", "TO_FP32", "INT8_LINEAR_DYNAMIC"
 _PROMOTING = ("ADD", "SUB", "MUL")

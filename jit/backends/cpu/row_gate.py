@@ -20,7 +20,7 @@ and measured 2.3-5x the interpreter until probation dropped it (the same kernel 
 meets the same few M again and again and keeps its gains.
 
 So, for a GEMM whose M varies across the family's probes, the calibration (`_decide`
-in cpu_fusion) asks per size class of M, at the smallest M of every class the family
+in fusion) asks per size class of M, at the smallest M of every class the family
 covers (up to the cap): torch's pair against oneDNN at a repeated M (the question an
 exact specialization asks too), and, only where oneDNN wins, oneDNN against itself at a
 new M on every call (its build). Per class, the verdict is:

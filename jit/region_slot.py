@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dynvm.jit.guards import GuardStrength, weak_of
 from dynvm.jit.probation import Probation
-from dynvm.jit.signature import GuardStrength, weak_of
 
 
 @dataclass

@@ -22,33 +22,33 @@ from dataclasses import dataclass, field
 import torch
 
 from dynvm.arena import ArenaPool
-from dynvm.jit.backends.cpu_arena import OUT_KERNELS, ArenaBinding, ArenaLayout, plan_layout
-from dynvm.jit.backends.cpu_arena_choice import out_form_pays, zeros_like_abstract
-from dynvm.jit.backends.cpu_conv import fuse_conv_epilogues
-from dynvm.jit.backends.cpu_fusion import (
-    FUSED_KERNELS,
-    GATED_OPCODES,
-    epilogue_pcs,
-    fuse_gemm_epilogues,
-    is_fused,
-)
-from dynvm.jit.backends.cpu_layout import (
+from dynvm.jit.backends.cpu.arena_choice import out_form_pays, zeros_like_abstract
+from dynvm.jit.backends.cpu.arena_layout import OUT_KERNELS, ArenaBinding, ArenaLayout, plan_layout
+from dynvm.jit.backends.cpu.channels_last import (
     LAYOUT_KERNELS,
     choose_channels_last,
     is_layout_op,
     layout_comment,
     plan_channels_last,
 )
-from dynvm.jit.backends.cpu_precision import (
+from dynvm.jit.backends.cpu.conv import fuse_conv_epilogues
+from dynvm.jit.backends.cpu.fusion import (
+    FUSED_KERNELS,
+    GATED_OPCODES,
+    epilogue_pcs,
+    fuse_gemm_epilogues,
+    is_fused,
+)
+from dynvm.jit.backends.cpu.precision import (
     PRECISION_KERNELS,
     PRECISION_VARIANT,
     lower_precision,
 )
-from dynvm.jit.backends.cpu_prepack import PrepackCache
+from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.calibration import Calibrator, calibrator_for, size_class
+from dynvm.jit.guards import GuardStrength
 from dynvm.jit.inplace import INPLACE
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, Var
-from dynvm.jit.signature import GuardStrength
 from dynvm.vm.abstract import to_abstract
 from dynvm.vm.opcodes import opcode
 
@@ -290,7 +290,7 @@ class CpuOptions:
     an engine makes one CpuOptions."""
 
     channels_last: str = "measured"
-    """Convolution chains channels-last (Note [Channels-last chains] in cpu_layout):
+    """Convolution chains channels-last (Note [Channels-last chains] in channels_last):
     "measured" where the region measures faster so on this device, "always" wherever a
     chain has a convolution (tests, debugging), "off"."""
 
@@ -303,7 +303,7 @@ class CpuOptions:
 
     precision: str = "fp32"
     """GEMMs with constant weights in "fp32", "bf16" or "int8-dynamic" (Note
-    [Lower-precision GEMMs] in cpu_precision)."""
+    [Lower-precision GEMMs] in precision)."""
 
     def as_key(self) -> dict:
         key = {"arena": self.arena_pool is not None, "fusion": self.fusion,
