@@ -1,12 +1,16 @@
 """dynvm.cluster: serving dynvm programs on Ray Serve, the compile fleet and the kernel
 store (Redis or a local directory) with signed artifacts.
 
-Its floors, one subpackage each:
+Its floors, one subpackage each, and what each may import of the others
+(tests/dynvm/test_layering.py checks it; `_counters`, the typed counters, is a leaf for
+all of them):
 
     store/     the kernel store (Redis, a local directory), sealed entries, StoreConfig
-    fleet/     the compile service, announcements, program index, kept kernels
+    fleet/     the compile service, announcements, program index, kept kernels  (store/)
+    protocol/  the wire: v2 HTTP/JSON/binary, gRPC, proxy guard, ingress, and the
+               transport-neutral seam a replica implements (_seam)
     serving/   replicas, execution, batching, deployment, config, process life
-    protocol/  the wire: v2 HTTP/JSON/binary, gRPC, proxy guard, ingress
+               (store/, fleet/, protocol/)
 
 Serving: `serve_models({name: path}, ServingConfig(...))` after `start_serve(host,
 port)`, or `serve_local(...)` for the whole local stack; `ServingConfig`

@@ -2,7 +2,7 @@
 
 Each refresh GETs /v2/models/<name>/stats for every model: the JSON of
 `RuntimeStats.to_dict()` (dynvm._runtime_stats) plus the replica's request and batching
-counters (dynvm.cluster.serving._counters). It is read back through those types
+counters (dynvm.cluster._counters). It is read back through those types
 (`dynvm._runtime_stats.read`), by attribute: a renamed field changes what is read here
 too, or fails when the name is checked (`field_of`: at import for RuntimeStats, at the
 first table for RequestCounters, whose module loads dynvm.cluster and Redis's client,
@@ -154,7 +154,7 @@ _FAMILY_KERNELS = field_of(RegionStats, "family_kernels")
 
 def _request_counters(stats: Mapping):
     """The replica's RequestCounters in `stats` (module docstring: imported here)."""
-    from dynvm.cluster.serving._counters import RequestCounters
+    from dynvm.cluster._counters import RequestCounters
 
     for name in _SUMMED[-2:]:
         field_of(RequestCounters, name)

@@ -1,4 +1,4 @@
-"""dynvm.cluster.fleet: compiled kernels shared by a fleet of replicas.
+"""dynvm.cluster.fleet: compiled kernels shared by a fleet of replicas (imports store/).
 
 A replica's link to the compile service and the store (_link), the service's work
 (_compiler) and its Ray actors (compile_service: `start_compile_service`), announcements

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 
+from dynvm.cluster._counters import LinkCounters, as_dict
 from dynvm.cluster.fleet._announce import Announcement, RateLimit, Subscription
 from dynvm.cluster.fleet._compiler import TARGET
 from dynvm.cluster.fleet._records import (
@@ -64,7 +65,6 @@ from dynvm.cluster.fleet._records import (
     store_counters,
 )
 from dynvm.cluster.fleet._shards import shard_actor_name
-from dynvm.cluster.serving._counters import LinkCounters, as_dict
 from dynvm.cluster.store._signed import ArtifactCache
 from dynvm.cluster.store._store_config import StoreConfig
 from dynvm.jit.artifact import toolchain_versions

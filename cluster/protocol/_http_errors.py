@@ -9,16 +9,13 @@ request is traced, on the current span; an operator finds the one from the other
 from __future__ import annotations
 
 import json
-import logging
-import secrets
 
 from fastapi.responses import Response
-from opentelemetry import trace
 
 from dynvm.cluster.protocol import _v2 as v2
+from dynvm.cluster.protocol._seam import Fault, FaultKind, record_server_fault
 
 ERROR_ID_HEADER = "Dynvm-Error-Id"
-logger = logging.getLogger("dynvm.cluster.http")
 
 
 def error_response(error: BaseException | str, status: int,
@@ -34,20 +31,23 @@ def json_response(obj, status: int = 200) -> Response:
                     media_type="application/json")
 
 
-def new_error_id() -> str:
-    """A fresh id for one server fault (16 hex digits)."""
-    return secrets.token_hex(8)
-
-
 def server_fault(where: str, exc: BaseException, status: int = 500) -> Response:
     """Log `exc` with a new error id and answer `status` naming the id."""
-    error_id = new_error_id()
-    logger.error("%s: error id %s: %s: %s", where, error_id, type(exc).__name__, exc,
-                 exc_info=exc)
-    span = trace.get_current_span()
-    if span.is_recording():
-        span.set_attribute("dynvm.error_id", error_id)
-        span.record_exception(exc)
-    message = (f"{where}: server error (error id {error_id}): "
-               f"{type(exc).__name__}: {v2.cut(str(exc), 500)}")
-    return error_response(message, status, {ERROR_ID_HEADER: error_id})
+    fault = record_server_fault(where, exc)
+    return error_response(fault.message, status, {ERROR_ID_HEADER: fault.error_id})
+
+
+def fault_response(fault: Fault, model_name: str, retry_after_s: int) -> Response:
+    """An inference request's Fault as HTTP: the ProtocolError's 4xx, 503 + Retry-After
+    when the replica is full (and Connection: close when it drains), 500 + the error id."""
+    if fault.kind is FaultKind.CLIENT:
+        return error_response(fault.error, fault.error.status)
+    if fault.kind is FaultKind.BUSY:
+        if fault.draining:
+            return error_response(
+                f"model {model_name!r} is shutting down on this replica; retry another "
+                f"(after {retry_after_s} s)", 503,
+                {"Retry-After": str(retry_after_s), "Connection": "close"})
+        return error_response(f"model {model_name!r} is busy: {fault.message}; retry after "
+                              f"{retry_after_s} s", 503, {"Retry-After": str(retry_after_s)})
+    return error_response(fault.message, 500, {ERROR_ID_HEADER: fault.error_id})

@@ -8,6 +8,7 @@ validation), so that no route answers with FastAPI's `{"detail": ...}`.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +23,19 @@ from dynvm.vm.errors import ConfigError
 MODEL_VERSION = "1"
 SERVER_APP = "dynvm-server"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class HttpEncoder:
+    """The v2 HTTP infer response of a model's outputs, JSON or the binary extension (an
+    `Encoder` of dynvm.cluster.protocol._seam): (body, headers)."""
+
+    model_name: str
+    """The model the response names."""
+
+    def encode(self, outputs, request: v2.InferRequest) -> tuple[bytes, dict[str, str]]:
+        """The response body and headers; raises v2.ProtocolError (an unknown output)."""
+        return v2.build_infer_response(self.model_name, MODEL_VERSION, outputs, request)
 
 
 def model_app_name(model_name: str) -> str:

@@ -67,9 +67,9 @@ import contextlib
 import dataclasses
 import functools
 import importlib
-import json
 import math
 import sys
+from typing import Protocol
 
 import grpc
 import msgspec
@@ -78,8 +78,7 @@ from google.protobuf.message import DecodeError
 import dynvm
 from dynvm.cluster.protocol import _v2 as v2
 from dynvm.cluster.protocol._http_front import MODEL_VERSION
-from dynvm.cluster.serving._batcher import Overloaded
-from dynvm.cluster.serving._faults import is_client_fault
+from dynvm.cluster.protocol._seam import Fault, FaultKind, InferSeam, RequestParsing
 from dynvm.vm.errors import DynvmError
 
 # What Serve's gRPC proxy imports to register the service (gRPCOptions).
@@ -312,6 +311,19 @@ def infer_response(model_name: str, outputs, request: v2.InferRequest):
     return response
 
 
+@dataclasses.dataclass(frozen=True)
+class GrpcEncoder:
+    """The ModelInferResponse of a model's outputs (an `Encoder` of
+    dynvm.cluster.protocol._seam)."""
+
+    model_name: str
+    """The model the response names."""
+
+    def encode(self, outputs, request: v2.InferRequest):
+        """`infer_response`; raises v2.ProtocolError (an unknown output)."""
+        return infer_response(self.model_name, outputs, request)
+
+
 def model_metadata_response(doc: dict):
     """A ModelMetadataResponse from the HTTP metadata document (v2.model_metadata)."""
     pb = protos()
@@ -325,43 +337,53 @@ def model_metadata_response(doc: dict):
 # ---------------------------------------------------------------------------- status
 
 
-def status_of(error: BaseException, model_name: str, is_client_fault
-              ) -> tuple[grpc.StatusCode, str] | None:
-    """The gRPC status code and details for an error of a request to `model_name`, or
-    None for a server fault (INTERNAL, `internal_status`). `is_client_fault(error)`
-    tells a model call's client faults from server faults (the HTTP path's rule, Note
-    [Client or server fault] in dynvm.cluster.serving._replica)."""
-    if isinstance(error, v2.NotFound):
-        return grpc.StatusCode.NOT_FOUND, error.message
-    if isinstance(error, v2.PayloadTooLarge):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, error.message
-    if isinstance(error, v2.ProtocolError):
-        return grpc.StatusCode.INVALID_ARGUMENT, error.message
-    if is_client_fault(error):
-        return grpc.StatusCode.INVALID_ARGUMENT, f"model {model_name!r}: {error}"
-    if isinstance(error, Overloaded):
-        return grpc.StatusCode.UNAVAILABLE, f"model {model_name!r} is busy: {error}"
-    return None
-
-
-def internal_status(fault) -> tuple[grpc.StatusCode, str]:
-    """INTERNAL with the message of the HTTP path's 500 `fault` (its log line, error id
-    and span are made already), the error id included."""
-    return grpc.StatusCode.INTERNAL, json.loads(fault.body)["error"]
+def grpc_status(fault: Fault, model_name: str) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status code and details of a request's Fault (classified once, for every
+    transport, by the replica's seam: Note [Client or server fault] in
+    dynvm.cluster.serving._replica)."""
+    if fault.kind is FaultKind.CLIENT:
+        if isinstance(fault.error, v2.NotFound):
+            return grpc.StatusCode.NOT_FOUND, fault.message
+        if isinstance(fault.error, v2.PayloadTooLarge):
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, fault.message
+        return grpc.StatusCode.INVALID_ARGUMENT, fault.message
+    if fault.kind is FaultKind.BUSY:
+        return grpc.StatusCode.UNAVAILABLE, f"model {model_name!r} is busy: {fault.message}"
+    return grpc.StatusCode.INTERNAL, fault.message  # the error id included
 
 
 # ---------------------------------------------------------------------------- servicer
 
 
-class GrpcInferenceMixin:
-    """The RPCs of GRPCInferenceService, for a Serve deployment that is also a v2 model
-    replica. What it uses of the class it is mixed into: `model_name`, `program`
-    (its `inputs`), `output_names`, `max_body_bytes`, `limits` (ServingLimits),
-    `draining` (True once the replica stops taking requests),
-    `request_stats` (`full`, `tracked`, `counters`: gRPC requests count as HTTP ones
-    do), `_off_loop(fn, ...)` (the parse threads), `_server_fault(error, trace)`
-    (the traced 500), and the replica's seam, `infer_request(request, trace)`,
-    `metadata()` and `is_ready()`."""
+class GrpcReplica(Protocol):
+    """What `GrpcInference` needs of the model replica it answers for."""
+
+    model_name: str
+    """The model this replica serves."""
+    seam: InferSeam
+    """Admission, execution and the fault mapping, shared with HTTP."""
+    parsing: RequestParsing
+    """How a request body is validated (the HTTP path's validator)."""
+
+    def is_ready(self) -> bool:
+        """Readiness: loaded and not draining."""
+        ...
+
+    def metadata(self) -> dict:
+        """The HTTP metadata document (v2.model_metadata)."""
+        ...
+
+
+class GrpcInference:
+    """The RPCs of GRPCInferenceService for one model replica (`GrpcReplica`): each RPC
+    method is what Serve's gRPC proxy calls on the deployment by name, which the
+    replica forwards here. An inference goes through the replica's seam as an HTTP
+    infer request does: the same in-flight bound (UNAVAILABLE past it), counters,
+    latency series and fault mapping."""
+
+    def __init__(self, replica: GrpcReplica) -> None:
+        self.replica = replica
+        self.encoder = GrpcEncoder(replica.model_name)
 
     async def ServerLive(self, request, grpc_context=None):  # noqa: N802 (RPC names)
         """Live: this replica answers."""
@@ -369,7 +391,7 @@ class GrpcInferenceMixin:
 
     async def ServerReady(self, request, grpc_context=None):  # noqa: N802
         """Ready: this replica's model is loaded."""
-        return protos().ServerReadyResponse(ready=bool(self.is_ready()))
+        return protos().ServerReadyResponse(ready=bool(self.replica.is_ready()))
 
     async def ServerMetadata(self, request, grpc_context=None):  # noqa: N802
         """Name and version of the server (no extensions over gRPC)."""
@@ -381,62 +403,48 @@ class GrpcInferenceMixin:
         """Whether this model (and version, if given) is ready; NOT_FOUND for another."""
         pb = protos()
         try:
-            self._grpc_check_model(request)
+            self._check_model(request)
         except v2.ProtocolError as exc:
-            return self._grpc_error(grpc_context, exc, pb.ModelReadyResponse())
-        return pb.ModelReadyResponse(ready=bool(self.is_ready()))
+            return self._error(grpc_context, _client(exc), pb.ModelReadyResponse())
+        return pb.ModelReadyResponse(ready=bool(self.replica.is_ready()))
 
     async def ModelMetadata(self, request, grpc_context=None):  # noqa: N802
         """The HTTP metadata document's content: inputs and outputs, -1 for dynamic."""
         try:
-            self._grpc_check_model(request)
+            self._check_model(request)
         except v2.ProtocolError as exc:
-            return self._grpc_error(grpc_context, exc, protos().ModelMetadataResponse())
-        return model_metadata_response(self.metadata())
+            return self._error(grpc_context, _client(exc), protos().ModelMetadataResponse())
+        return model_metadata_response(self.replica.metadata())
 
     async def ModelInfer(self, request, grpc_context=None):  # noqa: N802
-        """One inference through the replica's batcher, as an HTTP infer request: the
-        same in-flight bound (UNAVAILABLE past it), counters and latency series."""
-        stats = self.request_stats
-        limit = self.limits.max_concurrent_requests
-        if self.draining:  # as HTTP answers 503 (Note [Replica drain] in _deployment)
-            return self._grpc_error(grpc_context, Overloaded(
-                "shutting down on this replica; retry another"),
-                protos().ModelInferResponse())
-        if stats.full(limit):
-            stats.counters.rejected_busy += 1
-            return self._grpc_error(grpc_context, Overloaded(
-                f"{stats.in_flight} requests in flight on this replica, the limit is "
-                f"{limit}"), protos().ModelInferResponse())
-        with stats.tracked():
-            return await self._grpc_infer(request, grpc_context)
-
-    async def _grpc_infer(self, request, grpc_context):
+        """One inference through the replica's seam (class docstring)."""
+        seam = self.replica.seam
+        refusal = seam.admit()  # Note [Replica drain] in _deployment; the in-flight bound
+        if refusal is not None:
+            return self._error(grpc_context, refusal, protos().ModelInferResponse())
         trace = _trace(grpc_context)
-        try:
-            self._grpc_check_model(request)
-            if _request_bytes(request) <= INLINE_GRPC_BYTES:
-                parsed = self._grpc_parse(request)
-            else:
-                parsed = await self._off_loop(self._grpc_parse, request)
-            outputs = await self.infer_request(parsed, trace)
-            return infer_response(self.model_name, outputs, parsed)
-        except Exception as exc:  # every error becomes this request's status
-            busy = isinstance(exc, Overloaded)
-            counters = self.request_stats.counters
-            if busy:
-                counters.rejected_busy += 1
-            else:
-                counters.errors += 1
-            return self._grpc_error(grpc_context, exc, protos().ModelInferResponse(), trace)
+        result = await seam.serve(lambda: self._infer(request, trace), trace)
+        if isinstance(result, Fault):
+            return self._error(grpc_context, result, protos().ModelInferResponse())
+        return result
 
-    def _grpc_parse(self, request) -> v2.InferRequest:
-        return parse_infer_request(request, self.program.inputs,
-                                   max_body_bytes=self.max_body_bytes,
-                                   output_names=self.output_names,
-                                   refuse_non_finite=self.limits.refuse_non_finite)
+    async def _infer(self, request, trace):
+        self._check_model(request)
+        seam = self.replica.seam
+        if _request_bytes(request) <= INLINE_GRPC_BYTES:
+            parsed = self._parse(request)
+        else:
+            parsed = await seam.off_loop(self._parse, request)
+        return await seam.execute(parsed, trace, self.encoder)
 
-    def _grpc_check_model(self, request) -> None:
+    def _parse(self, request) -> v2.InferRequest:
+        parsing = self.replica.parsing
+        return parse_infer_request(request, parsing.inputs,
+                                   max_body_bytes=parsing.max_body_bytes,
+                                   output_names=parsing.output_names,
+                                   refuse_non_finite=parsing.refuse_non_finite)
+
+    def _check_model(self, request) -> None:
         """Raises the ProtocolError of a request that is malformed (Note [Malformed gRPC
         messages]) or names another model or version."""
         if isinstance(request, MalformedMessage):
@@ -445,23 +453,27 @@ class GrpcInferenceMixin:
             name, version = request.model_name, request.model_version
         else:  # ModelReadyRequest, ModelMetadataRequest
             name, version = request.name, request.version
-        if name != self.model_name:
-            raise v2.NotFound(f"this application serves model {self.model_name!r}, not "
+        model_name = self.replica.model_name
+        if name != model_name:
+            raise v2.NotFound(f"this application serves model {model_name!r}, not "
                               f"{v2.cut(repr(name))} (route with the 'application' metadata "
                               "key: dynvm-model-<name>)")
         if version not in ("", MODEL_VERSION):
-            raise v2.NotFound(f"model {self.model_name!r} has no version "
+            raise v2.NotFound(f"model {model_name!r} has no version "
                               f"{v2.cut(repr(version))} (versions: {MODEL_VERSION})")
 
-    def _grpc_error(self, grpc_context, error: BaseException, empty, trace=None):
+    def _error(self, grpc_context, fault: Fault, empty):
         if grpc_context is None:  # called directly, not through Serve: raise it
-            raise error
-        status = status_of(error, self.model_name, is_client_fault)
-        if status is None:
-            status = internal_status(self._server_fault(error, trace))
-        grpc_context.set_code(status[0])
-        grpc_context.set_details(status[1])
+            raise fault.error
+        code, details = grpc_status(fault, self.replica.model_name)
+        grpc_context.set_code(code)
+        grpc_context.set_details(details)
         return empty
+
+
+def _client(error: v2.ProtocolError) -> Fault:
+    """The CLIENT fault of a ProtocolError raised before any inference."""
+    return Fault(FaultKind.CLIENT, error.message, error)
 
 
 def _trace(grpc_context) -> dict | None:

@@ -46,7 +46,8 @@ from dataclasses import dataclass
 
 from dynvm._env import PROXY_BODY_TIMEOUT_S, PROXY_MAX_BODY_BYTES, proxy_settings
 from dynvm.cluster.protocol import _v2 as v2
-from dynvm.cluster.protocol._http_errors import ERROR_ID_HEADER, new_error_id
+from dynvm.cluster.protocol._http_errors import ERROR_ID_HEADER
+from dynvm.cluster.protocol._seam import new_error_id
 from dynvm.vm.errors import ConfigError
 
 logger = logging.getLogger("dynvm.cluster.proxy")

@@ -73,7 +73,7 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from dynvm.cluster.serving._counters import BatcherCounters, as_dict
+from dynvm.cluster._counters import BatcherCounters, as_dict
 from dynvm.cluster.serving.serving_config import BatchingOptions
 from dynvm.vm.errors import DynvmError
 

@@ -7,7 +7,7 @@
 `update` takes the replica's stats dict (`RuntimeStats.to_dict()`, the batching and
 request counters, and an `ArtifactCache.stats()` dict under "store" when the replica
 has one) and turns it into Prometheus series; the runtime's part is read back as a
-`RuntimeStats`, the request counters as `RequestCounters` (dynvm.cluster.serving._counters), and
+`RuntimeStats`, the request counters as `RequestCounters` (dynvm.cluster._counters), and
 both are read by attribute: a series names a field, checked when it is defined.
 Counters in the stats are cumulative, so each update adds the increase since the
 previous one; a value lower than before means the source restarted (a new Runtime) and
@@ -53,7 +53,7 @@ from dataclasses import dataclass, field, fields
 from ray.serve import metrics
 
 from dynvm._runtime_stats import RuntimeStats
-from dynvm.cluster.serving._counters import RequestCounters, field_of, read
+from dynvm.cluster._counters import RequestCounters, field_of, read
 from dynvm.cluster.store._signed import REJECTIONS
 
 MODEL_TAG = "model"

@@ -15,9 +15,11 @@ proxy routes by longest route prefix):
 A replica loads its .dvm program (`dynvm.load`) and makes one `Runtime` on its device
 ("auto": the GPU Ray assigned it, `num_gpus=1` per replica when the cluster has GPUs,
 else the CPU), all as its `ServingConfig` says. Its jobs live in three modules: the
-routes here (one `__call__`, Note [Plain __call__ routing]); execution and batching
-in `_replica_exec` (Note [Batchability decided once]); counters and the Prometheus
-refresh in `_replica_stats`. The builders that deploy it are in `_deployment`. Request
+routes here (one `__call__`, Note [Plain __call__ routing]) and the gRPC RPCs, forwarded
+to a `GrpcInference` (dynvm.cluster.protocol.grpc_v2); what both transports share, in
+`_infer_seam` (admission, fault mapping); execution and batching in `_replica_exec`
+(Note [Batchability decided once]); counters and the Prometheus refresh in
+`_replica_stats`. The builders that deploy it are in `_deployment`. Request
 bodies go through `dynvm.cluster.protocol._v2`, which validates everything before a
 tensor exists.
 
@@ -72,14 +74,11 @@ bytecode, so the caller decides, as with Triton's dynamic batcher.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from opentelemetry import propagate
-from opentelemetry import trace as otel_trace
 from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
@@ -88,18 +87,24 @@ import dynvm
 from dynvm.cluster.fleet._link import FleetLink, FleetOptions
 from dynvm.cluster.fleet.compile_service import RayServiceClient
 from dynvm.cluster.protocol import _v2 as v2
-from dynvm.cluster.protocol._http_errors import error_response, json_response, server_fault
+from dynvm.cluster.protocol._http_errors import (
+    error_response,
+    fault_response,
+    json_response,
+    server_fault,
+)
 from dynvm.cluster.protocol._http_front import (
     MODEL_VERSION,
+    HttpEncoder,
     bytes_response,
     check_model_name,
     read_body,
     route_miss,
     route_path,
 )
-from dynvm.cluster.protocol.grpc_v2 import GrpcInferenceMixin
-from dynvm.cluster.serving._batcher import Overloaded
-from dynvm.cluster.serving._faults import is_client_fault
+from dynvm.cluster.protocol._seam import Fault, RequestParsing
+from dynvm.cluster.protocol.grpc_v2 import TRACE_KEYS, GrpcInference
+from dynvm.cluster.serving._infer_seam import ReplicaSeam
 from dynvm.cluster.serving._replica_exec import ReplicaExecutor
 from dynvm.cluster.serving._replica_stats import ReplicaStats
 from dynvm.cluster.serving.serving_config import ServingConfig
@@ -120,9 +125,11 @@ def pick_device(device: str | None) -> str:
     return device
 
 
-class ReplicaServer(GrpcInferenceMixin):
+class ReplicaServer:
     """One model on one device, served over the Open Inference Protocol (HTTP routes
-    here; the gRPC service's RPCs from GrpcInferenceMixin, dynvm.cluster.protocol.grpc_v2).
+    here; the gRPC service's RPCs forwarded to `self.grpc`, a GrpcInference of
+    dynvm.cluster.protocol.grpc_v2, which sees this replica through its GrpcReplica
+    interface: model_name, seam, parsing, is_ready(), metadata()).
 
     The class itself, without Serve: `ModelReplica` below is its deployment; tests build
     it directly (synchronously, no Ray)."""
@@ -151,12 +158,23 @@ class ReplicaServer(GrpcInferenceMixin):
         self._parse_pool = ThreadPoolExecutor(self.limits.parse_threads,
                                               thread_name_prefix="dynvm-parse")
         self.executor = ReplicaExecutor(self.model_name, self.program, self.runtime,
-                                        self.device, config, MODEL_VERSION, probe_outputs)
+                                        self.device, config, probe_outputs)
         self.outputs_meta = self.executor.outputs_meta
         self.output_names = [m.name for m in self.outputs_meta] or None
         self.request_stats = ReplicaStats(self.model_name, self.runtime, self.executor,
-                                     self.link)
-        self.draining = False  # Note [Replica drain] in dynvm.cluster.serving._deployment
+                                          self.link)
+        self.parsing = RequestParsing(self.program.inputs, self.output_names,
+                                      self.max_body_bytes, self.limits.refuse_non_finite)
+        self.seam = ReplicaSeam(self.model_name, self.executor, self.request_stats,
+                                self.limits, self.runtime.telemetry, self._parse_pool)
+        self._http_encoder = HttpEncoder(self.model_name)
+        self.grpc = GrpcInference(self)
+
+    @property
+    def draining(self) -> bool:
+        """True once the replica stops taking requests (Note [Replica drain] in
+        dynvm.cluster.serving._deployment)."""
+        return self.seam.draining
 
     def _signing_secret(self, fleet: FleetOptions | None) -> bytes | None:
         if not self.limits.require_signed_programs:
@@ -194,7 +212,7 @@ class ReplicaServer(GrpcInferenceMixin):
         """Stop taking requests: readiness turns false, a new infer request gets 503 +
         Retry-After + Connection: close, those in flight finish. Returns how many are in
         flight (Note [Replica drain] in dynvm.cluster.serving._deployment)."""
-        self.draining = True
+        self.seam.draining = True
         return self.request_stats.in_flight
 
     def metadata(self) -> dict:
@@ -205,6 +223,34 @@ class ReplicaServer(GrpcInferenceMixin):
     def stats(self) -> dict:
         """Runtime, batching, request and fleet counters (Note [Lean request path])."""
         return self.request_stats.snapshot()
+
+    # ------------------------------------------------------------------ gRPC
+    # Serve's gRPC proxy calls the deployment's method named as the RPC; each is
+    # answered by this replica's GrpcInference.
+
+    async def ServerLive(self, request, grpc_context=None):  # noqa: N802 (RPC names)
+        """GRPCInferenceService.ServerLive (GrpcInference.ServerLive)."""
+        return await self.grpc.ServerLive(request, grpc_context)
+
+    async def ServerReady(self, request, grpc_context=None):  # noqa: N802
+        """GRPCInferenceService.ServerReady (GrpcInference.ServerReady)."""
+        return await self.grpc.ServerReady(request, grpc_context)
+
+    async def ServerMetadata(self, request, grpc_context=None):  # noqa: N802
+        """GRPCInferenceService.ServerMetadata (GrpcInference.ServerMetadata)."""
+        return await self.grpc.ServerMetadata(request, grpc_context)
+
+    async def ModelReady(self, request, grpc_context=None):  # noqa: N802
+        """GRPCInferenceService.ModelReady (GrpcInference.ModelReady)."""
+        return await self.grpc.ModelReady(request, grpc_context)
+
+    async def ModelMetadata(self, request, grpc_context=None):  # noqa: N802
+        """GRPCInferenceService.ModelMetadata (GrpcInference.ModelMetadata)."""
+        return await self.grpc.ModelMetadata(request, grpc_context)
+
+    async def ModelInfer(self, request, grpc_context=None):  # noqa: N802
+        """GRPCInferenceService.ModelInfer (GrpcInference.ModelInfer)."""
+        return await self.grpc.ModelInfer(request, grpc_context)
 
     # ------------------------------------------------------------------ HTTP
 
@@ -235,97 +281,40 @@ class ReplicaServer(GrpcInferenceMixin):
                              status=503 if self.draining else 200)
 
     async def _get_stats(self, request: Request, version: str | None) -> Response:
-        return json_response(await self._off_loop(self.stats))
+        return json_response(await self.seam.off_loop(self.stats))
 
     async def _infer_http(self, request: Request, version: str | None) -> Response:
-        # Bounded concurrency: past the limit, a quick 503 the client may retry, instead
-        # of one more body held in memory and one more request queued behind the others.
-        stats = self.request_stats
-        if self.draining:
-            return error_response(
-                f"model {self.model_name!r} is shutting down on this replica; retry "
-                f"another (after {self.limits.retry_after_s} s)", 503,
-                {"Retry-After": str(self.limits.retry_after_s), "Connection": "close"})
-        if stats.full(self.limits.max_concurrent_requests):
-            return self._busy_response(
-                f"{stats.in_flight} requests in flight on this replica, the limit is "
-                f"{self.limits.max_concurrent_requests}")
-        with stats.tracked():
-            return await self._infer_http_timed(request, version)
+        refusal = self.seam.admit()  # draining, or the in-flight bound: a quick 503
+        if refusal is not None:
+            return self._fault_response(refusal)
+        trace = {k: request.headers[k] for k in TRACE_KEYS if k in request.headers} or None
+        result = await self.seam.serve(
+            functools.partial(self._infer_http_body, request, trace), trace)
+        return self._fault_response(result) if isinstance(result, Fault) else result
 
-    def _busy_response(self, why: str) -> Response:
-        """503 + Retry-After: the replica is full (`why`), the client may retry."""
-        self.request_stats.counters.rejected_busy += 1
-        return error_response(
-            f"model {self.model_name!r} is busy: {why}; retry after "
-            f"{self.limits.retry_after_s} s", 503,
-            {"Retry-After": str(self.limits.retry_after_s)})
+    def _fault_response(self, fault: Fault) -> Response:
+        return fault_response(fault, self.model_name, self.limits.retry_after_s)
 
-    async def _off_loop(self, fn, *args, **kwargs):
-        """Run `fn` on the replica's parse threads: decoding a body or encoding a response
-        never blocks the event loop that serves the other requests."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self._parse_pool, functools.partial(fn, *args, **kwargs))
-
-    def _server_fault(self, exc: BaseException, trace: dict | None) -> Response:
-        """A 500 whose error id the trace carries too (Note [Client or server fault])."""
-        where = f"model {self.model_name!r}"
-        telemetry = self.runtime.telemetry
-        if telemetry is None or not telemetry.enabled:
-            return server_fault(where, exc)
-        parent = propagate.extract(trace) if trace is not None else None
-        with telemetry.tracer.start_as_current_span("dynvm.request.error", context=parent) \
-                as span:
-            span.set_status(otel_trace.StatusCode.ERROR)
-            return server_fault(where, exc)
-
-    async def _infer_http_timed(self, request: Request, version: str | None) -> Response:
-        counters = self.request_stats.counters
-        trace = None
+    async def _infer_http_body(self, request: Request, trace: dict | None) -> Response:
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise v2.BadRequest(f"Content-Encoding {v2.cut(repr(encoding))} is not "
+                                "supported")
+        # On its way to the batcher: the next batch may wait for it (Note
+        # [Opportunistic batching]); no await between the -1 and the submit below.
+        batcher = self.executor.batcher
+        batcher.arriving(1)
         try:
-            encoding = request.headers.get("content-encoding", "identity").strip().lower()
-            if encoding not in ("", "identity"):
-                raise v2.BadRequest(f"Content-Encoding {v2.cut(repr(encoding))} is not "
-                                    "supported")
-            # On its way to the batcher: the next batch may wait for it (Note
-            # [Opportunistic batching]); no await between the -1 and the submit below.
-            batcher = self.executor.batcher
-            batcher.arriving(1)
-            try:
-                body = await read_body(request, self.max_body_bytes)
-                parse = functools.partial(
-                    v2.parse_infer_request, body, self.program.inputs,
-                    header_length=request.headers.get(v2.HEADER_LENGTH),
-                    max_body_bytes=self.max_body_bytes, output_names=self.output_names,
-                    refuse_non_finite=self.limits.refuse_non_finite)
-                parsed = (parse() if len(body) <= INLINE_JSON_BYTES
-                          else await self._off_loop(parse))
-            finally:
-                batcher.arriving(-1)
-            del body
-            trace = {k: request.headers[k] for k in ("traceparent", "tracestate")
-                     if k in request.headers} or None
-            outcome = await self.executor.submit(parsed, trace)
-            if outcome.error is not None:
-                if is_client_fault(outcome.error):
-                    raise v2.BadRequest(f"model {self.model_name!r}: {outcome.error}")
-                raise outcome.error
-            if outcome.response is not None:  # Note [Lean request path]
-                body, headers = outcome.response
-                headers = dict(headers)
-            else:
-                body, headers = await self._off_loop(
-                    v2.build_infer_response, self.model_name, version or MODEL_VERSION,
-                    outcome.outputs, parsed)
-        except v2.ProtocolError:
-            counters.errors += 1
-            raise
-        except Overloaded as exc:  # the batcher's queue is full (BatchingOptions.max_queued)
-            return self._busy_response(str(exc))
-        except Exception as exc:  # a server fault, CallBudgetError included: logged, an id
-            counters.errors += 1
-            return self._server_fault(exc, trace)
-        return bytes_response(body, headers)
+            body = await read_body(request, self.max_body_bytes)
+            parse = functools.partial(self.parsing.parse, body,
+                                      request.headers.get(v2.HEADER_LENGTH))
+            parsed = (parse() if len(body) <= INLINE_JSON_BYTES
+                      else await self.seam.off_loop(parse))
+        finally:
+            batcher.arriving(-1)
+        del body
+        response, headers = await self.seam.execute(parsed, trace, self._http_encoder)
+        return bytes_response(response, dict(headers))
 
 
 # Note [Plain __call__ routing]

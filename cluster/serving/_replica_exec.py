@@ -1,7 +1,8 @@
 """A replica's model execution: the Runtime behind an `OpportunisticBatcher`, batches
 split back per request, each request's outcome (Note [Request batching] in
-dynvm.cluster.serving._replica). No HTTP here: the routes (dynvm.cluster.serving._replica)
-and any other transport hand it validated `v2.InferRequest`s.
+dynvm.cluster.serving._replica). No transport here: HTTP and gRPC hand it validated
+`v2.InferRequest`s, each with its transport's `Encoder` (dynvm.cluster.protocol._seam),
+through dynvm.cluster.serving._infer_seam.
 
 Note [Batchability decided once]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -21,15 +22,17 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 from torch.utils import _pytree as pytree
 
+from dynvm.cluster._counters import ExecCounters
 from dynvm.cluster.protocol import _v2 as v2
+from dynvm.cluster.protocol._seam import Encoder
 from dynvm.cluster.serving._batcher import OpportunisticBatcher
-from dynvm.cluster.serving._counters import ExecCounters
 from dynvm.cluster.serving.serving_config import ServingConfig
 from dynvm.vm.budget import CallBudget
 from dynvm.vm.errors import CallBudgetError
@@ -49,7 +52,7 @@ class Outcome:
 
     outputs: list[torch.Tensor] | None = None
     error: BaseException | None = None
-    response: tuple[bytes, dict[str, str]] | None = None   # encoded on the worker thread
+    response: Any = None   # the transport's response, encoded on the worker thread
 
 
 def time_follows_shapes(program) -> bool:
@@ -91,14 +94,12 @@ class ReplicaExecutor:
     lives on the replica's event loop; everything else runs on the batcher's worker."""
 
     def __init__(self, model_name: str, program, runtime, device: str,
-                 config: ServingConfig, response_version: str,
-                 probe_outputs: bool = True) -> None:
+                 config: ServingConfig, probe_outputs: bool = True) -> None:
         self.model_name = model_name
         self.program = program
         self.runtime = runtime
         self.device = device
         self._budget = config.limits.call_budget()
-        self._version = response_version
         self.batch_dim = find_batch_dim(program) if config.batching.enabled else None
         self.outputs_meta: list[v2.TensorMetadata] = []
         if probe_outputs:
@@ -263,27 +264,30 @@ class ReplicaExecutor:
                 outcomes[i] = self._run_one(requests[i].tensors, budget)
             counts.vm_calls += 1
 
-    def _execute(self, items: list[tuple[v2.InferRequest, dict | None]]) -> list[Outcome]:
+    def _execute(self, items: list[tuple[v2.InferRequest, dict | None, Encoder | None]]
+                 ) -> list[Outcome]:
         """One batch, on the batcher's worker thread (Note [Opportunistic batching]); small
-        responses are encoded here, in the same hop (Note [Lean request path])."""
-        requests = [request for request, _ in items]
-        traces = [trace for _, trace in items]
+        responses are encoded here by their transport's encoder, in the same hop (Note
+        [Lean request path])."""
+        requests = [request for request, _, _ in items]
+        traces = [trace for _, trace, _ in items]
         outcomes, counts = self.run_batch(requests, traces)
-        for request, outcome in zip(requests, outcomes, strict=True):
+        for (request, _, encoder), outcome in zip(items, outcomes, strict=True):
             outputs = outcome.outputs
-            if outputs is not None and sum(o.numel() for o in outputs) \
-                    <= WORKER_ENCODE_ELEMENTS:
-                # A ProtocolError is raised again, as a 4xx, by the handler's own encode.
+            if encoder is not None and outputs is not None \
+                    and sum(o.numel() for o in outputs) <= WORKER_ENCODE_ELEMENTS:
+                # A ProtocolError is raised again, as a 4xx, by the seam's own encode.
                 with contextlib.suppress(v2.ProtocolError):
-                    outcome.response = v2.build_infer_response(
-                        self.model_name, self._version, outputs, request)
+                    outcome.response = encoder.encode(outputs, request)
         counts.batches = 1
         self.counters.add(counts)
         return outcomes
 
-    async def submit(self, request: v2.InferRequest, trace: dict | None) -> Outcome:
-        """`request`'s outcome once its batch has run (on the replica's event loop);
-        raises Overloaded when the batcher's queue is full."""
+    async def submit(self, request: v2.InferRequest, trace: dict | None,
+                     encoder: Encoder | None = None) -> Outcome:
+        """`request`'s outcome once its batch has run (on the replica's event loop), its
+        response encoded by `encoder` when small; raises Overloaded when the batcher's
+        queue is full."""
         tensors = request.tensors
         if self.batch_dim is not None and tensors:
             rows = tensors[0].shape[0]
@@ -291,7 +295,7 @@ class ReplicaExecutor:
         else:
             rows, key = 1, None
             signature = tuple((t.dtype, tuple(t.shape)) for t in tensors)
-        return await self.batcher.submit((request, trace), rows, key,
+        return await self.batcher.submit((request, trace, encoder), rows, key,
                                          sum(t.nbytes for t in tensors), signature)
 
     def close(self) -> None:

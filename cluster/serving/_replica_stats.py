@@ -19,7 +19,7 @@ from collections import deque
 
 from ray import serve
 
-from dynvm.cluster.serving._counters import RequestCounters, as_dict
+from dynvm.cluster._counters import RequestCounters, as_dict
 from dynvm.cluster.serving._metrics import ReplicaMetrics
 
 logger = logging.getLogger("dynvm.cluster.serving._replica")

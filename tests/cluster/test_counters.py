@@ -1,4 +1,4 @@
-"""The serving counters are typed (dynvm.cluster.serving._counters) and their JSON keys, which
+"""The serving counters are typed (dynvm.cluster._counters) and their JSON keys, which
 /stats serves and `dynvm top` and Prometheus read, are the ones they always were."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import asyncio
 import pytest
 
 from dynvm._runtime_stats import RuntimeStats
-from dynvm.cluster.serving._batcher import OpportunisticBatcher
-from dynvm.cluster.serving._counters import (
+from dynvm.cluster._counters import (
     BatcherCounters,
     ExecCounters,
     LinkCounters,
@@ -18,6 +17,7 @@ from dynvm.cluster.serving._counters import (
     field_of,
     read,
 )
+from dynvm.cluster.serving._batcher import OpportunisticBatcher
 from dynvm.cluster.serving._metrics import Series
 from dynvm.cluster.serving.serving_config import BatchingOptions
 

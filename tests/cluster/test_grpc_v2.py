@@ -17,9 +17,9 @@ import torch
 
 from dynvm.cluster.protocol import _v2 as v2
 from dynvm.cluster.protocol import grpc_v2
-from dynvm.cluster.protocol._http_errors import server_fault
+from dynvm.cluster.protocol._seam import record_server_fault
 from dynvm.cluster.serving._batcher import Overloaded
-from dynvm.cluster.serving._replica import is_client_fault
+from dynvm.cluster.serving._infer_seam import fault_of
 from dynvm.vm.errors import ExecutionError, ShapeError
 from dynvm.vm.program import DimSpec, InputSpec
 
@@ -70,7 +70,7 @@ def parse(request, specs, **kw) -> v2.InferRequest:
 def refused(request, specs, **kw) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(v2.ProtocolError) as info:
         parse(request, specs, **kw)
-    return grpc_v2.status_of(info.value, "m", is_client_fault)
+    return grpc_v2.grpc_status(fault_of(info.value, "m"), "m")
 
 
 def as_float(t) -> np.ndarray:
@@ -218,7 +218,9 @@ def test_message_past_the_body_limit_is_resource_exhausted():
 
 
 def status(error: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    return grpc_v2.status_of(error, "rec", is_client_fault)
+    """The gRPC status of a request's error; None for a server fault."""
+    fault = fault_of(error, "rec")
+    return None if fault is None else grpc_v2.grpc_status(fault, "rec")
 
 
 def test_status_of_model_errors_overload_and_faults():
@@ -229,8 +231,9 @@ def test_status_of_model_errors_overload_and_faults():
     code, _ = status(v2.NotFound("no version '2'"))
     assert code == grpc.StatusCode.NOT_FOUND
     assert status(RuntimeError("kernel exploded")) is None  # a server fault
-    code, details = grpc_v2.internal_status(server_fault("model 'rec'",
-                                                         RuntimeError("kernel exploded")))
+    code, details = grpc_v2.grpc_status(record_server_fault("model 'rec'",
+                                                            RuntimeError("kernel exploded")),
+                                        "rec")
     assert code == grpc.StatusCode.INTERNAL
     assert "error id " in details and "RuntimeError: kernel exploded" in details
 

@@ -5,6 +5,7 @@ fault, a server fault's id reaching the request's trace (Note [Client or server 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -15,7 +16,8 @@ import dynvm
 from dynvm.cluster import ServingConfig
 from dynvm.cluster.protocol import _v2 as v2
 from dynvm.cluster.protocol._http_errors import ERROR_ID_HEADER
-from dynvm.cluster.serving._replica import ReplicaServer, is_client_fault
+from dynvm.cluster.serving._infer_seam import is_client_fault
+from dynvm.cluster.serving._replica import ReplicaServer
 from dynvm.telemetry import Telemetry
 from dynvm.vm.interpreter import Interpreter
 from tests.vm._programs import build
@@ -125,11 +127,70 @@ def test_client_and_server_faults_are_told_apart():
 def test_a_server_faults_error_id_is_in_the_requests_trace(tmp_path):
     replica = _replica(tmp_path, probe_outputs=False)
     telemetry, spans = Telemetry.in_memory()
-    replica.runtime = dynvm.Runtime(replica.program, "cpu", jit=False, telemetry=telemetry)
-    response = replica._server_fault(RuntimeError("boom"), {"traceparent": PARENT})
+    replica.seam.telemetry = telemetry
+    fault = replica.seam.fault(RuntimeError("boom"), {"traceparent": PARENT})
+    response = replica._fault_response(fault)
     assert response.status_code == 500
     error_id = response.headers[ERROR_ID_HEADER]
     assert f"error id {error_id}" in json.loads(response.body)["error"]
     (span,) = [s for s in spans.get_finished_spans() if s.name == "dynvm.request.error"]
     assert span.attributes["dynvm.error_id"] == error_id
     assert format(span.context.trace_id, "032x") == TRACE_ID
+
+
+class _GrpcStatus:
+    """The part of Serve's grpc_context that the gRPC RPCs use: a call's status."""
+
+    code = details = None
+
+    def set_code(self, code) -> None:
+        self.code = code
+
+    def set_details(self, details) -> None:
+        self.details = details
+
+    def invocation_metadata(self):
+        return ()
+
+
+def test_both_transports_run_through_one_seam_with_their_own_encoder(tmp_path):
+    """The executor encodes a small response with the transport's encoder on the worker
+    thread: a gRPC request gets its ModelInferResponse from there and no HTTP body is
+    built for it; a model's client fault is one Fault that HTTP answers 400 and gRPC
+    INVALID_ARGUMENT, with the same message; both are counted in the same counters."""
+    pytest.importorskip("tritonclient.grpc")
+    import grpc
+
+    from dynvm.cluster.protocol._http_front import HttpEncoder
+    from dynvm.cluster.protocol._seam import FaultKind
+    from dynvm.cluster.protocol.grpc_v2 import GrpcEncoder, protos
+
+    replica = _replica(tmp_path, probe_outputs=True)
+    rows = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+
+    async def submit(encoder):
+        return await replica.executor.submit(_request(replica, rows), None, encoder)
+
+    grpc_outcome = asyncio.run(submit(GrpcEncoder("sums")))
+    assert isinstance(grpc_outcome.response, protos().ModelInferResponse)
+    expected = ColumnSums()(torch.tensor(rows)).flatten().tolist()
+    (raw,) = grpc_outcome.response.raw_output_contents
+    assert torch.frombuffer(bytearray(raw), dtype=torch.float32).tolist() == expected
+    body, _ = asyncio.run(submit(HttpEncoder("sums"))).response
+    assert json.loads(body)["outputs"][0]["data"] == expected
+
+    message = protos().ModelInferRequest(model_name="sums")
+    message.inputs.add(name=replica.program.inputs[0].name, datatype="FP32", shape=[1, 5])
+    message.raw_input_contents.append(torch.ones(1, 5).numpy().tobytes())
+    context = _GrpcStatus()
+    before = replica.request_stats.counters.errors
+    asyncio.run(replica.ModelInfer(message, grpc_context=context))
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+    fault = replica.seam.fault(dynvm.ShapeError("input 'x': dim 1 is 5, expected 3"), None)
+    assert fault.kind is FaultKind.CLIENT
+    assert fault.message == "model 'sums': input 'x': dim 1 is 5, expected 3"
+    response = replica._fault_response(fault)
+    assert response.status_code == 400
+    assert json.loads(response.body)["error"] == fault.message
+    assert replica.request_stats.counters.errors == before + 2
+    replica.executor.close()
