@@ -47,11 +47,12 @@ parse threads, for the response; plus serve.batch's own task and queue.) Measure
 (issue 17, recommender, JSON, 8 clients, both with inline batches, 4 alternating 6 s
 runs in one cluster, load 15-29): 202 req/s and 2.89 ms of replica CPU per request with
 small bodies decoded on the loop, 171 req/s and 3.02 ms with every body on the parse
-threads. Counters are plain dict entries, each bumped by one thread (the
-loop: requests, errors, rejections; the worker: the batch counters). The loop's only
-other per-request work is appending the latency to two lists: the Prometheus series,
-the latency histogram included, are refreshed by `_replica_stats`' own thread, at most
-once a second and only after requests came; `/stats` is built on the parse threads.
+threads. Counters are fields of typed counters (dynvm.cluster._counters), each bumped
+by one thread (the loop: requests, errors, rejections; the worker: the batch counters).
+The loop's only other per-request work is appending the latency to two lists: the
+Prometheus series, the latency histogram included, are refreshed by `_replica_stats`'
+own thread, at most once a second and only after requests came; `/stats` is built on the
+parse threads.
 
 Note [Client or server fault]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -192,16 +193,6 @@ class ReplicaServer:
                 owner.close()
 
     # ------------------------------------------------------------------ API
-
-    async def infer_request(self, request: v2.InferRequest,
-                            trace: dict | None = None) -> list[torch.Tensor]:
-        """Run one validated request through the batcher; its outputs, or raises its
-        error (Overloaded when too many wait already). `trace`: the request's W3C
-        trace-context headers (traceparent, tracestate), if it had any."""
-        outcome = await self.executor.submit(request, trace)
-        if outcome.error is not None:
-            raise outcome.error
-        return outcome.outputs
 
     def is_ready(self) -> bool:
         """Readiness (/v2/health/ready asks it): a replica exists only once loaded, and

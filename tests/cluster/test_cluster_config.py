@@ -106,6 +106,34 @@ def test_the_serving_api_loads_lazily():
         cluster.serve_everything  # noqa: B018
 
 
+# The modules a user names directly: a Serve config's import_path (serve_app), its gRPC
+# servicer (grpc_v2), the proxy callback (proxy_guard), README's ingress, compile service
+# and precompile entry points, and ServingConfig's own module. Every other is internal.
+PUBLIC_MODULES = {"serving_config", "serve_app", "grpc_v2", "proxy_guard", "ingress",
+                  "compile_service", "precompile"}
+
+
+def test_the_public_api_is_the_package_top_and_internals_are_underscored():
+    import pkgutil
+
+    for name in cluster.__all__:  # each resolves (the serving names on first use)
+        assert getattr(cluster, name) is not None, name
+    for internal in ("seal", "open_sealed", "check_key", "artifact_fields",
+                     "artifact_from_fields", "FORMAT_VERSION"):
+        assert internal not in cluster.__all__
+        with pytest.raises(AttributeError):
+            getattr(cluster, internal)
+    floors, public = set(), set()
+    for info in pkgutil.walk_packages(cluster.__path__, "dynvm.cluster."):
+        leaf = info.name.rsplit(".", 1)[1]
+        if info.ispkg:
+            floors.add(leaf)
+        elif not leaf.startswith("_"):
+            public.add(leaf)
+    assert floors == {"store", "fleet", "protocol", "serving"}
+    assert public == PUBLIC_MODULES
+
+
 def test_serving_config_is_checked_and_read_from_mappings():
     from dynvm.cluster import Autoscaling, BatchingOptions, ServingConfig, ServingLimits
 
