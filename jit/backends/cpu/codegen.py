@@ -31,7 +31,7 @@ from dynvm.jit.backends.cpu.channels_last import (
     layout_comment,
     plan_channels_last,
 )
-from dynvm.jit.backends.cpu.conv import fuse_conv_epilogues
+from dynvm.jit.backends.cpu.conv import PackedPerBatch, fuse_conv_epilogues
 from dynvm.jit.backends.cpu.fusion import (
     FUSED_KERNELS,
     GATED_OPCODES,
@@ -238,6 +238,10 @@ def _emit_body(emitter, spec, program, constants, device,
             fn = emitter.bind(op.opcode.lower() + "_", INPLACE[op.opcode])
         elif is_fused(op):  # Note [CPU fusion]
             fn = emitter.bind(op.opcode.lower(), FUSED_KERNELS[op.opcode])
+            # Note [Conv weights for one row or many]: the weight by the input's batch
+            args = [f"{emitter.bind('k', a.value.packs)}[{args[0]}.shape[0]]"
+                    if isinstance(a, Literal) and isinstance(a.value, PackedPerBatch) else text
+                    for a, text in zip(op.args, args)]
         elif op.variant == PRECISION_VARIANT:  # Note [Lower-precision GEMMs]
             fn = emitter.bind(op.opcode.lower(), PRECISION_KERNELS[op.opcode])
         else:

@@ -49,6 +49,22 @@ bucket's smaller batches within ~1.2x of their own packing in the figures above)
 kernels planned at the same batch share the copy. A CNN keeps one copy of its weights
 per planned batch alive (ResNet-50: ~100 MB each), freed with the kernels that use it.
 
+Within a family the planning batch is not every batch the kernel serves, and for a few
+geometries the blocking changes inside a bucket. Asked per batch 1..16 on this host
+(the packed copies' memory descriptors compared, `_get_mkldnn_serialized_md`), 21 of
+ResNet-50's 23 convolution geometries want one blocking at every batch, but the 256 ->
+1024 1x1 at 14x14 wants another at batch 1 than at 2..16, and the 1024 -> 512 1x1 at
+14x14 one at batches 1 and 3, another at 2 and 4..16: the bucket [2, 4] kernel, packed
+for 4, reordered that weight on every call at batch 3 (the reorder oneDNN then runs,
+`simple:any`, took 10-36 ms for 2 MB under load, more than the convolution). So a
+fused convolution is packed for every batch of its input's range at the probes
+(`_packed_per_batch`, at most `_MAX_BATCHES_ASKED` of them; beyond, the bounds and the
+powers of two between), copies with the same descriptor are one copy, and where more
+than one blocking is left the kernel picks its weight by the input's batch at run time
+(`PackedPerBatch`: the generated code indexes a tuple by `x.shape[0]`, one tuple index
+per call). A batch not asked runs on the copy of the nearest asked batch below it:
+correct, and at worst the reorder above.
+
 Note [Conv choice in the chain's layout]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The calibration asks its question in the layout the convolution will run in. Under a
@@ -111,6 +127,27 @@ _mkldnn = torch.ops.mkldnn
 # would make one calibration cost seconds, and oneDNN holds the GIL while it runs: Note
 # [oneDNN holds the GIL]).
 _CALIBRATION_MAX_BATCH = 4
+# Note [Conv weights for one row or many]: batches of a family asked for their blocking.
+_MAX_BATCHES_ASKED = 16
+
+
+class PackedPerBatch:
+    """A convolution's packed weights by its input's batch (Note [Conv weights for one
+    row or many]): `packs[b]` is the copy in the blocking oneDNN wants at batch b (None
+    below the family's range); copies with the same blocking are one object."""
+
+    __slots__ = ("packs",)
+
+    def __init__(self, packs: tuple) -> None:
+        self.packs = packs
+
+    def distinct(self) -> int:
+        """How many packed copies the table holds."""
+        return len({id(p) for p in self.packs if p is not None})
+
+    def __repr__(self) -> str:
+        sizes = [b for b, p in enumerate(self.packs) if p is not None]
+        return f"PackedPerBatch(batches {sizes[0]}..{sizes[-1]}, {self.distinct()} copies)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,9 +449,10 @@ def _fused(ops, chain: _Chain, weight, bias, probes, prepacked: PrepackCache,
                         if isinstance(a, ConstRef)) if chain.bn is not None else ()
     # Note [Conv weights for one row or many]: the hint's batch is in the key.
     key = (conv.args[1].index, "conv", folded_from, tuple(padding), tuple(stride),
-           tuple(dilation), groups, tuple(input_size))
-    packed = prepacked.get(key, lambda: _mkldnn._reorder_convolution_weight(
-        weight, padding, stride, dilation, groups, input_size))
+           tuple(dilation), groups)
+    batches = {t.shape[0] for t in probe_tensors(probes, x.reg)}
+    packed = _packed_per_batch(weight, key, padding, stride, dilation, groups, input_size,
+                               batches, prepacked)
     attr, scalars, algorithm = _post_ops(ops, chain)
     # the last op's normalized result (a batch norm's saved statistics are unused)
     dsts = ops[chain.positions()[-1]].dsts[:1]
@@ -432,3 +470,43 @@ def _fused(ops, chain: _Chain, weight, bias, probes, prepacked: PrepackCache,
             Literal(None), Literal(unary), Literal(scalars),
             Literal(algorithm if unary else None))
     return SpecOp(binary_kernel, dsts, args, conv.source_pc, variant=variant)
+
+
+def _blocking(packed: torch.Tensor) -> bytes:
+    """The packed weight's oneDNN memory descriptor, as bytes (its blocking)."""
+    return _mkldnn._get_mkldnn_serialized_md(packed).numpy().tobytes()
+
+
+def _batches_asked(batches: set[int]) -> list[int]:
+    low, high = min(batches), max(batches)
+    if high - low < _MAX_BATCHES_ASKED:
+        return list(range(low, high + 1))
+    powers = {1 << k for k in range(high.bit_length()) if low < 1 << k < high}
+    return sorted(batches | powers | {low, high})
+
+
+def _packed_per_batch(weight, key: tuple, padding, stride, dilation, groups,
+                      input_size: list, batches: set[int], prepacked: PrepackCache):
+    """The packed weight for the planning probe's input size, or a `PackedPerBatch`
+    where the blocking oneDNN wants differs between the batches of `batches`' range
+    (Note [Conv weights for one row or many])."""
+    def pack(size):
+        return prepacked.get((*key, tuple(size)), lambda: _mkldnn._reorder_convolution_weight(
+            weight, padding, stride, dilation, groups, size))
+    planned = pack(input_size)
+    if len(batches) < 2 or 0 in batches:
+        return planned
+    by_blocking = {_blocking(planned): planned}
+    table: list = [None] * (max(batches) + 1)
+    table[input_size[0]] = planned
+    for batch in _batches_asked(batches):
+        if table[batch] is None:
+            packed = pack([batch, *input_size[1:]])
+            # the same blocking: the planned (or first) copy serves; this one is freed
+            table[batch] = by_blocking.setdefault(_blocking(packed), packed)
+    if len(by_blocking) == 1:
+        return planned
+    for batch in range(min(batches), len(table)):   # a batch not asked: the one below
+        if table[batch] is None:
+            table[batch] = table[batch - 1]
+    return PackedPerBatch(tuple(table))
