@@ -1,0 +1,181 @@
+"""`python -m bench.resnet_profile`: where a ResNet-50 call's time goes at 224x224, in
+the dynvm JIT (torch.profiler: self CPU time per operator and input shape) and in ONNX
+Runtime (its own per-node profile), at one batch size and the same thread count.
+
+Note [ResNet profile]
+~~~~~~~~~~~~~~~~~~~~~
+The JIT is seasoned first (calls until Runtime.settled, capped), so what is profiled is
+its installed kernel; the kernel's header notes (what each convolution chain became)
+and, with --source, its generated code are printed or written. Wall medians of eager, the
+JIT and ONNX Runtime are taken interleaved, call by call, before the profiles (the
+profilers add their own cost). The JIT's operators are grouped by name and by input
+shapes (a convolution's shapes say which layer it is); ONNX Runtime's nodes by op type,
+from its JSON profile (`SessionOptions.enable_profiling`). What this answers: how much
+of each system's time is convolution, how much is layout conversion (reorders,
+`contiguous`, `clone`) and how much is neither (the per-call overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from bench import full_width
+
+
+def _settle(runtime, x, cap_s: float) -> int:
+    deadline = time.monotonic() + cap_s
+    calls = 0
+    runtime(*x)
+    while time.monotonic() < deadline and not runtime.settled():
+        runtime(*x)
+        calls += 1
+        time.sleep(0.01)
+    return calls
+
+
+def _walls(systems: dict, x, calls: int) -> dict[str, float]:
+    times: dict[str, list[float]] = defaultdict(list)
+    names = list(systems)
+    for i in range(calls):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            start = time.perf_counter()
+            systems[name](*x)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def profile_jit(runtime, x, calls: int) -> list[tuple[str, str, float, int]]:
+    """(operator, input shapes, self ms per call, count per call), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(calls):
+            runtime(*x)
+    rows = [(e.key, str(e.input_shapes)[:90], e.self_cpu_time_total / 1e3 / calls,
+             e.count // calls) for e in prof.key_averages(group_by_input_shape=True)]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def profile_ort(path: str, threads: int, x, calls: int) -> dict[str, float]:
+    """ms per call by ONNX Runtime node op type, from its JSON profile."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.enable_profiling = True
+    options.log_severity_level = 3
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    feed = {session.get_inputs()[0].name: x[0].numpy()}
+    session.run(None, feed)
+    for _ in range(calls):
+        session.run(None, feed)
+    trace = json.loads(Path(session.end_profiling()).read_text())
+    by_type: dict[str, float] = defaultdict(float)
+    runs = 0
+    for event in trace:
+        if event.get("cat") == "Session" and event.get("name") == "model_run":
+            runs += 1
+        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+            by_type[event["args"].get("op_name", "?")] += event["dur"] / 1e3
+    return {k: v / max(runs, 1) for k, v in sorted(by_type.items(), key=lambda kv: -kv[1])}
+
+
+def main(argv=None) -> int:
+    """Season, time, profile, print."""
+    import dynvm
+    from bench.peers import Exported, OrtRunner
+
+    parser = argparse.ArgumentParser(prog="python -m bench.resnet_profile",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/rn_cache"))
+    parser.add_argument("--settle-seconds", type=float, default=120.0)
+    parser.add_argument("--season", default="",
+                        help="batch sizes to season the JIT on first, comma-separated, as "
+                             "bench.full_width does over all its shapes (default: --batch "
+                             "alone); the kernel profiled is then the one serving --batch")
+    parser.add_argument("--source", type=Path, help="write the JIT's kernels' code here")
+    parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--no-ort", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    season = [int(b) for b in args.season.split(",") if b.strip()] or [args.batch]
+    model = full_width.resnet50(batches=(args.batch, max(2, args.batch), *season))
+    program, _, onnx = full_width.prepare(model, args.cache, with_onnx=not args.no_ort)
+    x = model.inputs[0]
+    print(f"load {os.getloadavg()[0]:.2f}, batch {args.batch}, threads {args.threads}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}", flush=True)
+    jit = dynvm.Runtime(program, jit=dynvm.JitConfig())
+    start = time.perf_counter()
+    calls = 0
+    for _ in range(3):   # rounds over the batch sizes, as bench.full_width seasons
+        for index in range(len(season)):
+            calls += _settle(jit, model.inputs[2 + index], args.settle_seconds / 3)
+    calls += _settle(jit, x, args.settle_seconds / 3)
+    print(f"seasoned: {calls} calls, {time.perf_counter() - start:.1f} s, settled "
+          f"{jit.settled()}", flush=True)
+    for artifact in jit.jit.artifacts.values():
+        print(f"; {artifact.kernel_name}: guard {artifact.guard}")
+        for note in artifact.notes:
+            print(f";   {note}")
+    if args.source:
+        args.source.write_text("\n\n".join(a.source for a in jit.jit.artifacts.values()))
+
+    def eager(*inputs):
+        with torch.inference_mode():
+            return model.module(*inputs)
+
+    systems = {"eager": eager, "jit": jit}
+    exported = None
+    if not args.no_ort:
+        exported = Exported(model.module, x, model.dynamic_shapes, kept=onnx)
+        systems["onnxruntime"] = OrtRunner(exported.path, args.threads)
+    expected = eager(*x)
+    for name, fn in systems.items():
+        out = fn(*x)
+        out = out[0] if isinstance(out, tuple) else out
+        print(f"{name}: |out - eager| {float((out - expected).abs().max()):.2e}")
+    walls = _walls(systems, x, args.calls)
+    print("wall ms (median, interleaved): " + ", ".join(
+        f"{k} {1e3 * v:.1f}" for k, v in walls.items()) + f"; load {os.getloadavg()[0]:.2f}")
+    rows = profile_jit(jit, x, args.calls)
+    total = sum(r[2] for r in rows)
+    print(f"\nJIT operators: {total:.1f} ms per call of self time, wall "
+          f"{1e3 * walls['jit']:.1f}")
+    by_name: dict[str, float] = defaultdict(float)
+    for name, _, ms, _ in rows:
+        by_name[name] += ms
+    for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"  {ms:8.2f} ms  {name}")
+    print("\nlargest by shape:")
+    for name, shapes, ms, count in rows[:args.top]:
+        print(f"  {ms:7.2f} ms x{count:<3d} {name:40s} {shapes}")
+    if exported is not None:
+        ort_rows = profile_ort(exported.path, args.threads, x, args.calls)
+        print(f"\nONNX Runtime nodes: {sum(ort_rows.values()):.1f} ms per call, wall "
+              f"{1e3 * walls['onnxruntime']:.1f}")
+        for name, ms in ort_rows.items():
+            print(f"  {ms:8.2f} ms  {name}")
+        exported.close()
+    jit.close()
+    print(f"load {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
