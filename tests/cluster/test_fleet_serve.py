@@ -196,3 +196,90 @@ def test_deployment_scales_up_under_load_and_back(cluster):
     assert not failures, failures[:3]
     down = wait_until(lambda: _running_replicas("dynvm-model-auto") == 1, timeout_s=120)
     assert down is not None, "no scale-down after the load stopped"
+
+
+def _complete(port: int, prompt: list[int], max_tokens: int) -> list[int]:
+    """One greedy OpenAI completion from a generator replica; its token ids."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions",
+                     json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                 "ignore_eos": True}).encode(),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        body = json.loads(response.read())
+        assert response.status == 200, body
+        return body["choices"][0]["token_ids"]
+    finally:
+        conn.close()
+
+
+def test_a_generator_replica_started_during_a_trace_serves_first_request_specialized(
+        cluster, tmp_path):
+    """Issue 33: a generator replica started while another serves a trace installs the
+    step's families from the store before it answers, so its first request runs them
+    and compiles nothing. One client, prompts of one length: every step signature of
+    the new replica's request (a prompt chunk and single-row decode steps) is one the
+    trace ran."""
+    from dynvm.cluster.serving._generate_replica import GeneratorServer
+    from dynvm.cluster.serving._generate_scheduler import SchedulerConfig
+    from dynvm.cluster.serving.serving_config import ServingConfig
+    from tests.cluster._generate_helpers import HttpServer, reference, saved_generator
+
+    bundle = str(saved_generator(tmp_path / "gen"))
+    config = ServingConfig(device="cpu", jit=CONFIG, fleet=cluster.fleet)
+    scheduler = SchedulerConfig(max_sequences=2)
+    first = GeneratorServer("gen", bundle, config, scheduler, metrics_to_ray=False)
+    first_http = HttpServer(first)
+    second = second_http = None
+    stop, failures = threading.Event(), []
+
+    def trace() -> None:
+        rng = random.Random(5)
+        while not stop.is_set():
+            try:
+                _complete(first_http.port, [rng.randrange(3, 100) for _ in range(6)], 12)
+            except Exception as error:  # noqa: BLE001 - reported by the test below
+                failures.append(repr(error))
+                return
+
+    client = threading.Thread(target=trace, daemon=True)
+    client.start()
+    try:
+        try:
+            # The compile service promoted the trace's step signatures (a prompt chunk,
+            # single-row decode), and the first replica runs none of its regions
+            # interpreted any more.
+            window = [first.generator.step.stats()]
+
+            def trace_specialized() -> bool:
+                now = first.generator.step.stats()
+                last, window[0] = window[0], now
+                return (now["calls"] > last["calls"] and now["interpreted_region_calls"]
+                        == last["interpreted_region_calls"])
+
+            assert wait_until(trace_specialized, 60, interval_s=0.5) is not None, \
+                (first.stats()["fleet"], window[0])
+            second = GeneratorServer("gen", bundle, config, scheduler, metrics_to_ray=False)
+            link = second.stats()["fleet"][0]
+            assert link["warm_start_installs"] >= 1, link
+            second_http = HttpServer(second)
+            before = second.generator.step.stats()
+            prompt = [7, 8, 9, 10, 11, 12]
+            tokens = _complete(second_http.port, prompt, 12)
+            after = second.generator.step.stats()
+        finally:
+            stop.set()
+            client.join(60)
+        assert not failures, failures
+        assert tokens == reference(prompt, 12)
+        assert after["compiles"] == 0, after
+        assert after["specialized_region_calls"] > before["specialized_region_calls"]
+        assert after["interpreted_region_calls"] == before["interpreted_region_calls"], \
+            ("the new replica's first request ran interpreted", before, after)
+    finally:
+        for server, http_server in ((second, second_http), (first, first_http)):
+            if http_server is not None:
+                http_server.close()
+            if server is not None:
+                server.close()
