@@ -2,7 +2,10 @@
 oneDNN's blocking differs between the batches it serves (Note [Conv weights for one row
 or many] in jit/backends/cpu/conv.py): the table holds one copy per blocking, the
 generated code indexes it by `x.shape[0]`, and every batch agrees with eager, strided
-and offset inputs included.
+and offset inputs included. And a fused residual add writes into its residual where
+that residual dies there and is a fresh fused result (Note [Residual add in place] in
+jit/backends/cpu/conv_residual.py), never where conv(x) reads it, with the caller's
+tensor untouched.
 
 The geometry is a 128 -> 512 1x1 convolution at 14x14, whose blocking on this
 project's AVX-512 host differs at batch 3 from batches 2 and 4 (as ResNet-50's 1024 ->
@@ -93,3 +96,48 @@ def test_a_family_kernel_agrees_with_eager_at_every_batch_of_its_bucket():
     weight = model.conv.weight.detach()
     if _differs(weight, [3, 128, 14, 14], [4, 128, 14, 14]):
         assert any(".shape[0]]" in s for s in sources), sources
+
+
+class _TwoBlocks(nn.Module):
+    """A stem conv, a bottleneck whose residual is the stem's fused result (written in
+    place), and a one-conv block adding its own input (never in place: conv(x) reads x)."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.stem, self.b0 = nn.Conv2d(3, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
+        self.c1, self.b1 = nn.Conv2d(c, c // 2, 1, bias=False), nn.BatchNorm2d(c // 2)
+        self.c2, self.b2 = nn.Conv2d(c // 2, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
+        self.c3, self.b3 = nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
+        gen = torch.Generator().manual_seed(1)
+        for bn in (self.b0, self.b1, self.b2, self.b3):
+            bn.running_mean.uniform_(-0.5, 0.5, generator=gen)
+            bn.running_var.uniform_(0.5, 2.0, generator=gen)
+
+    def forward(self, x):
+        h = torch.relu(self.b0(self.stem(x)))
+        y = torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(h))))) + h)
+        z = torch.relu(self.b3(self.c3(y)) + y)
+        return z.mean((2, 3))
+
+
+def test_a_dying_residual_takes_the_fused_result_in_place():
+    # Note [Residual add in place]: the bottleneck's add writes into the stem's result;
+    # the one-conv block's does not (its residual is its convolution's input).
+    model = _TwoBlocks().eval()
+    program = dynvm.compile(model, (torch.randn(2, 3, 16, 16),),
+                            ({0: Dim("batch", min=1, max=4)},))
+    config = h.eager_config(cpu_fusion="always", cpu_channels_last="always")
+    gen = torch.Generator().manual_seed(5)
+    with dynvm.Runtime(program, jit=config) as rt, torch.no_grad():
+        for step in range(4):
+            x = torch.randn(3, 3, 16, 19, generator=gen)[1:, :, :, 3:]
+            if step % 2:
+                x = x.contiguous()
+            before = x.clone()
+            torch.testing.assert_close(rt(x), model(x), **TOL, msg=f"step {step}")
+            assert torch.equal(x, before)      # the caller's tensor is never written
+        assert rt.stats()["specialized_region_calls"] > 0
+        sources = [a.source for a in rt.jit.artifacts.values()]
+    assert sources and all(s.count("onednn_conv_binary_inplace") == 1 for s in sources), \
+        sources   # the bottleneck's add, not the one-conv block's
+    assert all("1 residual add(s) written into the residual" in s for s in sources)

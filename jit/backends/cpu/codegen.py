@@ -32,6 +32,7 @@ from dynvm.jit.backends.cpu.channels_last import (
     plan_channels_last,
 )
 from dynvm.jit.backends.cpu.conv import PackedPerBatch, fuse_conv_epilogues
+from dynvm.jit.backends.cpu.conv_residual import IN_PLACE_KERNELS, residuals_in_place
 from dynvm.jit.backends.cpu.fusion import (
     FUSED_KERNELS,
     GATED_OPCODES,
@@ -237,7 +238,8 @@ def _emit_body(emitter, spec, program, constants, device,
         elif op.variant == "inplace":
             fn = emitter.bind(op.opcode.lower() + "_", INPLACE[op.opcode])
         elif is_fused(op):  # Note [CPU fusion]
-            fn = emitter.bind(op.opcode.lower(), FUSED_KERNELS[op.opcode])
+            fn = emitter.bind(op.opcode.lower(),
+                              IN_PLACE_KERNELS.get(op.opcode) or FUSED_KERNELS[op.opcode])
             # Note [Conv weights for one row or many]: the weight by the input's batch
             args = [f"{emitter.bind('k', a.value.packs)}[{args[0]}.shape[0]]"
                     if isinstance(a, Literal) and isinstance(a.value, PackedPerBatch) else text
@@ -336,8 +338,13 @@ def _channels_last(spec: SpecializedRegion, program, constants, device, name: st
     plan = plan_channels_last(spec)
     if plan is None:
         return spec, ""
+    # Note [Residual add in place]: only inside chains, so part of what is measured
+    in_place, count = residuals_in_place(plan.spec)
+    plan = dataclasses.replace(plan, spec=in_place)
+    plan_note = f"; {count} residual add(s) written into the residual" if count else ""
     if options.channels_last == "always":
-        return plan.spec, f"channels-last: {plan.describe()} (not measured: forced on)"
+        return plan.spec, (f"channels-last: {plan.describe()}{plan_note} (not measured: "
+                           "forced on)")
     calibrator = options.calibrator or calibrator_for(device)
     planning = spec.abstract[0]
     numel = sum(planning[reg].numel() for reg in spec.live_in
@@ -347,7 +354,7 @@ def _channels_last(spec: SpecializedRegion, program, constants, device, name: st
     use, note = choose_channels_last(
         spec, plan, lambda s: _load(s, program, constants, device, name, options),
         calibrator, key, device)
-    return (plan.spec if use else spec), f"channels-last: {plan.describe()} {note}"
+    return (plan.spec if use else spec), f"channels-last: {plan.describe()}{plan_note} {note}"
 
 
 def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.device,
