@@ -11,6 +11,8 @@ rewrites the specializer made and the generated source; and any specialization f
 
 from __future__ import annotations
 
+import torch.utils._pytree as pytree
+
 import dynvm
 from dynvm._run_cmd import (
     CliError,
@@ -42,8 +44,10 @@ def explain_command(args, program, demo) -> int:
     shapes = ", ".join(f"{spec.name}={list(t.shape)}" for spec, t in zip(program.inputs,
                                                                          inputs))
     telemetry = make_telemetry(args.trace)
+    # A nested program (lists of tensors, dicts) takes its inputs in its own structure.
+    call_args = pytree.tree_unflatten(inputs, pytree.treespec_loads(program.in_spec))
     try:
-        return _explain(program, inputs, shapes, telemetry)
+        return _explain(program, call_args, shapes, telemetry)
     finally:
         telemetry.shutdown()
 

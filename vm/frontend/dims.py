@@ -7,6 +7,7 @@ import inspect
 
 import sympy
 import torch
+import torch.utils._pytree as pytree
 
 from dynvm.vm.errors import UnsupportedOpError
 from dynvm.vm.program import DimSpec, InputSpec
@@ -18,16 +19,21 @@ _UNBOUNDED = MAX_DIM
 
 
 def user_dim_names(module, example_inputs: tuple, dynamic_shapes) -> list[dict[int, str]]:
-    """Per positional input, {dim index: the user's Dim name}."""
+    """Per input tensor, in the order torch.export flattens the inputs (a list or dict
+    input is several), {dim index: the user's Dim name}."""
+    leaves = pytree.tree_leaves(tuple(example_inputs))
     if dynamic_shapes is None:
-        return [{} for _ in example_inputs]
+        return [{} for _ in leaves]
     if isinstance(dynamic_shapes, dict):
         params = list(inspect.signature(module.forward).parameters)
         per_input = [dynamic_shapes.get(name) for name in params[: len(example_inputs)]]
     else:
         per_input = list(dynamic_shapes)
+    specs: list = []
+    for example, spec in zip(example_inputs, per_input):
+        _tensor_specs(example, spec, specs)
     names: list[dict[int, str]] = []
-    for spec in per_input:
+    for spec in specs:
         found: dict[int, str] = {}
         items = spec.items() if isinstance(spec, dict) else enumerate(spec or ())
         for index, dim in items:
@@ -37,6 +43,24 @@ def user_dim_names(module, example_inputs: tuple, dynamic_shapes) -> list[dict[i
                 found[int(index)] = name
         names.append(found)
     return names
+
+
+def _tensor_specs(example, spec, out: list) -> None:
+    """Append the dynamic-shape spec of each tensor in `example` (a tensor, or a list,
+    tuple or dict of them, as torch.export takes them) in flattening order; None where
+    the user gave none."""
+    if isinstance(example, torch.Tensor):
+        out.append(spec)
+    elif isinstance(example, list | tuple):
+        subs = spec if isinstance(spec, list | tuple) else [None] * len(example)
+        for item, sub in zip(example, subs):
+            _tensor_specs(item, sub, out)
+    elif isinstance(example, dict):
+        subs = spec if isinstance(spec, dict) else {}
+        for key in pytree.tree_flatten(example)[1].context:
+            _tensor_specs(example[key], subs.get(key), out)
+    else:
+        out.extend([None] * len(pytree.tree_leaves(example)))
 
 
 def _bounds(exported, expr) -> tuple[int, int]:
@@ -94,6 +118,25 @@ def _dim_spec(exported, where: str, expr, name: str) -> DimSpec:
     return DimSpec(name, scale * root_low + offset, scale * root_high + offset, scale, offset)
 
 
+def _root_names(placeholders, user_names: list[dict[int, str]]) -> dict:
+    """The user's name of each root symbol, from the first dim that names it: a dim
+    shared by several inputs (one Dim object given twice, or an input of a list) is one
+    symbol to torch.export, and keeps the user's name wherever it appears."""
+    names: dict = {}
+    for index, node in enumerate(placeholders):
+        fake = node.meta.get("val")
+        given = user_names[index] if index < len(user_names) else {}
+        if not isinstance(fake, torch.Tensor):
+            continue
+        for dim_index, size in enumerate(fake.shape):
+            if isinstance(size, int) or dim_index not in given:
+                continue
+            relation = _linear(size.node.expr)
+            root = relation[0] if relation is not None else size.node.expr
+            names.setdefault(root, given[dim_index])
+    return names
+
+
 def input_specs(exported, placeholders, names: list[str],
                 user_names: list[dict[int, str]]) -> tuple[tuple[InputSpec, ...], list]:
     """InputSpecs of the user inputs, and the repeats: pairs of (input index, dim) whose
@@ -102,6 +145,7 @@ def input_specs(exported, placeholders, names: list[str],
     specs = []
     first_seen: dict[sympy.Symbol, tuple[int, int]] = {}
     repeats: list[tuple[tuple[int, int], tuple[int, int]]] = []
+    root_names = _root_names(placeholders, user_names)
     for index, node in enumerate(placeholders):
         fake = node.meta.get("val")
         if not isinstance(fake, torch.Tensor):
@@ -115,8 +159,7 @@ def input_specs(exported, placeholders, names: list[str],
             expr = size.node.expr
             relation = _linear(expr)
             root = relation[0] if relation is not None else expr
-            name = user_names[index].get(dim_index, str(root)) if index < len(user_names) \
-                else str(root)
+            name = root_names.get(root, str(root))
             dims.append(_dim_spec(exported, f"input {names[index]!r} dim {dim_index}", expr,
                                   name))
             if root in first_seen:
