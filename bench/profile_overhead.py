@@ -123,11 +123,11 @@ def entry_costs(rounds: int = 600) -> None:
         return run
 
     profiled = unit(body)
-    body._since_cold_check = -(1 << 40)   # profiled on every miss, never cold
-    sampled_slot = type(body)(jit, body.region)
-    sampled_slot.sample_every, sampled_slot._cold = 2, 1 << 30
+    body.watch._since_cold_check = -(1 << 40)   # profiled on every miss, never cold
+    sampled_slot = type(body)(jit, body.region, body._steps, body._writes_state)
+    sampled_slot.watch.sample_every, sampled_slot.watch.cold = 2, 1 << 30
     sampled = unit(sampled_slot)
-    hit_slot = type(body)(jit, body.region)
+    hit_slot = type(body)(jit, body.region, body._steps, body._writes_state)
     hit_slot.leave(hit_slot._sign(regs), 1e-5)
     signature = hit_slot._sign(regs)
     hit_slot.install(jit._compile(hit_slot, signature, jit.key_for(hit_slot, signature)))

@@ -66,7 +66,7 @@ def _explain(program, inputs, shapes: str, telemetry) -> int:
             raise CliError(f"the program rejects these inputs ({shapes}): {exc}") from None
         artifacts = list(runtime.jit.artifacts.values())
         installed = {spec.artifact.key: spec for region in runtime.jit.regions.values()
-                     for spec in region._all()}
+                     for spec in region.installed()}
         print(f"; {program.name} with {shapes}: {len(artifacts)} specialized region(s) of "
               f"{len(program.regions)}")
         failures = runtime.stats().specialize_failures or {}

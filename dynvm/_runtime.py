@@ -135,9 +135,7 @@ class Runtime:
             calls = self._calls
         jit = self.jit
         if jit is not None:  # Note [Detached regions] in dynvm.jit.region_watch
-            jit.program_calls = calls
-            if calls >= jit.reattach_at:
-                jit.reattach_due(calls)
+            jit.program_call_done(calls)
         return pytree.tree_unflatten(outputs, self._out_spec)
 
     def _flatten(self, inputs: tuple) -> list:
@@ -187,7 +185,8 @@ class Runtime:
                "allocations_per_forward": self._last_allocations}
         if self.jit is None:
             return RuntimeStats.of(None, **own)
-        limiter = self.jit.event_limiter
+        tracing = self.jit.tracing
+        limiter = tracing.event_limiter if tracing is not None else None
         # The engine's typed counters, taken field by field (dynvm.jit.engine_stats).
         return RuntimeStats.of(JitStats.from_engine(self.jit), **own,
                                telemetry_events_dropped=None if limiter is None

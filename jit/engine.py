@@ -40,7 +40,6 @@ import threading
 import time
 from collections import deque
 
-import torch
 from opentelemetry import context as otel_context
 
 from dynvm.arena import ArenaPool
@@ -54,11 +53,12 @@ from dynvm.jit.guards import GuardStrength, describe
 from dynvm.jit.portable import PortableError, PortableSpecialization
 from dynvm.jit.prewarm import prewarm, warm_registers
 from dynvm.jit.probation import CONFIRMED, DEMOTE, ProbationCounters
+from dynvm.jit.probes import abstract_live_ins, clip_to_declared, family_live_ins
 from dynvm.jit.queue import CompileQueue, CompileTimeout
 from dynvm.jit.region_jit import RegionJit, Specialization
+from dynvm.jit.region_slot import BuiltCode
 from dynvm.jit.specialize import InputRejected, failure_reason, specialize
 from dynvm.shape_cluster import Family
-from dynvm.shape_cluster.signature import is_tensor_entry
 from dynvm.vm.isa import OpClass
 
 _NEVER = 1 << 62   # `reattach_at` with no region detached
@@ -67,43 +67,17 @@ MIN_TENSOR_OPS = 2
 MAX_ARTIFACTS = 256   # artifacts kept for `dynvm explain` and stats (newest)
 
 
-def family_live_ins(live_in: tuple[int, ...], family: Family, dims) -> dict[int, object]:
-    """Meta tensors (contiguous, as every family member is) for one probe of a family."""
-    values = {}
-    for index, part, probe in zip(live_in, family.structure, dims):
-        if part[0] == "t":
-            _, _rank, dtype, _device, _layout = part
-            values[index] = torch.empty(probe, dtype=dtype, device="meta")
-        else:
-            values[index] = part[2]
-    return values
-
-
-def abstract_live_ins(live_in: tuple[int, ...], signature: tuple) -> dict[int, object]:
-    """Meta tensors (and scalar values) standing for a signature's live-ins."""
-    values = {}
-    for index, entry in zip(live_in, signature):
-        if is_tensor_entry(entry):
-            shape, dtype, strides, offset, _device = entry
-            values[index] = torch.empty_strided(shape.dims, strides, dtype=dtype,
-                                                device="meta")
-        else:
-            values[index] = entry[1]
-    return values
-
-
-class Jit(JitTracing):
+class Jit:
     """The JIT tier of one Runtime (module docstring): a RegionJit in every region
-    worth watching, the compile queue, the backends, and the counters of `stats()`."""
+    worth watching, the compile queue, the backends, and the counters of `stats()`.
+    Its regions reach it only through the `RegionHost` interface (dynvm.jit.region_jit);
+    its spans and events go through the `JitTracing` it holds while tracing."""
 
     def __init__(self, program, interpreter, config: JitConfig | None = None,
                  telemetry=None) -> None:
         self.program = program
         self.interpreter = interpreter
         self.config = config or JitConfig()
-        # Note [Trace shape] in dynvm.telemetry; None: no tracing work at all.
-        self.telemetry = telemetry if telemetry is not None and telemetry.enabled else None
-        self.event_limiter = self.telemetry.event_limiter() if self.telemetry else None
         self.queue = CompileQueue(self.config.compile_threads, self.config.max_queue_length,
                                   self.config.sync, timeout_s=self.config.compile_timeout_s)
         self.regions: dict[int, RegionJit] = {}
@@ -133,8 +107,8 @@ class Jit(JitTracing):
         self.fleet = None
         self._compile_listeners: list = []
         # Note [Detached regions] in dynvm.jit.region_watch: region index -> the program call
-        # at which it is re-attached; the Runtime stores its call count in `program_calls`
-        # and calls `reattach_due` once it reaches `reattach_at`.
+        # at which it is re-attached; the Runtime reports each program call's count to
+        # `program_call_done`, which re-attaches once it reaches `reattach_at`.
         self._detach_lock = threading.Lock()   # never held while taking a region's lock
         self.detached: dict[int, int] = {}
         self._detached_from: dict[int, int] = {}   # index -> first program call not seen
@@ -155,6 +129,9 @@ class Jit(JitTracing):
         # "cpu" or "triton" (JitConfig.backend resolved for this device); it enters
         # every cache key. Triton is imported only when it is chosen.
         self.backend = self.config.backend_for(interpreter.device)
+        # Note [Trace shape] in dynvm.telemetry; None: no tracing work at all.
+        self.tracing = JitTracing(telemetry, program, self.backend, interpreter.device) \
+            if telemetry is not None and telemetry.enabled else None
         self._options_key = self._cpu_options.as_key()
         self._triton_options = None
         self.triton_compiles = 0
@@ -166,12 +143,21 @@ class Jit(JitTracing):
             self._options_key = {"cpu": self._options_key,
                                  "triton": DEFAULT_OPTIONS.as_key()}
 
+    def trace_with(self, telemetry) -> None:
+        """Start tracing into `telemetry` (enabled): the application set its global
+        provider after this JIT was made (Note [Global tracer provider] in
+        dynvm.telemetry). One store: a thread sees no tracing or all of it."""
+        self.tracing = JitTracing(telemetry, self.program, self.backend,
+                                  self.interpreter.device)
+
     def attach(self) -> None:
+        """Put a RegionJit into the slot of every region worth watching."""
         for region in self.program.regions:
             code = self.program.code[region.start:region.stop]
             tensor_ops = sum(1 for instr in code if instr.spec.opclass is OpClass.TENSOR)
             if tensor_ops >= MIN_TENSOR_OPS:
-                slot = RegionJit(self, region)
+                slot = RegionJit(self, region, self.interpreter.region_steps(region.index),
+                                 any(instr.spec.writes_state for instr in code))
                 self.regions[region.index] = slot
                 self.interpreter.install_slot(region.index, slot)
 
@@ -198,9 +184,16 @@ class Jit(JitTracing):
         self._log(f"region {index} detached: no specialization can pay for its compile; "
                   f"looked at again in {period} calls")
 
+    def program_call_done(self, calls: int) -> None:
+        """The Runtime finished its `calls`-th program call: the clock of detached
+        regions (Note [Detached regions]), re-attaching those whose period ended."""
+        self.program_calls = calls
+        if calls >= self.reattach_at:
+            self.reattach_due(calls)
+
     def reattach_due(self, program_calls: int, everything: bool = False) -> None:
         """Re-attach the detached regions whose period has ended (the Runtime calls it
-        when `program_calls` reaches `reattach_at`)."""
+        when `program_calls` reaches `reattach_at`, via `program_call_done`)."""
         with self._detach_lock:
             due = [index for index, at in self.detached.items()
                    if everything or at <= program_calls]
@@ -251,10 +244,10 @@ class Jit(JitTracing):
             return False
         local = self.compiles_locally()
         for region_jit in list(self.regions.values()):
-            installed = region_jit._all()
+            installed = region_jit.installed()
             if region_jit.pending or any(spec.probation is not None for spec in installed):
                 return False
-            if local and not installed and not region_jit.checked:
+            if local and not installed and not region_jit.watch.checked:
                 return False
         return True
 
@@ -300,35 +293,26 @@ class Jit(JitTracing):
         if isinstance(target, Family):
             target = self.clip_to_declared(region_jit, target)
         key = self.key_for(region_jit, target)
-        if self.telemetry is None:
+        tracing = self.tracing
+        if tracing is None:
             future = self.queue.submit(key, decision.benefit_seconds,
                                        lambda: self._compile(region_jit, target, key))
             future.add_done_callback(lambda f: self._finished(region_jit, pending, f))
             return
         # Captured here, on the promoting call's thread: the compile and install spans
         # are its children wherever they run (Note [Trace shape]).
-        parent = self._promote_span(region_jit, target, key, decision)
+        index = region_jit.region.index
+        parent = tracing.promote_span(index, target, key, decision)
         future = self.queue.submit(key, decision.benefit_seconds,
-                                   lambda: self._traced_compile(region_jit, target, key,
-                                                                parent))
+                                   lambda: tracing.traced_compile(
+                                       lambda: self._compile(region_jit, target, key),
+                                       index, target, key, parent))
         future.add_done_callback(lambda f: self._finished(region_jit, pending, f, parent))
 
     def clip_to_declared(self, region_jit: RegionJit, family: Family) -> Family:
-        """A family's buckets cut to the program's declared dim ranges where its live-ins
-        are program inputs, so that its kernel never covers inputs the program refuses."""
-        inputs = self.program.inputs
-        bounds = []
-        for register, dims in zip(region_jit.live_in, family.bounds):
-            if dims is None or register not in self._input_registers:
-                bounds.append(dims)
-                continue
-            declared = inputs[register].dims
-            bounds.append(tuple((max(low, d.low), min(high, d.high)) if low != high
-                                else (low, high) for (low, high), d in zip(dims, declared)))
-        clipped = tuple(bounds)
-        if clipped == family.bounds:
-            return family
-        return Family(family.structure, clipped)
+        """`family` cut to the program's declared dim ranges (jit.specialize)."""
+        return clip_to_declared(family, region_jit.live_in, self.program.inputs,
+                                self._input_registers)
 
     def _compile(self, region_jit: RegionJit, target, key: str) -> Specialization:
         start = time.perf_counter()
@@ -376,19 +360,25 @@ class Jit(JitTracing):
             built = self._build_triton(ir, family.key if family is not None else described,
                                        key)
             if not isinstance(built, str):
-                return self._finish_build(key, "triton", built.kernel_name, built.source,
-                                          strength, built.notes, start, built.metadata,
-                                          signature, built.fn, family, ir)
+                code = BuiltCode("triton", built.kernel_name, built.source, built.fn,
+                                 tuple(built.notes), built.metadata)
+                return self._finish_build(key, code, ir=ir, strength=strength,
+                                          signature=signature, family=family, start=start)
             notes = (*notes, built)
         kernel = compile_kernel(ir, self.program, self._constants, self.interpreter.device,
                                 described, strength.value, cpu_options or self._cpu_options,
                                 owner=key)
-        return self._finish_build(key, "cpu", kernel.name, kernel.source, strength, notes,
-                                  start, {}, signature, kernel.fn, family, ir,
-                                  arena=kernel.arena is not None)
+        code = BuiltCode("cpu", kernel.name, kernel.source, kernel.fn, tuple(notes),
+                         arena=kernel.arena is not None)
+        return self._finish_build(key, code, ir=ir, strength=strength, signature=signature,
+                                  family=family, start=start)
 
-    def _finish_build(self, key, backend, kernel_name, source, strength, notes, start,
-                      metadata, signature, fn, family, ir, arena=False) -> Specialization:
+    def _finish_build(self, key: str, code: BuiltCode, *, ir, strength: GuardStrength,
+                      signature: tuple, family: Family | None, start: float
+                      ) -> Specialization:
+        """The Specialization of `code`, built for `key` from `ir` to serve `signature`
+        or `family` at `strength`; its artifact is kept (`start`: when the build began)."""
+        fn, notes, arena = code.fn, code.notes, code.arena
         if self.interpreter.device.type == "cuda" and not arena:
             # Captured here, on the building thread, never on a request (Note [CUDA graph
             # outputs]); code that takes an arena per call is never captured.
@@ -398,8 +388,8 @@ class Jit(JitTracing):
                                      self.config.cuda_graphs_max_batch)
             notes = (*notes, note) if note else notes
         seconds = time.perf_counter() - start
-        artifact = Artifact(key, backend, str(self.interpreter.device), kernel_name,
-                            source, strength.value, tuple(notes), seconds, metadata)
+        artifact = Artifact(key, code.backend, str(self.interpreter.device), code.kernel_name,
+                            code.source, strength.value, tuple(notes), seconds, code.metadata)
         with self._lock:
             self.artifacts[key] = artifact
             while len(self.artifacts) > MAX_ARTIFACTS:  # oldest first (insertion order)
@@ -443,7 +433,7 @@ class Jit(JitTracing):
             raise PortableError(f"record for region {portable.region} does not match the "
                                 f"key {key[:16]} it was stored under (another target, "
                                 f"device or options)")
-        if any(s.artifact.key == key for s in region_jit._all()):
+        if any(s.artifact.key == key for s in region_jit.installed()):
             return None
         start = time.perf_counter()
         spec = self._build(portable.ir, portable.strength, portable.signature,
@@ -465,11 +455,12 @@ class Jit(JitTracing):
         region_jit = self.regions.get(portable.region)
         if region_jit is None:
             return None
-        if any(s.artifact.key == key for s in region_jit._all()):
+        if any(s.artifact.key == key for s in region_jit.installed()):
             return None
-        spec = self._finish_build(key, backend, kernel_name, source, portable.strength,
-                                  notes, time.perf_counter() - load_seconds, metadata,
-                                  portable.signature, fn, portable.family, portable.ir)
+        code = BuiltCode(backend, kernel_name, source, fn, tuple(notes), metadata)
+        spec = self._finish_build(key, code, ir=portable.ir, strength=portable.strength,
+                                  signature=portable.signature, family=portable.family,
+                                  start=time.perf_counter() - load_seconds)
         region_jit.install(spec, None)
         with self._lock:
             self.installs += 1
@@ -486,8 +477,8 @@ class Jit(JitTracing):
         error = future.exception()
         if error is None:
             region_jit.install(future.result(), pending)
-            if parent is not None:
-                self._install_span(region_jit, future.result(), parent)
+            if parent is not None and self.tracing is not None:
+                self.tracing.install_span(region_jit.region.index, future.result(), parent)
             if listeners and self._compile_listeners:
                 # Listeners (the compile service's publish) run in the promotion's trace.
                 token = otel_context.attach(parent) if parent is not None else None
@@ -531,8 +522,8 @@ class Jit(JitTracing):
     def on_guard_failure(self, region_jit: RegionJit, explanation: str | None) -> None:
         if explanation:
             self._log(f"region {region_jit.region.index} guard failed: {explanation}")
-            if self.telemetry is not None:
-                self._span_event("dynvm.guard_failure", {
+            if self.tracing is not None:
+                self.tracing.event("dynvm.guard_failure", {
                     "dynvm.region": region_jit.region.index,
                     "dynvm.first_failing_check": explanation,
                     "dynvm.sample_rate": self.config.guard_failure_sample_rate})
@@ -553,8 +544,8 @@ class Jit(JitTracing):
                 }.get(verdict, "dropped: the interpreter runs its calls, the key backs off")
         self._log(f"region {region_jit.region.index} {spec.artifact.kernel_name}: "
                   f"{spec.ratio:.3f}x the interpreter on its calls, {what}")
-        if self.telemetry is not None:
-            self._span_event("dynvm.probation", {
+        if self.tracing is not None:
+            self.tracing.event("dynvm.probation", {
                 "dynvm.region": region_jit.region.index,
                 "dynvm.kernel": spec.artifact.kernel_name,
                 "dynvm.verdict": verdict, "dynvm.ratio": spec.ratio})
@@ -583,8 +574,8 @@ class Jit(JitTracing):
     def on_deopt(self, region_jit: RegionJit, spec: Specialization, error: Exception) -> None:
         self._log(f"region {region_jit.region.index} deopt from {spec.artifact.kernel_name}: "
                   f"{type(error).__name__}: {error}")
-        if self.telemetry is not None:
-            self._span_event("dynvm.deopt", {
+        if self.tracing is not None:
+            self.tracing.event("dynvm.deopt", {
                 "dynvm.region": region_jit.region.index,
                 "dynvm.kernel": spec.artifact.kernel_name,
                 "dynvm.error": f"{type(error).__name__}: {error}"})

@@ -152,8 +152,8 @@ class JitStats:
                 guard_failures=c.guard_failures, deopts=c.deopts,
                 last_guard_failure=c.last_guard_failure,
                 detached=index in jit.detached,
-                sample_every=region_jit.sample_every,   # Note [Sampled watching]
-                watch_cost_seconds=region_jit.watch_cost_seconds,
+                sample_every=region_jit.watch.sample_every,   # Note [Sampled watching]
+                watch_cost_seconds=region_jit.watch.watch_cost_seconds,
                 detached_program_calls=jit.detached_program_calls(index))
             for name in totals:
                 totals[name] += getattr(c, name)

@@ -33,7 +33,7 @@ import torch
 from dynvm.jit.guards import GuardStrength
 from dynvm.jit.ir import ConstRef, SpecializedRegion, SpecOp, Var
 from dynvm.jit.ir_codec import IrCodecError, decode_value, encode_value
-from dynvm.shape_cluster import Family
+from dynvm.shape_cluster import SCALAR, TENSOR, Family, ScalarPart, TensorPart
 from dynvm.shape_cluster.signature import is_tensor_entry
 from dynvm.vm import torch_literals
 from dynvm.vm.errors import DynvmError
@@ -89,11 +89,11 @@ def encode_signature(signature: tuple) -> list:
 def _encode_family(family: Family) -> dict:
     structure = []
     for part in family.structure:
-        if part[0] == "t":
-            _, rank, dtype, device, layout = part
-            structure.append(["t", rank, literal_name(dtype), str(device), layout])
+        if part.tag == TENSOR:
+            structure.append(["t", part.rank, literal_name(part.dtype), str(part.device),
+                              part.layout])
         else:
-            structure.append(["s", part[1].__name__, part[2]])
+            structure.append(["s", part.type.__name__, part.value])
     bounds = [None if dims is None else [list(b) for b in dims] for dims in family.bounds]
     return {"structure": structure, "bounds": bounds}
 
@@ -259,12 +259,13 @@ class _Decoder:
             fields = self.seq(part, at)
             if fields and fields[0] == "t" and len(fields) == 5:
                 _, rank, dtype, device, layout = fields
-                structure.append(("t", self.int_in(rank, 64, at),
-                                  self.torch_enum("dtype", dtype, at),
-                                  self.device(device, at), self.layout_class(layout, at)))
+                structure.append(TensorPart(TENSOR, self.int_in(rank, 64, at),
+                                            self.torch_enum("dtype", dtype, at),
+                                            self.device(device, at),
+                                            self.layout_class(layout, at)))
             elif fields and fields[0] == "s" and len(fields) == 3 and \
                     fields[1] in _SCALAR_TYPES:
-                structure.append(("s", _SCALAR_TYPES[fields[1]], fields[2]))
+                structure.append(ScalarPart(SCALAR, _SCALAR_TYPES[fields[1]], fields[2]))
             else:
                 self.fail(at, "expected a tensor or scalar structure part")
         bounds = []
@@ -364,7 +365,7 @@ def retarget(portable: PortableSpecialization, device: torch.device) -> Portable
                       for entry in portable.signature)
     family = portable.family
     if family is not None:
-        structure = tuple((*part[:3], device, *part[4:]) if part[0] == "t" else part
+        structure = tuple(part._replace(device=device) if part.tag == TENSOR else part
                           for part in family.structure)
         family = Family(structure, family.bounds)
     return PortableSpecialization(portable.region, portable.strength, signature, family,

@@ -25,8 +25,12 @@ further only when that pays:
 A family that has seen a single member so far is no family yet: its signature is
 promoted as an exact specialization directly.
 
-The watch (Note [Cold regions], [Sampled watching], [Detached regions]) is in
-dynvm.jit.region_watch.
+The watch (Note [Cold regions], [Sampled watching], [Detached regions]) is a
+`RegionWatch` the slot holds (dynvm.jit.region_watch); the slot is its `WatchedRegion`.
+
+The slot and its engine: a `RegionJit` reaches the engine that made it only through
+`RegionHost` (below), and offers the engine `region`, `live_in`, `pending`, `counters`,
+`watch`, `installed()`, `install`, `compile_failed`, `forget_pending` and `reattached`.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import itertools
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -51,8 +56,14 @@ from dynvm.jit.policy import Decision, benefit_seconds, decide, horizon, recurre
 from dynvm.jit.probation import CONFIRMED, DEMOTE, DROP, EARLY_SAMPLES, Probation
 from dynvm.jit.profiler import RegionProfile
 from dynvm.jit.region_slot import RegionCounters, Specialization
-from dynvm.jit.region_watch import COLD_CHECK_EVERY, RegionWatch
+from dynvm.jit.region_watch import RegionWatch
 from dynvm.shape_cluster import FamilyIndex
+
+if TYPE_CHECKING:
+    from dynvm.jit.config import JitConfig
+    from dynvm.jit.probation import ProbationCounters
+    from dynvm.jit.queue import CompileQueue
+    from dynvm.shape_cluster import Family
 
 TIER_CHECK_EVERY = 32
 SHADOW_BENEFIT = 1e18   # shadow samples run before compiles: a verdict is waiting on them
@@ -62,11 +73,58 @@ _UNMATCHED = object()  # a signature not looked up among the family kernels yet
 _COLD = object()       # the ticket of a call run unwatched (Note [Cold regions])
 
 
-class RegionJit(RegionWatch):
+class RegionHost(Protocol):
+    """What a `RegionJit` asks of the engine that holds it (dynvm.jit.engine.Jit): its
+    settings, where background work runs, and the decisions and reports that are the
+    engine's (promotions, detaching, what to log and trace)."""
+
+    config: JitConfig
+    fleet: object | None   # Note [Fleet hooks]: hears every profiled miss, when set
+    queue: CompileQueue    # shadow samples run on its worker (Note [Probation])
+    probation_counters: ProbationCounters
+
+    def compiles_locally(self) -> bool:
+        """Whether promotions are decided here (Note [Fleet hooks])."""
+
+    def estimated_compile_seconds(self, instructions: int) -> float:
+        """The expected cost of a compile (Note [Compile cost estimate])."""
+
+    def clip_to_declared(self, region_jit: RegionJit, family: Family) -> Family:
+        """`family` cut to the program's declared dim ranges."""
+
+    def detached_program_calls(self, index: int) -> int:
+        """Program calls that ran region `index` detached."""
+
+    def promote(self, region_jit: RegionJit, target, decision: Decision) -> None:
+        """Queue the compile of `target` (a signature or a Family)."""
+
+    def detach(self, region_jit: RegionJit, period: int) -> None:
+        """Detach the slot for `period` program calls (Note [Detached regions])."""
+
+    def on_deopt(self, region_jit: RegionJit, spec: Specialization, error: Exception) -> None:
+        """A specialization raised; the interpreter reruns the region."""
+
+    def on_guard_failure(self, region_jit: RegionJit, explanation: str | None) -> None:
+        """A miss where specializations were installed, explained or not (sampled)."""
+
+    def on_probation(self, region_jit: RegionJit, spec: Specialization, verdict: str,
+                     key=None) -> None:
+        """A probation verdict (Note [Probation])."""
+
+    def on_evict(self, region_jit: RegionJit, spec: Specialization) -> None:
+        """A specialization left the slot's tables."""
+
+
+class RegionJit:
     """A region's cache slot (dynvm.vm.slots): guards the installed specializations,
     profiles the misses, and asks the engine to promote what keeps coming back."""
 
-    def __init__(self, engine, region) -> None:
+    def __init__(self, engine: RegionHost, region, steps, writes_state: bool) -> None:
+        """`steps`: the interpreter's own steps of the region, for shadow calls (Note
+        [Probation]); `writes_state`: whether the region writes state (the KV cache):
+        it is then never shadowed, since a sample runs it again later, on the compile
+        worker, and would write a hit's old values into a cache slot another sequence
+        may hold by then."""
         self.engine = engine
         self.region = region
         self.live_in = tuple(r.index for r in region.live_in)
@@ -91,18 +149,13 @@ class RegionJit(RegionWatch):
         self._lock = threading.Lock()
         self._clock = 0
         self._clock_fn = time.perf_counter
-        self._init_watch()
-        # The interpreter's own steps of this region, for shadow calls (Note [Probation]).
-        self._steps = tuple(engine.interpreter.region_steps(region.index))
-        # A region that writes state (the KV cache) is never shadowed: a sample runs it
-        # again later, on the compile worker, and would write a hit's old values into
-        # a cache slot another sequence may hold by then (Note [Probation]).
-        self._writes_state = any(instr.spec.writes_state for instr in
-                                 engine.program.code[region.start:region.stop])
+        self.watch = RegionWatch(self, engine.config)
+        self._steps = tuple(steps)
+        self._writes_state = writes_state
         self._verdicts: deque[float] = deque(maxlen=8)   # recent measured ratios
         self._shadow_ids = itertools.count()   # shadow samples' queue keys
         self._verdicts_due: deque = deque()     # (spec, probation, ratio) from them
-        self._resolve_seconds = 0.0   # spent resolving new layouts (Note [Probation])
+        self.resolve_seconds = 0.0   # spent resolving new layouts (Note [Probation])
         self._policy_inputs: tuple[float, float] | None = None
         self._clipped: dict[str, str] = {}
 
@@ -112,11 +165,12 @@ class RegionJit(RegionWatch):
         # Cold with nothing installed: no lookup can hit (the tables are read only here,
         # off the warm path); or cold with specializations that served less than half
         # of the calls before (Note [Cold regions]): looking up costs more than it finds.
-        if self._cold and (self._cold_unlooked or
+        watch = self.watch
+        if watch.cold and (watch.cold_unlooked or
                            not (self.strong or self.weak or self.family_kernels)):
-            self._cold -= 1
+            watch.cold -= 1
             self.counters.interpreted += 1
-            self.unlooked_calls += 1
+            watch.unlooked_calls += 1
             return _COLD
         key = self._layout_sign(regs)
         resolved = self._resolved.get(key)
@@ -143,17 +197,16 @@ class RegionJit(RegionWatch):
             if self._verdicts_due:
                 self._decide_due()
             return None
-        if self._cold:  # a miss, not profiled: nothing more can be promoted here
-            self._cold -= 1
+        if watch.cold:  # a miss, not profiled: nothing more can be promoted here
+            watch.cold -= 1
             self.counters.interpreted += 1
             return _COLD
         if self.strong or self.weak:
             self._guard_failed(signature)
-        if self._price_signing:   # Note [Sampled watching]: what this miss's key cost
-            self._price_signing = False
+        if watch.price_signing:   # Note [Sampled watching]: what this miss's key cost
             start = self._clock_fn()
             self._layout_sign(regs)
-            self._signing_costs.append(self._clock_fn() - start)
+            watch.signed(self._clock_fn() - start)
         return signature
 
     def _resolve(self, key: tuple, regs: list) -> tuple:
@@ -170,7 +223,7 @@ class RegionJit(RegionWatch):
             if spec is None and self.weak:
                 spec = self.weak.get(self._weak_sign(regs))
         found = (signature, spec)
-        self._resolve_seconds += self._clock_fn() - start
+        self.resolve_seconds += self._clock_fn() - start
         # Not memoized if the tables changed meanwhile (an install on the compile
         # thread): the answer may already be stale.
         if generation == self._generation:
@@ -196,22 +249,14 @@ class RegionJit(RegionWatch):
         if promotion is not None:
             self.engine.promote(self, *promotion)
         # The watch's own price (Note [Sampled watching]).
-        self._leave_costs.append(self._clock_fn() - start)
+        self.watch.left(self._clock_fn() - start)
 
     def _observe(self, signature: tuple, seconds: float) -> tuple | None:
         """Record a profiled miss; the (target, decision) to promote, if any."""
         with self._lock:
             self.counters.interpreted += 1
-            if self.sample_every > 1 and not self._cold:
-                self._cold = self.sample_every - 1   # Note [Sampled watching]
-                self._cold_unlooked = False          # installed ones are still looked up
             stats = self.profile.record(signature, seconds)
-            self._since_cold_check += 1
-            # Every COLD_CHECK_EVERY region calls, profiled or sampled away (Note
-            # [Sampled watching]): a sampled region is not looked at 16x less often.
-            if self._since_cold_check * self.sample_every >= COLD_CHECK_EVERY:
-                self._since_cold_check = 0
-                self._check_cold()
+            self.watch.profiled()   # Note [Sampled watching], Note [Cold regions]
             if signature in self.pending or signature in self.strong:
                 return None
             family = self.families.observe(signature) if self.engine.config.families \
@@ -234,8 +279,8 @@ class RegionJit(RegionWatch):
                 return None
             # The policy's inputs change slowly: taken once per cold check or change of
             # the tables, not on every miss (they were a third of a profiled miss).
-            speedup, cost = self._policy_inputs or self._refresh_policy_inputs()
-            calls = self._age()
+            speedup, cost = self._policy_inputs or self.refresh_policy_inputs()
+            calls = self.age()
             if benefit_seconds(self.engine.config, recurrence, mean, speedup, calls) <= cost:
                 return None   # what decide() would say, without building its record
             if target is family and self._clipped_key(family) in self.family_kernels:
@@ -252,7 +297,7 @@ class RegionJit(RegionWatch):
             self.counters.promotions += 1
         return target, decision
 
-    def _refresh_policy_inputs(self) -> tuple[float, float]:
+    def refresh_policy_inputs(self) -> tuple[float, float]:
         """(speed-up, compile seconds) for the policy, kept until the next cold check
         or change of the tables (holding the lock)."""
         inputs = (self.speedup(), self.engine.estimated_compile_seconds(len(self.region)))
@@ -314,7 +359,7 @@ class RegionJit(RegionWatch):
         calls = self.counters.interpreted + self.counters.specialized - spec.installed_at
         share = max(0, calls - spec.calls) / max(1, spec.calls)
         # ... and its share of resolving new layouts (a shape storm: most calls).
-        resolving = self._resolve_seconds / max(1, self._region_calls())
+        resolving = self.resolve_seconds / max(1, self.region_calls())
         ratio = probation.add(seconds + (signing + resolving) * (1.0 + share), interpreted)
         if ratio is not None and spec.probation is probation:
             # Acted on by the next hit, on its call's thread: a verdict may detach the
@@ -363,8 +408,7 @@ class RegionJit(RegionWatch):
             self.compile_failed(key)  # backs off (Note [Cold regions])
             self.engine.on_probation(self, spec, DROP, key)
             with self._lock:  # the measured loss lowers the region's best saving: look now
-                self._since_cold_check = 0
-                self._check_cold()
+                self.watch.check_now()
 
     def _remove(self, spec: Specialization) -> bool:
         """Take `spec` out of its table (holding the lock)."""
@@ -396,17 +440,18 @@ class RegionJit(RegionWatch):
 
     def _backing_off(self, key) -> bool:
         failed = self.counters.failed.get(key)
-        return failed is not None and self._region_calls() < failed[0]
+        return failed is not None and self.region_calls() < failed[0]
 
-    def _region_calls(self) -> int:
+    def region_calls(self) -> int:
+        """The region's calls through this slot, interpreted and specialized."""
         # The back-off counts region calls, not profiled ones: sampled watching (Note
         # [Sampled watching]) profiles a fraction of them.
         return self.counters.interpreted + self.counters.specialized
 
-    def _age(self) -> int:
+    def age(self) -> int:
         """The region's calls so far, detached ones included (as program calls): the
         horizon of Note [Rent or buy] in jit.policy."""
-        return self._region_calls() + self.engine.detached_program_calls(self.region.index)
+        return self.region_calls() + self.engine.detached_program_calls(self.region.index)
 
     def _match_family(self, signature: tuple) -> Specialization | None:
         """Find a family kernel whose bounds hold `signature` (once per new signature:
@@ -437,7 +482,7 @@ class RegionJit(RegionWatch):
             calls = self.counters.interpreted + self.counters.specialized
             frequency = hits / max(1, calls - spec.installed_at)
             per_call = spec.seconds / max(1, spec.calls)
-            benefit = (frequency * horizon(config, self._age()) * per_call
+            benefit = (frequency * horizon(config, self.age()) * per_call
                        * config.exact_over_family_gain)
             cost = self.engine.estimated_compile_seconds(len(self.region))
             if benefit <= cost:
@@ -456,7 +501,7 @@ class RegionJit(RegionWatch):
         if (counters.guard_failures - 1) % self.engine.config.guard_failure_sample_rate:
             return
         # Explain against the most recently used specialization: the likeliest intent.
-        candidates = [s for s in self._all() if s.family is None]
+        candidates = [s for s in self.installed() if s.family is None]
         if not candidates:
             return
         latest = max(candidates, key=lambda s: s.last_used)
@@ -470,7 +515,7 @@ class RegionJit(RegionWatch):
         # Measured against the interpreter (Note [Probation]), dropped ones included: a
         # region whose specializations keep losing expects little of the next one.
         savings = [1.0 - ratio for ratio in self._verdicts]
-        for spec in self._all():
+        for spec in self.installed():
             if spec.ratio is not None or spec.family is not None:
                 continue
             stats = self.profile.table.get(spec.signature)
@@ -480,7 +525,8 @@ class RegionJit(RegionWatch):
             return self.engine.config.expected_speedup
         return min(0.95, max(0.01, sum(savings) / len(savings)))
 
-    def _all(self) -> list[Specialization]:
+    def installed(self) -> list[Specialization]:
+        """The specializations in this slot's tables."""
         return [*self.strong.values(), *self.weak.values(), *self.family_kernels.values()]
 
     def _tables(self):
@@ -531,7 +577,19 @@ class RegionJit(RegionWatch):
             self.pending.discard(key)
             _, failures = self.counters.failed.get(key, (0, 0))
             backoff = self.engine.config.failed_compile_backoff_calls * (2 ** failures)
-            self.counters.failed[key] = (self._region_calls() + backoff, failures + 1)
+            self.counters.failed[key] = (self.region_calls() + backoff, failures + 1)
+
+    def compiles_locally(self) -> bool:
+        """Whether promotions are decided here (the watch asks; Note [Fleet hooks])."""
+        return self.engine.compiles_locally()
+
+    def detach(self, period: int) -> None:
+        """The watch found the slot not worth keeping (Note [Detached regions])."""
+        self.engine.detach(self, period)
+
+    def reattached(self) -> None:
+        """The engine put this slot back (Note [Detached regions])."""
+        self.watch.reattached()
 
     def forget_pending(self, target) -> None:
         with self._lock:

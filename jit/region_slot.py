@@ -3,10 +3,26 @@ counters (dynvm.jit.region_jit uses them; the engine builds specializations)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dynvm.jit.guards import GuardStrength, weak_of
 from dynvm.jit.probation import Probation
+
+
+@dataclass(frozen=True)
+class BuiltCode:
+    """A backend's code for one specialized region, before it is installed (or loaded
+    ready-made from a store): what the engine turns into an Artifact and a Specialization
+    (`Jit._finish_build`)."""
+
+    backend: str           # "cpu" or "triton"
+    kernel_name: str
+    source: str            # the generated source, for the artifact and `dynvm explain`
+    fn: Callable           # fn(regs): runs the region
+    notes: tuple[str, ...] = ()
+    metadata: dict = field(default_factory=dict)
+    arena: bool = False    # takes an arena per call (never captured as a CUDA graph)
 
 
 @dataclass

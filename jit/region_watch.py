@@ -1,10 +1,20 @@
 """The watch of a region's slot: when its misses are profiled, sampled, or not at all.
 
 Watching a region (dynvm.jit.region_jit) is how the JIT learns which shapes recur; it
-costs every watched call a layout key and a profile update. This mixin of `RegionJit`
-decides, at a check every `COLD_CHECK_EVERY` region calls, how much watching the region
-is worth: all of its misses, one in `sample_every`, none for a cold period, or none at
-all with the slot detached.
+costs every watched call a layout key and a profile update. A `RegionWatch`, held by the
+region's `RegionJit` as `watch`, decides, at a check every `COLD_CHECK_EVERY` region
+calls, how much watching the region is worth: all of its misses, one in `sample_every`,
+none for a cold period, or none at all with the slot detached.
+
+Its interface: it reads its region only through `WatchedRegion` (below: the profiles,
+counters, pending keys and installed specializations, the region's call counts and
+policy inputs, and the two requests it makes, `compiles_locally` and `detach`), always
+under the slot's lock, and never the engine. It offers the slot's hot path plain
+attributes (`cold`: calls left to run unwatched; `cold_unlooked`: whether those skip
+the lookups too; `unlooked_calls`; `price_signing`), and methods for the slot's events:
+`signed` and `left` (what a profiled miss cost), `profiled` (after each profiled miss:
+sampling and the periodic check), `check_now` and `reattached`. Stats read
+`sample_every`, `watch_cost_seconds` and `checked`.
 
 Note [Cold regions]
 ~~~~~~~~~~~~~~~~~~~
@@ -127,9 +137,16 @@ re-attaches every detached region.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from typing import TYPE_CHECKING, Protocol
 
 from dynvm.jit.policy import benefit_seconds
+
+if TYPE_CHECKING:
+    from dynvm.jit.config import JitConfig
+    from dynvm.jit.profiler import RegionProfile
+    from dynvm.jit.region_slot import RegionCounters, Specialization
 
 COLD_CHECK_EVERY = 64
 COLD_CALLS_MAX = 1 << 16
@@ -145,15 +162,48 @@ PROBE_SHARE = 0.001    # ... at least long enough that a re-attached window cost
 SLOT_SECONDS = 1e-6    # ... pricing an unprofiled entry of an attached slot at this
 
 
-class RegionWatch:
-    """The watch's state and checks, mixed into `RegionJit` (which owns the profile,
-    the tables, the counters and the lock these methods read, holding it)."""
+class WatchedRegion(Protocol):
+    """What a `RegionWatch` reads of its region's slot (dynvm.jit.region_jit.RegionJit),
+    always holding the slot's lock, and the two requests it makes of it."""
 
-    def _init_watch(self) -> None:
-        self._cold = 0                          # calls left to run unwatched
+    profile: RegionProfile
+    family_profile: RegionProfile
+    counters: RegionCounters
+    pending: set
+    resolve_seconds: float   # spent resolving new layouts so far
+
+    def installed(self) -> list[Specialization]:
+        """The specializations in the slot's tables."""
+
+    def region_calls(self) -> int:
+        """The region's calls through the slot (interpreted + specialized)."""
+
+    def age(self) -> int:
+        """The region's calls, detached ones included (Note [Rent or buy])."""
+
+    def refresh_policy_inputs(self) -> tuple[float, float]:
+        """(speed-up, compile seconds) as the policy takes them now."""
+
+    def compiles_locally(self) -> bool:
+        """Whether promotions are decided here (Note [Fleet hooks])."""
+
+    def detach(self, period: int) -> None:
+        """Ask the engine to detach the slot for `period` program calls."""
+
+
+class RegionWatch:
+    """The watch of one region (module docstring): its state and checks, over the
+    `WatchedRegion` it is given; every method runs holding that slot's lock, except
+    the hot path's reads of `cold`, `cold_unlooked` and `price_signing`."""
+
+    def __init__(self, region: WatchedRegion, config: JitConfig) -> None:
+        self._region = region
+        self._config = config
+        self._clock_fn = time.perf_counter
+        self.cold = 0                          # calls left to run unwatched
         self._cold_period = COLD_CHECK_EVERY
         self._since_cold_check = 0
-        self._cold_unlooked = False   # a cold period that skips the lookups too
+        self.cold_unlooked = False   # a cold period that skips the lookups too
         # Note [Sampled watching]: one miss in `sample_every` is profiled; checks in a
         # row that found the region worth watching but nothing was promoted.
         self.sample_every = 1
@@ -168,18 +218,44 @@ class RegionWatch:
         # The watch's measured price (Note [Sampled watching]): the recent profiled
         # leaves' seconds, and a layout key's, timed on one miss per cold check.
         self._leave_costs: deque[float] = deque(maxlen=WATCH_SAMPLES * 4)
-        self._signing_costs: deque[float] = deque(maxlen=WATCH_SAMPLES)
-        self._price_signing = True
+        self.signing_costs: deque[float] = deque(maxlen=WATCH_SAMPLES)
+        self.price_signing = True
         self.watch_cost_seconds = WATCH_SECONDS
         self._miss_seconds = WATCH_SECONDS   # ... with new layouts' resolution per call
         self._check_costs: deque[float] = deque(maxlen=WATCH_SAMPLES)   # cold checks' seconds
         self._watch_affordable = True   # within WATCH_SHARE at some sampling (measured)
 
+    def signed(self, seconds: float) -> None:
+        """A profiled miss's layout key took `seconds` (timed when `price_signing`)."""
+        self.price_signing = False
+        self.signing_costs.append(seconds)
+
+    def left(self, seconds: float) -> None:
+        """A profiled miss's `leave` took `seconds`: the watch's own price."""
+        self._leave_costs.append(seconds)
+
+    def profiled(self) -> None:
+        """A miss was profiled (holding the lock): sample the next ones (Note [Sampled
+        watching]) and check the bound every COLD_CHECK_EVERY region calls."""
+        if self.sample_every > 1 and not self.cold:
+            self.cold = self.sample_every - 1   # Note [Sampled watching]
+            self.cold_unlooked = False          # installed ones are still looked up
+        self._since_cold_check += 1
+        # Every COLD_CHECK_EVERY region calls, profiled or sampled away (Note
+        # [Sampled watching]): a sampled region is not looked at 16x less often.
+        if self._since_cold_check * self.sample_every >= COLD_CHECK_EVERY:
+            self.check_now()
+
+    def check_now(self) -> None:
+        """Check the bound now (holding the lock): after a measured loss, say."""
+        self._since_cold_check = 0
+        self._check_cold()
+
     def _check_cold(self) -> None:
         """Note [Cold regions] (holding the lock)."""
         # Only the process that decides promotions may stop watching: while a compile
         # service (or `dynvm precompile`) decides, every miss is an observation it needs.
-        if self.pending or not self.engine.compiles_locally():
+        if self._region.pending or not self._region.compiles_locally():
             return
         self.checked = True
         started = self._clock_fn()
@@ -189,18 +265,18 @@ class RegionWatch:
             self._check_costs.append(self._clock_fn() - started)
 
     def _judge_cold(self) -> None:
-        config = self.engine.config
-        speedup, cost = self._refresh_policy_inputs()
+        region, config = self._region, self._config
+        speedup, cost = region.refresh_policy_inputs()
         # The policy's own benefit (jit.policy) of the best key at the window's traffic,
         # with its mean time (capped: a stall), and COLD_SLACK to spare (Note [Cold regions]).
-        calls = self._age()
+        calls = region.age()
         best = max(
             (benefit_seconds(config, profile.recurrence(key),
                              min(stats.mean_seconds, STALL_CAP * stats.min_seconds), speedup,
                              calls)
-             for profile in (self.profile, self.family_profile)
+             for profile in (region.profile, region.family_profile)
              for key, stats in profile.table.items() if stats.count > 1), default=0.0)
-        counters = self.counters
+        counters = region.counters
         self._price_watching()
         calls, hits = counters.interpreted + counters.specialized, counters.specialized
         # Hits are judged over the calls that looked up: a cold period that skipped the
@@ -216,26 +292,27 @@ class RegionWatch:
             self._sample(counters.promotions)
             return
         self._idle_checks = 0   # a cold period replaces the idle doubling
+        installed = region.installed()
         self.sample_every = self._sample_floor
         # A specialization still on probation needs its hits for a verdict (and the
         # JIT to settle): its region keeps looking up.
-        self._cold_unlooked = not any(spec.probation is not None for spec in self._all()) \
+        self.cold_unlooked = not any(spec.probation is not None for spec in installed) \
             and self._lookups_lose(looked, since_hits)
-        self._cold = self._cold_period
+        self.cold = self._cold_period
         self._cold_period = min(COLD_CALLS_MAX, 2 * self._cold_period)
-        self.counters.cold_periods += 1
-        if not (self.strong or self.weak or self.family_kernels):
+        counters.cold_periods += 1
+        if not installed:
             # Note [Detached regions]: nothing here can hit; not even a cold slot pays.
             period = min(COLD_CALLS_MAX, max(self._detach_period, self._probe_period()))
             self._detach_period = min(COLD_CALLS_MAX, 2 * period)
-            self.engine.detach(self, period)
+            region.detach(period)
 
     def _probe_period(self) -> int:
         """Note [Detached regions] (holding the lock): the program calls to stay detached
         so that the next re-attached window (COLD_CHECK_EVERY region calls at the
         sampling the region has now, then a check) costs at most `PROBE_SHARE` of the
         region's time meanwhile, by the watch's measured price."""
-        table = self.profile.table.values()
+        table = self._region.profile.table.values()
         typical = sum(s.min_seconds for s in table) / max(1, len(table))
         if typical <= 0.0:
             return DETACH_CALLS
@@ -252,9 +329,10 @@ class RegionWatch:
         misses = looked - hits
         if misses <= 0:   # no miss (or nothing looked up): look, to have something to judge
             return False
-        per_miss = (_median(self._signing_costs) if self._signing_costs else WATCH_SECONDS) \
-            + self._resolve_seconds / max(1, self._region_calls())
-        judged = [spec for spec in self._all() if spec.ratio is not None and spec.calls]
+        region = self._region
+        per_miss = (_median(self.signing_costs) if self.signing_costs else WATCH_SECONDS) \
+            + region.resolve_seconds / max(1, region.region_calls())
+        judged = [spec for spec in region.installed() if spec.ratio is not None and spec.calls]
         weight = sum(spec.calls for spec in judged)
         if not weight:    # no verdict to price a hit by (probation off): hits vs misses
             return hits * 2 < looked
@@ -277,7 +355,8 @@ class RegionWatch:
     def _price_watching(self) -> None:
         """Note [Sampled watching] (holding the lock): profile one miss in as many as
         keeps the watch under `WATCH_SHARE` of the region's own time."""
-        table = self.profile.table.values()
+        region = self._region
+        table = region.profile.table.values()
         typical = sum(s.min_seconds for s in table) / max(1, len(table))
         # A profiled miss of a layout seen before, as measured here (its layout key and
         # its leave; the prior until a few have run), plus what resolving new layouts
@@ -285,9 +364,9 @@ class RegionWatch:
         watched = WATCH_SECONDS
         if len(self._leave_costs) >= WATCH_SAMPLES:
             watched = _median(self._leave_costs) + (
-                _median(self._signing_costs) if self._signing_costs else 0.0)
-        self._price_signing = True   # timed again on the next profiled miss
-        cost = watched + self._resolve_seconds / max(1, self._region_calls())
+                _median(self.signing_costs) if self.signing_costs else 0.0)
+        self.price_signing = True   # timed again on the next profiled miss
+        cost = watched + region.resolve_seconds / max(1, region.region_calls())
         self.watch_cost_seconds = watched
         self._miss_seconds = cost
         # The checks run every COLD_CHECK_EVERY region calls whatever the sampling: their
@@ -304,7 +383,7 @@ class RegionWatch:
     def reattached(self) -> None:
         """The engine put this slot back (Note [Detached regions]): profile the next
         calls, and check the bound again after `COLD_CHECK_EVERY` of them."""
-        self._cold = 0
+        self.cold = 0
         self._since_cold_check = 0
 
 

@@ -24,6 +24,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
 
 from dynvm.shape_cluster._keys import scalar_text, tensor_text
 from dynvm.shape_cluster.buckets import bucket_of, check_ratio
@@ -37,6 +40,29 @@ MAX_PROBES = 6
 
 Signature = tuple
 Bounds = tuple[tuple[int, int], ...]
+TENSOR, SCALAR = "t", "s"   # the tags of a structure's parts
+
+
+class TensorPart(NamedTuple):
+    """A tensor live-in's part of a structure (Note [Code families]). The tag comes
+    first, so that a part compares and hashes as the plain tuple it once was."""
+
+    tag: str   # TENSOR
+    rank: int
+    dtype: torch.dtype
+    device: torch.device
+    layout: str   # layout_class: CONTIGUOUS or STRIDED
+
+
+class ScalarPart(NamedTuple):
+    """A scalar live-in's part of a structure: its type and value."""
+
+    tag: str   # SCALAR
+    type: type
+    value: object
+
+
+Part = TensorPart | ScalarPart
 
 
 def layout_class(shape_dims: Sequence[int], strides: Sequence[int], offset: int) -> str:
@@ -60,18 +86,17 @@ def layout_class(shape_dims: Sequence[int], strides: Sequence[int], offset: int)
 def structure_key(signature: Signature) -> tuple:
     """What the signatures of one family share; see Note [Code families].
 
-    Per tensor live-in ("t", rank, dtype, device, layout class); per scalar live-in
-    ("s", type, value).
+    Per tensor live-in a `TensorPart`, per scalar live-in a `ScalarPart`.
     """
-    parts = []
+    parts: list[Part] = []
     for entry in signature:
         if is_tensor_entry(entry):
             shape, dtype, strides, offset, device = entry
-            parts.append(("t", shape.rank, dtype, device,
-                          layout_class(shape.dims, strides, offset)))
+            parts.append(TensorPart(TENSOR, shape.rank, dtype, device,
+                                    layout_class(shape.dims, strides, offset)))
         else:
             kind, value = entry
-            parts.append(("s", kind, value))
+            parts.append(ScalarPart(SCALAR, kind, value))
     return tuple(parts)
 
 
@@ -91,22 +116,21 @@ def differing_dims(reference: tuple[tuple[int, ...] | None, ...],
     return found
 
 
-def _family_key(structure: tuple, bounds: tuple[Bounds | None, ...]) -> str | None:
+def _family_key(structure: tuple[Part, ...], bounds: tuple[Bounds | None, ...]) -> str | None:
     """Note [Family keys]; None when some live-in cannot be keyed."""
     if len(structure) != len(bounds):
         raise ValueError(f"a family needs bounds for each of its {len(structure)} live-ins, "
                          f"got {len(bounds)}")
     parts = []
     for part, dims in zip(structure, bounds):
-        if part[0] == "s":
-            text = scalar_text(part[1], part[2])
+        if part.tag == SCALAR:
+            text = scalar_text(part.type, part.value)
             if text is None or dims is not None:
                 return None
         else:
-            _, rank, dtype, device, layout = part
-            if dims is None or len(dims) != rank:
+            if dims is None or len(dims) != part.rank:
                 return None
-            text = tensor_text(dtype, device, layout, dims)
+            text = tensor_text(part.dtype, part.device, part.layout, dims)
         parts.append(text)
     return "|".join(parts)
 
@@ -118,8 +142,8 @@ class Family:
     Build with `family_for`; `key` is derived from `structure` and `bounds`.
     """
 
-    structure: tuple
-    """The `structure_key` every member shares."""
+    structure: tuple[Part, ...]
+    """The `structure_key` every member shares: per live-in a TensorPart or ScalarPart."""
     bounds: tuple[Bounds | None, ...]
     """Per live-in, per dim (low, high), low == high for a static dim; None for a scalar."""
     key: str = field(init=False)
@@ -205,18 +229,18 @@ def family_for(signature: Signature, varying: Collection[tuple[int, int]],
     return None if bounds is None else Family(structure, bounds)
 
 
-def family_bounds(signature: Signature, structure: tuple,
+def family_bounds(signature: Signature, structure: tuple[Part, ...],
                   varying: Collection[tuple[int, int]], ratio: int
                   ) -> tuple[Bounds | None, ...] | None:
     """The bounds `family_for` gives `signature` (its `structure_key` and a checked ratio
     given), or None; the request path's index builds each distinct Family once."""
     bounds: list[Bounds | None] = []
     for position, (entry, part) in enumerate(zip(signature, structure)):
-        if part[0] == "s":
-            if scalar_text(part[1], part[2]) is None:
+        if part.tag == SCALAR:
+            if scalar_text(part.type, part.value) is None:
                 return None
             bounds.append(None)
-        elif part[4] != CONTIGUOUS:
+        elif part.layout != CONTIGUOUS:
             return None
         else:
             bounds.append(tuple(bucket_of(n, ratio) if (position, axis) in varying else (n, n)

@@ -354,7 +354,7 @@ class FleetCompiler:
             if key in self.cache.store_keys_present([key]):
                 continue
             held = [s for region_jit in state.jit.regions.values()
-                    for s in region_jit._all() if s.ir is not None]
+                    for s in region_jit.installed() if s.ir is not None]
             if not held:
                 continue
             logger.warning("the store lost program %s's index: republishing %d "

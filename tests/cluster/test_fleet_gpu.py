@@ -188,7 +188,7 @@ def test_family_kernels_reach_a_cuda_replica_too(model, tmp_path, secret,
         assert published >= 1
         assert wait_until(lambda: gpu.stats()["gpu_cubin"] >= published, 60) is not None
         assert any(s.family is not None for rj in gpu.runtime.jit.regions.values()
-                   for s in rj._all())
+                   for s in rj.installed())
         reference = dynvm.Runtime(program, "cpu", jit=False)
         for inputs in draws:
             torch.testing.assert_close(gpu.runtime(*inputs), reference(*inputs))

@@ -24,7 +24,7 @@ def compiled_spec():
     program = h.compiled("recommender")
     runtime = dynvm.Runtime(program, jit=h.eager_config(backend="cpu"))
     runtime(*h.make_demo_inputs("recommender"))
-    specs = [s for rj in runtime.jit.regions.values() for s in rj._all()]
+    specs = [s for rj in runtime.jit.regions.values() for s in rj.installed()]
     assert specs and all(s.artifact.backend == "cpu" for s in specs)
     return program, specs[0]
 

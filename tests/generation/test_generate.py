@@ -223,11 +223,11 @@ def test_regions_writing_the_cache_have_no_probation(built):
         regions = generator.step.jit.regions.values()
         stateful = [rj for rj in regions if rj._writes_state]
         assert stateful, "the step has no region that writes the cache"
-        installed = [spec for rj in stateful for spec in rj._all()]
+        installed = [spec for rj in stateful for spec in rj.installed()]
         assert installed and all(spec.probation is None for spec in installed)
     with dynvm.Generator(programs, jit=config, kv_state=False) as pure:
         pure.generate(ids, mask, max_new_tokens=2, stop_tokens=())
-        others = [spec for rj in pure.prefill.jit.regions.values() for spec in rj._all()]
+        others = [spec for rj in pure.prefill.jit.regions.values() for spec in rj.installed()]
         assert any(spec.probation is not None or spec.ratio is not None for spec in others)
     with dynvm.Generator(programs, jit=False) as interpreter:
         assert torch.equal(tokens, interpreter.generate(ids, mask, max_new_tokens=NEW,

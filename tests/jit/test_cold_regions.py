@@ -98,7 +98,7 @@ def _fed(per_call_over_cost: float, calls: int, horizon: int = 10_000,
     region_jit = next(iter(runtime.jit.regions.values()))
     cost = runtime.jit.estimated_compile_seconds(len(region_jit.region))
     seconds = per_call_over_cost * cost / config.horizon_calls
-    region_jit._resolve_seconds = resolve_seconds   # as if resolving layouts cost that
+    region_jit.resolve_seconds = resolve_seconds   # as if resolving layouts cost that
     for i in range(calls):
         region_jit.leave((("signature", i % 4),), seconds)
     return runtime, region_jit
@@ -125,7 +125,7 @@ def test_a_watched_region_that_never_promotes_is_sampled():
     promotion, one miss in `sample_every` is profiled; the others take the cold path."""
     runtime, region_jit = _fed(3.0, SAMPLE_AFTER * COLD_CHECK_EVERY)
     assert region_jit.counters.cold_periods == 0 and region_jit.counters.promotions == 0
-    assert region_jit.sample_every == 2
+    assert region_jit.watch.sample_every == 2
     assert runtime.stats()["regions"][region_jit.region.index]["sample_every"] == 2
     inputs = demo("recommender").sample_inputs(random.Random(4))
     reference = dynvm.Runtime(compiled("recommender"), "cpu", jit=False)
@@ -136,10 +136,10 @@ def test_a_watched_region_that_never_promotes_is_sampled():
     assert region_jit.counters.interpreted == SAMPLE_AFTER * COLD_CHECK_EVERY + 8
     # Up to SAMPLE_MAX while nothing is promoted; a promotion resets it.
     for _ in range(8):
-        region_jit._sample(0)
-    assert region_jit.sample_every == SAMPLE_MAX
-    region_jit._sample(1)
-    assert region_jit.sample_every == 1
+        region_jit.watch._sample(0)
+    assert region_jit.watch.sample_every == SAMPLE_MAX
+    region_jit.watch._sample(1)
+    assert region_jit.watch.sample_every == 1
 
 
 def test_a_cold_region_still_looks_up_a_specialization_on_probation():
@@ -156,8 +156,8 @@ def test_a_cold_region_still_looks_up_a_specialization_on_probation():
     assert spec.probation is not None
     region_jit.leave((("signature", 0),), region_jit.profile.table[
         (("signature", 0),)].mean_seconds)
-    assert region_jit.counters.cold_periods == 1 and region_jit._cold
-    assert not region_jit._cold_unlooked
+    assert region_jit.counters.cold_periods == 1 and region_jit.watch.cold
+    assert not region_jit.watch.cold_unlooked
 
 
 def test_a_region_of_microseconds_is_watched_on_a_sample_after_its_first_check():
@@ -166,9 +166,9 @@ def test_a_region_of_microseconds_is_watched_on_a_sample_after_its_first_check()
     of the window each, 5x: 1.25x its compile) is profiled on one miss in SAMPLE_MAX
     from its first check on, one of milliseconds on every miss."""
     _, tiny = _fed(5.0, COLD_CHECK_EVERY, horizon=10**8)
-    assert tiny.sample_every == SAMPLE_MAX and tiny.counters.cold_periods == 0
+    assert tiny.watch.sample_every == SAMPLE_MAX and tiny.counters.cold_periods == 0
     _, large = _fed(3.0, COLD_CHECK_EVERY)
-    assert large.sample_every == 1 and large.counters.cold_periods == 0
+    assert large.watch.sample_every == 1 and large.counters.cold_periods == 0
 
 
 def test_a_region_that_only_might_pay_is_not_watched_beyond_its_share():
@@ -178,9 +178,9 @@ def test_a_region_that_only_might_pay_is_not_watched_beyond_its_share():
     workload's outer region stayed watched at one miss in 16 and ran 1.06-1.09x the
     interpreter, its checks alone ~1.3 us a call)."""
     _, tiny = _fed(3.0, COLD_CHECK_EVERY, horizon=10**8)
-    assert not tiny._watch_affordable and tiny.counters.cold_periods == 1
+    assert not tiny.watch._watch_affordable and tiny.counters.cold_periods == 1
     _, large = _fed(3.0, COLD_CHECK_EVERY)
-    assert large._watch_affordable and large.counters.cold_periods == 0
+    assert large.watch._watch_affordable and large.counters.cold_periods == 0
 
 
 def test_a_shape_storms_resolution_cost_prices_its_watch():
@@ -188,7 +188,7 @@ def test_a_shape_storms_resolution_cost_prices_its_watch():
     watch's price: the millisecond region above, with resolutions costing 10x its call,
     is sampled at SAMPLE_MAX after its first check."""
     _, storm = _fed(3.0, COLD_CHECK_EVERY, resolve_seconds=10.0)
-    assert storm.sample_every == SAMPLE_MAX
+    assert storm.watch.sample_every == SAMPLE_MAX
 
 
 def test_the_watch_is_priced_by_what_it_measured():
@@ -197,8 +197,8 @@ def test_the_watch_is_priced_by_what_it_measured():
     profiled on every miss while its leaves cost microseconds, and on one miss in
     SAMPLE_MAX once they cost a millisecond each (here: a profile that sleeps)."""
     _, cheap = _fed(3.0, COLD_CHECK_EVERY)
-    assert cheap.sample_every == 1
-    assert cheap.watch_cost_seconds < 1e-3
+    assert cheap.watch.sample_every == 1
+    assert cheap.watch.watch_cost_seconds < 1e-3
     runtime, slow = _fed(3.0, 0)
     record = slow.profile.record
 
@@ -210,8 +210,8 @@ def test_the_watch_is_priced_by_what_it_measured():
     cost = runtime.jit.estimated_compile_seconds(len(slow.region))
     for i in range(COLD_CHECK_EVERY):
         slow.leave((("signature", i % 4),), 3.0 * cost / runtime.jit.config.horizon_calls)
-    assert slow.watch_cost_seconds >= 1e-3
-    assert slow.sample_every == SAMPLE_MAX
+    assert slow.watch.watch_cost_seconds >= 1e-3
+    assert slow.watch.sample_every == SAMPLE_MAX
     assert runtime.stats()["regions"][slow.region.index]["sample_every"] == SAMPLE_MAX
 
 
@@ -237,12 +237,12 @@ def test_a_cold_region_skips_its_lookups_only_where_they_cost_more_than_they_fin
     call is not."""
     _, region_jit = _fed(1.5, 0)
     _kept(region_jit, ratio=0.9, kernel_seconds=0.9e-3)   # a hit saves 0.1 ms
-    region_jit._signing_costs.append(2e-6)
-    assert not region_jit._lookups_lose(looked=64, hits=20)
-    assert region_jit._lookups_lose(looked=64, hits=0)
+    region_jit.watch.signing_costs.append(2e-6)
+    assert not region_jit.watch._lookups_lose(looked=64, hits=20)
+    assert region_jit.watch._lookups_lose(looked=64, hits=0)
     region_jit.counters.interpreted = 64
-    region_jit._resolve_seconds = 64 * 1e-3
-    assert region_jit._lookups_lose(looked=64, hits=20)
+    region_jit.resolve_seconds = 64 * 1e-3
+    assert region_jit.watch._lookups_lose(looked=64, hits=20)
 
 
 def test_a_period_that_skipped_its_lookups_does_not_count_against_the_next():
@@ -252,12 +252,12 @@ def test_a_period_that_skipped_its_lookups_does_not_count_against_the_next():
     runtime, region_jit = _fed(1.5, COLD_CHECK_EVERY)
     assert region_jit.counters.cold_periods == 1
     _kept(region_jit, ratio=0.9, kernel_seconds=0.9e-3)
-    region_jit._signing_costs.append(2e-6)
-    counters, (calls, hits, unlooked) = region_jit.counters, region_jit._marks
+    region_jit.watch.signing_costs.append(2e-6)
+    counters, (calls, hits, unlooked) = region_jit.counters, region_jit.watch._marks
     # 256 calls that skipped the lookups, then 64 that looked up and hit on 30
-    region_jit.unlooked_calls += 256
+    region_jit.watch.unlooked_calls += 256
     counters.interpreted += 256 + 34
     counters.specialized += 30
-    region_jit._check_cold()
-    assert region_jit._cold and not region_jit._cold_unlooked
-    assert region_jit._marks == (calls + 320, hits + 30, unlooked + 256)
+    region_jit.watch._check_cold()
+    assert region_jit.watch.cold and not region_jit.watch.cold_unlooked
+    assert region_jit.watch._marks == (calls + 320, hits + 30, unlooked + 256)

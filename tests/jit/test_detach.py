@@ -156,9 +156,9 @@ def test_settled_waits_for_compiles_probation_and_first_cold_checks():
     for _ in range(200):
         runtime(*inputs)
         regions = runtime.jit.regions.values()
-        on_probation = any(s.probation is not None for r in regions for s in r._all())
+        on_probation = any(s.probation is not None for r in regions for s in r.installed())
         installed_on_probation |= on_probation
-        unchecked = any(not r._all() and not r.checked for r in regions)
+        unchecked = any(not r.installed() and not r.watch.checked for r in regions)
         assert runtime.settled() == (not on_probation and not unchecked and not any(
             r.pending for r in regions) and not len(runtime.jit.queue))
     assert installed_on_probation

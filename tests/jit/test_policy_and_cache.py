@@ -261,6 +261,6 @@ def test_a_key_that_never_pays_over_the_fixed_horizon_is_promoted_once_it_has():
         ((key, key_stats),) = region_jit.profile.table.items()
         share = region_jit.profile.recurrence(key) / config.window
         # The time the interpreter had lost on it paid for its compile ...
-        assert share * region_jit._age() * key_stats.mean_seconds > 0.02
+        assert share * region_jit.age() * key_stats.mean_seconds > 0.02
         # ... which the fixed horizon of one call would never have said.
         assert share * config.horizon_calls * key_stats.mean_seconds < 0.02

@@ -22,7 +22,7 @@ MODELS = ["transformer", "recommender", "gnn", "branchy", "looping"]
 def _records(runtime) -> list[tuple[str, dict]]:
     out = []
     for region_jit in runtime.jit.regions.values():
-        for spec in region_jit._all():
+        for spec in region_jit.installed():
             record = encode(spec.ir, spec.strength, spec.signature, spec.family)
             # Through msgpack, as the store carries it.
             out.append((spec.artifact.key, msgpack.unpackb(msgpack.packb(record))))

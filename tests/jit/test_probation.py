@@ -191,7 +191,7 @@ def test_a_shadow_call_charges_the_regions_layout_resolution():
                           fn=lambda regs: None,
                           artifact=types.SimpleNamespace(kernel_name="k", key="k"))
     region_jit.install(spec)
-    region_jit._resolve_seconds = 1.0 + region_jit._region_calls()
+    region_jit.resolve_seconds = 1.0 + region_jit.region_calls()
     for _ in range(EARLY_SAMPLES + 1):
         region_jit.enter(regs.copy())
     # The shadow samples run on the compile worker; a hit acts on their verdict
@@ -213,7 +213,7 @@ def test_the_next_family_waits_for_the_early_verdict_of_the_last():
     from dynvm.jit.guards import GuardStrength
     from dynvm.jit.probation import EARLY_SAMPLES
     from dynvm.jit.region_jit import Specialization
-    from dynvm.shape_cluster import Family
+    from dynvm.shape_cluster import TENSOR, Family, TensorPart
 
     runtime = dynvm.Runtime(compiled("recommender"), "cpu", jit=JitConfig())
     region_jit = next(iter(runtime.jit.regions.values()))
@@ -223,7 +223,7 @@ def test_the_next_family_waits_for_the_early_verdict_of_the_last():
     region_jit.pending.add("t:float32:cpu:contiguous[1..4]")
     assert region_jit._family_bet_open()
     region_jit.pending.clear()
-    family = Family((("t", 1, torch.float32, torch.device("cpu"), "contiguous"),),
+    family = Family((TensorPart(TENSOR, 1, torch.float32, torch.device("cpu"), "contiguous"),),
                     (((1, 4),),))
     spec = Specialization(signature=(), strength=GuardStrength.FAMILY, fn=lambda regs: None,
                           artifact=types.SimpleNamespace(kernel_name="k", key="k"),

@@ -117,7 +117,7 @@ def test_a_provider_set_after_the_runtime_is_followed(tmp_path):
 
 def test_without_a_global_provider_a_runtime_does_no_tracing_work():
     runtime = dynvm.Runtime(build(PROGRAM, regs=3), jit=JitConfig(**JIT))
-    assert runtime.telemetry is None and runtime.jit.telemetry is None
+    assert runtime.telemetry is None and runtime.jit.tracing is None
     runtime(torch.randn(4))
     assert runtime.telemetry is None   # still the no-op proxy: nothing was made
 

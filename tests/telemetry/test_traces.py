@@ -137,7 +137,7 @@ def test_disabled_telemetry_produces_no_spans(monkeypatch):
                      telemetry) as rt:
             rt(x(2))
             rt(x(4))
-            assert rt.telemetry is None and rt.jit.telemetry is None
+            assert rt.telemetry is None and rt.jit.tracing is None
             assert "telemetry_events_dropped" not in rt.stats()
     assert started == [] and exporter.get_finished_spans() == ()
 

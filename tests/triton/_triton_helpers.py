@@ -12,9 +12,9 @@ import random
 
 import torch
 
-from dynvm.jit.engine import family_live_ins
 from dynvm.jit.guards import strong_signer
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
+from dynvm.jit.probes import family_live_ins
 from dynvm.jit.specialize import specialize
 from dynvm.shape_cluster import Family, family_for
 from dynvm.vm.opcodes import opcode

@@ -26,7 +26,7 @@ from dynvm.jit.backends.triton import (
 )
 from dynvm.jit.backends.triton.artifact import FORMAT, VERSION
 from dynvm.jit.backends.triton.run_interpreted import InterpretedRegion
-from dynvm.jit.engine import family_live_ins
+from dynvm.jit.probes import family_live_ins
 from dynvm.jit.specialize import specialize
 
 th = importlib.import_module("tests.triton._triton_helpers")

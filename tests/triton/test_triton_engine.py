@@ -59,7 +59,7 @@ def recommender_inputs(rng: random.Random, gen: torch.Generator, how: str):
 
 
 def launches(runtime) -> int:
-    return sum(spec.fn.launches for rj in runtime.jit.regions.values() for spec in rj._all()
+    return sum(spec.fn.launches for rj in runtime.jit.regions.values() for spec in rj.installed()
                if isinstance(spec.fn, InterpretedRegion))
 
 

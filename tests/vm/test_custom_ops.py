@@ -163,7 +163,7 @@ def test_specialization_with_a_custom_op_travels_to_a_replica(block):
         source(x)
         records = [(spec.artifact.key, msgpack.unpackb(msgpack.packb(
             encode(spec.ir, spec.strength, spec.signature, spec.family))))
-            for region_jit in source.jit.regions.values() for spec in region_jit._all()]
+            for region_jit in source.jit.regions.values() for spec in region_jit.installed()]
     assert records
     with dynvm.Runtime(program, jit=JitConfig(online_compile=False)) as target:
         for key, record in records:
