@@ -178,18 +178,20 @@ def tier_markdown(run: dict) -> str:
         + " per shape, the median of those. 'dynvm.compile s': export and lowering, "
         "'(load)' where the run read the program from --cache (filled by --prepare "
         "before it); 'JIT compile s': the JIT's background compiles over the whole run, "
-        "calibrations included. The A/A margin (interpreter B over A) is "
+        "calibrations included; 'settled': whether the JIT had nothing queued or on "
+        "probation when the seasoning's cap ended (Runtime.settled). The A/A margin "
+        "(interpreter B over A) is "
         "what noise alone moves a ratio in that model's window. The host is shared: "
         "the ratios, taken call by call, are what is comparable."]
     head = (["model", "what", "parameters", "shapes", "eager ms", "interpreter", "JIT"]
             + peer_names + ["JIT / best peer", "JIT / interp. (A/A, margin)",
                             "max abs err interp., JIT", "dynvm.compile s",
-                            "JIT compile s (calibration)", "settled"])
+                            "JIT compile s", "settled"])
     table = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     shapes = ["| model | shape | eager ms | interpreter | JIT | " + " | ".join(peer_names)
               + " | JIT / best peer |", "|---|---|" + "---:|" * (4 + len(peer_names))]
     for m in run["models"]:
-        steady, warm = m["steady"], m["warmup"]
+        steady = m["steady"]
         x = steady["x_eager"]
 
         def best(label, x=x):
@@ -216,8 +218,7 @@ def tier_markdown(run: dict) -> str:
             f"({steady['interp_aa']:.3f}, {steady['aa_margin']:.3f}) | "
             f"{errors.get('interp', 0):.1e}, {errors.get('jit', 0):.1e} | "
             f"{m['dynvm_compile_seconds']:.1f}{' (load)' if m.get('program_cached') else ''}"
-            f" | {compile_s:.1f} "
-            f"({warm['calibration_seconds']:.1f} in warm-up) | {m['season']['settled']} |")
+            f" | {compile_s:.1f} | {m['season']['settled']} |")
     lines += ["\n".join(table), "Per shape (x eager):", "\n".join(shapes)]
     for m in run["models"]:
         for name, why in m["unavailable"].items():
