@@ -56,7 +56,8 @@ from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Value, Va
 from dynvm.vm.abstract import CheckFailed, evaluate_region
 from dynvm.vm.errors import DynvmError
 from dynvm.vm.instr import Instr
-from dynvm.vm.isa import OpClass
+from dynvm.vm.isa import OpClass, OpSpec, Outs, RowKind
+from dynvm.vm.opcodes import OPCODES
 from dynvm.vm.operands import Const, Imm, IntList, Reg, RegList
 from dynvm.vm.regions import live_in_sets
 
@@ -146,7 +147,7 @@ def _grid_checks(program, region) -> set[int]:
     each dim's bounds, not its root's grid, so these stay in a family kernel (Note
     [Probes])."""
     return {pc for pc in range(region.start, region.stop)
-            if program.code[pc].op == "SHAPE_ASSERT"
+            if program.code[pc].spec.is_input_check
             and any(len(dim) == 5 for dim in program.code[pc].args[4].value)}
 
 
@@ -349,7 +350,7 @@ class _Rewriter:
             return
         args = tuple(self.operand(a) for a in instr.args)
         opcode = instr.op
-        if opcode == "RESHAPE_IF":
+        if instr.spec.view_form is not None:
             opcode = self.reshape_variant(pc, instr)
         for dst in instr.dsts:
             self.binding[dst.index] = Var(dst.index)
@@ -375,12 +376,12 @@ class _Rewriter:
         if not all(_unchanged(p.get(instr.args[0].index), p.get(instr.dsts[0].index))
                    for p in self.probes):
             return False
-        op = instr.op
-        if op == "MOVE":
+        op, spec = instr.op, instr.spec
+        if spec.outs is Outs.SAME_AS_ARG0:   # MOVE: its result is its operand, any kind
             reason = "register move"
-        elif instr.spec.is_view or instr.spec.returns_operand:
+        elif spec.is_view or spec.returns_operand:
             reason = "no-op view for this shape"
-        elif op in ("CLONE", "TO_COPY") and not self.may_escape(pc, instr.dsts[0]):
+        elif spec.is_copy and not self.may_escape(pc, instr.dsts[0]):
             reason = "copy of an already-laid-out tensor that never leaves the region"
         else:
             return False
@@ -401,18 +402,20 @@ class _Rewriter:
         return False
 
     def reshape_variant(self, pc: int, instr: Instr) -> str:
+        """The instruction's view form (OpSpec.view_form: RESHAPE_IF -> VIEW) where its
+        result is a view of its operand at every probe; else its own opcode."""
         for probe in self.probes:
             source = probe.get(instr.args[0].index)
             result = probe.get(instr.dsts[0].index)
             if not isinstance(source, torch.Tensor) or not isinstance(result, torch.Tensor):
-                return "RESHAPE_IF"
+                return instr.op
             try:
                 source.view(result.shape)
             except RuntimeError:
-                return "RESHAPE_IF"  # it copies for this layout; keep the general form
+                return instr.op  # it copies for this layout; keep the general form
         self.assumes_shapes = True
-        self.notes.append(f"{pc}: RESHAPE_IF is a view for this layout")
-        return "VIEW"
+        self.notes.append(f"{pc}: {instr.op} is a view for this layout")
+        return instr.spec.view_form
 
 
 def _varying_scalars(program, region, probes: list[dict[int, object]]) -> set[int]:
@@ -468,10 +471,11 @@ def _fuse_attention(ops: list[SpecOp], notes: list[str], values: dict[int, objec
     removed: set[int] = set()
     replacement: dict[int, SpecOp] = {}
     for final in ops:
-        if final.opcode != "MATMUL" or not isinstance(final.args[0], Var):
+        if not _batched_matmul(final) or not isinstance(final.args[0], Var):
             continue
         softmax = producers.get(final.args[0].reg)
-        if softmax is None or softmax.opcode not in ("SOFTMAX", "SOFTMAX_"):
+        row = _spec(softmax).row if softmax is not None else None
+        if row is None or row.kind is not RowKind.SOFTMAX:
             continue
         if uses.get(softmax.dsts[0]) != 1 or softmax.args[2] not in (Literal(None),
                                                                       Literal(False)):
@@ -481,14 +485,14 @@ def _fuse_attention(ops: list[SpecOp], notes: list[str], values: dict[int, objec
                                                                     probs.dim()):
             continue
         scaled = producers.get(softmax.args[0].reg) if isinstance(softmax.args[0], Var) else None
-        if scaled is None or scaled.opcode not in ("MUL", "DIV") or uses.get(scaled.dsts[0]) != 1:
+        scale_of = _spec(scaled).scale_of if scaled is not None else None
+        if scale_of is None or uses.get(scaled.dsts[0]) != 1:
             continue
         if not isinstance(scaled.args[1], Literal) or not isinstance(scaled.args[0], Var):
             continue
-        factor = float(scaled.args[1].value)
-        scale = factor if scaled.opcode == "MUL" else 1.0 / factor
+        scale = scale_of(float(scaled.args[1].value))
         scores = producers.get(scaled.args[0].reg)
-        if scores is None or scores.opcode != "MATMUL" or uses.get(scores.dsts[0]) != 1:
+        if scores is None or not _batched_matmul(scores) or uses.get(scores.dsts[0]) != 1:
             continue
         kt = producers.get(scores.args[1].reg) if isinstance(scores.args[1], Var) else None
         if kt is None or uses.get(kt.dsts[0]) != 1 or not _swaps_last_two(kt, values):
@@ -503,6 +507,18 @@ def _fuse_attention(ops: list[SpecOp], notes: list[str], values: dict[int, objec
     return [replacement.get(id(op), op) for op in ops if id(op) not in removed]
 
 
+def _spec(op: SpecOp) -> OpSpec | None:
+    """The table's entry of `op` (None for a backend's own opcode)."""
+    return OPCODES.get(op.opcode)
+
+
+def _batched_matmul(op: SpecOp) -> bool:
+    """A matrix product of batched operands with no bias (MATMUL): attention's."""
+    spec = _spec(op)
+    return spec is not None and spec.gemm is not None and spec.gemm.b_batched \
+        and spec.gemm.bias is None
+
+
 def _is_last_dim(dim, rank: int) -> bool:
     return (isinstance(dim, Literal) and isinstance(dim.value, int) and rank > 0
             and dim.value % rank == rank - 1)
@@ -514,13 +530,12 @@ def _swaps_last_two(op: SpecOp, values: dict[int, object]) -> bool:
     if not isinstance(result, torch.Tensor) or result.dim() < 2:
         return False
     rank = result.dim()
-    if op.opcode == "TRANSPOSE":
-        dims = [a.value for a in op.args[1:3]
-                if isinstance(a, Literal) and isinstance(a.value, int)]
-        return len(dims) == 2 and sorted(d % rank for d in dims) == [rank - 2, rank - 1]
-    if op.opcode == "PERMUTE" and isinstance(op.args[1], Literal):
-        return [d % rank for d in op.args[1].value] == [*range(rank - 2), rank - 1, rank - 2]
-    return False
+    spec = _spec(op)
+    if spec is None or spec.permutation is None or \
+            not all(isinstance(a, Literal) for a in op.args[1:]):
+        return False
+    permutation = spec.permutation(rank, *(a.value for a in op.args[1:]))
+    return permutation == (*range(rank - 2), rank - 1, rank - 2)
 
 
 def add_frees(ops: list[SpecOp], keep: set[int]) -> list[SpecOp]:

@@ -10,8 +10,15 @@ that must agree on an opcode is derived from that declaration:
 - the frontend's lowering (`aten`: the ATen overloads the opcode stands for),
 - the backends' per-op properties: the in-place form (`inplace`), the `out=` form
   (`out`), the formula a generated elementwise kernel computes (`pointwise`), and the
-  alias facts (`is_view`: read from the ATen schema; `returns_operand`; `commutative`).
-  They hold plain callables and data, so the VM imports nothing of the JIT.
+  alias facts (`is_view`: read from the ATen schema; `returns_operand`; `commutative`),
+  and the CPU backend's: the oneDNN post-ops an op is as a fused epilogue
+  (`onednn_unary`, `onednn_binary`) and its part in a channels-last chain
+  (`channels_last`); and the roles the specializer's and backends' rewrites look for:
+  a matrix product's operands (`gemm`), a row-wise reduction (`row`), a copy that may
+  be dropped (`is_copy`), the view form of a reshape (`view_form`), a scaling by a
+  literal (`scale_of`), a permutation of dims (`permutation`). They hold plain
+  callables and data, so the VM imports nothing of the JIT, and no backend keeps a side
+  table keyed by opcode name or compares opcode names.
 
 tests/vm/test_isa_table.py checks that every opcode has every entry, and every field
 against real execution.
@@ -62,6 +69,68 @@ class Outs(enum.Enum):
 
     VARIADIC_TENSORS = "T*"   # one or more tensors (SPLIT: as many as the graph uses)
     SAME_AS_ARG0 = "A"        # one result of the same kind as operand 0 (MOVE)
+
+
+class ChannelsLast(enum.Enum):
+    """An op's part in a chain kept channels-last by the CPU backend (Note
+    [Channels-last chains] in dynvm.jit.backends.cpu.channels_last)."""
+
+    CONVOLUTION = "convolution"   # runs faster on NHWC: what a chain is for
+    ELEMENTWISE = "elementwise"   # values ignore operand strides; NHWC carries through
+    STRUCTURED = "structured"     # NHWC kernels of its own (batch norm, pooling, mean, cat)
+
+
+@dataclass(frozen=True, slots=True)
+class PostOp:
+    """An activation as oneDNN's unary post-op of a fused GEMM or convolution (Note
+    [CPU fusion] in dynvm.jit.backends.cpu.fusion), computed on the op's operand 0."""
+
+    name: str
+    """oneDNN's name of the post-op ("relu", "swish", "gelu", ...)."""
+    scalars: int = 0
+    """How many of the op's literal operands after the tensor oneDNN takes as the
+    post-op's scalars, in order (LEAKY_RELU's slope, HARDTANH's bounds)."""
+    algorithm: bool = False
+    """Operand 1 (when given) is oneDNN's algorithm, not a scalar (GELU's approximate:
+    "none" or "tanh")."""
+
+
+@dataclass(frozen=True, slots=True)
+class Gemm:
+    """A matrix product's operands, by position: rows `a` [.., M, K] times `b` (and a
+    `bias` added), as the backends that fuse or generate GEMMs read them."""
+
+    a: int
+    b: int
+    bias: int | None = None
+    """The bias operand's position; None for a product without one."""
+    b_is_nk: bool = False
+    """`b` is laid out [N, K] (LINEAR's weight), else [K, N]."""
+    a_min_rank: int = 2
+    """The least rank of `a` (LINEAR takes a vector)."""
+    a_2d: bool = False
+    """`a` is exactly 2-D (MM, ADDMM): no leading batch dims."""
+    b_batched: bool = False
+    """`b` may carry batch dims too (MATMUL broadcasts them)."""
+    bias_is_vector: bool = False
+    """The bias is one value per output column (LINEAR), never a full matrix."""
+
+
+class RowKind(enum.Enum):
+    """The row-wise reductions a generated row kernel computes."""
+
+    SOFTMAX = "softmax"
+    LAYER_NORM = "layer_norm"
+
+
+@dataclass(frozen=True, slots=True)
+class RowOp:
+    """A reduction over each row of the last dim (one Triton program per row)."""
+
+    kind: RowKind
+    plain: object = None
+    """SOFTMAX: operand 2's value when it asks for no dtype conversion (SOFTMAX's
+    dtype None, SOFTMAX_'s half_to_float False)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +184,9 @@ class OpSpec:
     is_check: bool = False
     """Only validates its operands (no result): a specialization drops it where its
     guard proves it (SHAPE_ASSERT, DIMS_EQUAL, ASSERT_SCALAR)."""
+    is_input_check: bool = False
+    """Validates one program input against its declared signature, its dims (one
+    (low, high, name[, root, step]) per dim, Note [Derived dims]) in operand 4."""
     data_dependent: bool = False
     custom_shape_fn: Callable | None = field(default=None, repr=False)
     inplace: Callable | None = field(default=None, repr=False)
@@ -127,6 +199,29 @@ class OpSpec:
     lower_operands: Callable | None = field(default=None, repr=False)
     """The ATen schema's argument values -> this opcode's operand values, for an opcode
     whose operands are not the schema's arguments in order (INDEX's `Tensor?[]`)."""
+    onednn_unary: PostOp | None = None
+    """The oneDNN post-op computing this activation as a fused epilogue."""
+    onednn_binary: str | None = None
+    """oneDNN's binary post-op ("add", "sub", "mul") computing this op of the fused
+    result and a second tensor of its shape and dtype as an epilogue."""
+    channels_last: ChannelsLast | None = None
+    """Its part in a channels-last chain; None: a chain ends before it."""
+    gemm: Gemm | None = None
+    """A matrix product: its operands' roles (the GEMMs the backends fuse or generate)."""
+    row: RowOp | None = None
+    """A reduction over each row of the last dim (a generated row kernel computes it)."""
+    is_copy: bool = False
+    """The result is a fresh copy of operand 0: where it equals operand 0 (shape,
+    dtype, strides) and never leaves the region, it may be dropped."""
+    view_form: str | None = None
+    """The opcode this one is where its result can be a view of operand 0 (RESHAPE_IF:
+    VIEW), which the specializer picks per layout."""
+    scale_of: Callable | None = field(default=None, repr=False)
+    """Operand 1 a number: the factor this op multiplies operand 0 by (MUL: itself;
+    DIV: its reciprocal)."""
+    permutation: Callable | None = field(default=None, repr=False)
+    """(rank, literal operands after operand 0) -> the dims of operand 0 the result's
+    dims are, in order, or None when the operands do not say (TRANSPOSE, PERMUTE)."""
 
     @property
     def shape_fn(self) -> Callable:

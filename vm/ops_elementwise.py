@@ -14,12 +14,18 @@ from __future__ import annotations
 
 import torch
 
-from dynvm.vm.isa import OutForm, Pointwise
+from dynvm.vm.isa import ChannelsLast, OutForm, Pointwise, PostOp
 from dynvm.vm.ops_common import tensor_op
 
 aten = torch.ops.aten
 _nn = torch._C._nn
 _T = torch.Tensor
+def _reciprocal(factor) -> float:
+    """DIV by `factor` as a multiplication (OpSpec.scale_of)."""
+    return 1.0 / factor
+
+
+_EW = ChannelsLast.ELEMENTWISE   # Note [Channels-last chains] in dynvm.jit.backends.cpu
 
 SQRT_HALF = 0.7071067811865476          # 1 / sqrt(2)
 SQRT_TWO_OVER_PI = 0.7978845608028654   # sqrt(2 / pi)
@@ -96,26 +102,33 @@ ELEMENTWISE_OPS = (
     # -- activations -----------------------------------------------------------------
     tensor_op("GELU", aten.gelu.default, "GELU ('none' or 'tanh')", args="T,K", impl=_gelu,
               inplace=_gelu_inplace, out=OutForm(_gelu_out),
-              pointwise=Pointwise(1, _gelu_formula, modes=("none", "tanh"))),
+              pointwise=Pointwise(1, _gelu_formula, modes=("none", "tanh")),
+              onednn_unary=PostOp("gelu", algorithm=True), channels_last=_EW),
     _unary("RELU", torch.relu, aten.relu.default, inplace=_T.relu_,
-           out=OutForm(_relu_out), formula="tl.where({x} < 0.0, 0.0, {x})"),
+           out=OutForm(_relu_out), formula="tl.where({x} < 0.0, 0.0, {x})",
+           onednn_unary=PostOp("relu"), channels_last=_EW),
     _unary("SILU", _nn.silu, aten.silu.default, inplace=_nn.silu_,
-           formula="{x} * tl.sigmoid({x})"),
+           formula="{x} * tl.sigmoid({x})", onednn_unary=PostOp("swish"), channels_last=_EW),
     _unary("SIGMOID", torch.sigmoid, aten.sigmoid.default, inplace=_T.sigmoid_,
-           formula="tl.sigmoid({x})"),
+           formula="tl.sigmoid({x})", onednn_unary=PostOp("sigmoid"), channels_last=_EW),
     _unary("TANH", torch.tanh, aten.tanh.default, inplace=_T.tanh_,
-           formula=_tanh_formula("{x}")),
+           formula=_tanh_formula("{x}"), onednn_unary=PostOp("tanh"), channels_last=_EW),
     # -- unary math ------------------------------------------------------------------
-    _unary("EXP", torch.exp, aten.exp.default, inplace=_T.exp_, formula="tl.exp({x})"),
+    _unary("EXP", torch.exp, aten.exp.default, inplace=_T.exp_, formula="tl.exp({x})",
+           channels_last=_EW),
     _unary("LOG", torch.log, aten.log.default, inplace=_T.log_, formula="tl.log({x})"),
-    _unary("SQRT", torch.sqrt, aten.sqrt.default, inplace=_T.sqrt_, formula="tl.sqrt({x})"),
+    _unary("SQRT", torch.sqrt, aten.sqrt.default, inplace=_T.sqrt_, formula="tl.sqrt({x})",
+           channels_last=_EW),
     _unary("RSQRT", torch.rsqrt, aten.rsqrt.default, inplace=_T.rsqrt_,
-           formula="tl.rsqrt({x})"),
-    _unary("NEG", torch.neg, aten.neg.default, inplace=_T.neg_, formula="-{x}"),
-    _unary("ABS", torch.abs, aten.abs.default, inplace=_T.abs_, formula="tl.abs({x})"),
-    _unary("ERF", torch.erf, aten.erf.default, inplace=_T.erf_, formula="tl.erf({x})"),
+           formula="tl.rsqrt({x})", channels_last=_EW),
+    _unary("NEG", torch.neg, aten.neg.default, inplace=_T.neg_, formula="-{x}",
+           channels_last=_EW),
+    _unary("ABS", torch.abs, aten.abs.default, inplace=_T.abs_, formula="tl.abs({x})",
+           channels_last=_EW),
+    _unary("ERF", torch.erf, aten.erf.default, inplace=_T.erf_, formula="tl.erf({x})",
+           channels_last=_EW),
     _unary("RECIPROCAL", torch.reciprocal, aten.reciprocal.default,
-           inplace=_T.reciprocal_, formula="1.0 / {x}"),
+           inplace=_T.reciprocal_, formula="1.0 / {x}", channels_last=_EW),
     _unary("SIN", torch.sin, aten.sin.default, inplace=_T.sin_),
     _unary("COS", torch.cos, aten.cos.default, inplace=_T.cos_),
     _unary("ROUND", torch.round, aten.round.default, inplace=_T.round_, out=None),
@@ -148,29 +161,32 @@ ELEMENTWISE_OPS = (
     _unary("BITWISE_NOT", torch.bitwise_not, aten.bitwise_not.default,
            inplace=_T.bitwise_not_),
     tensor_op("CLAMP", aten.clamp.default, "clamp to [min, max]", impl=torch.clamp,
-              inplace=_T.clamp_),
+              inplace=_T.clamp_, channels_last=_EW),
     tensor_op("CLAMP_TENSOR", aten.clamp.Tensor, "clamp to tensor bounds [min, max]",
               impl=torch.clamp),
     # -- activations with parameters ----------------------------------------------------
     tensor_op("ELU", aten.elu.default, "ELU(x) with alpha, scale, input scale",
-              impl=_nn.elu, inplace=_nn.elu_, out=OutForm(_elu_out)),
+              impl=_nn.elu, inplace=_nn.elu_, out=OutForm(_elu_out), channels_last=_EW),
     tensor_op("LEAKY_RELU", aten.leaky_relu.default, "x if x > 0 else slope * x",
-              impl=_nn.leaky_relu, inplace=_nn.leaky_relu_, out=OutForm(_leaky_relu_out)),
+              impl=_nn.leaky_relu, inplace=_nn.leaky_relu_, out=OutForm(_leaky_relu_out),
+              onednn_unary=PostOp("leaky_relu", scalars=1), channels_last=_EW),
     tensor_op("HARDTANH", aten.hardtanh.default, "clamp to [min_val, max_val]",
-              impl=_nn.hardtanh, inplace=_nn.hardtanh_, out=OutForm(_hardtanh_out)),
+              impl=_nn.hardtanh, inplace=_nn.hardtanh_, out=OutForm(_hardtanh_out),
+              onednn_unary=PostOp("hardtanh", scalars=2), channels_last=_EW),
     # -- binary (ALPHA != 1 is lowered to a MUL first) ---------------------------------
     _binary("ADD", torch.add, aten.add.Tensor, aten.add.Scalar, inplace=_T.add_,
-            commutative=True, formula="{a} + {b}"),
+            commutative=True, formula="{a} + {b}", onednn_binary="add", channels_last=_EW),
     _binary("SUB", torch.sub, aten.sub.Tensor, aten.sub.Scalar, inplace=_T.sub_,
-            formula="{a} - {b}"),
+            formula="{a} - {b}", onednn_binary="sub", channels_last=_EW),
     _binary("MUL", torch.mul, aten.mul.Tensor, aten.mul.Scalar, inplace=_T.mul_,
-            commutative=True, formula="{a} * {b}"),
+            commutative=True, formula="{a} * {b}", onednn_binary="mul", channels_last=_EW,
+            scale_of=float),
     _binary("DIV", torch.div, aten.div.Tensor, aten.div.Scalar, inplace=_T.div_,
-            formula="{a} / {b}"),
+            formula="{a} / {b}", channels_last=_EW, scale_of=_reciprocal),
     _binary("POW", torch.pow, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor,
             aten.pow.Scalar, inplace=_T.pow_),
-    _binary("MAXIMUM", torch.maximum, aten.maximum.default),
-    _binary("MINIMUM", torch.minimum, aten.minimum.default),
+    _binary("MAXIMUM", torch.maximum, aten.maximum.default, channels_last=_EW),
+    _binary("MINIMUM", torch.minimum, aten.minimum.default, channels_last=_EW),
     _binary("EQ", torch.eq, aten.eq.Tensor, aten.eq.Scalar, out=None),
     _binary("NE", torch.ne, aten.ne.Tensor, aten.ne.Scalar, out=None),
     _binary("LT", torch.lt, aten.lt.Tensor, aten.lt.Scalar, out=None),

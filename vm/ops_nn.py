@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch._prims_common import suggest_memory_format
 
-from dynvm.vm.isa import OutForm
+from dynvm.vm.isa import ChannelsLast, OutForm, RowKind, RowOp
 from dynvm.vm.ops_common import tensor_op
 
 aten = torch.ops.aten
@@ -80,9 +80,9 @@ def _batch_norm_abstract(x, weight, bias, mean, var, momentum, eps):
 NN_OPS = (
     # -- softmax ---------------------------------------------------------------------
     tensor_op("SOFTMAX", aten.softmax.int, "softmax along a dim", impl=torch.softmax,
-              out=OutForm(_softmax_out, accepts=_no_dtype)),
+              out=OutForm(_softmax_out, accepts=_no_dtype), row=RowOp(RowKind.SOFTMAX, None)),
     tensor_op("SOFTMAX_", aten._softmax.default, "softmax (core ATen form)",
-              impl=torch._softmax),
+              impl=torch._softmax, row=RowOp(RowKind.SOFTMAX, False)),
     tensor_op("LOG_SOFTMAX", aten.log_softmax.int, "log-softmax along a dim",
               impl=torch.log_softmax, out=OutForm(_log_softmax_out, accepts=_no_dtype)),
     tensor_op("LOG_SOFTMAX_", aten._log_softmax.default, "log-softmax (core ATen form)",
@@ -90,14 +90,15 @@ NN_OPS = (
     # -- normalisation -----------------------------------------------------------------
     tensor_op("LAYER_NORM", aten.layer_norm.default, "layer norm over the trailing dims",
               impl=torch.layer_norm,
-              out=OutForm(_layer_norm_out, scratch=_layer_norm_scratch)),
+              out=OutForm(_layer_norm_out, scratch=_layer_norm_scratch),
+              row=RowOp(RowKind.LAYER_NORM)),
     tensor_op("NATIVE_LAYER_NORM", aten.native_layer_norm.default,
               "layer norm with its mean and rstd", impl=torch.native_layer_norm,
               custom_shape_fn=_stats_in_input_dtype(torch.native_layer_norm)),
     tensor_op("BATCH_NORM", aten._native_batch_norm_legit_no_training.default,
               "batch norm with running statistics (inference)",
               impl=torch._native_batch_norm_legit_no_training,
-              custom_shape_fn=_batch_norm_abstract),
+              custom_shape_fn=_batch_norm_abstract, channels_last=ChannelsLast.STRUCTURED),
     tensor_op("BATCH_NORM_NO_STATS", aten._native_batch_norm_legit.no_stats,
               "batch norm over the batch's own statistics (instance norm)",
               impl=torch._native_batch_norm_legit,
@@ -107,18 +108,21 @@ NN_OPS = (
     # -- convolution -----------------------------------------------------------------
     tensor_op("CONVOLUTION", aten.convolution.default,
               "N-d convolution: grouped, dilated, strided, or transposed",
-              impl=torch.convolution, custom_shape_fn=_convolution_abstract),
+              impl=torch.convolution, custom_shape_fn=_convolution_abstract,
+              channels_last=ChannelsLast.CONVOLUTION),
     # -- pooling ---------------------------------------------------------------------
     tensor_op("MAX_POOL2D", aten.max_pool2d_with_indices.default,
-              "2-d max pooling with the argmax indices", impl=_nn.max_pool2d_with_indices),
+              "2-d max pooling with the argmax indices", impl=_nn.max_pool2d_with_indices,
+              channels_last=ChannelsLast.STRUCTURED),
     tensor_op("MAX_POOL3D", aten.max_pool3d_with_indices.default,
               "3-d max pooling with the argmax indices", impl=_nn.max_pool3d_with_indices),
     tensor_op("AVG_POOL2D", aten.avg_pool2d.default, "2-d average pooling",
-              impl=_nn.avg_pool2d),
+              impl=_nn.avg_pool2d, channels_last=ChannelsLast.STRUCTURED),
     tensor_op("AVG_POOL3D", aten.avg_pool3d.default, "3-d average pooling",
               impl=_nn.avg_pool3d),
     tensor_op("ADAPTIVE_AVG_POOL2D", aten._adaptive_avg_pool2d.default,
-              "2-d average pooling to an output size", impl=torch._adaptive_avg_pool2d),
+              "2-d average pooling to an output size", impl=torch._adaptive_avg_pool2d,
+              channels_last=ChannelsLast.STRUCTURED),
     tensor_op("ADAPTIVE_AVG_POOL3D", aten._adaptive_avg_pool3d.default,
               "3-d average pooling to an output size", impl=torch._adaptive_avg_pool3d),
     tensor_op("ADAPTIVE_MAX_POOL2D", aten.adaptive_max_pool2d.default,

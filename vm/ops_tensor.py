@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dynvm.vm.isa import OpSpec, OutForm
+from dynvm.vm.isa import ChannelsLast, Gemm, OpSpec, OutForm
 from dynvm.vm.ops_common import factory, tensor_op
 
 aten = torch.ops.aten
@@ -166,19 +166,36 @@ def _full_out(size, value, dtype, layout, device, out):
     return torch.full(size, value, out=out)
 
 
+def _transpose_dims(rank: int, dim0, dim1) -> tuple[int, ...] | None:
+    """TRANSPOSE's permutation of a rank-`rank` operand (None: dims not literal ints)."""
+    if not (isinstance(dim0, int) and isinstance(dim1, int)):
+        return None
+    dims = list(range(rank))
+    dims[dim0 % rank], dims[dim1 % rank] = dims[dim1 % rank], dims[dim0 % rank]
+    return tuple(dims)
+
+
+def _permute_dims(rank: int, dims) -> tuple[int, ...] | None:
+    """PERMUTE's permutation of a rank-`rank` operand (None: dims not a literal list)."""
+    if not isinstance(dims, list | tuple):
+        return None
+    return tuple(d % rank for d in dims)
+
+
 TENSOR_OPS: tuple[OpSpec, ...] = (
     # -- matrix products ------------------------------------------------------------
     tensor_op("LINEAR", aten.linear.default, "x @ w.T + b", impl=_nn.linear,
-              out=OutForm(_linear_out)),
+              out=OutForm(_linear_out),
+              gemm=Gemm(0, 1, 2, b_is_nk=True, a_min_rank=1, bias_is_vector=True)),
     tensor_op("MATMUL", aten.matmul.default, "batched matrix product (broadcasting)",
-              impl=torch.matmul, out=_matrix_out(torch.matmul)),
+              impl=torch.matmul, out=_matrix_out(torch.matmul), gemm=Gemm(0, 1, b_batched=True)),
     tensor_op("MM", aten.mm.default, "2-D matrix product", impl=torch.mm,
-              out=_matrix_out(torch.mm)),
+              out=_matrix_out(torch.mm), gemm=Gemm(0, 1, a_2d=True)),
     tensor_op("BMM", aten.bmm.default, "3-D batched matrix product", impl=torch.bmm,
               out=_matrix_out(torch.bmm)),
     tensor_op("ADDMV", aten.addmv.default, "beta * bias + alpha * (a @ v)"),
     tensor_op("ADDMM", aten.addmm.default, "bias + a @ b", args="T,T,T", impl=torch.addmm,
-              out=OutForm(_addmm_out)),
+              out=OutForm(_addmm_out), gemm=Gemm(1, 2, bias=0, a_2d=True)),
     tensor_op("SDPA", aten.scaled_dot_product_attention.default,
               "softmax(q @ k.T * scale + mask) @ v", args="T,T,T,T?,S,K,K", impl=_sdpa,
               custom_shape_fn=_sdpa_abstract),
@@ -187,7 +204,7 @@ TENSOR_OPS: tuple[OpSpec, ...] = (
               out=OutForm(_sum_out, accepts=_with_dims)),
     tensor_op("SUM_ALL", aten.sum.default, "sum of all elements", impl=_sum_all),
     tensor_op("MEAN", aten.mean.dim, "mean over dims", impl=_mean,
-              out=OutForm(_mean_out, accepts=_with_dims)),
+              out=OutForm(_mean_out, accepts=_with_dims), channels_last=ChannelsLast.STRUCTURED),
     tensor_op("MEAN_ALL", aten.mean.default, "mean of all elements", impl=_mean_all),
     tensor_op("AMAX", aten.amax.default, "max over dims", impl=torch.amax),
     tensor_op("AMIN", aten.amin.default, "min over dims", impl=torch.amin),
@@ -232,8 +249,10 @@ TENSOR_OPS: tuple[OpSpec, ...] = (
     tensor_op("VIEW", (aten.view.default, aten._unsafe_view.default),
               "view with a new shape (a copy where the layout allows no view)",
               impl=torch.Tensor.reshape),
-    tensor_op("PERMUTE", aten.permute.default, "reorder dims", impl=torch.permute),
-    tensor_op("TRANSPOSE", aten.transpose.int, "swap two dims", impl=torch.transpose),
+    tensor_op("PERMUTE", aten.permute.default, "reorder dims", impl=torch.permute,
+              permutation=_permute_dims),
+    tensor_op("TRANSPOSE", aten.transpose.int, "swap two dims", impl=torch.transpose,
+              permutation=_transpose_dims),
     tensor_op("T", aten.t.default, "transpose a 2-D tensor", impl=torch.t),
     tensor_op("UNSQUEEZE", aten.unsqueeze.default, "insert a dim of size 1",
               impl=torch.unsqueeze),
@@ -260,9 +279,9 @@ TENSOR_OPS: tuple[OpSpec, ...] = (
     tensor_op("UNBIND", aten.unbind.int, "split into slices along a dim", impl=torch.unbind),
     # -- copies, concatenation ---------------------------------------------------------
     tensor_op("CLONE", aten.clone.default, "copy (optionally to a memory format)",
-              impl=_clone),
+              impl=_clone, is_copy=True),
     tensor_op("CAT", aten.cat.default, "concatenate along a dim", impl=torch.cat,
-              out=OutForm(_cat_out)),
+              out=OutForm(_cat_out), channels_last=ChannelsLast.STRUCTURED),
     tensor_op("STACK", aten.stack.default, "stack along a new dim", impl=torch.stack),
     tensor_op("COPY", aten.copy.default, "src's values in self's shape, dtype and device",
               n_args=2),
@@ -271,7 +290,7 @@ TENSOR_OPS: tuple[OpSpec, ...] = (
     tensor_op("SLICE_SCATTER", aten.slice_scatter.default,
               "a copy of x with a slice replaced by src", impl=torch.slice_scatter),
     tensor_op("TO_COPY", aten._to_copy.default, "copy to a dtype/layout/device", n_args=4,
-              impl=_to_copy),
+              impl=_to_copy, is_copy=True),
     # -- spectral (complex results stay inside the program) ---------------------------
     tensor_op("FFT_R2C", aten._fft_r2c.default, "real-to-complex FFT over dims",
               impl=torch._fft_r2c),

@@ -552,3 +552,84 @@ def test_to_copy_is_aten_to_copy(make, dtype):
     _assert_same(want, got)
     assert got.stride() == want.stride()
     assert got.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+# -- the CPU backend's per-op facts (Note [CPU fusion], Note [Channels-last chains]) -----
+
+_ONEDNN = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+needs_onednn = pytest.mark.skipif(not _ONEDNN, reason="no oneDNN in this torch build")
+
+
+def _gemm_operands():
+    return rand(5, 8), rand(6, 8), rand(6)
+
+
+@needs_onednn
+@pytest.mark.parametrize("spec", [s for s in ALL_OPS if s.onednn_unary is not None],
+                         ids=lambda s: s.name)
+def test_onednn_unary_post_op_is_the_activation(spec):
+    """oneDNN's linear with the post-op `onednn_unary` names, fed the op's literal
+    operands as its scalars (or algorithm), computes the op of the linear's result."""
+    post_op = spec.onednn_unary
+    rest = EXAMPLES[spec.name]()[1:]
+    if post_op.algorithm:
+        scalars, algorithm = [], rest[0] if rest else "none"
+    else:
+        assert len(rest) == post_op.scalars, spec.name
+        scalars, algorithm = [float(v) for v in rest], ""
+    x, w, b = _gemm_operands()
+    got = torch.ops.mkldnn._linear_pointwise(x, w, b, post_op.name, scalars, algorithm)
+    want = spec.impl(torch.nn.functional.linear(x, w, b), *rest)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("spec", [s for s in ALL_OPS if s.onednn_binary is not None],
+                         ids=lambda s: s.name)
+def test_onednn_binary_post_op_is_the_op(spec):
+    """oneDNN's linear with the binary post-op `onednn_binary` names computes the op of
+    the linear's result (operand 0) and a second tensor of its shape."""
+    x, w, b = _gemm_operands()
+    other = rand(5, 6)
+    got = torch.ops.mkldnn._linear_pointwise.binary(x, other, w, b, spec.onednn_binary)
+    want = spec.impl(torch.nn.functional.linear(x, w, b), other)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _channels_last_call(spec, x: torch.Tensor, per_channel: torch.Tensor):
+    """One call of a channels-last member on a 4-d `x` [2, 8, 6, 10]."""
+    impl = spec.impl
+    calls = {
+        "ADD": lambda: impl(x, per_channel), "SUB": lambda: impl(x, x),
+        "MUL": lambda: impl(x, per_channel), "DIV": lambda: impl(x, 6),
+        "CLAMP": lambda: impl(x, 0, 6), "HARDTANH": lambda: impl(x, 0.0, 6.0),
+        "LEAKY_RELU": lambda: impl(x, 0.1), "ELU": lambda: impl(x, 1.0, 1, 1),
+        "MAXIMUM": lambda: impl(x, per_channel), "MINIMUM": lambda: impl(per_channel, x),
+        "GELU": lambda: impl(x, "none"),
+        "BATCH_NORM": lambda: impl(x, None, None, torch.zeros(8), torch.ones(8), 0.1,
+                                   1e-5)[0],
+        "MAX_POOL2D": lambda: impl(x, [2, 2], [2, 2], [0, 0], [1, 1], False)[0],
+        "AVG_POOL2D": lambda: impl(x, [2, 2], [2, 2], [0, 0], False, True, None),
+        "ADAPTIVE_AVG_POOL2D": lambda: impl(x, [3, 3]),
+        "MEAN": lambda: impl(x, [-1, -2], True, None),
+        "CAT": lambda: impl([x, x], 1),
+        "CONVOLUTION": lambda: impl(x, torch.ones(4, 8, 3, 3) / 72, None, [1, 1], [1, 1],
+                                    [1, 1], False, [0, 0], 1),
+    }
+    if spec.name in calls:
+        return calls[spec.name]()
+    assert spec.pointwise is not None and spec.pointwise.arity == 1, spec.name
+    return impl(x)
+
+
+@pytest.mark.parametrize("spec", [s for s in ALL_OPS if s.channels_last is not None],
+                         ids=lambda s: s.name)
+def test_channels_last_members_keep_the_layout(spec):
+    """A member of a channels-last chain gives the same values on an NHWC input as on
+    NCHW, and its result stays NHWC (what keeps a chain channels-last)."""
+    x, per_channel = torch.rand(2, 8, 6, 10) + 0.5, torch.rand(2, 8, 1, 1) + 0.5
+    nhwc = x.contiguous(memory_format=torch.channels_last)
+    want = _channels_last_call(spec, x, per_channel)
+    got = _channels_last_call(spec, nhwc, per_channel)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got.is_contiguous(memory_format=torch.channels_last), spec.name

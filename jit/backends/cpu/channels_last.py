@@ -80,6 +80,8 @@ from dynvm.jit.backends.cpu.fusion import (
 )
 from dynvm.jit.ir import SpecializedRegion, SpecOp, Var
 from dynvm.jit.specialize import add_frees
+from dynvm.vm.isa import ChannelsLast
+from dynvm.vm.opcodes import OPCODES
 
 _CL = torch.channels_last
 LAYOUT_VARIANT = "layout"
@@ -124,16 +126,14 @@ _EXIT = {"nchw": EXACT_NCHW, "nhwc": EXACT_NHWC}
 
 _FUSED_CL = {CONV_UNARY_NCHW: CONV_UNARY, CONV_BINARY_NCHW: CONV_BINARY,
              CONV_UNARY: CONV_UNARY, CONV_BINARY: CONV_BINARY}
-_CONVS = frozenset({"CONVOLUTION", *_FUSED_CL})
-# Ops whose values ignore their operands' strides and whose result keeps an NHWC
-# layout (checked against torch in tests/jit/test_cpu_layout.py).
-_ELEMENTWISE = frozenset({
-    "ADD", "SUB", "MUL", "DIV", "RELU", "GELU", "SILU", "SIGMOID", "TANH", "HARDTANH",
-    "CLAMP", "LEAKY_RELU", "ELU", "NEG", "ABS", "EXP", "SQRT", "RSQRT", "RECIPROCAL",
-    "ERF", "MAXIMUM", "MINIMUM"})
-_STRUCTURED = frozenset({"BATCH_NORM", "MAX_POOL2D", "AVG_POOL2D",
-                         "ADAPTIVE_AVG_POOL2D", "MEAN", "CAT"})
-MEMBERS = _CONVS | _ELEMENTWISE | _STRUCTURED
+# Members and convolutions from the opcode table (OpSpec.channels_last): elementwise ops
+# (their values ignore operands' strides, their result keeps an NHWC layout: checked
+# against torch in tests/jit/test_cpu_layout.py), ops with NHWC kernels of their own,
+# and convolutions, with the fused oneDNN forms of the latter.
+_CONVS = frozenset({*(name for name, spec in OPCODES.items()
+                      if spec.channels_last is ChannelsLast.CONVOLUTION), *_FUSED_CL})
+MEMBERS = _CONVS | frozenset(name for name, spec in OPCODES.items()
+                             if spec.channels_last is not None)
 
 
 @dataclasses.dataclass(frozen=True)

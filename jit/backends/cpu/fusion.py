@@ -156,12 +156,11 @@ FUSED_KERNELS = {
 
 # Activation opcode -> oneDNN post-op attribute, and how many literal operands follow
 # the tensor (they become the post-op's scalars; GELU's mode becomes its algorithm).
-_UNARY_ATTRS = {"RELU": ("relu", 0), "SILU": ("swish", 0), "SIGMOID": ("sigmoid", 0),
-                "TANH": ("tanh", 0), "HARDSWISH": ("hardswish", 0),
-                "HARDSIGMOID": ("hardsigmoid", 0), "GELU": ("gelu", 0),
-                "LEAKY_RELU": ("leaky_relu", 1), "HARDTANH": ("hardtanh", 2)}
-_BINARY_ATTRS = {"ADD": "add", "SUB": "sub", "MUL": "mul"}
-_COMMUTATIVE = {"ADD", "MUL"}
+# The epilogues oneDNN computes, from the opcode table (OpSpec.onednn_unary / onednn_binary).
+_UNARY_POST_OPS = {name: spec.onednn_unary for name, spec in OPCODES.items()
+                   if spec.onednn_unary is not None}
+_BINARY_POST_OPS = {name: spec.onednn_binary for name, spec in OPCODES.items()
+                    if spec.onednn_binary is not None}
 @dataclass(frozen=True)
 class FusionResult:
     """A region after a fusion rewrite, with notes on what was fused or why not."""
@@ -288,28 +287,14 @@ def _fp32_const(constants, arg, rank: int) -> torch.Tensor | None:
 def _as_gemm(op: SpecOp, constants, probes) -> _Gemm | None:
     if op.variant or len(op.dsts) != 1:
         return None
-    args = op.args
-    if op.opcode == "LINEAR" and len(args) == 3:
-        x, weight, bias = args
-        transpose = False
-        w = _fp32_const(constants, weight, 2)
-        if w is None:
-            return None
-        if not (bias == Literal(None) or _fp32_const(constants, bias, 1) is not None):
-            return None
-    elif op.opcode == "ADDMM" and len(args) == 3:
-        bias, x, weight = args
-        transpose = True
-        w = _fp32_const(constants, weight, 2)
-        if w is None or _fp32_const(constants, bias, 1) is None:
-            return None
-    elif op.opcode in ("MM", "MATMUL") and len(args) == 2:
-        x, weight = args
-        transpose, bias = True, Literal(None)
-        w = _fp32_const(constants, weight, 2)
-        if w is None:
-            return None
-    else:
+    args, spec = op.args, OPCODES.get(op.opcode)
+    gemm = spec.gemm if spec is not None else None   # OpSpec.gemm: the operands' roles
+    if gemm is None or len(args) != len(spec.args):
+        return None
+    x, weight, transpose = args[gemm.a], args[gemm.b], not gemm.b_is_nk
+    bias = args[gemm.bias] if gemm.bias is not None else Literal(None)
+    if _fp32_const(constants, weight, 2) is None or not (
+            bias == Literal(None) or _fp32_const(constants, bias, 1) is not None):
         return None
     if not isinstance(x, Var):
         return None
@@ -319,9 +304,18 @@ def _as_gemm(op: SpecOp, constants, probes) -> _Gemm | None:
         return None
     if any(t.dtype != torch.float32 or t.dim() < 2 for t in xs):
         return None
-    if op.opcode == "MM" and any(t.dim() != 2 for t in xs):
+    if gemm.a_2d and any(t.dim() != 2 for t in xs):
         return None
     return _Gemm(x, weight.index, transpose, bias)
+
+
+def _bound_gemm(impl, gemm, weight, bias) -> tuple:
+    """(`impl` as a partial of the builtin holding the operands before the rows,
+    the operands after them): `run(x, *after)` is the GEMM (OpSpec.gemm's positions)."""
+    fixed = {gemm.b: weight, **({} if gemm.bias is None else {gemm.bias: bias})}
+    before = [fixed[i] for i in range(gemm.a)]
+    return (functools.partial(impl, *before),
+            tuple(fixed[i] for i in range(gemm.a + 1, len(fixed) + 1)))
 
 
 def single_consumer(ops, position: int, uses) -> int | None:
@@ -346,17 +340,17 @@ def _epilogue(ops, position, consumer_at, probes, constants, producer_position,
     if not untouched_between(ops, position, consumer_at, consumer):
         return None
     name = consumer.opcode
-    if name in _UNARY_ATTRS and consumer.args and consumer.args[0] == dst:
+    if name in _UNARY_POST_OPS and consumer.args and consumer.args[0] == dst:
         post_op = unary_post_op(consumer)
         if post_op is None:
             return None
         return consumer_at, *post_op, None
-    if name not in _BINARY_ATTRS or weak_guard or len(consumer.args) != 2:
+    if name not in _BINARY_POST_OPS or weak_guard or len(consumer.args) != 2:
         return None
     a, b = consumer.args
     if a == dst:
         other = b
-    elif b == dst and name in _COMMUTATIVE:
+    elif b == dst and OPCODES[name].commutative:
         other = a
     else:
         return None
@@ -376,24 +370,24 @@ def _epilogue(ops, position, consumer_at, probes, constants, producer_position,
         return None
     if any(o.shape != r.shape or o.dtype != r.dtype for o, r in zip(others, result)):
         return None
-    return consumer_at, _BINARY_ATTRS[name], None, None, other
+    return consumer_at, _BINARY_POST_OPS[name], None, None, other
 
 
 def unary_post_op(op: SpecOp) -> tuple[str, list, str] | None:
     """(attr, scalars, algorithm) of oneDNN's post-op computing activation `op` on its
     operand 0, or None when there is none."""
-    if op.opcode not in _UNARY_ATTRS:
+    post_op = _UNARY_POST_OPS.get(op.opcode)
+    if post_op is None:
         return None
-    attr, n_scalars = _UNARY_ATTRS[op.opcode]
     rest = op.args[1:]
     if not all(isinstance(a, Literal) for a in rest):
         return None
-    if op.opcode == "GELU":
+    if post_op.algorithm:   # GELU: operand 1 is oneDNN's algorithm
         mode = rest[0].value if rest else "none"
-        return ("gelu", [], mode) if mode in ("none", "tanh") and len(rest) <= 1 else None
-    if len(rest) != n_scalars or not all(isinstance(a.value, int | float) for a in rest):
+        return (post_op.name, [], mode) if mode in ("none", "tanh") and len(rest) <= 1 else None
+    if len(rest) != post_op.scalars or not all(isinstance(a.value, int | float) for a in rest):
         return None
-    return attr, [float(a.value) for a in rest], ""
+    return post_op.name, [float(a.value) for a in rest], ""
 
 
 def untouched_between(ops, position: int, consumer_at: int, consumer: SpecOp) -> bool:
@@ -537,18 +531,11 @@ def _forms(op, epilogue, ops, weight, bias):
     unused by the unary forms). `eager` is also a gated kernel's torch form (Note [oneDNN
     at a new row count]), called with the fused call's operands: one Python frame over
     torch's own calls (the GEMM is a `functools.partial` of the builtin)."""
-    gemm_impl = OPCODES[op.opcode].impl
-    if op.opcode == "LINEAR":
-        run_gemm = functools.partial(gemm_impl, weight=weight, bias=bias)
-    elif op.opcode == "ADDMM":
-        run_gemm = functools.partial(gemm_impl, bias, mat2=weight)
-    elif op.opcode == "MM":
-        run_gemm = functools.partial(gemm_impl, mat2=weight)
-    else:
-        run_gemm = functools.partial(gemm_impl, other=weight)
+    spec = OPCODES[op.opcode]
+    run_gemm, after = _bound_gemm(spec.impl, spec.gemm, weight, bias)
     if epilogue is None:
         def gemm_alone(x, other=None, *ignored):
-            return run_gemm(x)
+            return run_gemm(x, *after)
 
         def fused_alone(x, other, packed):
             return FUSED_KERNELS[LINEAR_UNARY](x, packed, bias, "none", [], "")
@@ -561,7 +548,7 @@ def _forms(op, epilogue, ops, weight, bias):
         extra = [a.value for a in consumer.args[1:]]
 
         def eager(x, other=None, *ignored):
-            return step(run_gemm(x), *extra)
+            return step(run_gemm(x, *after), *extra)
 
         def fused(x, other, packed):
             return FUSED_KERNELS[LINEAR_UNARY](x, packed, bias, attr, scalars, algorithm)
@@ -569,7 +556,7 @@ def _forms(op, epilogue, ops, weight, bias):
 
     def eager_binary(x, other=None, *ignored):
         # ADD and MUL commute exactly; SUB is fused only with the GEMM's result first.
-        return step(run_gemm(x), other)
+        return step(run_gemm(x, *after), other)
 
     def fused_binary(x, other, packed):
         return FUSED_KERNELS[LINEAR_BINARY](x, other, packed, bias, attr)
@@ -635,7 +622,8 @@ def _kind(op, epilogue, ops) -> str:
     if epilogue is None:
         return op.opcode.lower()
     consumer = ops[epilogue[0]]
-    mode = f"({epilogue[3]})" if consumer.opcode == "GELU" else ""
+    post_op = _UNARY_POST_OPS.get(consumer.opcode)
+    mode = f"({epilogue[3]})" if post_op is not None and post_op.algorithm else ""
     return f"{op.opcode.lower()}+{consumer.opcode.lower()}{mode}"
 
 

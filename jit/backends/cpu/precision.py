@@ -78,12 +78,15 @@ from dynvm.jit.config import PRECISIONS
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
 from dynvm.jit.specialize import add_frees
 from dynvm.vm.errors import ConfigError
+from dynvm.vm.opcodes import OPCODES
 
 # The variant of the ops this pass adds (casts, int8 GEMMs); the bf16 GEMM itself is a
 # fused oneDNN linear (fusion's opcode and variant) on bf16 operands.
 PRECISION_VARIANT = "precision"
 TO_BF16, TO_FP32, INT8_LINEAR = "TO_BF16", "TO_FP32", "INT8_LINEAR_DYNAMIC"
-_PROMOTING = ("ADD", "SUB", "MUL")
+# A bf16 GEMM result's readers that compute in fp32 by type promotion, free of a cast:
+# the binary epilogues (the residual add's kinds), from the opcode table.
+_PROMOTING = frozenset(name for name, spec in OPCODES.items() if spec.onednn_binary is not None)
 
 
 def _to_bf16(x: torch.Tensor) -> torch.Tensor:

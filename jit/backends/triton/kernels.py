@@ -44,11 +44,14 @@ from dynvm.jit.backends.triton.partition import (
     MATMUL_GROUP,
     ROW_GROUP,
     FusionGroup,
+    gemm_of,
     matmul_operands,
     operand_role,
+    row_of,
 )
 from dynvm.jit.backends.triton.plan import Dim, KernelLaunch
 from dynvm.jit.ir import Literal, SpecOp, Var
+from dynvm.vm.isa import RowKind
 from dynvm.vm.opcodes import OPCODES
 
 _NAME = "__DYNVM_KERNEL_NAME__"
@@ -268,7 +271,7 @@ def _row(group: FusionGroup, facts: Facts) -> _Builder:
     for position, op in enumerate(group.ops):
         if position != group.anchor:
             b.elementwise(op)
-        elif op.opcode == "LAYER_NORM":
+        elif row_of(op).kind is RowKind.LAYER_NORM:
             _layer_norm(b, op)
         else:
             _softmax(b, op)
@@ -328,7 +331,7 @@ def _matmul(group: FusionGroup, facts: Facts, options: TritonOptions) -> _Builde
     b = _Builder(MATMUL_GROUP, facts, domain, "offs", "mask")
     a_value, b_value, bias_value = matmul_operands(anchor)
     a_shapes, b_shapes = facts.tensor(a_value).shapes, facts.tensor(b_value).shapes
-    weight = anchor.opcode == "LINEAR"             # b is [N, K]; otherwise [K, N]
+    weight = gemm_of(anchor).b_is_nk               # b is [N, K]; otherwise [K, N]
     b.add_input(a_value, f"a {_shape_text(a_shapes)} as [M, K]")
     b.add_input(b_value, f"b {_shape_text(b_shapes)} as " + ("[N, K]" if weight else "[K, N]"))
     ms = [math.prod(s[:-1]) for s in a_shapes]

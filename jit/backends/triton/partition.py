@@ -43,14 +43,26 @@ from dynvm.jit.backends.triton._facts import Facts, TensorFacts, is_number, next
 from dynvm.jit.backends.triton.errors import UnsupportedRegion
 from dynvm.jit.backends.triton.options import DEFAULT_OPTIONS, TritonOptions
 from dynvm.jit.ir import Literal, SpecializedRegion, SpecOp, Var
+from dynvm.vm.isa import Gemm, RowKind, RowOp
+from dynvm.vm.opcodes import OPCODES
 
 ELEMENTWISE_GROUP = "elementwise"
 ROW_GROUP = "row"
 MATMUL_GROUP = "matmul"
 TORCH_GROUP = "torch"
 
-ROW_OPS = ("SOFTMAX", "SOFTMAX_", "LAYER_NORM")
-MATMUL_OPS = ("LINEAR", "MM", "MATMUL", "ADDMM")
+
+
+def row_of(op: SpecOp) -> RowOp | None:
+    """The row reduction `op` is (OpSpec.row: softmax, layer norm), or None."""
+    spec = OPCODES.get(op.opcode)
+    return spec.row if spec is not None else None
+
+
+def gemm_of(op: SpecOp) -> Gemm | None:
+    """The matrix product `op` is (OpSpec.gemm: its operands' roles), or None."""
+    spec = OPCODES.get(op.opcode)
+    return spec.gemm if spec is not None else None
 
 
 @dataclass(frozen=True)
@@ -120,9 +132,9 @@ def _classify(op: SpecOp, facts: Facts, options: TritonOptions) -> _Fit | str:
     """The group kind `op` can be part of, or why it must run in torch."""
     if op.opcode in ELEMENTWISE:
         return _classify_elementwise(op, facts)
-    if op.opcode in ROW_OPS:
+    if row_of(op) is not None:
         return _classify_row(op, facts, options)
-    if op.opcode in MATMUL_OPS:
+    if gemm_of(op) is not None:
         return _classify_matmul(op, facts)
     return f"{op.opcode} has no generated kernel"
 
@@ -191,13 +203,13 @@ def _classify_row(op: SpecOp, facts: Facts, options: TritonOptions) -> _Fit | st
     if next_power_of_two(widest) > options.max_row_block:
         return f"{op.opcode}: rows of up to {widest} elements exceed max_row_block " \
                f"{options.max_row_block}"
-    if op.opcode in ("SOFTMAX", "SOFTMAX_"):
+    row = row_of(op)
+    if row.kind is RowKind.SOFTMAX:
         dim = op.args[1]
         if not (isinstance(dim, Literal) and isinstance(dim.value, int)
                 and dim.value % x.rank == x.rank - 1):
             return f"{op.opcode}: not over the last dim ({dim!r})"
-        plain = Literal(None) if op.opcode == "SOFTMAX" else Literal(False)
-        if op.args[2] != plain:
+        if op.args[2] != Literal(row.plain):
             return f"{op.opcode}: dtype conversion {op.args[2]!r} is not fused"
         return _Fit(ROW_GROUP, x.shapes)
     shape, weight, bias, eps = op.args[1:5]
@@ -216,11 +228,10 @@ def _classify_row(op: SpecOp, facts: Facts, options: TritonOptions) -> _Fit | st
 
 def matmul_operands(op: SpecOp) -> tuple[object, object, object]:
     """(a, b, bias or Literal(None)) of a matmul op, whatever its operand order."""
-    if op.opcode == "LINEAR":
-        return op.args[0], op.args[1], op.args[2] if len(op.args) > 2 else Literal(None)
-    if op.opcode == "ADDMM":
-        return op.args[1], op.args[2], op.args[0]
-    return op.args[0], op.args[1], Literal(None)
+    gemm = gemm_of(op)
+    bias = op.args[gemm.bias] if gemm.bias is not None and gemm.bias < len(op.args) \
+        else Literal(None)
+    return op.args[gemm.a], op.args[gemm.b], bias
 
 
 def _classify_matmul(op: SpecOp, facts: Facts) -> _Fit | str:
@@ -231,11 +242,11 @@ def _classify_matmul(op: SpecOp, facts: Facts) -> _Fit | str:
     a, b = facts.tensor(a_value), facts.tensor(b_value)
     if not (_fp32_contiguous(a) and _fp32_contiguous(b)):
         return f"{op.opcode}: operands are not fp32 contiguous tensors"
-    min_rank = {"LINEAR": 1, "MATMUL": 2}.get(op.opcode, 2)
-    if b.rank != 2 or a.rank < min_rank or (op.opcode in ("MM", "ADDMM") and a.rank != 2):
+    gemm = gemm_of(op)
+    if b.rank != 2 or a.rank < gemm.a_min_rank or (gemm.a_2d and a.rank != 2):
         return f"{op.opcode}: ranks {a.rank} @ {b.rank} (a batched right operand) " \
                "are not fused"
-    k_axis, n_axis = (1, 0) if op.opcode == "LINEAR" else (0, 1)
+    k_axis, n_axis = (1, 0) if gemm.b_is_nk else (0, 1)
     for sa, sb, so in zip(a.shapes, b.shapes, out.shapes):
         if sa[-1] != sb[k_axis] or so != (*sa[:-1], sb[n_axis]):
             return f"{op.opcode}: shapes {sa} @ {sb} -> {so} do not line up"
@@ -243,8 +254,8 @@ def _classify_matmul(op: SpecOp, facts: Facts) -> _Fit | str:
         role = operand_role(bias_value, out.shapes, facts)
         if role not in ("full", "broadcast"):
             return f"{op.opcode}: bias is not an fp32 tensor broadcast over the result"
-        if op.opcode == "LINEAR" and role != "broadcast":
-            return "LINEAR: bias is not a vector"
+        if gemm.bias_is_vector and role != "broadcast":
+            return f"{op.opcode}: bias is not a vector"
     return _Fit(MATMUL_GROUP, out.shapes)
 
 
