@@ -199,6 +199,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-token-budget", type=int, default=0,
+                   help="dynvm scheduler's tokens per step (0: SchedulerConfig's default)")
     p.add_argument("--systems", default="dynvm,ctranslate2")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
@@ -229,8 +231,10 @@ def main(argv=None) -> int:
     try:
         targets = {}
         if "dynvm" in systems:
+            budget = ({"step_token_budget": args.step_token_budget}
+                      if args.step_token_budget else {})
             serve.run(generator_application("gen", str(folder / "gen"), ServingConfig(
-                device="cpu", num_cpus=1), SchedulerConfig()), name="dynvm-gen",
+                device="cpu", num_cpus=1), SchedulerConfig(**budget)), name="dynvm-gen",
                 route_prefix="/")
             targets["dynvm"] = "/v1/completions"
         if ct2 is not None:
