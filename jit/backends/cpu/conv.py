@@ -86,6 +86,17 @@ channels-last). Where a region keeps NCHW after all (its own measurement), its f
 convolutions run in their NCHW form; the region's measurement, which times both layouts
 with the fused calls in them, is what guards the whole.
 
+Where the answer is known, the question is not asked: in a channels-last chain, a plain
+(ungrouped) convolution that torch itself would run on oneDNN (`torch._C.
+_select_conv_backend` says Mkldnn, at every probe) is the same oneDNN convolution either
+way, torch's with its weight reordered and its epilogue run as separate passes on every
+call. Asked anyway on a loaded host the answer was noise: a ResNet-50 batch-1 kernel
+compiled at load 6-9 kept 4 of its 53 convolutions on torch, beside fused ones timed
+"0.769 vs 6.510 ms" (docs/bench_log.md, 2026-12-03 17:14), and those questions were
+most of its 2-6 s of calibration. Grouped convolutions (oneDNN packed was slower for a
+depthwise one above) and those torch runs on its own kernels (a small input at batch 1,
+`Slow2d`) are still asked.
+
 Channels-last is not an op rewrite: oneDNN and torch were both 1.5-2.3x faster on a
 channels-last input, but that pays only when a whole chain of convolutions keeps the
 layout (a conversion at each op costs what it saves). The pass that runs after this
@@ -404,6 +415,9 @@ def _decide(ops, chain: _Chain, weight, bias, constants, probes,
     if calibrator is None:
         return " (not measured: fusion forced on)"
     conv = ops[chain.conv]
+    if channels_last and _torch_runs_onednn(conv, weight, probes):
+        return (" (not measured: torch's own convolution is oneDNN's here, its weight "
+                "reordered on every call)")
     x_probe = probe_tensors(probes, conv.args[0].reg)[0]
     shape = (min(x_probe.shape[0], _CALIBRATION_MAX_BATCH), *x_probe.shape[1:])
     padding, stride, dilation, groups = _geometry(conv)
@@ -510,3 +524,22 @@ def _packed_per_batch(weight, key: tuple, padding, stride, dilation, groups,
         if table[batch] is None:
             table[batch] = table[batch - 1]
     return PackedPerBatch(tuple(table))
+
+
+def _torch_runs_onednn(conv: SpecOp, weight, probes) -> bool:
+    """Whether torch's own convolution runs oneDNN on this ungrouped convolution's input
+    at every probe (Note [Conv choice in the chain's layout])."""
+    padding, stride, dilation, groups = _geometry(conv)
+    if groups != 1:
+        return False
+    try:
+        mkldnn = torch._C._ConvBackend.Mkldnn
+        for x in probe_tensors(probes, conv.args[0].reg):
+            # uninitialized: only its sizes and strides are read
+            real = torch.empty(x.shape, memory_format=torch.channels_last)
+            if torch._C._select_conv_backend(real, weight, None, stride, padding, dilation,
+                                             False, [0, 0], groups, None) != mkldnn:
+                return False
+    except (AttributeError, RuntimeError, TypeError):   # a private API: ask instead
+        return False
+    return True
