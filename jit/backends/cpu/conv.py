@@ -92,10 +92,12 @@ _select_conv_backend` says Mkldnn, at every probe) is the same oneDNN convolutio
 way, torch's with its weight reordered and its epilogue run as separate passes on every
 call. Asked anyway on a loaded host the answer was noise: a ResNet-50 batch-1 kernel
 compiled at load 6-9 kept 4 of its 53 convolutions on torch, beside fused ones timed
-"0.769 vs 6.510 ms" (docs/bench_log.md, 2026-12-03 17:14), and those questions were
-most of its 2-6 s of calibration. Grouped convolutions (oneDNN packed was slower for a
-depthwise one above) and those torch runs on its own kernels (a small input at batch 1,
-`Slow2d`) are still asked.
+"0.769 vs 6.510 ms" (docs/bench_log.md, 2026-12-03 17:14). It saves little calibration
+time: ResNet-50's seconds of calibration are mostly the region's own layout question
+(Note [Channels-last chains]), 5.3 s with this rule at load 5-7 against 2.0 s without
+it at load 2-3. Grouped convolutions (oneDNN packed was slower for a depthwise one
+above) and those torch runs on its own kernels (a small input at batch 1, `Slow2d`)
+are still asked.
 
 Channels-last is not an op rewrite: oneDNN and torch were both 1.5-2.3x faster on a
 channels-last input, but that pays only when a whole chain of convolutions keeps the
