@@ -150,6 +150,7 @@ def main(argv=None) -> int:
         out = fn(*x)
         out = out[0] if isinstance(out, tuple) else out
         print(f"{name}: |out - eager| {float((out - expected).abs().max()):.2e}")
+    # Note [ResNet profile]: walls interleaved first, the profilers' own cost apart
     walls = _walls(systems, x, args.calls)
     print("wall ms (median, interleaved): " + ", ".join(
         f"{k} {1e3 * v:.1f}" for k, v in walls.items()) + f"; load {os.getloadavg()[0]:.2f}")
