@@ -6,7 +6,21 @@ exports ahead] in tests/zoo/_zoo_exports.py)."""
 
 from __future__ import annotations
 
-import secrets
+import os
+
+# Note [Passive OpenMP in tests]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's OpenMP workers spin between parallel regions by default. The suite runs several
+# torch processes at once on a 2-core host (the zoo's exports ahead, Ray's replicas and
+# compile service, `dynvm serve` children), and spinning workers of one starve the
+# others: `test_bench_zoo_times_a_peer_beside_the_jit` took 82 s in the whole suite
+# beside the zoo's export process and 11 s alone. Passive waits (the same finding as
+# Note [OpenMP wait policy] in bench/_omp.py) make the suite's time its work's. Set
+# here, before anything loads torch (libgomp reads it once), and inherited by every
+# process the tests start; a value set by the caller is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import secrets  # noqa: E402
 import shlex
 import sys
 import tempfile

@@ -45,6 +45,7 @@ class ExportsAhead:
         folder.mkdir(parents=True, exist_ok=True)
         self._log = (folder / "exports.log").open("wb")
         root = Path(__file__).resolve().parents[2]
+        # Inherits passive OpenMP waits: Note [Passive OpenMP in tests].
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.zoo._zoo_exports", str(folder), *names],
             cwd=root, stdout=self._log, stderr=subprocess.STDOUT)
