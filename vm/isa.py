@@ -206,6 +206,10 @@ class OpSpec:
     result and a second tensor of its shape and dtype as an epilogue."""
     channels_last: ChannelsLast | None = None
     """Its part in a channels-last chain; None: a chain ends before it."""
+    folds_into_conv: bool = False
+    """An inference batch norm (operands: input, weight, bias, running mean and var,
+    momentum, eps): with constant statistics it is a per-channel affine map that folds
+    into the weight and bias of the convolution it follows."""
     gemm: Gemm | None = None
     """A matrix product: its operands' roles (the GEMMs the backends fuse or generate)."""
     row: RowOp | None = None

@@ -633,3 +633,23 @@ def test_channels_last_members_keep_the_layout(spec):
     got = _channels_last_call(spec, nhwc, per_channel)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert got.is_contiguous(memory_format=torch.channels_last), spec.name
+
+
+@pytest.mark.parametrize("spec", [s for s in ALL_OPS if s.folds_into_conv],
+                         ids=lambda s: s.name)
+def test_a_folding_batch_norm_is_an_affine_map_of_the_convolution(spec):
+    """`folds_into_conv`: the op over a convolution's result, with constant statistics
+    (operands input, weight, bias, running mean, running var, momentum, eps), equals the
+    convolution whose weight and bias carry its per-channel scale and shift (what the
+    CPU backend's conv fusion folds)."""
+    x, w, b = rand(2, 3, 9, 9), rand(5, 3, 3, 3), rand(5)
+    gamma, beta, mean = rand(5), rand(5), rand(5)
+    var, eps = torch.rand(5) + 0.5, 1e-5
+    conv = (lambda weight, bias: torch.convolution(x, weight, bias, [1, 1], [1, 1], [1, 1],
+                                                   False, [0, 0], 1))
+    out = spec.impl(conv(w, b), gamma, beta, mean, var, 0.1, eps)
+    got = out[0] if isinstance(out, tuple) else out
+    scale = gamma * torch.rsqrt(var + eps)
+    folded = conv(w * scale.reshape(-1, 1, 1, 1), (b - mean) * scale + beta)
+    torch.testing.assert_close(got, folded, rtol=1e-4, atol=1e-5)
+    assert spec.channels_last is not None, "a folding op keeps a channels-last chain"

@@ -134,6 +134,8 @@ from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.calibration import Calibrator, size_class
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
 from dynvm.jit.specialize import add_frees
+from dynvm.vm.isa import ChannelsLast
+from dynvm.vm.opcodes import OPCODES
 
 _mkldnn = torch.ops.mkldnn
 # Calibration inputs are cut to at most this many batch rows (a family's upper bound
@@ -239,8 +241,22 @@ def _const(constants, arg, rank: int | None = None) -> torch.Tensor | None:
     return value if rank is None or value.dim() == rank else None
 
 
+def _is_a(op: SpecOp, role: str) -> bool:
+    """What the ISA table says of `op` (convention 1): a convolution, an add oneDNN
+    computes as its sum post-op (the residual), or a batch norm that folds into the
+    convolution before it. A backend-made opcode (a fused call) is none of them."""
+    spec = OPCODES.get(op.opcode)
+    if spec is None:
+        return False
+    if role == "convolution":
+        return spec.channels_last is ChannelsLast.CONVOLUTION
+    if role == "sum":
+        return spec.onednn_binary == "add"
+    return spec.folds_into_conv
+
+
 def _is_plain_conv(op: SpecOp, constants, probes) -> bool:
-    if op.opcode != "CONVOLUTION" or op.variant or len(op.args) != 9 or len(op.dsts) != 1:
+    if not _is_a(op, "convolution") or op.variant or len(op.args) != 9 or len(op.dsts) != 1:
         return False
     x, weight, bias, stride, padding, dilation, transposed, _out_pad, groups = op.args
     if _const(constants, weight, 4) is None or transposed != Literal(False):
@@ -284,7 +300,7 @@ def _longest_chain(ops, position, uses, constants, probes, producer_position,
     consumer, dst = ops[nxt], Var(ops[at].dsts[0])
     if _is_activation_of(consumer, dst):
         return dataclasses.replace(chain, unary=nxt)
-    if consumer.opcode != "ADD" or weak_guard or len(consumer.args) != 2 \
+    if not _is_a(consumer, "sum") or weak_guard or len(consumer.args) != 2 \
             or consumer.variant not in ("", "inplace"):
         return chain
     a, b = consumer.args
@@ -328,7 +344,7 @@ def _runs_at_conv(ops, positions: list[int]) -> bool:
 
 def _is_folding_bn(ops, conv_at: int, bn_at: int, uses, constants) -> bool:
     bn = ops[bn_at]
-    if bn.opcode != "BATCH_NORM" or len(bn.args) != 7 or bn.args[0] != Var(ops[conv_at].dsts[0]):
+    if not _is_a(bn, "folding") or len(bn.args) != 7 or bn.args[0] != Var(ops[conv_at].dsts[0]):
         return False
     _, gamma, beta, mean, var, _momentum, eps = bn.args
     if _const(constants, mean, 1) is None or _const(constants, var, 1) is None:
