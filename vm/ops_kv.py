@@ -35,6 +35,15 @@ positions), so the JIT's probation shadow calls and calibration runs, which run 
 region twice, leave the cache as one run does. The verifier checks that every cache
 operand is a state input or a KV_APPEND result chained from one (vm/verifier.py).
 
+Note [One row by plain indexing]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A batch of one row (every B=1 decode step, and each prompt chunk written alone) takes
+its slot and length as Python ints (one read each) and works on views: KV_APPEND copies
+into cache[slot, :, p:p + T], DECODE_ATTN attends over cache[slot:slot + 1, :, :L]
+without a mask at T = 1. The general path's advanced-index write (index_put), its
+checks that the slots are contiguous, its max/any reads and its position arange cost
+~10 small ATen calls per layer, which at B=1 are a visible share of a GEMV-bound step.
+
 For torch.export, the two are torch.library ops (`dynvm::kv_append`,
 `dynvm::decode_attention`) whose schemas declare no mutation: export would otherwise
 functionalize the write into a copy of the whole cache. Their kernels are the
@@ -57,7 +66,10 @@ _LIB.define("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor s
 def kv_append(cache, new, slots, positions):
     """KV_APPEND: write `new` at each row's slot and position, in place; the cache."""
     steps = new.shape[2]
-    if steps == 1:
+    if new.shape[0] == 1:  # Note [One row by plain indexing]
+        first = int(positions[0])
+        cache[int(slots[0]), :, first:first + steps].copy_(new[0])
+    elif steps == 1:
         cache[slots, :, positions] = new[:, :, 0]
     else:
         where = positions[:, None] + torch.arange(steps, device=positions.device)
@@ -82,6 +94,9 @@ def _rows(cache, slots, length: int):
 def decode_attention(query, keys, values, slots, lengths, scale=None):
     """DECODE_ATTN: each row's T queries over its slot's first lengths[b] keys and
     values, query t seeing positions up to lengths[b] - T + t (causal in the chunk)."""
+    if query.shape[0] == 1:  # Note [One row by plain indexing]
+        return _one_row_attention(query, keys, values, int(slots[0]), int(lengths[0]),
+                                  scale)
     longest = int(lengths.max())
     k, v = _rows(keys, slots, longest), _rows(values, slots, longest)
     steps = query.shape[2]
@@ -97,6 +112,18 @@ def decode_attention(query, keys, values, slots, lengths, scale=None):
             mask = (positions[None, None, :] <= last[:, :, None])[:, None]
     elif not same:
         mask = (positions < lengths[:, None])[:, None, None]
+    return sdpa_gqa(query, k, v, mask, 0.0, False, scale).contiguous()
+
+
+def _one_row_attention(query, keys, values, slot: int, length: int, scale):
+    """DECODE_ATTN for one row: its slot's prefix is a view, and only a chunk (T > 1)
+    needs a mask, the causal band of its T queries over the prefix."""
+    k, v = keys[slot:slot + 1, :, :length], values[slot:slot + 1, :, :length]
+    steps = query.shape[2]
+    mask = None
+    if steps > 1:
+        positions = torch.arange(length, device=query.device)
+        mask = (positions[None, :] <= positions[length - steps:, None])[None, None]
     return sdpa_gqa(query, k, v, mask, 0.0, False, scale).contiguous()
 
 
