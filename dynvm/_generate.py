@@ -21,7 +21,6 @@ import torch
 from dynvm._generation_ahead import LengthBucketsAhead, StepAhead
 from dynvm._generation_export import GeneratorPrograms, export_generator
 from dynvm._kv_state import KvState
-from dynvm._linear_layout import store_linears_input_major
 from dynvm._runtime import Runtime
 from dynvm._sampling import Sampling, next_tokens
 from dynvm.jit.config import JitConfig
@@ -259,11 +258,7 @@ def compile_generator(model: torch.nn.Module, *, max_batch: int = 64,
     `kv_state`: one step program over the KV cache as state for prompt chunks of up to
     `chunk` tokens and decoding (Note [One step program for prompt and decode] in
     dynvm._generation_kv), which the generator then runs; `pure` (default: not
-    kv_state): the prefill and decode programs over plain caches too. The programs' linear weights,
-    and the model's parameters that they are, are then stored input-major, same values
-    (Note [Linear weights stored input-major] in dynvm._linear_layout)."""
+    kv_state): the prefill and decode programs over plain caches too."""
     programs = export_generator(model, max_batch=max_batch, max_length=max_length, name=name,
                                 kv_state=kv_state, chunk=chunk, pure=pure)
-    # Note [Linear weights stored input-major] in dynvm._linear_layout
-    programs = store_linears_input_major(programs, model)
     return Generator(programs, device, jit=jit, compile_ahead=compile_ahead)

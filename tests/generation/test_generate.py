@@ -257,25 +257,3 @@ def test_prompt_chunks_run_in_families_and_decode_exact(built):
         assert torch.equal(tokens, interpreter.generate(ids, mask, max_new_tokens=3,
                                                         stop_tokens=()))
 
-
-def test_linear_weights_input_major(built):
-    """Note [Linear weights stored input-major]: every LINEAR weight constant of the
-    programs is the transpose of a contiguous [K, N] tensor, the model's own parameter
-    (one copy), and a tied embedding's table stays row-major for its gathers."""
-    from dynvm.vm.operands import Const
-
-    kind, model, programs = built
-    params = {p.data_ptr(): p for p in model.parameters()}
-    for program in (programs.step, programs.prefill, programs.decode):
-        weights = {instr.args[1].index for instr in program.code
-                   if instr.op == "LINEAR" and isinstance(instr.args[1], Const)}
-        gathered = {instr.args[0].index for instr in program.code
-                    if instr.op == "EMBEDDING" and isinstance(instr.args[0], Const)}
-        for index in weights - gathered:
-            weight = program.constants[index]
-            assert weight.t().is_contiguous() and not weight.is_contiguous()
-            assert params[weight.data_ptr()].stride() == weight.stride()
-        for index in gathered:
-            assert program.constants[index].is_contiguous()
-        if kind == "llama":
-            assert len(weights - gathered) >= 7 * model.config.num_hidden_layers
