@@ -41,6 +41,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -54,6 +55,16 @@ logger = logging.getLogger("dynvm.cluster.proxy")
 PROXY_CALLBACK = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"  # Ray Serve's variable
 GRPC_MAX_MESSAGE = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # Ray Serve's, read by its gRPC proxy
 CALLBACK_PATH = "dynvm.cluster.protocol.proxy_guard:proxy_middlewares"
+# Note [Proxy ready check]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# Serve's controller gives a starting proxy 5 s to answer its ready check, then kills
+# it. This proxy loads dynvm's protocol module (and torch with it: 1.3-1.8 s on an idle
+# 2-core host) to build its middleware, and on a loaded host its start passed 5 s:
+# `serve.start` failed with the proxy actor "killed by ray.kill" before it ran (a
+# whole-suite rehearsal at load 4-6, 12 module setups). The controller reads this
+# variable when it starts, so it goes with the others in `environment()`.
+PROXY_READY_CHECK = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+PROXY_READY_CHECK_S = 30.0
 _JSON = b"application/json"
 
 
@@ -94,8 +105,12 @@ class ProxyLimits:
         RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH, not from `serve.start`; its gRPC
         server's message limit (both directions, Serve's one setting) only from
         RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, which grpc checks against a message's length
-        prefix before it buffers the message: RESOURCE_EXHAUSTED, no handler run."""
+        prefix before it buffers the message: RESOURCE_EXHAUSTED, no handler run. And
+        the controller's ready check of a starting proxy, longer than Serve's 5 s
+        (Note [Proxy ready check])."""
         return {PROXY_CALLBACK: CALLBACK_PATH,
+                # Note [Proxy ready check]; a value already in the environment is kept.
+                PROXY_READY_CHECK: os.environ.get(PROXY_READY_CHECK, str(PROXY_READY_CHECK_S)),
                 PROXY_MAX_BODY_BYTES: str(self.max_body_bytes),
                 PROXY_BODY_TIMEOUT_S: repr(float(self.body_timeout_s)),
                 GRPC_MAX_MESSAGE: str(self.max_body_bytes)}
