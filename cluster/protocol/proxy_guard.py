@@ -41,7 +41,6 @@ import asyncio
 import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -109,8 +108,7 @@ class ProxyLimits:
         the controller's ready check of a starting proxy, longer than Serve's 5 s
         (Note [Proxy ready check])."""
         return {PROXY_CALLBACK: CALLBACK_PATH,
-                # Note [Proxy ready check]; a value already in the environment is kept.
-                PROXY_READY_CHECK: os.environ.get(PROXY_READY_CHECK, str(PROXY_READY_CHECK_S)),
+                PROXY_READY_CHECK: repr(PROXY_READY_CHECK_S),  # Note [Proxy ready check]
                 PROXY_MAX_BODY_BYTES: str(self.max_body_bytes),
                 PROXY_BODY_TIMEOUT_S: repr(float(self.body_timeout_s)),
                 GRPC_MAX_MESSAGE: str(self.max_body_bytes)}

@@ -33,8 +33,13 @@ WARMUP = 1_000
 SEQ = 32
 HIDDEN = 16
 CHECK_EVERY = 250
-RSS_LIMIT_BYTES = 50 * 2**20
-"""Stated limit of resident-set growth from the end of warm-up to the last call."""
+RSS_LIMIT_BYTES = (50 + 50) * 2**20
+"""Stated limit of resident-set growth from the end of warm-up to the last call: 50 MiB
+for dynvm's own bounded caches and 50 MiB for oneDNN's primitive cache, an LRU of up to
+1024 primitives (ONEDNN_PRIMITIVE_CACHE_CAPACITY) that fills over the soak's shapes. On
+2026-12-03 the growth was 29-34 MiB with that cache off and 40-91 MiB with it on (seven
+runs, this commit and stop 10's alike), so a 50 MiB limit failed at random. A leak of
+10 KB a call (90 MiB over the 9,000 calls after warm-up, on top of those) fails it."""
 
 CONFIG = dynvm.JitConfig(
     # Promote readily (a long-lived server: K=2, a long payback horizon), so that more
