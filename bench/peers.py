@@ -109,6 +109,21 @@ class Exported:
         self._folder.cleanup()
 
 
+def ort_session_options(ort, threads: int):
+    """The SessionOptions of every ONNX Runtime session the benchmarks time (Note [ONNX
+    peers]): `threads` intra-op threads, one inter-op, sequential, every graph
+    optimization, spinning off, warnings and above only."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    options.log_severity_level = 3
+    return options
+
+
 class OrtRunner:
     """An ONNX Runtime session over an exported file (Note [ONNX peers]); calling it
     with torch tensors returns a tuple of torch tensors."""
@@ -125,14 +140,7 @@ class OrtRunner:
             quantize_dynamic(path, quantized, weight_type=QuantType.QInt8,
                              op_types_to_quantize=["MatMul", "Gemm"])
             path = quantized
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-        options.log_severity_level = 3
+        options = ort_session_options(ort, threads)
         self.session = ort.InferenceSession(path, options,
                                             providers=["CPUExecutionProvider"])
         self.input_names = [i.name for i in self.session.get_inputs()]

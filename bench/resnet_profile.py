@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from bench import full_width
+from bench.peers import ort_session_options
 
 
 def _settle(runtime, x, cap_s: float) -> int:
@@ -69,14 +71,10 @@ def profile_ort(path: str, threads: int, x, calls: int) -> dict[str, float]:
     """ms per call by ONNX Runtime node op type, from its JSON profile."""
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options = ort_session_options(ort, threads)
     options.enable_profiling = True
-    options.log_severity_level = 3
+    # The profile's JSON goes to the temporary folder, not the working directory.
+    options.profile_file_prefix = os.path.join(tempfile.gettempdir(), "dynvm_ort_profile")
     session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     feed = {session.get_inputs()[0].name: x[0].numpy()}
     session.run(None, feed)

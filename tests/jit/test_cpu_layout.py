@@ -16,13 +16,11 @@ from torch.export import Dim
 
 import dynvm
 from dynvm.arena import ArenaPool
-from dynvm.jit.backends.cpu.channels_last import MEMBERS
 from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
 from dynvm.jit.backends.cpu.fusion import onednn_available
 from dynvm.jit.config import JitConfig
 from dynvm.jit.specialize import specialize
 from dynvm.vm.errors import ConfigError
-from dynvm.vm.opcodes import OPCODES
 from tests.jit import _jit_helpers as h
 from tests.jit._kernel_run import run_kernel
 from tests.jit._scripted_calibrator import ScriptedCalibrator
@@ -256,43 +254,9 @@ def test_the_arena_leaves_channels_last_values_out_and_still_agrees(chain):
             torch.testing.assert_close(run_kernel(nhwc, region, x), model(x), **TOL)
 
 
-def _example(name: str, x: torch.Tensor):
-    """One call of member opcode `name` on a channels-last 4-d `x` (None: the member's
-    result is checked elsewhere, e.g. convolutions in test_cpu_conv and the ISA table)."""
-    scale = torch.rand(x.shape[0], x.shape[1], 1, 1)
-    impl = OPCODES[name].impl if name in OPCODES else None
-    calls = {
-        "ADD": lambda: impl(x, scale), "SUB": lambda: impl(x, x), "MUL": lambda: impl(x, scale),
-        "DIV": lambda: impl(x, 6), "CLAMP": lambda: impl(x, 0, 6),
-        "HARDTANH": lambda: impl(x, 0.0, 6.0), "LEAKY_RELU": lambda: impl(x, 0.1),
-        "ELU": lambda: impl(x, 1.0, 1, 1), "MAXIMUM": lambda: impl(x, scale),
-        "MINIMUM": lambda: impl(scale, x), "GELU": lambda: impl(x, "none"),
-        "BATCH_NORM": lambda: impl(x, None, None, torch.zeros(8), torch.ones(8), 0.1,
-                                   1e-5)[0],
-        "MAX_POOL2D": lambda: impl(x, [2, 2], [2, 2], [0, 0], [1, 1], False)[0],
-        "AVG_POOL2D": lambda: impl(x, [2, 2], [2, 2], [0, 0], False, True, None),
-        "ADAPTIVE_AVG_POOL2D": lambda: impl(x, [3, 3]),
-        "MEAN": lambda: impl(x, [-1, -2], True, None),
-        "CAT": lambda: impl([x, x], 1),
-    }
-    if name in calls:
-        return calls[name]()
-    if name in OPCODES and OPCODES[name].pointwise is not None:
-        return impl(x.abs() + 0.5)
-    return None
-
-
-def test_member_ops_keep_a_channels_last_layout():
-    x = torch.randn(2, 8, 6, 10).contiguous(memory_format=CL)
-    checked = 0
-    for name in sorted(MEMBERS):
-        result = _example(name, x)
-        if result is None:
-            assert name == "CONVOLUTION" or name.startswith("ONEDNN_CONV"), name
-            continue
-        assert result.is_contiguous(memory_format=CL), name
-        checked += 1
-    assert checked == len(MEMBERS) - 5      # CONVOLUTION and the four fused forms
+# That every member of a chain keeps an NHWC input NHWC (and gives NCHW's values) is
+# tests/vm/test_isa_table.py's test_channels_last_members_keep_the_layout: the members
+# are OpSpec.channels_last, so the table's test covers each.
 
 
 def test_config_validates_the_switch():
