@@ -187,10 +187,14 @@ def test_compile_service_killed_mid_traffic(fleet):
 
 
 def test_replica_killed_is_replaced_and_warm_starts(fleet):
-    seen = {_stats(fleet["port"])["replica"] for _ in range(10)}
     victims = [a for a in ray.util.list_named_actors(all_namespaces=True)
                if "ModelReplica-rec" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
     assert len(victims) == 2, victims
+    # Both replicas must be known before the kill, or the one not yet seen would pass for
+    # the replacement (ten requests once all went to one replica: a rehearsal failed so).
+    seen: set = set()
+    assert wait_until(lambda: seen.add(_stats(fleet["port"])["replica"]) or len(seen) == 2,
+                      30, interval_s=0.0) is not None, seen
     with Traffic(fleet["port"], "rec", fleet["names"]) as traffic:
         time.sleep(1)
         ray.kill(ray.get_actor(victims[0]["name"], namespace=victims[0]["namespace"]),
