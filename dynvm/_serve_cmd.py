@@ -164,57 +164,23 @@ def _gpu_targets_from_args(args) -> tuple:
     return tuple(targets)
 
 
-def _given(**values) -> dict:
-    """The flags that were given (argparse leaves the others None)."""
-    return {k: v for k, v in values.items() if v is not None}
-
-
 def _serving_from_args(args) -> ServingConfig:
-    """ServingConfig from the flags that were given, over its defaults."""
-    from dynvm.cluster.serving._limits import ServingLimits
-    from dynvm.cluster.serving.serving_config import Autoscaling, BatchingOptions, ServingConfig
+    """ServingConfig from the flags that were given, over ServingConfig.local_stack()
+    (this command starts its own Ray); each flag is a field's (Note [Flags from config fields])."""
+    from dynvm.cluster.serving._config_flags import FlagError, config_from_flags
+    from dynvm.cluster.serving.serving_config import ServingConfig
     from dynvm.jit.config import JitConfig
 
-    if (args.min_replicas is None) != (args.max_replicas is None):
+    if (args.min_replicas is None) != (args.max_replicas is None) or (
+            args.target_ongoing_requests is not None and args.max_replicas is None):
         raise CliError("give both --min-replicas and --max-replicas (autoscaling), or "
                        "neither", 2)
-    preferred = None
-    if args.preferred_batch_sizes is not None:
-        try:
-            preferred = tuple(int(n) for n in args.preferred_batch_sizes.split(",")
-                              if n.strip())
-        except ValueError:
-            raise CliError(f"--preferred-batch-sizes takes integers separated by commas, "
-                           f"got {args.preferred_batch_sizes!r}", 2) from None
-    delay = None if args.max_batch_delay_ms is None else args.max_batch_delay_ms / 1000.0
+    base = ServingConfig.local_stack()
+    if args.online_compile is False:  # `jit` is no scalar field: this flag sets it
+        base = base.replace(jit=JitConfig(online_compile=False))
     try:
-        batching = BatchingOptions(**_given(
-            max_batch_size=args.max_batch_size, max_delay_s=delay,
-            preferred_sizes=preferred, shape_aware=args.shape_aware_batching,
-            max_queued=args.max_queued))
-    except ValueError as exc:
-        raise CliError(f"bad batching flag: {exc}", 2) from None
-    try:
-        limits = ServingLimits(**_given(
-            call_seconds=args.call_seconds,
-            require_signed_programs=args.require_signed or None))
-    except ValueError as exc:
-        raise CliError(f"bad --call-seconds: {exc}", 2) from None
-    try:
-        autoscaling = None if args.max_replicas is None else Autoscaling(**_given(
-            min_replicas=args.min_replicas, max_replicas=args.max_replicas,
-            target_ongoing_requests=args.target_ongoing_requests))
-    except ValueError as exc:
-        raise CliError(f"--min-replicas/--max-replicas: {exc}", 2) from None
-    try:
-        # This command starts its own Ray: ServingConfig.local_stack()'s defaults.
-        return ServingConfig.local_stack(**_given(
-            device=args.device, num_replicas=args.replicas, num_cpus=args.num_cpus,
-            drain_s=args.drain_seconds,
-            access_log=args.access_log or None, ingress=args.ingress,
-            jit=JitConfig(online_compile=False) if args.online_compile is False else None),
-            batching=batching, limits=limits, autoscaling=autoscaling)
-    except ValueError as exc:
+        return config_from_flags(args, base)
+    except FlagError as exc:
         raise CliError(str(exc), 2) from None
 
 
@@ -404,63 +370,21 @@ at once (exit 128 + the signal's number).
                    help="also serve the v2 gRPC protocol (KServe GRPCInferenceService) on "
                    "port P of --host; calls name the model's application in "
                    "their 'application' metadata (dynvm-model-<name>)")
-    p.add_argument("--drain-seconds", type=float, metavar="S",
-                   help="on SIGTERM or SIGINT (and for a replica Serve stops), how long "
-                   "in-flight requests may take to finish before the replica is "
-                   "stopped anyway (default: ServingConfig.drain_s); a second "
-                   "signal stops at once")
     p.add_argument("--service-shards", type=int, metavar="N", default=1,
                    help="run the compile service as N actors, each program on one of them "
                    "by its hash (default 1; a fleet with many programs)")
-    # Flags left out are None: ServingConfig.local_stack()'s defaults apply (stated in
-    # dynvm.cluster.serving.serving_config only; tests/cluster/test_serve_cmd.py checks it).
-    p.add_argument("--replicas", type=int, metavar="N", help="fixed replica count")
-    p.add_argument("--min-replicas", type=int, metavar="A", help="autoscale from A ...")
-    p.add_argument("--max-replicas", type=int, metavar="B", help="... up to B replicas")
-    p.add_argument("--target-ongoing-requests", type=float, metavar="R",
-                   help="autoscaling: requests in flight per replica")
+    # One flag per ServingConfig field, its default the config's: Note [Flags from config fields]
+    # (`jit` is no scalar, so --online-compile is this command's).
+    from dynvm.cluster.serving._config_flags import add_config_flags
+    from dynvm.cluster.serving.serving_config import ServingConfig
+
+    add_config_flags(p, ServingConfig.local_stack())
     p.add_argument("--online-compile", action=argparse.BooleanOptionalAction,
                    help="whether replicas may compile (--no-online-compile: install "
                    "from the store only, e.g. after `dynvm precompile`)")
-    p.add_argument("--device", help="replica device: auto (a GPU when Ray has one), cpu, "
-                   "cuda")
-    p.add_argument("--num-cpus", type=float, metavar="C", help="CPUs reserved per replica")
-    p.add_argument("--call-seconds", type=float, metavar="S",
-                   help="budget of one model call: a call still looping after S seconds "
-                   "stops and its request gets a 500")
-    # This command starts its own Ray, so it picks Serve's ingress mode: direct, as
-    # ServingConfig.local_stack() says (and why).
-    p.add_argument("--ingress", choices=("proxy", "direct"),
-                   help="direct (default, ServingConfig.local_stack()'s): each replica "
-                   "also serves HTTP at a port of its "
-                   "own, printed at start-up, without the proxy's hop (Serve's direct "
-                   "ingress); every route still answers at --port through Serve's proxy. "
-                   "proxy: every route at --port through Serve's HTTP proxy only")
-    p.add_argument("--access-log", action="store_true",
-                   help="Serve's access log line per request in the replica logs (off by "
-                   "default: it costs CPU on every request, the metrics count them)")
-    p.add_argument("--require-signed", action="store_true",
-                   help="load the .dvm file only if MODEL.dvm.sig holds its signature "
-                   "with DYNVM_STORE_SECRET (dynvm.vm.dvm_signature.sign_file)")
     p.add_argument("--gpu-targets", metavar="cuda:NN,...",
                    help="GPU architectures the compile service builds Triton binaries for; "
                    "CUDA replicas install them without compiling (e.g. cuda:90,cuda:80)")
-    batching = p.add_argument_group(
-        "batching", "Note [Opportunistic batching]: a request that finds the model idle "
-        "runs at once; requests arriving while it is busy form the next batch")
-    batching.add_argument("--max-batch-size", type=int, metavar="N",
-                          help="requests per batch at most")
-    batching.add_argument("--max-batch-delay-ms", type=float, metavar="MS",
-                          help="longest hold of a batch of two or more for one more request "
-                          "that reaches a preferred size; a lone request is never held")
-    batching.add_argument("--preferred-batch-sizes", metavar="N,N,...",
-                          help="row counts batches aim for, e.g. the precompiled ones")
-    batching.add_argument("--shape-aware-batching", action=argparse.BooleanOptionalAction,
-                          default=None, help="prefer batch sizes that ran specialized "
-                          "(on unless --no-shape-aware-batching)")
-    batching.add_argument("--max-queued", type=int, metavar="N",
-                          help="requests waiting for the model at most; more get 503 + "
-                          "Retry-After")
     from dynvm._serve_generate_cmd import add_generate_arguments
 
     add_generate_arguments(p)

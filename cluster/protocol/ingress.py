@@ -58,10 +58,13 @@ the mode of a cluster started without the variable. Figures: docs/bench_log.md,
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Literal, get_args
 
 from dynvm.vm.errors import ConfigError
 
-INGRESS_CHOICES = ("proxy", "direct")
+Ingress = Literal["proxy", "direct"]
+"""How HTTP requests enter Serve (ServingConfig.ingress; `dynvm serve --ingress`'s choices)."""
+INGRESS_CHOICES = get_args(Ingress)
 DIRECT_INGRESS = "RAY_SERVE_ENABLE_DIRECT_INGRESS"  # Ray Serve's variables
 DRAINING_PERIOD = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 DRAIN_S = 1.0

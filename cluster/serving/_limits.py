@@ -6,8 +6,9 @@ every call and request is bounded). One frozen dataclass, handed to `serve_model
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from dynvm.cluster.serving._config_flags import cli
 from dynvm.vm.budget import CallBudget
 from dynvm.vm.errors import ConfigError
 
@@ -29,7 +30,7 @@ class ServingLimits:
     parse_threads: int = 2
     """Threads that decode request bodies and encode responses, off the event loop
     (Note [Bounded JSON]); they also bound how many bodies are decoded at once."""
-    require_signed_programs: bool = False
+    require_signed_programs: bool = field(default=False, metadata=cli("--require-signed"))
     """True: the replica loads its .dvm file only with a signature made with the fleet's
     store secret (Note [Signed programs] in dynvm.vm.dvm_signature); needs `fleet`."""
     refuse_non_finite: bool = False

@@ -7,7 +7,8 @@ defaults stated once, here).
 
 `ModelReplica`, `model_application`, `serve_models`, the `serve run` builder
 (dynvm.cluster.serving.serve_app, which reads a config file's `args` with `from_mapping`) and
-`dynvm serve` (its flags) all consume it; none of them holds a default of its own. A
+`dynvm serve` (its flags, one per field, Note [Flags from config fields] in
+dynvm.cluster.serving._config_flags) all consume it; none of them holds a default of its own. A
 stack that starts its own Ray (`dynvm serve`) starts from `ServingConfig.local_stack()`,
 whose one difference is stated there, and serves HTTP on HTTP_PORT unless told otherwise
 (`dynvm top` looks there too).
@@ -22,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dynvm.cluster.protocol._v2 import DEFAULT_MAX_BODY_BYTES
-from dynvm.cluster.protocol.ingress import check_ingress
+from dynvm.cluster.protocol.ingress import Ingress, check_ingress
+from dynvm.cluster.serving._config_flags import cli
 from dynvm.cluster.serving._limits import ServingLimits
 from dynvm.jit.config import JitConfig
 from dynvm.vm.errors import ConfigError, ConfigTypeError
@@ -40,21 +42,22 @@ class BatchingOptions:
     """How a model replica batches requests (Note [Opportunistic batching] in
     dynvm.cluster.serving._batcher; Note [Request batching] in dynvm.cluster.serving._replica)."""
 
-    enabled: bool = True
+    enabled: bool = field(default=True, metadata=cli("--batching"))
     """False for a model whose rows are not independent (Note [Request batching]): every
     request is its own VM call."""
     max_batch_size: int = 8
     """Requests in one batch at most."""
     max_batch_bytes: int = 16 * 1024 * 1024
     """Input bytes in one batch at most (a request larger than this runs alone)."""
-    max_delay_s: float = 0.002
+    max_delay_s: float = field(default=0.002,
+                               metadata=cli("--max-batch-delay-ms", scale=0.001, unit="ms"))
     """Longest a formed batch of two or more requests is held for one more request when
     that would reach a preferred size; a lone request is never held, and a request that
     finds the model idle runs at once. 0: never hold."""
-    preferred_sizes: tuple[int, ...] = ()
+    preferred_sizes: tuple[int, ...] = field(default=(), metadata=cli("--preferred-batch-sizes"))
     """Batch sizes (rows along dim 0) to aim for, besides those the JIT has specialized
     (`shape_aware`), e.g. the sizes `dynvm precompile` filled the store with."""
-    shape_aware: bool = True
+    shape_aware: bool = field(default=True, metadata=cli("--shape-aware-batching"))
     """Prefer batches whose row count ran specialized before: take fewer requests (the
     rest form the next batch) rather than make a row count that would be interpreted."""
     max_queued: int = 64
@@ -133,7 +136,7 @@ class ServingConfig:
     """Per-request bounds: call budget, requests in flight, parse threads, ..."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """Largest request body a replica accepts (the proxy's own bound may be higher)."""
-    num_replicas: int = 1
+    num_replicas: int = field(default=1, metadata=cli("--replicas"))
     """Fixed replica count, when `autoscaling` is None."""
     autoscaling: Autoscaling | None = None
     """Serve autoscales each model's deployment between these bounds (`num_replicas` is
@@ -142,7 +145,7 @@ class ServingConfig:
     """CPUs Ray reserves per replica."""
     num_gpus: float | None = None
     """GPUs per replica; None: 1 when the Ray cluster has GPUs, else 0."""
-    drain_s: float = 5.0
+    drain_s: float = field(default=5.0, metadata=cli("--drain-seconds"))
     """How long a replica that Serve stops (`dynvm serve` on SIGTERM/SIGINT, a
     scale-down, a redeploy) may take to finish its in-flight requests before it is
     stopped anyway (Serve's graceful_shutdown_timeout_s; Note [Replica drain] in
@@ -150,7 +153,7 @@ class ServingConfig:
     access_log: bool = False
     """Serve's access log line per request in the replica's log (off: the replica's own
     counters and metrics count requests; Note [Replica on Serve's loop])."""
-    ingress: str = "proxy"
+    ingress: Ingress = "proxy"
     """How HTTP requests reach the replicas (Note [Direct ingress] in
     dynvm.cluster.protocol.ingress): "proxy", through Serve's HTTP proxy at one address; "direct",
     straight into each replica at its own port. Serve's mode is one per Ray cluster, set

@@ -11,11 +11,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 import dynvm
+from dynvm.cluster.serving._config_flags import cli
 from dynvm.cluster.store._local_redis import LocalRedis, LocalRedisError, LocalRedisOptions
 from tests.cluster._cluster_helpers import process_alive, saved_recommender
 from tests.cluster._redis_server import REDIS_SERVER, free_port
@@ -260,3 +262,88 @@ def test_service_shards_flag_reaches_the_options(tmp_path):
     assert options_from_args(_serve_args(str(path), "--service-shards", "3")).service_shards == 3
     with pytest.raises(CliError, match="--service-shards must be >= 1"):
         options_from_args(_serve_args(str(path), "--service-shards", "0"))
+
+
+def test_every_serving_config_field_is_a_flag():
+    # Note [Flags from config fields]: a field is a flag without touching the CLI, its
+    # default the config's (the help states it), a Literal's values its choices.
+    import argparse
+    import dataclasses
+
+    from dynvm.cluster.serving._config_flags import (
+        FlagError,
+        add_config_flags,
+        config_flags,
+        config_from_flags,
+    )
+    from dynvm.cluster.serving.serving_config import ServingConfig
+
+    paths = {flag.path for flag in config_flags(ServingConfig)}
+    for f in dataclasses.fields(ServingConfig):
+        value = getattr(ServingConfig(), f.name)
+        if dataclasses.is_dataclass(value) or f.name == "autoscaling":
+            from dynvm.cluster.serving.serving_config import Autoscaling
+
+            part = type(value) if value is not None else Autoscaling
+            assert {(f.name, g.name) for g in dataclasses.fields(part)} <= paths, f.name
+        elif f.name not in ("jit", "fleet"):  # not scalars: --online-compile; start-up
+            assert (f.name,) in paths, f.name
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, ServingConfig.local_stack())
+    ingress = next(a for a in parser._actions if a.dest == "ingress")
+    assert ingress.choices == ("proxy", "direct") and "(default: direct)" in ingress.help
+    assert all(a.default is None for a in parser._actions if a.dest != "help")
+    args = parser.parse_args(["--parse-threads", "3", "--no-batching", "--num-gpus", "0.5",
+                              "--upscale-delay-s", "1", "--max-batch-delay-ms", "1"])
+    config = config_from_flags(args, ServingConfig())
+    assert (config.limits.parse_threads, config.batching.enabled, config.num_gpus,
+            config.autoscaling.upscale_delay_s, config.batching.max_delay_s) \
+        == (3, False, 0.5, 1.0, 0.001)
+    assert config_from_flags(parser.parse_args([]), ServingConfig()) == ServingConfig()
+    with pytest.raises(FlagError, match="bad limits flag"):
+        config_from_flags(parser.parse_args(["--parse-threads", "0"]), ServingConfig())
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A config's part (test_a_new_field_is_a_flag_and_two_fields_cannot_share_one)."""
+
+    wait_s: float = field(default=0.5, metadata=cli("--wait-ms", scale=0.001, unit="ms"))
+    """How long to wait."""
+
+
+@dataclass(frozen=True)
+class _Config:
+    """A config with a setting added later."""
+
+    new_setting: int = 3
+    """A setting added later."""
+    part: _Part = field(default_factory=_Part)
+    """Its part."""
+
+
+@dataclass(frozen=True)
+class _Clash:
+    """Two fields, one flag."""
+
+    wait_ms: int = 1
+    """A wait."""
+    part: _Part = field(default_factory=_Part)
+    """Its part."""
+
+
+def test_a_new_field_is_a_flag_and_two_fields_cannot_share_one():
+    import argparse
+
+    from dynvm.cluster.serving._config_flags import add_config_flags, config_from_flags
+    from dynvm.vm.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, _Config())
+    helps = {a.dest: a.help for a in parser._actions}
+    assert helps["new_setting"] == "A setting added later. (default: 3)"
+    assert helps["wait_ms"] == "How long to wait. The flag takes ms. (default: 500)"
+    assert config_from_flags(parser.parse_args(["--new-setting", "5", "--wait-ms", "20"]),
+                             _Config()) == _Config(new_setting=5, part=_Part(wait_s=0.02))
+    with pytest.raises(ConfigError, match="both make --wait-ms"):
+        add_config_flags(argparse.ArgumentParser(), _Clash())
