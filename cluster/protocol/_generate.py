@@ -22,11 +22,25 @@ from dataclasses import dataclass
 
 from dynvm._sampling import Sampling
 from dynvm.cluster.protocol import _v2 as v2
-from dynvm.cluster.serving._generate_scheduler import GenerationRequest
 from dynvm.vm.errors import InputError
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One sequence to generate: what a generation protocol's body asks for, and what
+    the scheduler (dynvm.cluster.serving._generate_scheduler) takes."""
+
+    prompt: tuple[int, ...]
+    """Prompt token ids (at least one)."""
+    max_tokens: int = 16
+    """New tokens at most."""
+    sampling: Sampling | None = None
+    """None: greedy."""
+    stop_token_ids: tuple[int, ...] | None = None
+    """Tokens that end the sequence (kept in its output); None: the model's eos tokens."""
 
 
 class RequestError(InputError):

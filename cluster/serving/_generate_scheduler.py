@@ -47,7 +47,8 @@ from dataclasses import dataclass
 import torch
 
 from dynvm._generation_ahead import LengthBucketsAhead
-from dynvm._sampling import Sampling, next_tokens
+from dynvm._sampling import next_tokens
+from dynvm.cluster.protocol._generate import GenerationRequest
 from dynvm.cluster.serving._generate_slots import SlotCache
 from dynvm.vm.errors import ConfigError, DynvmError, InputError
 
@@ -104,20 +105,6 @@ class SchedulerConfig:
         if not self.request_seconds > 0:
             raise ConfigError(f"SchedulerConfig.request_seconds: expected > 0, got "
                               f"{self.request_seconds!r}")
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One sequence to generate."""
-
-    prompt: tuple[int, ...]
-    """Prompt token ids (at least one)."""
-    max_tokens: int = 16
-    """New tokens at most."""
-    sampling: Sampling | None = None
-    """None: greedy."""
-    stop_token_ids: tuple[int, ...] | None = None
-    """Tokens that end the sequence (kept in its output); None: the model's eos tokens."""
 
 
 class Sequence:
