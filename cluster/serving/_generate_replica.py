@@ -37,6 +37,7 @@ from starlette.responses import Response, StreamingResponse
 
 import dynvm
 from dynvm._serve_generate_bundle import load_generator
+from dynvm.cluster._counters import as_dict
 from dynvm.cluster.protocol import _v2 as v2
 from dynvm.cluster.protocol._generate import (
     Completion,
@@ -47,8 +48,14 @@ from dynvm.cluster.protocol._generate import (
     parse_v2_generate,
     sse,
 )
-from dynvm.cluster.protocol._http_errors import error_response, json_response, server_fault
+from dynvm.cluster.protocol._http_errors import (
+    ERROR_ID_HEADER,
+    error_response,
+    json_response,
+    server_fault,
+)
 from dynvm.cluster.protocol._http_front import MODEL_VERSION, check_model_name, read_body
+from dynvm.cluster.protocol._seam import Fault, FaultKind
 from dynvm.cluster.serving._generate_metrics import GenerateMetrics
 from dynvm.cluster.serving._generate_scheduler import (
     GenerateBusy,
@@ -56,19 +63,13 @@ from dynvm.cluster.serving._generate_scheduler import (
     GenerateTimeout,
     SchedulerConfig,
 )
+from dynvm.cluster.serving._infer_seam import RequestGate, RequestTally
 from dynvm.cluster.serving._replica import pick_device
 from dynvm.cluster.serving.serving_config import ServingConfig
 from dynvm.telemetry import Telemetry
 from dynvm.vm.errors import InputError
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class _InFlight:
-    """What the drain reads (Note [Replica drain]): requests in flight."""
-
-    def __init__(self) -> None:
-        self.in_flight = 0
 
 
 class GeneratorServer:
@@ -94,8 +95,11 @@ class GeneratorServer:
         # A span per generation (Note [Global tracer provider]): OTEL_* in the replica's
         # environment, else the application's global provider, else none.
         self.telemetry = telemetry if telemetry is not None else Telemetry.from_env()
-        self.request_stats = _InFlight()
-        self.draining = False
+        # Admission (the drain), requests counted in flight (what the drain reads, Note
+        # [Replica drain]) and whose fault an error is: the seam every replica shares.
+        self.request_stats = RequestTally()
+        self.gate = RequestGate(self.model_name, self.request_stats, self.telemetry,
+                                classify=_fault_of)
         self.created = int(time.time())
 
     def _fleet_links(self, directory: Path, fleet) -> list:
@@ -126,14 +130,21 @@ class GeneratorServer:
         if getattr(self, "scheduler", None) is not None:
             self.close()
 
+    @property
+    def draining(self) -> bool:
+        """True once the replica stops taking requests (Note [Replica drain])."""
+        return self.gate.draining
+
     def begin_drain(self) -> int:
         """Stop taking requests (Note [Replica drain]); returns how many are in flight."""
-        self.draining = True
+        self.gate.draining = True
         return self.request_stats.in_flight
 
     def stats(self) -> dict:
         """Scheduler counters, occupancy and the latency snapshot."""
-        return {"model": self.model_name, "scheduler": dict(self.scheduler.counters),
+        return {"model": self.model_name, **as_dict(self.request_stats.counters),
+                "in_flight": self.request_stats.in_flight,
+                "scheduler": dict(self.scheduler.counters),
                 **self.metrics.snapshot(), **self.scheduler.occupancy(),
                 "fleet": [link.stats() for link in self.links]}
 
@@ -229,39 +240,61 @@ class GeneratorServer:
 
     async def _serve(self, completion: Completion, shape, trace: dict | None) -> Response:
         openai = isinstance(shape, _OpenAIShape)
-        if self.draining:
-            return self._error(openai, f"model {self.model_name!r} is shutting down on this "
-                               f"replica; retry another", 503, headers=self._retry())
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        refusal = self.gate.admit()  # draining: a quick 503
+        if refusal is not None:
+            return self._fault_response(openai, refusal)
+        if not completion.stream:
+            result = await self.gate.serve(
+                lambda: self._whole(completion, shape, trace), trace)
+            return self._fault_response(openai, result) if isinstance(result, Fault) \
+                else result
         try:
-            seq = self.scheduler.submit(completion.request, lambda event: (
-                loop.call_soon_threadsafe(events.put_nowait, event)))
-        except InputError as exc:
-            # The scheduler's messages begin with the parameter's name.
-            return self._error(openai, str(exc), 400, str(exc).partition(":")[0])
-        except GenerateBusy as exc:
-            return self._error(openai, f"model {self.model_name!r} is busy: {exc}; retry "
-                               f"after {self.config.limits.retry_after_s} s", 503,
-                               headers=self._retry())
+            seq, events = self._submit(completion)
+        except Exception as exc:  # a bad request or a full waiting room
+            return self._fault_response(openai, self.gate.fault(exc, trace))
         text = TextStream(self.tokenizer, completion.stop_strings)
         pieces = self._pieces(seq, events, text, trace)
-        if completion.stream:
-            return StreamingResponse(self._events(seq, text, pieces, shape), 200,
-                                     SSE_HEADERS, media_type="text/event-stream")
-        self.request_stats.in_flight += 1
+        return StreamingResponse(self._events(seq, text, pieces, shape), 200,
+                                 SSE_HEADERS, media_type="text/event-stream")
+
+    def _submit(self, completion: Completion):
+        """The sequence submitted to the scheduler and the queue its events arrive on."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        seq = self.scheduler.submit(completion.request, lambda event: (
+            loop.call_soon_threadsafe(events.put_nowait, event)))
+        return seq, events
+
+    async def _whole(self, completion: Completion, shape, trace: dict | None) -> Response:
+        """A whole (not streamed) completion's response; raises the request's error."""
+        seq, events = self._submit(completion)
+        text = TextStream(self.tokenizer, completion.stop_strings)
+        pieces = self._pieces(seq, events, text, trace)
         try:
             async for _ in pieces:
                 pass
-        except GenerateTimeout as exc:
-            return self._error(openai, str(exc), 504)
-        except Exception as exc:  # a failed model call: a server fault with an id
-            return server_fault(f"model {self.model_name!r}", exc)
         finally:
-            self.request_stats.in_flight -= 1
             await pieces.aclose()
         text.flush()
         return json_response(shape.whole(text, self._reason(seq, text)))
+
+    def _fault_response(self, openai: bool, fault: Fault) -> Response:
+        """A generation request's Fault in its protocol's shape: 400 naming the parameter,
+        504 past the request's time, 503 + Retry-After when busy or draining, 500 + the
+        error id (the v2 error body, as every server fault)."""
+        if fault.kind is FaultKind.CLIENT:
+            if isinstance(fault.error, GenerateTimeout):
+                return self._error(openai, fault.message, 504)
+            # The scheduler's messages begin with the parameter's name.
+            return self._error(openai, fault.message, 400, fault.message.partition(":")[0])
+        if fault.kind is FaultKind.BUSY:
+            if fault.draining:
+                return self._error(openai, f"model {self.model_name!r} is shutting down on "
+                                   f"this replica; retry another", 503, headers=self._retry())
+            return self._error(openai, f"model {self.model_name!r} is busy: {fault.message}; "
+                               f"retry after {self.config.limits.retry_after_s} s", 503,
+                               headers=self._retry())
+        return error_response(fault.message, 500, {ERROR_ID_HEADER: fault.error_id})
 
     def _retry(self) -> dict:
         return {"Retry-After": str(self.config.limits.retry_after_s)}
@@ -321,8 +354,7 @@ class GeneratorServer:
         held back), then the protocol's end; an error becomes an error event in the
         protocol's shape. A client that goes away closes this generator: `pieces`
         closes with it and cancels the sequence."""
-        self.request_stats.in_flight += 1
-        try:
+        with self.gate.tracked():  # in flight while it streams
             try:
                 async for token, piece in pieces:
                     yield sse(shape.chunk(token, piece, None))
@@ -332,11 +364,10 @@ class GeneratorServer:
             except Exception as exc:
                 yield sse(shape.error(f"server error: {type(exc).__name__}: "
                                       f"{v2.cut(str(exc), 300)}", 500))
+            finally:
+                await pieces.aclose()
             if shape.done is not None:
                 yield sse(shape.done)
-        finally:
-            self.request_stats.in_flight -= 1
-            await pieces.aclose()
 
 
 class _OpenAIShape:
@@ -385,6 +416,18 @@ class _V2Shape:
 
     def error(self, message: str, status: int) -> dict:
         return {"error": v2.cut(message, 1000)}
+
+
+def _fault_of(exc: BaseException) -> Fault | None:
+    """Whose fault a generation request's error is: a full waiting room is BUSY; a
+    request the scheduler refuses (InputError: its message names the parameter) or one
+    past its time (GenerateTimeout, 504) is the request's; anything else is None, a
+    server fault."""
+    if isinstance(exc, GenerateBusy):
+        return Fault(FaultKind.BUSY, str(exc), exc)
+    if isinstance(exc, InputError | GenerateTimeout):
+        return Fault(FaultKind.CLIENT, str(exc), exc)
+    return None
 
 
 def _trace_headers(request: Request) -> dict | None:

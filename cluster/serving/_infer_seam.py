@@ -6,19 +6,25 @@ encoded on the worker thread, Note [Lean request path] in dynvm.cluster.serving.
 and whose fault an error is (Note [Client or server fault] there), counted and, for a
 server fault, logged with an error id on a span of the request's trace. HTTP renders the
 resulting Fault as 400/503/500, gRPC as INVALID_ARGUMENT/UNAVAILABLE/INTERNAL.
+
+`RequestGate` is the part of it every replica shares, the generator's
+(dynvm.cluster.serving._generate_replica) included: admission, counting and fault mapping;
+`ReplicaSeam` adds a model's execution and parse threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from opentelemetry import propagate
 from opentelemetry import trace as otel_trace
 
+from dynvm.cluster._counters import RequestCounters
 from dynvm.cluster.protocol import _v2 as v2
 from dynvm.cluster.protocol._seam import Encoder, Fault, FaultKind, record_server_fault
 from dynvm.cluster.serving._batcher import Overloaded
@@ -52,19 +58,53 @@ def fault_of(exc: BaseException, model_name: str) -> Fault | None:
     return None
 
 
-class ReplicaSeam:
-    """The InferSeam of one model replica: its executor, request counters, limits,
-    telemetry and parse threads. `draining` turns true once the replica stops taking
-    requests (`ReplicaServer.begin_drain`)."""
+class Tally(Protocol):
+    """What a gate counts requests with: `ReplicaStats` (an inference replica's, with
+    its latency window) or `RequestTally` (a generator's)."""
 
-    def __init__(self, model_name: str, executor: ReplicaExecutor, stats: ReplicaStats,
-                 limits: ServingLimits, telemetry, parse_pool: ThreadPoolExecutor) -> None:
+    in_flight: int
+    counters: RequestCounters
+
+    def tracked(self) -> contextlib.AbstractContextManager:
+        """Around one request: counted in flight and in `requests`."""
+        ...
+
+
+class RequestTally:
+    """A replica's request counters and requests in flight, and nothing else (on the
+    event loop only)."""
+
+    def __init__(self) -> None:
+        self.counters = RequestCounters()
+        self.in_flight = 0
+
+    @contextlib.contextmanager
+    def tracked(self):
+        """Around one request: counted in flight and in `requests`."""
+        self.in_flight += 1
+        self.counters.requests += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+
+class RequestGate:
+    """Every replica's admission and fault mapping, whatever it runs (a model's
+    inference, a generator's completions): the drain, the in-flight bound, requests
+    counted in flight, and whose fault an error is (counted; a server fault logged
+    with an error id, traced). `classify` is `fault_of` for a model; a generator gives
+    its own (its busy and timeout errors). `draining` turns true once the replica
+    stops taking requests (`begin_drain`)."""
+
+    def __init__(self, model_name: str, tally: Tally, telemetry, limit: int | None = None,
+                 classify: Callable[[BaseException], Fault | None] | None = None) -> None:
         self.model_name = model_name
-        self.executor = executor
-        self.stats = stats
-        self.limits = limits
+        self.tally = tally
         self.telemetry = telemetry
-        self.parse_pool = parse_pool
+        self.limit = limit
+        self.classify = (functools.partial(fault_of, model_name=model_name)
+                         if classify is None else classify)
         self.draining = False
 
     def admit(self) -> Fault | None:
@@ -74,30 +114,34 @@ class ReplicaSeam:
             return Fault(FaultKind.BUSY, "shutting down on this replica; retry another",
                          Overloaded("shutting down on this replica; retry another"),
                          draining=True)
-        limit = self.limits.max_concurrent_requests
-        if self.stats.full(limit):
-            self.stats.counters.rejected_busy += 1
-            why = f"{self.stats.in_flight} requests in flight on this replica, the limit is " \
+        limit = self.limit
+        if limit is not None and self.tally.in_flight >= limit:
+            self.tally.counters.rejected_busy += 1
+            why = f"{self.tally.in_flight} requests in flight on this replica, the limit is " \
                   f"{limit}"
             return Fault(FaultKind.BUSY, why, Overloaded(why))
         return None
 
+    def tracked(self) -> contextlib.AbstractContextManager:
+        """Around one request whose answer outlives `serve` (a stream): counted in flight."""
+        return self.tally.tracked()
+
     async def serve(self, work: Callable[[], Awaitable[R]], trace: dict | None) -> R | Fault:
         """`work()`'s response, counted in flight; its exception as a counted Fault."""
-        with self.stats.tracked():
+        with self.tally.tracked():
             try:
                 return await work()
             except Exception as exc:  # every error becomes this request's answer
                 return self.fault(exc, trace)
 
     def fault(self, exc: Exception, trace: dict | None) -> Fault:
-        """Whose fault `exc` is (`fault_of`), counted; a server fault (CallBudgetError
+        """Whose fault `exc` is (`classify`), counted; a server fault (CallBudgetError
         included) is logged with an error id, traced."""
-        fault = fault_of(exc, self.model_name)
+        fault = self.classify(exc)
         if fault is not None and fault.kind is FaultKind.BUSY:
-            self.stats.counters.rejected_busy += 1
+            self.tally.counters.rejected_busy += 1
             return fault
-        self.stats.counters.errors += 1
+        self.tally.counters.errors += 1
         return fault if fault is not None else self._server_fault(exc, trace)
 
     def _server_fault(self, exc: Exception, trace: dict | None) -> Fault:
@@ -112,6 +156,40 @@ class ReplicaSeam:
                 as span:
             span.set_status(otel_trace.StatusCode.ERROR)
             return record_server_fault(where, exc)
+
+
+class ReplicaSeam:
+    """The InferSeam of one model replica: its RequestGate (admission, counting, faults)
+    and executor, and its parse threads."""
+
+    def __init__(self, model_name: str, executor: ReplicaExecutor, stats: ReplicaStats,
+                 limits: ServingLimits, telemetry, parse_pool: ThreadPoolExecutor) -> None:
+        self.model_name = model_name
+        self.executor = executor
+        self.gate = RequestGate(model_name, stats, telemetry,
+                                limit=limits.max_concurrent_requests)
+        self.parse_pool = parse_pool
+
+    @property
+    def draining(self) -> bool:
+        """Whether the replica stopped taking requests."""
+        return self.gate.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.gate.draining = value
+
+    def admit(self) -> Fault | None:
+        """The gate's admission (draining, or the in-flight bound)."""
+        return self.gate.admit()
+
+    async def serve(self, work: Callable[[], Awaitable[R]], trace: dict | None) -> R | Fault:
+        """`work()`'s response through the gate: counted, its exception a Fault."""
+        return await self.gate.serve(work, trace)
+
+    def fault(self, exc: Exception, trace: dict | None) -> Fault:
+        """The gate's fault for `exc`, counted."""
+        return self.gate.fault(exc, trace)
 
     async def execute(self, request: v2.InferRequest, trace: dict | None,
                       encoder: Encoder[R]) -> R:

@@ -77,10 +77,6 @@ class ReplicaStats:
                                            name="dynvm-metrics")
         self._refresher.start()
 
-    def full(self, limit: int) -> bool:
-        """Whether `limit` requests are in flight already (the caller answers busy)."""
-        return self.in_flight >= limit
-
     @contextlib.contextmanager
     def tracked(self):
         """Around one inference request of any transport: counted in flight and in

@@ -174,6 +174,8 @@ def test_full_waiting_room_is_503_with_retry_after(bundle):
                                       {"prompt": [5], "max_tokens": 2})
         assert status == 503 and headers.get("retry-after") == "1", (status, body)
         assert body["error"]["type"] == "server_overloaded"
+        # Counted by the gate every replica shares (serving._infer_seam.RequestGate).
+        assert server.stats()["rejected_busy"] == 1
         for sock in streams:
             sock.close()
         assert server.scheduler.wait_idle(20)
@@ -266,3 +268,25 @@ def test_a_span_per_generation_joins_the_requests_trace(served):
     assert attributes["dynvm.generate.prompt_tokens"] == 2
     assert attributes["dynvm.generate.finish_reason"] == "length"
     assert 0 < attributes["dynvm.generate.ttft_s"] < span.end_time / 1e9
+
+
+def test_a_draining_generator_refuses_through_the_shared_gate(served):
+    # The generator's admission is the inference replica's RequestGate (one seam):
+    # draining, a new request of either protocol is a 503 + Retry-After in its shape.
+    server, http_server = served
+    before = server.stats()
+    assert server.begin_drain() == 0 and server.draining
+    try:
+        status, headers, body = _post(http_server, "/v1/completions",
+                                      {"prompt": [5], "max_tokens": 2})
+        assert status == 503 and headers.get("retry-after") == "1", (status, body)
+        assert "shutting down" in body["error"]["message"]
+        status, _, body = _post(http_server, f"/v2/models/{MODEL}/generate",
+                                {"input_ids": [5], "parameters": {"max_tokens": 2}})
+        assert status == 503 and "shutting down" in body["error"]
+    finally:
+        server.gate.draining = False
+    after = server.stats()
+    assert after["requests"] == before["requests"] and after["in_flight"] == 0
+    status, _, body = _post(http_server, "/v1/completions", {"prompt": [5], "max_tokens": 2})
+    assert status == 200 and server.stats()["requests"] == before["requests"] + 1

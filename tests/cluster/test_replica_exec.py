@@ -127,7 +127,7 @@ def test_client_and_server_faults_are_told_apart():
 def test_a_server_faults_error_id_is_in_the_requests_trace(tmp_path):
     replica = _replica(tmp_path, probe_outputs=False)
     telemetry, spans = Telemetry.in_memory()
-    replica.seam.telemetry = telemetry
+    replica.seam.gate.telemetry = telemetry
     fault = replica.seam.fault(RuntimeError("boom"), {"traceparent": PARENT})
     response = replica._fault_response(fault)
     assert response.status_code == 500
