@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("/tmp/precision-accuracy"))
     parser.add_argument("--update-docs", action="store_true",
-                        help="write the table into its block of docs/BENCHMARKS.md")
+                        help="write the table into its block of docs/bench_results.md")
     parser.add_argument("--from", dest="from_dirs", type=Path, nargs="+", metavar="DIR",
                         help="no run: the report of DIR/results.json (several: their "
                              "models in order, the first run's header)")

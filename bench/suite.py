@@ -1,5 +1,5 @@
 """One run of the side-by-side suite: workloads x systems -> results.json, report.md,
-plots, and optionally docs/BENCHMARKS.md. Entry points: `dynvm bench` and
+plots, and optionally docs/bench_results.md. Entry points: `dynvm bench` and
 `python -m bench` (both parse the options of dynvm._bench_cmd)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`python -m bench.width_profile`: where a call's time goes at BERT-base width, in the
 dynvm JIT (torch.profiler: self CPU time per operator) and in OpenVINO (its own per-node
 performance counters, PERF_COUNT), at the same shapes and thread count; with
---update-docs the tables go in their marked block of docs/BENCHMARKS.md.
+--update-docs the tables go in their marked block of docs/bench_results.md.
 
 Note [Width profile]
 ~~~~~~~~~~~~~~~~~~~~

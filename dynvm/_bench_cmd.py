@@ -31,7 +31,7 @@ bench/results/<time>/.
 workloads: {", ".join(WORKLOADS)}, or all (default: walk with --quick, all without)
 systems:   {", ".join(SYSTEMS)}
 
-  dynvm bench all --update-docs       regenerate docs/BENCHMARKS.md and its plots
+  dynvm bench all --update-docs       regenerate docs/bench_results.md, its plots
   dynvm bench zoo --update-docs       the model zoo (tests/zoo): eager vs interpreter vs
                                       JIT per model, regenerates docs/MODELS.md
   dynvm bench generate                greedy generation (issue 32): eager loop, HF
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="results folder (default bench/results/<time>)")
     parser.add_argument("--update-docs", action="store_true",
-                        help="copy the report into docs/BENCHMARKS.md and its plots into "
+                        help="copy the report into docs/bench_results.md and its plots into "
                         "docs/")
     parser.add_argument("--models", metavar="A,B,...",
                         help="zoo only: comma-separated zoo models (default: all)")
