@@ -47,7 +47,8 @@ from dynvm.jit.artifact import Artifact, cache_key
 from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
 from dynvm.jit.background import checkpoint, waited_here
 from dynvm.jit.config import JitConfig
-from dynvm.jit.engine_stats import jit_stats
+from dynvm.jit.detached_regions import DetachedRegions
+from dynvm.jit.engine_stats import EngineCounters, jit_stats
 from dynvm.jit.engine_tracing import JitTracing
 from dynvm.jit.guards import GuardStrength, describe
 from dynvm.jit.portable import PortableError, PortableSpecialization
@@ -60,8 +61,6 @@ from dynvm.jit.region_slot import BuiltCode
 from dynvm.jit.specialize import InputRejected, failure_reason, specialize
 from dynvm.shape_cluster import Family
 from dynvm.vm.isa import OpClass
-
-_NEVER = 1 << 62   # `reattach_at` with no region detached
 
 MIN_TENSOR_OPS = 2
 MAX_ARTIFACTS = 256   # artifacts kept for `dynvm explain` and stats (newest)
@@ -81,16 +80,11 @@ class Jit:
         self.queue = CompileQueue(self.config.compile_threads, self.config.max_queue_length,
                                   self.config.sync, timeout_s=self.config.compile_timeout_s)
         self.regions: dict[int, RegionJit] = {}
-        self.compiles = 0
-        self.compile_seconds = 0.0
-        self.compile_failures = 0
-        # Note [Failure accounting]: reason -> count; (region, reason) already logged.
-        self.specialize_failures: dict[str, int] = {}
-        self.specialize_rejections = 0
-        self._failures_logged: set[tuple[int, str]] = set()
+        # Compiles, installs, failures by reason (Note [Failure accounting]), ...: the
+        # engine's counters, under self._lock; JitStats reports them.
+        self.counters = EngineCounters()
+        self._failures_logged: set[tuple[int, str]] = set()   # (region, reason) logged
         self.probation_counters = ProbationCounters()   # Note [Probation]
-        self.family_compiles = 0
-        self.prewarm_seconds = 0.0   # Note [Prewarmed installs]: not in compile_seconds
         # Seconds per instruction of recent compiles (Note [Compile cost estimate]).
         self._compile_rates: deque[float] = deque(maxlen=16)
         self._lock = threading.Lock()
@@ -106,20 +100,10 @@ class Jit:
         # Note [Fleet hooks]: set by `connect` when a cluster shares this JIT's work.
         self.fleet = None
         self._compile_listeners: list = []
-        # Note [Detached regions] in dynvm.jit.region_watch: region index -> the program call
-        # at which it is re-attached; the Runtime reports each program call's count to
-        # `program_call_done`, which re-attaches once it reaches `reattach_at`.
-        self._detach_lock = threading.Lock()   # never held while taking a region's lock
-        self.detached: dict[int, int] = {}
-        self._detached_from: dict[int, int] = {}   # index -> first program call not seen
-        self._detached_calls: dict[int, int] = {}  # index -> program calls not seen, ended
-        self.program_calls = 0
-        self.reattach_at = _NEVER
-        self.detachments = 0
-        self.reattachments = 0
-        self.installs = 0
-        self.install_seconds = 0.0
-        self.install_rejections = 0
+        # Note [Detached regions] in dynvm.jit.region_watch: the Runtime reports each
+        # program call's count to `program_call_done`, which re-attaches the regions
+        # whose period ended.
+        self.detaching = DetachedRegions()
         self.arena_pool = (ArenaPool(interpreter.device, self.config.arena_budget_bytes)
                            if self.config.arena_budget_bytes > 0 else None)
         self._cpu_options = CpuOptions(self.arena_pool, fusion=self.config.cpu_fusion,
@@ -134,8 +118,6 @@ class Jit:
             if telemetry is not None and telemetry.enabled else None
         self._options_key = self._cpu_options.as_key()
         self._triton_options = None
-        self.triton_compiles = 0
-        self.triton_fallbacks = 0
         if self.backend == "triton":
             from dynvm.jit.backends.triton.options import DEFAULT_OPTIONS
 
@@ -166,59 +148,51 @@ class Jit:
 
     # -- detached regions (Note [Detached regions] in dynvm.jit.region_watch) -------------
 
+    @property
+    def detached(self) -> dict[int, int]:
+        """Detached region index -> the program call that re-attaches it (read-only)."""
+        return self.detaching.until
+
     def detach(self, region_jit: RegionJit, period: int) -> None:
         """Give `region_jit`'s region the interpreter's plain unit back for `period`
         program calls (called by the region, holding its lock)."""
         index = region_jit.region.index
-        with self._detach_lock:
-            if index in self.detached or self.regions.get(index) is not region_jit:
-                return
-            # One list-item store in the interpreter's plan: a call on another thread
-            # runs either the old unit (the slot still works) or the plain one.
-            self.interpreter.install_slot(index, None)
-            at = self.program_calls + 1 + period   # the call in progress is not counted yet
-            self.detached[index] = at
-            self._detached_from[index] = self.program_calls + 2
-            self.reattach_at = min(self.reattach_at, at)
-            self.detachments += 1
+        if self.regions.get(index) is not region_jit:
+            return
+        # One list-item store in the interpreter's plan: a call on another thread runs
+        # either the old unit (the slot still works) or the plain one.
+        if not self.detaching.detach(index, period,
+                                     lambda: self.interpreter.install_slot(index, None)):
+            return
         self._log(f"region {index} detached: no specialization can pay for its compile; "
                   f"looked at again in {period} calls")
 
     def program_call_done(self, calls: int) -> None:
         """The Runtime finished its `calls`-th program call: the clock of detached
         regions (Note [Detached regions]), re-attaching those whose period ended."""
-        self.program_calls = calls
-        if calls >= self.reattach_at:
+        detaching = self.detaching
+        detaching.program_calls = calls
+        if calls >= detaching.reattach_at:
             self.reattach_due(calls)
 
     def reattach_due(self, program_calls: int, everything: bool = False) -> None:
         """Re-attach the detached regions whose period has ended (the Runtime calls it
         when `program_calls` reaches `reattach_at`, via `program_call_done`)."""
-        with self._detach_lock:
-            due = [index for index, at in self.detached.items()
-                   if everything or at <= program_calls]
-            for index in due:
-                del self.detached[index]
-                self._detached_calls[index] = self._detached_calls.get(index, 0) + max(
-                    0, program_calls + 1 - self._detached_from.pop(index))
-                region_jit = self.regions[index]
-                region_jit.reattached()
-                self.interpreter.install_slot(index, region_jit)
-                self.reattachments += 1
-            self.reattach_at = min(self.detached.values(), default=_NEVER)
-        for index in due:
+        def plug(index: int) -> None:
+            region_jit = self.regions[index]
+            region_jit.reattached()
+            self.interpreter.install_slot(index, region_jit)
+
+        for index in self.detaching.reattach_due(program_calls, plug, everything):
             self._log(f"region {index} re-attached after its detached period")
 
     def detached_program_calls(self, index: int) -> int:
         """Program calls that ran region `index` without its slot (its entries in them
-        are counted nowhere else): a straight-line region's interpreted + specialized +
-        this is its entries."""
-        since = self._detached_from.get(index)
-        current = max(0, self.program_calls + 1 - since) if since is not None else 0
-        return self._detached_calls.get(index, 0) + current
+        are counted nowhere else)."""
+        return self.detaching.program_calls_of(index)
 
     def _reattach_all(self) -> None:
-        self.reattach_due(self.program_calls, everything=True)
+        self.reattach_due(self.detaching.program_calls, everything=True)
 
     # -- fleet (Note [Fleet hooks]) -----------------------------------------------------
 
@@ -337,14 +311,15 @@ class Jit:
         with self._lock:
             if self.artifacts.get(key) is not None:
                 self.artifacts[key] = spec.artifact
-            self.compiles += 1
-            self.compile_seconds += spec.artifact.compile_seconds
+            counters = self.counters
+            counters.compiles += 1
+            counters.compile_seconds += spec.artifact.compile_seconds
             self._compile_rates.append(spec.artifact.compile_seconds / max(1, len(region)))
             if family is not None:
-                self.family_compiles += 1
+                counters.family_compiles += 1
         if strength is GuardStrength.STRONG and spec.artifact.backend == "cpu":
             # Note [Prewarmed installs]: its first call here, not on a request.
-            self.prewarm_seconds += prewarm(spec.fn, warm_registers(
+            self.counters.prewarm_seconds += prewarm(spec.fn, warm_registers(
                 self.program.n_regs, self._constants, region_jit.live_in, signature,
                 self.interpreter.device))
         return spec
@@ -410,11 +385,11 @@ class Jit:
             reason = (f"triton backend: compiled by the cpu backend instead "
                       f"({type(exc).__name__}: {exc})")
             with self._lock:
-                self.triton_fallbacks += 1
+                self.counters.triton_fallbacks += 1
             self._log(f"region {ir.region_index} {key[:12]}: {reason}")
             return reason
         with self._lock:
-            self.triton_compiles += 1
+            self.counters.triton_compiles += 1
         return built
 
     def install_portable(self, portable: PortableSpecialization,
@@ -429,7 +404,7 @@ class Jit:
         target = portable.family if portable.family is not None else portable.signature
         if self.key_for(region_jit, target) != key:
             with self._lock:
-                self.install_rejections += 1
+                self.counters.install_rejections += 1
             raise PortableError(f"record for region {portable.region} does not match the "
                                 f"key {key[:16]} it was stored under (another target, "
                                 f"device or options)")
@@ -440,8 +415,8 @@ class Jit:
                            portable.family, key, start)
         region_jit.install(spec, None)
         with self._lock:
-            self.installs += 1
-            self.install_seconds += time.perf_counter() - start
+            self.counters.installs += 1
+            self.counters.install_seconds += time.perf_counter() - start
         return spec
 
     def install_loaded(self, portable: PortableSpecialization, key: str, fn, *,
@@ -463,8 +438,8 @@ class Jit:
                                   start=time.perf_counter() - load_seconds)
         region_jit.install(spec, None)
         with self._lock:
-            self.installs += 1
-            self.install_seconds += load_seconds
+            self.counters.installs += 1
+            self.counters.install_seconds += load_seconds
         return spec
 
     def _finished(self, region_jit: RegionJit, pending, future, parent=None,
@@ -494,7 +469,7 @@ class Jit:
                         otel_context.detach(token)
             return
         with self._lock:
-            self.compile_failures += 1
+            self.counters.compile_failures += 1
         region_jit.compile_failed(pending)
         self._account_failure(region_jit, error)
 
@@ -503,14 +478,15 @@ class Jit:
         region = region_jit.region.index
         if isinstance(error, InputRejected):
             with self._lock:
-                self.specialize_rejections += 1
+                self.counters.specialize_rejections += 1
             return
         if isinstance(error, CompileTimeout):
             self._log(f"compile of region {region} failed: {type(error).__name__}: {error}")
             return
         reason = failure_reason(error)
         with self._lock:
-            self.specialize_failures[reason] = self.specialize_failures.get(reason, 0) + 1
+            failures = self.counters.specialize_failures
+            failures[reason] = failures.get(reason, 0) + 1
             first = (region, reason) not in self._failures_logged
             self._failures_logged.add((region, reason))
         if first:

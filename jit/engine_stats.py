@@ -1,5 +1,6 @@
 """`Jit.stats()`: the JIT's counters, typed once: `JitStats`, with a `RegionStats` per
-region, built from the engine's attributes (`JitStats.from_engine`).
+region, built from the engine's `EngineCounters`, its regions' counters, its queue and
+its detached regions (`JitStats.from_engine`).
 
 `Jit.stats()` answers `JitStats.to_dict()`, the plain dict callers have always read.
 dynvm._runtime_stats.RuntimeStats takes its JIT fields from `JitStats`'s fields (each
@@ -18,6 +19,38 @@ from dynvm.vm.errors import DynvmError
 class StatsFormatError(DynvmError, ValueError):
     """A stats document (`RuntimeStats.to_dict()`'s form, e.g. from a replica's /stats)
     lacks a field or has one of the wrong kind; the message names it."""
+
+
+@dataclass
+class EngineCounters:
+    """The engine's own counters (`Jit.counters`), bumped under its lock; `JitStats`
+    reports them with the regions' and the queue's."""
+
+    compiles: int = 0
+    """Specializations compiled here."""
+    compile_seconds: float = 0.0
+    """Seconds spent compiling (waits for calls left out)."""
+    family_compiles: int = 0
+    """Of the compiles, code-family kernels."""
+    compile_failures: int = 0
+    """Compiles that failed."""
+    specialize_failures: dict[str, int] = field(default_factory=dict)
+    """Specializer failures by reason (Note [Failure accounting])."""
+    specialize_rejections: int = 0
+    """Signatures the program's own input checks reject."""
+    prewarm_seconds: float = 0.0
+    """First runs on the compile thread (Note [Prewarmed installs]): not in
+    compile_seconds."""
+    installs: int = 0
+    """Specializations installed from another process."""
+    install_seconds: float = 0.0
+    """Seconds spent installing them."""
+    install_rejections: int = 0
+    """Records whose guard does not hash to the key they were stored under."""
+    triton_compiles: int = 0
+    """Compiles by the Triton backend."""
+    triton_fallbacks: int = 0
+    """Triton compiles that fell back to the CPU backend."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +173,7 @@ class JitStats:
     def from_engine(cls, jit) -> JitStats:
         """Totals over the regions, the engine's counters, and per region its figures."""
         regions = {}
+        counters, detaching = jit.counters, jit.detaching
         totals = dict.fromkeys(("interpreted", "specialized", "guard_failures", "deopts",
                                 "evictions", "promotions", "cold_periods"), 0)
         for index, region_jit in jit.regions.items():
@@ -151,32 +185,32 @@ class JitStats:
                 family_kernels=len(region_jit.family_kernels),
                 guard_failures=c.guard_failures, deopts=c.deopts,
                 last_guard_failure=c.last_guard_failure,
-                detached=index in jit.detached,
+                detached=index in detaching,
                 sample_every=region_jit.watch.sample_every,   # Note [Sampled watching]
                 watch_cost_seconds=region_jit.watch.watch_cost_seconds,
-                detached_program_calls=jit.detached_program_calls(index))
+                detached_program_calls=detaching.program_calls_of(index))
             for name in totals:
                 totals[name] += getattr(c, name)
         return cls(
             interpreted_region_calls=totals["interpreted"],
             specialized_region_calls=totals["specialized"],
             promotions=totals["promotions"],
-            compiles=jit.compiles,
-            family_compiles=jit.family_compiles,
-            compile_seconds=jit.compile_seconds,
-            compile_failures=jit.compile_failures,
+            compiles=counters.compiles,
+            family_compiles=counters.family_compiles,
+            compile_seconds=counters.compile_seconds,
+            compile_failures=counters.compile_failures,
             # Note [Failure accounting]: the first two must be zero on every model.
-            specialize_failures=dict(jit.specialize_failures),
-            specialize_failures_total=sum(jit.specialize_failures.values()),
-            specialize_rejections=jit.specialize_rejections,
+            specialize_failures=dict(counters.specialize_failures),
+            specialize_failures_total=sum(counters.specialize_failures.values()),
+            specialize_rejections=counters.specialize_rejections,
             probation=jit.probation_counters.as_dict(),
-            installs=jit.installs,
-            install_seconds=jit.install_seconds,
-            install_rejections=jit.install_rejections,
+            installs=counters.installs,
+            install_seconds=counters.install_seconds,
+            install_rejections=counters.install_rejections,
             compiles_locally=jit.compiles_locally(),
             backend=jit.backend,
-            triton_compiles=jit.triton_compiles,
-            triton_fallbacks=jit.triton_fallbacks,
+            triton_compiles=counters.triton_compiles,
+            triton_fallbacks=counters.triton_fallbacks,
             queue_length=len(jit.queue),
             compile_timeouts=jit.queue.timed_out,
             dropped_tasks=jit.queue.dropped,
@@ -186,10 +220,10 @@ class JitStats:
             evictions=totals["evictions"],
             cold_periods=totals["cold_periods"],
             # Note [Detached regions]: detached now, detachments and re-attachments.
-            detached_regions=len(jit.detached),
-            detachments=jit.detachments,
-            reattachments=jit.reattachments,
-            detached_program_calls=sum(jit.detached_program_calls(i) for i in jit.regions),
+            detached_regions=len(detaching),
+            detachments=detaching.detachments,
+            reattachments=detaching.reattachments,
+            detached_program_calls=sum(detaching.program_calls_of(i) for i in jit.regions),
             regions=regions)
 
 

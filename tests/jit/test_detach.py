@@ -52,7 +52,7 @@ def test_a_region_that_cannot_pay_is_detached_and_reattached():
     assert all(slots[index] is None for index in runtime.jit.regions)
     # Detached for at least DETACH_CALLS program calls, longer where the watch's price
     # says a re-attached window would cost more than PROBE_SHARE of the region's time.
-    period = runtime.jit.reattach_at - runtime.jit.program_calls
+    period = runtime.jit.detaching.reattach_at - runtime.jit.detaching.program_calls
     assert period >= DETACH_CALLS
     # Detached: the calls do not reach the slot.
     for _ in range(period - 1):
@@ -96,7 +96,7 @@ def test_a_region_dearer_to_watch_stays_detached_longer():
         for call in range(COLD_CHECK_EVERY):
             runtime(*draws[call % len(draws)])
         assert runtime.stats()["detached_regions"] == len(runtime.jit.regions)
-        periods.append(runtime.jit.reattach_at - runtime.jit.program_calls)
+        periods.append(runtime.jit.detaching.reattach_at - runtime.jit.detaching.program_calls)
     cheap, dear = periods
     # A millisecond a profiled miss against microseconds: the window costs several
     # times more (sampled at one miss in 16), and so does the period, up to its cap.

@@ -165,7 +165,7 @@ def test_an_exact_specialization_runs_once_on_the_compile_side_before_its_instal
         for _ in range(3):
             torch.testing.assert_close(rt(x), torch.tanh(torch.relu(x)))
         assert rt.stats()["compiles"] >= 1
-        assert rt.jit.prewarm_seconds > 0.0
+        assert rt.jit.counters.prewarm_seconds > 0.0
         region = rt.jit.regions[0]
         signature = next(iter(region.strong))
         regs = warm_registers(program.n_regs, rt.jit._constants, region.live_in,
