@@ -120,8 +120,27 @@ def exact_nhwc(x):
     return x.clone(memory_format=_CL)
 
 
+def to_channels_last_bf16(x):
+    """`x` channels-last in bf16 (Note [bf16 convolution chains] in chain_bf16)."""
+    return x.to(torch.bfloat16, memory_format=_CL)
+
+
+def exact_nchw_fp32(x):
+    """A bf16 chain value back in fp32 with torch's default strides."""
+    return exact_nchw(x.to(torch.float32, memory_format=torch.contiguous_format))
+
+
+def exact_nhwc_fp32(x):
+    """A bf16 chain value back in fp32 with channels-last strides."""
+    return exact_nhwc(x.to(torch.float32, memory_format=_CL))
+
+
+TO_CHANNELS_LAST_BF16 = "TO_CHANNELS_LAST_BF16"
+EXACT_NCHW_FP32 = "EXACT_NCHW_FP32"
+EXACT_NHWC_FP32 = "EXACT_NHWC_FP32"
 LAYOUT_KERNELS = {TO_CHANNELS_LAST: to_channels_last, EXACT_NCHW: exact_nchw,
-                  EXACT_NHWC: exact_nhwc}
+                  EXACT_NHWC: exact_nhwc, TO_CHANNELS_LAST_BF16: to_channels_last_bf16,
+                  EXACT_NCHW_FP32: exact_nchw_fp32, EXACT_NHWC_FP32: exact_nhwc_fp32}
 _EXIT = {"nchw": EXACT_NCHW, "nhwc": EXACT_NHWC}
 
 _FUSED_CL = {CONV_UNARY_NCHW: CONV_UNARY, CONV_BINARY_NCHW: CONV_BINARY,
@@ -145,6 +164,9 @@ class LayoutPlan:
     convolutions: int
     conversions_in: int
     conversions_out: int
+    chain_sets: tuple = ()
+    """Per chain: (its values' registers, the registers of the channels-last copies its
+    members read), frozensets (Note [bf16 convolution chains] in chain_bf16)."""
 
     def describe(self) -> str:
         return (f"{self.chains} chain(s) of {self.convolutions} convolution(s), "
@@ -257,9 +279,11 @@ def plan_channels_last(spec: SpecializedRegion) -> LayoutPlan | None:
                                   source_pc, variant=LAYOUT_VARIANT))
         return left[reg]
 
-    def rewrite(arg, member: bool, source_pc: int):
+    entries_of: dict[int, set] = {}      # chain root -> the entered copies it reads
+
+    def rewrite(arg, member: bool, source_pc: int, chain: int = -1):
         if isinstance(arg, list):
-            return [rewrite(a, member, source_pc) for a in arg]
+            return [rewrite(a, member, source_pc, chain) for a in arg]
         if not isinstance(arg, Var):
             return arg
         if not member:
@@ -269,12 +293,14 @@ def plan_channels_last(spec: SpecializedRegion) -> LayoutPlan | None:
         values = values_of(arg.reg)
         if all(isinstance(v, torch.Tensor) and v.dim() == 4 and v.dtype == torch.float32
                for v in values) and _spread(values):
-            return Var(enter(arg.reg, source_pc))
+            entries_of.setdefault(chain, set()).add(enter(arg.reg, source_pc))
+            return Var(entered[arg.reg])
         return arg
 
     for position, op in enumerate(ops):
         member = position in members
-        args = tuple(rewrite(a, member, op.source_pc) for a in op.args)
+        chain = root(position) if member else -1
+        args = tuple(rewrite(a, member, op.source_pc, chain) for a in op.args)
         opcode = _FUSED_CL.get(op.opcode, op.opcode) if member else op.opcode
         new_ops.append(dataclasses.replace(op, opcode=opcode, args=args))
     outputs = []
@@ -294,9 +320,13 @@ def plan_channels_last(spec: SpecializedRegion) -> LayoutPlan | None:
         abstract.append(probe)
     rewritten = dataclasses.replace(spec, ops=tuple(add_frees(new_ops, leaving)),
                                     outputs=tuple(outputs), abstract=tuple(abstract))
-    chains = len({root(p) for p in members})
+    roots = sorted({root(p) for p in members})
+    chain_sets = tuple(
+        (frozenset(reg for reg, p in member_at.items() if p in members and root(p) == r),
+         frozenset(entries_of.get(r, ()))) for r in roots)
     convolutions = sum(1 for p in members if ops[p].opcode in _CONVS)
-    return LayoutPlan(rewritten, chains, convolutions, len(entered), len(left))
+    return LayoutPlan(rewritten, len(roots), convolutions, len(entered), len(left),
+                      chain_sets)
 
 
 def is_layout_op(op: SpecOp) -> bool:
@@ -308,7 +338,10 @@ def layout_comment(op: SpecOp) -> str:
     """The source listing's comment for a conversion."""
     what = {TO_CHANNELS_LAST: "into the chain: channels-last",
             EXACT_NCHW: "out of the chain: NCHW, as the interpreter lays it out",
-            EXACT_NHWC: "out of the chain: NHWC, as the interpreter lays it out"}
+            EXACT_NHWC: "out of the chain: NHWC, as the interpreter lays it out",
+            TO_CHANNELS_LAST_BF16: "into the chain: channels-last, bf16",
+            EXACT_NCHW_FP32: "out of the chain: fp32, NCHW, as the interpreter lays it out",
+            EXACT_NHWC_FP32: "out of the chain: fp32, NHWC, as the interpreter lays it out"}
     return f"layout: {what[op.opcode]} (Note [Channels-last chains])"
 
 

@@ -24,6 +24,7 @@ import torch
 from dynvm.arena import ArenaPool
 from dynvm.jit.backends.cpu.arena_choice import out_form_pays, zeros_like_abstract
 from dynvm.jit.backends.cpu.arena_layout import OUT_KERNELS, ArenaBinding, ArenaLayout, plan_layout
+from dynvm.jit.backends.cpu.chain_bf16 import bf16_chains
 from dynvm.jit.backends.cpu.channels_last import (
     LAYOUT_KERNELS,
     choose_channels_last,
@@ -342,6 +343,9 @@ def _channels_last(spec: SpecializedRegion, program, constants, device, name: st
     in_place, count = residuals_in_place(plan.spec)
     plan = dataclasses.replace(plan, spec=in_place)
     plan_note = f"; {count} residual add(s) written into the residual" if count else ""
+    if options.precision == "bf16":  # Note [bf16 convolution chains]
+        plan, bf16_note = bf16_chains(plan, options.prepacked)
+        plan_note += bf16_note
     if options.channels_last == "always":
         return plan.spec, (f"channels-last: {plan.describe()}{plan_note} (not measured: "
                            "forced on)")

@@ -75,6 +75,14 @@ class PrepackCache:
             self.packs += 1
         return packed
 
+    def derived(self, source: torch.Tensor, tag: tuple, build) -> torch.Tensor:
+        """A tensor made from the packed tensor `source` (a bf16 copy, say), cached under
+        `source`'s own key plus `tag` so that kernels sharing `source` share it too; a
+        `source` this cache did not make gets an uncached copy."""
+        with self._lock:
+            key = next((k for k, v in self._packed.items() if v is source), None)
+        return build() if key is None else self.get((*key, *tag), build)
+
     def alive(self) -> int:
         """Packed weights alive (held by at least one kernel)."""
         with self._lock:
