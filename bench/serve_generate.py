@@ -184,6 +184,95 @@ def run_trace(port: int, path: str, trace: list[dict], clients: int, model: str)
             "load_1min": os.getloadavg()[0]}
 
 
+def run_in_process(generator, config, trace: list[dict], clients: int) -> dict:
+    """The trace played straight into a GenerateScheduler over `generator` (no HTTP, no
+    Ray; one process, the scheduler's thread beside the clients'): the same row as
+    run_trace, token times taken in the scheduler's sink."""
+    from dynvm.cluster.serving._generate_scheduler import GenerateScheduler, GenerationRequest
+
+    scheduler = GenerateScheduler(generator, config)
+    lock, results = threading.Lock(), []
+    order = iter(range(len(trace)))
+    start = time.perf_counter()
+
+    def client():
+        while True:
+            with lock:
+                index = next(order, None)
+            if index is None:
+                return
+            item = trace[index]
+            delay = start + item["at"] - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            times, ended = [], threading.Event()
+            outcome = {"done": False}
+
+            def sink(event, times=times, ended=ended, outcome=outcome):
+                if event[0] == "token":
+                    times.append(time.perf_counter())
+                else:
+                    outcome["done"] = event[0] == "end"
+                    ended.set()
+
+            sent = time.perf_counter()
+            scheduler.submit(GenerationRequest(tuple(item["prompt"]), item["new"],
+                                               stop_token_ids=()), sink)
+            ended.wait(300)
+            with lock:
+                results.append((item, (times[0] - sent if times else float("nan"), times,
+                                       len(times), outcome["done"])))
+
+    try:
+        threads = [threading.Thread(target=client) for _ in range(clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - start
+        scheduler.wait_idle(30)
+        freed = not scheduler.held and scheduler._slots is not None and \
+            scheduler._slots.used_tokens() == 0 and len(scheduler._slots) == 0
+    finally:
+        scheduler.close()
+    ttfts = sorted(o[0] for _, o in results if o[1])
+    itls = sorted(b - a for _, o in results for a, b in zip(o[1], o[1][1:]))
+    tokens = sum(o[2] for _, o in results)
+    lost = sum(1 for item, o in results if not o[3] or o[2] != item["new"])
+
+    def pct(values, q):
+        return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else None
+
+    return {"clients": clients, "requests": len(trace), "wall_s": wall,
+            "tokens_per_s": tokens / wall, "tokens": tokens, "lost": lost,
+            "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p99_ms": pct(ttfts, 0.99),
+            "itl_p50_ms": pct(itls, 0.5), "itl_p99_ms": pct(itls, 0.99),
+            "all_freed": freed, "steps": dict(scheduler.counters),
+            "load_1min": os.getloadavg()[0]}
+
+
+def in_process(args, programs) -> list[dict]:
+    """--in-process: the dynvm scheduler alone, one JIT thread (Note [Serving trace]'s
+    trace, warm-up pass first), rows as main prints them."""
+    import torch
+
+    import dynvm
+    from dynvm.cluster.serving._generate_scheduler import SchedulerConfig
+
+    torch.set_num_threads(1)
+    budget = {"step_token_budget": args.step_token_budget} if args.step_token_budget else {}
+    trace, rows = make_trace(args), []
+    with dynvm.Generator(programs) as generator:
+        for clients in [int(c) for c in args.clients.split(",")]:
+            run_in_process(generator, SchedulerConfig(**budget), trace[:min(8, len(trace))],
+                           clients)
+            row = {"system": "dynvm-in-process" + ("-packed" if args.packed else ""),
+                   **run_in_process(generator, SchedulerConfig(**budget), trace, clients)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     """Build the model, deploy both systems in one Ray cluster, play the trace."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -203,6 +292,11 @@ def main(argv=None) -> int:
                    help="dynvm scheduler's tokens per step (0: SchedulerConfig's default)")
     p.add_argument("--systems", default="dynvm,ctranslate2")
     p.add_argument("--out", default="")
+    p.add_argument("--packed", type=int, default=1,
+                   help="1: the packed step, one call per scheduler step (Note [One packed "
+                        "call per step]); 0: rows of one T per call")
+    p.add_argument("--in-process", action="store_true",
+                   help="the dynvm scheduler alone in this process, no HTTP or Ray")
     args = p.parse_args(argv)
     import ray
     from ray import serve
@@ -219,9 +313,16 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     programs = dynvm.compile_generator(model, max_batch=args.max_batch,
                                        max_length=args.prompt_max + args.new_max + 8,
-                                       jit=False, kv_state=True).programs
-    save_generator(programs, folder / "gen")
+                                       jit=False, kv_state=True,
+                                       packed=bool(args.packed)).programs
     print(f"exported in {time.perf_counter() - started:.0f} s", flush=True)
+    if args.in_process:
+        rows = in_process(args, programs)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        print(report(rows))
+        return 0
+    save_generator(programs, folder / "gen")
     from bench.generate import convert_to_ct2
 
     ct2 = convert_to_ct2(model, folder) if "ctranslate2" in systems else None

@@ -76,13 +76,17 @@ class Generator:
             self.step = Runtime(programs.step, device, jit=jit)
             self.state = KvState(programs.step, self.step.device)
             self.chunk = min(chunk or programs.chunk, programs.chunk)
+            self.packed = programs.packed   # Note [One packed call per step]
+            self.max_tokens = programs.step.inputs[0].dims[-1].high
+            self._lasts: dict[tuple[int, int], torch.Tensor] = {}
             if compile_ahead:
                 self._step_ahead = StepAhead(self.step)
             self.device = self.step.device
         else:
             self.prefill = Runtime(programs.prefill, device, jit=jit)
             self.decode = Runtime(programs.decode, device, jit=jit)
-            self.chunk = 0
+            self.chunk = self.max_tokens = 0
+            self.packed = False
             if compile_ahead:  # Note [Compiling the next length bucket]
                 self._ahead = LengthBucketsAhead(self.decode)
             self.device = self.prefill.device
@@ -164,8 +168,7 @@ class Generator:
                 return
             if step == 0:
                 self._generations += 1
-            logits = self._counted(self.step, token[:, None], slots, lengths,
-                                   self.state.keys, self.state.values)
+            logits = self._counted(self.step, token[:, None], slots, lengths)
             if self._step_ahead is not None:
                 self._step_ahead.after_step()
             lengths = lengths + 1
@@ -182,6 +185,8 @@ class Generator:
         written = [0] * len(prompts)
         starts = [0] * len(prompts) if starts is None else list(starts)
         last: list[torch.Tensor | None] = [None] * len(prompts)
+        if self.packed:
+            return self._write_packed(prompts, slots, starts)
         while True:
             active = [b for b, n in enumerate(counts) if written[b] < n]
             if not active:
@@ -190,8 +195,7 @@ class Generator:
             tokens = torch.stack([prompts[b][written[b]:written[b] + steps] for b in active])
             rows = torch.tensor(active, device=slots.device)
             at = torch.tensor([starts[b] + written[b] for b in active], device=self.device)
-            logits = self.step(tokens.to(self.device), slots.index_select(0, rows), at,
-                               self.state.keys, self.state.values)
+            logits = self.rows_call(tokens.to(self.device), slots.index_select(0, rows), at)
             self._prompt_calls += 1
             for i, b in enumerate(active):
                 written[b] += steps
@@ -199,10 +203,75 @@ class Generator:
                     last[b] = logits[i]
         return torch.stack(last)
 
+    def _write_packed(self, prompts, slots, starts) -> torch.Tensor:
+        """write_prompts over the packed step (Note [One packed call per step] in
+        dynvm._generation_kv): each call takes the rows' next tokens in order, up to
+        `chunk` tokens in all, so rows of different lengths share calls and a row's
+        prompt may end mid-call or be cut mid-prompt at a call's end."""
+        counts = [int(p.shape[0]) for p in prompts]
+        written = [0] * len(prompts)
+        last: list[torch.Tensor | None] = [None] * len(prompts)
+        slot_ids = slots.tolist()
+        row = 0
+        while row < len(prompts):
+            pieces, room = [], self.chunk
+            while row < len(prompts) and room > 0:
+                take = min(room, counts[row] - written[row])
+                pieces.append((row, written[row], take))
+                written[row] += take
+                room -= take
+                if written[row] == counts[row]:
+                    row += 1
+            ids = torch.cat([prompts[b][a:a + n] for b, a, n in pieces])
+            tok_slots = torch.tensor([slot_ids[b] for b, _, n in pieces for _ in range(n)])
+            positions = torch.cat([torch.arange(starts[b] + a, starts[b] + a + n)
+                                   for b, a, n in pieces])
+            ends = [(b, i) for i, (b, a, n) in enumerate(pieces) if a + n == counts[b]]
+            offsets = torch.tensor([n for _, _, n in pieces]).cumsum(0) - 1
+            picks = [int(offsets[i]) for _, i in ends] or [int(offsets[-1])]
+            logits = self.packed_call(ids, tok_slots, positions, torch.tensor(picks))
+            self._prompt_calls += 1
+            for j, (b, _) in enumerate(ends):
+                last[b] = logits[j]
+        return torch.stack(last)
+
+    def rows_call(self, tokens: torch.Tensor, slots: torch.Tensor,
+                  lengths: torch.Tensor) -> torch.Tensor:
+        """The step on rows of T new tokens each (tokens [B, T], the rows' slots [B] and
+        lengths [B], their first new token's position): the logits of each row's last
+        token, [B, V]. Over a packed step the rows are flattened into one call."""
+        if not self.packed:
+            return self.step(tokens, slots, lengths, self.state.keys, self.state.values)
+        batch, steps = tokens.shape
+        if steps == 1:
+            positions = lengths
+        else:
+            slots = slots.repeat_interleave(steps)
+            positions = (lengths[:, None] + torch.arange(steps, device=lengths.device)
+                         ).reshape(-1)
+        last = self._lasts.get((batch, steps))
+        if last is None:
+            last = self._lasts[(batch, steps)] = torch.arange(
+                steps - 1, batch * steps, steps, device=tokens.device)
+        return self.step(tokens.reshape(1, -1), slots, positions, last, self.state.keys,
+                         self.state.values)
+
+    def packed_call(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                    last: torch.Tensor) -> torch.Tensor:
+        """The packed step (Note [One packed call per step] in dynvm._generation_kv): token
+        i (tokens [N]) written into slot slots[i] at positions[i], attending its slot up
+        to itself; the logits of the tokens `last` [R] picks, [R, V]."""
+        if not self.packed:
+            raise ConfigError("Generator.packed_call: the step takes rows; export it with "
+                              "compile_generator(..., packed=True)")
+        device = self.device
+        return self.step(tokens.to(device)[None], slots.to(device), positions.to(device),
+                         last.to(device), self.state.keys, self.state.values)
+
     def _counted(self, runtime: Runtime, *inputs):
         """One decode step on `runtime`, counted in stats()."""
         before = runtime.region_calls()
-        outputs = runtime(*inputs)
+        outputs = (self.rows_call(*inputs) if runtime is self.step else runtime(*inputs))
         after = runtime.region_calls()
         self._decode_steps += 1
         if after[0] > before[0] and after[1] == before[1]:
@@ -252,13 +321,15 @@ def compile_generator(model: torch.nn.Module, *, max_batch: int = 64,
                       max_length: int = 2048, device: str | torch.device = "cpu",
                       jit: bool | JitConfig = True, compile_ahead: bool = True,
                       name: str | None = None, kv_state: bool = True, chunk: int = 128,
-                      pure: bool | None = None) -> Generator:
+                      pure: bool | None = None, packed: bool = False) -> Generator:
     """Lower a Hugging Face causal LM (dynamic batch and lengths) and return a
     `Generator` running it (`jit`, `compile_ahead`: as Generator takes them).
     `kv_state`: one step program over the KV cache as state for prompt chunks of up to
     `chunk` tokens and decoding (Note [One step program for prompt and decode] in
-    dynvm._generation_kv), which the generator then runs; `pure` (default: not
-    kv_state): the prefill and decode programs over plain caches too."""
+    dynvm._generation_kv), which the generator then runs (`packed`: its packed form,
+    tokens of any rows flat in one call, Note [One packed call per step], the same
+    file); `pure` (default: not kv_state): the prefill and decode programs over plain
+    caches too."""
     programs = export_generator(model, max_batch=max_batch, max_length=max_length, name=name,
-                                kv_state=kv_state, chunk=chunk, pure=pure)
+                                kv_state=kv_state, chunk=chunk, pure=pure, packed=packed)
     return Generator(programs, device, jit=jit, compile_ahead=compile_ahead)

@@ -110,6 +110,10 @@ class GeneratorPrograms:
     and decode] in dynvm._generation_kv); None unless exported with kv_state."""
     chunk: int = 0
     """Largest T the step takes: a longer prompt is written chunk by chunk."""
+    packed: bool = False
+    """The step takes packed tokens (input_ids [1, N], slots [N], positions [N], last
+    [R], keys, values -> logits [R, V]; Note [One packed call per step] in
+    dynvm._generation_kv) instead of rows of T tokens each."""
 
     def __post_init__(self) -> None:
         if self.step is None and (self.prefill is None or self.decode is None):
@@ -148,11 +152,13 @@ def _grouped_heads_folded():
 def export_generator(model: torch.nn.Module, *, max_batch: int = 64,
                      max_length: int = 2048, name: str | None = None,
                      kv_state: bool = False, chunk: int = 128,
-                     pure: bool | None = None) -> GeneratorPrograms:
+                     pure: bool | None = None, packed: bool = False) -> GeneratorPrograms:
     """Lower a Hugging Face causal LM (`...ForCausalLM`, eval mode) with dynamic batch
     (1..max_batch) and lengths (1..max_length). `kv_state`: the one step over the cache
-    as state (`step`, T = 1..chunk new tokens per row); `pure` (default: not kv_state):
-    the prefill and decode programs over plain caches."""
+    as state (`step`, T = 1..chunk new tokens per row; `packed`: N = 1..max(chunk,
+    max_batch) tokens of any rows, Note [One packed call per step] in
+    dynvm._generation_kv); `pure` (default: not kv_state): the prefill and decode
+    programs over plain caches."""
     from torch.export import Dim
 
     from dynvm import compile as dynvm_compile
@@ -197,7 +203,7 @@ def export_generator(model: torch.nn.Module, *, max_batch: int = 64,
             from dynvm._generation_kv import export_step
 
             step = export_step(model, max_batch=max_batch, max_length=max_length,
-                               chunk=chunk, name=name)
+                               chunk=chunk, name=name, packed=packed)
     generation = getattr(model, "generation_config", None)
     eos = getattr(generation, "eos_token_id", None)
     if eos is None:
@@ -208,4 +214,4 @@ def export_generator(model: torch.nn.Module, *, max_batch: int = 64,
     pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
     return GeneratorPrograms(prefill, decode, layers, max_batch, max_length,
                              tuple(int(t) for t in eos_ids), int(pad), step,
-                             chunk if kv_state else 0)
+                             chunk if kv_state else 0, bool(kv_state and packed))

@@ -23,6 +23,25 @@ the decode shape, whole chunks recur at T = chunk, a prompt's last chunk falls i
 family over T. Rows of one call share T; rows whose prompts differ in length are
 written in calls of the lengths they share (Generator._prompt), never left-padded.
 
+Note [One packed call per step]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Rows of one call share T, so a serving step with running rows (T = 1) and a prompt
+chunk (T > 1) was two calls, and its cost swung with the batch between them (inter-token
+p99 3.3-4.6x p50 in-process at every step budget). Exported `packed`, the step takes the
+tokens of any rows flat instead:
+
+    step(input_ids [1, N], slots [N], positions [N], last [R], keys, values)
+        -> logits [R, V]
+
+token i belongs to slot slots[i] at position positions[i]; `last` picks the tokens
+whose logits are returned (a decode row's token, a prompt's final one). KV_APPEND and
+DECODE_ATTN take the same packed form (Note [Packed tokens] in dynvm.vm.ops_kv): each
+token is written at its (slot, position) and attends its own slot up to itself. The
+model's linears see one [1, N, hidden] batch, so a step's cost is bounded by its N (the
+scheduler's token budget), one call, no padding; the JIT's families follow N and R
+rather than (rows, T). The rows form stays (packed=False); Generator takes either
+(Generator.rows_call packs [B, T] rows when the step is packed).
+
 The model's own code is what gets lowered, as for the pure decode step, except its
 attention: the step runs the model with an attention function of ours (registered with
 Hugging Face's AttentionInterface) that appends the layer's new key and value to the
@@ -48,12 +67,12 @@ def _state_attention(module, query, key, value, attention_mask, scaling=None, dr
     """Hugging Face attention function: append this layer's T new keys and values to the
     state, attend over each row's slot (causal in the chunk); returns ([B, T, H, D],
     None) as its own functions do."""
-    keys, values, slots, lengths = dynvm_kv
+    keys, values, slots, positions, seen = dynvm_kv
     layer = module.layer_idx
-    key_cache = torch.ops.dynvm.kv_append(keys[layer], key, slots, lengths)
-    value_cache = torch.ops.dynvm.kv_append(values[layer], value, slots, lengths)
-    out = torch.ops.dynvm.decode_attention(query, key_cache, value_cache, slots,
-                                           lengths + query.shape[2], scaling)
+    key_cache = torch.ops.dynvm.kv_append(keys[layer], key, slots, positions)
+    value_cache = torch.ops.dynvm.kv_append(values[layer], value, slots, positions)
+    out = torch.ops.dynvm.decode_attention(query, key_cache, value_cache, slots, seen,
+                                           scaling)
     return out.transpose(1, 2), None
 
 
@@ -69,8 +88,24 @@ class _Step(torch.nn.Module):
         steps = torch.arange(input_ids.shape[1], device=input_ids.device)
         out = self.model(input_ids=input_ids, position_ids=lengths[:, None] + steps,
                          use_cache=False, logits_to_keep=1,
-                         dynvm_kv=(keys, values, slots, lengths))
+                         dynvm_kv=(keys, values, slots, lengths,
+                                   lengths + input_ids.shape[1]))
         return out.logits[:, -1, :]
+
+
+class _PackedStep(torch.nn.Module):
+    """N tokens of any rows, flat, over the cache state (Note [One packed call per
+    step])."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, slots, positions, last, keys, values):
+        out = self.model(input_ids=input_ids, position_ids=positions[None, :],
+                         use_cache=False, logits_to_keep=last,
+                         dynvm_kv=(keys, values, slots, positions, positions + 1))
+        return out.logits[0]
 
 
 @contextlib.contextmanager
@@ -99,11 +134,12 @@ def _cache_shape(model: torch.nn.Module) -> tuple[int, int, int, torch.dtype]:
 
 
 def export_step(model: torch.nn.Module, *, max_batch: int, max_length: int, chunk: int,
-                name: str) -> Program:
+                name: str, packed: bool = False) -> Program:
     """The step over the cache state (Note [One step program for prompt and decode]),
-    with dynamic batch (1..max_batch) and new tokens per row T (1..chunk); its state
-    inputs declare slots 1..max_batch and capacity 2..max_length, and the state's owner
-    allocates their upper bounds."""
+    with dynamic batch (1..max_batch) and new tokens per row T (1..chunk), or `packed`
+    (Note [One packed call per step]): N = 1..max(chunk, max_batch) tokens of R =
+    1..max_batch rows; its state inputs declare slots 1..max_batch and capacity
+    2..max_length, and the state's owner allocates their upper bounds."""
     from torch.export import Dim
 
     from dynvm import compile as dynvm_compile
@@ -121,12 +157,22 @@ def export_step(model: torch.nn.Module, *, max_batch: int, max_length: int, chun
     rows, lengths = torch.tensor([0, 2]), torch.tensor([4, 6])
     state_dims = [{0: slots, 2: capacity}] * layers
     with torch.no_grad(), _state_attention_on(model):
-        program = dynvm_compile(_Step(model), (ids, rows, lengths, state, values),
-                                ({0: batch, 1: steps}, {0: batch}, {0: batch}, state_dims,
-                                 state_dims), name=f"{name}.step")
-    # input_ids, slots, lengths, then the keys and values of every layer: the frontend
-    # marks the inputs the KV instructions take as their cache as the state.
-    if program.state != tuple(range(3, 3 + 2 * layers)):
+        if packed:
+            # 5 tokens: slot 0 at 4..6 (a chunk), slot 2 at 6, 7; 2 rows' logits.
+            tokens = Dim("tokens", min=1, max=max(chunk, max_batch))
+            program = dynvm_compile(
+                _PackedStep(model), (ids[:1], torch.tensor([0, 0, 0, 2, 2]),
+                                     torch.tensor([4, 5, 6, 6, 7]), rows + 2, state, values),
+                ({1: tokens}, {0: tokens}, {0: tokens}, {0: batch}, state_dims, state_dims),
+                name=f"{name}.step")
+        else:
+            program = dynvm_compile(_Step(model), (ids, rows, lengths, state, values),
+                                    ({0: batch, 1: steps}, {0: batch}, {0: batch},
+                                     state_dims, state_dims), name=f"{name}.step")
+    # The token inputs, then the keys and values of every layer: the frontend marks the
+    # inputs the KV instructions take as their cache as the state.
+    first = 4 if packed else 3
+    if program.state != tuple(range(first, first + 2 * layers)):
         raise ConfigError(f"{name}: kv_state=True: the step's state inputs are "
                           f"{program.state}, expected the {2 * layers} keys and values; "
                           f"kv_state=False exports this model with the cache as plain inputs")

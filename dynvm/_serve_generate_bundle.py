@@ -5,7 +5,7 @@ token loop needs to know about them, and the model's tokenizer when it ships one
     dynvm.save_generator(generator, "gen/", tokenizer=hf_tokenizer)   # then: dynvm serve gen/
 
     gen/generator.json   format, layers, max_batch, max_length, eos_token_ids, pad_token_id,
-                         chunk
+                         chunk, packed (the step's packed form; absent: rows)
     gen/step.dvm         the step over the KV cache as state, prompt chunks and decode
                          (Note [One step program for prompt and decode] in
                          dynvm._generation_kv): one copy of the weights
@@ -75,6 +75,7 @@ def save_generator(generator, path: str | os.PathLike, tokenizer=None) -> Path:
     manifest = {"format": FORMAT, **{f: getattr(programs, f) for f in _FIELDS}}
     manifest["eos_token_ids"] = list(programs.eos_token_ids)
     manifest["chunk"] = programs.chunk
+    manifest["packed"] = programs.packed
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return directory
 
@@ -104,7 +105,8 @@ def load_generator(path: str | os.PathLike) -> GeneratorBundle:
         chunk = int(manifest.get("chunk", 0))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{directory / MANIFEST}: chunk: {exc}") from None
-    programs = GeneratorPrograms(eos_token_ids=eos, chunk=chunk, **loaded, **facts)
+    programs = GeneratorPrograms(eos_token_ids=eos, chunk=chunk, **loaded, **facts,
+                                 packed=manifest.get("packed") is True)
     tokenizer = None
     if (directory / TOKENIZER).is_file():
         from tokenizers import Tokenizer

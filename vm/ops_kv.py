@@ -44,6 +44,19 @@ without a mask at T = 1. The general path's advanced-index write (index_put), it
 checks that the slots are contiguous, its max/any reads and its position arange cost
 ~10 small ATen calls per layer, which at B=1 are a visible share of a GEMV-bound step.
 
+Note [Packed tokens]
+~~~~~~~~~~~~~~~~~~~
+The same two instructions take a packed batch: `new` or `query` [1, heads, N, D] with
+one slot and one position per token (slots [N]; KV_APPEND's positions [N]; DECODE_ATTN's
+lengths [N], each token's position + 1: the keys it sees). The form is told apart by
+the operands' shapes (slots.shape[0] != new.shape[0]); at N = 1 both forms are the same
+call. This is what a scheduler step of running rows' decode tokens and prompt chunks
+runs as one call (Note [One packed call per step] in dynvm._generation_kv): each run of
+tokens of one slot at consecutive positions is a segment; a segment of one token (a
+decode row) attends as the rows of one T = 1 call, all such segments together, and a
+longer one (a prompt chunk) as one row of its own, causal within it. No padding, no
+[N, L] mask over the whole batch: the cost follows the tokens.
+
 For torch.export, the two are torch.library ops (`dynvm::kv_append`,
 `dynvm::decode_attention`) whose schemas declare no mutation: export would otherwise
 functionalize the write into a copy of the whole cache. Their kernels are the
@@ -66,6 +79,8 @@ _LIB.define("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor s
 def kv_append(cache, new, slots, positions):
     """KV_APPEND: write `new` at each row's slot and position, in place; the cache."""
     steps = new.shape[2]
+    if slots.shape[0] != new.shape[0]:  # Note [Packed tokens]
+        return _append_tokens(cache, new, slots, positions)
     if new.shape[0] == 1:  # Note [One row by plain indexing]
         first = int(positions[0])
         cache[int(slots[0]), :, first:first + steps].copy_(new[0])
@@ -74,6 +89,30 @@ def kv_append(cache, new, slots, positions):
     else:
         where = positions[:, None] + torch.arange(steps, device=positions.device)
         cache[slots[:, None], :, where] = new.transpose(1, 2)
+    return cache
+
+
+def _segments(slots: list[int], positions: list[int]) -> list[tuple[int, int]]:
+    """Runs [a, b) of packed tokens of one slot at consecutive positions (Note [Packed
+    tokens])."""
+    runs, start = [], 0
+    for i in range(1, len(slots)):
+        if slots[i] != slots[i - 1] or positions[i] != positions[i - 1] + 1:
+            runs.append((start, i))
+            start = i
+    runs.append((start, len(slots)))
+    return runs
+
+
+def _append_tokens(cache, new, slots, positions):
+    """KV_APPEND of packed tokens: new [1, Hkv, N, D], token i at (slots[i], positions[i])."""
+    where = positions.tolist()
+    runs = _segments(slots.tolist(), where)
+    if len(runs) == 1:   # one slot's consecutive positions: a view
+        first = where[0]
+        cache[int(slots[0]), :, first:first + new.shape[2]].copy_(new[0])
+    else:
+        cache[slots, :, positions] = new[0].transpose(0, 1)
     return cache
 
 
@@ -94,6 +133,8 @@ def _rows(cache, slots, length: int):
 def decode_attention(query, keys, values, slots, lengths, scale=None):
     """DECODE_ATTN: each row's T queries over its slot's first lengths[b] keys and
     values, query t seeing positions up to lengths[b] - T + t (causal in the chunk)."""
+    if slots.shape[0] != query.shape[0]:  # Note [Packed tokens]
+        return _token_attention(query, keys, values, slots, lengths, scale)
     if query.shape[0] == 1:  # Note [One row by plain indexing]
         return _one_row_attention(query, keys, values, int(slots[0]), int(lengths[0]),
                                   scale)
@@ -125,6 +166,33 @@ def _one_row_attention(query, keys, values, slot: int, length: int, scale):
         positions = torch.arange(length, device=query.device)
         mask = (positions[None, :] <= positions[length - steps:, None])[None, None]
     return sdpa_gqa(query, k, v, mask, 0.0, False, scale).contiguous()
+
+
+def _token_attention(query, keys, values, slots, lengths, scale):
+    """DECODE_ATTN of packed tokens (Note [Packed tokens]): query [1, H, N, D], token i of
+    slot slots[i] seeing its first lengths[i] positions. Segments of one token attend as
+    the rows of one decode call, longer ones each as one row, causal within it."""
+    seen = lengths.tolist()
+    runs = _segments(slots.tolist(), seen)
+    if len(runs) == 1:
+        return _one_row_attention(query, keys, values, int(slots[0]), seen[-1], scale)
+    singles = [a for a, b in runs if b - a == 1]
+    rows = query[0].transpose(0, 1)   # [N, H, D]
+    if len(singles) == len(seen):     # decode rows only
+        out = decode_attention(rows[:, :, None], keys, values, slots, lengths, scale)
+        return out[:, :, 0].transpose(0, 1)[None].contiguous()
+    out = query.new_empty((*query.shape[:-1], values.shape[-1]))
+    if singles:
+        index = torch.tensor(singles, device=slots.device)
+        rows_out = decode_attention(rows.index_select(0, index)[:, :, None], keys, values,
+                                    slots.index_select(0, index),
+                                    lengths.index_select(0, index), scale)
+        out[0].index_copy_(1, index, rows_out[:, :, 0].transpose(0, 1))
+    for a, b in runs:
+        if b - a > 1:
+            out[:, :, a:b] = _one_row_attention(query[:, :, a:b], keys, values,
+                                                int(slots[a]), seen[b - 1], scale)
+    return out
 
 
 def _decode_attention_abstract(query, keys, values, slots, lengths, scale):

@@ -233,8 +233,8 @@ class GenerateScheduler:
         the whole prefill batch it is in, so requests are checked against it)."""
         one = torch.ones((1, 1), dtype=torch.long, device=generator.device)
         if getattr(generator, "step", None) is not None:   # slot 0, zeroed after
-            state, zero = generator.state, one[0] - 1
-            return int(generator.step(one, zero, zero, state.keys, state.values).shape[-1])
+            zero = one[0] - 1
+            return int(generator.rows_call(one, zero, zero).shape[-1])
         logits, _, _ = generator.prefill(one, one, one - 1)
         return int(logits.shape[-1])
 
@@ -407,20 +407,45 @@ class GenerateScheduler:
         self._prompting = self._prompting + joining
         budget = max(self.config.step_token_budget - len(self._running),
                      self.config.min_prompt_tokens)
+        if self.generator.packed:
+            self._step_packed(budget)
+            return
         if self._running:
             self._choose(self._running, self._counted_slots())
         if self._prompting:
             done, logits = self._slots.prompt(self._prompting, budget)
             self.counters["prefill_calls"] += 1
-            if done:
-                ids = {seq.id for seq in done}
-                self._prompting = [s for s in self._prompting if s.id not in ids]
-                self._choose(done, logits)
-                for seq in done:   # ended at its first token: its slot is free again
-                    if seq.finish_reason is not None:
-                        self._slots.release(seq)
-                self._running = self._slots.order(
-                    self._running + [s for s in done if s.finish_reason is None])
+            self._prompted(done, logits)
+        self._drop_finished()
+
+    def _prompted(self, done: list[Sequence], logits) -> None:
+        """Sequences whose prompt is all written: their first token; then they decode."""
+        if not done:
+            return
+        ids = {seq.id for seq in done}
+        self._prompting = [s for s in self._prompting if s.id not in ids]
+        self._choose(done, logits)
+        for seq in done:   # ended at its first token: its slot is free again
+            if seq.finish_reason is not None:
+                self._slots.release(seq)
+        self._running = self._slots.order(
+            self._running + [s for s in done if s.finish_reason is None])
+
+    def _step_packed(self, budget: int) -> None:
+        """Note [One packed call per step] in dynvm._generation_kv: the running rows'
+        tokens and the prompts' next tokens within the budget, one call."""
+        runtime, running = self.generator.step, self._running
+        before = runtime.region_calls()
+        logits, done, first = self._slots.packed(running, self._prompting, budget)
+        after = runtime.region_calls()
+        if running:
+            if after[0] > before[0] and after[1] == before[1]:
+                self.counters["specialized_steps"] += 1
+            self.counters["decode_steps"] += 1
+            self._choose(running, logits)
+        if self._prompting:
+            self.counters["prefill_calls"] += 1
+        self._prompted(done, first)
         self._drop_finished()
 
     def _drop_finished(self) -> None:

@@ -19,7 +19,11 @@ lasts. A sequence whose prompt is complete gets its first token from that call's
 logits and decodes from the next step on. So a long prompt costs every running
 sequence a bounded delay per step instead of one step as long as the whole prompt
 (inter-token latency p99 at 3-4x its p50 when prompts were prefilled whole), and no
-call pads a row: rows of one call share T.
+call pads a row: rows of one call share T. A step is still two calls, though; with the
+packed step (Note [One packed call per step] in dynvm._generation_kv) it is one
+(`SlotCache.packed`): the running rows' tokens, then the prompting sequences' next
+tokens in arrival order, each its whole rest while the budget lasts, so prompts of
+different lengths share the call and the last one is cut wherever the budget ends.
 
 Note [Slots instead of copies]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -124,6 +128,41 @@ class SlotCache:
                                device=device)
         return self.generator.step(tokens, slots, lengths, self.state.keys,
                                    self.state.values)
+
+    def packed(self, running, prompting, budget: int):
+        """One packed call (Note [One packed call per step] in dynvm._generation_kv): the
+        running sequences' (in slot order) last tokens and the next prompt tokens of the
+        prompting ones in arrival order, each as many as the `budget` left allows (its
+        whole rest when it fits). Returns the running rows' logits [B, V], the sequences
+        whose prompt it completed, and their last logits."""
+        tokens, slots, positions = [], [], []
+        for seq in running:
+            tokens.append(seq.tokens[-1])
+            slots.append(self.slot_of[seq.id])
+            positions.append(self.length_of[seq.id])
+        room = min(budget, self.generator.max_tokens - len(running))
+        pieces = []
+        for seq in prompting:
+            if room <= 0:
+                break
+            start, take = self.length_of[seq.id], min(self.rest(seq), room)
+            tokens.extend(seq.request.prompt[start:start + take])
+            slots.extend([self.slot_of[seq.id]] * take)
+            positions.extend(range(start, start + take))
+            pieces.append((seq, take, len(tokens) - 1))
+            room -= take
+        done = [(seq, end) for seq, take, end in pieces if take == self.rest(seq)]
+        last = list(range(len(running))) + [end for _, end in done]
+        logits = self.generator.packed_call(
+            torch.tensor(tokens), torch.tensor(slots), torch.tensor(positions),
+            torch.tensor(last or [len(tokens) - 1]))
+        for seq in running:
+            self.length_of[seq.id] += 1
+        for seq, take, _ in pieces:
+            self.length_of[seq.id] += take
+            self.prompt_tokens += take
+        self.used += len(tokens)
+        return logits[:len(running)], [seq for seq, _ in done], logits[len(running):len(last)]
 
     def used_tokens(self) -> int:
         """Tokens the sequences hold in their slots (any thread)."""

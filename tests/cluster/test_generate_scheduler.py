@@ -40,13 +40,17 @@ class Collector:
             self.ended.set()
 
 
-@pytest.fixture(scope="module", params=["plain", "slots"])
+@pytest.fixture(scope="module", params=["plain", "slots", "packed"])
 def generator(request):
-    """The decode step over plain caches (joins and leaves copy them) or the step over
+    """The decode step over plain caches (joins and leaves copy them), the step over
     the KV state (a slot per sequence, Note [Slots instead of copies], prompts written
-    in chunks, Note [Prompt chunks between decode steps])."""
-    with dynvm.Generator(tiny_programs(), jit=False, compile_ahead=False,
-                         kv_state=request.param == "slots") as gen:
+    in chunks, Note [Prompt chunks between decode steps]), or its packed form (decode
+    rows and prompt chunks in one call a step, Note [One packed call per step])."""
+    from tests.generation._tiny import tiny_packed_programs
+
+    programs = tiny_packed_programs() if request.param == "packed" else tiny_programs()
+    with dynvm.Generator(programs, jit=False, compile_ahead=False,
+                         kv_state=request.param != "plain") as gen:
         yield gen
 
 

@@ -76,3 +76,15 @@ def hf_greedy(model, ids, mask, max_new_tokens: int, **kwargs) -> torch.Tensor:
     with torch.inference_mode():
         return model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                do_sample=False, pad_token_id=TOKENS["pad_token_id"], **kwargs)
+
+
+@functools.cache
+def tiny_packed_programs(kind: str = "llama"):
+    """The packed form of `kind`'s step (Note [One packed call per step] in
+    dynvm._generation_kv) over the same model as tiny_generator(kind), exported once per
+    session; its tokens are comparable with that generator's."""
+    import dynvm
+
+    model = tiny_generator(kind)[0]
+    return dynvm.compile_generator(model, max_batch=MAX_BATCH, max_length=MAX_LENGTH,
+                                   jit=False, kv_state=True, packed=True).programs
