@@ -159,8 +159,8 @@ class RequestGate:
 
 
 class ReplicaSeam:
-    """The InferSeam of one model replica: its RequestGate (admission, counting, faults)
-    and executor, and its parse threads."""
+    """The InferSeam of one model replica: its RequestGate (`admit`, `serve` and `fault`
+    are the gate's), its executor (`execute`) and its parse threads (`off_loop`)."""
 
     def __init__(self, model_name: str, executor: ReplicaExecutor, stats: ReplicaStats,
                  limits: ServingLimits, telemetry, parse_pool: ThreadPoolExecutor) -> None:
@@ -169,6 +169,8 @@ class ReplicaSeam:
         self.gate = RequestGate(model_name, stats, telemetry,
                                 limit=limits.max_concurrent_requests)
         self.parse_pool = parse_pool
+        # The gate's own methods, not wrappers: no extra frame on every request's way.
+        self.admit, self.serve, self.fault = self.gate.admit, self.gate.serve, self.gate.fault
 
     @property
     def draining(self) -> bool:
@@ -178,18 +180,6 @@ class ReplicaSeam:
     @draining.setter
     def draining(self, value: bool) -> None:
         self.gate.draining = value
-
-    def admit(self) -> Fault | None:
-        """The gate's admission (draining, or the in-flight bound)."""
-        return self.gate.admit()
-
-    async def serve(self, work: Callable[[], Awaitable[R]], trace: dict | None) -> R | Fault:
-        """`work()`'s response through the gate: counted, its exception a Fault."""
-        return await self.gate.serve(work, trace)
-
-    def fault(self, exc: Exception, trace: dict | None) -> Fault:
-        """The gate's fault for `exc`, counted."""
-        return self.gate.fault(exc, trace)
 
     async def execute(self, request: v2.InferRequest, trace: dict | None,
                       encoder: Encoder[R]) -> R:
