@@ -278,6 +278,50 @@ def test_no_file_grows_past_its_bound():
     assert not over, "files to split:\n" + "\n".join(over)
 
 
+# A base a class may have: one with an __init__ of its own, or one of these kinds.
+_NOT_MIXIN_BASES = ("Protocol", "Error", "Exception", "Warning", "Enum", "ABC", "NamedTuple")
+
+
+def mixin_bases(modules: dict[str, Path]) -> list[str]:
+    """`module: Class(Base)` for each class of `modules` whose base, defined in them too,
+    is a bag of methods (no __init__, not a Protocol, exception, enum or ABC): a mixin,
+    the way a file once stayed under its bound while its class did not."""
+    classes: dict[str, list[ast.ClassDef]] = {}
+    trees = {name: ast.parse(path.read_text()) for name, path in modules.items()}
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(node)
+    found = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for base in node.bases:
+                base_name = ast.unparse(base).rpartition(".")[2]
+                for defined in classes.get(base_name, ()):
+                    kinds = " ".join(ast.unparse(b) for b in defined.bases) + base_name
+                    methods = [n.name for n in defined.body
+                               if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+                    if (methods and "__init__" not in methods
+                            and not any(kind in kinds for kind in _NOT_MIXIN_BASES)):
+                        found.append(f"{name}: {node.name}({base_name})")
+    return found
+
+
+def test_no_class_is_split_into_mixins(tmp_path):
+    # The file-size bound is kept by composition (objects with stated interfaces), not
+    # by a class's methods spread over mixins in other files.
+    assert not mixin_bases(shipped_modules())
+    host, mixin = tmp_path / "host.py", tmp_path / "mixin.py"
+    mixin.write_text("class GrpcInferenceMixin:\n    def infer(self):\n        return self.x\n")
+    host.write_text("from mixin import GrpcInferenceMixin\n"
+                    "class ReplicaServer(GrpcInferenceMixin):\n"
+                    "    def __init__(self):\n        self.x = 1\n")
+    assert mixin_bases({"host": host, "mixin": mixin}) == [
+        "host: ReplicaServer(GrpcInferenceMixin)"]
+
+
 # -- dynamically: what importing a layer loads ------------------------------------------
 
 CHILD = """
