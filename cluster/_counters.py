@@ -4,6 +4,8 @@
     ExecCounters     its VM calls and batches (the batcher's worker thread)
     BatcherCounters  the opportunistic batcher's batches (its loop and worker)
     LinkCounters     a fleet link's reports, installs and announcements
+    GenerationRates, GenerationOccupancy   a generator replica's tokens, latencies and
+                     cache occupancy, as `dynvm top` reads them
 
 Each owner bumps fields by attribute (`counters.requests += 1`), on the thread its
 module names, as the dicts these replace were bumped. The JSON keys of a replica's
@@ -17,12 +19,12 @@ imports Ray.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from dynvm._runtime_stats import field_of, read
 
-__all__ = ["BatcherCounters", "ExecCounters", "LinkCounters", "RequestCounters", "as_dict",
-           "field_of", "read"]
+__all__ = ["BatcherCounters", "ExecCounters", "GenerationOccupancy", "GenerationRates",
+           "LinkCounters", "RequestCounters", "as_dict", "field_of", "read"]
 
 
 @dataclass
@@ -124,6 +126,44 @@ class LinkCounters:
     """Index stamps taken from an announcement."""
     index_rejected: int = 0
     """Index reads refused (bad MAC, bad form)."""
+
+
+@dataclass
+class GenerationRates:
+    """A generator replica's tokens, rate and latency percentiles (its /stats, from
+    dynvm.cluster.serving._generate_metrics.GenerateMetrics.snapshot)."""
+
+    tokens: int = 0
+    """Tokens generated so far."""
+    tokens_per_s: float = 0.0
+    """Tokens per second over the last RATE_WINDOW_S."""
+    ttft_p50_s: float | None = None
+    """Median time to first token over the recent sequences (None before any)."""
+    ttft_p99_s: float | None = None
+    """Its 99th percentile."""
+    itl_p50_s: float | None = None
+    """Median inter-token latency over the recent tokens (None before any)."""
+    itl_p99_s: float | None = None
+    """Its 99th percentile."""
+    sequences: dict = field(default_factory=dict)
+    """Sequences ended, by reason (stop, length, cancelled, error)."""
+
+
+@dataclass
+class GenerationOccupancy:
+    """The keys of a generator's /stats that `dynvm top` reads from its scheduler's
+    occupancy (dynvm.cluster.serving._generate_scheduler.GenerateScheduler.occupancy)."""
+
+    running: int | None = None
+    """Sequences decoding now."""
+    waiting: int | None = None
+    """Sequences waiting for cache room."""
+    reserved_tokens: int | None = None
+    """Cache tokens reserved by the admitted sequences."""
+    cache_tokens: int | None = None
+    """Cache tokens in all."""
+    cache: str | None = None
+    """The cache's kind ("slots" or "plain")."""
 
 
 COUNTER_TYPES = (RequestCounters, ExecCounters, BatcherCounters, LinkCounters)

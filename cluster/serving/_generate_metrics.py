@@ -26,6 +26,8 @@ import threading
 import time
 from collections import deque
 
+from dynvm.cluster._counters import GenerationRates, as_dict
+
 TTFT_BOUNDARIES = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
 ITL_BOUNDARIES = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]
 RATE_WINDOW_S = 10.0
@@ -122,10 +124,12 @@ class GenerateMetrics:
         with self._lock:
             recent = sum(1 for t in self._token_times if now - t <= RATE_WINDOW_S)
             ttft, itl = list(self._recent_ttft), list(self._recent_itl)
-            return {"tokens": self.tokens, "tokens_per_s": recent / RATE_WINDOW_S,
-                    "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99),
-                    "itl_p50_s": _percentile(itl, 0.5), "itl_p99_s": _percentile(itl, 0.99),
-                    "sequences": dict(self.sequences), **self.state}
+            rates = GenerationRates(
+                tokens=self.tokens, tokens_per_s=recent / RATE_WINDOW_S,
+                ttft_p50_s=_percentile(ttft, 0.5), ttft_p99_s=_percentile(ttft, 0.99),
+                itl_p50_s=_percentile(itl, 0.5), itl_p99_s=_percentile(itl, 0.99),
+                sequences=dict(self.sequences))
+            return {**as_dict(rates), **self.state}
 
     def prometheus_text(self) -> str:
         """The series in Prometheus' text exposition format (GET /metrics)."""
