@@ -243,3 +243,15 @@ def test_jit_options_are_zoo_only_and_recorded_in_the_command(suite, capsys):
                               jit_options=["cpu_channels_last=off"])
     assert bench.zoo._command("dynvm bench zoo", args) == \
         "dynvm bench zoo --models resnet --jit-option cpu_channels_last=off"
+
+
+def test_an_installed_package_says_the_suite_needs_a_checkout(tmp_path, monkeypatch, capsys):
+    # An installed dynvm has no bench/ beside its package folder: `dynvm bench` must say
+    # so plainly (exit 2), not fail on an import deep inside the suite.
+    installed = tmp_path / "site-packages" / "dynvm"
+    installed.mkdir(parents=True)
+    monkeypatch.setattr(_bench_cmd, "__file__", str(installed / "_bench_cmd.py"))
+    assert main(["bench", "gnn", "--quick", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "needs a source checkout" in err and "not part of the installed package" in err
+    assert not (tmp_path / "out").exists()
