@@ -110,6 +110,9 @@ def main(argv=None) -> int:
     parser.add_argument("--source", type=Path, help="write the JIT's kernels' code here")
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--no-ort", action="store_true")
+    parser.add_argument("--precision", default="fp32",
+                        help="the JIT's JitConfig.precision (fp32, bf16; Note [bf16 "
+                             "convolution chains])")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     season = [int(b) for b in args.season.split(",") if b.strip()] or [args.batch]
@@ -117,8 +120,9 @@ def main(argv=None) -> int:
     program, _, onnx = full_width.prepare(model, args.cache, with_onnx=not args.no_ort)
     x = model.inputs[0]
     print(f"load {os.getloadavg()[0]:.2f}, batch {args.batch}, threads {args.threads}, "
+          f"JIT precision {args.precision}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}", flush=True)
-    jit = dynvm.Runtime(program, jit=dynvm.JitConfig())
+    jit = dynvm.Runtime(program, jit=dynvm.JitConfig(precision=args.precision))
     start = time.perf_counter()
     calls = 0
     for _ in range(3):   # rounds over the batch sizes, as bench.full_width seasons

@@ -17,10 +17,11 @@ conversions already are:
 - out of it, `EXACT_NCHW`/`EXACT_NHWC` become their `_FP32` forms: what leaves a chain
   is fp32 in the interpreter's layout, so nothing outside sees a bf16 tensor;
 - each fused convolution reads a bf16 copy of its packed weight (the fp32 packed copy
-  unpacked, cast and packed again for the same input size, one per engine through
-  `PrepackCache.derived`; a `PackedPerBatch` table per batch). The bias stays fp32 for
-  the unary call (oneDNN adds it before rounding); the residual form's oneDNN call
-  takes only a bias of the input's type, so there it is cast too.
+  unpacked, cast and packed again for the same input sizes, per batch where the bf16
+  blocking differs within the input's batches, Note [Conv weights for one row or
+  many]; cached beside the fp32 copy, so kernels sharing one share the other). The
+  bias stays fp32 for the unary call (oneDNN adds it before rounding); the residual
+  form's oneDNN call takes only a bias of the input's type, so there it is cast too.
 The other members (pooling, keepdim means, activations, adds of chain values) compute in
 bf16 because their operands are: torch returns a bf16 result for bf16 operands.
 
@@ -56,9 +57,9 @@ from dynvm.jit.backends.cpu.channels_last import (
     LayoutPlan,
     is_layout_op,
 )
-from dynvm.jit.backends.cpu.conv import PackedPerBatch
+from dynvm.jit.backends.cpu.conv import PackedPerBatch, _packed_per_batch
 from dynvm.jit.backends.cpu.conv_residual import CONV_BINARY_INPLACE
-from dynvm.jit.backends.cpu.fusion import CONV_BINARY, CONV_UNARY, is_fused
+from dynvm.jit.backends.cpu.fusion import CONV_BINARY, CONV_UNARY, is_fused, probe_tensors
 from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.ir import ConstRef, Literal, Var
 from dynvm.vm.isa import ChannelsLast
@@ -154,25 +155,21 @@ def _member_ok(op, allowed: frozenset, probes) -> bool:
 
 
 def _bf16_conv(op, probes, prepacked: PrepackCache):
-    """The fused convolution `op` reading bf16 copies of its packed weight."""
+    """The fused convolution `op` reading a bf16 copy of its packed weight, packed per
+    batch where oneDNN's bf16 blocking differs within the input's batches (Note [Conv
+    weights for one row or many]; it may differ where the fp32 one does not)."""
     at = _WEIGHT_AT[op.opcode]
     padding, stride, dilation, groups = (a.value for a in op.args[at + 2:at + 6])
-    size = list(probes[0][op.args[0].reg].shape)
-
-    def repack(packed, batch: int):
-        def build():
-            dense = packed.to_dense().to(torch.bfloat16)
-            return _mkldnn._reorder_convolution_weight(dense, padding, stride, dilation,
-                                                       groups, [batch, *size[1:]])
-        return prepacked.derived(packed, ("bf16", batch), build)
+    xs = probe_tensors(probes, op.args[0].reg)
     weight = op.args[at].value
-    if isinstance(weight, PackedPerBatch):
-        copies: dict[int, torch.Tensor] = {}
-        packs = tuple(None if p is None else copies.setdefault(id(p), repack(p, b))
-                      for b, p in enumerate(weight.packs))
-        new_weight = PackedPerBatch(packs)
-    else:
-        new_weight = repack(weight, size[0])
+    source = weight if isinstance(weight, torch.Tensor) else next(
+        p for p in weight.packs if p is not None)
+    key = prepacked.key_of(source)
+    # the fp32 copy's key without its input size; an uncached copy is packed uncached
+    cache, base = (prepacked, (*key[:-1], "bf16")) if key else (PrepackCache(), ("bf16",))
+    new_weight = _packed_per_batch(source.to_dense().to(torch.bfloat16), base, padding,
+                                   stride, dilation, groups, list(xs[0].shape),
+                                   {t.shape[0] for t in xs}, cache)
     args = list(op.args)
     args[at] = Literal(new_weight)
     bias = args[at + 1]

@@ -75,13 +75,12 @@ class PrepackCache:
             self.packs += 1
         return packed
 
-    def derived(self, source: torch.Tensor, tag: tuple, build) -> torch.Tensor:
-        """A tensor made from the packed tensor `source` (a bf16 copy, say), cached under
-        `source`'s own key plus `tag` so that kernels sharing `source` share it too; a
-        `source` this cache did not make gets an uncached copy."""
+    def key_of(self, packed: torch.Tensor) -> tuple | None:
+        """The key `packed` is cached under (None: this cache did not make it, or it
+        died): a tensor derived from it (its bf16 copy) is cached under a key of its
+        own built from this one, so kernels sharing `packed` share the copy too."""
         with self._lock:
-            key = next((k for k, v in self._packed.items() if v is source), None)
-        return build() if key is None else self.get((*key, *tag), build)
+            return next((k for k, v in self._packed.items() if v is packed), None)
 
     def alive(self) -> int:
         """Packed weights alive (held by at least one kernel)."""
