@@ -11,6 +11,7 @@ from dynvm.vm.ops_attention import ATTENTION_OPS
 from dynvm.vm.ops_control import CONTROL_OPS
 from dynvm.vm.ops_custom import CUSTOM_OPS
 from dynvm.vm.ops_elementwise import ELEMENTWISE_OPS
+from dynvm.vm.ops_fused import FUSED_OPS
 from dynvm.vm.ops_index import INDEX_OPS
 from dynvm.vm.ops_kv import KV_OPS
 from dynvm.vm.ops_nn import NN_OPS
@@ -39,7 +40,7 @@ def _by_source(specs: tuple[OpSpec, ...]) -> MappingProxyType:
 
 
 ALL_OPS: tuple[OpSpec, ...] = (TENSOR_OPS + ATTENTION_OPS + KV_OPS + ELEMENTWISE_OPS + NN_OPS
-                               + INDEX_OPS + SHAPE_OPS + CONTROL_OPS + CUSTOM_OPS)
+                               + INDEX_OPS + SHAPE_OPS + CONTROL_OPS + CUSTOM_OPS + FUSED_OPS)
 OPCODES = _by_name(ALL_OPS)
 """name -> OpSpec for every opcode."""
 BY_SOURCE = _by_source(ALL_OPS)

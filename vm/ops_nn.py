@@ -92,6 +92,11 @@ NN_OPS = (
               impl=torch.layer_norm,
               out=OutForm(_layer_norm_out, scratch=_layer_norm_scratch),
               row=RowOp(RowKind.LAYER_NORM)),
+    # Note [RMS norm as one op] in dynvm.vm.frontend.rms_norm: what Llama-style norms
+    # of float32 values lower to (the same chain of operations, bit for bit).
+    tensor_op("RMS_NORM", aten.rms_norm.default,
+              "RMS norm over the trailing dims: x * rsqrt(mean(x^2) + eps) * weight",
+              impl=torch.rms_norm),
     tensor_op("NATIVE_LAYER_NORM", aten.native_layer_norm.default,
               "layer norm with its mean and rstd", impl=torch.native_layer_norm,
               custom_shape_fn=_stats_in_input_dtype(torch.native_layer_norm)),

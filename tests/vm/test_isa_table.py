@@ -43,6 +43,8 @@ EXAMPLES = {
     "DECODE_ATTN": lambda: (rand(3, 6, 1, 8), rand(4, 2, 9, 8), rand(4, 2, 9, 8),
                             torch.tensor([1, 2, 3]), torch.tensor([9, 2, 5]), None),
     "LAYER_NORM": lambda: (rand(2, 3, 8), [8], rand(8), rand(8), 1e-5, False),
+    "RMS_NORM": lambda: (rand(2, 3, 8), [8], rand(8), 1e-6),
+    "ROTARY": lambda: (rand(2, 3, 5, 8), rand(2, 1, 5, 8), rand(2, 1, 5, 8)),
     "SOFTMAX": lambda: (rand(2, 7), -1, None),
     "SOFTMAX_": lambda: (rand(2, 7), -1, False),
     "LOG_SOFTMAX": lambda: (rand(2, 7), 1, None),

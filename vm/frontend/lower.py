@@ -19,6 +19,9 @@ from torch.utils import _pytree as pytree
 
 from dynvm.vm.errors import UnsupportedOpError
 from dynvm.vm.frontend.dims import input_specs
+from dynvm.vm.frontend.parallel_linears import fuse_parallel_linears
+from dynvm.vm.frontend.rms_norm import fuse_rms_norms
+from dynvm.vm.frontend.rotary import FUSED_CALLS, fuse_rotary
 from dynvm.vm.instr import Instr
 from dynvm.vm.isa import OpSpec
 from dynvm.vm.opcodes import BY_SOURCE, OPCODES
@@ -145,6 +148,8 @@ class _Lowering:
                 f"auto_functionalized (v1; from {_source_line(node)}); dynvm runs mutating "
                 "ops as auto_functionalized_v2 wraps them (Note [Custom ops])")
         spec = BY_SOURCE.get(target)
+        if spec is None and target in FUSED_CALLS:   # Note [Rotary embedding as one op]
+            spec = OPCODES[FUSED_CALLS[target]]
         if spec is None and is_custom(target):
             return self.lower_custom(node, env)
         if spec is None:
@@ -400,7 +405,12 @@ def _root_value(lowering: _Lowering, place: tuple[int, int], dim) -> Reg:
 
 
 def lower_exported(exported, user_names, name: str, example_inputs: tuple) -> Program:
-    """Lower an ExportedProgram (already decomposed) to a verified Program."""
+    """Lower an ExportedProgram (already decomposed) to a verified Program. Its graph is
+    rewritten in place first (Note [RMS norm as one op], Note [Rotary embedding as one
+    op]); linears reading one input are fused after lowering (Note [Parallel linears as
+    one])."""
+    fuse_rms_norms(exported.graph_module)
+    fuse_rotary(exported.graph_module)
     lowering = _Lowering(exported)
     signature = exported.graph_signature
     for spec in signature.output_specs:
@@ -410,6 +420,7 @@ def lower_exported(exported, user_names, name: str, example_inputs: tuple) -> Pr
     graph = exported.graph_module.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     env: dict = {}
+    sources: dict[int, torch.Tensor] = {}   # constant index -> the parameter it holds
     user_nodes = []
     for spec, node in zip(signature.input_specs, placeholders, strict=True):
         if spec.kind is InputKind.USER_INPUT:
@@ -429,6 +440,7 @@ def lower_exported(exported, user_names, name: str, example_inputs: tuple) -> Pr
             raise UnsupportedOpError(f"input {node.name} of kind {spec.kind.name} "
                                      "is not supported")
         env[node] = lowering.add_constant(spec.target, tensor)
+        sources[env[node].index] = tensor
     names = [node.name for node in user_nodes]
     inputs, repeats = input_specs(exported, user_nodes, names, user_names)
     device = Imm(torch.device("cpu"))  # the runtime replaces it with its own device
@@ -461,7 +473,10 @@ def lower_exported(exported, user_names, name: str, example_inputs: tuple) -> Pr
     state = sorted({instr.args[i].index for instr in lowering.code
                     for i in KV_CACHE_OPERANDS.get(instr.op, ())
                     if isinstance(instr.args[i], Reg) and instr.args[i].index < len(inputs)})
-    return Program(code=tuple(lowering.code), n_regs=lowering.n_regs, inputs=inputs,
-                   constants=tuple(lowering.constants),
-                   constant_names=tuple(lowering.constant_names),
+    # Note [Parallel linears as one]
+    code, constants, constant_names, n_regs = fuse_parallel_linears(
+        lowering.code, lowering.constants, lowering.constant_names, lowering.n_regs,
+        [sources.get(i) for i in range(len(lowering.constants))])
+    return Program(code=code, n_regs=n_regs, inputs=inputs,
+                   constants=constants, constant_names=constant_names,
                    in_spec=in_spec, out_spec=out_spec, name=name, state=tuple(state))

@@ -1,0 +1,26 @@
+"""Instructions the frontend's fusion passes emit for patterns that ATen has no op for:
+rotary position embedding (Note [Rotary embedding as one op] in
+dynvm.vm.frontend.rotary)."""
+
+from __future__ import annotations
+
+import torch
+
+from dynvm.vm.isa import OpClass, op
+
+
+def rotary_embed(x, cos, sin):
+    """`x * cos + rotate_half(x) * sin`, rotate_half along the last dim being
+    `cat(-x[..., half:], x[..., :half])`: Hugging Face's `apply_rotary_pos_emb` for one
+    tensor, with the same operations in the same order (equal bit for bit). The frontend
+    emits it only where cos and sin broadcast to x's shape and share its dtype, so the
+    in-place steps write x's shape and dtype as the out-of-place ones would."""
+    first, second = x.chunk(2, -1)
+    out = x * cos
+    return out.add_(torch.cat((second.neg(), first), -1).mul_(sin))
+
+
+FUSED_OPS = (
+    op("ROTARY", OpClass.TENSOR, "T,T,T", "T",
+       "rotary position embedding: x * cos + rotate_half(x) * sin", impl=rotary_embed),
+)
