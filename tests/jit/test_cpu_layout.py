@@ -75,8 +75,10 @@ def _kernel(program, x, *, fusion="always", channels_last="always", calibrator=N
     region = program.regions[0]
     spec = specialize(program, region, {region.live_in[0].index: x})
     constants = [t.detach() for t in program.constants]
+    # one_thread off: these tests' calibrators answer the layout's questions only
     options = CpuOptions(arena, fusion=fusion, calibrator=calibrator,
-                         channels_last=channels_last, arena_ops=arena_ops)
+                         channels_last=channels_last, arena_ops=arena_ops,
+                         one_thread="off")
     return compile_kernel(spec, program, constants, torch.device("cpu"), "test", guard,
                           options), region
 

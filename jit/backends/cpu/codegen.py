@@ -41,6 +41,12 @@ from dynvm.jit.backends.cpu.fusion import (
     fuse_gemm_epilogues,
     is_fused,
 )
+from dynvm.jit.backends.cpu.one_thread import (
+    neutral,
+    openmp_getter,
+    openmp_setter,
+    plan_one_thread,
+)
 from dynvm.jit.backends.cpu.precision import (
     PRECISION_KERNELS,
     PRECISION_VARIANT,
@@ -74,9 +80,10 @@ class _Emitter:
         self.lines: list[str] = []
         self.bindings: dict[str, object] = {}
         self._by_identity: dict[int, str] = {}
+        self.depth = 0      # added to every line's indent (a body inside `try:`)
 
     def line(self, text: str, indent: int = 1) -> None:
-        self.lines.append("    " * indent + text)
+        self.lines.append("    " * (indent + self.depth) + text)
 
     def bind(self, prefix: str, value: object) -> str:
         name = self._by_identity.get(id(value))
@@ -120,18 +127,21 @@ def kernel_name(spec: SpecializedRegion, signature_text: str) -> str:
 
 def emit_source(spec: SpecializedRegion, program, constants, device: torch.device,
                 name: str, header: str, options: CpuOptions,
-                arena: ArenaBinding | None = None) -> tuple[str, dict]:
+                arena: ArenaBinding | None = None,
+                one_thread: frozenset = frozenset()) -> tuple[str, dict]:
     """The Python source of the kernel, and the globals it runs with.
 
     With an arena, two bodies are emitted: `<name>_arena` writes planned results into
     the leased buffer (Note [Arena layout]); `<name>_plain` allocates as the interpreter
-    does and runs when the pool refuses a lease. `<name>` picks one per call."""
+    does and runs when the pool refuses a lease. `<name>` picks one per call. Ops at the
+    positions in `one_thread` run on the calling thread alone (Note [Small ops on one
+    thread])."""
     emitter = _Emitter()
     for line in header.splitlines():
         emitter.lines.append(f"# {line}")
     if arena is None:
         emitter.lines.append(f"def {name}(regs):")
-        _emit_body(emitter, spec, program, constants, device, None)
+        _emit_body(emitter, spec, program, constants, device, None, one_thread)
         return "\n".join(emitter.lines) + "\n", emitter.bindings
     binding = emitter.bind("arena", arena)
     emitter.lines.append(f"def {name}(regs):")
@@ -144,10 +154,10 @@ def emit_source(spec: SpecializedRegion, program, constants, device: torch.devic
     emitter.line(f"{binding}.release(lease)", 2)
     emitter.lines.append("")
     emitter.lines.append(f"def {name}_arena(regs, A):")
-    _emit_body(emitter, spec, program, constants, device, arena.layout)
+    _emit_body(emitter, spec, program, constants, device, arena.layout, one_thread)
     emitter.lines.append("")
     emitter.lines.append(f"def {name}_plain(regs):")
-    _emit_body(emitter, spec, program, constants, device, None)
+    _emit_body(emitter, spec, program, constants, device, None, one_thread)
     return "\n".join(emitter.lines) + "\n", emitter.bindings
 
 
@@ -212,10 +222,21 @@ def plan_arena_layout(spec: SpecializedRegion, constants, device, options):
 
 
 def _emit_body(emitter, spec, program, constants, device,
-               layout: ArenaLayout | None) -> None:
+               layout: ArenaLayout | None, one_thread: frozenset = frozenset()) -> None:
     for reg in spec.live_in:
         emitter.line(f"v{reg} = regs[{reg}]")
+    threads = None
+    if one_thread:  # Note [Small ops on one thread]: the caller's count back in `finally`
+        threads = emitter.bind("set_threads", openmp_setter())
+        emitter.line(f"threads = {emitter.bind('get_threads', openmp_getter())}()")
+        emitter.line("try:")
+        emitter.depth += 1
+    alone = False
     for position, op in enumerate(spec.ops):
+        if threads is not None and (position in one_thread) != alone and not (
+                alone and neutral(op)):
+            alone = not alone
+            emitter.line(f"{threads}(1)" if alone else f"{threads}(threads)")
         if is_layout_op(op):  # Note [Channels-last chains]
             fn = emitter.bind(op.opcode.lower(), LAYOUT_KERNELS[op.opcode])
             emitter.line(f"# {layout_comment(op)}")
@@ -258,6 +279,10 @@ def _emit_body(emitter, spec, program, constants, device,
             emitter.line(", ".join(f"v{d}" for d in op.dsts) + f", = {call}")
         if op.frees:
             emitter.line("del " + ", ".join(f"v{r}" for r in op.frees))
+    if threads is not None:
+        emitter.depth -= 1
+        emitter.line("finally:")
+        emitter.line(f"{threads}(threads)", 2)
     # The register file changes only here, after every operation succeeded: a kernel
     # that raises leaves it as it was, and the interpreter can rerun the region.
     for reg in spec.dead_live_ins:
@@ -307,6 +332,11 @@ class CpuOptions:
     the arena's mechanics). Not part of the key: under "measured" the choice is made by
     whoever emits the code, on its own device, from the same IR (a replica re-emits
     what it installs, Note [Portable specializations]), so no key could name it."""
+
+    one_thread: str = "measured"
+    """Small ops on the calling thread alone (Note [Small ops on one thread] in
+    one_thread): "measured" where they measure faster so, "always" wherever one may be
+    asked (tests, debugging), "off". Not part of the key, as `arena_ops`."""
 
     precision: str = "fp32"
     """GEMMs with constant weights in "fp32", "bf16" or "int8-dynamic" (Note
@@ -386,6 +416,12 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
             and device.type == "cpu":
         spec, note = _channels_last(spec, program, constants, device, name, options)
         notes += (note,) if note else ()
+    one_thread = frozenset()
+    if options.one_thread != "off":  # Note [Small ops on one thread]
+        one_thread, note = plan_one_thread(
+            spec, constants, device, None if options.one_thread == "always"
+            else options.calibrator or calibrator_for(device))
+        notes += (note,) if note else ()
     header += "".join(f"\n{note}" for note in notes)
     arena = None
     # A weak guard admits other shapes of the same element count, whose intermediates
@@ -398,5 +434,5 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
             header += (f"\narena: {layout.plan.size:,} bytes for {len(layout.blocks)} "
                        f"tensors (lower bound {layout.plan.lower_bound:,})")
     source, bindings = emit_source(spec, program, constants, device, name, header, options,
-                                   arena)
+                                   arena, one_thread)
     return CpuKernel(name, source, _define(source, bindings, name), arena, notes)

@@ -1,0 +1,197 @@
+"""Small operations on the calling thread: which ops of a CPU kernel run with one
+OpenMP thread, chosen by measurement.
+
+Note [Small ops on one thread]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+ATen parallelizes many ops however small their input (layer norm and softmax split
+their rows with a grain of one row, SDPA its batch x heads), so every such op opens an
+OpenMP parallel region. Where the workers sleep between regions (OMP_WAIT_POLICY=PASSIVE,
+which the benchmarks and the suite run with, bench/_omp.py and tests/conftest.py)
+each region first wakes them through the kernel, and on a loaded 2-core host the wake
+costs more than the op: layer norm over [1, 16, 768] took 63 us a call alone at load 5
+and 4-8 us on the calling thread. ONNX Runtime's thread pool runs such ops inline by a
+cost model; torch has none. Measured at BERT-base width (the layers' op sequence, four
+layers, oneDNN GEMMs on two threads; 2 threads, PASSIVE, load 0.2, interleaved, 150
+calls): M=16 10.68 -> 9.83 ms, M=64 18.75 -> 18.05, M=128 30.36 -> 30.08 with layer
+norm and SDPA on one thread.
+
+So `plan_one_thread` asks the calibrator (Note [Calibration]), per (opcode, variant,
+size class of its largest tensor, threads), whether the op runs faster on the calling
+thread alone than on torch's team, timed alone on zero operands of the planning probe's
+shapes (the family's largest, so a smaller size of the family has more reason, not
+less). Under an active wait policy the workers spin between the calibration's calls as
+they do between a kernel's ops, and the team wins there. Only ops whose largest tensor
+has at most `MAX_ELEMENTS` elements are asked (a larger op gains from the team, and
+a question at that size would cost milliseconds of the compile thread); views, ops that
+return an operand, GEMMs (they are oneDNN's or BLAS's to thread), ops that write state
+and data-dependent ops are never asked, and views do not end a one-thread run.
+
+The generated code switches with `omp_set_num_threads` of the OpenMP runtime torch
+loaded (thread-local: the compile thread, a shadow call and other request threads are
+not touched, unlike torch.set_num_threads, which also stores the count that new threads
+start with), once per run of consecutive chosen ops, and restores the caller's count
+in a `finally` (read at entry with `omp_get_max_threads`: torch.get_num_threads answers
+the process's count, not the thread's), so a kernel that raises leaves the thread as it
+found it. Where no such runtime is found (another build, another OS), nothing is
+rewritten.
+
+In the BERT-base-width model (4 layers, bench.full_width's), exact kernels of the same
+process with and without this pass, interleaved call by call (40 calls a shape, 2
+threads, PASSIVE, load 2.6, A/A 0.998), x eager: 1x16 0.655 -> 0.595, 1x32 0.745 ->
+0.708, 2x16 0.747 -> 0.702, 2x32 0.660 -> 0.625 (layer norm and SDPA, or the
+embeddings' adds and layer norm, chosen per kernel). In a run beside the peers at load
+3.3 (12 calls a shape) the two were within noise of each other (1x16 0.433 / 0.435).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import re
+
+import torch
+
+from dynvm.jit.backends.cpu.arena_choice import zeros_like_abstract
+from dynvm.jit.calibration import Calibrator, size_class
+from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, Var
+from dynvm.vm.opcodes import OPCODES
+
+TEAM, ONE = "team", "one thread"
+# Ops above this many elements in their largest tensor are never asked (see the Note).
+MAX_ELEMENTS = 1 << 18
+
+
+@functools.lru_cache(maxsize=1)
+def openmp_runtime():
+    """The OpenMP runtime loaded in this process (a ctypes library), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            text = maps.read()
+    except OSError:
+        return None
+    for path in sorted(set(re.findall(r"(/\S*(?:libgomp|libiomp5|libomp)[^/\s]*\.so\S*)",
+                                      text))):
+        try:
+            lib = ctypes.CDLL(path)
+            lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+            lib.omp_set_num_threads.restype = None
+            lib.omp_get_max_threads.argtypes = []
+            lib.omp_get_max_threads.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            continue
+        return lib
+    return None
+
+
+def openmp_setter():
+    """`omp_set_num_threads` of the loaded OpenMP runtime (this thread's count), or None."""
+    lib = openmp_runtime()
+    return None if lib is None else lib.omp_set_num_threads
+
+
+def openmp_getter():
+    """`omp_get_max_threads` of the loaded OpenMP runtime: this thread's own count
+    (torch.get_num_threads answers the process's, not the thread's), or None."""
+    lib = openmp_runtime()
+    return None if lib is None else lib.omp_get_max_threads
+
+
+def neutral(op) -> bool:
+    """An op that moves no data (a view, or its operand back): it neither gains from
+    one thread nor ends a run of ops on one."""
+    spec = OPCODES.get(op.opcode)
+    return spec is not None and op.variant == "" and (spec.is_view or spec.returns_operand)
+
+
+def _tensors(values):
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, list | tuple):
+            yield from _tensors(value)
+
+
+def _operand(arg, probe, constants, device):
+    if isinstance(arg, Var):
+        return probe.get(arg.reg)
+    if isinstance(arg, ConstRef):
+        return constants[arg.index]
+    if isinstance(arg, Literal):
+        return device if isinstance(arg.value, torch.device) else arg.value
+    return [_operand(item, probe, constants, device) for item in arg]
+
+
+def _askable(op, probe, constants, device):
+    """(the op's run function, abstract operands, largest tensor's numel), or None."""
+    spec = OPCODES.get(op.opcode)
+    if (spec is None or op.variant not in ("", "inplace") or spec.gemm is not None
+            or spec.writes_state or spec.data_dependent or spec.is_view
+            or spec.returns_operand or spec.impl is None):
+        return None
+    fn = spec.inplace if op.variant == "inplace" else spec.impl
+    if fn is None or any(isinstance(a, Var) and a.reg not in probe for a in op.args):
+        return None
+    operands = [_operand(a, probe, constants, device) for a in op.args]
+    results = [probe.get(d) for d in op.dsts]
+    tensors = list(_tensors(operands)) + [r for r in results if isinstance(r, torch.Tensor)]
+    if not any(isinstance(r, torch.Tensor) for r in results) or not tensors:
+        return None
+    largest = max(t.numel() for t in tensors)
+    if largest > MAX_ELEMENTS:
+        return None
+    return fn, operands, largest
+
+
+def plan_one_thread(spec: SpecializedRegion, constants, device: torch.device,
+                    calibrator: Calibrator | None) -> tuple[frozenset, str]:
+    """Note [Small ops on one thread]: the positions in `spec.ops` to run on the calling
+    thread, and a note for the kernel's header; `calibrator` None: every op that may be
+    asked (tests, debugging)."""
+    if device.type != "cpu" or openmp_runtime() is None or not spec.abstract:
+        return frozenset(), ""
+    setter, threads = openmp_setter(), openmp_getter()()
+    if threads <= 1:
+        return frozenset(), ""
+    planning = spec.abstract[0]
+    chosen = []
+    for position, op in enumerate(spec.ops):
+        found = _askable(op, planning, constants, device)
+        if found is None:
+            continue
+        if calibrator is None:
+            chosen.append(position)
+            continue
+        fn, operands, largest = found
+
+        def candidates(fn=fn, operands=operands):
+            real = [_real(v, device) for v in operands]
+
+            def team():
+                fn(*real)
+
+            def alone():
+                setter(1)
+                try:
+                    fn(*real)
+                finally:
+                    setter(threads)
+            return {TEAM: team, ONE: alone}
+        key = (op.opcode, op.variant, size_class(largest), threads)
+        try:
+            choice = calibrator.choose("one thread", key, candidates)
+        except (RuntimeError, ValueError, TypeError, IndexError):
+            continue   # not runnable on zero operands: the team keeps it
+        if choice.name == ONE:
+            chosen.append(position)
+    if not chosen:
+        return frozenset(), ""
+    how = "not measured: forced on" if calibrator is None else "measured faster so"
+    names = sorted({spec.ops[p].opcode for p in chosen})
+    return frozenset(chosen), (f"one thread: {len(chosen)} small op(s) on the calling "
+                               f"thread ({', '.join(names)}; {how})")
+
+
+def _real(value, device):
+    if isinstance(value, list):
+        return [_real(v, device) for v in value]
+    return zeros_like_abstract(value, device)

@@ -1,0 +1,125 @@
+"""Small ops on the calling thread (Note [Small ops on one thread]): the kernel with its
+small ops on one thread agrees with the kernel without and with eager (strided and
+offset views included), gives the caller its thread count back (also when it raises),
+switches only the calling thread, and asks the calibrator only about ops that may gain
+(no GEMM, no view)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+
+import dynvm
+from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
+from dynvm.jit.backends.cpu.one_thread import ONE, TEAM, openmp_getter, openmp_setter
+from dynvm.jit.backends.cpu.prepack import PrepackCache
+from dynvm.jit.calibration import Calibrator
+from dynvm.jit.specialize import specialize
+from tests.jit._kernel_run import run_kernel_outputs, views
+
+pytestmark = pytest.mark.skipif(openmp_setter() is None,
+                                reason="no OpenMP runtime found in this process")
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+class Block(nn.Module):
+    """A linear, layer norm, attention-style softmax over heads and a residual."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):                        # x: [batch, seq, d]
+        h = self.norm(self.proj(x))
+        heads = torch.softmax(h.reshape(x.shape[0], x.shape[1], 4, -1), dim=-1)
+        return heads.reshape(x.shape) + h
+
+
+@functools.lru_cache(maxsize=1)
+def _program():
+    model = Block().eval()
+    batch, seq = Dim("batch", min=1, max=64), Dim("seq", min=2, max=64)
+    return model, dynvm.compile(model, (torch.randn(2, 5, 32),), ({0: batch, 1: seq},))
+
+
+def _kernel(x, one_thread: str, calibrator=None):
+    _, program = _program()
+    region = program.regions[0]
+    spec = specialize(program, region, {region.live_in[0].index: x})
+    constants = [t.detach() for t in program.constants]
+    options = CpuOptions(None, fusion="off", channels_last="off", calibrator=calibrator,
+                         prepacked=PrepackCache(), one_thread=one_thread)
+    kernel = compile_kernel(spec, program, constants, torch.device("cpu"), "test", "strong",
+                            options)
+    return kernel, region
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    openmp_setter()(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (3, 7)])
+def test_one_thread_kernel_agrees_with_the_plain_one_and_eager_on_views(shape):
+    model, _ = _program()
+    base = torch.randn(*shape, 32, generator=torch.Generator().manual_seed(shape[1]))
+    for kind, x in views(base).items():
+        alone, region = _kernel(x, "always")
+        plain, _ = _kernel(x, "off")
+        assert "(1)" in alone.source and "finally:" in alone.source, alone.source
+        assert "set_threads" not in plain.source
+        assert any(note.startswith("one thread:") for note in alone.notes)
+        (got,) = run_kernel_outputs(alone, region, x)
+        assert openmp_getter()() == 2        # the caller's count is back
+        (want,) = run_kernel_outputs(plain, region, x)
+        torch.testing.assert_close(got, want, **TOL, msg=kind)
+        with torch.no_grad():
+            torch.testing.assert_close(got, model(x), **TOL, msg=f"{kind} eager")
+
+
+def test_a_kernel_that_raises_on_one_thread_gives_the_count_back():
+    x = torch.randn(2, 5, 32)
+    kernel, region = _kernel(x, "always")
+    regs: list = [None] * 1024
+    # The right shape for the guard's eyes, the wrong width for layer norm: the kernel
+    # raises inside its one-thread run.
+    regs[region.live_in[0].index] = torch.randn(2, 5, 31)
+    with pytest.raises(RuntimeError):
+        kernel.fn(regs)
+    assert openmp_getter()() == 2
+
+
+def test_the_switch_is_the_calling_threads_own():
+    setter = openmp_setter()
+    seen = {}
+
+    def other():
+        torch.set_num_threads(2)
+        setter(1)
+        seen["inside"] = openmp_getter()()
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert seen["inside"] == 1
+    assert openmp_getter()() == 2
+
+
+def test_only_ops_that_may_gain_are_asked():
+    calibrator = Calibrator("cpu", rounds=3)
+    _kernel(torch.randn(2, 5, 32), "measured", calibrator=calibrator)
+    asked = {key[0] for (op, key) in calibrator.entries() if op == "one thread"}
+    assert "LAYER_NORM" in asked and "SOFTMAX" in asked, asked
+    assert not asked & {"LINEAR", "ADDMM", "VIEW", "PERMUTE"}, asked
+    for (op, _), choice in calibrator.entries().items():
+        if op == "one thread":
+            assert set(choice.seconds) == {TEAM, ONE}
