@@ -288,8 +288,10 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--step-token-budget", type=int, default=0,
-                   help="dynvm scheduler's tokens per step (0: SchedulerConfig's default)")
+    p.add_argument("--step-token-budget", type=int, default=16,
+                   help="dynvm scheduler's tokens per step (0: SchedulerConfig's default, "
+                        "64); 16: with the packed step, in-process ITL p99 1.7-1.9x p50 "
+                        "against 3.5x at 64 (docs/bench_log.md, issue 33)")
     p.add_argument("--systems", default="dynvm,ctranslate2")
     p.add_argument("--out", default="")
     p.add_argument("--packed", type=int, default=1,
