@@ -16,41 +16,26 @@ from dynvm._run_cmd import CliError
 
 
 def add_generate_arguments(parser) -> None:
-    """The generator's flags (`dynvm serve`'s "generation" group)."""
-    group = parser.add_argument_group(
+    """The generator's flags (`dynvm serve`'s "generation" group): one per field of
+    SchedulerConfig (Note [Flags from config fields]); its rows and waiting room are
+    --max-batch-size and --max-queued, the inference flags of the same settings."""
+    from dynvm.cluster.serving._config_flags import add_config_flags
+    from dynvm.cluster.serving._generate_scheduler import SchedulerConfig
+
+    add_config_flags(parser, SchedulerConfig(), group=(
         "generation", "for a generator directory (dynvm._serve_generate_bundle."
-        "save_generator): OpenAI "
-        "/v1/completions and /v2/models/<name>/generate[_stream], continuous batching")
-    group.add_argument("--max-tokens", type=int, metavar="N",
-                       help="largest max_tokens a request may ask (default: max_length - 1)")
-    group.add_argument("--max-prompt-tokens", type=int, metavar="N",
-                       help="longest prompt accepted (default: max_length - 1)")
-    group.add_argument("--request-seconds", type=float, metavar="S",
-                       help="budget of one generation request from its arrival (default "
-                       "120); past it the request ends in an error (504 / an error event)")
-    group.add_argument("--step-token-budget", type=int, metavar="N",
-                       help="tokens per scheduler step: one per running sequence plus the "
-                       "prompt chunks written in it (default 64)")
-    group.add_argument("--cache-tokens", type=int, metavar="N",
-                       help="cache tokens reserved at once, prompt + max_tokens per "
-                       "sequence (default: rows x max_length); a request that does not fit "
-                       "waits; past --max-queued waiting, 503 + Retry-After")
+        "save_generator): OpenAI /v1/completions and /v2/models/<name>/generate[_stream], "
+        "continuous batching; 0 in a size: the generator's own"))
 
 
 def scheduler_from_args(args):
     """SchedulerConfig from the flags that were given (CliError for a bad one)."""
+    from dynvm.cluster.serving._config_flags import FlagError, config_from_flags
     from dynvm.cluster.serving._generate_scheduler import SchedulerConfig
-    from dynvm.vm.errors import ConfigError
 
-    given = {key: value for key, value in (
-        ("max_tokens", args.max_tokens), ("max_prompt_tokens", args.max_prompt_tokens),
-        ("request_seconds", args.request_seconds),
-        ("step_token_budget", args.step_token_budget), ("cache_tokens", args.cache_tokens),
-        ("max_sequences", args.max_batch_size), ("max_waiting", args.max_queued),
-    ) if value is not None}
     try:
-        return SchedulerConfig(**given)
-    except ConfigError as exc:
+        return config_from_flags(args, SchedulerConfig())
+    except FlagError as exc:
         raise CliError(f"bad generation flag: {exc}", 2) from None
 
 

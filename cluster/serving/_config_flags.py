@@ -17,6 +17,12 @@ is printed: the flag's own default is None (bools: `--x/--no-x`, None), so a fla
 that is not given leaves the config's value, the one default of each setting, alone.
 A Literal's values are the flag's choices. Two fields that would make the same flag are
 an error when the parser is built (tests/cluster/test_serve_cmd.py builds it).
+
+A second config on the same command line (a generator's SchedulerConfig beside
+ServingConfig) adds its flags the same way, in a group of its own; a field whose
+setting is already another config's flag (the generator's rows are --max-batch-size,
+as an inference batch's) says `cli(flag=..., shared=True)`: it reads that flag and adds
+none, so one setting is never two flags.
 """
 
 from __future__ import annotations
@@ -39,11 +45,12 @@ _METAVARS = {int: "N", float: "X", str: "TEXT"}
 
 
 def cli(flag: str | None = None, *, scale: float | None = None,
-        unit: str | None = None) -> dict:
+        unit: str | None = None, shared: bool = False) -> dict:
     """A field's metadata for its flag: `flag` its name (default: the field's, in kebab
     case), `scale` what one unit of the flag is in the field's (0.001: the flag takes
-    milliseconds for a field in seconds), `unit` the flag's unit, said in its help."""
-    return {_CLI: {"flag": flag, "scale": scale, "unit": unit}}
+    milliseconds for a field in seconds), `unit` the flag's unit, said in its help;
+    `shared`: the flag is another config's, already on the parser (read, not added)."""
+    return {_CLI: {"flag": flag, "scale": scale, "unit": unit, "shared": shared}}
 
 
 class FlagError(ConfigError):
@@ -67,6 +74,8 @@ class ConfigFlag:
     """A Literal field's values."""
     scale: float | None = None
     """One unit of the flag in the field's units (None: the same)."""
+    shared: bool = False
+    """The flag is another config's: this field reads it, adds none."""
 
     @property
     def dest(self) -> str:
@@ -163,7 +172,8 @@ def config_flags(cls) -> tuple[ConfigFlag, ...]:
             flags.append(ConfigFlag(
                 path=(*prefix, f.name), flag=meta.get("flag") or
                 "--" + f.name.replace("_", "-"), kind=scalar[0],
-                help=docs.get(f.name, "") + unit, choices=scalar[1], scale=meta.get("scale")))
+                help=docs.get(f.name, "") + unit, choices=scalar[1], scale=meta.get("scale"),
+                shared=meta.get("shared", False)))
 
     walk(cls, ())
     seen: dict[str, tuple] = {}
@@ -187,14 +197,19 @@ def _default(config, path: tuple[str, ...]):
     return getattr(part, path[1])
 
 
-def add_config_flags(parser: argparse.ArgumentParser, defaults) -> None:
+def add_config_flags(parser: argparse.ArgumentParser, defaults, *,
+                     group: tuple[str, str] | None = None) -> None:
     """Add a flag for each of `defaults`' fields (a config instance whose values the
-    help states as the defaults); a part's in a group of its name."""
+    help states as the defaults); a part's in a group of its name, and the top-level
+    ones in `group` (title, description) when one is given."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     cls = type(defaults)
     types_ = _field_types(cls)
+    top = parser.add_argument_group(*group) if group else parser
     for flag in config_flags(cls):
-        target = parser
+        if flag.shared:
+            continue
+        target = top
         if len(flag.path) > 1:
             name = flag.path[0]
             if name not in groups:

@@ -42,13 +42,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dynvm._generation_ahead import LengthBucketsAhead
 from dynvm._sampling import next_tokens
 from dynvm.cluster.protocol._generate import GenerationRequest
+from dynvm.cluster.serving._config_flags import cli
 from dynvm.cluster.serving._generate_slots import SlotCache
 from dynvm.vm.errors import ConfigError, DynvmError, InputError
 
@@ -65,9 +66,9 @@ class GenerateTimeout(DynvmError):
 class SchedulerConfig:
     """Bounds and batching of a generator replica (0 in a size: the programs' own)."""
 
-    max_sequences: int = 0
+    max_sequences: int = field(default=0, metadata=cli("--max-batch-size", shared=True))
     """Rows decoded at once; 0: the programs' max_batch."""
-    max_waiting: int = 64
+    max_waiting: int = field(default=64, metadata=cli("--max-queued", shared=True))
     """Admitted sequences waiting for a row or for cache; one more is a 503."""
     cache_tokens: int = 0
     """Cache tokens reserved at once (prompt + max_tokens per sequence); 0: max_sequences

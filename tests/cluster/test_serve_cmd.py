@@ -347,3 +347,28 @@ def test_a_new_field_is_a_flag_and_two_fields_cannot_share_one():
                              _Config()) == _Config(new_setting=5, part=_Part(wait_s=0.02))
     with pytest.raises(ConfigError, match="both make --wait-ms"):
         add_config_flags(argparse.ArgumentParser(), _Clash())
+
+
+def test_every_generation_setting_is_one_flag():
+    # A generator's SchedulerConfig makes its flags as ServingConfig does; the rows and
+    # the waiting room read the inference flags of the same settings, so `dynvm serve`
+    # has one flag per setting and the parser builds without a clash.
+    import dataclasses
+
+    from dynvm._run_cmd import CliError
+    from dynvm._serve_generate_cmd import scheduler_from_args
+    from dynvm.cluster.serving._config_flags import config_flags
+    from dynvm.cluster.serving._generate_scheduler import SchedulerConfig
+
+    flags = {flag.path[0]: flag for flag in config_flags(SchedulerConfig)}
+    assert set(flags) == {f.name for f in dataclasses.fields(SchedulerConfig)}
+    assert {name for name, flag in flags.items() if flag.shared} == {"max_sequences",
+                                                                     "max_waiting"}
+    assert scheduler_from_args(_serve_args("m.dvm")) == SchedulerConfig()
+    given = scheduler_from_args(_serve_args(
+        "m.dvm", "--max-batch-size", "4", "--max-queued", "9", "--step-token-budget", "16",
+        "--min-prompt-tokens", "2", "--request-seconds", "5"))
+    assert (given.max_sequences, given.max_waiting, given.step_token_budget,
+            given.min_prompt_tokens, given.request_seconds) == (4, 9, 16, 2, 5.0)
+    with pytest.raises(CliError, match="bad generation flag.*step_token_budget"):
+        scheduler_from_args(_serve_args("m.dvm", "--step-token-budget", "0"))
