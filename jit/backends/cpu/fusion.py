@@ -481,7 +481,10 @@ def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
         m = min(probe_ms.pop(), cap)
         choice = ask(m)
         if choice.name != ONEDNN:
-            return _Decision(False, _NO_FASTER)
+            # the figures too: under load this answer has flipped (docs/bench_log.md,
+            # issue 31 at BERT-base width), and a note without them cannot say why
+            return _Decision(False, f"{_NO_FASTER}: M={m} oneDNN {_ms(choice, ONEDNN)} "
+                                    f"vs torch {_ms(choice, TORCH)} ms")
         return _Decision(True, f" (measured, oneDNN vs torch: M={m} "
                                f"{choice.seconds[ONEDNN] * 1e3:.3f} vs "
                                f"{choice.seconds[TORCH] * 1e3:.3f} ms)")
