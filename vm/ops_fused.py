@@ -24,3 +24,18 @@ FUSED_OPS = (
     op("ROTARY", OpClass.TENSOR, "T,T,T", "T",
        "rotary position embedding: x * cos + rotate_half(x) * sin", impl=rotary_embed),
 )
+
+
+def silu_mul(x):
+    """`silu(x[..., :n]) * x[..., n:]` with n half the last dim: a gated MLP's gate and
+    up projections computed as one stacked linear (Note [Parallel linears as one] in
+    dynvm.vm.frontend.parallel_linears), the same two operations bit for bit."""
+    gate, up = x.chunk(2, -1)
+    return torch.nn.functional.silu(gate).mul_(up)
+
+
+FUSED_OPS += (
+    op("SILU_MUL", OpClass.TENSOR, "T", "T",
+       "gated linear unit: silu of the first half of the last dim times the second half",
+       impl=silu_mul),
+)

@@ -149,3 +149,27 @@ def test_rotary_chain_is_one_op_with_eager_values():
     for got, want in zip(Interpreter(program).run([q, k, cos, sin]), _Rotary()(q, k, cos, sin),
                          strict=True):
         assert torch.equal(got, want)   # the same operations, bit for bit
+
+
+class _GatedMlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(16, 32, bias=False)
+        self.up = torch.nn.Linear(16, 32, bias=False)
+        self.down = torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def test_gated_mlp_is_one_linear_and_one_silu_mul():
+    torch.manual_seed(0)
+    module = _GatedMlp().eval()
+    x = torch.randn(4, 3, 16)
+    with torch.no_grad():
+        expected = module(x)
+    program = _lower(module, x)
+    ops = _ops(program)
+    assert ops.count("LINEAR") == 2 and "SILU_MUL" in ops, ops
+    assert not {"SPLIT_WITH_SIZES", "SILU", "MUL"} & set(ops), ops
+    torch.testing.assert_close(Interpreter(program).run([x])[0], expected, rtol=1e-5, atol=1e-5)

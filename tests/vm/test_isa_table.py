@@ -45,6 +45,7 @@ EXAMPLES = {
     "LAYER_NORM": lambda: (rand(2, 3, 8), [8], rand(8), rand(8), 1e-5, False),
     "RMS_NORM": lambda: (rand(2, 3, 8), [8], rand(8), 1e-6),
     "ROTARY": lambda: (rand(2, 3, 5, 8), rand(2, 1, 5, 8), rand(2, 1, 5, 8)),
+    "SILU_MUL": lambda: (rand(2, 3, 8),),
     "SOFTMAX": lambda: (rand(2, 7), -1, None),
     "SOFTMAX_": lambda: (rand(2, 7), -1, False),
     "LOG_SOFTMAX": lambda: (rand(2, 7), 1, None),

@@ -22,7 +22,9 @@ rows of one storage and takes a view of it instead of stacking again (the prefil
 decode and step programs of a generator share one tensor). Values are bit-identical:
 the same rows, the same products.
 
-Only within one straight-line block, only where every register involved is written
+Where the two halves of a stacked gate and up projection feed only `silu(gate) * up`
+(Llama's MLP), that is one SILU_MUL over the stacked result (dynvm.vm.ops_fused), with
+no split. Only within one straight-line block, only where every register involved is written
 once; a group is the linears of one input register with the same weight dtype, input
 width and bias presence.
 """
@@ -121,7 +123,7 @@ def fuse_parallel_linears(code, constants, names, n_regs, sources=None):
     i was taken from (a module parameter) or None. Unchanged where nothing fuses."""
     if not ENABLED:
         return tuple(code), tuple(constants), tuple(names), n_regs
-    writers, _ = writers_and_readers(code)
+    writers, readers = writers_and_readers(code)
     blocks = block_of(code)
     readers_of_const = _const_readers(code)
     by_storage = Counter(t.untyped_storage().data_ptr() for t in constants)
@@ -166,11 +168,36 @@ def fuse_parallel_linears(code, constants, names, n_regs, sources=None):
             Instr("SPLIT_WITH_SIZES", tuple(i.dsts[0] for i in linears), (fused, sizes, Imm(-1)))]
         for pc in pcs[1:]:
             replaced[pc] = []
+        gated = _silu_mul(code, [i.dsts[0] for i in linears], sizes, readers, writers)
+        if gated is not None:   # silu(gate) * up as one op over the stacked result
+            silu_pc, mul_pc = gated
+            replaced[pcs[0]] = replaced[pcs[0]][:1]
+            replaced[silu_pc] = []
+            replaced[mul_pc] = [Instr("SILU_MUL", code[mul_pc].dsts, (fused,))]
         dropped.update(w_idx + b_idx)
     if not replaced:
         return tuple(code), tuple(constants), tuple(names), n_regs
     code = rebuild(code, replaced)
     return _drop_constants(code, constants, names, dropped) + (n_regs,)
+
+
+def _silu_mul(code, outs, sizes, readers, writers) -> tuple[int, int] | None:
+    """(pc of SILU, pc of MUL) where two stacked linears of equal width feed only
+    `MUL(SILU(first), second)` (a gated MLP), else None."""
+    if len(outs) != 2 or sizes.items[0] != sizes.items[1]:
+        return None
+    first, second = outs
+    if len(readers[first.index]) != 1 or len(readers[second.index]) != 1:
+        return None
+    silu_pc, mul_pc = readers[first.index][0], readers[second.index][0]
+    silu, mul = code[silu_pc], code[mul_pc]
+    if silu.op != "SILU" or silu.args != (first,) or mul.op != "MUL" or silu_pc > mul_pc:
+        return None
+    gate = silu.dsts[0]
+    if (len(writers[gate.index]) != 1 or readers[gate.index] != [mul_pc]
+            or set(mul.args) != {gate, second} or len(mul.args) != 2):
+        return None
+    return silu_pc, mul_pc
 
 
 def _adjacent_only(index: int, constants) -> bool:
