@@ -138,8 +138,9 @@ def _stream(port: int, path: str, body: dict) -> tuple[float, list[float], int, 
     return ttft, times, tokens, done and response.status == 200
 
 
-def run_trace(port: int, path: str, trace: list[dict], clients: int, model: str) -> dict:
-    """Play the trace with `clients` client threads; TTFT/ITL percentiles, tokens/s."""
+def _play(trace: list[dict], clients: int, one) -> tuple[list, float]:
+    """Play `trace` from `clients` threads, each request at its arrival time through
+    `one(item)` -> (ttft, token times, tokens, done); (results, wall seconds)."""
     lock, results = threading.Lock(), []
     order = iter(range(len(trace)))
     start = time.perf_counter()
@@ -154,12 +155,7 @@ def run_trace(port: int, path: str, trace: list[dict], clients: int, model: str)
             delay = start + item["at"] - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            body = {"model": model, "prompt": item["prompt"], "max_tokens": item["new"],
-                    "temperature": 0, "ignore_eos": True, "stream": True}
-            try:
-                outcome = _stream(port, path, body)
-            except OSError:
-                outcome = (float("nan"), [], 0, False)
+            outcome = one(item)
             with lock:
                 results.append((item, outcome))
 
@@ -168,7 +164,11 @@ def run_trace(port: int, path: str, trace: list[dict], clients: int, model: str)
         thread.start()
     for thread in threads:
         thread.join()
-    wall = time.perf_counter() - start
+    return results, time.perf_counter() - start
+
+
+def _summary(results: list, wall: float, clients: int, requests: int) -> dict:
+    """TTFT/ITL percentiles, tokens/s and lost requests of a played trace."""
     ttfts = sorted(o[0] for _, o in results if o[1])
     itls = sorted(b - a for _, o in results for a, b in zip(o[1], o[1][1:]))
     tokens = sum(o[2] for _, o in results)
@@ -177,11 +177,26 @@ def run_trace(port: int, path: str, trace: list[dict], clients: int, model: str)
     def pct(values, q):
         return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else None
 
-    return {"clients": clients, "requests": len(trace), "wall_s": wall,
+    return {"clients": clients, "requests": requests, "wall_s": wall,
             "tokens_per_s": tokens / wall, "tokens": tokens, "lost": lost,
             "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p99_ms": pct(ttfts, 0.99),
             "itl_p50_ms": pct(itls, 0.5), "itl_p99_ms": pct(itls, 0.99),
             "load_1min": os.getloadavg()[0]}
+
+
+def run_trace(port: int, path: str, trace: list[dict], clients: int, model: str) -> dict:
+    """Play the trace with `clients` client threads; TTFT/ITL percentiles, tokens/s."""
+
+    def one(item):
+        body = {"model": model, "prompt": item["prompt"], "max_tokens": item["new"],
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        try:
+            return _stream(port, path, body)
+        except OSError:
+            return (float("nan"), [], 0, False)
+
+    results, wall = _play(trace, clients, one)
+    return _summary(results, wall, clients, len(trace))
 
 
 def run_in_process(generator, config, trace: list[dict], clients: int) -> dict:
@@ -191,64 +206,33 @@ def run_in_process(generator, config, trace: list[dict], clients: int) -> dict:
     from dynvm.cluster.serving._generate_scheduler import GenerateScheduler, GenerationRequest
 
     scheduler = GenerateScheduler(generator, config)
-    lock, results = threading.Lock(), []
-    order = iter(range(len(trace)))
-    start = time.perf_counter()
 
-    def client():
-        while True:
-            with lock:
-                index = next(order, None)
-            if index is None:
-                return
-            item = trace[index]
-            delay = start + item["at"] - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            times, ended = [], threading.Event()
-            outcome = {"done": False}
+    def one(item):
+        times, ended, outcome = [], threading.Event(), {"done": False}
 
-            def sink(event, times=times, ended=ended, outcome=outcome):
-                if event[0] == "token":
-                    times.append(time.perf_counter())
-                else:
-                    outcome["done"] = event[0] == "end"
-                    ended.set()
+        def sink(event):
+            if event[0] == "token":
+                times.append(time.perf_counter())
+            else:
+                outcome["done"] = event[0] == "end"
+                ended.set()
 
-            sent = time.perf_counter()
-            scheduler.submit(GenerationRequest(tuple(item["prompt"]), item["new"],
-                                               stop_token_ids=()), sink)
-            ended.wait(300)
-            with lock:
-                results.append((item, (times[0] - sent if times else float("nan"), times,
-                                       len(times), outcome["done"])))
+        sent = time.perf_counter()
+        scheduler.submit(GenerationRequest(tuple(item["prompt"]), item["new"],
+                                           stop_token_ids=()), sink)
+        ended.wait(300)
+        return (times[0] - sent if times else float("nan"), times, len(times),
+                outcome["done"])
 
     try:
-        threads = [threading.Thread(target=client) for _ in range(clients)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        wall = time.perf_counter() - start
+        results, wall = _play(trace, clients, one)
         scheduler.wait_idle(30)
         freed = not scheduler.held and scheduler._slots is not None and \
             scheduler._slots.used_tokens() == 0 and len(scheduler._slots) == 0
     finally:
         scheduler.close()
-    ttfts = sorted(o[0] for _, o in results if o[1])
-    itls = sorted(b - a for _, o in results for a, b in zip(o[1], o[1][1:]))
-    tokens = sum(o[2] for _, o in results)
-    lost = sum(1 for item, o in results if not o[3] or o[2] != item["new"])
-
-    def pct(values, q):
-        return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else None
-
-    return {"clients": clients, "requests": len(trace), "wall_s": wall,
-            "tokens_per_s": tokens / wall, "tokens": tokens, "lost": lost,
-            "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p99_ms": pct(ttfts, 0.99),
-            "itl_p50_ms": pct(itls, 0.5), "itl_p99_ms": pct(itls, 0.99),
-            "all_freed": freed, "steps": dict(scheduler.counters),
-            "load_1min": os.getloadavg()[0]}
+    return {**_summary(results, wall, clients, len(trace)), "all_freed": freed,
+            "steps": dict(scheduler.counters)}
 
 
 def in_process(args, programs) -> list[dict]:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from dynvm.vm.frontend.fx_chain import chains, finish, graph_modules, replace_chain
+
 aten = torch.ops.aten
 
 ENABLED = True
@@ -93,11 +95,7 @@ def fuse_rms_norms(graph_module) -> int:
     """Rewrite every RMS norm chain of `graph_module` (and its subgraphs) as one
     `aten.rms_norm` node; returns how many (Note [RMS norm as one op])."""
     count = 0
-    if not ENABLED:
-        return count
-    for module in graph_module.modules():
-        if not isinstance(module, torch.fx.GraphModule):
-            continue
+    for module in graph_modules(graph_module) if ENABLED else ():
         graph = module.graph
         if not any(n.target is aten.rsqrt.default for n in graph.nodes):
             continue
@@ -106,31 +104,10 @@ def fuse_rms_norms(graph_module) -> int:
         for node in list(graph.nodes):
             if node.target is aten._assert_tensor_metadata.default and not node.users:
                 graph.erase_node(node)
-        for node in list(graph.nodes):
-            if node.op != "call_function" or node.target is not aten.rsqrt.default:
-                continue
-            found = _match(node)
-            if found is None:
-                continue
-            x, weight, eps, end = found
-            with graph.inserting_before(end):
-                fused = graph.call_function(aten.rms_norm.default,
-                                            (x, [_val(x).shape[-1]], weight, eps))
-            fused.meta = dict(end.meta)
-            end.replace_all_uses_with(fused)
-            # The chain, last first: each node is dead once its user is gone.
-            chain, todo = [], [end]
-            while todo:
-                dead = todo.pop()
-                if dead is x or dead is weight or dead in chain or dead.users:
-                    continue
-                chain.append(dead)
-                inputs = list(dead.all_input_nodes)   # erase_node clears them
-                graph.erase_node(dead)
-                todo.extend(inputs)
+        for x, weight, eps, end in chains(graph, aten.rsqrt.default, _match):
+            replace_chain(graph, end, aten.rms_norm.default,
+                          (x, [_val(x).shape[-1]], weight, eps), keep=(x, weight))
             count += 1
-        if count:
-            graph.lint()
-            module.recompile()
+        finish(module, count)
     return count
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from dynvm.vm.frontend.fx_chain import chains, finish, graph_modules, replace_chain
 from dynvm.vm.ops_fused import rotary_embed
 
 aten = torch.ops.aten
@@ -100,35 +101,12 @@ def fuse_rotary(graph_module) -> int:
     """Rewrite every rotary chain of `graph_module` (and its subgraphs) as one ROTARY
     node; returns how many (Note [Rotary embedding as one op])."""
     count = 0
-    if not ENABLED:
-        return count
-    for module in graph_module.modules():
-        if not isinstance(module, torch.fx.GraphModule):
-            continue
+    for module in graph_modules(graph_module) if ENABLED else ():
         graph = module.graph
         fused_here = 0
-        for node in list(graph.nodes):
-            if node.op != "call_function" or node.target is not aten.cat.default:
-                continue
-            found = _match(node)
-            if found is None:
-                continue
-            x, cos, sin, add = found
-            with graph.inserting_before(add):
-                fused = graph.call_function(rotary_embed, (x, cos, sin))
-            fused.meta = dict(add.meta)
-            add.replace_all_uses_with(fused)
-            todo = [add]
-            while todo:
-                dead = todo.pop()
-                if dead in (x, cos, sin) or dead.op != "call_function" or dead.users:
-                    continue
-                inputs = list(dead.all_input_nodes)   # erase_node clears them
-                graph.erase_node(dead)
-                todo.extend(inputs)
+        for x, cos, sin, add in chains(graph, aten.cat.default, _match):
+            replace_chain(graph, add, rotary_embed, (x, cos, sin), keep=(x, cos, sin))
             fused_here += 1
-        if fused_here:
-            graph.lint()
-            module.recompile()
+        finish(module, fused_here)
         count += fused_here
     return count

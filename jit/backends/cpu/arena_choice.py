@@ -40,16 +40,17 @@ ALLOCATE, OUT = "allocate", "out"
 
 
 def _key(result: torch.Tensor, operands: list) -> tuple:
-    numel = sum(t.numel() for t in _tensors(operands))
+    numel = sum(t.numel() for t in tensors_in(operands))
     return (str(result.dtype), size_class(result.numel()), size_class(numel))
 
 
-def _tensors(values):
+def tensors_in(values):
+    """The tensors among `values`, lists and tuples of them opened, in order."""
     for value in values:
         if isinstance(value, torch.Tensor):
             yield value
         elif isinstance(value, list | tuple):
-            yield from _tensors(value)
+            yield from tensors_in(value)
 
 
 def out_form_pays(name: str, form, meta_operands: list, result: torch.Tensor,

@@ -51,7 +51,7 @@ import re
 
 import torch
 
-from dynvm.jit.backends.cpu.arena_choice import zeros_like_abstract
+from dynvm.jit.backends.cpu.arena_choice import tensors_in, zeros_like_abstract
 from dynvm.jit.calibration import Calibrator, size_class
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, Var
 from dynvm.vm.opcodes import OPCODES
@@ -103,14 +103,6 @@ def neutral(op) -> bool:
     return spec is not None and op.variant == "" and (spec.is_view or spec.returns_operand)
 
 
-def _tensors(values):
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, list | tuple):
-            yield from _tensors(value)
-
-
 def _operand(arg, probe, constants, device):
     if isinstance(arg, Var):
         return probe.get(arg.reg)
@@ -133,7 +125,7 @@ def _askable(op, probe, constants, device):
         return None
     operands = [_operand(a, probe, constants, device) for a in op.args]
     results = [probe.get(d) for d in op.dsts]
-    tensors = list(_tensors(operands)) + [r for r in results if isinstance(r, torch.Tensor)]
+    tensors = list(tensors_in(operands)) + [r for r in results if isinstance(r, torch.Tensor)]
     if not any(isinstance(r, torch.Tensor) for r in results) or not tensors:
         return None
     largest = max(t.numel() for t in tensors)
