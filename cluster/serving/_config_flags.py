@@ -108,7 +108,9 @@ def _field_types(cls) -> dict[str, object]:
     resolved = {}
     for f in dataclasses.fields(cls):
         try:
-            resolved[f.name] = eval(f.type, module) if isinstance(f.type, str) else f.type
+            # The text is a config dataclass's own annotation, from our source.
+            kind = eval(f.type, module) if isinstance(f.type, str) else f.type  # safe: ours
+            resolved[f.name] = kind
         except NameError:
             continue
     return resolved
