@@ -12,12 +12,15 @@ profilers add their own cost). The JIT's operators are grouped by name and by in
 shapes (a convolution's shapes say which layer it is); ONNX Runtime's nodes by op type,
 from its JSON profile (`SessionOptions.enable_profiling`). What this answers: how much
 of each system's time is convolution, how much is layout conversion (reorders,
-`contiguous`, `clone`) and how much is neither (the per-call overhead).
+`contiguous`, `clone`) and how much is neither (the per-call overhead). With --layers,
+the convolutions side by side per layer geometry, with oneDNN's own execution time and
+implementation for each (Note [ResNet layers side by side] in bench.resnet_layers).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench import full_width
+from bench import full_width, resnet_layers
 from bench.peers import ort_session_options
 
 
@@ -55,20 +58,42 @@ def _walls(systems: dict, x, calls: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def profile_jit(runtime, x, calls: int) -> list[tuple[str, str, float, int]]:
-    """(operator, input shapes, self ms per call, count per call), largest first."""
+def profile_jit(runtime, x, calls: int) -> list[tuple[str, str, float, int, list]]:
+    """(operator, input shapes as text, self ms per call, count per call, input shapes),
+    largest first."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(calls):
             runtime(*x)
     rows = [(e.key, str(e.input_shapes)[:90], e.self_cpu_time_total / 1e3 / calls,
-             e.count // calls) for e in prof.key_averages(group_by_input_shape=True)]
+             e.count // calls, e.input_shapes)
+            for e in prof.key_averages(group_by_input_shape=True)]
     return sorted(rows, key=lambda r: -r[2])
 
 
-def profile_ort(path: str, threads: int, x, calls: int) -> dict[str, float]:
-    """ms per call by ONNX Runtime node op type, from its JSON profile."""
+def onednn_verbose_lines(fn, calls: int) -> list[str]:
+    """oneDNN's verbose lines (printed by the library to file descriptor 1) over `calls`
+    calls of `fn`, caught in a temporary file (a pipe could fill and block the writer)."""
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 1)
+        try:
+            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                for _ in range(calls):
+                    fn()
+        finally:
+            libc.fflush(None)   # the C library's stdout buffer, before fd 1 goes back
+            os.dup2(saved, 1)
+            os.close(saved)
+        caught.seek(0)
+        return caught.read().decode(errors="replace").splitlines()
+
+
+def ort_trace(path: str, threads: int, x, calls: int) -> list[dict]:
+    """ONNX Runtime's JSON profile events over one warm-up and `calls` calls."""
     import onnxruntime as ort
 
     options = ort_session_options(ort, threads)
@@ -80,7 +105,14 @@ def profile_ort(path: str, threads: int, x, calls: int) -> dict[str, float]:
     session.run(None, feed)
     for _ in range(calls):
         session.run(None, feed)
-    trace = json.loads(Path(session.end_profiling()).read_text())
+    profile_path = Path(session.end_profiling())
+    trace = json.loads(profile_path.read_text())
+    profile_path.unlink(missing_ok=True)
+    return trace
+
+
+def profile_ort(trace: list[dict]) -> dict[str, float]:
+    """ms per call by ONNX Runtime node op type, from its profile's events."""
     by_type: dict[str, float] = defaultdict(float)
     runs = 0
     for event in trace:
@@ -110,6 +142,10 @@ def main(argv=None) -> int:
     parser.add_argument("--source", type=Path, help="write the JIT's kernels' code here")
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--no-ort", action="store_true")
+    parser.add_argument("--layers", action="store_true",
+                        help="the convolutions per layer geometry beside ONNX Runtime's, "
+                             "with oneDNN's execution time and implementation (Note "
+                             "[ResNet layers side by side] in bench.resnet_layers)")
     parser.add_argument("--precision", default="fp32",
                         help="the JIT's JitConfig.precision (fp32, bf16; Note [bf16 "
                              "convolution chains])")
@@ -161,23 +197,46 @@ def main(argv=None) -> int:
     print(f"\nJIT operators: {total:.1f} ms per call of self time, wall "
           f"{1e3 * walls['jit']:.1f}")
     by_name: dict[str, float] = defaultdict(float)
-    for name, _, ms, _ in rows:
+    for name, _, ms, _, _ in rows:
         by_name[name] += ms
     for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:15]:
         print(f"  {ms:8.2f} ms  {name}")
     print("\nlargest by shape:")
-    for name, shapes, ms, count in rows[:args.top]:
+    for name, shapes, ms, count, _ in rows[:args.top]:
         print(f"  {ms:7.2f} ms x{count:<3d} {name:40s} {shapes}")
     if exported is not None:
-        ort_rows = profile_ort(exported.path, args.threads, x, args.calls)
+        trace = ort_trace(exported.path, args.threads, x, args.calls)
+        ort_rows = profile_ort(trace)
         print(f"\nONNX Runtime nodes: {sum(ort_rows.values()):.1f} ms per call, wall "
               f"{1e3 * walls['onnxruntime']:.1f}")
         for name, ms in ort_rows.items():
             print(f"  {ms:8.2f} ms  {name}")
+        if args.layers:
+            _print_layers(rows, trace, jit, x, args.calls)
         exported.close()
     jit.close()
     print(f"load {os.getloadavg()[0]:.2f}")
     return 0
+
+
+def _print_layers(rows, trace, jit, x, calls: int) -> None:
+    """The per-layer table (Note [ResNet layers side by side])."""
+    jit_convs: dict = defaultdict(lambda: [0.0, 0])
+    for name, _, ms, count, shapes in rows:
+        key = resnet_layers.jit_conv_key(name, shapes)
+        if key is not None:
+            jit_convs[key][0] += ms
+            jit_convs[key][1] += count
+    ort_convs, runs = resnet_layers.ort_conv_times(trace)
+    verbose_calls = 3
+    onednn = resnet_layers.onednn_exec(onednn_verbose_lines(lambda: jit(*x), verbose_calls))
+    # rows are per call already; ONNX Runtime's sums cover `runs` runs (warm-up included)
+    table = resnet_layers.join({k: tuple(v) for k, v in jit_convs.items()},
+                               {k: (ms / max(runs, 1), n // max(runs, 1))
+                                for k, (ms, n) in ort_convs.items()},
+                               onednn, onednn_calls=verbose_calls)
+    print("\nper layer (ms per call, summed over the layers of one geometry):")
+    print(resnet_layers.markdown(table))
 
 
 if __name__ == "__main__":
