@@ -3,6 +3,7 @@ batching, dynvm.cluster.serving._generate_replica, as `dynvm serve GENERATOR_DIR
 against the same random-weight model in CTranslate2 behind a plain Ray Serve deployment.
 
     flock /tmp/dynvm_bench.lock python -m bench.serve_generate --clients 1,8 --requests 32
+    ... --ingress proxy     # both systems behind Serve's proxy instead
 
 Note [Serving trace]
 ~~~~~~~~~~~~~~~~~~~~
@@ -12,12 +13,16 @@ uniform in [--new-min, --new-max] tokens, greedy, every output made to its full 
 (dynvm: ignore_eos; CTranslate2: min_length = max_length). C client threads take the
 trace in order: a request is sent at its arrival time or as soon as a client is free
 after it, and streamed (server-sent events); TTFT is send -> first token event, ITL the
-gaps between a request's token events (as the client sees them: the proxy's hop
-included), tokens/s all tokens / the run's wall time, lost the requests that ended
-without every token. Both systems sit in one Ray cluster behind Serve's proxy, one
-replica each with num_cpus 1 (Ray gives each 1 OpenMP thread; CTranslate2 gets
-intra_threads=1); they run one after the other, each after a warm-up pass of the same
-trace's first requests. The CTranslate2 deployment is what a plain Ray Serve app does:
+gaps between a request's token events (as the client sees them: the ingress's
+hop included), tokens/s all tokens / the run's wall time, lost the requests that ended
+without every token. Both systems sit in one Ray cluster, behind the same ingress
+(--ingress: `direct`, the default, is what `dynvm serve` runs, Note [Direct ingress] in
+dynvm.cluster.protocol.ingress, and each system's replica then answers on its own port;
+`proxy`, Serve's proxy in front of both), one replica each with num_cpus 1 (Ray gives
+each 1 OpenMP thread; CTranslate2 gets intra_threads=1); they run one after the other,
+each after a warm-up pass of the same trace's first requests (dynvm's replica has also
+warmed its JIT before it was ready, Note [Warm before ready]). The CTranslate2
+deployment is what a plain Ray Serve app does:
 each request runs `generate_tokens` on a thread of a pool, the model shared (its own
 queue; no batching across requests). The model: a Llama-style decoder, --width,
 --layers, --vocab (random weights, nothing downloaded). The 1-minute load average is
@@ -237,16 +242,24 @@ def run_in_process(generator, config, trace: list[dict], clients: int) -> dict:
 
 def in_process(args, programs) -> list[dict]:
     """--in-process: the dynvm scheduler alone, one JIT thread (Note [Serving trace]'s
-    trace, warm-up pass first), rows as main prints them."""
+    trace; the replica's warm-up, Note [Warm before ready], then a warm-up pass first),
+    rows as main prints them."""
     import torch
 
     import dynvm
-    from dynvm.cluster.serving._generate_scheduler import SchedulerConfig
+    from dynvm.cluster.serving._generate_scheduler import GenerateScheduler, SchedulerConfig
+    from dynvm.cluster.serving._generate_warm import warm_scheduler
 
     torch.set_num_threads(1)
     budget = {"step_token_budget": args.step_token_budget} if args.step_token_budget else {}
     trace, rows = make_trace(args), []
-    with dynvm.Generator(programs) as generator:
+    with dynvm.Generator(programs, compile_ahead=False) as generator:
+        scheduler = GenerateScheduler(generator, SchedulerConfig(**budget))
+        try:
+            print(f"warm: {warm_scheduler(scheduler, scheduler.config.warm_seconds)}",
+                  flush=True)
+        finally:
+            scheduler.close()
         for clients in [int(c) for c in args.clients.split(",")]:
             run_in_process(generator, SchedulerConfig(**budget), trace[:min(8, len(trace))],
                            clients)
@@ -283,6 +296,9 @@ def main(argv=None) -> int:
                         "call per step]); 0: rows of one T per call")
     p.add_argument("--in-process", action="store_true",
                    help="the dynvm scheduler alone in this process, no HTTP or Ray")
+    p.add_argument("--ingress", choices=("direct", "proxy"), default="direct",
+                   help="direct: each system's replica on its own port (what `dynvm serve` "
+                        "runs); proxy: both behind Serve's proxy")
     args = p.parse_args(argv)
     import ray
     from ray import serve
@@ -313,6 +329,9 @@ def main(argv=None) -> int:
 
     ct2 = convert_to_ct2(model, folder) if "ctranslate2" in systems else None
     port = 8000 + random.Random().randrange(1000)
+    from dynvm.cluster.protocol.ingress import direct_addresses, ingress_environment
+
+    os.environ.update(ingress_environment(args.ingress))   # read when Ray starts
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
@@ -327,12 +346,19 @@ def main(argv=None) -> int:
         if ct2 is not None:
             serve.run(_ct2_deployment().bind(str(ct2)), name="ct2", route_prefix=CT2_PREFIX)
             targets["ctranslate2"] = CT2_PREFIX
+        ports = dict.fromkeys(targets, port)
+        if args.ingress == "direct":   # each application's replica port
+            apps = {"dynvm": "dynvm-gen", "ctranslate2": "ct2"}
+            found = direct_addresses([apps[system] for system in targets])
+            ports = {system: found[apps[system]][0][1] for system in targets}
         trace = make_trace(args)
         rows = []
         for clients in [int(c) for c in args.clients.split(",")]:
             for system, path in targets.items():
-                run_trace(port, path, trace[:min(8, len(trace))], clients, "gen")  # warm-up
-                row = {"system": system, **run_trace(port, path, trace, clients, "gen")}
+                run_trace(ports[system], path, trace[:min(8, len(trace))], clients,
+                          "gen")  # warm-up
+                row = {"system": system, "ingress": args.ingress,
+                       **run_trace(ports[system], path, trace, clients, "gen")}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         if args.out:
@@ -351,7 +377,8 @@ def report(rows: list[dict]) -> str:
     for r in rows:
         def f(v):
             return "-" if v is None else f"{v:.1f}"
-        lines.append(f"| {r['system']} | {r['clients']} | {r['tokens_per_s']:.1f} | "
+        system = r["system"] + (f" ({r['ingress']})" if r.get("ingress") else "")
+        lines.append(f"| {system} | {r['clients']} | {r['tokens_per_s']:.1f} | "
                      f"{f(r['ttft_p50_ms'])} / {f(r['ttft_p99_ms'])} | {f(r['itl_p50_ms'])} / "
                      f"{f(r['itl_p99_ms'])} | {r['lost']} | {r['load_1min']:.1f} |")
     return "\n".join(lines)

@@ -15,8 +15,10 @@ alone by `dynvm serve`):
     GET  /metrics                                 Prometheus text (generate_metrics)
 
 Like the inference replica (dynvm.cluster.serving._replica), it runs on Serve's own loop and
-never blocks it: the model runs on the scheduler's thread, tokens come back through
-`call_soon_threadsafe`. A client that goes away (Serve cancels its request; a plain
+never blocks it: the model runs on the scheduler's thread, a step's tokens come back
+through one `call_soon_threadsafe` (Note [One hop per step] in
+dynvm.cluster.serving._generate_scheduler), and a stream writes the events it has at
+once (Note [Writes of what is ready]). A client that goes away (Serve cancels its request; a plain
 ASGI server fails the next write) cancels its sequence, freed at the scheduler's next
 step. Limits: the body (ServingConfig.max_body_bytes), prompt and max_tokens
 (SchedulerConfig), the waiting room (503 + Retry-After), the time of one request
@@ -63,6 +65,7 @@ from dynvm.cluster.serving._generate_scheduler import (
     GenerateTimeout,
     SchedulerConfig,
 )
+from dynvm.cluster.serving._generate_warm import warm_scheduler
 from dynvm.cluster.serving._infer_seam import RequestGate, RequestTally
 from dynvm.cluster.serving._replica import pick_device
 from dynvm.cluster.serving.serving_config import ServingConfig
@@ -70,6 +73,15 @@ from dynvm.telemetry import Telemetry
 from dynvm.vm.errors import InputError
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+# Note [Writes of what is ready]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Every token is its own server-sent event, as clients count them; but a stream whose
+# writer finds several events already queued (the loop was busy with other streams, or
+# a step ended more than one of its events: the last token and the end) writes them in
+# one body message: one pass through Starlette, Serve and the HTTP server, one socket
+# write, instead of one each. Nothing waits to gather: what is queued when the writer
+# looks goes out, so a token is never held back for a later one.
 
 
 class GeneratorServer:
@@ -92,6 +104,10 @@ class GeneratorServer:
         self.links = self._fleet_links(Path(path), config.fleet)
         self.metrics = GenerateMetrics(self.model_name, export_to_ray=metrics_to_ray)
         self.scheduler = GenerateScheduler(self.generator, scheduler, self.metrics)
+        # Note [Warm before ready]: without a fleet, the step's shapes are compiled here,
+        # before Serve sees the constructor return (the replica is not ready until then).
+        self.warm = warm_scheduler(self.scheduler, 0.0 if self.links else
+                                   self.scheduler.config.warm_seconds)
         # A span per generation (Note [Global tracer provider]): OTEL_* in the replica's
         # environment, else the application's global provider, else none.
         self.telemetry = telemetry if telemetry is not None else Telemetry.from_env()
@@ -146,7 +162,7 @@ class GeneratorServer:
                 "in_flight": self.request_stats.in_flight,
                 "scheduler": dict(self.scheduler.counters),
                 **self.metrics.snapshot(), **self.scheduler.occupancy(),
-                "fleet": [link.stats() for link in self.links]}
+                "warm": dict(self.warm), "fleet": [link.stats() for link in self.links]}
 
     # ------------------------------------------------------------------ HTTP
 
@@ -258,11 +274,11 @@ class GeneratorServer:
                                  SSE_HEADERS, media_type="text/event-stream")
 
     def _submit(self, completion: Completion):
-        """The sequence submitted to the scheduler and the queue its events arrive on."""
-        loop = asyncio.get_running_loop()
+        """The sequence submitted to the scheduler and the queue its events arrive on
+        (on this loop, a step's events in one hop: Note [One hop per step])."""
         events: asyncio.Queue = asyncio.Queue()
-        seq = self.scheduler.submit(completion.request, lambda event: (
-            loop.call_soon_threadsafe(events.put_nowait, event)))
+        seq = self.scheduler.submit(completion.request, events.put_nowait,
+                                    loop=asyncio.get_running_loop())
         return seq, events
 
     async def _whole(self, completion: Completion, shape, trace: dict | None) -> Response:
@@ -305,19 +321,31 @@ class GeneratorServer:
 
     async def _pieces(self, seq, events: asyncio.Queue, text: TextStream,
                       trace: dict | None):
-        """(token, text piece) per token until the sequence ends; raises its error. On
-        exit (the end, a stop string, a client gone) the sequence is cancelled if it
-        still runs."""
+        """Lists of (token, text piece): each one the tokens queued when it was read
+        (Note [Writes of what is ready]), until the sequence ends; raises its error
+        after the tokens before it. On exit (the end, a stop string, a client gone) the
+        sequence is cancelled if it still runs."""
         try:
             while True:
+                ready, end = [], None
                 kind, value = await events.get()
-                if kind == "token":
-                    yield value, text.push(value)
-                    if text.stopped:
-                        return
-                elif kind == "error":
-                    raise value
-                else:
+                while True:
+                    if kind == "token":
+                        ready.append((value, text.push(value)))
+                        if text.stopped:
+                            end = ("end", None)
+                            break
+                    else:
+                        end = (kind, value)
+                        break
+                    if events.empty():
+                        break
+                    kind, value = events.get_nowait()
+                if ready:
+                    yield ready
+                if end is not None:
+                    if end[0] == "error":
+                        raise end[1]
                     return
         finally:
             if seq.finish_reason is None:
@@ -356,8 +384,9 @@ class GeneratorServer:
         closes with it and cancels the sequence."""
         with self.gate.tracked():  # in flight while it streams
             try:
-                async for token, piece in pieces:
-                    yield sse(shape.chunk(token, piece, None))
+                async for ready in pieces:   # Note [Writes of what is ready]
+                    yield b"".join([sse(shape.chunk(token, piece, None))
+                                    for token, piece in ready])
                 yield sse(shape.chunk(None, text.flush(), self._reason(seq, text)))
             except GenerateTimeout as exc:
                 yield sse(shape.error(str(exc), 504))

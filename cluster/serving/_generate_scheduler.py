@@ -6,6 +6,9 @@ budget per step, admission is bounded, and a cancelled sequence is freed at the 
     seq = scheduler.submit(GenerationRequest(prompt, max_tokens=32), sink)
     # sink(("token", id)) per token, then sink(("end", "stop" | "length")) or
     # sink(("error", exc)), called on the scheduler's thread; seq.cancel() from anywhere.
+    seq = scheduler.submit(request, sink, loop=asyncio_loop)
+    # the same events, called on that loop: one hop per step (Note [One hop per step]
+    # in dynvm.cluster.serving._generate_outbox)
 
 Note [Continuous batching over plain caches]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -33,6 +36,16 @@ reservation fits `cache_tokens` and a row is free (`max_sequences`), else it wai
 order; when `max_waiting` already wait, `submit` raises GenerateBusy (the replica's 503
 + Retry-After). Nothing is preempted, so nothing is recomputed or lost: every admitted
 sequence ends with "end" or "error".
+
+Note [Metrics off the step's path]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The occupancy gauges and the samples for Ray's metrics are handed over at most every
+PUBLISH_S seconds while sequences run, and whenever the scheduler goes idle (so a
+reader after the last request sees its end), not after every step: through Ray's
+metrics API each sample is a Python call on the step's thread (0.07-0.1 ms a step of 8
+rows, measured in a served replica), for gauges a dashboard scrapes every few seconds.
+The replica's own counters and histograms (`GenerateMetrics.token`) are updated per
+token as before.
 """
 
 from __future__ import annotations
@@ -42,16 +55,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from dynvm._generation_ahead import LengthBucketsAhead
 from dynvm._sampling import next_tokens
 from dynvm.cluster.protocol._generate import GenerationRequest
-from dynvm.cluster.serving._config_flags import cli
+from dynvm.cluster.serving._generate_config import SchedulerConfig
+from dynvm.cluster.serving._generate_outbox import Outbox
 from dynvm.cluster.serving._generate_slots import SlotCache
 from dynvm.vm.errors import ConfigError, DynvmError, InputError
+
+PUBLISH_S = 0.1
+"""Longest time between two hand-overs of the metrics while sequences run (Note
+[Metrics off the step's path])."""
 
 
 class GenerateBusy(DynvmError):
@@ -62,61 +79,16 @@ class GenerateTimeout(DynvmError):
     """A sequence ran past its request's time budget (SchedulerConfig.request_seconds)."""
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Bounds and batching of a generator replica (0 in a size: the programs' own)."""
-
-    max_sequences: int = field(default=0, metadata=cli("--max-batch-size", shared=True))
-    """Rows decoded at once; 0: the programs' max_batch."""
-    max_waiting: int = field(default=64, metadata=cli("--max-queued", shared=True))
-    """Admitted sequences waiting for a row or for cache; one more is a 503."""
-    cache_tokens: int = 0
-    """Cache tokens reserved at once (prompt + max_tokens per sequence); 0: max_sequences
-    x max_length."""
-    step_token_budget: int = 64
-    """Tokens per step: the running rows' one each plus the prompts prefilled in it.
-    Over plain caches a prompt longer than the rest still runs alone in a step of its
-    own; over the KV state prompts are written in chunks that fit (Note [Prompt chunks
-    between decode steps] in dynvm.cluster.serving._generate_slots)."""
-    min_prompt_tokens: int = 8
-    """Over the KV state: prompt tokens a step writes at least (when a prompt waits),
-    however many rows decode: prompts always progress."""
-    prefill_length_multiple: int = 8
-    """Prompts prefilled together are left-padded to a multiple of this (1: not at all)."""
-    max_prompt_tokens: int = 0
-    """Longest prompt accepted; 0: max_length - 1."""
-    max_tokens: int = 0
-    """Largest max_tokens accepted; 0: max_length - 1 (prompt + max_tokens <= max_length
-    always)."""
-    request_seconds: float = 120.0
-    """Wall-clock budget of one sequence from its arrival; past it, it ends in an error."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_sequences", "max_waiting", "cache_tokens", "step_token_budget",
-                     "prefill_length_multiple", "max_prompt_tokens", "max_tokens",
-                     "min_prompt_tokens"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 0:
-                raise ConfigError(f"SchedulerConfig.{name}: expected an integer >= 0, got "
-                                  f"{value!r}")
-        if self.prefill_length_multiple < 1 or self.step_token_budget < 1 or \
-                self.min_prompt_tokens < 1:
-            raise ConfigError("SchedulerConfig: prefill_length_multiple, "
-                              "step_token_budget and min_prompt_tokens must be >= 1")
-        if not self.request_seconds > 0:
-            raise ConfigError(f"SchedulerConfig.request_seconds: expected > 0, got "
-                              f"{self.request_seconds!r}")
-
-
 class Sequence:
     """A submitted sequence: its tokens so far and how it ended. `cancel()` from any
     thread frees its row at the scheduler's next step."""
 
     def __init__(self, sid: int, request: GenerationRequest, sink: Callable,
-                 stops: frozenset, deadline: float) -> None:
+                 stops: frozenset, deadline: float, loop=None) -> None:
         self.id = sid
         self.request = request
         self.sink = sink
+        self.loop = loop   # the sink's event loop (Note [One hop per step]), or None
         self.stops = stops
         self.deadline = deadline
         self.arrived = time.monotonic()
@@ -220,6 +192,8 @@ class GenerateScheduler:
         self._ids = itertools.count(1)
         self._closed = False
         self.held: set[int] = set()   # ids of sequences admitted and not yet freed
+        self._outbox = Outbox()   # a step's events for sequences on loops
+        self._published = 0.0
         self.counters = dict.fromkeys(
             ("admitted", "rejected", "finished", "cancelled", "errors", "timeouts", "freed",
              "prefill_calls", "decode_steps", "specialized_steps", "tokens", "copies",
@@ -257,9 +231,11 @@ class GenerateScheduler:
             raise InputError(f"prompt: token ids must be in 0..{self.vocab_size - 1}, got "
                              f"{bad[0]}")
 
-    def submit(self, request: GenerationRequest, sink: Callable) -> Sequence:
+    def submit(self, request: GenerationRequest, sink: Callable, loop=None) -> Sequence:
         """Admit a sequence (InputError: never runnable; GenerateBusy: the waiting room is
-        full). `sink` gets its events on the scheduler's thread."""
+        full). `sink` gets its events on the scheduler's thread, or with `loop` (an
+        asyncio loop) on that loop, a step's events in one hop (Note [One hop per
+        step])."""
         self.check(request)
         stops = self._eos if request.stop_token_ids is None else frozenset(
             request.stop_token_ids)
@@ -272,7 +248,7 @@ class GenerateScheduler:
                                    f"{len(self._waiting)} waiting, the limit is "
                                    f"{self.config.max_waiting}")
             seq = Sequence(next(self._ids), request, sink, stops,
-                           time.monotonic() + self.config.request_seconds)
+                           time.monotonic() + self.config.request_seconds, loop)
             self._waiting.append(seq)
             self.held.add(seq.id)
             self.counters["admitted"] += 1
@@ -333,6 +309,7 @@ class GenerateScheduler:
                     if seq.finish_reason is None:
                         self._end(seq, "error", exc)
                 self._clear()
+            self._flush()
             with self._cond:
                 self._joining = []
                 self._cond.notify_all()
@@ -340,6 +317,7 @@ class GenerateScheduler:
         failure = GenerateBusy("the replica shut down before the sequence finished")
         for seq in list(self._waiting) + self._running + self._prompting:
             self._end(seq, "error", failure)
+        self._flush()
         self._waiting.clear()
         self._clear()
 
@@ -568,10 +546,16 @@ class GenerateScheduler:
                 self._end(seq, "length")
 
     def _send(self, seq: Sequence, event: tuple) -> None:
+        if seq.loop is not None:   # Note [One hop per step]: sent after the step
+            self._outbox.add(seq, event)
+            return
         try:
             seq.sink(event)
         except Exception:  # its client's loop is gone: nobody reads it any more
             seq.cancelled = True
+
+    def _flush(self) -> None:
+        self._outbox.flush()
 
     def _end(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
         """Free the sequence's reservation; its row leaves the cache at the next drop."""
@@ -593,6 +577,13 @@ class GenerateScheduler:
         self._send(seq, ("error", error) if error is not None else ("end", reason))
 
     def _publish(self) -> None:
-        if self.metrics is not None:
-            self.metrics.occupancy({**self.occupancy(),
-                                    "copy_bytes": self.counters["copy_bytes"]})
+        """Note [Metrics off the step's path]: every PUBLISH_S while busy, and when idle."""
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        busy = self._running or self._waiting or self._prompting
+        if busy and now - self._published < PUBLISH_S:
+            return
+        self._published = now
+        self.metrics.occupancy({**self.occupancy(), "copy_bytes": self.counters["copy_bytes"]})
+
