@@ -103,12 +103,37 @@ def build_model(kind: str) -> torch.nn.Module:
     return model.eval()
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+def _anon_mb() -> float:
+    """Anonymous resident MiB (not the libraries' code pages), read after gc and
+    malloc_trim(0) so that freed memory glibc keeps is not counted (Note [A generator's
+    resident memory] in dynvm._generate_memory)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as statm:
+        _, resident, shared, *_ = (int(v) for v in statm.read().split())
+    return (resident - shared) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _tensor_mb() -> float:
+    """MiB of the distinct storages that live CPU tensors view, and of live oneDNN-packed
+    (opaque) tensors: what the process holds in tensors, each storage once."""
+    import gc
+
+    gc.collect()
+    storages, opaque = {}, 0
+    for obj in gc.get_objects():
+        # Subclasses (the fake tensors torch's export leaves behind) have no storage.
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.device.type != "cpu":
+            continue
+        if obj.layout == torch.strided:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif obj.layout == torch._mkldnn:
+            opaque += obj.numel() * obj.element_size()
+    return (sum(storages.values()) + opaque) / 2**20
 
 
 def _row(model, batch, system, prefill_s, steps, cpu_s, **extra) -> Row:
@@ -207,50 +232,45 @@ def _ct2_run(ct2, ids):
     return tokens, prefill_s, total, max(total_cpu - prefill_cpu, 1e-9)
 
 
-def _packed_mb(generator) -> float:
-    """MiB of oneDNN-packed weight copies the generator's JIT engines hold (Note
-    [Prepacked weights]: one cache per engine, i.e. per program)."""
-    total = 0
-    for runtime in (generator.step, generator.prefill, generator.decode):
-        if runtime is None:
-            continue
-        options = getattr(runtime.jit, "_cpu_options", None)
-        cache = getattr(getattr(options, "prepacked", None), "_packed", None)
-        for packed in list(cache.values()) if cache is not None else ():
-            total += packed.numel() * packed.element_size()
-    return total / 2**20
-
-
 def run_model(kind: str, batches, systems, threads: int, results: Results,
               jit_config=True) -> None:
     """Every system on one model, each batch size."""
-    import gc
-
     import dynvm
 
     model = build_model(kind)
     weights_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    gc.collect()
-    after_model = _rss_mb()
+    # Note [A generator's resident memory]: each reading after gc and malloc_trim(0),
+    # anonymous pages only; tensors counted as distinct storages beside it.
+    after_model, tensors_model = _anon_mb(), _tensor_mb()
     start = time.perf_counter()
     programs = dynvm.compile_generator(model, max_batch=max(16, *batches),
                                        max_length=PROMPT + NEW + 1, jit=False,
                                        pure="dynvm-jit-pure" in systems).programs
     results.export_seconds[kind] = time.perf_counter() - start
-    gc.collect()
-    memory = results.resident_mb[kind] = {"weights": weights_mb,
-                                          "programs": _rss_mb() - after_model}
+    memory = results.resident_mb[kind] = {
+        "weights": weights_mb,
+        # The process's first export pays torch.export's own first use too.
+        "programs": _anon_mb() - after_model,
+        "of_which_new_tensors": _tensor_mb() - tensors_model}
     with dynvm.Generator(programs, jit=jit_config) as jit:
         # One generation at B=1 before anything else is built: what a generator adds.
         ids = torch.randint(3, model.config.vocab_size, (1, PROMPT))
         jit.generate(ids, max_new_tokens=NEW, stop_tokens=())
         _settle(jit)
-        memory["jit_generator_b1"] = _rss_mb() - after_model
-        memory["of_which_packed_weights"] = _packed_mb(jit)
-        if jit.state is not None:   # allocated once at max_batch x max_length
-            memory["of_which_kv_state"] = jit.state.nbytes / 2**20
-        # What the generator plans: one copy of the weights + the KV state (stated).
-        memory.update({f"planned_{k}": v / 2**20 for k, v in jit.memory().items()})
+        memory["jit_generator_b1"] = _anon_mb() - after_model
+        memory["of_which_new_tensors_held"] = _tensor_mb() - tensors_model
+        held = jit.memory()   # what the generator states it holds, by cause
+        memory.update({f"stated_{k}": getattr(held, k) / 2**20 for k in (
+            "weights", "cache", "packed_weights", "arenas", "total")})
+    # A second generator over the same programs, the process's first uses paid: what
+    # each generator adds (its KV pages as far as one B=1 generation touched them).
+    before = _anon_mb()
+    with dynvm.Generator(programs, jit=jit_config) as again:
+        again.generate(ids, max_new_tokens=NEW, stop_tokens=())
+        _settle(again)
+        memory["second_generator_b1"] = _anon_mb() - before
+        held = again.memory()
+        memory["second_stated_beyond_weights"] = (held.total - held.weights) / 2**20
     interp = dynvm.Generator(programs, jit=False) if "dynvm-interp" in systems else None
     ct2, ct2_note = (_ctranslate2(model, kind, threads) if "ctranslate2" in systems
                      else (None, ""))
@@ -393,9 +413,10 @@ def report(results: Results) -> str:
                 r.step_p50_ms, r.step_p99_ms)]
         lines.append("| " + " | ".join(cells + [r.specialized, r.same_tokens, r.note]) + " |")
     for kind, mem in results.resident_mb.items():
-        lines.append(f"\n{kind}: weights {mem['weights']:.0f} MiB; resident memory over the "
-                     "built model: " + ", ".join(f"{k} +{v:.0f} MiB" for k, v in mem.items()
-                                                 if k != "weights"))
+        lines.append(f"\n{kind}: weights {mem['weights']:.1f} MiB; anonymous resident MiB after "
+                     "gc and malloc_trim(0), over the built model (second_generator_b1: over "
+                     "the process just before it): " + ", ".join(
+                         f"{k} {v:+.1f} MiB" for k, v in mem.items() if k != "weights"))
     return "\n".join(lines)
 
 

@@ -33,6 +33,7 @@ _LAZY: dict[str, str] = {
     "RuntimeStats": "dynvm._runtime_stats",
     "Generator": "dynvm._generate",
     "GenerationStats": "dynvm._generate",
+    "GeneratorMemory": "dynvm._generate_memory",
     "compile_generator": "dynvm._generate",
     "save_generator": "dynvm._serve_generate_bundle",
     "Sampling": "dynvm._sampling",
@@ -90,7 +91,8 @@ def load(path) -> Program:
 __all__ = [
     "AssembleError", "CallBudget", "CallBudgetError", "ConfigError", "ConfigTypeError",
     "DvmFormatError", "DynvmError", "ExecutionError", "InputError", "SaveError",
-    "GenerationStats", "Generator", "JitConfig", "Sampling", "compile_generator",
-    "Program", "RegionStats", "Runtime", "RuntimeStats", "ShapeError", "UnregisteredOpError",
-    "UnsupportedOpError", "VerifyError", "compile", "load", "save", "save_generator",
+    "GenerationStats", "Generator", "GeneratorMemory", "JitConfig", "Sampling",
+    "compile_generator", "Program", "RegionStats", "Runtime", "RuntimeStats", "ShapeError",
+    "UnregisteredOpError", "UnsupportedOpError", "VerifyError", "compile", "load", "save",
+    "save_generator",
 ]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dynvm._generate_memory import GeneratorMemory, generator_memory
 from dynvm._generation_ahead import LengthBucketsAhead, StepAhead
 from dynvm._generation_export import GeneratorPrograms, export_generator
 from dynvm._kv_state import KvState
@@ -95,13 +96,14 @@ class Generator:
         self._specialized_steps = 0
         self._prompt_calls = 0
 
-    def memory(self) -> dict[str, int]:
-        """Resident bytes the generator plans: one copy of the weights (the distinct
-        storages its programs hold) and the KV state (0 over plain caches, which grow
-        with each generation instead)."""
+    def memory(self) -> GeneratorMemory:
+        """Bytes the generator holds in tensors, by cause: one copy of the weights (the
+        distinct storages its programs hold), the KV state (0 over plain caches, which
+        grow with each generation instead), and the JIT's packed weight copies and
+        arenas (Note [A generator's resident memory] in dynvm._generate_memory)."""
         cache = self.state.nbytes if self.state is not None else 0
-        weights = self.programs.weights_bytes
-        return {"weights": weights, "cache": cache, "total": weights + cache}
+        return generator_memory(self.programs.weights_bytes, cache,
+                                (self.step, self.prefill, self.decode))
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int = 32, sampling: Sampling | None = None,

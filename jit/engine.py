@@ -146,6 +146,11 @@ class Jit:
     def close(self) -> None:
         self.queue.close()
 
+    def packed_weight_bytes(self) -> int:
+        """Bytes of the oneDNN-packed weight copies this engine's kernels hold alive
+        (Note [Prepacked weights] in dynvm.jit.backends.cpu.prepack)."""
+        return self._cpu_options.prepacked.nbytes()
+
     # -- detached regions (Note [Detached regions] in dynvm.jit.region_watch) -------------
 
     @property

@@ -123,10 +123,10 @@ def test_weights_resident_once(built):
     with dynvm.Generator(programs, jit=False) as generator:
         assert generator.prefill is None and generator.decode is None
         memory = generator.memory()
-        assert weight_bytes <= memory["weights"] < 1.05 * weight_bytes
-        assert memory["cache"] == generator.state.nbytes == sum(
+        assert weight_bytes <= memory.weights < 1.05 * weight_bytes
+        assert memory.cache == generator.state.nbytes == sum(
             t.numel() * t.element_size() for t in generator.state.tensors)
-        assert memory["total"] == memory["weights"] + memory["cache"]
+        assert memory.total == memory.planned == memory.weights + memory.cache
 
 
 def test_tied_weights_stored_once(built):

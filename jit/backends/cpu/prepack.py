@@ -86,3 +86,11 @@ class PrepackCache:
         """Packed weights alive (held by at least one kernel)."""
         with self._lock:
             return len(self._packed)
+
+    def nbytes(self) -> int:
+        """Bytes of the packed weights alive: a second copy of those weights, beside the
+        program's constants that the interpreter reads (Note [A generator's resident
+        memory] in dynvm._generate_memory)."""
+        with self._lock:
+            packed = list(self._packed.values())
+        return sum(t.numel() * t.element_size() for t in packed)
