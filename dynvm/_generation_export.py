@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dynvm._lm_head_layout import store_lm_head_input_major
 from dynvm.vm.errors import ConfigError
 from dynvm.vm.program import Program
 
@@ -212,6 +213,8 @@ def export_generator(model: torch.nn.Module, *, max_batch: int = 64,
     pad = getattr(generation, "pad_token_id", None)
     pad = pad if pad is not None else getattr(config, "pad_token_id", None)
     pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
-    return GeneratorPrograms(prefill, decode, layers, max_batch, max_length,
-                             tuple(int(t) for t in eos_ids), int(pad), step,
-                             chunk if kv_state else 0, bool(kv_state and packed))
+    programs = GeneratorPrograms(prefill, decode, layers, max_batch, max_length,
+                                 tuple(int(t) for t in eos_ids), int(pad), step,
+                                 chunk if kv_state else 0, bool(kv_state and packed))
+    # Note [LM head stored input-major] in dynvm._lm_head_layout
+    return store_lm_head_input_major(programs, model)
