@@ -97,6 +97,7 @@ from dynvm.jit.backends.cpu.calibration_rows import (
     CALIBRATION_MAX_M as _CALIBRATION_MAX_M,
 )
 from dynvm.jit.backends.cpu.calibration_rows import calibration_max_m
+from dynvm.jit.backends.cpu.huge_pages import to_huge_pages
 from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.backends.cpu.row_gate import (
     ONEDNN,
@@ -599,6 +600,7 @@ def _fused_op(op, gemm: _Gemm, epilogue, ops, constants, probes,
     xs = probe_tensors(probes, gemm.x.reg)
     packed = prepacked.linear_weight(gemm.weight, constants[gemm.weight], _m_of(xs[0]),
                                      gemm.transpose)
+    to_huge_pages(packed)   # Note [Packed weights on huge pages]
     bias = constants[gemm.bias.index] if isinstance(gemm.bias, ConstRef) else None
     if epilogue is None:
         dsts, variant, attr, other = op.dsts, FUSED_VARIANT, "none", None

@@ -73,6 +73,7 @@ from dynvm.jit.backends.cpu.fusion import (
     untouched_between,
     use_counts,
 )
+from dynvm.jit.backends.cpu.huge_pages import to_huge_pages
 from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.config import PRECISIONS
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
@@ -241,6 +242,7 @@ class _Bf16Lowering:
             return torch.ops.mkldnn._reorder_linear_weight(
                 dense.to(torch.bfloat16).contiguous(), 1)
         packed = self.prepacked.get((gemm.weight, "linear-bf16", gemm.transpose), build)
+        to_huge_pages(packed)   # Note [Packed weights on huge pages]
         if epilogue is None:
             dst, variant, post = op.dsts[0], FUSED_VARIANT, ("none", [], "")
         else:
