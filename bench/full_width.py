@@ -252,7 +252,7 @@ def prepare(model: FullWidthModel, cache: Path | None, with_onnx: bool = False, 
     if dvm is not None and dvm.exists():
         program = dynvm.load(dvm)
     else:
-        program = dynvm.compile(model.module, model.inputs[model.export_index],
+        program = dynvm.compile(model.module, model.export_inputs,
                                 model.dynamic_shapes, name=model.name)
         if dvm is not None:
             dvm.parent.mkdir(parents=True, exist_ok=True)
@@ -261,7 +261,7 @@ def prepare(model: FullWidthModel, cache: Path | None, with_onnx: bool = False, 
     if with_onnx and onnx is not None and not os.path.exists(onnx):
         from bench.peers import Exported
 
-        Exported(model.module, model.inputs[model.export_index], model.dynamic_shapes,
+        Exported(model.module, model.export_inputs, model.dynamic_shapes,
                  kept=onnx).close()
         log(f"[{model.name}] ONNX export kept at {onnx}")
     return program, seconds, onnx
@@ -296,9 +296,9 @@ def measure(model: FullWidthModel, warmup: int, calls_per_shape: int, peers=(),
         for name in peers:
             try:
                 # One ONNX export serves every peer (the export is most of the setup).
-                exported = exported or Exported(model.module, model.inputs[model.export_index],
+                exported = exported or Exported(model.module, model.export_inputs,
                                                 model.dynamic_shapes, kept=onnx)
-                built[name] = Peer(name, model.module, model.inputs[model.export_index],
+                built[name] = Peer(name, model.module, model.export_inputs,
                                    model.dynamic_shapes, exported=exported)
                 log(f"[{model.name}] {name}: {built[name].exporter} export + build "
                     f"{built[name].setup_seconds:.1f} s")

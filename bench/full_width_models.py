@@ -46,9 +46,20 @@ class FullWidthModel:
     inputs: tuple[tuple[torch.Tensor, ...], ...]
     """One input tuple per shape, seeded."""
 
-    export_index: int
+    export_index: int | None
     """The input that torch.export and the ONNX export see (no dynamic dim at 1: export
-    would specialize it)."""
+    would specialize it); None where no timed shape qualifies (`export_example`)."""
+
+    export_example: tuple[torch.Tensor, ...] | None = None
+    """The input exported when no timed shape qualifies (say `--shapes 1x16`): one made
+    for the export alone, never timed."""
+
+    @property
+    def export_inputs(self) -> tuple[torch.Tensor, ...]:
+        """What torch.export and the ONNX export are given."""
+        if self.export_index is None:
+            return self.export_example
+        return self.inputs[self.export_index]
 
     @property
     def parameters(self) -> int:
@@ -91,20 +102,32 @@ def _tokens(shapes, vocab: int) -> tuple:
     return tuple(inputs)
 
 
-def _export_index(sizes) -> int:
+def _export_index(sizes) -> int | None:
     """The first shape with no dynamic size at 1 or at the smallest (export specializes
-    a 1; Note [Full-width timing])."""
-    return next(i for i, size in enumerate(sizes)
-                if all(d > 1 for d in (size if isinstance(size, tuple) else (size,))))
+    a 1; Note [Full-width timing]); None if there is none."""
+    return next((i for i, size in enumerate(sizes)
+                 if all(d > 1 for d in (size if isinstance(size, tuple) else (size,)))), None)
+
+
+def _pixels(batches, size: int) -> tuple:
+    """Seeded images per batch size, and an export example at batch 2 where no timed
+    batch is above 1."""
+    inputs = tuple((torch.randn(b, 3, size, size, generator=torch.Generator().manual_seed(b)),)
+                   for b in batches)
+    example = None if _export_index(batches) is not None else \
+        (torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(2)),)
+    return inputs, example
 
 
 def _text_model(name, module, shapes, vocab, max_seq: int = 256) -> FullWidthModel:
     from torch.export import Dim
 
     batch, seq = Dim("batch", min=1, max=16), Dim("seq", min=2, max=max_seq)
+    index = next((i for i, (b, s) in enumerate(shapes) if b > 1 and s > 16), None)
+    example = _tokens(((2, 32),), vocab)[0] if index is None else None
     return FullWidthModel(name, module.eval(), ({0: batch, 1: seq}, {0: batch, 1: seq}),
                           tuple(f"{b}x{s}" for b, s in shapes), _tokens(shapes, vocab),
-                          next(i for i, (b, s) in enumerate(shapes) if b > 1 and s > 16))
+                          index, example)
 
 
 def bert(hidden: int = 768, layers: int = 4, heads: int = 12, ffn: int = 3072,
@@ -158,12 +181,11 @@ def vit(layers: int = 2, batches=(1, 2, 4), size: int = 224) -> FullWidthModel:
     torch.manual_seed(0)
     module = _Keywords(hf.ViTModel(config), ("pixel_values",),
                        ("last_hidden_state", "pooler_output")).eval()
-    inputs = tuple((torch.randn(b, 3, size, size,
-                                generator=torch.Generator().manual_seed(b)),)
-                   for b in batches)
+    inputs, example = _pixels(batches, size)
     return FullWidthModel(f"vit-b16-l{layers}-{size}", module,
                           ({0: Dim("batch", min=1, max=16)},),
-                          tuple(f"batch {b}" for b in batches), inputs, _export_index(batches))
+                          tuple(f"batch {b}" for b in batches), inputs, _export_index(batches),
+                          example)
 
 
 def resnet50(batches=RESNET_BATCHES, size: int = 224,
@@ -180,14 +202,12 @@ def resnet50(batches=RESNET_BATCHES, size: int = 224,
     blocks = tuple(blocks)
     module = (torchvision.models.resnet50() if blocks == RESNET50_BLOCKS
               else ResNet(Bottleneck, list(blocks))).eval()
-    inputs = tuple((torch.randn(b, 3, size, size,
-                                generator=torch.Generator().manual_seed(b)),)
-                   for b in batches)
+    inputs, example = _pixels(batches, size)
     name = f"resnet50-{size}" if blocks == RESNET50_BLOCKS else \
         f"resnet50-blocks{''.join(map(str, blocks))}-{size}"
     return FullWidthModel(name, module, ({0: Dim("batch", min=1, max=16)},),
                           tuple(f"batch {b}" for b in batches), inputs,
-                          _export_index(batches))
+                          _export_index(batches), example)
 
 
 def tier() -> dict:

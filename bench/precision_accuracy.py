@@ -122,7 +122,7 @@ def _bert(layers: int):
     from bench.full_width import bert
 
     model = bert(layers=layers)
-    program = dynvm.compile(model.module, model.inputs[model.export_index],
+    program = dynvm.compile(model.module, model.export_inputs,
                             model.dynamic_shapes, name=model.name)
     return model.name, program, list(model.inputs)
 

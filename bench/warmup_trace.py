@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     if cached.exists():   # the export is the same for every run: load it
         program = dynvm.load(cached)
     else:
-        program = dynvm.compile(model.module, model.inputs[model.export_index],
+        program = dynvm.compile(model.module, model.export_inputs,
                                 model.dynamic_shapes, name=model.name)
         dynvm.save(program, cached)
 

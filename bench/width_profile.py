@@ -116,10 +116,10 @@ def run(shapes, layers: int, calls: int, log=print) -> list[dict]:
     from bench.peers import OpenvinoRunner, Peer
 
     model = full_width.bert(layers=layers, shapes=tuple(shapes))
-    program = dynvm.compile(model.module, model.inputs[model.export_index],
+    program = dynvm.compile(model.module, model.export_inputs,
                             model.dynamic_shapes, name=model.name)
     jit = dynvm.Runtime(program, jit=dynvm.JitConfig())
-    peer = Peer("openvino", model.module, model.inputs[model.export_index],
+    peer = Peer("openvino", model.module, model.export_inputs,
                 model.dynamic_shapes)
     # The same file compiled again with per-node counters on (they add timers).
     counted = OpenvinoRunner(peer.path, torch.get_num_threads(), perf_count=True)

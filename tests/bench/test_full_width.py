@@ -125,3 +125,25 @@ def test_openmp_wait_policy_reexec(monkeypatch):
     assert "unset" in _omp.wait_policy()
     monkeypatch.setattr(sys, "argv", ["pytest", "bench", "zoo"])
     _omp.reexec_cli_passive()   # not the dynvm command line: nothing happens
+
+
+def test_batch_one_shapes_alone_export_at_an_untimed_example():
+    """`--shapes 1x16,1x32` has no shape export can take (a dynamic dim at 1 would be
+    specialized): the model is exported at a batch-2 example it never times, and both
+    the interpreter and eager agree at the timed shapes."""
+    import dynvm
+
+    model = full_width.bert(hidden=32, layers=1, heads=2, ffn=64, vocab=128,
+                            shapes=((1, 16), (1, 32)))
+    assert model.export_index is None
+    ids, mask = model.export_inputs
+    assert ids.shape == mask.shape == (2, 32)
+    program = dynvm.compile(model.module, model.export_inputs, model.dynamic_shapes)
+    with dynvm.Runtime(program) as runtime:
+        for inputs in model.inputs:
+            expected = model.module(*inputs)
+            got = runtime(*inputs)
+            for e, g in zip(expected, got, strict=True):
+                assert (e - g).abs().max().item() < 1e-4
+    vision = full_width.resnet50(batches=(1,), size=32, blocks=(1, 1, 1, 1))
+    assert vision.export_index is None and vision.export_inputs[0].shape == (2, 3, 32, 32)
