@@ -216,6 +216,42 @@ def test_client_disconnect_frees_its_sequence(served):
     assert scheduler.occupancy()["cache_rows"] == 0
 
 
+def test_client_disconnect_frees_its_slot_on_the_packed_step(tmp_path):
+    """Over the packed step (one call a step, Note [One packed call per step]) a client
+    that disconnects mid-stream has its sequence cancelled and its slot freed, and the
+    next request streams `Generator.generate`'s tokens."""
+    from dynvm._serve_generate_bundle import save_generator
+    from tests.generation._tiny import tiny_packed_programs
+
+    bundle = save_generator(tiny_packed_programs(), tmp_path / "packed")
+    server = GeneratorServer(MODEL, str(bundle), ServingConfig(device="cpu", jit=False),
+                             SchedulerConfig(max_sequences=4), metrics_to_ray=False)
+    http_server = HttpServer(server)
+    try:
+        assert server.generator.packed
+        scheduler = server.scheduler
+        sock = _open_stream(http_server, {"prompt": [5, 6], "max_tokens": 62,
+                                          "stream": True, "ignore_eos": True,
+                                          "temperature": 0})
+        sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+        assert scheduler.wait_idle(20)
+        events = _curl(f"{http_server.url}/v1/completions",
+                       {"prompt": [7, 8, 9], "max_tokens": 9, "temperature": 0,
+                        "ignore_eos": True, "stream": True})
+        assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == \
+            reference([7, 8, 9], 9, None, ())
+        assert scheduler.wait_idle(20)
+        counters = scheduler.counters
+        assert counters["cancelled"] == 1 and counters["tokens"] < 62 + 9, counters
+        assert counters["admitted"] == counters["freed"] == 2 and not scheduler.held
+        assert scheduler.occupancy()["cache_rows"] == 0
+        assert scheduler._slots.used_tokens() == 0
+    finally:
+        http_server.close()
+        server.close()
+
+
 def test_prometheus_series_and_stats(served):
     server, http_server = served
     _post(http_server, "/v1/completions", {"prompt": [5], "max_tokens": 4})
