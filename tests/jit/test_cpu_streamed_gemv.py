@@ -1,5 +1,5 @@
-"""Note [Streamed GEMVs stay on torch] (jit/backends/cpu/fusion.py): a GEMM at one row
-over a weight larger than `_STREAMED_BYTES` stays on torch without a calibration
+"""Note [Streamed GEMVs stay on torch] (jit/backends/cpu/streamed_gemv.py): a GEMM at one
+row over a weight larger than `STREAMED_BYTES` stays on torch without a calibration
 question (so without a packed copy); a smaller weight, or more rows, is still asked."""
 
 from __future__ import annotations

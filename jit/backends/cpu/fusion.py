@@ -107,6 +107,7 @@ from dynvm.jit.backends.cpu.row_gate import (
     UnaryRowGate,
     sightings_before_onednn,
 )
+from dynvm.jit.backends.cpu.streamed_gemv import streamed_gemv
 from dynvm.jit.calibration import Calibrator, Choice, size_class
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
 from dynvm.jit.specialize import add_frees
@@ -425,23 +426,6 @@ class _Decision:
 
 _NO_FASTER = "oneDNN measured no faster here"
 
-# Note [Streamed GEMVs stay on torch]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# At one row (M = 1 at every probe: a decode step at batch 1) a GEMM is a GEMV that
-# reads its weight once, so the weight streams from memory each call once it is larger
-# than the core's L2; the calibration's repeated calls read it from cache instead, and
-# measure something that real calls never see. Measured on the bench Llama's decode
-# step with its 17 weights cycled as in decoding (2026-12-05, one thread, load 1-2):
-# oneDNN on packed weights 0.96-1.00x torch's MKL GEMV (within noise), oneDNN's linear
-# + residual add on the 768 x 768 output projection 1.01x, the LM head through oneDNN
-# on its dense weight 1.21x. What a oneDNN choice costs is certain: a packed copy of
-# the weight (94 MiB for that LM head), and calibration calls of 6-17 ms each (that
-# head's, in kernel headers) on the compile thread with the GIL held (Note [oneDNN
-# holds the GIL]) while decode steps wait. So such a GEMV stays on torch, unasked,
-# past `_STREAMED_BYTES`; smaller weights (which a small model keeps in cache between
-# calls) are still measured.
-_STREAMED_BYTES = 4 << 20
-
 
 def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
             calibrator: Calibrator | None) -> _Decision:
@@ -453,11 +437,9 @@ def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
     label = _kind(op, epilogue, ops)
     threads = torch.get_num_threads()
     probe_ms = {_m_of(x) for x in probe_tensors(probes, gemm.x.reg)}
-    weight_bytes = weight.numel() * weight.element_size()
-    # Note [Streamed GEMVs stay on torch]
-    if probe_ms == {1} and weight_bytes > _STREAMED_BYTES:
-        return _Decision(False, f"a GEMV over {weight_bytes / 2**20:.1f} MiB streamed from "
-                                f"memory: torch's, not asked")
+    streamed = streamed_gemv(probe_ms, weight)  # Note [Streamed GEMVs stay on torch]
+    if streamed is not None:
+        return _Decision(False, streamed)
     new_rows = len(probe_ms) > 1
     dense = weight.t() if gemm.transpose else weight
     eager, fused = _forms(op, epilogue, ops, weight, bias)
