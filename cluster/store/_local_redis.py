@@ -10,7 +10,9 @@ a memory cap. Its configuration, password included, goes to redis-server on stdi
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import random
 import secrets
 import shutil
 import signal
@@ -62,8 +64,40 @@ def _parent_death_signal():
     return preexec
 
 
+# Note [Ports outside the ephemeral range]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A port that bind(0) hands out comes from the kernel's ephemeral range (32768-60999 on
+# Linux by default), the same range every outgoing TCP connection takes its local port
+# from. Between choosing a port and binding it, a process that opens connections (Ray's
+# raylet, GCS and workers open many while `ray.init` and `serve.start` run) may be given
+# it as a connection's local port, and the bind then fails: "Failed to bind to address
+# '127.0.0.1:35099'" for Serve's proxy in a suite rehearsal on 2026-12-05, and a readiness
+# probe that read HTTP/2 frames from one of Ray's gRPC servers in another. So the port
+# is drawn at random from below the ephemeral range and above Ray's worker ports
+# (10002-19999), where nothing is handed out implicitly; bind(0) is the fallback where
+# the kernel's range leaves no such room.
+_LOW_PORTS = range(20000, 32000)
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (0 where it cannot be read)."""
+    with contextlib.suppress(OSError, ValueError), \
+            open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+        return int(ports.read().split()[0])
+    return 0
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now, outside the kernel's
+    ephemeral range where it has room (Note [Ports outside the ephemeral range])."""
+    if _ephemeral_low() > _LOW_PORTS.stop:
+        for port in random.sample(_LOW_PORTS, 64):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]

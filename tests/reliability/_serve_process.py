@@ -12,9 +12,7 @@ import contextlib
 import ipaddress
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +21,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from dynvm.cluster.store._local_redis import free_port
 
 # ------------------------------------------------------------------ processes
 
@@ -145,35 +145,6 @@ def is_loopback_address(address: str) -> bool:
 
 
 # ------------------------------------------------------------------ the server
-
-
-# A port the kernel hands out for bind(0) may go to one of Ray's own gRPC servers that
-# the command starts before Serve's proxy binds the port it was given: a readiness probe
-# then read HTTP/2 frames (BadStatusLine) in one rehearsal. So the command's port comes
-# from below the ephemeral range (and above Ray's worker ports, 10002-19999).
-_LOW_PORTS = range(20000, 32000)
-
-
-def _ephemeral_low() -> int:
-    with contextlib.suppress(OSError, ValueError), \
-            open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
-        return int(ports.read().split()[0])
-    return 0
-
-
-def free_port() -> int:
-    """A free loopback port that bind(0) does not hand out, when there is such a range."""
-    if _ephemeral_low() > _LOW_PORTS.stop:
-        for port in random.sample(_LOW_PORTS, 64):
-            with socket.socket() as probe:
-                try:
-                    probe.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-                return port
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def get_json(url: str, timeout: float = 3.0):

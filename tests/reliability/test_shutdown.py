@@ -24,13 +24,13 @@ import time
 
 import pytest
 
+from dynvm.cluster.store._local_redis import free_port
 from tests.cluster._cluster_helpers import saved_recommender
 from tests.cluster._redis_server import REDIS_SERVER
 from tests.reliability._serve_process import (
     ClosedLoop,
     HealthWatch,
     descendants,
-    free_port,
     is_loopback_address,
     kill_all,
     listening_sockets,
