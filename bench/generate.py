@@ -120,20 +120,10 @@ def _anon_mb() -> float:
 def _tensor_mb() -> float:
     """MiB of the distinct storages that live CPU tensors view, and of live oneDNN-packed
     (opaque) tensors: what the process holds in tensors, each storage once."""
-    import gc
+    from dynvm._generate_memory import live_tensors
 
-    gc.collect()
-    storages, opaque = {}, 0
-    for obj in gc.get_objects():
-        # Subclasses (the fake tensors torch's export leaves behind) have no storage.
-        if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.device.type != "cpu":
-            continue
-        if obj.layout == torch.strided:
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        elif obj.layout == torch._mkldnn:
-            opaque += obj.numel() * obj.element_size()
-    return (sum(storages.values()) + opaque) / 2**20
+    storages, opaque = live_tensors()
+    return (sum(storages.values()) + sum(opaque.values())) / 2**20
 
 
 def _row(model, batch, system, prefill_s, steps, cpu_s, **extra) -> Row:

@@ -42,7 +42,10 @@ malloc_trim(0) before each reading of the anonymous resident set):
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -85,3 +88,22 @@ def generator_memory(weights: int, cache: int, runtimes) -> GeneratorMemory:
         if jit.arena_pool is not None:
             arenas += jit.arena_pool.stats()["reserved_bytes"]
     return GeneratorMemory(weights, cache, packed, arenas)
+
+
+def live_tensors() -> tuple[dict[int, int], dict[int, int]]:
+    """What this process holds in CPU tensors, each storage once: (data_ptr -> bytes of
+    each distinct storage a live tensor views, id -> bytes of each live opaque oneDNN
+    tensor, the packed weights). Walks every object the collector tracks, so it is for
+    tests and benchmarks, never a serving path."""
+    gc.collect()
+    storages, opaque = {}, {}
+    for obj in gc.get_objects():
+        # Subclasses (the fake tensors torch's export leaves behind) have no storage.
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.device.type != "cpu":
+            continue
+        if obj.layout == torch.strided:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif obj.layout == torch._mkldnn:
+            opaque[id(obj)] = obj.numel() * obj.element_size()
+    return storages, opaque

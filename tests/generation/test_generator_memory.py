@@ -6,12 +6,10 @@ dynvm._generate_memory)."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
-import torch
 
 import dynvm
+from dynvm._generate_memory import live_tensors
 from tests.generation._tiny import MAX_BATCH, MAX_LENGTH, left_padded, tiny_causal_lm
 from tests.jit._jit_helpers import eager_config
 
@@ -22,20 +20,9 @@ copy is tens of KiB here."""
 
 
 def _live() -> tuple[dict[int, int], dict[int, int]]:
-    """(data_ptr -> bytes of each distinct storage that a live CPU tensor views,
-    id -> bytes of each live opaque oneDNN tensor: packed weights)."""
-    gc.collect()
-    storages, opaque = {}, {}
-    for obj in gc.get_objects():
-        # Subclasses (the fake tensors torch's export leaves behind) have no storage.
-        if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.device.type != "cpu":
-            continue
-        if obj.layout == torch.strided:
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        elif obj.layout == torch._mkldnn:
-            opaque[id(obj)] = obj.numel() * obj.element_size()
-    return storages, opaque
+    """(data_ptr -> bytes of each distinct live storage, id -> bytes of each live opaque
+    oneDNN tensor: packed weights)."""
+    return live_tensors()
 
 
 def _new(after: dict[int, int], before: dict[int, int]) -> dict[int, int]:
