@@ -17,7 +17,7 @@ alone by `dynvm serve`):
 Like the inference replica (dynvm.cluster.serving._replica), it runs on Serve's own loop and
 never blocks it: the model runs on the scheduler's thread, a step's tokens come back
 through one `call_soon_threadsafe` (Note [One hop per step] in
-dynvm.cluster.serving._generate_scheduler), and a stream writes the events it has at
+dynvm.cluster.serving._generate_outbox), and a stream writes the events it has at
 once (Note [Writes of what is ready]). A client that goes away (Serve cancels its request; a plain
 ASGI server fails the next write) cancels its sequence, freed at the scheduler's next
 step. Limits: the body (ServingConfig.max_body_bytes), prompt and max_tokens

@@ -309,7 +309,7 @@ class GenerateScheduler:
                     if seq.finish_reason is None:
                         self._end(seq, "error", exc)
                 self._clear()
-            self._flush()
+            self._outbox.flush()
             with self._cond:
                 self._joining = []
                 self._cond.notify_all()
@@ -317,7 +317,7 @@ class GenerateScheduler:
         failure = GenerateBusy("the replica shut down before the sequence finished")
         for seq in list(self._waiting) + self._running + self._prompting:
             self._end(seq, "error", failure)
-        self._flush()
+        self._outbox.flush()
         self._waiting.clear()
         self._clear()
 
@@ -553,9 +553,6 @@ class GenerateScheduler:
             seq.sink(event)
         except Exception:  # its client's loop is gone: nobody reads it any more
             seq.cancelled = True
-
-    def _flush(self) -> None:
-        self._outbox.flush()
 
     def _end(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
         """Free the sequence's reservation; its row leaves the cache at the next drop."""
