@@ -26,7 +26,8 @@ system (the peers get the same count, Note [ONNX peers] in bench.peers):
    queued, nothing on probation, Runtime.settled) or a cap; every other system runs
    every shape once, untimed.
 3. Steady: every system (eager, interpreter A, interpreter B for the A/A, JIT, peers)
-   interleaved call by call, each call after the JIT's queue drained, the order
+   interleaved call by call, each call after the JITs' background work ended (Note
+   [Quiet before each timed call]), the order
    changing call by call; per shape the median of each system's time over eager's of
    the same call; the A/A margin (bench._timing.aa_margin) of interpreter B over A is
    the margin of every "JIT at or below" statement.
@@ -79,7 +80,6 @@ from bench.full_width_report import (  # noqa: F401  (the names callers use)
     markdown,
     tier_markdown,
 )
-from bench.zoo import _drain
 from bench.zoo_report import insert_block
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,6 +109,44 @@ def _timed(fn, inputs) -> tuple[float, object]:
 
 # Compiles at full width take longer than the zoo's: wait up to this long for them.
 DRAIN_S = 600.0
+
+
+# Note [Quiet before each timed call]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The steady phase times every system with none of the JITs' background work running.
+# Waiting for the compile queue to be empty and no promotion pending is not that: a
+# probation shadow sample (Note [Probation] in dynvm.jit.probation: the region in the
+# interpreter and in the kernel, back to back, on the compile worker) is never marked
+# pending and leaves the queue when it starts, and it runs for 50-1,200 ms at BERT-base
+# width. The seasoning ends at its cap with kernels still on probation (08:16 run, 226
+# rounds: not settled), so their shadow pairs ran beside the timed calls: logged task
+# by task (2026-12-05 09:23, load 4-5), 2x128's JIT call overlapped a shadow sample at 4
+# of its 6 steady calls, 1x16's one 1.2 s pair took a call to 0.05x eager (the eager call
+# was the one slowed). Such a pair slows whichever call it overlaps, the JIT's or a
+# peer's, so a shape's median moved either way (2x128: 1.86-1.92x the best peer in two
+# runs, 1.02 in a third). Each timed call therefore waits until every JIT's queue is
+# empty, nothing is pending and no task is running (a task the previous call queued
+# included); the seasoning waits the same way, so that the shadow samples it causes are
+# timed on a quiet host and reach their verdicts sooner.
+QUIET_POLL_S = 0.002
+
+
+def _busy(runtime) -> bool:
+    """Background work of `runtime`'s JIT: queued, pending or running."""
+    engine = runtime.jit
+    if engine is None:
+        return False
+    queue = engine.queue
+    return bool(len(queue) or queue.running()
+                or any(rj.pending for rj in list(engine.regions.values())))
+
+
+def _drain(*runtimes, timeout: float = DRAIN_S) -> None:
+    """Wait until none of `runtimes` has background work (Note [Quiet before each timed
+    call]), at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(_busy(r) for r in runtimes) and time.monotonic() < deadline:
+        time.sleep(QUIET_POLL_S)
 
 
 def _warmup(model, systems, jit, calls: int, log) -> dict:
@@ -162,14 +200,14 @@ def _settle(model, systems, jit, log, cap_s: float = SETTLE_SECONDS) -> dict:
     for name, runtime in jits.items():
         deadline, done = time.monotonic() + cap_s, 0
         while time.monotonic() < deadline:
-            _drain(runtime, DRAIN_S)
+            _drain(runtime)
             if runtime.settled() and done:
                 break
             for x in model.inputs:
-                _drain(runtime, DRAIN_S)
+                _drain(runtime)
                 runtime(*x)
             done += 1
-        _drain(runtime, DRAIN_S)
+        _drain(runtime)
         rounds = done if name == "jit" else rounds
         if name != "jit":
             log(f"[{model.name}] {name} seasoned: {done} rounds, settled {runtime.settled()}")
@@ -186,7 +224,8 @@ def _settle(model, systems, jit, log, cap_s: float = SETTLE_SECONDS) -> dict:
 
 
 def _steady(model, systems, jit, calls_per_shape: int, log, deadline=None) -> dict:
-    """Phase 3: every system interleaved, the JIT's queue drained before each call."""
+    """Phase 3: every system interleaved, each call after the JITs' background work
+    ended (Note [Quiet before each timed call])."""
     order = list(systems)
     n = len(model.inputs)
     # Whole cycles of the call orders (balanced_steps) would be 16 x 98 calls with seven
@@ -211,10 +250,10 @@ def _steady(model, systems, jit, calls_per_shape: int, log, deadline=None) -> di
         done = step + 1
         index = stream_input(step, n, len(order))
         x, label = model.inputs[index], model.labels[index]
-        for runtime in _jits(systems).values():
-            _drain(runtime, DRAIN_S)
+        jits = tuple(_jits(systems).values())
         seconds, outputs = {}, {}
         for name in call_order(order, step):
+            _drain(*jits)
             seconds[name], outputs[name] = _timed(systems[name], x)
         if index not in checked:
             checked.add(index)

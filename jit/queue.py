@@ -114,6 +114,11 @@ class CompileQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def running(self) -> int:
+        """Tasks running now (not counted by len(): a probation shadow sample, which no
+        region marks pending, runs for up to a second after the queue looks empty)."""
+        return len(self._running)
+
     def close(self, wait_s: float = 0.0) -> None:
         """Stop the workers after the task each is running; waiting tasks are cancelled.
         With `wait_s`, wait up to that long for running compiles to finish."""
