@@ -2,9 +2,12 @@
 Ray and private redis-server, real HTTP clients.
 
 - every socket it listens on is on loopback (no --host);
-- SIGTERM, and SIGINT, during a closed loop of requests: every request sent before the
-  signal is answered, later ones are answered or cleanly refused (connection refused
-  or 503), the command exits 0 within its deadline, and no process of its tree is left;
+- SIGTERM during a closed loop of requests at each of two replicas: every request sent
+  before the signal is answered, later ones are answered or cleanly refused (connection
+  refused or 503), the command exits 0 within its deadline, and no process of its tree
+  is left. SIGINT asks for the same stop (in-process, below); a real process stopped by
+  SIGINT is tests/cluster/test_serve_cmd.py's (one `dynvm serve` start fewer: ~20 s of
+  the suite);
 - SIGKILL: no redis-server left within 10 s, nor any other process of its tree (Ray's
   agents alone would take a minute: Note [Orphan watch]);
 - a second signal forces the stop (exit 128 + the signal), on a real process and
@@ -66,10 +69,11 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(model, tmp_path_factory):
-    """One `dynvm serve` with the defaults but the drain; the SIGTERM test ends it."""
+    """One `dynvm serve` with the defaults but the drain and two replicas; the SIGTERM
+    test ends it."""
     path, _ = model
     run = start_serve(path, tmp_path_factory.mktemp("sigterm"), "--drain-seconds",
-                      str(DRAIN_S))
+                      str(DRAIN_S), "--replicas", "2", "--num-cpus", "0.5")
     yield run
     stop_hard(run)
 
@@ -151,18 +155,10 @@ def _drain_under_load(run, body: bytes, signum: int) -> None:
     assert not left, f"left running after the exit: {left}"
 
 
-def test_sigterm_drains_in_flight_requests_and_stops_everything(served, model):
+def test_sigterm_drains_in_flight_requests_at_every_replica_and_stops_everything(served,
+                                                                                  model):
+    assert len(served.direct_ports()) == 2, served.output()
     _drain_under_load(served, model[1], signal.SIGTERM)
-
-
-def test_sigint_drains_the_same_way_every_replica(model, tmp_path):
-    run = start_serve(model[0], tmp_path, "--drain-seconds", str(DRAIN_S), "--replicas", "2",
-                      "--num-cpus", "0.5")
-    assert len(run.direct_ports()) == 2, run.output()
-    try:
-        _drain_under_load(run, model[1], signal.SIGINT)
-    finally:
-        stop_hard(run)
 
 
 def test_sigkill_leaves_no_redis_server_nor_ray_process(model, tmp_path):
@@ -241,6 +237,23 @@ def test_second_signal_forces_the_stop():
     finally:
         signals.close()
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_sigint_asks_for_the_same_stop_as_sigterm():
+    """Ctrl-C drains like SIGTERM: the first asks for a stop, forces nothing, and no
+    KeyboardInterrupt reaches the main thread."""
+    from dynvm.cluster.serving._stop_signals import StopSignals
+
+    forced = []
+    signals = StopSignals(forced.append).install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert signals.requested.wait(5), "the first SIGINT asked for no stop"
+        assert signals.signum == signal.SIGINT
+        time.sleep(0.2)
+        assert forced == []
+    finally:
+        signals.close()
 
 
 def test_a_stop_past_its_deadline_is_forced():
