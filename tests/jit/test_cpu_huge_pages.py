@@ -1,11 +1,14 @@
 """Packed weights on huge pages (Note [Packed weights on huge pages]): collapsing a packed
 weight's memory changes no result (oneDNN's linear bit for bit, a fused kernel against
-eager on contiguous, offset and strided inputs), a weight is asked once, and only the
-2 MiB-aligned inside of its memory is asked for."""
+eager on contiguous, offset and strided inputs, before and after the collapser thread
+ran), a weight is asked once, only the 2 MiB-aligned inside of its memory is asked for,
+and the ask returns at once: the collapse is the collapser thread's (Note [Collapsing
+after the compile])."""
 
 from __future__ import annotations
 
 import sys
+import threading
 
 import pytest
 import torch
@@ -15,12 +18,19 @@ from torch.export import Dim
 import dynvm
 from dynvm.jit.backends.cpu import huge_pages
 from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
-from dynvm.jit.backends.cpu.huge_pages import HUGE_PAGE, aligned_span, to_huge_pages
+from dynvm.jit.backends.cpu.huge_pages import HUGE_PAGE, aligned_span, collapse, drain
 from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.specialize import specialize
 from tests.jit._kernel_run import run_kernel_outputs, views
 
 MB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _quick_collapser(monkeypatch):
+    # The collapser waits for a quiet queue before it starts; a test needs no compile's
+    # worth of quiet.
+    monkeypatch.setattr(huge_pages, "QUIET_S", 0.01)
 
 
 def test_only_the_aligned_inside_is_asked():
@@ -37,23 +47,41 @@ def test_a_packed_weight_computes_the_same_after_collapse_and_is_asked_once():
     x, bias = torch.randn(16, 1024, generator=gen), torch.randn(2048, generator=gen)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
     before = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    collapsed = to_huge_pages(packed)
+    collapsed_before = huge_pages.collapsed_bytes()
+    assert huge_pages.to_huge_pages(packed)                # queued, not collapsed here
+    assert not huge_pages.to_huge_pages(packed)            # asked once per tensor
+    assert drain(timeout=30.0)                             # the collapser thread's turn
     # A kernel or THP setting that refuses leaves 0; where it takes, whole huge pages.
-    assert collapsed % HUGE_PAGE == 0
-    assert to_huge_pages(packed) == 0                      # asked once per tensor
+    assert (huge_pages.collapsed_bytes() - collapsed_before) % HUGE_PAGE == 0
     after = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     assert torch.equal(before, after)
     torch.testing.assert_close(after, torch.nn.functional.linear(x, weight, bias),
                                rtol=1e-4, atol=1e-4)
+    assert collapse(packed) % HUGE_PAGE == 0               # again, synchronously: the same
+    assert torch.equal(before, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none",
+                                                                  [], ""))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+def test_the_collapse_runs_on_the_collapser_thread_not_the_askers(monkeypatch):
+    threads = []
+    monkeypatch.setattr(huge_pages, "collapse",
+                        lambda t: threads.append(threading.current_thread().name) or 0)
+    weight = torch.ops.mkldnn._reorder_linear_weight(torch.randn(2048, 1024), 1)
+    assert huge_pages.to_huge_pages(weight) and drain(timeout=30.0)
+    assert threads == ["dynvm-huge-pages"]
 
 
 def test_a_dense_tensor_and_its_views_keep_their_values():
     base = torch.arange(3 * MB, dtype=torch.float32)
     want = base.clone()
-    to_huge_pages(base[5:])                                # an offset view of it
-    to_huge_pages(base)
-    assert torch.equal(base, want)
-    assert to_huge_pages(torch.empty(0)) == 0
+    view = base[5:]                                        # an offset view of it
+    huge_pages.to_huge_pages(view)
+    huge_pages.to_huge_pages(base)
+    assert drain(timeout=30.0)
+    assert torch.equal(base, want) and torch.equal(view, want[5:])
+    assert collapse(base[5:]) % HUGE_PAGE == 0 and torch.equal(base, want)
+    assert not huge_pages.to_huge_pages(torch.empty(0))
 
 
 class Wide(nn.Module):
@@ -85,6 +113,9 @@ def test_a_fused_kernel_with_collapsed_weights_agrees_with_eager_on_views(monkey
                                 "strong", options)
         assert "onednn" in kernel.source, kernel.source
         (got,) = run_kernel_outputs(kernel, region, x)
+        assert drain(timeout=30.0)                         # its weight collapsed, or refused
+        (again,) = run_kernel_outputs(kernel, region, x)
         with torch.no_grad():
             torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-4, msg=kind)
+        assert torch.equal(got, again), kind
     assert asked and all(t.is_mkldnn for t in asked)

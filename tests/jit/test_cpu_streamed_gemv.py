@@ -1,6 +1,8 @@
-"""Note [Streamed GEMVs stay on torch] (jit/backends/cpu/streamed_gemv.py): a GEMM at one
-row over a weight larger than `STREAMED_BYTES` stays on torch without a calibration
-question (so without a packed copy); a smaller weight, or more rows, is still asked."""
+"""Note [Streamed GEMVs stay on torch] and Note [Few rows over a streamed weight]
+(jit/backends/cpu/streamed_gemv.py): a GEMM at one row over a weight larger than
+`STREAMED_BYTES` stays on torch without a calibration question (so without a packed
+copy), at 4..16 rows it goes to oneDNN without one; a smaller weight, or other row
+counts, are still asked."""
 
 from __future__ import annotations
 
@@ -24,12 +26,18 @@ class _Calibrator:
         raise _Asked
 
 
-def _decide(rows: int, out_features: int):
+def _decide(rows: int, out_features: int, beside: int = 0):
+    """The decision on a LINEAR over an [out_features, 768] weight at `rows` rows, in a
+    kernel with another LINEAR over a [beside, 768] weight where `beside`."""
     weight = torch.zeros(out_features, 768)
     op = SpecOp("LINEAR", (1,), (Var(0), ConstRef(0), Literal(None)), 0)
     gemm = cpu_fusion._Gemm(Var(0), 0, False, Literal(None))
+    ops, constants = [op], [weight]
+    if beside:
+        ops.append(SpecOp("LINEAR", (2,), (Var(0), ConstRef(1), Literal(None)), 1))
+        constants.append(torch.zeros(beside, 768))
     probes = [{0: torch.empty(1, rows, 768, device="meta")}]
-    return cpu_fusion._decide(op, gemm, None, [op], [weight], probes, _Calibrator())
+    return cpu_fusion._decide(op, gemm, None, ops, constants, probes, _Calibrator())
 
 
 def test_a_streamed_gemv_stays_on_torch_unasked():
@@ -37,8 +45,23 @@ def test_a_streamed_gemv_stays_on_torch_unasked():
     assert not decision.fuse and "streamed from memory" in decision.note
 
 
-@pytest.mark.parametrize("rows, out_features", [(1, 1024), (4, 2048)],
-                         ids=["a weight that stays in cache", "four rows"])
+@pytest.mark.parametrize("rows", [4, 16])
+def test_a_few_rows_over_a_streamed_weight_go_to_onednn_unasked(rows):
+    decision = _decide(rows=rows, out_features=2048)
+    assert decision.fuse and decision.after is None
+    assert f"not measured: M={rows}" in decision.note
+
+
+def test_a_small_weight_streams_where_its_kernels_weights_together_do():
+    decision = _decide(rows=4, out_features=1024, beside=2048)   # 3 + 6 MiB
+    assert decision.fuse and "9.0 MiB of the kernel's" in decision.note
+    with pytest.raises(_Asked):                                   # one row: its own measure
+        _decide(rows=1, out_features=1024, beside=2048)
+
+
+@pytest.mark.parametrize("rows, out_features", [(1, 1024), (4, 1024), (2, 2048), (32, 2048)],
+                         ids=["a GEMV whose weight stays in cache", "four rows, in cache",
+                              "two rows", "32 rows"])
 def test_others_are_measured(rows, out_features):
     with pytest.raises(_Asked):
         _decide(rows, out_features)

@@ -107,7 +107,7 @@ from dynvm.jit.backends.cpu.row_gate import (
     UnaryRowGate,
     sightings_before_onednn,
 )
-from dynvm.jit.backends.cpu.streamed_gemv import streamed_gemv
+from dynvm.jit.backends.cpu.streamed_gemv import streamed_decision
 from dynvm.jit.calibration import Calibrator, Choice, size_class
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
 from dynvm.jit.specialize import add_frees
@@ -437,9 +437,10 @@ def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
     label = _kind(op, epilogue, ops)
     threads = torch.get_num_threads()
     probe_ms = {_m_of(x) for x in probe_tensors(probes, gemm.x.reg)}
-    streamed = streamed_gemv(probe_ms, weight)  # Note [Streamed GEMVs stay on torch]
+    # Note [Streamed GEMVs stay on torch], Note [Few rows over a streamed weight]
+    streamed = streamed_decision(probe_ms, weight, ops, constants)
     if streamed is not None:
-        return _Decision(False, streamed)
+        return _Decision(*streamed)
     new_rows = len(probe_ms) > 1
     dense = weight.t() if gemm.transpose else weight
     eager, fused = _forms(op, epilogue, ops, weight, bias)

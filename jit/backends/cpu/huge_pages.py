@@ -13,13 +13,16 @@ backs anonymous memory with 2 MiB pages only where asked (`transparent_hugepage`
 THP_MEM_ALLOC_ENABLE environment variable, read once at start-up), and oneDNN's packed
 weights are allocated inside torch, out of our reach.
 
-So after a weight is packed, `to_huge_pages` asks the kernel to collapse the 2 MiB-aligned
-part of its memory into huge pages now (`madvise(MADV_COLLAPSE)`, Linux 6.1+;
-synchronous, contents unchanged: only the page tables change). The head and tail that
-do not fill an aligned 2 MiB stay on small pages (about 70% of BERT-base's packed
-weights were collapsed). Anything refused (another OS, an older kernel, THP set to
-`never`, no memory to compact) leaves the weight as it was: the kernel runs the same
-either way, only its TLB misses differ. A weight is asked once per process.
+So after a weight is packed, `to_huge_pages` asks for the 2 MiB-aligned part of its
+memory to be collapsed into huge pages (`madvise(MADV_COLLAPSE)`, Linux 6.1+; contents
+unchanged: only the page tables change). The head and tail that do not fill an aligned
+2 MiB stay on small pages (about 70% of BERT-base's packed weights were collapsed).
+Anything refused (another OS, an older kernel, THP set to `never`, no memory to
+compact) leaves the weight as it was: the kernel runs the same either way, only its TLB
+misses differ. A weight is asked once per process.
+
+The collapse runs on a collapser thread of its own, after the compile that packed the
+weight, never inside it (Note [Collapsing after the compile]).
 
 Measured (2 threads, OMP_WAIT_POLICY=PASSIVE, the 16 GEMMs of BERT-base's four layers
 on oneDNN with packed weights, two packed copies in one process, one collapsed,
@@ -29,20 +32,48 @@ JIT runtimes in one process, one with and one without, interleaved call by call 
 eager, 40 calls a shape, load 2.3-3.0, A/A 1.000), x eager without -> with: 1x16 0.496
 -> 0.475, 1x32 0.577 -> 0.562, 2x16 0.571 -> 0.560; in a run with the peers beside
 (20 calls, load 3.2-3.8) 2x32, 1x64 and 8x128 were within 1% (docs/bench_log.md, issue 31).
+
+Note [Collapsing after the compile]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+MADV_COLLAPSE is synchronous: the kernel allocates (and, with memory fragmented,
+compacts) a huge page and copies 512 small pages into it, for every 2 MiB asked. Done
+where the weight was packed, on the compile thread, it lengthened the compile that a
+first generation waits for: the bench Llama's B=4 decode step packs 17 weights (190
+MB, the LM head 94 MB of it), and their collapse took 0.15 s of a 0.6 s compile (2026-12-05
+09:20, cProfile, load 4-5; a 94 MiB collapse alone 25-250 ms, the first in a process
+the slowest), one of the two causes of that generation's 38 of 127 specialized steps
+(docs/bench_log.md, "the B=4 first-generation regression bisected").
+
+So `to_huge_pages` only queues the weight (a weak reference: a weight freed before its
+turn is skipped) and returns; a daemon thread collapses the queue in order, once no
+weight has been queued for `QUIET_S`: a compile packs its weights in one burst in its
+fusion pass, and the rest of it (arena plan, emitting, the prewarm call) is done and
+the kernel installed well within that, so the collapse runs beside the calls the new
+kernel serves and not beside the compile they wait for. The madvise call releases the
+GIL (ctypes), so the thread costs the calls a core's share for its length, not the
+interpreter. Until a weight's turn its kernel runs on small pages: the same results,
+more TLB misses. `drain()` waits for the queue (tests, and a figure that needs the
+pages collapsed).
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
+import os
 import sys
 import threading
+import time
 import weakref
 
 import torch
 
 MADV_COLLAPSE = 25      # linux/mman.h (Linux 6.1)
 HUGE_PAGE = 2 << 20
+QUIET_S = 0.25
+"""Seconds without a new weight queued before the collapser starts (Note [Collapsing
+after the compile]): longer than a compile's steps after its fusion pass."""
 
 _lock = threading.Lock()
 _done: set[int] = set()      # ids of the live tensors already asked
@@ -83,19 +114,113 @@ def _forget(key: int) -> None:
         _done.discard(key)
 
 
-def to_huge_pages(tensor: torch.Tensor) -> int:
-    """Note [Packed weights on huge pages]: collapse the aligned part of `tensor`'s CPU
-    memory into 2 MiB pages; the bytes collapsed (0 where refused or nothing fits)."""
+def collapse(tensor: torch.Tensor) -> int:
+    """Collapse the aligned part of `tensor`'s memory now, on this thread: the bytes
+    collapsed (0 where refused or nothing fits). The collapser's step; callers queue
+    with `to_huge_pages`."""
     madvise = _madvise()
     if madvise is None or tensor.device.type != "cpu":
         return 0
-    with _lock:
-        if id(tensor) in _done:
-            return 0
-        _done.add(id(tensor))
-    # (a set of ids, not a WeakSet: an opaque oneDNN tensor refuses `==`)
-    weakref.finalize(tensor, _forget, id(tensor))
     start, length = aligned_span(*_extent(tensor))
     if length == 0:
         return 0
     return length if madvise(start, length, MADV_COLLAPSE) == 0 else 0
+
+
+class _Collapser:
+    """The queue of weights to collapse and the daemon thread that works it (Note
+    [Collapsing after the compile])."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: collections.deque = collections.deque()
+        self._last_queued = 0.0
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self.collapsed_bytes = 0    # bytes collapsed so far (diagnostics, tests)
+        self.collapses = 0          # weights asked of the kernel so far
+
+    def put(self, tensor: torch.Tensor) -> None:
+        with self._cond:
+            self._queue.append(weakref.ref(tensor))
+            self._last_queued = time.monotonic()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, daemon=True,
+                                                name="dynvm-huge-pages")
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _next(self) -> torch.Tensor | None:
+        """The next live weight, once the queue has been quiet for QUIET_S."""
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+            while True:
+                if not self._queue:
+                    self._cond.wait()
+                    continue
+                left = self._last_queued + QUIET_S - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                tensor = self._queue.popleft()()
+                if tensor is not None:
+                    self._busy = True
+                    return tensor
+
+    def _work(self) -> None:
+        while True:
+            tensor = self._next()
+            collapsed = collapse(tensor)   # ctypes releases the GIL for the call
+            del tensor
+            with self._cond:
+                self.collapsed_bytes += collapsed
+                self.collapses += 1
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every queued weight was collapsed (or skipped); False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def _after_fork(self) -> None:
+        # The child has no collapser thread: a fresh state starts one on its first ask.
+        self.__init__()
+
+
+_COLLAPSER = _Collapser()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_COLLAPSER._after_fork)
+
+
+def to_huge_pages(tensor: torch.Tensor) -> bool:
+    """Note [Packed weights on huge pages]: queue `tensor`'s CPU memory for collapse into
+    2 MiB pages on the collapser thread (Note [Collapsing after the compile]); whether
+    it was queued (False: asked before, off Linux, or no whole huge page inside it)."""
+    if _madvise() is None or tensor.device.type != "cpu":
+        return False
+    with _lock:
+        if id(tensor) in _done:
+            return False
+        _done.add(id(tensor))
+    # (a set of ids, not a WeakSet: an opaque oneDNN tensor refuses `==`)
+    weakref.finalize(tensor, _forget, id(tensor))
+    if aligned_span(*_extent(tensor))[1] == 0:
+        return False
+    _COLLAPSER.put(tensor)
+    return True
+
+
+def drain(timeout: float = 30.0) -> bool:
+    """Wait until the queued weights are collapsed; False if `timeout` passed first."""
+    return _COLLAPSER.drain(timeout)
+
+
+def collapsed_bytes() -> int:
+    """Bytes collapsed into huge pages in this process so far."""
+    return _COLLAPSER.collapsed_bytes
