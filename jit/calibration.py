@@ -44,6 +44,7 @@ device, not a Runtime, and two Runtimes asking the same question must not pay tw
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -172,6 +173,25 @@ class Calibrator:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def decisive_answer(self, op: str, related: Callable[[object], bool],
+                        ratio: float) -> tuple[object, Choice] | None:
+        """A measured answer to `op` at another size class whose key `related` accepts,
+        where the chosen candidate's median was at most `ratio` times every other's, or
+        every other's at least 1 / `ratio` times it when the default was kept (a clear
+        verdict, which a nearby size class is taken not to flip); None if there is none.
+        The one at the smallest key first (the callers' keys order by size)."""
+        with self._lock:
+            found = [(key, choice) for (asked, key), choice in self._choices.items()
+                     if asked == op and related(key)]
+        with contextlib.suppress(TypeError):   # keys of unlike shapes: any clear one
+            found.sort(key=lambda kc: kc[0])
+        for key, choice in found:
+            chosen = choice.seconds[choice.name]
+            others = [s for name, s in choice.seconds.items() if name != choice.name]
+            if others and all(chosen <= ratio * other for other in others):
+                return key, choice
+        return None
 
     def entries(self) -> dict[tuple, Choice]:
         """Every cached choice, (op, size class) -> Choice (for diagnostics)."""

@@ -297,3 +297,30 @@ def test_a_chain_fed_from_an_arena_block_keeps_the_block_alive(fusion):
     with torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(run_kernel(kernel, region, x), model(x), **TOL)
+
+
+class _StoringCalibrator(ScriptedCalibrator):
+    """A scripted calibrator that keeps its answers, as the process's one does."""
+
+    def choose(self, op, size_class_key, candidates):
+        choice = super().choose(op, size_class_key, candidates)
+        self._choices.setdefault((op, size_class_key), choice)
+        return choice
+
+
+@pytest.mark.parametrize("channels_last_s, asked", [(1e-3, 1), (0.9, 2)])
+def test_a_clear_layout_verdict_is_reused_at_another_batch(chain, channels_last_s, asked):
+    # Note [Layout verdicts across batch sizes]: NCHW takes 1 s; channels-last 1 ms is
+    # clear (reused at batch 8, another size class), 0.9 s a close call (asked again).
+    _, program = chain
+    calibrator = _StoringCalibrator(lambda op, key: {"nchw": 1.0,
+                                                     "channels_last": channels_last_s})
+    _kernel(program, torch.randn(2, 3, 16, 16), channels_last="measured",
+            calibrator=calibrator)
+    kernel, _ = _kernel(program, torch.randn(8, 3, 16, 16), channels_last="measured",
+                        calibrator=calibrator)
+    keys = [key for op, key in calibrator.asked if op == "channels-last region"]
+    assert len(keys) == asked and (asked == 1 or keys[0] != keys[1])
+    assert "to_channels_last" in _code(kernel)     # both verdicts choose channels-last
+    (note,) = [n for n in kernel.notes if n.startswith("channels-last:")]
+    assert ("(reused, NCHW vs channels-last" in note) == (asked == 1)

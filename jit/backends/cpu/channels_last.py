@@ -349,13 +349,43 @@ def layout_comment(op: SpecOp) -> str:
 
 
 
+# Note [Layout verdicts across batch sizes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The layout question runs the whole region, both ways, about eight times (a warm-up run
+# of each kernel, then at least three rounds), each run on the compile thread and
+# uninterruptible: at ResNet-50's batch 2 that was 5.0 s of wall time (1.7 s of it
+# waiting for calls) with runs of 65-130 ms that a call beginning meanwhile shares the
+# cores with (2026-12-05 09:38, load 3-4: seven JIT calls of the warm-up overlapped it,
+# batch 2 at 184, 130 and 355 ms against the interpreter's ~140-200), and the batch-1
+# kernel then asked it again for 2.0 s. The answer is a property of the region's chains,
+# not of the batch: per exact kernel channels-last ran 1.1-1.8x faster at every zoo
+# shape of ResNet, RegNet, DenseNet, EfficientNet and MobileNetV3, and a tie for
+# ConvNeXt. So a clear verdict measured for the same region and thread count at another
+# size class is reused (`REUSE_RATIO`: the winner at most 0.8x the loser); a close call
+# is measured again at the new size, since which side of the margin it lands on may
+# depend on the size. The kernel header says which size class the verdict came from.
+REUSE_RATIO = 0.8
+
+
 def choose_channels_last(spec: SpecializedRegion, plan: LayoutPlan, load, calibrator,
-                         key, device: torch.device) -> tuple[bool, str]:
+                         key, device: torch.device, related=None) -> tuple[bool, str]:
     """Whether the region runs channels-last, measured (Note [Channels-last chains]):
-    `load(spec) -> fn(regs)` builds a kernel without an arena; the answer and a note."""
+    `load(spec) -> fn(regs)` builds a kernel without an arena; the answer and a note.
+    `related(other_key)`: whether a verdict under another key was measured for the same
+    region at another size class (Note [Layout verdicts across batch sizes])."""
     planning = spec.abstract[0]
     if any(planning.get(reg) is None for reg in spec.live_in):
         return False, "(not measured: a live-in has no abstract value; NCHW kept)"
+    reused = None
+    if related is not None and calibrator.known("channels-last region", key) is None:
+        reused = calibrator.decisive_answer("channels-last region", related, REUSE_RATIO)
+    if reused is not None:
+        other, choice = reused
+        times = (f"NCHW vs channels-last: {choice.seconds['nchw'] * 1e3:.3f} vs "
+                 f"{choice.seconds['channels_last'] * 1e3:.3f} ms at {other}")
+        if choice.name == "channels_last":
+            return True, f"(reused, {times})"
+        return False, f"-> NCHW kept (reused, {times})"
     size = 1 + max([*spec.live_in, *(reg for reg, _ in spec.outputs)], default=0)
 
     def candidates():

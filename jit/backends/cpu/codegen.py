@@ -385,9 +385,10 @@ def _channels_last(spec: SpecializedRegion, program, constants, device, name: st
                 if isinstance(planning.get(reg), torch.Tensor))
     key = (program.content_hash[:16], spec.region_index, size_class(numel),
            torch.get_num_threads())
-    use, note = choose_channels_last(
+    use, note = choose_channels_last(   # Note [Layout verdicts across batch sizes]
         spec, plan, lambda s: _load(s, program, constants, device, name, options),
-        calibrator, key, device)
+        calibrator, key, device,
+        related=lambda other: other != key and other[:2] == key[:2] and other[3:] == key[3:])
     return (plan.spec if use else spec), f"channels-last: {plan.describe()}{plan_note} {note}"
 
 
