@@ -1,7 +1,7 @@
 """`python -m bench.small_m_stream`: how fast each GEMM path torch exposes streams the
 weights of BERT-base's four layers at a few rows, against what the cores can stream.
 
-    python -m bench.small_m_stream [--rows 1,4,16] [--threads 1,2] [--calls 30]
+    python -m bench.small_m_stream [--rows 1,4,16] [--threads 1,2] [--calls 30] [--native]
 
 Note [Small-M weight streaming]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -13,6 +13,9 @@ chain (their weights together far larger than the caches, as in the model) throu
 every path torch offers: oneDNN's linear on a weight packed for that M (what the JIT
 emits), `F.linear` and `addmm` on the dense weight (MKL for fp32, oneDNN matmul for
 bf16), and the transposed product W @ x^T (the weight as the GEMM's tall operand).
+With --native, also a plain AVX-512 kernel of this directory's own (small_m_kernel.c,
+fp32, built with the system's C compiler into a temporary directory; nothing in dynvm
+uses it): what a kernel that splits the output columns across the threads gains.
 Paths and rows are interleaved call by call; each path's rate is the weights' bytes
 over its median chain time. The ceiling beside them is a plain reduction over a tensor
 of the weights' size at each thread count: what the cores can stream at all.
@@ -25,10 +28,15 @@ issue 31) for the runs so far.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from bench._omp import reexec_passive
 
@@ -36,6 +44,7 @@ from bench._omp import reexec_passive
 LAYER = ((768, 768), (768, 768), (768, 768), (768, 768), (3072, 768), (768, 3072))
 LAYERS = 4
 PATHS = ("onednn-packed", "linear", "addmm-input-major", "w-at-xT")
+NATIVE = "native-fp32"
 
 
 def gemm(torch, path: str, x, weight, bias, rows: int):
@@ -48,19 +57,60 @@ def gemm(torch, path: str, x, weight, bias, rows: int):
     if path == "addmm-input-major":
         wt = weight.t().contiguous()
         return lambda: torch.addmm(bias, x, wt)
+    if path == NATIVE:
+        if weight.dtype != torch.float32:
+            return None
+        return native_linear(torch, x, weight, bias)
     if path == "w-at-xT":  # the weight as the tall operand: (W @ x^T + b)^T, a view
         xt, column = x.t().contiguous(), bias.unsqueeze(1)
         return lambda: torch.addmm(column, weight, xt).t()
     raise ValueError(f"unknown path {path!r}")
 
 
+@functools.lru_cache(maxsize=1)
+def _native_library():
+    """small_m_kernel.c built and loaded (ctypes), linked to torch's libgomp."""
+    import torch
+
+    source = Path(__file__).with_name("small_m_kernel.c")
+    folder = Path(tempfile.mkdtemp(prefix="dynvm-small-m-"))
+    library = folder / "libsmall_m.so"
+    torch_lib = Path(torch.__file__).parent / "lib"
+    subprocess.run(["cc", "-O3", "-mavx512f", "-fopenmp", "-shared", "-fPIC", str(source),
+                    "-o", str(library), f"-Wl,-rpath,{torch_lib}"],
+                   check=True, capture_output=True, text=True)
+    loaded = ctypes.CDLL(str(library))
+    loaded.smk_linear_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_long]
+    loaded.smk_linear_f32.restype = None
+    return loaded
+
+
+def native_linear(torch, x, weight, bias):
+    """A function computing linear(x, weight, bias) with small_m_kernel.c (contiguous
+    fp32 operands; the output buffer is reused across calls)."""
+    kernel = _native_library().smk_linear_f32
+    x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0])
+
+    def call():
+        kernel(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), bias.data_ptr(),
+               out.data_ptr(), weight.shape[0])
+        return out
+    return call
+
+
 def _chain(torch, weights, biases, rows: int, dtype, path: str):
-    """A function running the 24 GEMMs once through `path` at `rows` rows."""
+    """A function running the 24 GEMMs once through `path` at `rows` rows, or None where
+    the path has no kernel for `dtype`."""
     gen = torch.Generator().manual_seed(1)
     inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (768, 3072)}
     calls = [gemm(torch, path, inputs[weight.shape[1]], weight.to(dtype).contiguous(),
                   bias.to(dtype), rows)
              for weight, bias in zip(weights, biases, strict=True)]
+    if None in calls:
+        return None
 
     def run():
         for call in calls:
@@ -80,7 +130,7 @@ def _ceiling(torch, nbytes: int, calls: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def run(rows_list, threads_list, calls: int, log=print) -> list[dict]:
+def run(rows_list, threads_list, calls: int, log=print, native: bool = False) -> list[dict]:
     import torch
 
     gen = torch.Generator().manual_seed(0)
@@ -94,9 +144,11 @@ def run(rows_list, threads_list, calls: int, log=print) -> list[dict]:
         ceiling = _ceiling(torch, fp32_bytes, calls)
         log(f"{threads} thread(s): a reduction over {fp32_bytes / 1e6:.0f} MB streams "
             f"{ceiling:.1f} GB/s")
+        paths = (*PATHS, NATIVE) if native else PATHS
         chains = {(rows, dtype, path): _chain(torch, weights, biases, rows, dtype, path)
                   for rows in rows_list for dtype in (torch.float32, torch.bfloat16)
-                  for path in PATHS}
+                  for path in paths}
+        chains = {key: chain for key, chain in chains.items() if chain is not None}
         for chain in chains.values():
             chain()
         times: dict[tuple, list[float]] = {key: [] for key in chains}
@@ -123,11 +175,13 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="1,4,16")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--native", action="store_true",
+                   help="also small_m_kernel.c, fp32 (needs a C compiler, `cc`)")
     args = p.parse_args(argv)
     rows = [int(v) for v in args.rows.split(",")]
     threads = [int(v) for v in args.threads.split(",")]
     print(f"load {os.getloadavg()[0]:.2f}")
-    run(rows, threads, args.calls)
+    run(rows, threads, args.calls, native=args.native)
     print(f"load {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -38,3 +40,29 @@ def test_a_run_reports_every_path_and_row_count(monkeypatch):
     assert seen == {(m, d, p) for m in (1, 2) for d in ("float32", "bfloat16")
                     for p in small_m_stream.PATHS}
     assert all(r["ms"] > 0 and r["gb_s"] > 0 and r["ceiling_gb_s"] > 0 for r in rows)
+
+
+def _has_avx512f() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512f" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or not _has_avx512f(),
+                    reason="the native path needs a C compiler and AVX-512")
+def test_the_native_kernel_computes_the_linear_at_every_row_count():
+    gen = torch.Generator().manual_seed(2)
+    # 13 outputs: three blocks of 4 and a tail row; K = 37: two full 16-wide steps and
+    # a masked tail
+    for rows in (1, 2, 3, 4, 5, 7, 16):
+        for out, width in ((13, 37), (64, 128)):
+            x = torch.randn(rows, width, generator=gen)
+            weight = torch.randn(out, width, generator=gen)
+            bias = torch.randn(out, generator=gen)
+            got = small_m_stream.gemm(torch, small_m_stream.NATIVE, x, weight, bias, rows)()
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias),
+                                       rtol=1e-4, atol=1e-4)
+    bf16 = torch.ones(2, 16, dtype=torch.bfloat16)
+    assert small_m_stream.gemm(torch, small_m_stream.NATIVE, bf16, bf16, bf16[0], 2) is None
