@@ -1,8 +1,8 @@
 """Note [Streamed GEMVs stay on torch] and Note [Few rows over a streamed weight]
 (jit/backends/cpu/streamed_gemv.py): a GEMM at one row over a weight larger than
 `STREAMED_BYTES` stays on torch without a calibration question (so without a packed
-copy), at 4..16 rows it goes to oneDNN without one; a smaller weight, or other row
-counts, are still asked."""
+copy; its dense weight goes on huge pages), at 4..16 rows it goes to oneDNN without
+one; a smaller weight, or other row counts, are still asked."""
 
 from __future__ import annotations
 
@@ -40,9 +40,12 @@ def _decide(rows: int, out_features: int, beside: int = 0):
     return cpu_fusion._decide(op, gemm, None, ops, constants, probes, _Calibrator())
 
 
-def test_a_streamed_gemv_stays_on_torch_unasked():
+def test_a_streamed_gemv_stays_on_torch_unasked_with_its_weight_on_huge_pages(monkeypatch):
+    asked = []
+    monkeypatch.setattr(cpu_fusion, "to_huge_pages", asked.append)
     decision = _decide(rows=1, out_features=2048)    # 6 MiB
     assert not decision.fuse and "streamed from memory" in decision.note
+    assert [t.shape for t in asked] == [(2048, 768)]  # the dense weight torch streams
 
 
 @pytest.mark.parametrize("rows", [4, 16])

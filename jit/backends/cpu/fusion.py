@@ -440,6 +440,8 @@ def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
     # Note [Streamed GEMVs stay on torch], Note [Few rows over a streamed weight]
     streamed = streamed_decision(probe_ms, weight, ops, constants)
     if streamed is not None:
+        if not streamed[0]:   # torch streams the weight itself: on huge pages too
+            to_huge_pages(weight)   # Note [Packed weights on huge pages]
         return _Decision(*streamed)
     new_rows = len(probe_ms) > 1
     dense = weight.t() if gemm.transpose else weight

@@ -13,8 +13,9 @@ backs anonymous memory with 2 MiB pages only where asked (`transparent_hugepage`
 THP_MEM_ALLOC_ENABLE environment variable, read once at start-up), and oneDNN's packed
 weights are allocated inside torch, out of our reach.
 
-So after a weight is packed, `to_huge_pages` asks for the 2 MiB-aligned part of its
-memory to be collapsed into huge pages (`madvise(MADV_COLLAPSE)`, Linux 6.1+; contents
+So after a weight is packed, and where a GEMV streams a program's dense weight on
+torch (Note [Streamed GEMVs stay on torch]), `to_huge_pages` asks for the 2 MiB-aligned
+part of its memory to be collapsed into huge pages (`madvise(MADV_COLLAPSE)`, Linux 6.1+; contents
 unchanged: only the page tables change). The head and tail that do not fill an aligned
 2 MiB stay on small pages (about 70% of BERT-base's packed weights were collapsed).
 Anything refused (another OS, an older kernel, THP set to `never`, no memory to
@@ -32,6 +33,11 @@ JIT runtimes in one process, one with and one without, interleaved call by call 
 eager, 40 calls a shape, load 2.3-3.0, A/A 1.000), x eager without -> with: 1x16 0.496
 -> 0.475, 1x32 0.577 -> 0.562, 2x16 0.571 -> 0.560; in a run with the peers beside
 (20 calls, load 3.2-3.8) 2x32, 1x64 and 8x128 were within 1% (docs/bench_log.md, issue 31).
+The bench Llama's B=1 decode step (`dynvm bench generate`, one thread; its GEMVs read
+190 MiB of dense weights a token on torch, 158 MiB of it inside aligned huge pages when
+collapsed in place): three copies of the model in one process, generations interleaved,
+12 rounds, step medians collapsed / not 0.926 and 0.955 against an A/A of 0.970
+(2026-12-05 09:55, load 1.0-1.2); the GEMV chain alone 0.91x (09:47, load 1.7-1.8).
 
 Note [Collapsing after the compile]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -98,7 +104,8 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int]:
     """(address, bytes) of the memory `tensor` reads, opaque oneDNN tensors included."""
     if tensor.is_mkldnn:
         return torch.ops.mkldnn.data_ptr(tensor), torch.ops.mkldnn._nbytes(tensor)
-    return tensor.data_ptr(), tensor.untyped_storage().nbytes()
+    storage = tensor.untyped_storage()   # a view's whole storage, not past its end
+    return storage.data_ptr(), storage.nbytes()
 
 
 def aligned_span(address: int, nbytes: int) -> tuple[int, int]:
