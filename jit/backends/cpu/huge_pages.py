@@ -53,9 +53,13 @@ the slowest), one of the two causes of that generation's 38 of 127 specialized s
 So `to_huge_pages` only queues the weight (a weak reference: a weight freed before its
 turn is skipped) and returns; a daemon thread collapses the queue in order, once no
 weight has been queued for `QUIET_S`: a compile packs its weights in one burst in its
-fusion pass, and the rest of it (arena plan, emitting, the prewarm call) is done and
-the kernel installed well within that, so the collapse runs beside the calls the new
-kernel serves and not beside the compile they wait for. The madvise call releases the
+fusion pass, and the rest of it (arena questions, emitting, the prewarm call) is done
+and the kernel installed within that (the B=4 step above: 0.23 s of work after
+promotion and 0.43 s of waits for decode calls, 09:39, load 3.4-4.2), so the collapse
+runs beside the calls the new kernel serves and not beside the compile they wait for
+(three threads on two cores would slow the compile by a third for the collapse's
+length, up to 0.5 s for those 190 MB). A collapse a second late costs a second of TLB
+misses. The madvise call releases the
 GIL (ctypes), so the thread costs the calls a core's share for its length, not the
 interpreter. Until a weight's turn its kernel runs on small pages: the same results,
 more TLB misses. `drain()` waits for the queue (tests, and a figure that needs the
@@ -77,7 +81,7 @@ import torch
 
 MADV_COLLAPSE = 25      # linux/mman.h (Linux 6.1)
 HUGE_PAGE = 2 << 20
-QUIET_S = 0.25
+QUIET_S = 1.0
 """Seconds without a new weight queued before the collapser starts (Note [Collapsing
 after the compile]): longer than a compile's steps after its fusion pass."""
 
