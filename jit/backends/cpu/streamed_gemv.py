@@ -14,8 +14,9 @@ on its dense weight 1.21x. What a oneDNN choice costs is certain: a packed copy 
 the weight (94 MiB for that LM head), and calibration calls of 6-17 ms each (that
 head's, in kernel headers) on the compile thread with the GIL held (Note [oneDNN
 holds the GIL]) while decode steps wait. So such a GEMV stays on torch, unasked,
-past `STREAMED_BYTES`; smaller weights (which a small model keeps in cache between
-calls) are still measured. At a few rows the answer is the other way, unasked too
+past `STREAMED_BYTES` (or in a kernel whose weights together are: Note [Few rows over a
+streamed weight]); smaller weights of a small kernel (which a small model keeps in
+cache between calls) are still measured. At a few rows the answer is the other way, unasked too
 (Note [Few rows over a streamed weight]).
 
 Note [Few rows over a streamed weight]
@@ -40,8 +41,9 @@ and GEMMs whose M varies (a family's probes), which RowGate's build questions de
 an activation) goes with it: the post-op reads M x N values, nothing beside the weight.
 
 Which weights stream: between two calls of one of a decode step's GEMMs the step reads
-every other weight of its kernel, so at these row counts a weight is taken to stream
-when it, or its kernel's GEMM weights together, are past `STREAMED_BYTES`. The bench
+every other weight of its kernel, so at these row counts, and at one row, a weight is
+taken to stream when it, or its kernel's GEMM weights together, are past
+`STREAMED_BYTES`. The bench
 Llama's smaller weights (the stacked q/k/v projection, 3.75 MiB; the output projection,
 2.25 MiB) are then unasked too: their questions were the ones left in that step's
 first compile at B=4, and every timed run of a question waits behind a checkpoint for
@@ -49,7 +51,11 @@ the decode call in flight, 0.8 s of waits there (2026-12-05 09:33, load 2-3.7), 
 the calibrator had answered oneDNN for both (M=4 0.18 vs 0.29 ms, 0.13 vs 0.16), and
 cycled as in decoding they are equal within 6% either way at M=4..8 and oneDNN's at
 M=16 (the 768 x 768 weight one thread 0.39 vs 0.39 ms at M=4, 0.50 vs 0.69 at M=16).
-At one row the rule stays per weight (a GEMV's own measure, above).
+At one row the same holds (a GEMV over a small weight of such a kernel stays on torch
+unasked): cycled as above at M=1, the 768 x 768 projection 0.25 ms on torch against
+0.31 on oneDNN's packed weight (one thread, 09:26), and a calibration that had put the
+output projection + residual on oneDNN at B=1 (1.01x either way cached) held 9 MiB of
+packed copies (`dynvm bench generate`, 08:14).
 """
 
 from __future__ import annotations
@@ -89,14 +95,15 @@ def streamed_decision(probe_rows: set[int], weight: torch.Tensor, ops=(),
     if len(probe_rows) != 1:
         return None
     (rows,) = probe_rows
-    weight_bytes = weight.numel() * weight.element_size()
-    if rows == 1 and weight_bytes > STREAMED_BYTES:
-        return False, (f"a GEMV over {weight_bytes / 2**20:.1f} MiB streamed from memory: "
-                       f"torch's, not asked")
-    if not FEW_ROWS[0] <= rows <= FEW_ROWS[1]:
+    if rows != 1 and not FEW_ROWS[0] <= rows <= FEW_ROWS[1]:
         return None
+    weight_bytes = weight.numel() * weight.element_size()
     together = max(weight_bytes, gemm_weight_bytes(ops, constants))
     if together <= STREAMED_BYTES:
         return None
-    return True, (f" (not measured: M={rows} over a weight streamed from memory, "
-                  f"{together / 2**20:.1f} MiB of the kernel's; oneDNN's packed weight)")
+    streamed = f"streamed from memory, {together / 2**20:.1f} MiB of the kernel's"
+    if rows == 1:
+        return False, (f"a GEMV over {weight_bytes / 2**20:.1f} MiB {streamed}: torch's, "
+                       f"not asked")
+    return True, (f" (not measured: M={rows} over a weight {streamed}; oneDNN's packed "
+                  f"weight)")
