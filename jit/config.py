@@ -37,7 +37,8 @@ class JitConfig:
 
     expected_speedup: float = 0.15
     """Fraction of a region's interpreted time a specialization is expected to save
-    before any has been measured; replaced by the measured saving once one has run."""
+    before any of its kind has been measured; replaced by the measured saving of its kind
+    (exact or family, Note [Promotion by kind]) once one has run."""
 
     horizon_calls: int = 1000
     """Calls over which a specialization must pay back its compile: the benefit is the

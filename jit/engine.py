@@ -51,6 +51,7 @@ from dynvm.jit.detached_regions import DetachedRegions
 from dynvm.jit.engine_stats import EngineCounters, jit_stats
 from dynvm.jit.engine_tracing import JitTracing
 from dynvm.jit.guards import GuardStrength, describe
+from dynvm.jit.policy import EXACT, FAMILY
 from dynvm.jit.portable import PortableError, PortableSpecialization
 from dynvm.jit.prewarm import prewarm, warm_registers
 from dynvm.jit.probation import CONFIRMED, DEMOTE, ProbationCounters
@@ -87,6 +88,9 @@ class Jit:
         self.probation_counters = ProbationCounters()   # Note [Probation]
         # Seconds per instruction of recent compiles (Note [Compile cost estimate]).
         self._compile_rates: deque[float] = deque(maxlen=16)
+        # The same by kind of kernel (Note [Promotion by kind]).
+        self._compile_rates_by_kind: dict[str, deque[float]] = {
+            EXACT: deque(maxlen=16), FAMILY: deque(maxlen=16)}
         self._lock = threading.Lock()
         self.artifacts: dict[str, Artifact] = {}
         # Explained guard failures (sampled), deopts and failed compiles, newest last;
@@ -240,16 +244,18 @@ class Jit:
     # Note [Compile cost estimate]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
     # A compile's cost (jit.policy weighs it against the benefit) is estimated from the
-    # lower median of the recent compiles' seconds per instruction, or the config's
-    # per-instruction guess before any. Not the mean: a process's first compile also pays
+    # lower median of the recent compiles' seconds per instruction (of the kernel's kind,
+    # exact or family: Note [Promotion by kind]), or the config's per-instruction guess
+    # before any. Not the mean: a process's first compile also pays
     # torch's one-time loading of its meta kernels (about a second here), and averaged
     # in, that one outlier kept every small region's estimated cost above any benefit for
     # the life of the process, so hot small regions were never compiled.
 
-    def estimated_compile_seconds(self, instructions: int) -> float:
+    def estimated_compile_seconds(self, instructions: int, kind: str | None = None) -> float:
         """Seconds a compile of a region of `instructions` instructions is expected to
-        take (Note [Compile cost estimate])."""
-        rates = self._compile_rates
+        take (Note [Compile cost estimate]); of a kernel of `kind` (EXACT, FAMILY) from
+        that kind's compiles only (Note [Promotion by kind])."""
+        rates = self._compile_rates if kind is None else self._compile_rates_by_kind[kind]
         if rates:
             per_instruction = sorted(rates)[(len(rates) - 1) // 2]
         else:
@@ -319,7 +325,9 @@ class Jit:
             counters = self.counters
             counters.compiles += 1
             counters.compile_seconds += spec.artifact.compile_seconds
-            self._compile_rates.append(spec.artifact.compile_seconds / max(1, len(region)))
+            rate = spec.artifact.compile_seconds / max(1, len(region))
+            self._compile_rates.append(rate)
+            self._compile_rates_by_kind[EXACT if family is None else FAMILY].append(rate)
             if family is not None:
                 counters.family_compiles += 1
         if strength is GuardStrength.STRONG and spec.artifact.backend == "cpu":

@@ -18,9 +18,10 @@ region's compile is expensive, so its shape must prove itself stable for longer)
 horizon is `JitConfig.horizon_calls` or the region's calls so far, whichever is more
 (Note [Rent or buy]). The
 speed-up starts at `JitConfig.expected_speedup` and becomes the measured saving of the
-region's specializations once one has run; the compile cost starts from the config's
-per-instruction estimate and, once compiles have finished, follows the lower median of
-their measured seconds per instruction (Note [Compile cost estimate] in jit.engine).
+region's kernels of the same kind (exact or family); the compile cost starts from the
+config's per-instruction estimate and, once compiles of that kind have finished, follows
+the lower median of their measured seconds per instruction (Note [Compile cost
+estimate] in jit.engine, Note [Promotion by kind] below).
 """
 
 from __future__ import annotations
@@ -46,6 +47,50 @@ from dynvm.jit.config import JitConfig
 # horizon_calls=1e7-1e9 to make anything promote. The probation still drops a
 # specialization that does not earn its place (jit.probation), and its loss lowers the
 # region's speed-up estimate, so an old region whose kernels lose stops promoting.
+
+
+# Note [Promotion by kind]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# The policy's speed-up and compile cost are learned from the region's kernels
+# (probation's verdicts) and the process's compiles. An exact kernel and a family kernel
+# are different code, and cost differently to build: the exact one knows every dim, so
+# it gets the static layout choice, a planned arena and fused convolutions of fixed
+# shape, while the family one takes its varying dims as run-time values and asks its
+# calibration questions over a range. Pooled, one family kernel decided the exact
+# shapes' fate. efficientnet, warmed as `dynvm bench zoo` warms it (2026-12-05 10:15 UTC,
+# load ~1.5, three fresh Runtimes): when a family [2..4, 3, 65..160, 65..160] was the
+# first promotion, its probation ratio (0.91, 0.95) became the region's speed-up (0.09,
+# 0.05) and its compile (0.47 s for 80 instructions) the cost of every compile, so the
+# two exact points (a quarter of the calls each) never paid: the region went cold for
+# them, or, with the family dropped at 0.95, detached, and the JIT served 0-2 of the 4
+# points; when exact kernels came first they measured 0.57x and all four were served.
+# So each kind learns from its own: the speed-up from its kind's verdicts, and before
+# any, `JitConfig.expected_speedup` or the other kind's measured saving, whichever is
+# more (a region's exact and family kernels share most of their code: a family that
+# wins says its exact shapes will too, one that ties says little about them); the
+# compile cost from its kind's compiles, starting at the config's per-instruction
+# estimate. A region whose exact kernels keep losing still stops promoting exact shapes,
+# as one whose family kernels lose stops promoting families.
+EXACT = "exact"
+FAMILY = "family"
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What the policy needs of a region beside a key's own figures, by kind (Note
+    [Promotion by kind]): the expected speed-up and compile seconds of an exact and of a
+    family kernel."""
+
+    exact_speedup: float
+    family_speedup: float
+    exact_seconds: float
+    family_seconds: float
+
+    def speedup(self, kind: str) -> float:
+        return self.family_speedup if kind == FAMILY else self.exact_speedup
+
+    def cost(self, kind: str) -> float:
+        return self.family_seconds if kind == FAMILY else self.exact_seconds
 
 
 def horizon(config: JitConfig, calls_so_far: int) -> int:

@@ -52,11 +52,21 @@ from dynvm.jit.guards import (
     weak_of,
     weak_signer,
 )
-from dynvm.jit.policy import Decision, benefit_seconds, decide, horizon, recurrence_threshold
+from dynvm.jit.policy import (
+    EXACT,
+    FAMILY,
+    Decision,
+    PolicyInputs,
+    benefit_seconds,
+    decide,
+    horizon,
+    recurrence_threshold,
+)
 from dynvm.jit.probation import CONFIRMED, DEMOTE, DROP, EARLY_SAMPLES, Probation
 from dynvm.jit.profiler import RegionProfile
 from dynvm.jit.region_slot import RegionCounters, Specialization
 from dynvm.jit.region_watch import RegionWatch
+from dynvm.jit.savings import KernelSavings
 from dynvm.shape_cluster import FamilyIndex
 
 if TYPE_CHECKING:
@@ -86,8 +96,9 @@ class RegionHost(Protocol):
     def compiles_locally(self) -> bool:
         """Whether promotions are decided here (Note [Fleet hooks])."""
 
-    def estimated_compile_seconds(self, instructions: int) -> float:
-        """The expected cost of a compile (Note [Compile cost estimate])."""
+    def estimated_compile_seconds(self, instructions: int, kind: str | None = None) -> float:
+        """The expected cost of a compile (Note [Compile cost estimate]), of a kernel of
+        `kind` when given (Note [Promotion by kind])."""
 
     def clip_to_declared(self, region_jit: RegionJit, family: Family) -> Family:
         """`family` cut to the program's declared dim ranges."""
@@ -152,11 +163,11 @@ class RegionJit:
         self.watch = RegionWatch(self, engine.config)
         self._steps = tuple(steps)
         self._writes_state = writes_state
-        self._verdicts: deque[float] = deque(maxlen=8)   # recent measured ratios
+        self.savings = KernelSavings(engine.config.expected_speedup)   # by kind
         self._shadow_ids = itertools.count()   # shadow samples' queue keys
         self._verdicts_due: deque = deque()     # (spec, probation, ratio) from them
         self.resolve_seconds = 0.0   # spent resolving new layouts (Note [Probation])
-        self._policy_inputs: tuple[float, float] | None = None
+        self._policy_inputs: PolicyInputs | None = None
         self._clipped: dict[str, str] = {}
 
     # -- RegionSlot --------------------------------------------------------------------
@@ -279,7 +290,9 @@ class RegionJit:
                 return None
             # The policy's inputs change slowly: taken once per cold check or change of
             # the tables, not on every miss (they were a third of a profiled miss).
-            speedup, cost = self._policy_inputs or self.refresh_policy_inputs()
+            inputs = self._policy_inputs or self.refresh_policy_inputs()
+            kind = FAMILY if target is family else EXACT
+            speedup, cost = inputs.speedup(kind), inputs.cost(kind)
             calls = self.age()
             if benefit_seconds(self.engine.config, recurrence, mean, speedup, calls) <= cost:
                 return None   # what decide() would say, without building its record
@@ -297,10 +310,14 @@ class RegionJit:
             self.counters.promotions += 1
         return target, decision
 
-    def refresh_policy_inputs(self) -> tuple[float, float]:
-        """(speed-up, compile seconds) for the policy, kept until the next cold check
-        or change of the tables (holding the lock)."""
-        inputs = (self.speedup(), self.engine.estimated_compile_seconds(len(self.region)))
+    def refresh_policy_inputs(self) -> PolicyInputs:
+        """The speed-ups and compile seconds by kind for the policy (Note [Promotion by
+        kind]), kept until the next cold check or change of the tables (holding the lock)."""
+        size, installed, table = len(self.region), self.installed(), self.profile.table
+        inputs = PolicyInputs(self.savings.expected(EXACT, installed, table),
+                              self.savings.expected(FAMILY, installed, table),
+                              self.engine.estimated_compile_seconds(size, EXACT),
+                              self.engine.estimated_compile_seconds(size, FAMILY))
         self._policy_inputs = inputs
         return inputs
 
@@ -391,7 +408,7 @@ class RegionJit:
         """Note [Probation]: keep, demote (re-plan without the arena) or drop."""
         passed = spec.probation.passes(ratio)
         spec.ratio, spec.probation = ratio, None
-        self._verdicts.append(ratio)
+        self.savings.record(FAMILY if spec.family is not None else EXACT, ratio)
         self._policy_inputs = None
         if passed:
             self.engine.on_probation(self, spec, CONFIRMED)
@@ -484,7 +501,7 @@ class RegionJit:
             per_call = spec.seconds / max(1, spec.calls)
             benefit = (frequency * horizon(config, self.age()) * per_call
                        * config.exact_over_family_gain)
-            cost = self.engine.estimated_compile_seconds(len(self.region))
+            cost = self.engine.estimated_compile_seconds(len(self.region), EXACT)
             if benefit <= cost:
                 return
             self.pending.add(signature)
@@ -509,21 +526,6 @@ class RegionJit:
         counters.last_guard_failure = first_failure(self.live_in, latest.guard_key, actual,
                                                     latest.strength)
         self.engine.on_guard_failure(self, counters.last_guard_failure)
-
-    def speedup(self) -> float:
-        """Measured fraction of interpreted time the region's specializations save."""
-        # Measured against the interpreter (Note [Probation]), dropped ones included: a
-        # region whose specializations keep losing expects little of the next one.
-        savings = [1.0 - ratio for ratio in self._verdicts]
-        for spec in self.installed():
-            if spec.ratio is not None or spec.family is not None:
-                continue
-            stats = self.profile.table.get(spec.signature)
-            if spec.calls >= 8 and stats is not None and stats.mean_seconds > 0:
-                savings.append(1.0 - (spec.seconds / spec.calls) / stats.mean_seconds)
-        if not savings:
-            return self.engine.config.expected_speedup
-        return min(0.95, max(0.01, sum(savings) / len(savings)))
 
     def installed(self) -> list[Specialization]:
         """The specializations in this slot's tables."""

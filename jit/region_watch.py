@@ -141,7 +141,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
-from dynvm.jit.policy import benefit_seconds
+from dynvm.jit.policy import EXACT, FAMILY, PolicyInputs, benefit_seconds
 
 if TYPE_CHECKING:
     from dynvm.jit.config import JitConfig
@@ -181,8 +181,8 @@ class WatchedRegion(Protocol):
     def age(self) -> int:
         """The region's calls, detached ones included (Note [Rent or buy])."""
 
-    def refresh_policy_inputs(self) -> tuple[float, float]:
-        """(speed-up, compile seconds) as the policy takes them now."""
+    def refresh_policy_inputs(self) -> PolicyInputs:
+        """The speed-ups and compile seconds by kind as the policy takes them now."""
 
     def compiles_locally(self) -> bool:
         """Whether promotions are decided here (Note [Fleet hooks])."""
@@ -266,15 +266,16 @@ class RegionWatch:
 
     def _judge_cold(self) -> None:
         region, config = self._region, self._config
-        speedup, cost = region.refresh_policy_inputs()
+        inputs = region.refresh_policy_inputs()
         # The policy's own benefit (jit.policy) of the best key at the window's traffic,
-        # with its mean time (capped: a stall), and COLD_SLACK to spare (Note [Cold regions]).
+        # with its mean time (capped: a stall), and COLD_SLACK to spare (Note [Cold
+        # regions]), over its kind's compile cost (Note [Promotion by kind]).
         calls = region.age()
         best = max(
             (benefit_seconds(config, profile.recurrence(key),
-                             min(stats.mean_seconds, STALL_CAP * stats.min_seconds), speedup,
-                             calls)
-             for profile in (region.profile, region.family_profile)
+                             min(stats.mean_seconds, STALL_CAP * stats.min_seconds),
+                             inputs.speedup(kind), calls) / inputs.cost(kind)
+             for profile, kind in ((region.profile, EXACT), (region.family_profile, FAMILY))
              for key, stats in profile.table.items() if stats.count > 1), default=0.0)
         counters = region.counters
         self._price_watching()
@@ -287,7 +288,7 @@ class RegionWatch:
         self._marks = (calls, hits, self.unlooked_calls)
         # Watched: a key that pays now, or one within COLD_SLACK of paying while the
         # watch fits its share of the region's time (Note [Sampled watching]).
-        if best >= cost or (COLD_SLACK * best >= cost and self._watch_affordable):
+        if best >= 1.0 or (COLD_SLACK * best >= 1.0 and self._watch_affordable):
             self._cold_period = COLD_CHECK_EVERY
             self._sample(counters.promotions)
             return
