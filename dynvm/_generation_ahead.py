@@ -26,7 +26,7 @@ the batch too). This reads the region's family index and its last profiled signa
 
 from __future__ import annotations
 
-from dynvm.jit.policy import Decision
+from dynvm.jit.policy import EXACT, FAMILY, Decision
 from dynvm.shape_cluster.buckets import bucket_of
 from dynvm.shape_cluster.families import Family
 
@@ -81,7 +81,7 @@ class LengthBucketsAhead:
                 return
             region_jit.pending.add(family.key)
             region_jit.counters.promotions += 1
-        cost = self.jit.estimated_compile_seconds(len(region_jit.region))
+        cost = self.jit.estimated_compile_seconds(len(region_jit.region), FAMILY)
         self.requested += 1
         # The benefit only orders the queue: ahead of need, the next bucket is certain.
         self.jit.promote(region_jit, family, Decision(True, 0, region_jit.threshold,
@@ -115,7 +115,7 @@ class StepAhead:
                     continue
                 region_jit.pending.add(signature)
                 region_jit.counters.promotions += 1
-            cost = jit.estimated_compile_seconds(len(region_jit.region))
+            cost = jit.estimated_compile_seconds(len(region_jit.region), EXACT)
             self.requested += 1
             jit.promote(region_jit, signature, Decision(True, 0, region_jit.threshold,
                                                         2 * cost, cost))

@@ -86,10 +86,9 @@ class Jit:
         self.counters = EngineCounters()
         self._failures_logged: set[tuple[int, str]] = set()   # (region, reason) logged
         self.probation_counters = ProbationCounters()   # Note [Probation]
-        # Seconds per instruction of recent compiles (Note [Compile cost estimate]).
-        self._compile_rates: deque[float] = deque(maxlen=16)
-        # The same by kind of kernel (Note [Promotion by kind]).
-        self._compile_rates_by_kind: dict[str, deque[float]] = {
+        # Seconds per instruction of recent compiles, by kind of kernel (Note [Compile
+        # cost estimate], Note [Promotion by kind]).
+        self._compile_rates: dict[str, deque[float]] = {
             EXACT: deque(maxlen=16), FAMILY: deque(maxlen=16)}
         self._lock = threading.Lock()
         self.artifacts: dict[str, Artifact] = {}
@@ -251,11 +250,11 @@ class Jit:
     # in, that one outlier kept every small region's estimated cost above any benefit for
     # the life of the process, so hot small regions were never compiled.
 
-    def estimated_compile_seconds(self, instructions: int, kind: str | None = None) -> float:
-        """Seconds a compile of a region of `instructions` instructions is expected to
-        take (Note [Compile cost estimate]); of a kernel of `kind` (EXACT, FAMILY) from
-        that kind's compiles only (Note [Promotion by kind])."""
-        rates = self._compile_rates if kind is None else self._compile_rates_by_kind[kind]
+    def estimated_compile_seconds(self, instructions: int, kind: str) -> float:
+        """Seconds a compile of a kernel of `kind` (EXACT, FAMILY) for a region of
+        `instructions` instructions is expected to take, from that kind's compiles (Note
+        [Compile cost estimate], Note [Promotion by kind])."""
+        rates = self._compile_rates[kind]
         if rates:
             per_instruction = sorted(rates)[(len(rates) - 1) // 2]
         else:
@@ -325,9 +324,8 @@ class Jit:
             counters = self.counters
             counters.compiles += 1
             counters.compile_seconds += spec.artifact.compile_seconds
-            rate = spec.artifact.compile_seconds / max(1, len(region))
-            self._compile_rates.append(rate)
-            self._compile_rates_by_kind[EXACT if family is None else FAMILY].append(rate)
+            self._compile_rates[EXACT if family is None else FAMILY].append(
+                spec.artifact.compile_seconds / max(1, len(region)))
             if family is not None:
                 counters.family_compiles += 1
         if strength is GuardStrength.STRONG and spec.artifact.backend == "cpu":

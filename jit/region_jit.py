@@ -96,9 +96,9 @@ class RegionHost(Protocol):
     def compiles_locally(self) -> bool:
         """Whether promotions are decided here (Note [Fleet hooks])."""
 
-    def estimated_compile_seconds(self, instructions: int, kind: str | None = None) -> float:
-        """The expected cost of a compile (Note [Compile cost estimate]), of a kernel of
-        `kind` when given (Note [Promotion by kind])."""
+    def estimated_compile_seconds(self, instructions: int, kind: str) -> float:
+        """The expected cost of a compile of a kernel of `kind` (Note [Compile cost
+        estimate], Note [Promotion by kind])."""
 
     def clip_to_declared(self, region_jit: RegionJit, family: Family) -> Family:
         """`family` cut to the program's declared dim ranges."""

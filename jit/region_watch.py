@@ -271,12 +271,12 @@ class RegionWatch:
         # with its mean time (capped: a stall), and COLD_SLACK to spare (Note [Cold
         # regions]), over its kind's compile cost (Note [Promotion by kind]).
         calls = region.age()
-        best = max(
-            (benefit_seconds(config, profile.recurrence(key),
-                             min(stats.mean_seconds, STALL_CAP * stats.min_seconds),
-                             inputs.speedup(kind), calls) / inputs.cost(kind)
-             for profile, kind in ((region.profile, EXACT), (region.family_profile, FAMILY))
-             for key, stats in profile.table.items() if stats.count > 1), default=0.0)
+        priced = [(benefit_seconds(config, profile.recurrence(key),
+                                   min(stats.mean_seconds, STALL_CAP * stats.min_seconds),
+                                   inputs.speedup(kind), calls), inputs.cost(kind))
+                  for profile, kind in ((region.profile, EXACT),
+                                        (region.family_profile, FAMILY))
+                  for key, stats in profile.table.items() if stats.count > 1]
         counters = region.counters
         self._price_watching()
         calls, hits = counters.interpreted + counters.specialized, counters.specialized
@@ -288,7 +288,9 @@ class RegionWatch:
         self._marks = (calls, hits, self.unlooked_calls)
         # Watched: a key that pays now, or one within COLD_SLACK of paying while the
         # watch fits its share of the region's time (Note [Sampled watching]).
-        if best >= 1.0 or (COLD_SLACK * best >= 1.0 and self._watch_affordable):
+        if any(benefit >= cost for benefit, cost in priced) or (
+                self._watch_affordable
+                and any(COLD_SLACK * benefit >= cost for benefit, cost in priced)):
             self._cold_period = COLD_CHECK_EVERY
             self._sample(counters.promotions)
             return

@@ -21,9 +21,6 @@ class KernelSavings:
         """A kernel of `kind` measured `ratio` x the interpreter (Note [Probation])."""
         self._verdicts[kind].append(ratio)
 
-    def verdicts(self, kind: str) -> list[float]:
-        return list(self._verdicts[kind])
-
     def expected(self, kind: str, installed, table) -> float:
         """The fraction of interpreted time a kernel of `kind` is expected to save: its
         kind's measured saving; before any, the prior or the other kind's, whichever is

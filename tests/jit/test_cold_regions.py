@@ -13,6 +13,7 @@ import torch
 
 import dynvm
 from dynvm.jit.config import JitConfig
+from dynvm.jit.policy import EXACT
 from dynvm.jit.region_watch import COLD_CHECK_EVERY, SAMPLE_AFTER, SAMPLE_MAX
 from tests.jit._jit_helpers import compiled, demo
 
@@ -62,8 +63,8 @@ def test_one_slow_compile_does_not_dominate_the_cost_estimate():
     jit = dynvm.jit.engine.Jit(program, runtime.interpreter, JitConfig())
     # seconds per instruction: one warm-up outlier, then ordinary compiles
     for rate in (0.1, 0.0004, 0.0005, 0.0003):
-        jit._compile_rates.append(rate)
-    estimate = jit.estimated_compile_seconds(10)
+        jit._compile_rates[EXACT].append(rate)
+    estimate = jit.estimated_compile_seconds(10, EXACT)
     assert estimate == jit.config.compile_seconds_base + 0.0004 * 10
 
 
@@ -96,7 +97,7 @@ def _fed(per_call_over_cost: float, calls: int, horizon: int = 10_000,
                        compile_seconds_base=10.0)
     runtime = dynvm.Runtime(program, "cpu", jit=config)
     region_jit = next(iter(runtime.jit.regions.values()))
-    cost = runtime.jit.estimated_compile_seconds(len(region_jit.region))
+    cost = runtime.jit.estimated_compile_seconds(len(region_jit.region), EXACT)
     seconds = per_call_over_cost * cost / config.horizon_calls
     region_jit.resolve_seconds = resolve_seconds   # as if resolving layouts cost that
     for i in range(calls):
@@ -207,7 +208,7 @@ def test_the_watch_is_priced_by_what_it_measured():
         return record(signature, seconds)
 
     slow.profile.record = slow_record
-    cost = runtime.jit.estimated_compile_seconds(len(slow.region))
+    cost = runtime.jit.estimated_compile_seconds(len(slow.region), EXACT)
     for i in range(COLD_CHECK_EVERY):
         slow.leave((("signature", i % 4),), 3.0 * cost / runtime.jit.config.horizon_calls)
     assert slow.watch.watch_cost_seconds >= 1e-3
