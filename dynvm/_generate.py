@@ -323,15 +323,17 @@ def compile_generator(model: torch.nn.Module, *, max_batch: int = 64,
                       max_length: int = 2048, device: str | torch.device = "cpu",
                       jit: bool | JitConfig = True, compile_ahead: bool = True,
                       name: str | None = None, kv_state: bool = True, chunk: int = 128,
-                      pure: bool | None = None, packed: bool = False) -> Generator:
+                      pure: bool | None = None, packed: bool = True) -> Generator:
     """Lower a Hugging Face causal LM (dynamic batch and lengths) and return a
     `Generator` running it (`jit`, `compile_ahead`: as Generator takes them).
-    `kv_state`: one step program over the KV cache as state for prompt chunks of up to
-    `chunk` tokens and decoding (Note [One step program for prompt and decode] in
-    dynvm._generation_kv), which the generator then runs (`packed`: its packed form,
-    tokens of any rows flat in one call, Note [One packed call per step], the same
-    file); `pure` (default: not kv_state): the prefill and decode programs over plain
-    caches too."""
+    `kv_state`: one step program over the KV cache as state for prompt chunks and
+    decoding (Note [One step program for prompt and decode] in dynvm._generation_kv),
+    which the generator then runs; `packed` (the default): that step in its packed
+    form, the tokens of any rows flat in one call of up to max(chunk, max_batch)
+    tokens (Note [One packed call per step], the same file), the form a served
+    generator's scheduler needs (Note [The packed step by default]); packed=False: the
+    rows form, rows of T = 1..chunk tokens each per call. `pure` (default: not
+    kv_state): the prefill and decode programs over plain caches too."""
     programs = export_generator(model, max_batch=max_batch, max_length=max_length, name=name,
                                 kv_state=kv_state, chunk=chunk, pure=pure, packed=packed)
     return Generator(programs, device, jit=jit, compile_ahead=compile_ahead)

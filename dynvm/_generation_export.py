@@ -32,6 +32,26 @@ from dynvm.vm.program import Program
 # mask of the past only ([B, L], the same dim L as the cache) and appends the column of
 # ones itself: the check that mask and cache agree stays an ordinary input check.
 #
+# Note [The packed step by default]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The step over the KV state comes in two forms (Note [One packed call per step] in
+# dynvm._generation_kv): rows of one T per call, or the packed form, the tokens of any
+# rows flat in one call. The form is fixed at export and travels with a saved generator
+# (generator.json's "packed"), so the default is what `dynvm serve` gets from a
+# generator exported the documented way. The serving scheduler needs the packed form:
+# over rows a step that carries a prompt chunk is two calls (the decode rows, then the
+# chunk), and in-process its inter-token p99 was 3.3-3.8x p50 against 1.7-1.9x packed
+# at a step budget of 16 (docs/bench_log.md, 2026-12-03). The library's
+# Generator.generate loses nothing measurable with it: on the 768-wide Llama of `dynvm
+# bench generate` (1 thread, prompt 32 + 128 new, JIT, a model exported per form,
+# 2026-12-05 12:07 UTC, load 1.0-1.4) decode tokens/s packed / rows over generations 2-5
+# was 1.015 at B=1, 0.971 at B=4 and 1.003 at B=16, the tokens equal, and the first
+# generation's specialized decode steps 123 / 118 / 120 of 127 against 58 / 110 / 119.
+# What it costs: a batch's prompts are written at most max(chunk, max_batch) tokens a
+# call in all rather than chunk tokens a row, so at B=16 the 32-token prompts took 4
+# calls of 128 instead of one of 512 (255 vs 218 ms). So packed is the default
+# everywhere; packed=False keeps the rows form, which the scheduler still serves.
+
 # Note [Grouped heads in decode]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # With fewer key/value heads than query heads, Hugging Face's SDPA path copies K and V
@@ -153,13 +173,13 @@ def _grouped_heads_folded():
 def export_generator(model: torch.nn.Module, *, max_batch: int = 64,
                      max_length: int = 2048, name: str | None = None,
                      kv_state: bool = False, chunk: int = 128,
-                     pure: bool | None = None, packed: bool = False) -> GeneratorPrograms:
+                     pure: bool | None = None, packed: bool = True) -> GeneratorPrograms:
     """Lower a Hugging Face causal LM (`...ForCausalLM`, eval mode) with dynamic batch
     (1..max_batch) and lengths (1..max_length). `kv_state`: the one step over the cache
-    as state (`step`, T = 1..chunk new tokens per row; `packed`: N = 1..max(chunk,
-    max_batch) tokens of any rows, Note [One packed call per step] in
-    dynvm._generation_kv); `pure` (default: not kv_state): the prefill and decode
-    programs over plain caches."""
+    as state (`step`; `packed`, the default: N = 1..max(chunk, max_batch) tokens of any
+    rows, Note [One packed call per step] in dynvm._generation_kv, Note [The packed
+    step by default]; packed=False: T = 1..chunk new tokens per row); `pure` (default:
+    not kv_state): the prefill and decode programs over plain caches."""
     from torch.export import Dim
 
     from dynvm import compile as dynvm_compile

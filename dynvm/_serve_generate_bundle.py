@@ -4,6 +4,11 @@ token loop needs to know about them, and the model's tokenizer when it ships one
     generator = dynvm.compile_generator(hf_causal_lm, max_batch=16, max_length=512)
     dynvm.save_generator(generator, "gen/", tokenizer=hf_tokenizer)   # then: dynvm serve gen/
 
+compile_generator exports the packed step by default, the form the serving scheduler
+runs as one call a step (Note [The packed step by default] in dynvm._generation_export);
+a generator saved in the rows form (packed=False, or before that default) is served
+too, and `dynvm serve` says it would do better exported again.
+
     gen/generator.json   format, layers, max_batch, max_length, eos_token_ids, pad_token_id,
                          chunk, packed (the step's packed form; absent: rows)
     gen/step.dvm         the step over the KV cache as state, prompt chunks and decode
@@ -51,6 +56,16 @@ class GeneratorBundle:
 def is_generator_bundle(path: str | os.PathLike) -> bool:
     """Whether `path` is a directory written by `save_generator`."""
     return (Path(path) / MANIFEST).is_file()
+
+
+def saved_packed(path: str | os.PathLike) -> bool:
+    """Whether the generator saved at `path` has the packed step (generator.json's
+    "packed"; absent, as in bundles saved before it was the default: the rows form)."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("packed") is True
 
 
 def save_generator(generator, path: str | os.PathLike, tokenizer=None) -> Path:

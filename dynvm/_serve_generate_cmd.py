@@ -59,12 +59,18 @@ def deploy(options, fleet) -> dict:
 def hint(options, base: str, replicas: list[str]) -> str:
     """The lines `dynvm serve` prints for a generator at `base` (http://host:port, Serve's
     proxy) whose replicas also answer at `replicas` (direct ingress)."""
+    from dynvm._serve_generate_bundle import saved_packed
+
     model = f"{base}/v2/models/{options.name}"
+    rows = "" if saved_packed(options.model_path) else (
+        f"note      {options.model_path} holds the step's rows form: a step that writes a "
+        f"prompt chunk is two calls and inter-token latency swings with it; export it "
+        f"again with dynvm.compile_generator (packed by default) and save_generator\n")
     direct = (f"direct    {options.name}'s replicas at {', '.join(replicas)} (every route; "
               f"each replica its port); everything also answers through Serve's proxy, "
               f"slower:\n") if replicas else ""
     return f"""\
-{direct}serving   generator {options.name} at {base}/v1/completions and {model}/generate
+{rows}{direct}serving   generator {options.name} at {base}/v1/completions and {model}/generate
   curl -N {base}/v1/completions -d '{{"model": "{options.name}", "prompt": [1, 2, 3], \
 "max_tokens": 16, "stream": true}}'
   curl -N {model}/generate_stream -d '{{"input_ids": [1, 2, 3], "parameters": \

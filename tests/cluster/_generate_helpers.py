@@ -12,9 +12,10 @@ import torch
 
 
 def tiny_programs():
-    """The tiny Llama-style generator's programs (tests/generation/_tiny.py), the decode
-    step over the KV cache as state too, exported once per session and shared with
-    tests/generation (the export is most of these tests' time)."""
+    """The tiny Llama-style generator's programs (tests/generation/_tiny.py): the step
+    over the KV cache as state in compile_generator's default packed form and the pure
+    prefill and decode, exported once per session and shared with tests/generation (the
+    export is most of these tests' time)."""
     from tests.generation._tiny import tiny_generator
 
     return tiny_generator("llama")[1]

@@ -1,9 +1,9 @@
 """How a generator replica's scheduler hands tokens over and warms up, on the tiny
 Llama-style generator's step over the KV state (the export the other generation serving
-tests share; the packed form's steps hand over the same way): a sequence submitted with
-its event loop gets a step's events in one hop on that loop (Note [One hop per step]), a
-closed loop cancels its sequences, and the warm-up before ready (Note [Warm before
-ready]) leaves nothing held or counted behind it."""
+tests share, in the default packed form; the rows form's steps hand over the same way):
+a sequence submitted with its event loop gets a step's events in one hop on that loop
+(Note [One hop per step]), a closed loop cancels its sequences, and the warm-up before
+ready (Note [Warm before ready]) leaves nothing held or counted behind it."""
 
 from __future__ import annotations
 

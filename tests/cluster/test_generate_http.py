@@ -216,19 +216,21 @@ def test_client_disconnect_frees_its_sequence(served):
     assert scheduler.occupancy()["cache_rows"] == 0
 
 
-def test_client_disconnect_frees_its_slot_on_the_packed_step(tmp_path):
-    """Over the packed step (one call a step, Note [One packed call per step]) a client
-    that disconnects mid-stream has its sequence cancelled and its slot freed, and the
-    next request streams `Generator.generate`'s tokens."""
+def test_client_disconnect_frees_its_slot_on_the_rows_step(tmp_path):
+    """Over a generator saved in the step's rows form (packed=False, or saved before the
+    packed step was the default; a decode call and a prompt call a step, Note [One
+    packed call per step]) a client that disconnects mid-stream has its sequence
+    cancelled and its slot freed, and the next request streams `Generator.generate`'s
+    tokens. (The module's `served` generator is the default packed form.)"""
     from dynvm._serve_generate_bundle import save_generator
-    from tests.generation._tiny import tiny_packed_programs
+    from tests.generation._tiny import tiny_rows_programs
 
-    bundle = save_generator(tiny_packed_programs(), tmp_path / "packed")
+    bundle = save_generator(tiny_rows_programs(), tmp_path / "rows")
     server = GeneratorServer(MODEL, str(bundle), ServingConfig(device="cpu", jit=False),
                              SchedulerConfig(max_sequences=4), metrics_to_ray=False)
     http_server = HttpServer(server)
     try:
-        assert server.generator.packed
+        assert not server.generator.packed
         scheduler = server.scheduler
         sock = _open_stream(http_server, {"prompt": [5, 6], "max_tokens": 62,
                                           "stream": True, "ignore_eos": True,

@@ -43,12 +43,13 @@ class Collector:
 @pytest.fixture(scope="module", params=["plain", "slots", "packed"])
 def generator(request):
     """The decode step over plain caches (joins and leaves copy them), the step over
-    the KV state (a slot per sequence, Note [Slots instead of copies], prompts written
-    in chunks, Note [Prompt chunks between decode steps]), or its packed form (decode
-    rows and prompt chunks in one call a step, Note [One packed call per step])."""
-    from tests.generation._tiny import tiny_packed_programs
+    the KV state in its rows form (a slot per sequence, Note [Slots instead of copies],
+    prompts written in chunks, Note [Prompt chunks between decode steps]), or in its
+    packed form, the default (decode rows and prompt chunks in one call a step, Note
+    [One packed call per step])."""
+    from tests.generation._tiny import tiny_rows_programs
 
-    programs = tiny_packed_programs() if request.param == "packed" else tiny_programs()
+    programs = tiny_rows_programs() if request.param == "slots" else tiny_programs()
     with dynvm.Generator(programs, jit=False, compile_ahead=False,
                          kv_state=request.param != "plain") as gen:
         yield gen

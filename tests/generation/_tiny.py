@@ -46,16 +46,19 @@ MAX_BATCH, MAX_LENGTH = 8, 64
 
 @functools.cache
 def tiny_generator(kind: str):
-    """(model, its generator's programs) for `kind`: the step over the KV cache as state
-    and the pure prefill and decode programs (`pure`, for kv_state=False), exported once
-    per session: the export is most of a generation test's time, and tests/generation
-    and the serving tests (tests/cluster/_generate_helpers.py) take the same one. The
-    programs hold this model's own weight tensors."""
+    """(model, its generator's programs) for `kind`: the step over the KV cache as state,
+    in compile_generator's default packed form (Note [The packed step by default] in
+    dynvm._generation_export), and the pure prefill and decode programs (`pure`, for
+    kv_state=False), exported once per session: the export is most of a generation
+    test's time, and tests/generation and the serving tests
+    (tests/cluster/_generate_helpers.py) take the same one. The programs hold this
+    model's own weight tensors."""
     import dynvm
 
     model = tiny_causal_lm(kind)
     programs = dynvm.compile_generator(model, max_batch=MAX_BATCH, max_length=MAX_LENGTH,
                                        jit=False, kv_state=True, pure=True).programs
+    assert programs.packed
     return model, programs
 
 
@@ -79,12 +82,13 @@ def hf_greedy(model, ids, mask, max_new_tokens: int, **kwargs) -> torch.Tensor:
 
 
 @functools.cache
-def tiny_packed_programs(kind: str = "llama"):
-    """The packed form of `kind`'s step (Note [One packed call per step] in
-    dynvm._generation_kv) over the same model as tiny_generator(kind), exported once per
-    session; its tokens are comparable with that generator's."""
+def tiny_rows_programs(kind: str = "llama"):
+    """The rows form of `kind`'s step (packed=False: rows of T tokens each per call, Note
+    [One packed call per step] in dynvm._generation_kv) over the same model as
+    tiny_generator(kind), exported once per session; its tokens are comparable with
+    that generator's."""
     import dynvm
 
     model = tiny_generator(kind)[0]
     return dynvm.compile_generator(model, max_batch=MAX_BATCH, max_length=MAX_LENGTH,
-                                   jit=False, kv_state=True, packed=True).programs
+                                   jit=False, kv_state=True, packed=False).programs

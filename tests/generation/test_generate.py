@@ -3,7 +3,8 @@ Hugging Face's `generate` (interpreter and JIT, batches of different prompt leng
 pure decode step and the one step program over the KV cache as state, prompts written
 in chunks smaller than them), seeded sampling, stop tokens, streaming, and one resident
 copy of the weights. Generators run the state's step where the programs have it (the
-default), so every test but the greedy one's "pure" case and compile-ahead's runs it."""
+default, in its default packed form), so every test but the greedy one's "pure" case and
+compile-ahead's runs it."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ def built(request):
                          ids=["pure", "state", "state-chunk4"])
 @pytest.mark.parametrize("jit", [False, True], ids=["interpreter", "jit"])
 def test_greedy_matches_hf_generate(built, jit, kv_state, chunk):
-    """Prompts of 6 and of 7, 3 and 5 tokens: written whole, in calls of the lengths the
-    rows share (3, 2, 2), or in chunks of at most 4 (6 = 4 + 2; 3, 1 + 1, 2), each
-    boundary mid-prompt."""
+    """Prompts of 6 and of 7, 3 and 5 tokens over the default packed step: written whole
+    (the three prompts' 15 tokens in one call), or at most 4 tokens a call (6 = 4 + 2;
+    15 = 4 + 4 + 4 + 3, rows sharing calls and boundaries mid-prompt); the rows form is
+    checked in test_generate_packed."""
     kind, model, programs = built
     config = eager_config(families=True) if jit else False
     with dynvm.Generator(programs, jit=config, kv_state=kv_state, chunk=chunk) as generator:
@@ -48,8 +50,9 @@ def test_greedy_matches_hf_generate(built, jit, kv_state, chunk):
                 f"HF {expected[:, ids.shape[1]:].tolist()}")
         stats = generator.stats()
         assert stats.decode_steps == 2 * (NEW - 1)
-        if kv_state:   # (6,): 1 call or 4 + 2; (7, 3, 5): 3 calls, or 3 then 1 + 1 of 4
-            assert stats.prompt_calls == (1 + 3 if chunk is None else 2 + 3)
+        if kv_state:   # (6,): 1 call or 4 + 2; (7, 3, 5): 1 call of 15, or 4 calls
+            assert generator.packed
+            assert stats.prompt_calls == (1 + 1 if chunk is None else 2 + 4)
         if jit:
             assert stats.specialized_steps > 0, stats
 
