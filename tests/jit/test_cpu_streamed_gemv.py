@@ -2,7 +2,9 @@
 (jit/backends/cpu/streamed_gemv.py): a GEMM at one row over a weight larger than
 `STREAMED_BYTES` stays on torch without a calibration question (so without a packed
 copy; its dense weight goes on huge pages), at 4..16 rows it goes to oneDNN without
-one; a smaller weight, or other row counts, are still asked."""
+one (to dynvm's small-M kernel where it runs, Note [A small-M GEMM of our own], at
+2..16 rows; else to oneDNN at 4..16); a smaller weight, or other row counts, are still
+asked."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from dynvm.jit.backends.cpu import fusion as cpu_fusion
+from dynvm.jit.backends.cpu import native_linear
 from dynvm.jit.ir import ConstRef, Literal, SpecOp, Var
 
 
@@ -49,10 +52,26 @@ def test_a_streamed_gemv_stays_on_torch_unasked_with_its_weight_on_huge_pages(mo
 
 
 @pytest.mark.parametrize("rows", [4, 16])
-def test_a_few_rows_over_a_streamed_weight_go_to_onednn_unasked(rows):
+def test_a_few_rows_over_a_streamed_weight_are_decided_unasked(rows):
     decision = _decide(rows=rows, out_features=2048)
     assert decision.fuse and decision.after is None
     assert f"not measured: M={rows}" in decision.note
+    assert decision.native == native_linear.available()
+
+
+def test_without_the_native_kernel_a_few_rows_go_to_onednn_and_two_rows_are_asked(
+        monkeypatch):
+    monkeypatch.setattr(native_linear, "available", lambda: False)
+    decision = _decide(rows=4, out_features=2048)
+    assert decision.fuse and not decision.native and "oneDNN's packed weight" in decision.note
+    with pytest.raises(_Asked):
+        _decide(rows=2, out_features=2048)
+
+
+@pytest.mark.skipif(not native_linear.available(), reason=native_linear.unavailable_reason())
+def test_two_rows_over_a_streamed_weight_go_to_the_native_kernel_unasked():
+    decision = _decide(rows=2, out_features=2048)
+    assert decision.fuse and decision.native and "small-M kernel" in decision.note
 
 
 def test_a_small_weight_streams_where_its_kernels_weights_together_do():
@@ -62,9 +81,9 @@ def test_a_small_weight_streams_where_its_kernels_weights_together_do():
     assert not decision.fuse and "9.0 MiB of the kernel's" in decision.note
 
 
-@pytest.mark.parametrize("rows, out_features", [(1, 1024), (4, 1024), (2, 2048), (32, 2048)],
+@pytest.mark.parametrize("rows, out_features", [(1, 1024), (4, 1024), (32, 2048)],
                          ids=["a GEMV whose weight stays in cache", "four rows, in cache",
-                              "two rows", "32 rows"])
+                              "32 rows"])
 def test_others_are_measured(rows, out_features):
     with pytest.raises(_Asked):
         _decide(rows, out_features)

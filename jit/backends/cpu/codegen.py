@@ -37,9 +37,11 @@ from dynvm.jit.backends.cpu.conv_residual import IN_PLACE_KERNELS, residuals_in_
 from dynvm.jit.backends.cpu.fusion import (
     FUSED_KERNELS,
     GATED_OPCODES,
+    NATIVE_KERNELS,
     epilogue_pcs,
     fuse_gemm_epilogues,
     is_fused,
+    is_native,
 )
 from dynvm.jit.backends.cpu.one_thread import (
     neutral,
@@ -266,6 +268,8 @@ def _emit_body(emitter, spec, program, constants, device,
             args = [f"{emitter.bind('k', a.value.packs)}[{args[0]}.shape[0]]"
                     if isinstance(a, Literal) and isinstance(a.value, PackedPerBatch) else text
                     for a, text in zip(op.args, args)]
+        elif is_native(op):  # Note [A small-M GEMM of our own]
+            fn = emitter.bind(op.opcode.lower(), NATIVE_KERNELS[op.opcode])
         elif op.variant == PRECISION_VARIANT:  # Note [Lower-precision GEMMs]
             fn = emitter.bind(op.opcode.lower(), PRECISION_KERNELS[op.opcode])
         else:

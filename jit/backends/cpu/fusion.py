@@ -98,6 +98,7 @@ from dynvm.jit.backends.cpu.calibration_rows import (
 )
 from dynvm.jit.backends.cpu.calibration_rows import calibration_max_m
 from dynvm.jit.backends.cpu.huge_pages import to_huge_pages
+from dynvm.jit.backends.cpu.native_linear import NATIVE, small_m_linear
 from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.backends.cpu.row_gate import (
     ONEDNN,
@@ -150,6 +151,11 @@ CONV_KERNELS = {
 # The generated code calls the gate itself.
 GATED = {LINEAR_UNARY: "ONEDNN_LINEAR_GATED", LINEAR_BINARY: "ONEDNN_LINEAR_BINARY_GATED"}
 GATED_OPCODES = frozenset(GATED.values())
+# A GEMM on dynvm's own small-M kernel (Note [A small-M GEMM of our own]): operands x,
+# the constant weight as stored, bias, the residual to add (or None), input-major.
+NATIVE_VARIANT = "native"
+NATIVE_LINEAR = "NATIVE_LINEAR"
+NATIVE_KERNELS = {NATIVE_LINEAR: small_m_linear}
 FUSED_KERNELS = {
     LINEAR_UNARY: _mkldnn._linear_pointwise.default,
     LINEAR_BINARY: _mkldnn._linear_pointwise.binary,
@@ -234,9 +240,15 @@ def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device
                 epilogue = None
                 decision = _decide(op, gemm, None, ops, constants, spec.abstract,
                                    calibrator)
-            fused = None if not decision.fuse else _fused_op(
-                op, gemm, epilogue, ops, constants, spec.abstract, prepacked,
-                decision.after)
+            if decision.native and epilogue is not None and not native_epilogue(epilogue):
+                epilogue = None   # the consumer stays an op of its own
+            if not decision.fuse:
+                fused = None
+            elif decision.native:
+                fused = _native_op(op, gemm, epilogue, ops)
+            else:
+                fused = _fused_op(op, gemm, epilogue, ops, constants, spec.abstract,
+                                  prepacked, decision.after)
         except RuntimeError as exc:   # oneDNN refused these operands: torch keeps them
             notes.append(f"{op.source_pc}: {op.opcode} stays on torch (oneDNN refused "
                          f"it: {str(exc)[:120]})")
@@ -247,7 +259,8 @@ def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device
         replaced[position] = fused
         if epilogue is not None:
             removed.add(epilogue[0])
-        notes.append(f"{op.source_pc}: {_describe(op, epilogue, ops)} -> oneDNN "
+        target = "dynvm's small-M" if decision.native else "oneDNN"
+        notes.append(f"{op.source_pc}: {_describe(op, epilogue, ops)} -> {target} "
                      f"{_call_text(fused)}{decision.note}")
     if not replaced:
         return FusionResult(spec, tuple(notes))
@@ -422,6 +435,8 @@ class _Decision:
     fuse: bool
     note: str
     after: tuple | None = None
+    native: bool = False
+    """Run on dynvm's small-M kernel instead (Note [A small-M GEMM of our own])."""
 
 
 _NO_FASTER = "oneDNN measured no faster here"
@@ -438,11 +453,12 @@ def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
     threads = torch.get_num_threads()
     probe_ms = {_m_of(x) for x in probe_tensors(probes, gemm.x.reg)}
     # Note [Streamed GEMVs stay on torch], Note [Few rows over a streamed weight]
-    streamed = streamed_decision(probe_ms, weight, ops, constants)
+    streamed = streamed_decision(probe_ms, weight, ops, constants, gemm.transpose)
     if streamed is not None:
-        if not streamed[0]:   # torch streams the weight itself: on huge pages too
+        where, note = streamed
+        if where != ONEDNN:   # the weight streams as stored: on huge pages too
             to_huge_pages(weight)   # Note [Packed weights on huge pages]
-        return _Decision(*streamed)
+        return _Decision(where != TORCH, note, native=where == NATIVE)
     new_rows = len(probe_ms) > 1
     dense = weight.t() if gemm.transpose else weight
     eager, fused = _forms(op, epilogue, ops, weight, bias)
@@ -630,6 +646,32 @@ def _fused_op(op, gemm: _Gemm, epilogue, ops, constants, probes,
                   variant=variant)
 
 
+def native_epilogue(epilogue) -> bool:
+    """Whether dynvm's small-M kernel computes `epilogue` itself: a residual add (its
+    other operand has the result's shape, as `_epilogue` checked)."""
+    _, attr, _, _, other = epilogue
+    return other is not None and attr == "add"
+
+
+def _native_op(op, gemm: _Gemm, epilogue, ops) -> SpecOp:
+    """The GEMM (with its residual add) as a call of dynvm's small-M kernel on the
+    constant weight as the program stores it (Note [A small-M GEMM of our own])."""
+    if epilogue is None:
+        dsts, variant, other = op.dsts, NATIVE_VARIANT, Literal(None)
+    else:
+        consumer = ops[epilogue[0]]
+        dsts, variant, other = consumer.dsts, f"{NATIVE_VARIANT}+{consumer.source_pc}", \
+            epilogue[4]
+    return SpecOp(NATIVE_LINEAR, dsts, (gemm.x, ConstRef(gemm.weight), gemm.bias, other,
+                                        Literal(gemm.transpose)),
+                  op.source_pc, variant=variant)
+
+
+def is_native(op: SpecOp) -> bool:
+    """Whether `op` runs on dynvm's small-M kernel."""
+    return op.variant.split("+")[0] == NATIVE_VARIANT
+
+
 def _kind(op, epilogue, ops) -> str:
     if epilogue is None:
         return op.opcode.lower()
@@ -647,6 +689,8 @@ def _describe(op, epilogue, ops) -> str:
 
 
 def _call_text(fused: SpecOp) -> str:
+    if fused.opcode == NATIVE_LINEAR:
+        return "linear" if fused.args[3] == Literal(None) else "linear with the add"
     gated_call = fused.opcode in GATED_OPCODES
     args = fused.args[1:] if gated_call else fused.args
     opcode = next((k for k, v in GATED.items() if v == fused.opcode), fused.opcode)

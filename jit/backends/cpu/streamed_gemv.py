@@ -1,5 +1,6 @@
 """Which GEMMs a CPU kernel decides without asking the calibrator: those over weights
-that stream from memory on every real call, at one row or a few.
+that stream from memory on every real call, at one row or a few (torch, dynvm's small-M
+kernel or oneDNN).
 
 Note [Streamed GEMVs stay on torch]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -56,12 +57,20 @@ unasked): cycled as above at M=1, the 768 x 768 projection 0.25 ms on torch agai
 0.31 on oneDNN's packed weight (one thread, 09:26), and a calibration that had put the
 output projection + residual on oneDNN at B=1 (1.01x either way cached) held 9 MiB of
 packed copies (`dynvm bench generate`, 08:14).
+
+Where dynvm's own small-M kernel runs (Note [A small-M GEMM of our own] in native_linear),
+2 to 16 rows over a streamed weight go to it instead, unasked as well: it reads the weight
+where the program keeps it, so the compile packs nothing and the engine holds no second
+copy, and 2 and 3 rows need no question either.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dynvm.jit.backends.cpu import native_linear
+from dynvm.jit.backends.cpu.native_linear import NATIVE, NATIVE_ROWS
+from dynvm.jit.backends.cpu.row_gate import ONEDNN, TORCH
 from dynvm.jit.ir import ConstRef
 from dynvm.vm.opcodes import OPCODES
 
@@ -71,7 +80,8 @@ STREAMED_BYTES = 4 << 20
 
 FEW_ROWS = (4, 16)
 """The row counts (inclusive) at which a GEMM over a streamed weight goes to oneDNN
-unasked (Note [Few rows over a streamed weight])."""
+unasked (Note [Few rows over a streamed weight]) where dynvm's own small-M kernel cannot
+run (Note [A small-M GEMM of our own]: 2..16 rows go there where it can)."""
 
 
 def gemm_weight_bytes(ops, constants) -> int:
@@ -87,15 +97,18 @@ def gemm_weight_bytes(ops, constants) -> int:
 
 
 def streamed_decision(probe_rows: set[int], weight: torch.Tensor, ops=(),
-                      constants=()) -> tuple[bool, str] | None:
-    """(on oneDNN, the note's reason) for a GEMM with these probe row counts over
-    `weight`, in a kernel of `ops` over `constants`, decided without the calibrator
-    (Note [Streamed GEMVs stay on torch], Note [Few rows over a streamed weight]); None
-    when it is measured as usual."""
+                      constants=(), input_major: bool = False) -> tuple[str, str] | None:
+    """(where the GEMM runs: TORCH, ONEDNN or NATIVE, the note's reason) for a GEMM with
+    these probe row counts over `weight` (stored [K, N] when `input_major`), in a kernel
+    of `ops` over `constants`, decided without the calibrator (Note [Streamed GEMVs stay
+    on torch], Note [Few rows over a streamed weight], Note [A small-M GEMM of our own]);
+    None when it is measured as usual."""
     if len(probe_rows) != 1:
         return None
     (rows,) = probe_rows
-    if rows != 1 and not FEW_ROWS[0] <= rows <= FEW_ROWS[1]:
+    native = (native_linear.available() and native_linear.fits(weight, input_major)
+              and NATIVE_ROWS[0] <= rows <= NATIVE_ROWS[1])
+    if rows != 1 and not native and not FEW_ROWS[0] <= rows <= FEW_ROWS[1]:
         return None
     weight_bytes = weight.numel() * weight.element_size()
     together = max(weight_bytes, gemm_weight_bytes(ops, constants))
@@ -103,7 +116,10 @@ def streamed_decision(probe_rows: set[int], weight: torch.Tensor, ops=(),
         return None
     streamed = f"streamed from memory, {together / 2**20:.1f} MiB of the kernel's"
     if rows == 1:
-        return False, (f"a GEMV over {weight_bytes / 2**20:.1f} MiB {streamed}: torch's, "
+        return TORCH, (f"a GEMV over {weight_bytes / 2**20:.1f} MiB {streamed}: torch's, "
                        f"not asked")
-    return True, (f" (not measured: M={rows} over a weight {streamed}; oneDNN's packed "
-                  f"weight)")
+    if native:
+        return NATIVE, (f" (not measured: M={rows} over a weight {streamed}; dynvm's "
+                        f"small-M kernel on the weight as stored)")
+    return ONEDNN, (f" (not measured: M={rows} over a weight {streamed}; oneDNN's packed "
+                    f"weight)")

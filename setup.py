@@ -1,0 +1,17 @@
+"""The one compiled part of dynvm: the CPU backend's small-M GEMM (Note [A small-M GEMM
+of our own] in jit/backends/cpu/native_linear.py). Everything else is in pyproject.toml.
+
+The library is plain C loaded through ctypes (no Python C API); it is optional: where no
+C compiler is found the install goes on and the backend keeps oneDNN for those GEMMs.
+-fopenmp links the libgomp soname that torch ships, so the kernels run on torch's own
+OpenMP team (one team per process, not two)."""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension(
+    "dynvm.jit.backends.cpu._small_m_linear",
+    sources=["jit/backends/cpu/native/small_m_linear.c"],
+    extra_compile_args=["-O3", "-fopenmp"],
+    extra_link_args=["-fopenmp"],
+    optional=True,
+)])
