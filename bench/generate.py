@@ -308,6 +308,13 @@ def run_model(kind: str, batches, systems, threads: int, results: Results,
                     results.rows.append(_row(
                         kind, batch, f"dynvm-jit gen {n}", prefill_s, steps, cpu_s,
                         specialized=f"{hit}/{total}", same_tokens=same(tokens)))
+                # What the generator states it holds after this batch size's kernels
+                # (packed weight copies would show here, beside the one copy).
+                _settle(jit)
+                held = jit.memory()
+                memory[f"jit_b{batch}_stated_beyond_weights"] = (
+                    held.total - held.weights) / 2**20
+                memory[f"jit_b{batch}_stated_packed_weights"] = held.packed_weights / 2**20
         if "dynvm-jit-pure" in systems:
             # The pure decode step (the cache as tensors grown by CAT), as before the KV
             # cache was state (Note [KV cache as state] in dynvm.vm.ops_kv).

@@ -13,9 +13,9 @@ chain (their weights together far larger than the caches, as in the model) throu
 every path torch offers: oneDNN's linear on a weight packed for that M (what the JIT
 emits), `F.linear` and `addmm` on the dense weight (MKL for fp32, oneDNN matmul for
 bf16), and the transposed product W @ x^T (the weight as the GEMM's tall operand).
-With --native, also a plain AVX-512 kernel of this directory's own (small_m_kernel.c,
-fp32, built with the system's C compiler into a temporary directory; nothing in dynvm
-uses it): what a kernel that splits the output columns across the threads gains.
+With --native, also dynvm's own small-M kernel (fp32, on the dense weight: Note [A small-M
+GEMM of our own] in jit/backends/cpu/native_linear.py, which this tool's first runs led
+to): what a kernel that splits the output columns across the threads gains.
 Paths and rows are interleaved call by call; each path's rate is the weights' bytes
 over its median chain time. The ceiling beside them is a plain reduction over a tensor
 of the weights' size at each thread count: what the cores can stream at all.
@@ -28,15 +28,10 @@ issue 31) for the runs so far.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import functools
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 from bench._omp import reexec_passive
 
@@ -67,38 +62,12 @@ def gemm(torch, path: str, x, weight, bias, rows: int):
     raise ValueError(f"unknown path {path!r}")
 
 
-@functools.lru_cache(maxsize=1)
-def _native_library():
-    """small_m_kernel.c built and loaded (ctypes), linked to torch's libgomp."""
-    import torch
-
-    source = Path(__file__).with_name("small_m_kernel.c")
-    folder = Path(tempfile.mkdtemp(prefix="dynvm-small-m-"))
-    library = folder / "libsmall_m.so"
-    torch_lib = Path(torch.__file__).parent / "lib"
-    subprocess.run(["cc", "-O3", "-mavx512f", "-fopenmp", "-shared", "-fPIC", str(source),
-                    "-o", str(library), f"-Wl,-rpath,{torch_lib}"],
-                   check=True, capture_output=True, text=True)
-    loaded = ctypes.CDLL(str(library))
-    loaded.smk_linear_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
-                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_long]
-    loaded.smk_linear_f32.restype = None
-    return loaded
-
-
 def native_linear(torch, x, weight, bias):
-    """A function computing linear(x, weight, bias) with small_m_kernel.c (contiguous
-    fp32 operands; the output buffer is reused across calls)."""
-    kernel = _native_library().smk_linear_f32
-    x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
-    out = torch.empty(x.shape[0], weight.shape[0])
+    """A function computing linear(x, weight, bias) with dynvm's small-M kernel (Note [A
+    small-M GEMM of our own] in jit/backends/cpu/native_linear.py), on the dense weight."""
+    from dynvm.jit.backends.cpu.native_linear import small_m_linear
 
-    def call():
-        kernel(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), bias.data_ptr(),
-               out.data_ptr(), weight.shape[0])
-        return out
-    return call
+    return lambda: small_m_linear(x, weight, bias, None, False)
 
 
 def _chain(torch, weights, biases, rows: int, dtype, path: str):
@@ -176,7 +145,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--native", action="store_true",
-                   help="also small_m_kernel.c, fp32 (needs a C compiler, `cc`)")
+                   help="also dynvm's small-M kernel, fp32 (built at install where a C "
+                        "compiler is)")
     args = p.parse_args(argv)
     rows = [int(v) for v in args.rows.split(",")]
     threads = [int(v) for v in args.threads.split(",")]

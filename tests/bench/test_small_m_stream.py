@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from bench import small_m_stream
+from dynvm.jit.backends.cpu import native_linear
 
 
 @pytest.mark.parametrize("rows", [1, 16])
@@ -42,16 +41,7 @@ def test_a_run_reports_every_path_and_row_count(monkeypatch):
     assert all(r["ms"] > 0 and r["gb_s"] > 0 and r["ceiling_gb_s"] > 0 for r in rows)
 
 
-def _has_avx512f() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512f" in f.read()
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(shutil.which("cc") is None or not _has_avx512f(),
-                    reason="the native path needs a C compiler and AVX-512")
+@pytest.mark.skipif(not native_linear.available(), reason=native_linear.unavailable_reason())
 def test_the_native_kernel_computes_the_linear_at_every_row_count():
     gen = torch.Generator().manual_seed(2)
     # 13 outputs: three blocks of 4 and a tail row; K = 37: two full 16-wide steps and
