@@ -36,10 +36,35 @@ thread waits, at checkpoints between its steps, until no call is in flight:
   before. A step that runs beside a call is timed beside it, a calibration sample
   included: the calibrator's medians and early stops absorb a noisy sample as they do
   under any load;
-- the time spent waiting is counted (`waited_seconds`, `waits`), per process.
+- the time spent waiting is counted (`waited_seconds`, `waits`), per process;
+- a slice of work per wait (Note [A slice of work per wait]).
 
 A call that begins while a step runs still shares the cores with that one step; what
 the checkpoints remove is a compile that keeps working through the whole call.
+
+Note [A slice of work per wait]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Back-to-back calls (a decode loop, a saturated server) leave no gap: a wait ends when
+one call does, and the next begins before the worker's next step, so the step runs
+beside that call whatever the wait was. What a wait buys is that at most one step of
+background work runs beside each call. Counted in steps, that bound costs as much for a
+step of 20 us as for one of 5 ms: the arena questions (Note [Arena by measurement] in
+cpu/arena_choice.py) time ops of a few elements, about 20 checkpoints of microseconds
+each, and in the first decode generation at batch 4 (the bench Llama, one thread) each
+of them waited for a whole 32 ms step: 0.57 of the compile's 0.85 s, while the 0.17 s
+of emission before them, with no checkpoint inside, ran beside five steps and left
+them at 32-35 ms (the solo step: 33 ms; 2026-12-05 12:08 UTC, load 1.1-1.6). With the
+slice the questions waited 17-30 ms in all, and the kernel served B=4 and B=16 from
+step 10-14 in three runs, against 10-27 in three without (docs/bench_log.md,
+2026-12-05 12:08-12:13, load 1.1-2.2).
+
+So the bound is counted in time: after a wait (or a checkpoint that found no call in
+flight) a worker goes on through later checkpoints until it has worked `SLICE_S` since
+then, and waits at the first checkpoint past it. A call still sees at most one step of
+background work beyond a slice (the step that crosses it), and a step of a few
+milliseconds (a calibration run, Note [oneDNN holds the GIL] in cpu/fusion.py) still
+waits after it, as before. A fresh worker has no slice: its first checkpoint beside a
+call waits, so a queued compile still starts in a gap.
 """
 
 from __future__ import annotations
@@ -49,6 +74,8 @@ import time
 
 MAX_WAIT_S = 1.0   # the longest a checkpoint waits for calls to end (module docstring)
 WAIT_SHARE = 1.0   # seconds of waiting a second of work between checkpoints earns
+SLICE_S = 0.002    # work a worker goes on with beside calls after a wait (Note [A slice
+#                    of work per wait]); 0: every checkpoint beside a call waits
 
 
 class ServingActivity:
@@ -158,10 +185,13 @@ def checkpoint(max_wait_s: float = MAX_WAIT_S) -> float:
     if last is not None:
         budget = min(max_wait_s, budget + (now - last) * WAIT_SHARE)
     waited = 0.0
-    if _ACTIVITY.in_flight > 0 and _ACTIVITY.pacing and budget > 0:
+    if _ACTIVITY.in_flight <= 0:
+        _LOCAL.slice_end = now + SLICE_S   # Note [A slice of work per wait]
+    elif _ACTIVITY.pacing and budget > 0 and now >= getattr(_LOCAL, "slice_end", 0.0):
         waited = _ACTIVITY.wait_idle(min(max_wait_s, budget))
         budget -= waited
         _LOCAL.waited = getattr(_LOCAL, "waited", 0.0) + waited
+        _LOCAL.slice_end = time.perf_counter() + SLICE_S
     _LOCAL.budget, _LOCAL.last = budget, time.perf_counter()
     return waited
 

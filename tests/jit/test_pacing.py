@@ -183,6 +183,7 @@ def test_a_shadow_sample_runs_on_the_compile_worker_not_on_the_call():
 
     from dynvm.jit.config import JitConfig
     from dynvm.jit.guards import GuardStrength
+    from dynvm.jit.probation import EARLY_SAMPLES
     from dynvm.jit.region_jit import Specialization
 
     program = h.build(PROGRAM, regs=3, inputs=('"x" float32 [n:1..64]',))
@@ -210,7 +211,9 @@ def test_a_shadow_sample_runs_on_the_compile_worker_not_on_the_call():
                               fn=kernel, artifact=types.SimpleNamespace(kernel_name="k",
                                                                         key="k"))
         region_jit.install(spec)
-        calls = 6
+        # The warm-up hit and one sampled hit per early sample: no verdict (which would
+        # end the kernel's hits) can come before the last of these calls.
+        calls = EARLY_SAMPLES + 1
         for _ in range(calls):
             torch.testing.assert_close(rt(x), torch.tanh(torch.relu(x)))
         deadline = time.monotonic() + 30
@@ -266,3 +269,46 @@ def test_a_worker_under_calls_without_a_gap_still_gets_half_the_time():
     allowed = background.MAX_WAIT_S + background.WAIT_SHARE * done["worked"]
     assert done["waited"] <= allowed + 0.5, done   # + a loaded host's wake-up delays
     assert done["waited"] < steps * background.MAX_WAIT_S / 2, done
+
+
+def test_after_a_wait_a_worker_goes_on_for_a_slice_of_work_then_waits_again():
+    """Note [A slice of work per wait]: back to back calls leave no gap, so waiting at
+    every checkpoint of microsecond steps (the arena questions' timed runs) cost a whole
+    call each; after a wait the worker goes on until it has worked SLICE_S, then the
+    first checkpoint past it waits for the call in flight."""
+    from dynvm.jit import background
+
+    slice_s = background.SLICE_S
+    background.SLICE_S = 0.5   # wide enough that a loaded host's scheduling fits in it
+    woke, next_call, past_slice = threading.Event(), threading.Event(), threading.Event()
+    waits: list[float] = []
+
+    def worker():
+        background_thread()
+        waits.append(checkpoint(5.0))         # beside the first call: waits for its end
+        woke.set()
+        next_call.wait(5.0)                   # ... and the next call has begun
+        waits.extend(checkpoint(5.0) for _ in range(3))   # within the slice: go on
+        time.sleep(0.5)                       # work past the slice
+        past_slice.set()
+        waits.append(checkpoint(5.0))         # waits for the call in flight
+        return waits
+
+    activity = serving()
+    try:
+        activity.begin()
+        thread, done, results = _on_worker(worker)
+        assert not done.wait(QUIET)
+        activity.end()
+        assert woke.wait(5.0)
+        activity.begin()   # the next call
+        next_call.set()
+        assert past_slice.wait(5.0)
+        assert not done.wait(QUIET), "a checkpoint past the slice ran beside a call"
+        activity.end()
+        assert done.wait(5.0)
+        thread.join()
+    finally:
+        background.SLICE_S = slice_s
+    first, *within, last = results[0]
+    assert first >= QUIET and within == [0.0, 0.0, 0.0] and last >= QUIET
