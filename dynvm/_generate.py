@@ -53,8 +53,10 @@ class Generator:
     decode step appends in place and attends over per-row lengths (Note [KV cache as
     state] in dynvm.vm.ops_kv); the weights are held by that one program, and with the
     JIT on, compile-ahead promotes the decode step's signature after its first call.
-    Otherwise (`kv_state=False`, programs exported with `pure`) the cache is passed
-    between a prefill and a decode step as plain tensors per layer, grown by one
+    `jit=True` is JitConfig(cpu_fusion="dense"): the JIT packs no weight copy, so the
+    generator holds one copy of its weights (Note [Dense weights only]); a JitConfig
+    given is used as it is. Otherwise (`kv_state=False`, programs exported with `pure`)
+    the cache is passed between a prefill and a decode step as plain tensors per layer, grown by one
     position per step, and compile-ahead asks for the decode step's family kernels for
     the growing length before the length gets there (Note [Compiling the next length
     bucket]); both programs hold the model's own weight tensors (the same storages)."""
@@ -73,6 +75,8 @@ class Generator:
                               "pure=True) for the plain-cache path")
         self.prefill = self.decode = self.step = self.state = None
         self._ahead = self._step_ahead = None
+        if jit is True:   # one copy of the weights: no packed copies (Note [Dense weights only])
+            jit = JitConfig(cpu_fusion="dense")
         if use_state:
             self.step = Runtime(programs.step, device, jit=jit)
             self.state = KvState(programs.step, self.step.device)

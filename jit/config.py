@@ -98,7 +98,9 @@ class JitConfig:
     cpu_fusion: str = "measured"
     """CPU backend: GEMM and convolution chains with their epilogues as one oneDNN call
     (Note [CPU fusion] in dynvm.jit.backends.cpu.fusion): "measured" where that measures
-    faster on this device, "always" wherever it applies (debugging), "off" never."""
+    faster on this device, "always" wherever it applies (debugging), "dense" without a
+    packed copy of any weight (dynvm's small-M kernel and torch only: Note [Dense weights
+    only]), "off" never."""
 
     cpu_channels_last: str = "measured"
     """CPU backend: chains of convolutions run channels-last, converted once into the
@@ -176,9 +178,9 @@ class JitConfig:
         if self.arena_ops not in ("measured", "all"):
             raise ConfigError(f"JitConfig.arena_ops must be 'measured' or 'all', "
                              f"got {self.arena_ops!r}")
-        if self.cpu_fusion not in ("measured", "always", "off"):
-            raise ConfigError(f"JitConfig.cpu_fusion must be 'measured', 'always' or 'off', "
-                             f"got {self.cpu_fusion!r}")
+        if self.cpu_fusion not in ("measured", "always", "dense", "off"):
+            raise ConfigError(f"JitConfig.cpu_fusion must be 'measured', 'always', 'dense' "
+                              f"or 'off', got {self.cpu_fusion!r}")
         if self.cpu_channels_last not in ("measured", "always", "off"):
             raise ConfigError(f"JitConfig.cpu_channels_last must be 'measured', 'always' or "
                              f"'off', got {self.cpu_channels_last!r}")

@@ -63,7 +63,8 @@ def test_export_adds_no_weight_copy(exported):
         f"{sum(replaced.values())}")
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["interpreter", "jit"])
+@pytest.mark.parametrize("jit", [False, "always", "dense"],
+                         ids=["interpreter", "jit", "jit without packed copies"])
 def test_generator_holds_weights_cache_and_stated_extras(exported, jit):
     """Live storages after a generation: the weights once (memory().weights, the
     programs' constants), and new since the generator was made exactly its KV state,
@@ -73,8 +74,9 @@ def test_generator_holds_weights_cache_and_stated_extras(exported, jit):
     ids, mask = left_padded((7, 3, 5))
     before, opaque_before = _live()
     # Fusion forced on: every linear runs on a packed weight, so the packed copies
-    # (a second copy of those weights) are there to be counted.
-    config = eager_config(families=True, cpu_fusion="always") if jit else False
+    # (a second copy of those weights) are there to be counted; "dense" is what
+    # Generator(jit=True) runs (Note [Dense weights only]): none.
+    config = eager_config(families=True, cpu_fusion=jit) if jit else False
     generator = dynvm.Generator(programs, jit=config)
     with generator:
         tokens = generator.generate(ids, mask, max_new_tokens=6, stop_tokens=())
@@ -82,8 +84,10 @@ def test_generator_holds_weights_cache_and_stated_extras(exported, jit):
         after, opaque_after = _live()
     assert memory.weights == programs.weights_bytes
     assert memory.cache == generator.state.nbytes > 0
-    if jit:
+    if jit == "always":
         assert memory.packed_weights > 0 and memory.arenas > 0, memory
+    elif jit == "dense":
+        assert memory.packed_weights == 0 and memory.arenas > 0, memory
     else:
         assert memory.packed_weights == memory.arenas == 0
     assert memory.total == memory.planned + memory.packed_weights + memory.arenas

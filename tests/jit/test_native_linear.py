@@ -2,7 +2,8 @@
 built where a compiler and AVX-512 are, equal to F.linear over random shape sequences in
 both weight layouts (bias, residual add, strided and offset views included), and chosen
 by the CPU backend for a few rows over streamed weights: the kernel then agrees with the
-unfused kernel and with eager, and the engine holds no packed copy of any weight.
+unfused kernel and with eager, and the engine holds no packed copy of any weight; with
+cpu_fusion="dense" (Note [Dense weights only]) no row count packs one.
 
 Tolerance: the kernel sums K products in another order than MKL (vector lanes, then a
 lane sum): on unit-scale operands fp32 results agree to 1e-4 relative + 2e-5 * sqrt(K)
@@ -10,6 +11,7 @@ absolute (measured worst 3e-5 at K=2048)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 import sysconfig
@@ -85,8 +87,9 @@ def test_it_reads_strided_and_offset_views(input_major):
 
 class _Step(nn.Module):
     """A decode step's GEMMs at a few rows: an FFN with its residual and a head stored
-    input-major ([K, N], as Note [LM head stored input-major] keeps the LM head), 15 MiB
-    of weights together, so each GEMM's weight streams (Note [Few rows over a streamed
+    input-major ([K, N]) twice, as a MATMUL's constant and (as Note [LM head stored
+    input-major] keeps the LM head) as the transposed view a LINEAR reads, 18 MiB of
+    weights together, so each GEMM's weight streams (Note [Few rows over a streamed
     weight])."""
 
     def __init__(self, d: int = 768, f: int = 2048, vocab: int = 1000) -> None:
@@ -94,17 +97,26 @@ class _Step(nn.Module):
         self.up = nn.Linear(d, f)
         self.down = nn.Linear(f, d, bias=False)
         self.head_t = nn.Parameter(torch.randn(d, vocab) / d ** 0.5)
+        self.head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, x):                            # x: [batch, seq, d]
         y = x + self.down(F.silu(self.up(x)))         # LINEAR, SILU; LINEAR + ADD
-        return y @ self.head_t                        # MATMUL over a [K, N] constant
+        # MATMUL over a [K, N] constant; LINEAR over the transposed view of one
+        return torch.cat([y @ self.head_t, self.head(y)], dim=-1)
 
 
 @functools.lru_cache(maxsize=1)
 def _program():
     model = _Step().eval()
-    batch = Dim("batch", min=1, max=16)
-    return model, dynvm.compile(model, (torch.randn(2, 1, 768),), ({0: batch},))
+    batch = Dim("batch", min=1, max=64)
+    program = dynvm.compile(model, (torch.randn(2, 1, 768),), ({0: batch},))
+    # the head's constant stored as dynvm stores an LM head after export:
+    # W.t().contiguous().t(), a transposed view of a [K, N] tensor
+    head = model.head.weight
+    constants = [t.t().contiguous().t() if t.shape == head.shape and torch.equal(t, head)
+                 else t for t in program.constants]
+    assert any(t.stride() == (1, 1000) for t in constants)
+    return model, dataclasses.replace(program, constants=tuple(constants), _cache={})
 
 
 class _NeverAsked:
@@ -122,7 +134,7 @@ def _kernel(program, x, fusion, prepacked):
     constants = [t.detach() for t in program.constants]
     options = CpuOptions(None, fusion=fusion, prepacked=prepacked, channels_last="off",
                          one_thread="off",
-                         calibrator=_NeverAsked() if fusion == "measured" else None)
+                         calibrator=_NeverAsked() if fusion in ("measured", "dense") else None)
     return compile_kernel(spec, program, constants, torch.device("cpu"), "test", "strong",
                           options), region
 
@@ -154,8 +166,31 @@ def test_the_residual_add_is_folded_in_and_the_activation_is_not():
     spec = specialize(program, region, {region.live_in[0].index: x})
     kernel, _ = _kernel(program, x, "measured", PrepackCache())
     native = [line for line in kernel.source.splitlines() if "= native_linear" in line]
-    assert len(native) == 3                  # up, down (+ the residual), the head
+    assert len(native) == 4                  # up, down (+ the residual), the two heads
+    # both heads read input-major, the LINEAR's through the tensor under its view
+    assert [line.rstrip(")").endswith("True") for line in native] == [False, False, True, True]
     residuals = [line.split("(", 1)[1].split(", ")[3] for line in native]
     assert sum(r != "None" for r in residuals) == 1   # the down projection's add
     assert "silu" in kernel.source.lower()   # the activation stays an op of its own
     assert not any(is_fused(op) or is_native(op) for op in spec.ops)   # IR untouched
+
+
+@pytest.mark.parametrize("batch", [1, 4, 32], ids=["a GEMV", "a few rows", "a prompt's rows"])
+def test_dense_fusion_packs_no_weight_at_any_row_count(batch):
+    model, program = _program()
+    x = torch.randn(batch, 1, 768)
+    prepacked = PrepackCache()
+    kernel, region = _kernel(program, x, "dense", prepacked)   # asks no question
+    assert prepacked.nbytes() == 0 and "onednn" not in kernel.source
+    assert ("native_linear" in kernel.source) == (
+        native_linear.available() and 2 <= batch <= 16)
+    with torch.no_grad():
+        _close(run_kernel_outputs(kernel, region, x)[0], model(x), 2048)
+
+
+def test_jit_config_takes_dense_fusion():
+    from dynvm.jit.config import ConfigError, JitConfig
+
+    assert JitConfig(cpu_fusion="dense").cpu_fusion == "dense"
+    with pytest.raises(ConfigError, match="'dense'"):
+        JitConfig(cpu_fusion="packed")

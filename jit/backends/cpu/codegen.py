@@ -318,7 +318,8 @@ class CpuOptions:
     arena_pool: ArenaPool | None = None    # None: no arenas
     fusion: str = "measured"
     """GEMM + epilogue on oneDNN (Note [CPU fusion]): "measured" where it measures faster
-    on this device, "always" wherever it applies (tests, debugging), "off"."""
+    on this device, "always" wherever it applies (tests, debugging), "dense" no packed
+    weight copy (Note [Dense weights only]), "off"."""
     calibrator: Calibrator | None = None
     """Who measures for "measured"; None: the device's process-wide calibrator."""
     prepacked: PrepackCache = field(default_factory=PrepackCache, compare=False, repr=False)
@@ -413,10 +414,16 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
     if options.fusion != "off":
         calibrator = None if options.fusion == "always" else (
             options.calibrator or calibrator_for(device))
-        for rewrite in (fuse_gemm_epilogues, fuse_conv_epilogues):
-            fused = rewrite(spec, constants, device, prepacked=options.prepacked,
-                            calibrator=calibrator, weak_guard=guard == GuardStrength.WEAK.value)
+        weak = guard == GuardStrength.WEAK.value
+        if options.fusion == "dense":   # Note [Dense weights only]
+            fused = fuse_gemm_epilogues(spec, constants, device, prepacked=options.prepacked,
+                                        calibrator=calibrator, weak_guard=weak, dense=True)
             spec, notes = fused.spec, notes + fused.notes
+        else:
+            for rewrite in (fuse_gemm_epilogues, fuse_conv_epilogues):
+                fused = rewrite(spec, constants, device, prepacked=options.prepacked,
+                                calibrator=calibrator, weak_guard=weak)
+                spec, notes = fused.spec, notes + fused.notes
     if options.channels_last != "off" and guard != GuardStrength.WEAK.value \
             and device.type == "cpu":
         spec, note = _channels_last(spec, program, constants, device, name, options)

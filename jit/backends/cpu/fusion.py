@@ -52,6 +52,16 @@ on the request thread anyway; what matters is the compile thread's calibration, 
 calls are kept to a few milliseconds each (`calibration_max_m` in calibration_rows)
 so that a request waits at most that long for the GIL.
 
+Note [Dense weights only]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+oneDNN's linear reads a packed copy of its weight, made once per engine (Note [Prepacked
+weights]); the program keeps its own copy, which the interpreter reads. Where one copy
+matters more than oneDNN's margin (a generator: one copy of the weights + the planned
+cache, issue 32), `cpu_fusion="dense"` packs nothing: GEMMs of 2..16 rows over streamed
+weights go to dynvm's small-M kernel on the weight as stored (Note [A small-M GEMM of our
+own]), every other GEMM stays on torch (whose BLAS packs panels per call, into scratch),
+without a calibration question, and convolutions are left alone.
+
 Every rewrite must measure faster: the pass asks the device's `Calibrator` (Note
 [Calibration]) to time the eager pair against the fused call on operands of the op's
 shapes, per (epilogue, M size class, N, K, threads). Where M is the same at every probe
@@ -98,7 +108,7 @@ from dynvm.jit.backends.cpu.calibration_rows import (
 )
 from dynvm.jit.backends.cpu.calibration_rows import calibration_max_m
 from dynvm.jit.backends.cpu.huge_pages import to_huge_pages
-from dynvm.jit.backends.cpu.native_linear import NATIVE, small_m_linear
+from dynvm.jit.backends.cpu.native_linear import NATIVE, as_stored, small_m_linear
 from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.backends.cpu.row_gate import (
     ONEDNN,
@@ -211,9 +221,11 @@ def onednn_available(device: torch.device) -> bool:
 
 def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device, *,
                         prepacked: PrepackCache, calibrator: Calibrator | None,
-                        weak_guard: bool) -> FusionResult:
+                        weak_guard: bool, dense: bool = False) -> FusionResult:
     """`spec` with its GEMMs (and their epilogues) on oneDNN where that measures faster;
-    `calibrator` None: rewrite wherever possible (tests, debugging)."""
+    `calibrator` None: rewrite wherever possible (tests, debugging); `dense`: no packed
+    copy of any weight (Note [Dense weights only]): dynvm's small-M kernel where it
+    applies, torch elsewhere."""
     if not onednn_available(device) or not spec.abstract:
         return FusionResult(spec, ())
     pin_openmp_team()
@@ -234,8 +246,9 @@ def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device
             epilogue = _epilogue(ops, position, consumer_at, spec.abstract, constants,
                                  producer_position, weak_guard)
         try:
-            decision = _decide(op, gemm, epilogue, ops, constants, spec.abstract, calibrator)
-            if not decision.fuse and epilogue is not None:
+            decision = _decide(op, gemm, epilogue, ops, constants, spec.abstract, calibrator,
+                               dense)
+            if not decision.fuse and epilogue is not None and not dense:
                 # The fused form lost: try the GEMM alone (its own calibration).
                 epilogue = None
                 decision = _decide(op, gemm, None, ops, constants, spec.abstract,
@@ -245,7 +258,7 @@ def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device
             if not decision.fuse:
                 fused = None
             elif decision.native:
-                fused = _native_op(op, gemm, epilogue, ops)
+                fused = _native_op(op, gemm, epilogue, ops, constants)
             else:
                 fused = _fused_op(op, gemm, epilogue, ops, constants, spec.abstract,
                                   prepacked, decision.after)
@@ -442,9 +455,12 @@ class _Decision:
 _NO_FASTER = "oneDNN measured no faster here"
 
 
+_DENSE = "not asked: no packed weight copies (cpu_fusion='dense', Note [Dense weights only])"
+
+
 def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
-            calibrator: Calibrator | None) -> _Decision:
-    if calibrator is None:
+            calibrator: Calibrator | None, dense: bool = False) -> _Decision:
+    if calibrator is None and not dense:
         return _Decision(True, " (not measured: fusion forced on)")
     weight = constants[gemm.weight]
     bias = constants[gemm.bias.index] if isinstance(gemm.bias, ConstRef) else None
@@ -456,9 +472,13 @@ def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
     streamed = streamed_decision(probe_ms, weight, ops, constants, gemm.transpose)
     if streamed is not None:
         where, note = streamed
+        if dense and where == ONEDNN:
+            where, note = TORCH, _DENSE
         if where != ONEDNN:   # the weight streams as stored: on huge pages too
             to_huge_pages(weight)   # Note [Packed weights on huge pages]
         return _Decision(where != TORCH, note, native=where == NATIVE)
+    if dense:
+        return _Decision(False, _DENSE)
     new_rows = len(probe_ms) > 1
     dense = weight.t() if gemm.transpose else weight
     eager, fused = _forms(op, epilogue, ops, weight, bias)
@@ -653,17 +673,19 @@ def native_epilogue(epilogue) -> bool:
     return other is not None and attr == "add"
 
 
-def _native_op(op, gemm: _Gemm, epilogue, ops) -> SpecOp:
+def _native_op(op, gemm: _Gemm, epilogue, ops, constants) -> SpecOp:
     """The GEMM (with its residual add) as a call of dynvm's small-M kernel on the
     constant weight as the program stores it (Note [A small-M GEMM of our own])."""
+    stored, input_major = as_stored(constants[gemm.weight], gemm.transpose)
+    weight = ConstRef(gemm.weight) if stored is constants[gemm.weight] else Literal(stored)
     if epilogue is None:
         dsts, variant, other = op.dsts, NATIVE_VARIANT, Literal(None)
     else:
         consumer = ops[epilogue[0]]
         dsts, variant, other = consumer.dsts, f"{NATIVE_VARIANT}+{consumer.source_pc}", \
             epilogue[4]
-    return SpecOp(NATIVE_LINEAR, dsts, (gemm.x, ConstRef(gemm.weight), gemm.bias, other,
-                                        Literal(gemm.transpose)),
+    return SpecOp(NATIVE_LINEAR, dsts, (gemm.x, weight, gemm.bias, other,
+                                        Literal(input_major)),
                   op.source_pc, variant=variant)
 
 

@@ -96,6 +96,18 @@ def fits(weight: torch.Tensor, input_major: bool) -> bool:
             and weight.dim() == 2 and weight.stride(1) == 1)
 
 
+def as_stored(weight: torch.Tensor, input_major: bool) -> tuple[torch.Tensor, bool] | None:
+    """The tensor this kernel reads for a GEMM's constant `weight` ([N, K], or [K, N] when
+    `input_major`) and the layout it reads it in, or None when neither layout's rows are
+    contiguous. A transposed view of a contiguous tensor (a LINEAR over the transpose of an
+    input-major head, Note [LM head stored input-major]) is read as the tensor under it."""
+    if fits(weight, input_major):
+        return weight, input_major
+    if weight.dim() == 2 and fits(weight.t(), not input_major):
+        return weight.t(), not input_major
+    return None
+
+
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    add: torch.Tensor | None, input_major: bool) -> torch.Tensor:
     """`F.linear(x, W, bias) (+ add)` for W = `weight` ([N, K]) or, with `input_major`,

@@ -106,8 +106,8 @@ def streamed_decision(probe_rows: set[int], weight: torch.Tensor, ops=(),
     if len(probe_rows) != 1:
         return None
     (rows,) = probe_rows
-    native = (native_linear.available() and native_linear.fits(weight, input_major)
-              and NATIVE_ROWS[0] <= rows <= NATIVE_ROWS[1])
+    native = (native_linear.available() and NATIVE_ROWS[0] <= rows <= NATIVE_ROWS[1]
+              and native_linear.as_stored(weight, input_major) is not None)
     if rows != 1 and not native and not FEW_ROWS[0] <= rows <= FEW_ROWS[1]:
         return None
     weight_bytes = weight.numel() * weight.element_size()
