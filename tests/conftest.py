@@ -2,7 +2,7 @@
 tests/_fuzz.py), loaded before any test module builds its settings, the run's seed in the
 session header and a replay command under each failing property-based test; and the zoo's
 exports, started in a second process once the session's tests are known (Note [Zoo
-exports ahead] in tests/zoo/_zoo_exports.py)."""
+exports ahead] in tests/zoo/_zoo_exports.py); the shared Serve's order and end below."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import pytest
 from hypothesis import settings
 
 from tests import _fuzz
+from tests.cluster import _shared_serve
 
 # Loaded here, at the first conftest's import, so that test modules' settings inherit
 # it; Hypothesis's own plugin loads a profile named on the command line after this.
@@ -43,6 +44,8 @@ def pytest_configure(config):
     if (config.getoption("--hypothesis-profile") == _fuzz.EXPLORE
             and config.getoption("--hypothesis-seed") is None):
         config.option.hypothesis_seed = str(secrets.randbelow(2**32))
+    config.addinivalue_line("markers", f"{_shared_serve.MARK}: uses the local Ray + Serve "
+                            "shared by such tests (Note [Shared Serve in tests])")
 
 
 def _replay_options(config) -> list[str]:
@@ -81,8 +84,10 @@ _ZOO_EXPORTERS = ("tests/zoo/test_zoo.py", "tests/jit/test_abstract_zoo.py")
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
 def pytest_collection_modifyitems(session, config, items):
-    """Start exporting the selected zoo models ahead, in the order the tests need them
-    (Note [Zoo exports ahead]); not for a session that selects one model or none."""
+    """Run the tests marked `shared_serve` one after another (Note [Shared Serve in
+    tests]); start exporting the selected zoo models ahead, in the order the tests need
+    them (Note [Zoo exports ahead]); not for a session that selects one model or none."""
+    _shared_serve.run_together(items)
     names: list[str] = []
     for item in items:
         name = getattr(getattr(item, "callspec", None), "params", {}).get("name")
@@ -95,7 +100,17 @@ def pytest_collection_modifyitems(session, config, items):
         _zoo_exports.start(Path(tempfile.mkdtemp(prefix="dynvm-zoo-exports-")), names)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test's own teardown (its module's fixtures' too): shut the shared Ray +
+    Serve down unless the next test uses it (Note [Shared Serve in tests])."""
+    yield
+    _shared_serve.close_unless_needed(nextitem)
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Stop the zoo's export process if it is still running."""
+    """Stop the zoo's export process if it is still running, and the shared Ray +
+    Serve."""
+    _shared_serve.close()
     if "tests.zoo._zoo_exports" in sys.modules:
         sys.modules["tests.zoo._zoo_exports"].stop()

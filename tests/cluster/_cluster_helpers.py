@@ -7,6 +7,7 @@ Not a conftest on purpose (as tests/vm/_programs.py): import what you need.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -24,12 +25,22 @@ from tests.cluster._redis_server import RedisServer, free_port, redis_config
 def saved_recommender(directory: Path, filename: str = "recommender.dvm",
                       max_batch: int = 64):
     """(demo, program as loaded back, path) of the recommender demo saved in `directory`."""
-    demo = recommender(max_batch=max_batch)
-    program = dynvm.compile(demo.module.eval(), demo.example_inputs, demo.dynamic_shapes,
-                            name="recommender")
+    demo, program = _compiled_recommender(max_batch)
     path = Path(directory) / filename
     dynvm.save(program, path)
     return demo, dynvm.load(path), path
+
+
+@functools.cache
+def _compiled_recommender(max_batch: int):
+    """The demo (seeded: every build has the same weights) and its compiled program, once
+    per session and batch bound: 16 fixtures save it, and a build + compile costs ~0.7 s
+    after the session's first (12:30 UTC, load 2.5). Each caller gets its own file and
+    program loaded back from it."""
+    demo = recommender(max_batch=max_batch)
+    program = dynvm.compile(demo.module.eval(), demo.example_inputs, demo.dynamic_shapes,
+                            name="recommender")
+    return demo, program
 
 
 def process_alive(pid: int) -> bool:
@@ -89,22 +100,36 @@ def local_serve(namespace: str, num_cpus: int = 2, proxy_limits=None,
 
 @contextlib.contextmanager
 def serve_fleet(directory: Path, namespace: str, jit_config, **fleet_options):
-    """A private redis-server, a local Ray + Serve (`local_serve`) and a compile service
-    with a unique name; yields (port, the RedisServer, the replicas' FleetOptions)."""
+    """A private redis-server, the shared local Ray + Serve (tests/cluster/_shared_serve.py:
+    a test using this is marked `shared_serve`) and a compile service with a unique name;
+    yields (port, the RedisServer, the replicas' FleetOptions). On exit the applications
+    are deleted, then the service is stopped, then the redis-server."""
     from dynvm.cluster import StoreConfig
     from dynvm.cluster.fleet._link import FleetOptions
     from dynvm.cluster.fleet.compile_service import start_compile_service
+    from tests.cluster._shared_serve import shared_serve
 
     redis_server = RedisServer(Path(directory) / "redis").start()
     store = StoreConfig(secret=secrets.token_bytes(32), redis=redis_config(redis_server))
     options = FleetOptions(store, service_name=f"{namespace}-{uuid.uuid4().hex[:8]}",
                            **fleet_options)
-    try:
-        with local_serve(namespace, num_cpus=8) as port:
-            start_compile_service(store, jit_config, name=options.service_name)
-            yield port, redis_server, options
-    finally:
-        redis_server.stop()
+    with contextlib.ExitStack() as stack:  # unwound last to first
+        stack.callback(redis_server.stop)
+        stack.callback(_stop_service, options.service_name)
+        serve_stack = stack.enter_context(shared_serve())
+        start_compile_service(store, jit_config, name=options.service_name)
+        yield serve_stack.port, redis_server, options
+
+
+def _stop_service(name: str) -> None:
+    """Stop the compile service `name`, if Ray still runs (a stack that failed to start
+    or to clean up is shut down, the service with it)."""
+    import ray
+
+    from dynvm.cluster.fleet.compile_service import stop_compile_service
+
+    if ray.is_initialized():
+        stop_compile_service(name)
 
 
 # The spin program's runaway call (tests.vm._programs.DATA_LOOP: a loop that runs to the

@@ -29,7 +29,7 @@ from dynvm.cluster.fleet._link import FleetOptions  # noqa: E402
 from dynvm.jit.config import JitConfig  # noqa: E402
 from dynvm.models import recommender, transformer  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_serve]  # serve_fleet
 
 SMALL = {"layers": 2, "hidden": 64, "heads": 4, "ffn": 128}
 CONFIG = JitConfig(min_recurrence=2, max_recurrence=4, horizon_calls=10**7)
@@ -60,8 +60,9 @@ class Cluster:
         assert status == 200, body
         return json.loads(body)
 
-    def deploy(self, name: str, path: str, **options) -> None:
-        serve_models({name: path}, device="cpu", jit=CONFIG, num_cpus=0.1, fleet=self.fleet,
+    def deploy(self, models: dict[str, str], **options) -> None:
+        """Deploy `models` ({name: path}) at once (in parallel)."""
+        serve_models(models, device="cpu", jit=CONFIG, num_cpus=0.1, fleet=self.fleet,
                      batching=BatchingOptions(max_batch_size=4, max_delay_s=0.005),
                      **options)
 
@@ -87,8 +88,7 @@ def cluster(tmp_path_factory):
         paths = {"transformer": str(tmp / "transformer.dvm"),
                  "recommender": str(tmp / "recommender.dvm")}
         c = Cluster(port, fleet, paths, {"transformer": demo.module.eval()})
-        c.deploy("ta", paths["transformer"])
-        c.deploy("tb", paths["transformer"])
+        c.deploy({"ta": paths["transformer"], "tb": paths["transformer"]})
         yield c
 
 
@@ -145,7 +145,7 @@ def test_a_replica_started_after_promotion_serves_its_first_request_specialized(
         _infer(client, "ta", tokens, binary=True)
     # Wait until the promoted shape is in the index (B, a running replica, has it).
     assert wait_until(lambda: cluster.stats("tb")["fleet"]["installed"] >= 1, 60) is not None
-    cluster.deploy("tc", cluster.paths["transformer"])
+    cluster.deploy({"tc": cluster.paths["transformer"]})
     before = cluster.stats("tc")
     assert before["fleet"]["warm_start_installs"] >= 1 and before["compiles"] == 0
     _infer(client, "tc", tokens, binary=True)
@@ -162,7 +162,7 @@ def _running_replicas(app: str) -> int:
 
 
 def test_deployment_scales_up_under_load_and_back(cluster):
-    cluster.deploy("auto", cluster.paths["recommender"], autoscaling=Autoscaling(
+    cluster.deploy({"auto": cluster.paths["recommender"]}, autoscaling=Autoscaling(
         min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.5,
         downscale_delay_s=2.0))
     assert _running_replicas("dynvm-model-auto") == 1

@@ -7,6 +7,7 @@ actor wraps) and a real redis-server."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import uuid
@@ -22,6 +23,11 @@ from dynvm.cluster.fleet.compile_service import LocalServiceClient, ReportLoad
 from dynvm.jit.config import JitConfig
 from tests.cluster._cluster_helpers import saved_recommender, wait_until
 from tests.cluster._redis_server import redis_config
+from tests.cluster._shared_serve import shared_serve
+
+# The shard test's Ray is the one shared with other modules (Note [Shared Serve in tests]):
+# the module runs among them; its other tests need no Ray and run beside it.
+pytestmark = pytest.mark.shared_serve
 
 FAST = {"flush_interval_s": 0.02, "poll_interval_s": 0.2}
 # No families: new shapes after a shard restart are promoted as new exact kernels.
@@ -219,11 +225,13 @@ def test_programs_land_on_their_shards_and_a_shard_restarts_alone(
 
     (demo_a, prog_a, path_a), (demo_b, prog_b, path_b), shards = _two_programs(tmp_path)
     name = f"shards-{uuid.uuid4().hex[:8]}"
-    namespace = "dynvm-test-shards"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, namespace=namespace)
+    namespace = "dynvm-test-shards"  # the service's: its actors are looked up by it
     links = []
-    try:
+    # The Ray shared with other modules (Note [Shared Serve in tests]); Serve is unused.
+    with contextlib.ExitStack() as cleanup:
+        cleanup.enter_context(shared_serve())
+        cleanup.callback(stop_compile_service, name, namespace, shards=shards)
+        cleanup.callback(lambda: [link.close() for link in links])
         start_compile_service(redis_store, CONFIG, name=name, namespace=namespace,
                               shards=shards)
         options = FleetOptions(redis_store, service_name=name, service_namespace=namespace,
@@ -290,8 +298,3 @@ def test_programs_land_on_their_shards_and_a_shard_restarts_alone(
         # B's shard was not touched: B never registered again and kept reporting.
         assert link_b.stats()["registrations"] == registrations_b
         assert link_b.stats()["service_ok"]
-    finally:
-        for link in links:
-            link.close()
-        stop_compile_service(name, namespace, shards=shards)
-        ray.shutdown()

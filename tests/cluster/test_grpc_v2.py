@@ -26,6 +26,10 @@ from dynvm.vm.program import DimSpec, InputSpec
 tritongrpc = pytest.importorskip("tritonclient.grpc")
 pb = grpc_v2.protos()
 
+# The end-to-end tests' Serve is the one shared with other modules (Note [Shared Serve in
+# tests] in tests/cluster/_shared_serve.py); the pure tests run beside it.
+pytestmark = pytest.mark.shared_serve
+
 BATCH = DimSpec("batch", 1, 8)
 
 
@@ -258,12 +262,12 @@ def served(tmp_path_factory):
     pytest.importorskip("ray.serve")
     from dynvm.cluster import ServingConfig, serve_models
     from dynvm.cluster.protocol._http_front import model_app_name
-    from dynvm.cluster.store._local_redis import free_port
-    from tests.cluster._cluster_helpers import local_serve, saved_recommender
+    from tests.cluster._cluster_helpers import saved_recommender
+    from tests.cluster._shared_serve import shared_serve
 
     demo, _, path = saved_recommender(tmp_path_factory.mktemp("grpc"))
-    grpc_port = free_port()
-    with local_serve("dynvm-test-grpc", grpc_options=grpc_v2.grpc_options(grpc_port)) as port:
+    with shared_serve() as stack:
+        port, grpc_port = stack.port, stack.grpc_port
         serve_models({"recommender": str(path)},
                      ServingConfig(device="cpu", jit=False, num_cpus=0.5))
         client = tritongrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")

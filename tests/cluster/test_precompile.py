@@ -4,14 +4,12 @@ may not compile starts warm from them and serves those shapes specialized."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import dynvm
+from dynvm.cli import main
 from dynvm.cluster import StoreConfig
 from dynvm.cluster.fleet._compiler import FleetCompiler
 from dynvm.cluster.fleet._link import FleetLink, FleetOptions
@@ -97,12 +95,16 @@ def test_library_errors_are_dynvm_errors(model, tmp_path, secret, monkeypatch):
         precompile(program, path.read_bytes(), [{"batch": 2}], store)
 
 
-def test_command_line_maps_a_bad_shape_spec_to_a_usage_error(model):
+# The command line's tests call its `main` in this process (what the console script and
+# `python -m dynvm` run; a fresh interpreter costs ~2.5 s of imports, and `python -m
+# dynvm` itself is started by the `dynvm serve` tests), with its output read at the file
+# descriptors.
+
+
+def test_command_line_maps_a_bad_shape_spec_to_a_usage_error(model, capfd):
     _, _, path = model
-    done = subprocess.run([sys.executable, "-m", "dynvm", "precompile", str(path),
-                           "--shapes", "batch=x"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert "dynvm: error: bad shape spec part 'batch=x'" in done.stderr
+    assert main(["precompile", str(path), "--shapes", "batch=x"]) == 2
+    assert "dynvm: error: bad shape spec part 'batch=x'" in capfd.readouterr().err
 
 
 def test_skeleton_first_makes_every_dim_vary_early():
@@ -167,20 +169,20 @@ def test_precompiled_families_serve_a_replica_that_never_compiles(model, tmp_pat
     assert again.compiled == [] and again.already_indexed == 4 and again.rounds == 1
 
 
-def test_command_line_with_a_trace_file(model, tmp_path, secret):
+def test_command_line_with_a_trace_file(model, tmp_path, secret, capfd, monkeypatch):
     _, program, path = model
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"batch": b}) + "\n" for b in (2, 3, 2, 40, 60)))
     store_dir = tmp_path / "kernels"
-    env = {**os.environ, "DYNVM_STORE_SECRET": secret.decode()}
-    env.pop("DYNVM_REDIS_URL", None)
-    done = subprocess.run(
-        [sys.executable, "-m", "dynvm", "precompile", str(path), "--trace-file", str(trace),
-         "--store-dir", str(store_dir)], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "4 shapes" in done.stdout
-    assert "compiled 2 (2 families, 0 exact)" in done.stdout, done.stdout
-    assert secret.decode() not in done.stdout + done.stderr
+    monkeypatch.setenv("DYNVM_STORE_SECRET", secret.decode())
+    monkeypatch.delenv("DYNVM_REDIS_URL", raising=False)
+    code = main(["precompile", str(path), "--trace-file", str(trace),
+                 "--store-dir", str(store_dir)])
+    done = capfd.readouterr()
+    assert code == 0, done.err
+    assert "4 shapes" in done.out
+    assert "compiled 2 (2 families, 0 exact)" in done.out, done.out
+    assert secret.decode() not in done.out + done.err
     # What the command wrote is what a replica installs.
     runtime, link, compiler = _warm_replica(program, path,
                                             StoreConfig(secret=secret,

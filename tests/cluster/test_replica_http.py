@@ -1,7 +1,8 @@
 """Ray Serve replicas over real HTTP: tritonclient (binary) and plain JSON requests.
 
-One module-scoped local Ray cluster and Serve instance (start-up dominates the run time);
-everything is shut down at the end, no raylet is left behind.
+The local Ray cluster and Serve instance shared with other modules (start-up dominates
+the run time; Note [Shared Serve in tests]); this module's applications are deleted at
+its end, and the shared Ray is shut down after the last test that uses it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.cluster._cluster_helpers import assert_overloaded, local_serve
+from tests.cluster._cluster_helpers import assert_overloaded
+from tests.cluster._shared_serve import shared_serve
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -25,7 +27,7 @@ import dynvm  # noqa: E402
 from dynvm.cluster import BatchingOptions, ServingConfig, serve_models  # noqa: E402
 from dynvm.models import branchy, recommender  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_serve]
 
 MAX_BODY = 256 * 1024
 
@@ -74,13 +76,13 @@ def server(tmp_path_factory):
         programs[model.name] = dynvm.load(paths[model.name])
         modules[model.name] = model.module
 
-    with local_serve("dynvm-test-replica") as port:
+    with shared_serve() as stack:
         config = ServingConfig(device="cpu", jit=False, max_body_bytes=MAX_BODY,
                                num_cpus=0.5,
                                batching=BatchingOptions(max_batch_size=8, max_delay_s=0.05))
         serve_models(paths, config, per_model={"branchy": config.replace(
             batching=BatchingOptions(enabled=False))})
-        yield Server(port, programs, modules)
+        yield Server(stack.port, programs, modules)
 
 
 def _rec_inputs(batch: int, seed: int) -> list[np.ndarray]:

@@ -2,7 +2,8 @@
 the input and the problem (INVALID_ARGUMENT over gRPC), and the server answers a good
 request and /v2/health/ready after it.
 
-One module-scoped local Ray cluster + Serve with its gRPC ingress (start-up dominates):
+The local Ray cluster + Serve with its gRPC ingress shared with other modules (start-up
+dominates; Note [Shared Serve in tests] in tests/cluster/_shared_serve.py):
 the recommender demo (five inputs, a dynamic batch dim in [1, 1024]) and a one-layer
 transformer (one FP32 input, dynamic batch and sequence), served with the interpreter
 and a small body limit. The table's messages are the exact texts docs/RELIABILITY.md
@@ -33,12 +34,12 @@ import dynvm
 from dynvm.cluster import BatchingOptions, serve_models
 from dynvm.models import recommender, transformer
 from tests._fuzz import fuzz_settings
-from tests.cluster._cluster_helpers import local_serve
+from tests.cluster._shared_serve import shared_serve
 
 grpc = pytest.importorskip("grpc")
 grpc_v2 = pytest.importorskip("dynvm.cluster.protocol.grpc_v2")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_serve]
 
 MAX_BODY = 64 * 1024
 INFER = "/v2/models/recommender/infer"
@@ -114,18 +115,14 @@ def _saved(directory, demo) -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from dynvm.cluster.store._local_redis import free_port
-
     directory = tmp_path_factory.mktemp("bad-input")
     paths = {demo.name: _saved(directory, demo)
              for demo in (recommender(), transformer(**TRANSFORMER))}
-    grpc_port = free_port()
-    with local_serve("dynvm-test-bad-input",
-                     grpc_options=grpc_v2.grpc_options(grpc_port)) as port:
+    with shared_serve() as stack:
         serve_models(paths, device="cpu", jit=False,
                      batching=BatchingOptions(max_batch_size=4, max_delay_s=0.005),
                      max_body_bytes=MAX_BODY, num_cpus=0.5)
-        server = Server(port, grpc_port,
+        server = Server(stack.port, stack.grpc_port,
                         dynvm.Runtime(dynvm.load(paths["recommender"]), "cpu", jit=False))
         try:
             yield server

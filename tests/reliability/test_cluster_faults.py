@@ -26,7 +26,7 @@ from dynvm.cluster.fleet.compile_service import NAMESPACE  # noqa: E402
 from dynvm.jit.config import JitConfig  # noqa: E402
 from dynvm.models import recommender  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_serve]  # serve_fleet
 
 CONFIG = JitConfig(min_recurrence=2, max_recurrence=4, horizon_calls=10**7)
 BATCHES = (3, 5, 9, 17)   # a few shapes, so that promotions happen under the traffic

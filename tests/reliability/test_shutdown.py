@@ -298,6 +298,7 @@ def _post(url: str, body: bytes, timeout_s: float = 60.0) -> tuple[int | str, di
         return repr(error), None
 
 
+@pytest.mark.shared_serve  # runs first in this module (Note [Shared Serve in tests])
 def test_a_replica_serve_stops_finishes_in_flight_requests_within_drain_s(tmp_path):
     """Scale-down, redeploy or delete: Serve stops the replica, which finishes what it
     serves within ServingConfig.drain_s (Note [Replica drain]); past it, cut. Two models
@@ -307,7 +308,7 @@ def test_a_replica_serve_stops_finishes_in_flight_requests_within_drain_s(tmp_pa
 
     import dynvm
     from dynvm.cluster import BatchingOptions, ServingConfig, serve_models
-    from tests.cluster._cluster_helpers import local_serve
+    from tests.cluster._shared_serve import shared_serve
     from tests.vm._programs import DATA_LOOP, DATA_LOOP_INPUTS, build
 
     path = tmp_path / "spin.dvm"
@@ -321,7 +322,8 @@ def test_a_replica_serve_stops_finishes_in_flight_requests_within_drain_s(tmp_pa
             {"name": "n", "datatype": "INT64", "shape": [], "data": [n]},
             {"name": "x", "datatype": "FP32", "shape": [2], "data": [1.0, -1.0]}]}).encode()
 
-    with local_serve("dynvm-test-drain") as port:
+    with shared_serve() as stack:
+        port = stack.port
         serve_models({"long": str(path), "short": str(path)}, config,
                      per_model={"short": config.replace(drain_s=0.5)})
         url = f"http://127.0.0.1:{port}/v2/models/{{}}/infer"
