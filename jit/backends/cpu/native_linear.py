@@ -22,8 +22,13 @@ oneDNN call holds it (Note [oneDNN holds the GIL]).
 
 The CPU backend calls it where the rows are the same at every probe, 2..16 of them, over
 weights that stream (Note [Few rows over a streamed weight] in streamed_gemv), with a
-residual add folded in when that is the GEMM's only consumer. One row stays on MKL's GEMV
-(within 5% either way, Note [Streamed GEMVs stay on torch]).
+residual add folded in when that is the GEMM's only consumer. At one row the GEMV itself
+is as fast as MKL's (the bench Llama's 16 layer weights cycled: 7.14 vs 7.25 ms, its
+input-major head 5.85 vs 5.73; 2026-12-05 12:26, load 2.6), so one row over a weight
+stored [N, K] comes here too, for the residual adds it folds in: the B=1 decode step
+0.957x (14.64 vs 15.29 ms p50, two generators over the same programs, 8 interleaved
+generations each, 13:04, load ~1, tokens equal); over an input-major weight (the LM
+head) MKL's GEMV stays (Note [Streamed GEMVs stay on torch]).
 
 The library is compiled when dynvm is installed (setup.py; optional: an install without
 a C compiler still works) and carries only target-attributed AVX-512 code, so it loads
@@ -43,7 +48,8 @@ _LIBRARY_STEM = "_small_m_linear"
 NATIVE = "native"
 """The name of this kernel's choice, beside row_gate's TORCH and ONEDNN."""
 NATIVE_ROWS = (2, 16)
-"""The row counts (inclusive) the backend sends to this kernel."""
+"""The row counts (inclusive) the backend sends to this kernel (and one row over a weight
+stored [N, K]: the Note)."""
 
 
 def _find_library() -> Path | None:

@@ -61,7 +61,9 @@ packed copies (`dynvm bench generate`, 08:14).
 Where dynvm's own small-M kernel runs (Note [A small-M GEMM of our own] in native_linear),
 2 to 16 rows over a streamed weight go to it instead, unasked as well: it reads the weight
 where the program keeps it, so the compile packs nothing and the engine holds no second
-copy, and 2 and 3 rows need no question either.
+copy, and 2 and 3 rows need no question either. So does one row over a weight stored
+[N, K] (as fast as MKL's GEMV, with the residual add folded in); one row over an
+input-major weight stays torch's.
 """
 
 from __future__ import annotations
@@ -106,8 +108,12 @@ def streamed_decision(probe_rows: set[int], weight: torch.Tensor, ops=(),
     if len(probe_rows) != 1:
         return None
     (rows,) = probe_rows
-    native = (native_linear.available() and NATIVE_ROWS[0] <= rows <= NATIVE_ROWS[1]
-              and native_linear.as_stored(weight, input_major) is not None)
+    stored = native_linear.as_stored(weight, input_major) if native_linear.available() \
+        else None
+    # one row over a weight stored [N, K] too: the GEMV itself as fast as MKL's, its
+    # residual add folded in (over an input-major weight MKL's GEMV stays the faster)
+    native = stored is not None and (NATIVE_ROWS[0] <= rows <= NATIVE_ROWS[1]
+                                     or (rows == 1 and not stored[1]))
     if rows != 1 and not native and not FEW_ROWS[0] <= rows <= FEW_ROWS[1]:
         return None
     weight_bytes = weight.numel() * weight.element_size()
@@ -115,7 +121,7 @@ def streamed_decision(probe_rows: set[int], weight: torch.Tensor, ops=(),
     if together <= STREAMED_BYTES:
         return None
     streamed = f"streamed from memory, {together / 2**20:.1f} MiB of the kernel's"
-    if rows == 1:
+    if rows == 1 and not native:
         return TORCH, (f"a GEMV over {weight_bytes / 2**20:.1f} MiB {streamed}: torch's, "
                        f"not asked")
     if native:
