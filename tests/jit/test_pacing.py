@@ -279,7 +279,7 @@ def test_after_a_wait_a_worker_goes_on_for_a_slice_of_work_then_waits_again():
     from dynvm.jit import background
 
     slice_s = background.SLICE_S
-    background.SLICE_S = 0.5   # wide enough that a loaded host's scheduling fits in it
+    background.SLICE_S = 1.0   # wide enough that a loaded host's scheduling fits in it
     woke, next_call, past_slice = threading.Event(), threading.Event(), threading.Event()
     waits: list[float] = []
 
@@ -289,7 +289,7 @@ def test_after_a_wait_a_worker_goes_on_for_a_slice_of_work_then_waits_again():
         woke.set()
         next_call.wait(5.0)                   # ... and the next call has begun
         waits.extend(checkpoint(5.0) for _ in range(3))   # within the slice: go on
-        time.sleep(0.5)                       # work past the slice
+        time.sleep(1.0)                       # work past the slice
         past_slice.set()
         waits.append(checkpoint(5.0))         # waits for the call in flight
         return waits
