@@ -1,7 +1,8 @@
 """The one compiled part of dynvm: the CPU backend's small-M GEMM (Note [A small-M GEMM
 of our own] in jit/backends/cpu/native_linear.py). Everything else is in pyproject.toml.
 
-The library is plain C loaded through ctypes (no Python C API); it is optional: where no
+The kernels are plain C functions called through ctypes (the module itself is empty, so
+that every module of the package imports); it is optional: where no
 C compiler is found the install goes on and the backend keeps oneDNN for those GEMMs.
 -fopenmp links the libgomp soname that torch ships, so the kernels run on torch's own
 OpenMP team (one team per process, not two)."""

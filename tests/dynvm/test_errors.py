@@ -110,6 +110,9 @@ INTERNAL = {
         "fields come from fleet_records.specialization_fields, the shape open_sealed checks",
     ("cluster/store/_base.py", "check_value", "TypeError"):
         "stores are written with seal()'s bytes only",
+    ("jit/backends/cpu/native_linear.py", "small_m_linear", "TypeError"):
+        "the CPU backend emits the call only where every probe and the guard say float32; "
+        "a wrong dtype there is a backend bug, not a user's input",
     ("jit/backends/cpu/codegen.py", "_value", "TypeError"):
         "specialized IR holds only the operand kinds handled (the specializer makes it)",
     ("jit/specialize.py", "_Rewriter.operand", "TypeError"):

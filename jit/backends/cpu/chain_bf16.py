@@ -59,7 +59,8 @@ from dynvm.jit.backends.cpu.channels_last import (
 )
 from dynvm.jit.backends.cpu.conv import PackedPerBatch, _packed_per_batch
 from dynvm.jit.backends.cpu.conv_residual import CONV_BINARY_INPLACE
-from dynvm.jit.backends.cpu.fusion import CONV_BINARY, CONV_UNARY, is_fused, probe_tensors
+from dynvm.jit.backends.cpu.fusion import CONV_BINARY, CONV_UNARY, is_fused
+from dynvm.jit.backends.cpu.ir_match import probe_tensors
 from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.ir import ConstRef, Literal, Var
 from dynvm.vm.isa import ChannelsLast

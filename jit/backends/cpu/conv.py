@@ -124,6 +124,8 @@ from dynvm.jit.backends.cpu.fusion import (
     FusionResult,
     onednn_available,
     pin_openmp_team,
+)
+from dynvm.jit.backends.cpu.ir_match import (
     probe_tensors,
     run_original,
     single_consumer,

@@ -102,12 +102,20 @@ from dataclasses import dataclass
 
 import torch
 
-from dynvm.jit.aliasing import flat_values
 from dynvm.jit.backends.cpu.calibration_rows import (
     CALIBRATION_MAX_M as _CALIBRATION_MAX_M,
 )
 from dynvm.jit.backends.cpu.calibration_rows import calibration_max_m
 from dynvm.jit.backends.cpu.huge_pages import to_huge_pages
+from dynvm.jit.backends.cpu.ir_match import (
+    BINARY_POST_OPS,
+    UNARY_POST_OPS,
+    probe_tensors,
+    single_consumer,
+    unary_post_op,
+    untouched_between,
+    use_counts,
+)
 from dynvm.jit.backends.cpu.native_linear import NATIVE, as_stored, small_m_linear
 from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.backends.cpu.row_gate import (
@@ -172,13 +180,6 @@ FUSED_KERNELS = {
     **CONV_KERNELS,
 }
 
-# Activation opcode -> oneDNN post-op attribute, and how many literal operands follow
-# the tensor (they become the post-op's scalars; GELU's mode becomes its algorithm).
-# The epilogues oneDNN computes, from the opcode table (OpSpec.onednn_unary / onednn_binary).
-_UNARY_POST_OPS = {name: spec.onednn_unary for name, spec in OPCODES.items()
-                   if spec.onednn_unary is not None}
-_BINARY_POST_OPS = {name: spec.onednn_binary for name, spec in OPCODES.items()
-                    if spec.onednn_binary is not None}
 @dataclass(frozen=True)
 class FusionResult:
     """A region after a fusion rewrite, with notes on what was fused or why not."""
@@ -285,23 +286,6 @@ def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device
 # -- matching ---------------------------------------------------------------------------
 
 
-def use_counts(ops: list[SpecOp], leaving: set[int]) -> dict[int, int]:
-    """Uses of each register in `ops` (a register in `leaving`, a region output,
-    counts one more)."""
-    counts = {reg: 1 for reg in leaving}
-    for op in ops:
-        for value in flat_values(op.args):
-            if isinstance(value, Var):
-                counts[value.reg] = counts.get(value.reg, 0) + 1
-    return counts
-
-
-def probe_tensors(probes, reg: int) -> list | None:
-    """Register `reg`'s value at each probe, if it is a tensor at all of them."""
-    values = [probe.get(reg) for probe in probes]
-    return values if all(isinstance(v, torch.Tensor) for v in values) else None
-
-
 def _fp32_const(constants, arg, rank: int) -> torch.Tensor | None:
     if not isinstance(arg, ConstRef):
         return None
@@ -346,18 +330,6 @@ def _bound_gemm(impl, gemm, weight, bias) -> tuple:
             tuple(fixed[i] for i in range(gemm.a + 1, len(fixed) + 1)))
 
 
-def single_consumer(ops, position: int, uses) -> int | None:
-    """The position of the one later op that reads op `position`'s result, or
-    None when it has other uses (or leaves the region)."""
-    dst = ops[position].dsts[0]
-    if uses.get(dst) != 1:
-        return None
-    for later in range(position + 1, len(ops)):
-        if any(v == Var(dst) for v in flat_values(ops[later].args)):
-            return later
-    return None
-
-
 def _epilogue(ops, position, consumer_at, probes, constants, producer_position,
               weak_guard: bool):
     """(consumer position, attr, scalars, algorithm, other operand or None), or None."""
@@ -368,12 +340,12 @@ def _epilogue(ops, position, consumer_at, probes, constants, producer_position,
     if not untouched_between(ops, position, consumer_at, consumer):
         return None
     name = consumer.opcode
-    if name in _UNARY_POST_OPS and consumer.args and consumer.args[0] == dst:
+    if name in UNARY_POST_OPS and consumer.args and consumer.args[0] == dst:
         post_op = unary_post_op(consumer)
         if post_op is None:
             return None
         return consumer_at, *post_op, None
-    if name not in _BINARY_POST_OPS or weak_guard or len(consumer.args) != 2:
+    if name not in BINARY_POST_OPS or weak_guard or len(consumer.args) != 2:
         return None
     a, b = consumer.args
     if a == dst:
@@ -398,38 +370,7 @@ def _epilogue(ops, position, consumer_at, probes, constants, producer_position,
         return None
     if any(o.shape != r.shape or o.dtype != r.dtype for o, r in zip(others, result)):
         return None
-    return consumer_at, _BINARY_POST_OPS[name], None, None, other
-
-
-def unary_post_op(op: SpecOp) -> tuple[str, list, str] | None:
-    """(attr, scalars, algorithm) of oneDNN's post-op computing activation `op` on its
-    operand 0, or None when there is none."""
-    post_op = _UNARY_POST_OPS.get(op.opcode)
-    if post_op is None:
-        return None
-    rest = op.args[1:]
-    if not all(isinstance(a, Literal) for a in rest):
-        return None
-    if post_op.algorithm:   # GELU: operand 1 is oneDNN's algorithm
-        mode = rest[0].value if rest else "none"
-        return (post_op.name, [], mode) if mode in ("none", "tanh") and len(rest) <= 1 else None
-    if len(rest) != post_op.scalars or not all(isinstance(a.value, int | float) for a in rest):
-        return None
-    return post_op.name, [float(a.value) for a in rest], ""
-
-
-def untouched_between(ops, position: int, consumer_at: int, consumer: SpecOp) -> bool:
-    """No op strictly between writes a register the fused call reads or defines, so that
-    running it at `position` computes what the pair computed."""
-    read = {v.reg for v in flat_values(ops[position].args) if isinstance(v, Var)}
-    read |= {v.reg for v in flat_values(consumer.args) if isinstance(v, Var)}
-    defined = set(consumer.dsts)
-    for op in ops[position + 1:consumer_at]:
-        if set(op.dsts) & (read | defined):
-            return False
-        if any(isinstance(v, Var) and v.reg in defined for v in flat_values(op.args)):
-            return False
-    return True
+    return consumer_at, BINARY_POST_OPS[name], None, None, other
 
 
 # -- calibration -------------------------------------------------------------------------
@@ -610,29 +551,6 @@ def _forms(op, epilogue, ops, weight, bias):
     return eager_binary, fused_binary
 
 
-def run_original(ops: list[SpecOp], values: dict[int, object], constants) -> object:
-    """Run `ops` as the unfused kernel would (in-place variants in place) on `values`
-    (Var register -> tensor); returns the last op's first result. For calibration."""
-    env = dict(values)
-
-    def value(arg):
-        if isinstance(arg, Var):
-            return env[arg.reg]
-        if isinstance(arg, ConstRef):
-            return constants[arg.index]
-        if isinstance(arg, Literal):
-            return arg.value
-        return [value(item) for item in arg]
-    result = None
-    for op in ops:
-        spec = OPCODES[op.opcode]
-        fn = spec.inplace if op.variant == "inplace" else spec.impl
-        result = fn(*(value(arg) for arg in op.args))
-        results = result if len(op.dsts) > 1 else (result,)
-        env.update(zip(op.dsts, results))
-    return env[ops[-1].dsts[0]]
-
-
 # -- the fused op ------------------------------------------------------------------------
 
 
@@ -698,7 +616,7 @@ def _kind(op, epilogue, ops) -> str:
     if epilogue is None:
         return op.opcode.lower()
     consumer = ops[epilogue[0]]
-    post_op = _UNARY_POST_OPS.get(consumer.opcode)
+    post_op = UNARY_POST_OPS.get(consumer.opcode)
     mode = f"({epilogue[3]})" if post_op is not None and post_op.algorithm else ""
     return f"{op.opcode.lower()}+{consumer.opcode.lower()}{mode}"
 

@@ -67,13 +67,15 @@ from dynvm.jit.backends.cpu.fusion import (
     _as_gemm,
     onednn_available,
     pin_openmp_team,
+)
+from dynvm.jit.backends.cpu.huge_pages import to_huge_pages
+from dynvm.jit.backends.cpu.ir_match import (
     probe_tensors,
     single_consumer,
     unary_post_op,
     untouched_between,
     use_counts,
 )
-from dynvm.jit.backends.cpu.huge_pages import to_huge_pages
 from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.config import PRECISIONS
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var

@@ -18,11 +18,24 @@
    built without -mavx512f, so loading it on any x86-64 is safe; dynvm_small_m_supported
    says whether the kernels may be called. */
 
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 
 #define AVX512 __attribute__((target("avx512f")))
+
+/* An importable (empty) module, so that the package's modules all import; the kernels
+   are plain C functions that native_linear.py calls through ctypes, which releases the
+   GIL for each call. */
+static struct PyModuleDef small_m_module = {
+    PyModuleDef_HEAD_INIT, "_small_m_linear",
+    "dynvm's small-M GEMM; its C functions are called through ctypes (native_linear.py)",
+    -1, NULL, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__small_m_linear(void) { return PyModule_Create(&small_m_module); }
 
 int dynvm_small_m_supported(void) {
   __builtin_cpu_init();
