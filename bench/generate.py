@@ -27,6 +27,18 @@ decodes, Note [One step program for prompt and decode] in dynvm._generation_kv, 
 programs (the cache as tensors).
 One torch thread count for everything (--threads, default 2), and the
 1-minute load average beside the table: the host is shared.
+
+Note [Generations interleaved with CTranslate2's]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+One after another, a ratio to CTranslate2 carries whatever the host did in between:
+CTranslate2's own B=1 rate moved 69-81 tok/s between runs on 2026-12-05. System
+`dynvm-jit-vs-ct2` (with `ctranslate2`) alternates whole generations instead, on the
+same prompts, after the JIT's kernels have landed (two generations, then settled):
+each round is a JIT generation and two CTranslate2 generations, the order turned every
+round, INTERLEAVED_ROUNDS rounds. Its rows give each system's median decode rate over
+the rounds, the JIT's divided by CTranslate2's, and an A/A beside it: CTranslate2's
+second generation of each round over its first, the median's distance from 1 being the
+margin a ratio has to clear.
 """
 
 from __future__ import annotations
@@ -45,6 +57,10 @@ PROMPT, NEW = 32, 128
 MODELS = ("llama", "gpt2")
 SYSTEMS = ("eager", "hf", "dynvm-interp", "dynvm-jit-wait", "dynvm-jit", "dynvm-jit-pure",
            "ctranslate2")
+INTERLEAVED = "dynvm-jit-vs-ct2"
+"""Not in the default set: the JIT's generations alternated with CTranslate2's (Note
+[Generations interleaved with CTranslate2's])."""
+INTERLEAVED_ROUNDS = 6
 
 
 @dataclass
@@ -324,6 +340,9 @@ def run_model(kind: str, batches, systems, threads: int, results: Results,
                     results.rows.append(_row(
                         kind, batch, f"dynvm-jit-pure gen {n}", prefill_s, steps, cpu_s,
                         specialized=f"{hit}/{total}", same_tokens=same(tokens)))
+        if INTERLEAVED in systems and ct2 is not None:
+            results.rows.extend(_interleaved(kind, batch, programs, jit_config, ct2, ids,
+                                             mask, same))
         if ct2 is not None:
             _ct2_run(ct2, ids)  # its first call: allocations, not a generation's steady time
             tokens, prefill_s, total, cpu_s = _ct2_run(ct2, ids)
@@ -367,6 +386,45 @@ def long_context(kind: str, length: int, steps: int, results: Results, jit_confi
             hit = generator.stats().specialized_steps - before.specialized_steps
             results.rows.append(_row(kind, 1, f"{name}, L={length}", prefill_s, wall, cpu_s,
                                      specialized=f"{hit}/{steps}"))
+
+
+def _interleaved(kind, batch, programs, jit_config, ct2, ids, mask, same) -> list[Row]:
+    """Note [Generations interleaved with CTranslate2's]: the rows of the JIT and of
+    CTranslate2, generations alternated."""
+    import dynvm
+
+    def ct2_rate() -> tuple[float, str]:
+        tokens, prefill_s, total, _ = _ct2_run(ct2, ids)
+        return batch * (NEW - 1) / max(total - prefill_s, 1e-9), same(tokens)
+
+    rates: dict[str, list[float]] = {"jit": [], "ct2": [], "ct2 again": []}
+    with dynvm.Generator(programs, jit=jit_config) as jit:
+        for _ in range(2):   # the first generation's compiles land; then nothing pending
+            _dynvm(jit, ids, mask)
+        _settle(jit)
+        ct2_rate()
+        agree = {"jit": "yes", "ct2": "yes"}
+        for round_ in range(INTERLEAVED_ROUNDS):
+            for who in (("jit", "ct2") if round_ % 2 == 0 else ("ct2", "jit")):
+                if who == "jit":
+                    tokens, _, steps, _, _ = _dynvm(jit, ids, mask)
+                    rates["jit"].append(batch * len(steps) / sum(steps))
+                    agree["jit"] = min(agree["jit"], same(tokens))   # "NO" < "yes"
+                else:
+                    rate, agreed = ct2_rate()
+                    again, _ = ct2_rate()
+                    rates["ct2"].append(rate)
+                    rates["ct2 again"].append(again)
+                    agree["ct2"] = min(agree["ct2"], agreed)
+    jit_rate, ct2_rate_ = (statistics.median(rates[k]) for k in ("jit", "ct2"))
+    aa = statistics.median(b / a for a, b in zip(rates["ct2"], rates["ct2 again"]))
+    note = (f"interleaved, {INTERLEAVED_ROUNDS} rounds: JIT / CTranslate2 "
+            f"{jit_rate / ct2_rate_:.3f}, A/A (CTranslate2 / itself) {aa:.3f}")
+    nan = float("nan")
+    return [Row(kind, batch, "dynvm-jit interleaved", nan, jit_rate, nan, nan, nan,
+                same_tokens=agree["jit"], note=note),
+            Row(kind, batch, "ctranslate2 interleaved", nan, ct2_rate_, nan, nan, nan,
+                same_tokens=agree["ct2"], note=note)]
 
 
 def _settle(generator, seconds: float = 10.0) -> None:
