@@ -30,7 +30,9 @@ decode step (Note [LM head stored input-major])."""
 # EMBEDDING gathers rows of it, which this layout would scatter; so does any head
 # constant that some instruction other than LINEAR's weight operand reads. A program
 # saved to a .dvm and loaded back may hold it contiguous again: it then runs as before,
-# with the same values.
+# with the same values. A second export of the same model finds its head input-major
+# already and gives the new programs that same tensor in place of the contiguous copy
+# export made of it.
 
 from __future__ import annotations
 
@@ -54,12 +56,18 @@ def _only_linear_weight(program: Program, index: int) -> bool:
     return as_weight
 
 
+def _input_major(weight: torch.Tensor) -> bool:
+    """Whether `weight` ([N, K]) is already stored input-major (a view of a [K, N] tensor)."""
+    return not weight.is_contiguous() and weight.t().is_contiguous()
+
+
 def _head_weight(model: torch.nn.Module) -> torch.Tensor | None:
-    """The model's untied LM head weight, [vocab, hidden] fp32 contiguous, or None."""
+    """The model's untied LM head weight, [vocab, hidden] fp32, contiguous or already
+    input-major (a model exported before), or None."""
     head = getattr(model, "get_output_embeddings", lambda: None)()
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or \
-            not weight.is_contiguous() or weight.dtype != torch.float32:
+            weight.dtype != torch.float32 or not (weight.is_contiguous() or _input_major(weight)):
         return None
     embeddings = getattr(model, "get_input_embeddings", lambda: None)()
     table = getattr(embeddings, "weight", None)
@@ -77,22 +85,31 @@ def store_lm_head_input_major(programs, model: torch.nn.Module):
     if weight is None:
         return programs
     key = (weight.data_ptr(), tuple(weight.shape))
+    # A model exported before holds its head input-major already; export then gave the
+    # programs a contiguous copy of it (as for any non-contiguous parameter), found by
+    # its values and replaced by the model's tensor: one copy, the layout kept.
+    again = _input_major(weight)
     found: dict[str, list[int]] = {}
     for field in ("step", "prefill", "decode"):
         program = getattr(programs, field)
         if program is None:
             continue
         indices = [i for i, t in enumerate(program.constants)
-                   if (t.data_ptr(), tuple(t.shape)) == key]
+                   if (t.data_ptr(), tuple(t.shape)) == key or (
+                       again and tuple(t.shape) == key[1] and t.dtype == weight.dtype
+                       and torch.equal(t, weight))]
         if not all(_only_linear_weight(program, i) for i in indices):
             return programs   # some other instruction reads it: keep the layout
         if indices:
             found[field] = indices
     if not found:
         return programs
-    with torch.no_grad():
-        stored = weight.detach().t().contiguous().t()
-        model.get_output_embeddings().weight.data = stored
+    if again:
+        stored = weight.detach()
+    else:
+        with torch.no_grad():
+            stored = weight.detach().t().contiguous().t()
+            model.get_output_embeddings().weight.data = stored
     replaced = {}
     for field, indices in found.items():
         program = getattr(programs, field)

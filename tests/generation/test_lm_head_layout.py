@@ -1,14 +1,16 @@
 """Note [LM head stored input-major] in dynvm._lm_head_layout: after export the untied
 LM head is one input-major tensor shared by the model and the programs, a tied one
-(GPT-2) stays row-major for its gathers, and a .dvm round trip keeps the values."""
+(GPT-2) stays row-major for its gathers, a .dvm round trip keeps the values, and a
+second export of the same model shares the head instead of copying it."""
 
 from __future__ import annotations
 
 import torch
 
+import dynvm
 from dynvm._lm_head_layout import store_lm_head_input_major
 from dynvm.vm.dvm_file import dumps, loads
-from tests.generation._tiny import tiny_causal_lm, tiny_generator
+from tests.generation._tiny import MAX_BATCH, MAX_LENGTH, tiny_causal_lm, tiny_generator
 
 
 def _head_indices(program, head):
@@ -40,3 +42,22 @@ def test_tied_head_keeps_its_layout():
     programs = object()   # never looked at: a tied head returns before reading them
     assert store_lm_head_input_major(programs, model) is programs
     assert table.is_contiguous()
+
+
+def test_a_second_export_of_the_model_shares_its_input_major_head():
+    """The first export leaves the model's head input-major; export copies a
+    non-contiguous parameter, so the second export's programs are given the model's
+    tensor back in place of that copy: one copy of the head, its layout kept."""
+    model = tiny_causal_lm("llama")
+    dynvm.compile_generator(model, max_batch=MAX_BATCH, max_length=MAX_LENGTH, jit=False)
+    head = model.get_output_embeddings().weight
+    assert head.t().is_contiguous() and not head.is_contiguous()
+    again = dynvm.compile_generator(model, max_batch=MAX_BATCH, max_length=MAX_LENGTH,
+                                    jit=False).programs
+    (index,) = _head_indices(again.step, head)
+    assert again.step.constants[index].stride() == head.stride()
+    copies = [t for t in again.step.constants if t.shape == head.shape
+              and t.untyped_storage().data_ptr() != head.untyped_storage().data_ptr()
+              and torch.equal(t, head)]
+    assert not copies
+    assert model.get_output_embeddings().weight is head   # not converted a second time
