@@ -409,13 +409,15 @@ def _interleaved(kind, batch, programs, jit_config, ct2, ids, mask, same) -> lis
                 if who == "jit":
                     tokens, _, steps, _, _ = _dynvm(jit, ids, mask)
                     rates["jit"].append(batch * len(steps) / sum(steps))
-                    agree["jit"] = min(agree["jit"], same(tokens))   # "NO" < "yes"
+                    if same(tokens) != "yes":
+                        agree["jit"] = "NO"
                 else:
                     rate, agreed = ct2_rate()
                     again, _ = ct2_rate()
                     rates["ct2"].append(rate)
                     rates["ct2 again"].append(again)
-                    agree["ct2"] = min(agree["ct2"], agreed)
+                    if agreed != "yes":
+                        agree["ct2"] = "NO"
     jit_rate, ct2_rate_ = (statistics.median(rates[k]) for k in ("jit", "ct2"))
     aa = statistics.median(b / a for a, b in zip(rates["ct2"], rates["ct2 again"]))
     note = (f"interleaved, {INTERLEAVED_ROUNDS} rounds: JIT / CTranslate2 "

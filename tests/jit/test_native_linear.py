@@ -196,3 +196,20 @@ def test_jit_config_takes_dense_fusion():
     assert JitConfig(cpu_fusion="dense").cpu_fusion == "dense"
     with pytest.raises(ConfigError, match="'dense'"):
         JitConfig(cpu_fusion="packed")
+
+
+@needs_kernel
+def test_a_strided_bias_constant_is_given_to_the_kernel_as_one_row():
+    model, program = _program()
+    bias = model.up.bias.detach()
+    spread = torch.zeros(2 * bias.numel())
+    spread[::2] = bias
+    constants = [spread[::2] if t.shape == bias.shape and torch.equal(t, bias) else t
+                 for t in program.constants]
+    assert any(not t.is_contiguous() for t in constants if t.dim() == 1)
+    program = dataclasses.replace(program, constants=tuple(constants), _cache={})
+    x = torch.randn(4, 1, 768)
+    kernel, region = _kernel(program, x, "measured", PrepackCache())
+    assert kernel.source.count("= native_linear") == 4
+    with torch.no_grad():
+        _close(run_kernel_outputs(kernel, region, x)[0], model(x), 2048)

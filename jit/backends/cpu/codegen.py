@@ -15,6 +15,7 @@ process is ever compiled here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -414,16 +415,13 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
     if options.fusion != "off":
         calibrator = None if options.fusion == "always" else (
             options.calibrator or calibrator_for(device))
-        weak = guard == GuardStrength.WEAK.value
-        if options.fusion == "dense":   # Note [Dense weights only]
-            fused = fuse_gemm_epilogues(spec, constants, device, prepacked=options.prepacked,
-                                        calibrator=calibrator, weak_guard=weak, dense=True)
+        # Note [Dense weights only]: the GEMM pass alone, packing nothing
+        rewrites = ((functools.partial(fuse_gemm_epilogues, dense=True),)
+                    if options.fusion == "dense" else (fuse_gemm_epilogues, fuse_conv_epilogues))
+        for rewrite in rewrites:
+            fused = rewrite(spec, constants, device, prepacked=options.prepacked,
+                            calibrator=calibrator, weak_guard=guard == GuardStrength.WEAK.value)
             spec, notes = fused.spec, notes + fused.notes
-        else:
-            for rewrite in (fuse_gemm_epilogues, fuse_conv_epilogues):
-                fused = rewrite(spec, constants, device, prepacked=options.prepacked,
-                                calibrator=calibrator, weak_guard=weak)
-                spec, notes = fused.spec, notes + fused.notes
     if options.channels_last != "off" and guard != GuardStrength.WEAK.value \
             and device.type == "cpu":
         spec, note = _channels_last(spec, program, constants, device, name, options)

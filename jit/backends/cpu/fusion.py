@@ -248,7 +248,7 @@ def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device
                                  producer_position, weak_guard)
         try:
             decision = _decide(op, gemm, epilogue, ops, constants, spec.abstract, calibrator,
-                               dense)
+                               dense_only=dense)
             if not decision.fuse and epilogue is not None and not dense:
                 # The fused form lost: try the GEMM alone (its own calibration).
                 epilogue = None
@@ -400,8 +400,8 @@ _DENSE = "not asked: no packed weight copies (cpu_fusion='dense', Note [Dense we
 
 
 def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
-            calibrator: Calibrator | None, dense: bool = False) -> _Decision:
-    if calibrator is None and not dense:
+            calibrator: Calibrator | None, dense_only: bool = False) -> _Decision:
+    if calibrator is None and not dense_only:
         return _Decision(True, " (not measured: fusion forced on)")
     weight = constants[gemm.weight]
     bias = constants[gemm.bias.index] if isinstance(gemm.bias, ConstRef) else None
@@ -413,12 +413,12 @@ def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
     streamed = streamed_decision(probe_ms, weight, ops, constants, gemm.transpose)
     if streamed is not None:
         where, note = streamed
-        if dense and where == ONEDNN:
+        if dense_only and where == ONEDNN:
             where, note = TORCH, _DENSE
         if where != ONEDNN:   # the weight streams as stored: on huge pages too
             to_huge_pages(weight)   # Note [Packed weights on huge pages]
         return _Decision(where != TORCH, note, native=where == NATIVE)
-    if dense:
+    if dense_only:
         return _Decision(False, _DENSE)
     new_rows = len(probe_ms) > 1
     dense = weight.t() if gemm.transpose else weight
@@ -596,13 +596,16 @@ def _native_op(op, gemm: _Gemm, epilogue, ops, constants) -> SpecOp:
     constant weight as the program stores it (Note [A small-M GEMM of our own])."""
     stored, input_major = as_stored(constants[gemm.weight], gemm.transpose)
     weight = ConstRef(gemm.weight) if stored is constants[gemm.weight] else Literal(stored)
+    bias = gemm.bias   # the kernel reads a bias as one contiguous row: made so once, here
+    if isinstance(bias, ConstRef) and not constants[bias.index].is_contiguous():
+        bias = Literal(constants[bias.index].contiguous())
     if epilogue is None:
         dsts, variant, other = op.dsts, NATIVE_VARIANT, Literal(None)
     else:
         consumer = ops[epilogue[0]]
         dsts, variant, other = consumer.dsts, f"{NATIVE_VARIANT}+{consumer.source_pc}", \
             epilogue[4]
-    return SpecOp(NATIVE_LINEAR, dsts, (gemm.x, weight, gemm.bias, other,
+    return SpecOp(NATIVE_LINEAR, dsts, (gemm.x, weight, bias, other,
                                         Literal(input_major)),
                   op.source_pc, variant=variant)
 

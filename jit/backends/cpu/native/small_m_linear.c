@@ -23,7 +23,6 @@
 
 #include <immintrin.h>
 #include <omp.h>
-#include <stdint.h>
 
 #define AVX512 __attribute__((target("avx512f")))
 
