@@ -291,12 +291,13 @@ def _drain(options: ServeOptions, say) -> None:
 def serve_command(args) -> int:
     """Run `dynvm serve` until SIGINT or SIGTERM; returns the exit status (Note
     [Stopping dynvm serve])."""
-    from dynvm.cluster.serving._orphan_watch import RUN_MARKER, new_marker
+    from dynvm.cluster.serving._orphan_watch import RUN_MARKER, kill_descendants_now, new_marker
     from dynvm.cluster.serving._orphan_watch import start as start_orphan_watch
     from dynvm.cluster.serving._stop_signals import StopSignals
 
     options = options_from_args(args)
     private: list[LocalRedis] = []  # the private redis-server, once started
+    watch = None  # the orphan watch, once started (force() may run before)
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -306,6 +307,8 @@ def serve_command(args) -> int:
         # line with os.write, kill what Ray does not take down with this process, exit.
         for server in private:
             server.kill()
+        if watch is not None:  # what started since the watchdog's last list (Note [Orphan watch])
+            kill_descendants_now(marker[RUN_MARKER], spare=frozenset({watch.pid}))
         if signum is None:
             why, code = (f"stop still running {STOP_BUDGET_S:.0f} s after the drain",
                          EXIT_STOP_TIMEOUT)

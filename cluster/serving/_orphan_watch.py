@@ -16,7 +16,9 @@ still the same process (same start time: a reused pid is left alone), and every
 process whose environment carries the run's token (RUN_MARKER, exported by the command
 and inherited by what it starts: it finds a process started after the last list; Ray's
 agents overwrite their environment with their process title, hence the list), then
-exits. A graceful stop has already stopped everything: the watchdog finds nothing.
+exits. A graceful stop has already stopped everything: the watchdog finds nothing. A
+forced stop (a second signal) sweeps the tree itself just before it exits
+(kill_descendants_now), so what started since the watchdog's last list goes too.
 Linux only (/proc); elsewhere `start` does nothing.
 """
 
@@ -89,6 +91,23 @@ def kill_left(token: str, listed: dict[int, int]) -> int:
     pids = {pid for pid, started in listed.items()
             if pid != me and (_stat(pid) or (0, None))[1] == started}
     pids.update(marked(token, exclude=frozenset({me})))
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
+    return len(pids)
+
+
+def kill_descendants_now(token: str, spare: frozenset[int] = frozenset()) -> int:
+    """SIGKILL, from the command itself, every process under it and every process marked
+    with `token`, but those in `spare` (the watchdog): a forced stop's last act. The
+    watchdog's list is up to SNAPSHOT_S old, and a Ray agent started within it has
+    already written its process title over its environment (no marker): listed now,
+    it is caught (Note [Orphan watch])."""
+    listed = {pid: started for pid, started in tree(os.getpid()).items()
+              if pid not in spare}
+    pids = set(listed) | (set(marked(token, exclude=frozenset({os.getpid()}))) - spare)
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)

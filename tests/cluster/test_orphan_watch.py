@@ -67,3 +67,37 @@ def test_a_reused_pid_is_left_alone():
     finally:
         other.kill()
         other.wait()
+
+
+# A command whose child starts unmarked and unlisted (the environment cleared, as a Ray
+# agent's is by its process title), then a forced stop's sweep, sparing the watch.
+FORCED = """
+import os, subprocess, sys, time
+from dynvm.cluster.serving import _orphan_watch
+os.environ.update(_orphan_watch.new_marker())
+token = os.environ[_orphan_watch.RUN_MARKER]
+watch = _orphan_watch.start(token)
+child = subprocess.Popen(["sleep", "120"], env={}, start_new_session=True)
+killed = _orphan_watch.kill_descendants_now(token, spare=frozenset({watch.pid}))
+print(watch.pid, child.pid, killed, flush=True)
+child.wait()
+time.sleep(120)
+"""
+
+
+def test_a_forced_stop_sweeps_what_the_watch_has_not_listed_yet():
+    command = subprocess.Popen([sys.executable, "-c", FORCED], stdout=subprocess.PIPE,
+                               text=True)
+    watch = child = None
+    try:
+        watch, child, killed = (int(p) for p in command.stdout.readline().split())
+        # At once, before the watch's next list: the child went, the watch did not.
+        assert killed == 1
+        assert _wait_gone([child], 5.0) == []
+        assert process_alive(watch)
+    finally:
+        command.kill()
+        command.wait(timeout=10)
+        for pid in (watch, child):
+            if pid is not None and process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
