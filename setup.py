@@ -11,7 +11,8 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
     "dynvm.jit.backends.cpu._small_m_linear",
-    sources=["jit/backends/cpu/native/small_m_linear.c"],
+    sources=["jit/backends/cpu/native/small_m_linear.c",
+             "jit/backends/cpu/native/decode_ops.c"],
     extra_compile_args=["-O3", "-fopenmp"],
     extra_link_args=["-fopenmp"],
     optional=True,

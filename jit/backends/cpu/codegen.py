@@ -35,6 +35,7 @@ from dynvm.jit.backends.cpu.channels_last import (
 )
 from dynvm.jit.backends.cpu.conv import PackedPerBatch, fuse_conv_epilogues
 from dynvm.jit.backends.cpu.conv_residual import IN_PLACE_KERNELS, residuals_in_place
+from dynvm.jit.backends.cpu.decode_fusion import DECODE_KERNELS, fuse_decode_ops
 from dynvm.jit.backends.cpu.fusion import (
     FUSED_KERNELS,
     GATED_OPCODES,
@@ -269,8 +270,10 @@ def _emit_body(emitter, spec, program, constants, device,
             args = [f"{emitter.bind('k', a.value.packs)}[{args[0]}.shape[0]]"
                     if isinstance(a, Literal) and isinstance(a.value, PackedPerBatch) else text
                     for a, text in zip(op.args, args)]
-        elif is_native(op):  # Note [A small-M GEMM of our own]
-            fn = emitter.bind(op.opcode.lower(), NATIVE_KERNELS[op.opcode])
+        elif is_native(op):
+            # Note [A small-M GEMM of our own], Note [A decode step's small ops in C]
+            fn = emitter.bind(op.opcode.lower(),
+                              NATIVE_KERNELS.get(op.opcode) or DECODE_KERNELS[op.opcode])
         elif op.variant == PRECISION_VARIANT:  # Note [Lower-precision GEMMs]
             fn = emitter.bind(op.opcode.lower(), PRECISION_KERNELS[op.opcode])
         else:
@@ -421,6 +424,9 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
         for rewrite in rewrites:
             fused = rewrite(spec, constants, device, prepacked=options.prepacked,
                             calibrator=calibrator, weak_guard=guard == GuardStrength.WEAK.value)
+            spec, notes = fused.spec, notes + fused.notes
+        if options.fusion == "dense":   # Note [A decode step's small ops in C]
+            fused = fuse_decode_ops(spec, constants, device)
             spec, notes = fused.spec, notes + fused.notes
     if options.channels_last != "off" and guard != GuardStrength.WEAK.value \
             and device.type == "cpu":

@@ -90,6 +90,12 @@ def available() -> bool:
     return _LIBRARY is not None
 
 
+def library() -> ctypes.CDLL | None:
+    """The loaded library (None where unavailable), for the other kernels built into it
+    (native_decode)."""
+    return _LIBRARY
+
+
 def unavailable_reason() -> str:
     """Why they cannot ("" when they can)."""
     return _UNAVAILABLE

@@ -1,0 +1,190 @@
+"""A decode step's small operations onto dynvm's C kernels: a pass over the specialized IR
+(Note [A decode step's small ops in C] in native_decode)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dynvm.jit.aliasing import flat_values
+from dynvm.jit.backends.cpu import native_decode
+from dynvm.jit.backends.cpu.fusion import FusionResult
+from dynvm.jit.backends.cpu.ir_match import probe_tensors, use_counts
+from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
+from dynvm.jit.specialize import add_frees
+
+NATIVE_RMS_NORM = "NATIVE_RMS_NORM"
+NATIVE_SILU_MUL = "NATIVE_SILU_MUL"
+NATIVE_ATTENTION_ROW = "NATIVE_ATTENTION_ROW"
+DECODE_KERNELS = {NATIVE_RMS_NORM: native_decode.rms_norm,
+                  NATIVE_SILU_MUL: native_decode.silu_mul,
+                  NATIVE_ATTENTION_ROW: native_decode.attention_row}
+"""The callables of this pass's ops (their variant is "native", as the small-M GEMM's)."""
+_VARIANT = "native"
+
+
+def fuse_decode_ops(spec: SpecializedRegion, constants,
+                    device: torch.device) -> FusionResult:
+    """`spec` with its RMS norms, SiLU-gated products and one-row attention steps on the
+    C kernels, where the library runs here and the operands fit at every probe."""
+    if device.type != "cpu" or not native_decode.available() or not spec.abstract:
+        return FusionResult(spec, ())
+    ops = list(spec.ops)
+    leaving = {v.reg for _, v in spec.outputs if isinstance(v, Var)}
+    uses = use_counts(ops, leaving)
+    producer = {dst: i for i, op in enumerate(ops) for dst in op.dsts}
+    replaced: dict[int, SpecOp] = {}
+    removed: set[int] = set()
+    counts = {NATIVE_RMS_NORM: 0, NATIVE_SILU_MUL: 0, NATIVE_ATTENTION_ROW: 0}
+    for position, op in enumerate(ops):
+        new = None
+        if op.opcode == "DECODE_ATTN" and op.variant == "":
+            group = _attention_group(ops, position, uses, producer, spec.abstract)
+            if group is not None:
+                new, absorbed = group
+                removed |= absorbed
+        elif op.opcode == "RMS_NORM" and op.variant == "" and _rms_fits(op, constants,
+                                                                        spec.abstract):
+            new = dataclasses.replace(op, opcode=NATIVE_RMS_NORM, variant=_VARIANT)
+        elif op.opcode == "SILU_MUL" and op.variant == "" and _rows_fit(op, spec.abstract):
+            new = dataclasses.replace(op, opcode=NATIVE_SILU_MUL, variant=_VARIANT)
+        if new is not None:
+            replaced[position] = new
+            counts[new.opcode] += 1
+    if not replaced:
+        return FusionResult(spec, ())
+    new_ops = [replaced.get(i, op) for i, op in enumerate(ops) if i not in removed]
+    new_ops = add_frees(new_ops, leaving)
+    note = ("dynvm's C kernels (Note [A decode step's small ops in C]): "
+            f"{counts[NATIVE_RMS_NORM]} RMS_NORM, {counts[NATIVE_SILU_MUL]} SILU_MUL, "
+            f"{counts[NATIVE_ATTENTION_ROW]} one-row attention step(s) (ROTARY x2, "
+            "KV_APPEND x2, DECODE_ATTN)")
+    return FusionResult(dataclasses.replace(spec, ops=tuple(new_ops)), (note,))
+
+
+def _fp32_rows(values, width: int | None = None) -> bool:
+    return values is not None and all(
+        v.dtype == torch.float32 and v.dim() >= 1 and v.is_contiguous()
+        and v.numel() <= native_decode.MAX_ROWS * max(1, v.shape[-1])
+        and (width is None or v.shape[-1] == width) for v in values)
+
+
+def _rows_fit(op: SpecOp, probes) -> bool:
+    x = op.args[0] if op.args else None
+    return isinstance(x, Var) and len(op.dsts) == 1 and _fp32_rows(probe_tensors(probes,
+                                                                                x.reg))
+
+
+def _rms_fits(op: SpecOp, constants, probes) -> bool:
+    """RMS_NORM(x, [N], weight, eps) over float32 rows with a float32 [N] weight."""
+    if len(op.args) != 4 or not _rows_fit(op, probes):
+        return False
+    x, shape, weight, eps = op.args
+    if not (isinstance(shape, Literal) and isinstance(shape.value, list | tuple)
+            and len(shape.value) == 1 and isinstance(eps, Literal)):
+        return False
+    width = shape.value[0]
+    if not _fp32_rows(probe_tensors(probes, x.reg), width):
+        return False
+    if weight == Literal(None):
+        return True
+    value = constants[weight.index] if isinstance(weight, ConstRef) else None
+    return (isinstance(value, torch.Tensor) and value.dtype == torch.float32
+            and value.shape == (width,) and value.is_contiguous())
+
+
+def _attention_group(ops, position: int, uses, producer, probes):
+    """(the one-row attention op, positions of the ops it absorbs) for the DECODE_ATTN at
+    `position` when its query and key come from ROTARY and its caches from KV_APPEND as
+    the decode step's layer computes them, else None."""
+    attend = ops[position]
+    if len(attend.args) != 6:
+        return None
+    query, keys, values, slots, lengths, scale = attend.args
+    if not (isinstance(scale, Literal) and (scale.value is None
+                                            or isinstance(scale.value, float))):
+        return None
+    found = {}
+    for name, reg, opcode in (("query", query, "ROTARY"), ("keys", keys, "KV_APPEND"),
+                              ("values", values, "KV_APPEND")):
+        at = producer.get(reg.reg, -1) if isinstance(reg, Var) else -1
+        if at < 0 or ops[at].opcode != opcode or ops[at].variant or uses.get(reg.reg) != 1:
+            return None
+        found[name] = at
+    key_cache, key, key_slots, positions = ops[found["keys"]].args
+    value_cache, value, value_slots, value_positions = ops[found["values"]].args
+    if not (key_slots == value_slots == slots and positions == value_positions):
+        return None
+    at = producer.get(key.reg, -1) if isinstance(key, Var) else -1
+    if at < 0 or ops[at].opcode != "ROTARY" or ops[at].variant or uses.get(key.reg) != 1:
+        return None
+    found["key"] = at
+    query_in, cos, sin = ops[found["query"]].args
+    key_in, key_cos, key_sin = ops[at].args
+    if (key_cos, key_sin) != (cos, sin):
+        return None
+    operands = (query_in, key_in, value, cos, sin, key_cache, value_cache, slots, positions,
+                lengths)
+    if not all(isinstance(v, Var) for v in operands) or key_cache == value_cache:
+        return None
+    if not _one_row_everywhere(probes, operands):
+        return None
+    absorbed = set(found.values())
+    if not _nothing_between_touches(ops, min(absorbed), position, absorbed, operands):
+        return None
+    first = min(absorbed)
+    later = sorted(absorbed - {first}) + [position]
+    variant = "+".join([_VARIANT, *(str(ops[i].source_pc) for i in later)])
+    return (SpecOp(NATIVE_ATTENTION_ROW, attend.dsts, (*operands, scale),
+                   ops[first].source_pc, variant=variant), absorbed)
+
+
+def _one_row_everywhere(probes, operands) -> bool:
+    query, key, value, cos, sin, key_cache, value_cache, slots, positions, lengths = (
+        probe_tensors(probes, v.reg) for v in operands)
+    if any(v is None for v in (query, key, value, cos, sin, key_cache, value_cache, slots,
+                               positions, lengths)):
+        return False
+    for i, q in enumerate(query):
+        if q.dim() != 4 or q.shape[0] != 1 or q.shape[2] != 1:
+            return False
+        heads, dim = q.shape[1], q.shape[3]
+        kc = key_cache[i]
+        if kc.dim() != 4 or kc.shape[-1] != dim or not kc.is_contiguous():
+            return False
+        kv_heads = kc.shape[1]
+        if value_cache[i].shape != kc.shape or not value_cache[i].is_contiguous():
+            return False
+        if key[i].shape != (1, kv_heads, 1, dim) or value[i].shape != (1, kv_heads, 1, dim):
+            return False
+        if kv_heads == 0 or heads % kv_heads:
+            return False
+        if cos[i].numel() != dim or sin[i].numel() != dim:
+            return False
+        tensors = (q, key[i], value[i], cos[i], sin[i], kc, value_cache[i])
+        if any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in tensors):
+            return False
+        if any(t[i].shape != (1,) or t[i].dtype != torch.int64
+               for t in (slots, positions, lengths)):
+            return False
+    return True
+
+
+def _nothing_between_touches(ops, first: int, last: int, absorbed: set[int],
+                             operands) -> bool:
+    """No op between the group's first and its DECODE_ATTN (other than the group's own)
+    writes what the group reads, or reads or writes a cache: the fused call, at the
+    DECODE_ATTN's place, then computes what the ops did in their places."""
+    read = {v.reg for v in operands}
+    caches = {operands[5].reg, operands[6].reg}
+    for at in range(first + 1, last):
+        if at in absorbed:
+            continue
+        op = ops[at]
+        args = {v.reg for v in flat_values(op.args) if isinstance(v, Var)}
+        if set(op.dsts) & read or args & caches:
+            return False
+        if op.variant == "inplace" and args & read:
+            return False
+    return True

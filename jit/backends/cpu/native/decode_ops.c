@@ -1,0 +1,166 @@
+/* The small operations of a decode step, each one C call instead of several ATen calls
+   (Note [A decode step's small ops in C] in jit/backends/cpu/native_decode.py says
+   where the JIT uses them and what they save).
+
+     dynvm_rms_norm:      y = x * rsqrt(mean(x^2) + eps) * w, per row of N
+     dynvm_silu_mul:      y = silu(x[:, :F]) * x[:, F:], per row of 2F
+     dynvm_attention_row: one row's decode step of attention: rotary embedding of its
+                          query and new key, the new key and value written into the KV
+                          cache at the row's slot and position, then its query heads
+                          over the slot's first `length` keys (grouped heads)
+
+   Built into the same library as small_m_linear.c (setup.py), with AVX-512F code behind
+   target attributes only, so the library loads on any x86-64; the Python side calls
+   these only where dynvm_small_m_supported() says AVX-512F is there, and keeps torch's
+   operations elsewhere. Each function works in float32 and reads rows of the given
+   strides, their elements contiguous. */
+
+#include <immintrin.h>
+#include <math.h>
+
+#define AVX512 __attribute__((target("avx512f")))
+
+/* exp(x) for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial,
+   scaled by 2^n (relative error about 2 ulp; inputs clamped to expf's finite range, so
+   very negative inputs give 0 as expf does, up to the smallest normal). */
+static inline AVX512 __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)),
+                    _mm512_set1_ps(88.72283f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 tail_mask(long left) {
+  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+}
+
+AVX512 void dynvm_rms_norm(const float* x, long ldx, long M, long N, const float* w,
+                           float eps, float* y, long ldy) {
+  for (long m = 0; m < M; m++) {
+    const float* row = x + m * ldx;
+    __m512 acc = _mm512_setzero_ps();
+    for (long k = 0; k < N; k += 16) {
+      __m512 v = _mm512_maskz_loadu_ps(tail_mask(N - k), row + k);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)N + eps);
+    __m512 s = _mm512_set1_ps(scale);
+    float* out = y + m * ldy;
+    for (long k = 0; k < N; k += 16) {
+      __mmask16 mask = tail_mask(N - k);
+      __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + k), s);
+      if (w) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, w + k));
+      _mm512_mask_storeu_ps(out + k, mask, v);
+    }
+  }
+}
+
+AVX512 void dynvm_silu_mul(const float* x, long ldx, long M, long F, float* y, long ldy) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (long m = 0; m < M; m++) {
+    const float* gate = x + m * ldx;
+    const float* up = gate + F;
+    float* out = y + m * ldy;
+    for (long k = 0; k < F; k += 16) {
+      __mmask16 mask = tail_mask(F - k);
+      __m512 g = _mm512_maskz_loadu_ps(mask, gate + k);
+      __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(
+          _mm512_setzero_ps(), g))));
+      _mm512_mask_storeu_ps(out + k, mask, _mm512_mul_ps(silu,
+                                                         _mm512_maskz_loadu_ps(mask, up + k)));
+    }
+  }
+}
+
+/* rotate_half's embedding of one head (D floats): x * cos + cat(-x2, x1) * sin, each
+   product rounded before the sum (no fused multiply-add), as torch's ROTARY computes it:
+   the keys written into the cache are the interpreter's, bit for bit. */
+static __attribute__((optimize("fp-contract=off"))) void rotary(const float* x, const float* cs, const float* sn, long D,
+                          float* out) {
+  long half = D / 2;
+  for (long i = 0; i < half; i++) out[i] = x[i] * cs[i] + (-x[i + half]) * sn[i];
+  for (long i = half; i < D; i++) out[i] = x[i] * cs[i] + x[i - half] * sn[i];
+}
+
+static inline AVX512 float dot(const float* a, const float* b, long D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (long k = 0; k < D; k += 16) {
+    __mmask16 mask = tail_mask(D - k);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + k),
+                          _mm512_maskz_loadu_ps(mask, b + k), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+#define MAX_HEAD_DIM 256
+#define MAX_KEYS 8192
+
+/* One row, one new token (T = 1): q [H heads of D, head stride q_hs], the new key and
+   value [Hkv heads, strides kn_hs, vn_hs], cos and sin [D]; the caches contiguous
+   [S, Hkv, C, D]. Writes out [H, D]. Returns 0, or 1 (nothing written) when an operand
+   is out of range: the caller then runs torch's operations, which raise as they do. */
+AVX512 int dynvm_attention_row(const float* q, long q_hs, const float* kn, long kn_hs,
+                               const float* vn, long vn_hs, const float* cs,
+                               const float* sn, float* kc, float* vc, long S, long Hkv,
+                               long C, long D, long H, const long* slot_at,
+                               const long* position_at, const long* length_at, float scale,
+                               float* out) {
+  long slot = *slot_at, position = *position_at, length = *length_at;
+  if (slot < 0 || slot >= S || position < 0 || position >= C || length < 1 || length > C
+      || length > MAX_KEYS || D > MAX_HEAD_DIM || D % 2 || Hkv < 1 || H % Hkv)
+    return 1;
+  float* keys = kc + slot * Hkv * C * D;
+  float* values = vc + slot * Hkv * C * D;
+  for (long j = 0; j < Hkv; j++) {
+    rotary(kn + j * kn_hs, cs, sn, D, keys + (j * C + position) * D);
+    const float* v = vn + j * vn_hs;
+    float* to = values + (j * C + position) * D;
+    for (long i = 0; i < D; i++) to[i] = v[i];
+  }
+  long group = H / Hkv;
+  float query[MAX_HEAD_DIM], scores[MAX_KEYS];
+  for (long h = 0; h < H; h++) {
+    rotary(q + h * q_hs, cs, sn, D, query);
+    const float* k = keys + (h / group) * C * D;
+    const float* v = values + (h / group) * C * D;
+    float top = -INFINITY;
+    for (long t = 0; t < length; t++) {
+      scores[t] = dot(query, k + t * D, D) * scale;
+      top = scores[t] > top ? scores[t] : top;
+    }
+    __m512 total = _mm512_setzero_ps();
+    for (long t = 0; t < length; t += 16) {
+      __mmask16 mask = tail_mask(length - t);
+      __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + t),
+                                      _mm512_set1_ps(top)));
+      e = _mm512_maskz_mov_ps(mask, e);
+      _mm512_mask_storeu_ps(scores + t, mask, e);
+      total = _mm512_add_ps(total, e);
+    }
+    float inverse = 1.0f / _mm512_reduce_add_ps(total);
+    __m512 acc[MAX_HEAD_DIM / 16];
+    long blocks = (D + 15) / 16;
+    for (long b = 0; b < blocks; b++) acc[b] = _mm512_setzero_ps();
+    for (long t = 0; t < length; t++) {
+      __m512 p = _mm512_set1_ps(scores[t]);
+      for (long b = 0; b < blocks; b++)
+        acc[b] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(tail_mask(D - 16 * b),
+                                                           v + t * D + 16 * b), acc[b]);
+    }
+    __m512 norm = _mm512_set1_ps(inverse);
+    for (long b = 0; b < blocks; b++)
+      _mm512_mask_storeu_ps(out + h * D + 16 * b, tail_mask(D - 16 * b),
+                            _mm512_mul_ps(acc[b], norm));
+  }
+  return 0;
+}

@@ -1,0 +1,124 @@
+"""A decode step's small operations as single calls of dynvm's C library.
+
+Note [A decode step's small ops in C]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+At batch 1 a decode step of the bench Llama (768 wide, 4 layers) is bound by its GEMVs
+(~12.3 of 13.3 ms, the weights streamed once); what is left is ~100 small operations
+whose cost is ATen's per-call overhead, not arithmetic. Measured in the JIT's B=1 decode
+kernel, per step (2026-12-05 14:46 UTC, load 1.3, one thread, bench/decode_breakdown.py):
+RMS_NORM 9 calls 0.475 ms (53 us each over 768 floats: torch.rms_norm is pow, mean,
+add, rsqrt, mul, mul), DECODE_ATTN 4 x 84 us, ROTARY 8 x 28 us, SILU_MUL 4 x 43 us,
+KV_APPEND 8 x 17 us, SPLIT_WITH_SIZES 4 x 27 us: ~1.0 ms, 7.5% of the step, and the
+whole of the margin to CTranslate2 at batch 1.
+
+So the CPU backend (decode_fusion) rewrites, where the native library runs (AVX-512F):
+- RMS_NORM (last-dim weight, float32) and SILU_MUL of at most `MAX_ROWS` rows into one
+  C call each (`rms_norm`, `silu_mul`);
+- one row's attention step, ROTARY of the query and of the new key, KV_APPEND of the key
+  and of the value, and DECODE_ATTN (batch 1, one new token), into one C call
+  (`attention_row`) that embeds the two, writes them into the cache at the row's slot
+  and position, and attends the query heads over the slot's first `length` keys
+  (grouped heads read their shared key/value head, no copy).
+Each wrapper checks what the C code assumes (float32, contiguous rows, operands in
+range) and otherwise runs the original operations, which compute (or raise) exactly as
+the interpreter does. Results agree with torch's to float32 rounding, not bit for bit:
+the sums are ordered differently (tests/jit/test_native_decode.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from dynvm.jit.backends.cpu.native_linear import library
+from dynvm.vm.ops_fused import rotary_embed
+from dynvm.vm.ops_fused import silu_mul as torch_silu_mul
+from dynvm.vm.ops_kv import decode_attention, kv_append
+
+MAX_ROWS = 256
+"""RMS_NORM and SILU_MUL over at most this many rows go to C (one thread; above it
+torch's kernels, spread over the team, are the better choice)."""
+
+_LIBRARY = library()
+if _LIBRARY is not None:
+    _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+    _LIBRARY.dynvm_rms_norm.argtypes = [_P, _L, _L, _L, _P, _F, _P, _L]
+    _LIBRARY.dynvm_rms_norm.restype = None
+    _LIBRARY.dynvm_silu_mul.argtypes = [_P, _L, _L, _L, _P, _L]
+    _LIBRARY.dynvm_silu_mul.restype = None
+    _LIBRARY.dynvm_attention_row.argtypes = [_P, _L, _P, _L, _P, _L, _P, _P, _P, _P, _L, _L,
+                                             _L, _L, _L, _P, _P, _P, _F, _P]
+    _LIBRARY.dynvm_attention_row.restype = ctypes.c_int
+
+
+def available() -> bool:
+    """Whether the C kernels can run in this process."""
+    return _LIBRARY is not None
+
+
+def rms_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None,
+             eps: float | None) -> torch.Tensor:
+    """torch.rms_norm over the last dim, in C for contiguous float32 rows."""
+    n = x.shape[-1]
+    if (x.dtype != torch.float32 or not x.is_contiguous() or len(normalized_shape) != 1
+            or x.numel() > MAX_ROWS * n or n == 0):
+        return torch.rms_norm(x, normalized_shape, weight, eps)
+    y = torch.empty_like(x)
+    _LIBRARY.dynvm_rms_norm(x.data_ptr(), n, x.numel() // n, n,
+                            None if weight is None else weight.data_ptr(),
+                            torch.finfo(torch.float32).eps if eps is None else eps,
+                            y.data_ptr(), n)
+    return y
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """SILU_MUL (silu of the first half of the last dim times the second), in C for
+    contiguous float32 rows."""
+    width = x.shape[-1]
+    if (x.dtype != torch.float32 or not x.is_contiguous() or width % 2
+            or x.numel() > MAX_ROWS * width or width == 0):
+        return torch_silu_mul(x)
+    half = width // 2
+    y = x.new_empty((*x.shape[:-1], half))
+    _LIBRARY.dynvm_silu_mul(x.data_ptr(), width, x.numel() // width, half, y.data_ptr(),
+                            half)
+    return y
+
+
+def _rows_ok(t: torch.Tensor, heads: int, dim: int) -> bool:
+    return (t.dtype == torch.float32 and t.shape == (1, heads, 1, dim)
+            and t.stride(-1) == 1)
+
+
+def attention_row(query, key, value, cos, sin, keys, values, slots, positions, lengths,
+                  scale):
+    """ROTARY(query), ROTARY(key), KV_APPEND of both into `keys`/`values`, DECODE_ATTN:
+    one row's decode step (query [1, H, 1, D], key and value [1, Hkv, 1, D]) in one C
+    call; the attention's result [1, H, 1, D]. Anything else runs those operations."""
+    heads, dim = query.shape[1], query.shape[-1]
+    kv_heads = key.shape[1] if key.dim() == 4 else 0
+    if (keys.dtype == torch.float32 and values.dtype == torch.float32
+            and keys.dim() == 4 and keys.shape == values.shape and keys.shape[1] == kv_heads
+            and keys.shape[-1] == dim and keys.is_contiguous() and values.is_contiguous()
+            and _rows_ok(query, heads, dim) and _rows_ok(key, kv_heads, dim)
+            and _rows_ok(value, kv_heads, dim)
+            and cos.dtype == torch.float32 and sin.dtype == torch.float32
+            and cos.numel() == dim and sin.numel() == dim
+            and cos.stride(-1) == 1 and sin.stride(-1) == 1
+            and all(t.dtype == torch.int64 and t.shape == (1,)
+                    for t in (slots, positions, lengths))):
+        out = query.new_empty((1, heads, 1, dim))
+        failed = _LIBRARY.dynvm_attention_row(
+            query.data_ptr(), query.stride(1), key.data_ptr(), key.stride(1),
+            value.data_ptr(), value.stride(1), cos.data_ptr(), sin.data_ptr(),
+            keys.data_ptr(), values.data_ptr(), keys.shape[0], kv_heads, keys.shape[2],
+            dim, heads, slots.data_ptr(), positions.data_ptr(), lengths.data_ptr(),
+            1.0 / math.sqrt(dim) if scale is None else scale, out.data_ptr())
+        if not failed:
+            return out
+    return decode_attention(rotary_embed(query, cos, sin),
+                            kv_append(keys, rotary_embed(key, cos, sin), slots, positions),
+                            kv_append(values, value, slots, positions), slots, lengths,
+                            scale)

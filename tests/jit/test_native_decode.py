@@ -1,0 +1,160 @@
+"""A decode step's small ops in C (Note [A decode step's small ops in C],
+jit/backends/cpu/native_decode.py): each kernel equal to the operations it replaces over
+random shapes (views fall back to torch's operations), the one-row attention step
+writing the interpreter's keys and values into the cache bit for bit, out-of-range
+operands raising as the operations do; and in the JIT's dense kernels of tiny decoders
+(cpu_fusion="dense", Note [Dense weights only]), every layer's attention step, RMS norm
+and gated product on them, with greedy tokens equal to Hugging Face's.
+
+Tolerance: the kernels sum in another order than ATen (vector lanes, then a lane sum)
+and use their own exp (about 2 ulp): fp32 results agree to 1e-5 relative + 1e-6; the
+attention's, whose scores over unit-scale operands reach tens (a sharp softmax), to
+1e-4 relative + 2e-5 (measured worst 7e-6)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import dynvm
+from dynvm.jit.backends.cpu import native_decode
+from dynvm.vm.ops_fused import rotary_embed, silu_mul
+from dynvm.vm.ops_kv import decode_attention, kv_append
+from tests.generation._tiny import hf_greedy, left_padded, tiny_generator
+from tests.jit._jit_helpers import eager_config
+from tests.jit._kernel_run import views
+
+needs_kernels = pytest.mark.skipif(not native_decode.available(),
+                                   reason="dynvm's C library is not built or has no AVX-512F")
+
+
+def _close(got, want):
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _close_attention(got, want):
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+
+
+@needs_kernels
+def test_rms_norm_and_silu_mul_equal_torch_over_random_shapes_and_views():
+    rng = random.Random(32)
+    torch.manual_seed(32)
+    for _ in range(40):
+        rows, width = rng.randint(1, 20), rng.choice([2, 8, 17, 64, 100, 768, 2048])
+        x = torch.randn(rows, 1, width) * rng.choice([0.1, 1.0, 8.0])
+        weight = torch.randn(width) if rng.random() < 0.8 else None
+        eps = rng.choice([1e-6, 1e-5, None])
+        for view in views(x).values():
+            _close(native_decode.rms_norm(view, [width], weight, eps),
+                   torch.rms_norm(view, [width], weight, eps))
+            if width % 2 == 0:
+                _close(native_decode.silu_mul(view), silu_mul(view))
+
+
+@needs_kernels
+def test_silu_mul_at_large_magnitudes():
+    # exp's clamped range: silu of -100 is -0 (a tiny negative in torch), of 100 is 100
+    x = torch.tensor([[-100.0, -20.0, 0.0, 20.0, 100.0, 1e-3, -87.5, 88.0] * 2])
+    _close(native_decode.silu_mul(x), silu_mul(x))
+
+
+def _layer_operands(heads, kv_heads, dim, slots, capacity, seed):
+    torch.manual_seed(seed)
+    qkv = torch.randn(1, 1, (heads + 2 * kv_heads) * dim)   # one LINEAR's row, split
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    q, k, v = (t.view(1, 1, -1, dim).permute(0, 2, 1, 3) for t in (q, k, v))
+    cos, sin = torch.randn(1, 1, 1, dim), torch.randn(1, 1, 1, dim)
+    keys = torch.randn(slots, kv_heads, capacity, dim)
+    values = torch.randn(slots, kv_heads, capacity, dim)
+    return q, k, v, cos, sin, keys, values
+
+
+def _reference(q, k, v, cos, sin, keys, values, slots, positions, lengths, scale):
+    return decode_attention(rotary_embed(q, cos, sin),
+                            kv_append(keys, rotary_embed(k, cos, sin), slots, positions),
+                            kv_append(values, v, slots, positions), slots, lengths, scale)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads, kv_heads, dim", [(12, 4, 64), (4, 2, 8), (6, 6, 32),
+                                                  (8, 1, 96), (3, 1, 130)])
+def test_attention_row_equals_rotary_append_and_decode_attention(heads, kv_heads, dim):
+    rng = random.Random(heads * dim)
+    for trial in range(6):
+        slots_n, capacity = rng.randint(1, 5), rng.randint(1, 300)
+        slot, position = rng.randrange(slots_n), rng.randrange(capacity)
+        scale = rng.choice([None, 0.125, 1.0])
+        operands = _layer_operands(heads, kv_heads, dim, slots_n, capacity, trial)
+        mine = [t.clone() for t in operands[5:]]
+        theirs = [t.clone() for t in operands[5:]]
+        at = (torch.tensor([slot]), torch.tensor([position]), torch.tensor([position + 1]))
+        got = native_decode.attention_row(*operands[:5], *mine, *at, scale)
+        want = _reference(*operands[:5], *theirs, *at, scale)
+        assert got.shape == want.shape == (1, heads, 1, dim) and got.is_contiguous()
+        _close_attention(got, want)
+        assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
+
+
+@needs_kernels
+def test_attention_row_out_of_range_does_what_the_operations_do():
+    q, k, v, cos, sin, keys, values = _layer_operands(4, 2, 8, 2, 10, 0)
+    before = keys.clone()
+    at = (torch.tensor([2]), torch.tensor([0]), torch.tensor([1]))   # no slot 2
+    with pytest.raises(IndexError):
+        _reference(q, k, v, cos, sin, keys.clone(), values.clone(), *at, None)
+    with pytest.raises(IndexError):
+        native_decode.attention_row(q, k, v, cos, sin, keys, values, *at, None)
+    assert torch.equal(keys, before)
+    # a position past the capacity: torch writes nothing (an empty slice) and attends
+    # over the whole slot; the C kernel refuses it and the operations run instead
+    at = (torch.tensor([0]), torch.tensor([10]), torch.tensor([11]))
+    theirs = [keys.clone(), values.clone()]
+    got = native_decode.attention_row(q, k, v, cos, sin, keys, values, *at, None)
+    _close(got, _reference(q, k, v, cos, sin, *theirs, *at, None))
+    assert torch.equal(keys, before)
+
+
+@needs_kernels
+def test_attention_row_over_a_non_contiguous_cache_runs_the_operations():
+    q, k, v, cos, sin, keys, values = _layer_operands(4, 2, 8, 3, 12, 1)
+    wide_k, wide_v = torch.zeros(3, 2, 12, 16), torch.zeros(3, 2, 12, 16)
+    wide_k[..., :8], wide_v[..., :8] = keys, values
+    at = (torch.tensor([1]), torch.tensor([4]), torch.tensor([5]))
+    got = native_decode.attention_row(q, k, v, cos, sin, wide_k[..., :8], wide_v[..., :8],
+                                      *at, None)
+    want = _reference(q, k, v, cos, sin, keys, values, *at, None)
+    _close_attention(got, want)
+    assert torch.equal(wide_k[..., :8], keys)
+
+
+def _dense_config():
+    return eager_config(families=True, cpu_fusion="dense")
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2"])
+def test_dense_decode_kernels_use_them_and_tokens_equal_hf(kind):
+    model, programs = tiny_generator(kind)
+    with dynvm.Generator(programs, jit=_dense_config()) as generator:
+        for lengths in ((6,), (7, 3, 5)):
+            ids, mask = left_padded(lengths, seed=len(lengths))
+            expected = hf_greedy(model, ids, mask, 6, eos_token_id=None)
+            actual = generator.generate(ids, mask, max_new_tokens=6, stop_tokens=())
+            assert torch.equal(actual, expected), kind
+        assert generator.stats().specialized_steps > 0
+        sources = [a.source for a in generator.step.jit.artifacts.values()]
+    one_row = [s for s in sources if "native_attention_row" in s]
+    if kind == "gpt2":   # no rotary, layer norm, GELU: nothing of this pass's
+        assert not one_row and not any("native_rms_norm" in s for s in sources)
+        return
+    # the B=1 decode kernel: both layers' attention steps, every norm, both MLPs
+    assert one_row, "no kernel ran a one-row attention step"
+    source = one_row[0].split("\ndef ")[-1]   # one body (an arena's kernel has two)
+    assert source.count("= native_attention_row") == 2
+    assert source.count("= native_rms_norm") == 5 and source.count("= native_silu_mul") == 2
+    calls = [line for line in source.splitlines() if not line.lstrip().startswith("#")]
+    assert not any(f"= {name}" in line for line in calls
+                   for name in ("ROTARY", "KV_APPEND", "DECODE_ATTN", "RMS_NORM", "SILU_MUL"))
