@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from pathlib import Path
 
 from opentelemetry import propagate
 from ray import serve
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 import dynvm
 from dynvm._serve_generate_bundle import load_generator
@@ -58,6 +57,7 @@ from dynvm.cluster.protocol._http_errors import (
 )
 from dynvm.cluster.protocol._http_front import MODEL_VERSION, check_model_name, read_body
 from dynvm.cluster.protocol._seam import Fault, FaultKind
+from dynvm.cluster.serving._generate_events import EventStream, OpenAIShape, V2Shape
 from dynvm.cluster.serving._generate_metrics import GenerateMetrics
 from dynvm.cluster.serving._generate_scheduler import (
     GenerateBusy,
@@ -241,7 +241,7 @@ class GeneratorServer:
     async def _openai(self, request, path) -> Response:
         body = await read_body(request, self.config.max_body_bytes)
         completion = parse_openai(bytes(body), self.model_name, self.tokenizer)
-        shape = _OpenAIShape(self.model_name, self.created)
+        shape = OpenAIShape(self.model_name, self.created)
         shape.prompt_tokens = len(completion.request.prompt)
         return await self._serve(completion, shape, _trace_headers(request))
 
@@ -249,13 +249,13 @@ class GeneratorServer:
         body = await read_body(request, self.config.max_body_bytes)
         stream = path.endswith("_stream")
         completion = parse_v2_generate(bytes(body), self.tokenizer, stream)
-        return await self._serve(completion, _V2Shape(self.model_name),
+        return await self._serve(completion, V2Shape(self.model_name),
                                  _trace_headers(request))
 
     # ------------------------------------------------------------------ generation
 
     async def _serve(self, completion: Completion, shape, trace: dict | None) -> Response:
-        openai = isinstance(shape, _OpenAIShape)
+        openai = isinstance(shape, OpenAIShape)
         refusal = self.gate.admit()  # draining: a quick 503
         if refusal is not None:
             return self._fault_response(openai, refusal)
@@ -270,8 +270,8 @@ class GeneratorServer:
             return self._fault_response(openai, self.gate.fault(exc, trace))
         text = TextStream(self.tokenizer, completion.stop_strings)
         pieces = self._pieces(seq, events, text, trace)
-        return StreamingResponse(self._events(seq, text, pieces, shape), 200,
-                                 SSE_HEADERS, media_type="text/event-stream")
+        return EventStream(self._events(seq, text, pieces, shape), 200, SSE_HEADERS,
+                            media_type="text/event-stream")
 
     def _submit(self, completion: Completion):
         """The sequence submitted to the scheduler and the queue its events arrive on
@@ -287,7 +287,7 @@ class GeneratorServer:
         text = TextStream(self.tokenizer, completion.stop_strings)
         pieces = self._pieces(seq, events, text, trace)
         try:
-            async for _ in pieces:
+            async for _, _ in pieces:
                 pass
         finally:
             await pieces.aclose()
@@ -321,9 +321,10 @@ class GeneratorServer:
 
     async def _pieces(self, seq, events: asyncio.Queue, text: TextStream,
                       trace: dict | None):
-        """Lists of (token, text piece): each one the tokens queued when it was read
-        (Note [Writes of what is ready]), until the sequence ends; raises its error
-        after the tokens before it. On exit (the end, a stop string, a client gone) the
+        """(ready, last) pairs: `ready` a list of (token, text piece), the tokens queued
+        when it was read (Note [Writes of what is ready]); `last` True on the pair that
+        ends the sequence (its tokens may be none). Raises the sequence's error after
+        the tokens before it. On exit (the end, a stop string, a client gone) the
         sequence is cancelled if it still runs."""
         try:
             while True:
@@ -341,11 +342,13 @@ class GeneratorServer:
                     if events.empty():
                         break
                     kind, value = events.get_nowait()
-                if ready:
-                    yield ready
+                if end is not None and end[0] == "error":
+                    if ready:
+                        yield ready, False
+                    raise end[1]
+                if ready or end is not None:
+                    yield ready, end is not None
                 if end is not None:
-                    if end[0] == "error":
-                        raise end[1]
                     return
         finally:
             if seq.finish_reason is None:
@@ -378,73 +381,31 @@ class GeneratorServer:
         span.end()
 
     async def _events(self, seq, text: TextStream, pieces, shape):
-        """The SSE body: a chunk per token, then one with the finish reason (and any text
-        held back), then the protocol's end; an error becomes an error event in the
-        protocol's shape. A client that goes away closes this generator: `pieces`
-        closes with it and cancels the sequence."""
+        """The SSE body as (bytes, more) pairs (`EventStream`): a chunk per token, then
+        one with the finish reason (and any text held back), then the protocol's end,
+        those three in one write (Note [One write at a stream's end]); an error becomes
+        an error event in the protocol's shape. A client that goes away closes this
+        generator: `pieces` closes with it and cancels the sequence."""
+        tail = b"" if shape.done is None else sse(shape.done)
         with self.gate.tracked():  # in flight while it streams
             try:
-                async for ready in pieces:   # Note [Writes of what is ready]
-                    yield b"".join([sse(shape.chunk(token, piece, None))
-                                    for token, piece in ready])
-                yield sse(shape.chunk(None, text.flush(), self._reason(seq, text)))
+                async for ready, last in pieces:   # Note [Writes of what is ready]
+                    body = b"".join([shape.token_event(token, piece)
+                                     for token, piece in ready])
+                    if not last:
+                        yield body, True
+                        continue
+                    end = sse(shape.chunk(None, text.flush(), self._reason(seq, text)))
+                    yield body + end + tail, False
+                    return
             except GenerateTimeout as exc:
-                yield sse(shape.error(str(exc), 504))
+                yield sse(shape.error(str(exc), 504)), True
             except Exception as exc:
                 yield sse(shape.error(f"server error: {type(exc).__name__}: "
-                                      f"{v2.cut(str(exc), 300)}", 500))
+                                      f"{v2.cut(str(exc), 300)}", 500)), True
             finally:
                 await pieces.aclose()
-            if shape.done is not None:
-                yield sse(shape.done)
-
-
-class _OpenAIShape:
-    """OpenAI completion objects (`text_completion`), whole or as stream chunks."""
-
-    done = "[DONE]"
-
-    def __init__(self, model_name: str, created: int) -> None:
-        self.head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                     "created": created, "model": model_name}
-
-    def chunk(self, token: int | None, piece: str, reason: str | None) -> dict:
-        return {**self.head, "choices": [{
-            "index": 0, "text": piece, "logprobs": None, "finish_reason": reason,
-            "token_ids": [] if token is None else [token]}]}
-
-    def whole(self, text: TextStream, reason: str) -> dict:
-        prompt = self.prompt_tokens
-        return {**self.head, "choices": [{
-            "index": 0, "text": text.text, "logprobs": None, "finish_reason": reason,
-            "token_ids": list(text.ids)}],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": len(text.ids),
-                      "total_tokens": prompt + len(text.ids)}}
-
-    def error(self, message: str, status: int) -> dict:
-        return openai_error(message, status)
-
-    prompt_tokens = 0
-
-
-class _V2Shape:
-    """The v2 generate extension's response objects (`output_ids`, `text_output`)."""
-
-    done = None
-
-    def __init__(self, model_name: str) -> None:
-        self.head = {"model_name": model_name, "model_version": MODEL_VERSION}
-
-    def chunk(self, token: int | None, piece: str, reason: str | None) -> dict:
-        return {**self.head, "output_ids": [] if token is None else [token],
-                "text_output": piece, "finish_reason": reason}
-
-    def whole(self, text: TextStream, reason: str) -> dict:
-        return {**self.head, "output_ids": list(text.ids), "text_output": text.text,
-                "finish_reason": reason}
-
-    def error(self, message: str, status: int) -> dict:
-        return {"error": v2.cut(message, 1000)}
+            yield tail, False
 
 
 def _fault_of(exc: BaseException) -> Fault | None:
