@@ -27,6 +27,24 @@ each request runs `generate_tokens` on a thread of a pool, the model shared (its
 queue; no batching across requests). The model: a Llama-style decoder, --width,
 --layers, --vocab (random weights, nothing downloaded). The 1-minute load average is
 printed with every row: the host is shared.
+
+Note [Connections kept by the clients]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+LLM clients keep their connections: the openai package (httpx) pools them, and so does
+any HTTP client that sends one request after another. A client thread here does the
+same by default (--keep-alive 1, for both systems alike): it reads each response to its
+end and sends its next request on the same connection, so a request's end is the end of
+a chunked body, not a TCP close and a new accept on the replica's event loop. With
+--keep-alive 0 every request opens a connection of its own (the bench's way before).
+
+Note [Passes in turn]
+~~~~~~~~~~~~~~~~~~~~~
+On a shared 2-core host one pass of a system after the other compares two moments of
+the host's load as much as the two systems (dynvm / CTranslate2 read 0.95x and 1.26x ten
+minutes apart). With --passes N, after each system's warm-up, the trace is played N
+times per system, the systems in turn and the order reversed every pass (A B, B A, ...);
+each pass's ratio compares neighbours in time, and the table after the rows gives each
+pass's ratio and the median over them.
 """
 
 from __future__ import annotations
@@ -120,9 +138,14 @@ def _ct2_deployment():
     return Ct2Completions
 
 
-def _stream(port: int, path: str, body: dict) -> tuple[float, list[float], int, bool]:
-    """(TTFT, token arrival times, tokens, ended with [DONE]) of one streamed request."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+def _stream(port: int, path: str, body: dict, conn: http.client.HTTPConnection | None = None
+            ) -> tuple[float, list[float], int, bool]:
+    """(TTFT, token arrival times, tokens, ended with [DONE]) of one streamed request, on
+    `conn` if given (kept open after it: the response is read to its end), else on a
+    connection of its own, closed after it."""
+    own = conn is None
+    if own:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     start = time.perf_counter()
     conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
@@ -138,9 +161,23 @@ def _stream(port: int, path: str, body: dict) -> tuple[float, list[float], int, 
         if got:
             tokens += got
             times.append(time.perf_counter())
-    conn.close()
+    if own:
+        conn.close()
+    else:
+        response.read()   # the rest of the body (its chunked end): the connection is reused
     ttft = times[0] - start if times else float("nan")
     return ttft, times, tokens, done and response.status == 200
+
+
+def _steps(port: int, prefix: str) -> tuple[int, int]:
+    """(decode steps, specialized steps) a dynvm replica's scheduler has counted."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", prefix + "/v2/models/gen/stats")
+        counters = json.loads(conn.getresponse().read())["scheduler"]
+    finally:
+        conn.close()
+    return counters["decode_steps"], counters["specialized_steps"]
 
 
 def _play(trace: list[dict], clients: int, one) -> tuple[list, float]:
@@ -189,19 +226,47 @@ def _summary(results: list, wall: float, clients: int, requests: int) -> dict:
             "load_1min": os.getloadavg()[0]}
 
 
-def run_trace(port: int, path: str, trace: list[dict], clients: int, model: str) -> dict:
-    """Play the trace with `clients` client threads; TTFT/ITL percentiles, tokens/s."""
+def run_trace(port: int, path: str, trace: list[dict], clients: int, model: str,
+              keep_alive: bool = True) -> dict:
+    """Play the trace with `clients` client threads; TTFT/ITL percentiles, tokens/s. With
+    `keep_alive` each client thread sends its requests over one connection it keeps (as
+    the openai client does: Note [Connections kept by the clients]), else one connection
+    a request."""
+    held, opened = threading.local(), []
 
     def one(item):
         body = {"model": model, "prompt": item["prompt"], "max_tokens": item["new"],
                 "temperature": 0, "ignore_eos": True, "stream": True}
-        try:
-            return _stream(port, path, body)
-        except OSError:
-            return (float("nan"), [], 0, False)
+        for attempt in range(2):
+            conn = None
+            if keep_alive:
+                conn = getattr(held, "conn", None)
+                reused = conn is not None
+                if conn is None:
+                    conn = held.conn = http.client.HTTPConnection("127.0.0.1", port,
+                                                                  timeout=300)
+                    opened.append(conn)
+            try:
+                return _stream(port, path, body, conn)
+            except (OSError, http.client.HTTPException) as exc:
+                if conn is not None:   # a fresh connection for this thread's next request
+                    conn.close()
+                    held.conn = None
+                # A kept connection the server closed while idle: once more, on a new one.
+                if not (attempt == 0 and conn is not None and reused and isinstance(
+                        exc, http.client.RemoteDisconnected | ConnectionError)):
+                    break
+        return (float("nan"), [], 0, False)
 
-    results, wall = _play(trace, clients, one)
-    return _summary(results, wall, clients, len(trace))
+    cpu = time.process_time()
+    try:
+        results, wall = _play(trace, clients, one)
+    finally:
+        for conn in opened:
+            conn.close()
+    # the client's own CPU seconds: it shares the host's cores with the servers
+    return {**_summary(results, wall, clients, len(trace)), "keep_alive": keep_alive,
+            "client_cpu_s": time.process_time() - cpu}
 
 
 def run_in_process(generator, config, trace: list[dict], clients: int) -> dict:
@@ -247,27 +312,45 @@ def in_process(args, programs) -> list[dict]:
     import torch
 
     import dynvm
-    from dynvm.cluster.serving._generate_scheduler import GenerateScheduler, SchedulerConfig
+    from dynvm.cluster.serving._generate_scheduler import GenerateScheduler
     from dynvm.cluster.serving._generate_warm import warm_scheduler
 
     torch.set_num_threads(1)
-    budget = {"step_token_budget": args.step_token_budget} if args.step_token_budget else {}
+    budgets = _budgets(args)
     trace, rows = make_trace(args), []
     with dynvm.Generator(programs, compile_ahead=False) as generator:
-        scheduler = GenerateScheduler(generator, SchedulerConfig(**budget))
-        try:
-            print(f"warm: {warm_scheduler(scheduler, scheduler.config.warm_seconds)}",
-                  flush=True)
-        finally:
-            scheduler.close()
+        for budget in budgets:
+            scheduler = GenerateScheduler(generator, _scheduler_config(budget))
+            try:
+                print(f"warm: {warm_scheduler(scheduler, scheduler.config.warm_seconds)}",
+                      flush=True)
+            finally:
+                scheduler.close()
         for clients in [int(c) for c in args.clients.split(",")]:
-            run_in_process(generator, SchedulerConfig(**budget), trace[:min(8, len(trace))],
-                           clients)
-            row = {"system": "dynvm-in-process" + ("-packed" if args.packed else ""),
-                   **run_in_process(generator, SchedulerConfig(**budget), trace, clients)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            for index in range(args.passes):   # Note [Passes in turn]
+                for budget in (budgets if index % 2 == 0 else budgets[::-1]):
+                    if index == 0:
+                        run_in_process(generator, _scheduler_config(budget),
+                                       trace[:min(8, len(trace))], clients)
+                    row = {"system": "dynvm-in-process" + ("-packed" if args.packed else "")
+                           + (f"-b{budget}" if len(budgets) > 1 else ""), "pass": index + 1,
+                           "step_token_budget": budget,
+                           **run_in_process(generator, _scheduler_config(budget), trace,
+                                            clients)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     return rows
+
+
+def _budgets(args) -> list[int]:
+    """--step-token-budget's values (0: SchedulerConfig's default)."""
+    return [int(b) for b in str(args.step_token_budget).split(",")]
+
+
+def _scheduler_config(budget: int):
+    from dynvm.cluster.serving._generate_scheduler import SchedulerConfig
+
+    return SchedulerConfig(**({"step_token_budget": budget} if budget else {}))
 
 
 def main(argv=None) -> int:
@@ -285,15 +368,22 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--step-token-budget", type=int, default=16,
+    p.add_argument("--step-token-budget", default="16",
                    help="dynvm scheduler's tokens per step (0: SchedulerConfig's default, "
-                        "64); 16: with the packed step, in-process ITL p99 1.7-1.9x p50 "
-                        "against 3.5x at 64 (docs/bench_log.md, issue 33)")
+                        "16); "
+                        "a comma list (16,64): one dynvm replica per budget, systems "
+                        "dynvm-b16, dynvm-b64, ..., played in the same passes")
     p.add_argument("--systems", default="dynvm,ctranslate2")
     p.add_argument("--out", default="")
     p.add_argument("--packed", type=int, default=1,
                    help="1: the packed step, one call per scheduler step (Note [One packed "
                         "call per step]); 0: rows of one T per call")
+    p.add_argument("--passes", type=int, default=1,
+                   help="passes of the trace per system and client count, the systems in "
+                        "turn, the order reversed every pass (Note [Passes in turn])")
+    p.add_argument("--keep-alive", type=int, default=1,
+                   help="1: each client thread keeps its connection across requests (Note "
+                        "[Connections kept by the clients]); 0: one connection a request")
     p.add_argument("--in-process", action="store_true",
                    help="the dynvm scheduler alone in this process, no HTTP or Ray")
     p.add_argument("--ingress", choices=("direct", "proxy"), default="direct",
@@ -306,7 +396,6 @@ def main(argv=None) -> int:
     import dynvm
     from dynvm._serve_generate_bundle import save_generator
     from dynvm.cluster.serving._generate_replica import generator_application
-    from dynvm.cluster.serving._generate_scheduler import SchedulerConfig
     from dynvm.cluster.serving.serving_config import ServingConfig
 
     systems = args.systems.split(",")
@@ -332,42 +421,88 @@ def main(argv=None) -> int:
     from dynvm.cluster.protocol.ingress import direct_addresses, ingress_environment
 
     os.environ.update(ingress_environment(args.ingress))   # read when Ray starts
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    budgets = _budgets(args) if "dynvm" in systems else []
+    # Ray's CPUs are logical: one per replica, as each system's deployment asks.
+    ray.init(num_cpus=max(2, len(budgets) + 1), include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        targets = {}
-        if "dynvm" in systems:
-            budget = ({"step_token_budget": args.step_token_budget}
-                      if args.step_token_budget else {})
+        targets, apps, prefixes = {}, {}, {}
+        for index, budget in enumerate(budgets):
+            # several budgets: one replica each, compared in the same passes
+            system = "dynvm" if len(budgets) == 1 else f"dynvm-b{budget}"
+            apps[system] = "dynvm-gen" if index == 0 else f"dynvm-gen-b{budget}"
+            prefixes[system] = "" if index == 0 else f"/b{budget}"
             serve.run(generator_application("gen", str(folder / "gen"), ServingConfig(
-                device="cpu", num_cpus=1), SchedulerConfig(**budget)), name="dynvm-gen",
-                route_prefix="/")
-            targets["dynvm"] = "/v1/completions"
+                device="cpu", num_cpus=1), _scheduler_config(budget)), name=apps[system],
+                route_prefix=prefixes[system] or "/")
+            targets[system] = prefixes[system] + "/v1/completions"
         if ct2 is not None:
             serve.run(_ct2_deployment().bind(str(ct2)), name="ct2", route_prefix=CT2_PREFIX)
             targets["ctranslate2"] = CT2_PREFIX
+            apps["ctranslate2"] = "ct2"
         ports = dict.fromkeys(targets, port)
         if args.ingress == "direct":   # each application's replica port
-            apps = {"dynvm": "dynvm-gen", "ctranslate2": "ct2"}
             found = direct_addresses([apps[system] for system in targets])
             ports = {system: found[apps[system]][0][1] for system in targets}
         trace = make_trace(args)
         rows = []
+        keep = bool(args.keep_alive)
         for clients in [int(c) for c in args.clients.split(",")]:
             for system, path in targets.items():
                 run_trace(ports[system], path, trace[:min(8, len(trace))], clients,
-                          "gen")  # warm-up
-                row = {"system": system, "ingress": args.ingress,
-                       **run_trace(ports[system], path, trace, clients, "gen")}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                          "gen", keep)  # warm-up
+            order = list(targets)
+            for index in range(args.passes):   # Note [Passes in turn]
+                for system in (order if index % 2 == 0 else order[::-1]):
+                    ours = system.startswith("dynvm")
+                    before = _steps(ports[system], prefixes[system]) if ours else None
+                    row = {"system": system, "ingress": args.ingress, "pass": index + 1,
+                           **run_trace(ports[system], targets[system], trace, clients,
+                                       "gen", keep)}
+                    if before is not None:   # decode steps of the pass, specialized
+                        after = _steps(ports[system], prefixes[system])
+                        row.update(steps=after[0] - before[0],
+                                   specialized_steps=after[1] - before[1])
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
         print(report(rows))
+        print(pass_ratios(rows))
     finally:
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def pass_ratios(rows: list[dict]) -> str:
+    """Per client count and pass: dynvm's tokens/s over CTranslate2's in the same pass,
+    and dynvm's ITL p99 / p50; then the medians over the passes."""
+    lines = ["| clients, system | pass | tokens/s / CT2's | ITL p99 / p50 | load |",
+             "|---:|---:|---:|---:|---:|"]
+    by_pass: dict = {}
+    for r in rows:
+        by_pass.setdefault((r["clients"], r.get("pass", 1)), {})[r["system"]] = r
+    summary: dict = {}
+    for (clients, index), systems in sorted(by_pass.items()):
+        theirs = systems.get("ctranslate2")
+        for name, ours in systems.items():
+            if not name.startswith("dynvm") or not ours["itl_p50_ms"]:
+                continue
+            itl = ours["itl_p99_ms"] / ours["itl_p50_ms"]
+            ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs else None
+            summary.setdefault((clients, name), []).append((ratio, itl))
+            lines.append(f"| {clients} {name} | {index} | "
+                         f"{'-' if ratio is None else f'{ratio:.3f}'} | {itl:.2f} | "
+                         f"{ours['load_1min']:.1f} |")
+    for (clients, name), pairs in summary.items():
+        ratios = sorted(r for r, _ in pairs if r is not None)
+        itls = sorted(i for _, i in pairs)
+        median = (lambda v: v[len(v) // 2] if v else None)
+        text = "-" if not ratios else f"{median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})"
+        lines.append(f"| {clients} {name} | median | {text} | {median(itls):.2f} "
+                     f"({itls[0]:.2f}-{itls[-1]:.2f}) | |")
+    return "\n".join(lines)
 
 
 def report(rows: list[dict]) -> str:
