@@ -21,11 +21,16 @@ class SchedulerConfig:
     cache_tokens: int = 0
     """Cache tokens reserved at once (prompt + max_tokens per sequence); 0: max_sequences
     x max_length."""
-    step_token_budget: int = 64
+    step_token_budget: int = 16
     """Tokens per step: the running rows' one each plus the prompts prefilled in it.
     Over plain caches a prompt longer than the rest still runs alone in a step of its
     own; over the KV state prompts are written in chunks that fit (Note [Prompt chunks
-    between decode steps] in dynvm.cluster.serving._generate_slots)."""
+    between decode steps] in dynvm.cluster.serving._generate_slots). 16 by measure
+    (bench.serve_generate, 8 clients, the three budgets served in the same passes,
+    docs/bench_log.md issue 33): ITL p99/p50 1.86 at 16, 2.15 at 32, 2.39 at 64, while
+    tokens/s rose 1.38x -> 1.54x CTranslate2's and TTFT p50 fell 39 -> 14 ms; a larger
+    budget buys time to first token with inter-token spikes, since a step carrying a
+    long prompt chunk delays every running row's next token."""
     min_prompt_tokens: int = 8
     """Over the KV state: prompt tokens a step writes at least (when a prompt waits),
     however many rows decode: prompts always progress."""
