@@ -1,0 +1,396 @@
+"""Channels-last fused convolutions as oneDNN primitives built once, called through
+oneDNN's C API: a pass over a region already fused and laid out channels-last.
+
+Note [oneDNN primitives built once]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+torch's fused entry points (`mkldnn._convolution_pointwise` and its in-place binary
+form, Note [CPU conv fusion]) run oneDNN's own kernels, but every call builds what those
+kernels need again inside ideep: memory descriptors, the attribute and its post-ops, the
+primitive descriptor (a primitive-cache lookup keyed by all of them), the scratchpad,
+the output's wrapping; 30-110 us a call on two threads at ResNet-50's sizes (docs/
+bench_log.md, 2026-12-05 06:46). ONNX Runtime and OpenVINO build a primitive once per
+shape and only bind data pointers per call. torch exports none of oneDNN's C API
+(libtorch_cpu.so links it statically, no `dnnl_*` symbol), so dynvm calls a libdnnl of
+its own, the optional `onednn` extra (onednn-cpu-gomp, oneDNN 3.2 on GNU OpenMP), through
+ctypes (onednn_api): per convolution and per input shape of the kernel's family, one
+primitive (conv + bias, with a sum post-op for a residual written in place and the
+activation as an eltwise post-op), its weight reordered once into the layout the
+primitive chose (copies with one layout shared across batches). A call sets two data
+handles and executes: no descriptor work, and the GIL is released for the whole call
+(ctypes does), where torch's entry points hold it.
+
+One OpenMP team: the extra's libdnnl needs `libgomp.so.1`, and torch's own libgomp
+carries that soname, so the loader binds libdnnl to the copy torch already mapped (the
+library refuses to load where a second runtime would appear, onednn_api). Its parallel
+regions then run on torch's team with the calling thread's `torch.get_num_threads()`.
+
+Measured on this 2-core host (OMP_WAIT_POLICY=PASSIVE, 2 threads, 2026-12-05 14:47,
+load 2.5-2.9, scratch prototype): ResNet-50's 53 convolutions run back to back in the
+model's order, torch's fused calls against the primitives, interleaved sequence by
+sequence (A/A 0.994-1.004): batch 1 34.88 -> 31.60 ms (0.907), batch 2 59.58 -> 55.64
+(0.926), batch 4 106.52 -> 102.70 (0.954); the same kernels (brgconv / brgconv_1x1 /
+the 7x7 stem's jit:avx512_core) on both sides, results bit-equal.
+
+What is rewritten: the channels-last forms alone (`CONV_UNARY`, and `CONV_BINARY_INPLACE`
+whose residual is already written in place, Note [Residual add in place]), fp32,
+ungrouped, with an activation oneDNN's eltwise post-ops compute as torch's does. The
+NCHW forms, grouped, bf16 and not-in-place residual convolutions keep torch's calls.
+Where the library does not load the pass changes nothing and the kernel's header says
+why (`onednn_api.unavailable_reason()`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import threading
+
+import torch
+
+from dynvm.jit.backends.cpu import onednn_api as api
+from dynvm.jit.backends.cpu.conv import PackedPerBatch, _batches_asked
+from dynvm.jit.backends.cpu.conv_residual import CONV_BINARY_INPLACE
+from dynvm.jit.backends.cpu.fusion import CONV_UNARY, is_fused
+from dynvm.jit.backends.cpu.ir_match import probe_tensors
+from dynvm.jit.ir import Literal, SpecializedRegion, Var
+
+CONV_PRIMITIVE = "ONEDNN_CONV_PRIMITIVE"
+CONV_PRIMITIVE_INTO = "ONEDNN_CONV_PRIMITIVE_INTO"
+_CL = torch.channels_last
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvSpec:
+    """What a primitive computes besides its shapes: conv2d(x, weight, bias, stride,
+    padding, dilation) (+ the tensor it writes into, with `residual`) then `eltwise`
+    (oneDNN algorithm, alpha, beta) if any."""
+
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    residual: bool
+    eltwise: tuple[int, float, float] | None
+
+
+def eltwise_of(attr: str, scalars: list, algorithm: str) -> tuple | None | str:
+    """oneDNN's eltwise post-op for torch's fused-call activation (attr, scalars,
+    algorithm): (algorithm kind, alpha, beta), None for no activation, or "" when there
+    is no equal one."""
+    kinds = api.ELTWISE
+    if attr in ("none", None):
+        return None
+    if attr == "relu":
+        return kinds["relu"], 0.0, 0.0
+    if attr == "leaky_relu" and len(scalars) == 1:
+        return kinds["relu"], float(scalars[0]), 0.0
+    if attr == "gelu":
+        return (kinds["gelu_tanh"] if algorithm == "tanh" else kinds["gelu_erf"]), 0.0, 0.0
+    if attr == "swish":
+        return kinds["swish"], 1.0, 0.0
+    if attr == "sigmoid":
+        return kinds["logistic"], 0.0, 0.0
+    if attr == "tanh":
+        return kinds["tanh"], 0.0, 0.0
+    if attr == "hardtanh" and len(scalars) == 2:
+        return kinds["clip"], float(scalars[0]), float(scalars[1])
+    return ""
+
+
+def _md(lib, dims, tag: int) -> ctypes.c_void_p:
+    md = ctypes.c_void_p()
+    api.check(lib.dnnl_memory_desc_create_with_tag(ctypes.byref(md), len(dims),
+                                                   api.Dims(*dims), api.F32, tag), "md")
+    return md
+
+
+class _Weights:
+    """A convolution's weight reordered into one primitive layout, with the memory
+    object that primitives of that layout read it through (its data handle never
+    changes, so primitives share it)."""
+
+    def __init__(self, library: api.Library, wanted, weight: torch.Tensor) -> None:
+        lib = self._lib = library.dll
+        self.tensor = torch.empty(lib.dnnl_memory_desc_get_size(wanted) // 4 + 1,
+                                  dtype=torch.float32)
+        self.memory = ctypes.c_void_p()
+        api.check(lib.dnnl_memory_create(ctypes.byref(self.memory), wanted, library.engine,
+                                         ctypes.c_void_p(self.tensor.data_ptr())), "memory")
+        self.md = ctypes.c_void_p()   # owned by the memory object
+        api.check(lib.dnnl_memory_get_memory_desc(self.memory, ctypes.byref(self.md)), "md")
+        plain = weight.detach().float().contiguous()
+        plain_md = _md(lib, plain.shape, api.TAG_OIHW)
+        source, reorder_pd, reorder = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        try:
+            api.check(lib.dnnl_memory_create(ctypes.byref(source), plain_md, library.engine,
+                                             ctypes.c_void_p(plain.data_ptr())), "memory")
+            api.check(lib.dnnl_reorder_primitive_desc_create(
+                ctypes.byref(reorder_pd), plain_md, library.engine, wanted, library.engine,
+                None), "weight reorder descriptor")
+            api.check(lib.dnnl_primitive_create(ctypes.byref(reorder), reorder_pd), "reorder")
+            args = (api.ExecArg * 2)(api.ExecArg(api.ARG_SRC, source),
+                                     api.ExecArg(api.ARG_DST, self.memory))
+            api.check(lib.dnnl_primitive_execute(reorder, library.stream, 2,
+                                                 ctypes.cast(args, ctypes.c_void_p)),
+                      "weight reorder")
+        finally:
+            _destroy(lib, (("dnnl_primitive_destroy", reorder),
+                           ("dnnl_primitive_desc_destroy", reorder_pd),
+                           ("dnnl_memory_destroy", source),
+                           ("dnnl_memory_desc_destroy", plain_md)))
+
+    def __del__(self) -> None:
+        _destroy(getattr(self, "_lib", None), (("dnnl_memory_destroy",
+                                                 getattr(self, "memory", None)),))
+
+
+def _destroy(lib, handles) -> None:
+    for destroy, handle in handles:
+        if lib is not None and handle:
+            getattr(lib, destroy)(handle)
+
+
+class ConvPrimitive:
+    """One oneDNN convolution primitive for one input shape (NHWC), reading its weight
+    in the layout it chose (shared with the convolution's other primitives of that
+    layout, `weights`)."""
+
+    def __init__(self, library: api.Library, weight: torch.Tensor, bias, shape,
+                 spec: ConvSpec, weights: list) -> None:
+        lib = self._lib = library.dll
+        self._stream = library.stream
+        self._memories: list = []
+        n, _, h, w = shape
+        oc, _, kh, kw = weight.shape
+        (sh, sw), (ph, pw), (dh, dw) = spec.stride, spec.padding, spec.dilation
+        oh = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+        ow = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        self.in_shape, self.out_shape = tuple(shape), (n, oc, oh, ow)
+        engine = library.engine
+        mds = [_md(lib, shape, api.TAG_NHWC), _md(lib, weight.shape, api.TAG_ANY),
+               _md(lib, [oc], api.TAG_A), _md(lib, self.out_shape, api.TAG_NHWC)]
+        src, weights_any, bias_md, dst = mds
+        post_ops, attr, pd = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        self._prim = ctypes.c_void_p()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        try:
+            api.check(lib.dnnl_post_ops_create(ctypes.byref(post_ops)), "post-ops")
+            if spec.residual:
+                api.check(lib.dnnl_post_ops_append_sum(post_ops, 1.0, 0, api.F32), "sum")
+            if spec.eltwise is not None:
+                api.check(lib.dnnl_post_ops_append_eltwise(post_ops, *spec.eltwise), "eltwise")
+            api.check(lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "attr")
+            api.check(lib.dnnl_primitive_attr_set_post_ops(attr, post_ops), "attr post-ops")
+            api.check(lib.dnnl_convolution_forward_primitive_desc_create(
+                ctypes.byref(pd), engine, api.FORWARD_INFERENCE, api.CONVOLUTION_DIRECT,
+                src, weights_any, bias_md if self.bias is not None else None, dst,
+                api.Dims(sh, sw), api.Dims(dh - 1, dw - 1), api.Dims(ph, pw),
+                api.Dims(ph, pw), attr), "convolution descriptor")
+            impl = ctypes.c_char_p()
+            lib.dnnl_primitive_desc_query(pd, api.QUERY_IMPL_INFO_STR, 0, ctypes.byref(impl))
+            self.impl = (impl.value or b"?").decode()
+            wanted = lib.dnnl_primitive_desc_query_md(pd, api.QUERY_WEIGHTS_MD, 0)
+            self.weights = next((k for k in weights
+                                 if lib.dnnl_memory_desc_equal(k.md, wanted)), None)
+            if self.weights is None:
+                self.weights = _Weights(library, wanted, weight)
+                weights.append(self.weights)
+            api.check(lib.dnnl_primitive_create(ctypes.byref(self._prim), pd), "primitive")
+            memories = {api.ARG_WEIGHTS: self.weights.memory}
+            for arg, md, data in ((api.ARG_SRC, src, None), (api.ARG_DST, dst, None),
+                                  (api.ARG_BIAS, bias_md, self.bias)):
+                if arg == api.ARG_BIAS and data is None:
+                    continue
+                memory = ctypes.c_void_p()
+                handle = ctypes.c_void_p(data.data_ptr()) if data is not None else None
+                api.check(lib.dnnl_memory_create(ctypes.byref(memory), md, engine, handle),
+                          "memory")
+                self._memories.append(memory)
+                memories[arg] = memory
+        finally:
+            _destroy(lib, (("dnnl_primitive_desc_destroy", pd),
+                           ("dnnl_primitive_attr_destroy", attr),
+                           ("dnnl_post_ops_destroy", post_ops),
+                           *(("dnnl_memory_desc_destroy", md) for md in mds)))
+        self._src, self._dst = memories[api.ARG_SRC], memories[api.ARG_DST]
+        self._args = (api.ExecArg * len(memories))(
+            *[api.ExecArg(arg, memory) for arg, memory in memories.items()])
+        self._args_pointer = ctypes.cast(self._args, ctypes.c_void_p)
+        self._nargs = len(memories)
+        self._lock = threading.Lock()   # the data handles are this primitive's state
+
+    def run(self, x: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+        """conv(x) (+ `into`, written there) with the post-ops; a new channels-last
+        tensor when `into` is None."""
+        if not x.is_contiguous(memory_format=_CL):
+            x = x.contiguous(memory_format=_CL)
+        if into is not None and not into.is_contiguous(memory_format=_CL):
+            into.copy_(self.run(x, into.contiguous(memory_format=_CL)))
+            return into
+        out = torch.empty(self.out_shape, memory_format=_CL) if into is None else into
+        lib = self._lib
+        with self._lock:
+            lib.dnnl_memory_set_data_handle(self._src, x.data_ptr())
+            lib.dnnl_memory_set_data_handle(self._dst, out.data_ptr())
+            status = lib.dnnl_primitive_execute(self._prim, self._stream, self._nargs,
+                                                self._args_pointer)
+        api.check(status, "convolution")
+        return out
+
+    def __del__(self) -> None:
+        lib = getattr(self, "_lib", None)
+        _destroy(lib, [("dnnl_primitive_destroy", getattr(self, "_prim", None)),
+                       *(("dnnl_memory_destroy", m) for m in getattr(self, "_memories", ()))])
+
+
+class PrimitiveConv:
+    """One fused convolution of a kernel: its primitives by input shape, built when the
+    kernel is compiled for the shapes its family serves; a shape not built (a family
+    wider than the batches asked, Note [Conv weights for one row or many]) is built on
+    its first call from the packed weight kept for that."""
+
+    def __init__(self, library: api.Library, source, bias, spec: ConvSpec,
+                 shapes: list[tuple], covered: bool) -> None:
+        self._library, self._bias, self.spec = library, bias, spec
+        self._weights: list[_Weights] = []
+        self._lock = threading.Lock()
+        plain = _plain_weight(source)
+        self.by_shape = {s: ConvPrimitive(library, plain, bias, s, spec, self._weights)
+                         for s in shapes}
+        # torch's packed copy is kept only where a shape may still have to be built
+        self._source = None if covered else source
+
+    def impls(self) -> set[str]:
+        return {p.impl for p in self.by_shape.values()}
+
+    def copies(self) -> int:
+        return len(self._weights)
+
+    def _primitive(self, shape) -> ConvPrimitive:
+        with self._lock:
+            found = self.by_shape.get(shape)
+            if found is None:
+                if self._source is None:
+                    raise RuntimeError(f"no oneDNN primitive for input shape {tuple(shape)}")
+                found = ConvPrimitive(self._library, _plain_weight(self._source),
+                                      self._bias, shape, self.spec, self._weights)
+                self.by_shape = {**self.by_shape, shape: found}
+            return found
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.spec.residual:   # its sum post-op reads the tensor it writes
+            raise TypeError("a convolution with a residual runs through into()")
+        primitive = self.by_shape.get(x.shape) or self._primitive(x.shape)
+        return primitive.run(x, None)
+
+    def into(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        primitive = self.by_shape.get(x.shape) or self._primitive(x.shape)
+        return primitive.run(x, other)
+
+
+def conv_primitive(x, conv: PrimitiveConv):
+    """`CONV_PRIMITIVE`: a fused channels-last convolution, a new result."""
+    return conv(x)
+
+
+def conv_primitive_into(x, other, conv: PrimitiveConv):
+    """`CONV_PRIMITIVE_INTO`: conv(x) + other, written into `other` (returned)."""
+    return conv.into(x, other)
+
+
+PRIMITIVE_KERNELS = {CONV_PRIMITIVE: conv_primitive, CONV_PRIMITIVE_INTO: conv_primitive_into}
+
+
+def _plain_weight(packed) -> torch.Tensor:
+    """The folded fp32 OIHW weight back from torch's packed copy (exact: a reorder)."""
+    if isinstance(packed, PackedPerBatch):
+        packed = next(p for p in packed.packs if p is not None)
+    return packed.to_dense() if packed.is_mkldnn else packed
+
+
+def _weight_dtype(packed) -> torch.dtype | None:
+    if isinstance(packed, PackedPerBatch):
+        packed = next((p for p in packed.packs if p is not None), None)
+    return packed.dtype if isinstance(packed, torch.Tensor) else None
+
+
+def _shapes(probes, reg: int) -> tuple[list[tuple], bool]:
+    """The input shapes to build primitives for, and whether they are all the family
+    serves (only the batch varies and every batch of its range is among them)."""
+    seen = sorted({tuple(t.shape) for t in probe_tensors(probes, reg)})
+    rest = {s[1:] for s in seen}
+    if len(rest) != 1:
+        return seen, False
+    batches = {s[0] for s in seen}
+    asked = _batches_asked(batches)
+    tail = next(iter(rest))
+    covered = len(asked) == max(batches) - min(batches) + 1
+    return [(b, *tail) for b in asked], covered
+
+
+def _spec_of(op) -> ConvSpec | str:
+    """The primitive's ConvSpec for a channels-last fused op, or why it stays on torch."""
+    into = op.opcode == CONV_BINARY_INPLACE
+    rest = op.args[3:] if not into else op.args[4:]
+    values = [a.value if isinstance(a, Literal) else a for a in rest]
+    if into:
+        padding, stride, dilation, groups, binary, alpha, unary, scalars, algorithm = values
+        if binary != "add" or alpha not in (None, 1, 1.0):
+            return f"residual {binary!r} (alpha {alpha})"
+    else:
+        padding, stride, dilation, groups, unary, scalars, algorithm = values
+    if groups != 1:
+        return "grouped"
+    eltwise = eltwise_of(unary, list(scalars or []), algorithm or "")
+    if eltwise == "":
+        return f"activation {unary!r}"
+    return ConvSpec(tuple(stride), tuple(padding), tuple(dilation), into, eltwise)
+
+
+def conv_primitives(spec: SpecializedRegion) -> tuple[SpecializedRegion, str]:
+    """`spec` with its channels-last fused convolutions on oneDNN primitives built once
+    (Note [oneDNN primitives built once]), and a note saying how many or why none."""
+    candidates = [i for i, op in enumerate(spec.ops)
+                  if op.opcode in (CONV_UNARY, CONV_BINARY_INPLACE) and is_fused(op)]
+    if not candidates:
+        return spec, ""
+    library = api.library()
+    if library is None:
+        return spec, f"; convolutions on torch's oneDNN calls ({api.unavailable_reason()})"
+    ops = list(spec.ops)
+    kept: dict[str, int] = {}
+    impls: set[str] = set()
+    copies = 0
+    for position in candidates:
+        op = ops[position]
+        into = op.opcode == CONV_BINARY_INPLACE
+        x, weight, bias = op.args[0], op.args[2 if into else 1], op.args[3 if into else 2]
+        conv_spec = _spec_of(op)
+        reason = conv_spec if isinstance(conv_spec, str) else ""
+        if not reason and not (isinstance(weight, Literal)
+                               and _weight_dtype(weight.value) == torch.float32):
+            reason = "not fp32"
+        if not reason and not isinstance(x, Var):
+            reason = "input not a register"
+        if reason:
+            kept[reason] = kept.get(reason, 0) + 1
+            continue
+        shapes, covered = _shapes(spec.abstract, x.reg)
+        try:
+            conv = PrimitiveConv(library, weight.value, bias.value, conv_spec, shapes,
+                                 covered)
+        except api.OnednnError as exc:
+            kept[str(exc)] = kept.get(str(exc), 0) + 1
+            continue
+        impls |= conv.impls()
+        copies += conv.copies()
+        args = (x, op.args[1], Literal(conv)) if into else (x, Literal(conv))
+        ops[position] = dataclasses.replace(
+            op, opcode=CONV_PRIMITIVE_INTO if into else CONV_PRIMITIVE, args=args)
+    done = len(candidates) - sum(kept.values())
+    note = (f"; {done} of {len(candidates)} convolution(s) on oneDNN {library.version} "
+            f"primitives built once ({', '.join(sorted(impls))}; {copies} weight copies)")
+    if kept:
+        note += "; on torch: " + ", ".join(f"{n} {why}" for why, n in kept.items())
+    if not done:
+        return spec, note
+    return dataclasses.replace(spec, ops=tuple(ops)), note
