@@ -95,7 +95,10 @@ def test_a_family_kernel_agrees_with_eager_at_every_batch_of_its_bucket():
         sources = [a.source for a in rt.jit.artifacts.values()]
     weight = model.conv.weight.detach()
     if _differs(weight, [3, 128, 14, 14], [4, 128, 14, 14]):
-        assert any(".shape[0]]" in s for s in sources), sources
+        # torch's packed copy picked by batch, or oneDNN primitives built per batch
+        # (Note [oneDNN primitives built once])
+        assert any(".shape[0]]" in s or "= onednn_conv_primitive" in s for s in sources), \
+            sources
 
 
 class _TwoBlocks(nn.Module):
@@ -138,6 +141,9 @@ def test_a_dying_residual_takes_the_fused_result_in_place():
             assert torch.equal(x, before)      # the caller's tensor is never written
         assert rt.stats()["specialized_region_calls"] > 0
         sources = [a.source for a in rt.jit.artifacts.values()]
-    assert sources and all(s.count("onednn_conv_binary_inplace") == 1 for s in sources), \
-        sources   # the bottleneck's add, not the one-conv block's
+    # the bottleneck's add, not the one-conv block's; on torch's in-place call or on a
+    # oneDNN primitive writing into the residual (Note [oneDNN primitives built once])
+    assert sources and all(s.count("onednn_conv_binary_inplace")
+                           + s.count("onednn_conv_primitive_into") == 1 for s in sources), \
+        sources
     assert all("1 residual add(s) written into the residual" in s for s in sources)

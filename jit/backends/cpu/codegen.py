@@ -51,6 +51,7 @@ from dynvm.jit.backends.cpu.one_thread import (
     openmp_setter,
     plan_one_thread,
 )
+from dynvm.jit.backends.cpu.onednn_conv import PRIMITIVE_KERNELS, conv_primitives
 from dynvm.jit.backends.cpu.precision import (
     PRECISION_KERNELS,
     PRECISION_VARIANT,
@@ -265,7 +266,8 @@ def _emit_body(emitter, spec, program, constants, device,
             fn = emitter.bind(op.opcode.lower() + "_", INPLACE[op.opcode])
         elif is_fused(op):  # Note [CPU fusion]
             fn = emitter.bind(op.opcode.lower(),
-                              IN_PLACE_KERNELS.get(op.opcode) or FUSED_KERNELS[op.opcode])
+                              IN_PLACE_KERNELS.get(op.opcode) or PRIMITIVE_KERNELS.get(op.opcode)
+                              or FUSED_KERNELS[op.opcode])
             # Note [Conv weights for one row or many]: the weight by the input's batch
             args = [f"{emitter.bind('k', a.value.packs)}[{args[0]}.shape[0]]"
                     if isinstance(a, Literal) and isinstance(a.value, PackedPerBatch) else text
@@ -385,6 +387,10 @@ def _channels_last(spec: SpecializedRegion, program, constants, device, name: st
     if options.precision == "bf16":  # Note [bf16 convolution chains]
         plan, bf16_note = bf16_chains(plan, options.prepacked)
         plan_note += bf16_note
+    # Note [oneDNN primitives built once]: the fp32 fused convolutions left in the chains
+    primitives, primitives_note = conv_primitives(plan.spec)
+    plan = dataclasses.replace(plan, spec=primitives)
+    plan_note += primitives_note
     if options.channels_last == "always":
         return plan.spec, (f"channels-last: {plan.describe()}{plan_note} (not measured: "
                            "forced on)")
