@@ -99,6 +99,39 @@ def test_attention_row_equals_rotary_append_and_decode_attention(heads, kv_heads
 
 
 @needs_kernels
+@pytest.mark.parametrize("flat", [False, True], ids=["[1, H, 1, D]", "[1, 1, H*D]"])
+def test_attention_qkv_reads_the_projections_row_as_its_views_would(flat):
+    rng = random.Random(7)
+    for heads, kv_heads, dim in ((12, 4, 64), (4, 2, 8), (6, 6, 32), (3, 1, 130)):
+        torch.manual_seed(heads * dim)
+        row = torch.randn(1, 1, (heads + 2 * kv_heads) * dim)
+        q, k, v = (part.view(1, 1, -1, dim).permute(0, 2, 1, 3) for part in
+                   row.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
+        cos, sin = torch.randn(1, 1, dim), torch.randn(1, 1, dim)
+        slots_n, capacity = rng.randint(1, 4), rng.randint(2, 200)
+        keys, values = (torch.randn(slots_n, kv_heads, capacity, dim) for _ in range(2))
+        theirs = [keys.clone(), values.clone()]
+        position = rng.randrange(capacity)
+        at = (torch.tensor([rng.randrange(slots_n)]), torch.tensor([position]),
+              torch.tensor([position + 1]))
+        got = native_decode.attention_qkv(row, cos, sin, keys, values, *at, 0.125, heads,
+                                          kv_heads, flat)
+        want = _reference(q, k, v, cos.unsqueeze(1), sin.unsqueeze(1), *theirs, *at, 0.125)
+        if flat:
+            want = want.permute(0, 2, 1, 3).clone().view(1, 1, heads * dim)
+        assert got.shape == want.shape and got.is_contiguous()
+        _close_attention(got, want)
+        assert torch.equal(keys, theirs[0]) and torch.equal(values, theirs[1])
+        # an offset row (not contiguous from its storage's start is fine; a strided one
+        # runs the operations)
+        wide = torch.zeros(1, 1, 2 * row.shape[-1])
+        wide[..., ::2] = row
+        again = native_decode.attention_qkv(wide[..., ::2], cos, sin, keys.clone(),
+                                            values.clone(), *at, 0.125, heads, kv_heads, flat)
+        _close_attention(again, want)
+
+
+@needs_kernels
 def test_attention_row_out_of_range_does_what_the_operations_do():
     q, k, v, cos, sin, keys, values = _layer_operands(4, 2, 8, 2, 10, 0)
     before = keys.clone()
@@ -146,15 +179,16 @@ def test_dense_decode_kernels_use_them_and_tokens_equal_hf(kind):
             assert torch.equal(actual, expected), kind
         assert generator.stats().specialized_steps > 0
         sources = [a.source for a in generator.step.jit.artifacts.values()]
-    one_row = [s for s in sources if "native_attention_row" in s]
+    one_row = [s for s in sources if "native_attention_qkv" in s]
     if kind == "gpt2":   # no rotary, layer norm, GELU: nothing of this pass's
         assert not one_row and not any("native_rms_norm" in s for s in sources)
         return
     # the B=1 decode kernel: both layers' attention steps, every norm, both MLPs
     assert one_row, "no kernel ran a one-row attention step"
     source = one_row[0].split("\ndef ")[-1]   # one body (an arena's kernel has two)
-    assert source.count("= native_attention_row") == 2
+    assert source.count("= native_attention_qkv") == 2   # from the QKV row, no views
     assert source.count("= native_rms_norm") == 5 and source.count("= native_silu_mul") == 2
     calls = [line for line in source.splitlines() if not line.lstrip().startswith("#")]
     assert not any(f"= {name}" in line for line in calls
-                   for name in ("ROTARY", "KV_APPEND", "DECODE_ATTN", "RMS_NORM", "SILU_MUL"))
+                   for name in ("ROTARY", "KV_APPEND", "DECODE_ATTN", "RMS_NORM", "SILU_MUL",
+                                "SPLIT_WITH_SIZES", "PERMUTE", "CLONE"))

@@ -13,13 +13,16 @@ from dynvm.jit.backends.cpu.fusion import FusionResult
 from dynvm.jit.backends.cpu.ir_match import probe_tensors, use_counts
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
 from dynvm.jit.specialize import add_frees
+from dynvm.vm.opcodes import OPCODES
 
 NATIVE_RMS_NORM = "NATIVE_RMS_NORM"
 NATIVE_SILU_MUL = "NATIVE_SILU_MUL"
 NATIVE_ATTENTION_ROW = "NATIVE_ATTENTION_ROW"
+NATIVE_ATTENTION_QKV = "NATIVE_ATTENTION_QKV"
 DECODE_KERNELS = {NATIVE_RMS_NORM: native_decode.rms_norm,
                   NATIVE_SILU_MUL: native_decode.silu_mul,
-                  NATIVE_ATTENTION_ROW: native_decode.attention_row}
+                  NATIVE_ATTENTION_ROW: native_decode.attention_row,
+                  NATIVE_ATTENTION_QKV: native_decode.attention_qkv}
 """The callables of this pass's ops (their variant is "native", as the small-M GEMM's)."""
 _VARIANT = "native"
 
@@ -36,7 +39,8 @@ def fuse_decode_ops(spec: SpecializedRegion, constants,
     producer = {dst: i for i, op in enumerate(ops) for dst in op.dsts}
     replaced: dict[int, SpecOp] = {}
     removed: set[int] = set()
-    counts = {NATIVE_RMS_NORM: 0, NATIVE_SILU_MUL: 0, NATIVE_ATTENTION_ROW: 0}
+    counts = {NATIVE_RMS_NORM: 0, NATIVE_SILU_MUL: 0, NATIVE_ATTENTION_ROW: 0,
+              NATIVE_ATTENTION_QKV: 0}
     for position, op in enumerate(ops):
         new = None
         if op.opcode == "DECODE_ATTN" and op.variant == "":
@@ -54,12 +58,15 @@ def fuse_decode_ops(spec: SpecializedRegion, constants,
             counts[new.opcode] += 1
     if not replaced:
         return FusionResult(spec, ())
-    new_ops = [replaced.get(i, op) for i, op in enumerate(ops) if i not in removed]
+    new_ops = _without_dead_views(
+        [replaced.get(i, op) for i, op in enumerate(ops) if i not in removed], leaving)
     new_ops = add_frees(new_ops, leaving)
     note = ("dynvm's C kernels (Note [A decode step's small ops in C]): "
             f"{counts[NATIVE_RMS_NORM]} RMS_NORM, {counts[NATIVE_SILU_MUL]} SILU_MUL, "
-            f"{counts[NATIVE_ATTENTION_ROW]} one-row attention step(s) (ROTARY x2, "
-            "KV_APPEND x2, DECODE_ATTN)")
+            f"{counts[NATIVE_ATTENTION_ROW] + counts[NATIVE_ATTENTION_QKV]} one-row "
+            "attention step(s) (ROTARY x2, KV_APPEND x2, DECODE_ATTN), "
+            f"{counts[NATIVE_ATTENTION_QKV]} of them read from the QKV projection's row "
+            "with their views")
     return FusionResult(dataclasses.replace(spec, ops=tuple(new_ops)), (note,))
 
 
@@ -131,13 +138,139 @@ def _attention_group(ops, position: int, uses, producer, probes):
     if not _one_row_everywhere(probes, operands):
         return None
     absorbed = set(found.values())
-    if not _nothing_between_touches(ops, min(absorbed), position, absorbed, operands):
+    args = (*operands, scale)
+    opcode, dsts = NATIVE_ATTENTION_ROW, attend.dsts
+    qkv = _qkv_row(ops, producer, uses, probes, query_in, key_in, value)
+    if qkv is not None:   # the views of the projection's row, and of cos and sin
+        row, heads, kv_heads, chain = qkv
+        absorbed |= chain
+        cos, sin = (_unsqueezed(ops, producer, probes, v) for v in (cos, sin))
+        flat = _flat_output(ops, position, uses, producer, probes)
+        if flat is not None:
+            dsts, chain = flat
+            absorbed |= chain
+        opcode = NATIVE_ATTENTION_QKV
+        args = (row, cos, sin, key_cache, value_cache, slots, positions, lengths, scale,
+                Literal(heads), Literal(kv_heads), Literal(flat is not None))
+    reads = tuple(v for v in args if isinstance(v, Var))
+    first = min(absorbed | {position})
+    if not _nothing_between_touches(ops, first, position, absorbed, reads,
+                                    (key_cache, value_cache)):
         return None
-    first = min(absorbed)
-    later = sorted(absorbed - {first}) + [position]
+    later = sorted((absorbed | {position}) - {first})
     variant = "+".join([_VARIANT, *(str(ops[i].source_pc) for i in later)])
-    return (SpecOp(NATIVE_ATTENTION_ROW, attend.dsts, (*operands, scale),
-                   ops[first].source_pc, variant=variant), absorbed)
+    return SpecOp(opcode, dsts, args, ops[first].source_pc, variant=variant), absorbed
+
+
+def _single_producer(ops, producer, uses, value, opcode):
+    """The position of the op `opcode` (no variant) whose result `value` is, read once."""
+    at = producer.get(value.reg, -1) if isinstance(value, Var) else -1
+    if at < 0 or ops[at].opcode != opcode or ops[at].variant or uses.get(value.reg) != 1:
+        return None
+    return at
+
+
+def _ints(arg) -> list | None:
+    if isinstance(arg, Literal) and isinstance(arg.value, list | tuple):
+        values = list(arg.value)
+    elif isinstance(arg, list) and all(isinstance(a, Literal) for a in arg):
+        values = [a.value for a in arg]
+    else:
+        return None
+    return values if all(isinstance(v, int) for v in values) else None
+
+
+def _qkv_row(ops, producer, uses, probes, query, key, value):
+    """(the projection's row, H, Hkv, positions of its views) when query, key and value
+    are PERMUTE(VIEW(part)) of SPLIT_WITH_SIZES(row, [H*D, Hkv*D, Hkv*D], -1) over a
+    contiguous [1, 1, (H + 2 Hkv) D] row, each view read once, else None."""
+    chain, parts = set(), []
+    for head_major in (query, key, value):
+        permute = _single_producer(ops, producer, uses, head_major, "PERMUTE")
+        if permute is None or _ints(ops[permute].args[1]) != [0, 2, 1, 3]:
+            return None
+        view = _single_producer(ops, producer, uses, ops[permute].args[0], "VIEW")
+        if view is None:
+            return None
+        chain |= {permute, view}
+        parts.append(ops[view].args[0])
+    split = {producer.get(p.reg, -1) if isinstance(p, Var) else -1 for p in parts}
+    if len(split) != 1 or -1 in split:
+        return None
+    at = split.pop()
+    op = ops[at]
+    if (op.opcode != "SPLIT_WITH_SIZES" or op.variant or len(op.args) != 3
+            or [Var(d) for d in op.dsts] != parts or any(uses.get(d) != 1 for d in op.dsts)
+            or op.args[2] not in (Literal(-1), Literal(2)) or not isinstance(op.args[0], Var)):
+        return None
+    rows = probe_tensors(probes, op.args[0].reg)
+    queries = probe_tensors(probes, query.reg)
+    keys = probe_tensors(probes, key.reg)
+    if rows is None or queries is None or keys is None:
+        return None
+    heads, kv_heads, dim = queries[0].shape[1], keys[0].shape[1], queries[0].shape[-1]
+    if _ints(op.args[1]) != [heads * dim, kv_heads * dim, kv_heads * dim]:
+        return None
+    width = (heads + 2 * kv_heads) * dim
+    if any(r.shape != (1, 1, width) or not r.is_contiguous() or r.dtype != torch.float32
+           for r in rows):
+        return None
+    return op.args[0], heads, kv_heads, chain | {at}
+
+
+def _unsqueezed(ops, producer, probes, value):
+    """The tensor under UNSQUEEZE `value` when it holds the same D floats, its last dim
+    contiguous (cos and sin, whose head dim is added for broadcasting), else `value`."""
+    at = producer.get(value.reg, -1)
+    if at < 0 or ops[at].opcode != "UNSQUEEZE" or ops[at].variant:
+        return value
+    source = ops[at].args[0]
+    under = probe_tensors(probes, source.reg) if isinstance(source, Var) else None
+    over = probe_tensors(probes, value.reg)
+    if under is None or over is None or any(
+            u.numel() != o.numel() or u.stride(-1) != 1 for u, o in zip(under, over)):
+        return value
+    return source
+
+
+def _flat_output(ops, position, uses, producer, probes):
+    """(the dsts, positions) of PERMUTE [0, 2, 1, 3] -> CLONE -> VIEW [1, 1, H*D] over
+    the attention's [1, H, 1, D] result, each read once: its result is then written
+    flat, [1, 1, H*D], the same floats in the same order. None otherwise."""
+    dst = Var(ops[position].dsts[0])
+    chain, current = [], dst
+    for opcode in ("PERMUTE", "CLONE", "VIEW"):
+        if uses.get(current.reg) != 1:
+            return None
+        reader = next((i for i in range(position + 1, len(ops))
+                       if current in ops[i].args), None)
+        if reader is None or ops[reader].opcode != opcode or ops[reader].variant:
+            return None
+        chain.append(reader)
+        current = Var(ops[reader].dsts[0])
+    permute, clone, view = (ops[i] for i in chain)
+    if _ints(permute.args[1]) != [0, 2, 1, 3]:
+        return None
+    if len(clone.args) > 1 and clone.args[1] not in (
+            Literal(None), Literal(torch.contiguous_format)):
+        return None
+    outs, results = probe_tensors(probes, current.reg), probe_tensors(probes, dst.reg)
+    if outs is None or results is None or any(
+            o.shape != (1, 1, r.shape[1] * r.shape[3]) for o, r in zip(outs, results)):
+        return None
+    return view.dsts, set(chain)
+
+
+def _without_dead_views(ops, leaving):
+    """`ops` less the views (and splits) no op reads any more."""
+    while True:
+        uses = use_counts(ops, leaving)
+        dead = [i for i, op in enumerate(ops)
+                if OPCODES.get(op.opcode) is not None and OPCODES[op.opcode].is_view
+                and not op.variant and not any(uses.get(d) for d in op.dsts)]
+        if not dead:
+            return ops
+        ops = [op for i, op in enumerate(ops) if i not in dead]
 
 
 def _one_row_everywhere(probes, operands) -> bool:
@@ -171,13 +304,13 @@ def _one_row_everywhere(probes, operands) -> bool:
     return True
 
 
-def _nothing_between_touches(ops, first: int, last: int, absorbed: set[int],
-                             operands) -> bool:
+def _nothing_between_touches(ops, first: int, last: int, absorbed: set[int], reads,
+                             cache_values) -> bool:
     """No op between the group's first and its DECODE_ATTN (other than the group's own)
     writes what the group reads, or reads or writes a cache: the fused call, at the
     DECODE_ATTN's place, then computes what the ops did in their places."""
-    read = {v.reg for v in operands}
-    caches = {operands[5].reg, operands[6].reg}
+    read = {v.reg for v in reads}
+    caches = {v.reg for v in cache_values}
     for at in range(first + 1, last):
         if at in absorbed:
             continue

@@ -122,3 +122,40 @@ def attention_row(query, key, value, cos, sin, keys, values, slots, positions, l
                             kv_append(keys, rotary_embed(key, cos, sin), slots, positions),
                             kv_append(values, value, slots, positions), slots, lengths,
                             scale)
+
+
+def attention_qkv(row, cos, sin, keys, values, slots, positions, lengths, scale,
+                  heads: int, kv_heads: int, flat: bool):
+    """`attention_row` over the query, key and value as one projection's row
+    ([1, 1, (H + 2 Hkv) D]: H query heads, then Hkv key heads, then Hkv value heads) and
+    cos and sin as any tensors of D floats; the result [1, 1, H*D] when `flat`, else
+    [1, H, 1, D]. The C call reads the row where it is, without its views."""
+    dim = keys.shape[-1] if keys.dim() == 4 else 0
+    width = (heads + 2 * kv_heads) * dim
+    if (dim and row.dtype == torch.float32 and row.is_contiguous() and row.numel() == width
+            and keys.dtype == torch.float32 and values.dtype == torch.float32
+            and keys.shape == values.shape and keys.shape[1] == kv_heads
+            and keys.is_contiguous() and values.is_contiguous()
+            and cos.dtype == torch.float32 and sin.dtype == torch.float32
+            and cos.numel() == dim and sin.numel() == dim
+            and cos.stride(-1) == 1 and sin.stride(-1) == 1
+            and all(t.dtype == torch.int64 and t.shape == (1,)
+                    for t in (slots, positions, lengths))):
+        out = row.new_empty((1, 1, heads * dim) if flat else (1, heads, 1, dim))
+        base, size = row.data_ptr(), row.element_size()
+        failed = _LIBRARY.dynvm_attention_row(
+            base, dim, base + heads * dim * size, dim, base + (heads + kv_heads) * dim * size,
+            dim, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
+            keys.shape[0], kv_heads, keys.shape[2], dim, heads, slots.data_ptr(),
+            positions.data_ptr(), lengths.data_ptr(),
+            1.0 / math.sqrt(dim) if scale is None else scale, out.data_ptr())
+        if not failed:
+            return out
+    # the operations the call stands for: the row's views, then attention_row's
+    dim = row.shape[-1] // (heads + 2 * kv_heads)
+    query, key, value = (part.view(1, row.shape[1], -1, dim).permute(0, 2, 1, 3) for part in
+                         row.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
+    out = attention_row(query, key, value, cos.reshape(1, 1, 1, dim),
+                        sin.reshape(1, 1, 1, dim), keys, values, slots, positions, lengths,
+                        scale)
+    return out.permute(0, 2, 1, 3).reshape(1, row.shape[1], heads * dim) if flat else out
