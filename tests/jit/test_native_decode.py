@@ -61,6 +61,38 @@ def test_silu_mul_at_large_magnitudes():
     _close(native_decode.silu_mul(x), silu_mul(x))
 
 
+@needs_kernels
+@pytest.mark.parametrize("input_major", [False, True], ids=["[N, K]", "[K, N]"])
+def test_the_norm_and_the_gated_product_inside_the_gemm_call(input_major):
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    for _ in range(20):
+        rows, k, n = rng.randint(1, 16), rng.choice([8, 17, 64, 768]), rng.choice([3, 64, 300])
+        x, gated = torch.randn(rows, 1, k), torch.randn(rows, 1, 2 * k)
+        norm_weight, eps = torch.randn(k), rng.choice([1e-6, None])
+        w = torch.randn(n, k)
+        stored = w.t().contiguous() if input_major else w
+        bias = torch.randn(n) if rng.random() < 0.5 else None
+        add = torch.randn(rows, 1, n) if rng.random() < 0.5 else None
+        extra = (0 if bias is None else bias) + (0 if add is None else add)
+        got = native_decode.norm_linear(x, [k], norm_weight, eps, stored, bias, add,
+                                        input_major)
+        want = torch.rms_norm(x, [k], norm_weight, eps) @ w.t() + extra
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5 * k ** 0.5)
+        got = native_decode.silu_mul_linear(gated, stored, bias, add, input_major)
+        want = silu_mul(gated) @ w.t() + extra
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5 * k ** 0.5)
+    # more rows than the small-M kernel takes, or a view: the two calls run instead
+    x = torch.randn(40, 64)
+    w = torch.randn(32, 64)
+    stored = w.t().contiguous() if input_major else w
+    for view in (x, x[:, ::1][::2]):
+        want = torch.rms_norm(view, [64], None, None) @ w.t()
+        torch.testing.assert_close(
+            native_decode.norm_linear(view, [64], None, None, stored, None, None,
+                                      input_major), want, rtol=1e-4, atol=2e-4)
+
+
 def _layer_operands(heads, kv_heads, dim, slots, capacity, seed):
     torch.manual_seed(seed)
     qkv = torch.randn(1, 1, (heads + 2 * kv_heads) * dim)   # one LINEAR's row, split
@@ -187,8 +219,42 @@ def test_dense_decode_kernels_use_them_and_tokens_equal_hf(kind):
     assert one_row, "no kernel ran a one-row attention step"
     source = one_row[0].split("\ndef ")[-1]   # one body (an arena's kernel has two)
     assert source.count("= native_attention_qkv") == 2   # from the QKV row, no views
+    # tiny weights stay on torch's GEMMs, so every norm and product is a call of its own
     assert source.count("= native_rms_norm") == 5 and source.count("= native_silu_mul") == 2
     calls = [line for line in source.splitlines() if not line.lstrip().startswith("#")]
     assert not any(f"= {name}" in line for line in calls
                    for name in ("ROTARY", "KV_APPEND", "DECODE_ATTN", "RMS_NORM", "SILU_MUL",
                                 "SPLIT_WITH_SIZES", "PERMUTE", "CLONE"))
+
+
+@needs_kernels
+def test_streamed_weights_take_the_norm_and_the_product_into_their_gemv_calls():
+    """Weights past STREAMED_BYTES together (Note [Few rows over a streamed weight]) go
+    to the small-M GEMM at batch 1, and each layer's norms and gated product are then
+    computed inside the GEMV call that reads them."""
+    import transformers as hf
+
+    torch.manual_seed(1)
+    model = hf.LlamaForCausalLM(hf.LlamaConfig(
+        hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=1024, vocab_size=512, max_position_embeddings=128,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    model.config._attn_implementation = "sdpa"
+    model.eval()
+    programs = dynvm.compile_generator(model, max_batch=4, max_length=32, jit=False).programs
+    ids = torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    with dynvm.Generator(programs, jit=_dense_config()) as generator:
+        for _ in range(2):
+            actual = generator.generate(ids, mask, max_new_tokens=8, stop_tokens=())
+            assert torch.equal(actual, hf_greedy(model, ids, mask, 8, eos_token_id=None))
+        sources = [a.source for a in generator.step.jit.artifacts.values()
+                   if "native_attention_qkv" in a.source]
+    assert sources
+    source = sources[0].split("\ndef ")[-1]
+    # per layer: the QKV projection reads the input norm, the gate/up projection the
+    # post-attention norm, the down projection the gated product
+    assert source.count("= native_norm_linear") == 4
+    assert source.count("= native_silu_mul_linear") == 2
+    # the final norm, read by the last-token pick before the head, stays a call
+    assert source.count("= native_rms_norm") == 1

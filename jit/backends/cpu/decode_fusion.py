@@ -9,7 +9,7 @@ import torch
 
 from dynvm.jit.aliasing import flat_values
 from dynvm.jit.backends.cpu import native_decode
-from dynvm.jit.backends.cpu.fusion import FusionResult
+from dynvm.jit.backends.cpu.fusion import NATIVE_LINEAR, FusionResult
 from dynvm.jit.backends.cpu.ir_match import probe_tensors, use_counts
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
 from dynvm.jit.specialize import add_frees
@@ -19,7 +19,11 @@ NATIVE_RMS_NORM = "NATIVE_RMS_NORM"
 NATIVE_SILU_MUL = "NATIVE_SILU_MUL"
 NATIVE_ATTENTION_ROW = "NATIVE_ATTENTION_ROW"
 NATIVE_ATTENTION_QKV = "NATIVE_ATTENTION_QKV"
-DECODE_KERNELS = {NATIVE_RMS_NORM: native_decode.rms_norm,
+NATIVE_NORM_LINEAR = "NATIVE_NORM_LINEAR"
+NATIVE_SILU_MUL_LINEAR = "NATIVE_SILU_MUL_LINEAR"
+DECODE_KERNELS = {NATIVE_NORM_LINEAR: native_decode.norm_linear,
+                  NATIVE_SILU_MUL_LINEAR: native_decode.silu_mul_linear,
+                  NATIVE_RMS_NORM: native_decode.rms_norm,
                   NATIVE_SILU_MUL: native_decode.silu_mul,
                   NATIVE_ATTENTION_ROW: native_decode.attention_row,
                   NATIVE_ATTENTION_QKV: native_decode.attention_qkv}
@@ -60,13 +64,15 @@ def fuse_decode_ops(spec: SpecializedRegion, constants,
         return FusionResult(spec, ())
     new_ops = _without_dead_views(
         [replaced.get(i, op) for i, op in enumerate(ops) if i not in removed], leaving)
+    new_ops, folded = _prologues_folded(new_ops, leaving)
     new_ops = add_frees(new_ops, leaving)
     note = ("dynvm's C kernels (Note [A decode step's small ops in C]): "
             f"{counts[NATIVE_RMS_NORM]} RMS_NORM, {counts[NATIVE_SILU_MUL]} SILU_MUL, "
             f"{counts[NATIVE_ATTENTION_ROW] + counts[NATIVE_ATTENTION_QKV]} one-row "
             "attention step(s) (ROTARY x2, KV_APPEND x2, DECODE_ATTN), "
             f"{counts[NATIVE_ATTENTION_QKV]} of them read from the QKV projection's row "
-            "with their views")
+            f"with their views; {folded} of the norms and products computed inside the "
+            "small-M GEMM call that reads them")
     return FusionResult(dataclasses.replace(spec, ops=tuple(new_ops)), (note,))
 
 
@@ -160,6 +166,37 @@ def _attention_group(ops, position: int, uses, producer, probes):
     later = sorted((absorbed | {position}) - {first})
     variant = "+".join([_VARIANT, *(str(ops[i].source_pc) for i in later)])
     return SpecOp(opcode, dsts, args, ops[first].source_pc, variant=variant), absorbed
+
+
+_PROLOGUES = {NATIVE_RMS_NORM: NATIVE_NORM_LINEAR, NATIVE_SILU_MUL: NATIVE_SILU_MUL_LINEAR}
+
+
+def _prologues_folded(ops, leaving) -> tuple[list, int]:
+    """`ops` with each NATIVE_RMS_NORM or NATIVE_SILU_MUL whose one reader is the small-M
+    GEMM's input computed in that GEMM's call (native_decode.norm_linear and
+    silu_mul_linear), and how many were."""
+    uses = use_counts(ops, leaving)
+    producer = {dst: i for i, op in enumerate(ops) for dst in op.dsts}
+    replaced, removed = {}, set()
+    for position, op in enumerate(ops):
+        if op.opcode != NATIVE_LINEAR or not isinstance(op.args[0], Var):
+            continue
+        at = producer.get(op.args[0].reg, -1)
+        if at < 0 or ops[at].opcode not in _PROLOGUES or uses.get(op.args[0].reg) != 1:
+            continue
+        small = ops[at]
+        source = small.args[0]
+        between = ops[at + 1:position]
+        if any(source.reg in d.dsts or (d.variant == "inplace" and d.args
+                                        and d.args[0] == source) for d in between):
+            continue
+        pcs = [str(op.source_pc), *op.variant.split("+")[1:]]
+        replaced[position] = SpecOp(_PROLOGUES[small.opcode], op.dsts,
+                                    (*small.args, *op.args[1:]) if small.opcode ==
+                                    NATIVE_RMS_NORM else (source, *op.args[1:]),
+                                    small.source_pc, variant="+".join([_VARIANT, *pcs]))
+        removed.add(at)
+    return [replaced.get(i, op) for i, op in enumerate(ops) if i not in removed], len(removed)
 
 
 def _single_producer(ops, producer, uses, value, opcode):

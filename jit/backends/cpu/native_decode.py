@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from dynvm.jit.backends.cpu.native_linear import library
+from dynvm.jit.backends.cpu.native_linear import NATIVE_ROWS, library, small_m_linear
 from dynvm.vm.ops_fused import rotary_embed
 from dynvm.vm.ops_fused import silu_mul as torch_silu_mul
 from dynvm.vm.ops_kv import decode_attention, kv_append
@@ -51,6 +51,9 @@ if _LIBRARY is not None:
     _LIBRARY.dynvm_attention_row.argtypes = [_P, _L, _P, _L, _P, _L, _P, _P, _P, _P, _L, _L,
                                              _L, _L, _L, _P, _P, _P, _F, _P]
     _LIBRARY.dynvm_attention_row.restype = ctypes.c_int
+    _LIBRARY.dynvm_prologue_linear.argtypes = [ctypes.c_int, _P, _L, _L, _L, _P, _F,
+                                               ctypes.c_int, _P, _L, _L, _P, _P, _L, _P, _L]
+    _LIBRARY.dynvm_prologue_linear.restype = ctypes.c_int
 
 
 def available() -> bool:
@@ -159,3 +162,59 @@ def attention_qkv(row, cos, sin, keys, values, slots, positions, lengths, scale,
                         sin.reshape(1, 1, 1, dim), keys, values, slots, positions, lengths,
                         scale)
     return out.permute(0, 2, 1, 3).reshape(1, row.shape[1], heads * dim) if flat else out
+
+
+_RMS_NORM, _SILU_MUL = 0, 1
+
+
+def _prologue_linear(prologue: int, x, width: int, norm_weight, eps, weight, bias, add,
+                     input_major: bool):
+    """The small-M GEMM over the prologue's rows (Note [A small-M GEMM of our own]) in
+    one C call, or None when the operands are not what the call reads."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if (x.dtype != torch.float32 or not x.is_contiguous() or not 1 <= rows <= NATIVE_ROWS[1]
+            or weight.stride(-1) != 1):
+        return None
+    n = weight.shape[1] if input_major else weight.shape[0]
+    if weight.shape[0 if input_major else 1] != width:
+        return None
+    lda = 0
+    if add is not None:
+        add = add.reshape(rows, n)
+        if add.stride(-1) != 1 or (rows > 1 and add.stride(0) < n):
+            add = add.contiguous()
+        lda = add.stride(0)
+    y = torch.empty(rows, n, dtype=torch.float32)
+    failed = _LIBRARY.dynvm_prologue_linear(
+        prologue, x.data_ptr(), x.shape[-1], rows, width,
+        None if norm_weight is None else norm_weight.data_ptr(),
+        torch.finfo(torch.float32).eps if eps is None else eps, int(input_major),
+        weight.data_ptr(), weight.stride(0), n, None if bias is None else bias.data_ptr(),
+        None if add is None else add.data_ptr(), lda, y.data_ptr(), n)
+    return None if failed else y.view(*x.shape[:-1], n)
+
+
+def norm_linear(x, normalized_shape, norm_weight, eps, weight, bias, add, input_major):
+    """RMS_NORM then the small-M GEMM over the normalized rows (`small_m_linear`'s
+    operands after the norm's), in one C call."""
+    width = x.shape[-1]
+    if len(normalized_shape) == 1 and normalized_shape[0] == width and (
+            norm_weight is None or (norm_weight.dtype == torch.float32
+                                    and norm_weight.is_contiguous()
+                                    and norm_weight.numel() == width)):
+        y = _prologue_linear(_RMS_NORM, x, width, norm_weight, eps, weight, bias, add,
+                             input_major)
+        if y is not None:
+            return y
+    return small_m_linear(rms_norm(x, normalized_shape, norm_weight, eps), weight, bias, add,
+                          input_major)
+
+
+def silu_mul_linear(x, weight, bias, add, input_major):
+    """SILU_MUL then the small-M GEMM over its rows, in one C call."""
+    if x.shape[-1] % 2 == 0:
+        y = _prologue_linear(_SILU_MUL, x, x.shape[-1] // 2, None, None, weight, bias, add,
+                             input_major)
+        if y is not None:
+            return y
+    return small_m_linear(silu_mul(x), weight, bias, add, input_major)

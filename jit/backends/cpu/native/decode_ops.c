@@ -164,3 +164,36 @@ AVX512 int dynvm_attention_row(const float* q, long q_hs, const float* kn, long 
   }
   return 0;
 }
+
+/* ---- a GEMM of a few rows whose input is made by a small op first --------------------
+   The RMS norm, or the SiLU-gated product, of x's rows written into a scratch buffer and
+   that buffer multiplied by the weight on the small-M kernel (small_m_linear.c): one
+   call from Python instead of two, the rows never leaving this call. */
+
+void dynvm_small_m_linear_nk(const float* x, long ldx, long M, long K, const float* w,
+                             long ldw, long N, const float* b, const float* add, long lda,
+                             float* y, long ldy);
+void dynvm_small_m_linear_kn(const float* x, long ldx, long M, long K, const float* w,
+                             long ldw, long N, const float* b, const float* add, long lda,
+                             float* y, long ldy);
+
+#include <stdlib.h>
+
+/* prologue 0: rms norm of K-wide rows (nw, eps); 1: silu(x[:, :K]) * x[:, K:] */
+int dynvm_prologue_linear(int prologue, const float* x, long ldx, long M, long K,
+                          const float* nw, float eps, int input_major, const float* w,
+                          long ldw, long N, const float* b, const float* add, long lda,
+                          float* y, long ldy) {
+  float* rows = (float*)aligned_alloc(64, (size_t)((M * K * sizeof(float) + 63) / 64 * 64));
+  if (!rows) return 1;
+  if (prologue == 0)
+    dynvm_rms_norm(x, ldx, M, K, nw, eps, rows, K);
+  else
+    dynvm_silu_mul(x, ldx, M, K, rows, K);
+  if (input_major)
+    dynvm_small_m_linear_kn(rows, K, M, K, w, ldw, N, b, add, lda, y, ldy);
+  else
+    dynvm_small_m_linear_nk(rows, K, M, K, w, ldw, N, b, add, lda, y, ldy);
+  free(rows);
+  return 0;
+}
