@@ -169,15 +169,18 @@ def _stream(port: int, path: str, body: dict, conn: http.client.HTTPConnection |
     return ttft, times, tokens, done and response.status == 200
 
 
-def _steps(port: int, prefix: str) -> tuple[int, int]:
-    """(decode steps, specialized steps) a dynvm replica's scheduler has counted."""
+def _steps(port: int, prefix: str) -> tuple[int, int, int]:
+    """(decode steps, specialized steps, the step's JIT compiles) a dynvm replica has
+    counted."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         conn.request("GET", prefix + "/v2/models/gen/stats")
-        counters = json.loads(conn.getresponse().read())["scheduler"]
+        stats = json.loads(conn.getresponse().read())
     finally:
         conn.close()
-    return counters["decode_steps"], counters["specialized_steps"]
+    counters = stats["scheduler"]
+    return (counters["decode_steps"], counters["specialized_steps"],
+            stats.get("jit", {}).get("compiles", 0))
 
 
 def _play(trace: list[dict], clients: int, one) -> tuple[list, float]:
@@ -462,7 +465,8 @@ def main(argv=None) -> int:
                     if before is not None:   # decode steps of the pass, specialized
                         after = _steps(ports[system], prefixes[system])
                         row.update(steps=after[0] - before[0],
-                                   specialized_steps=after[1] - before[1])
+                                   specialized_steps=after[1] - before[1],
+                                   jit_compiles=after[2] - before[2])
                     rows.append(row)
                     print(json.dumps(row), flush=True)
         if args.out:

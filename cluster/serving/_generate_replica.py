@@ -157,12 +157,23 @@ class GeneratorServer:
         return self.request_stats.in_flight
 
     def stats(self) -> dict:
-        """Scheduler counters, occupancy and the latency snapshot."""
+        """Scheduler counters, occupancy, the latency snapshot and the step's JIT work
+        (promotions and compiles so far; settled: nothing queued or on probation)."""
         return {"model": self.model_name, **as_dict(self.request_stats.counters),
                 "in_flight": self.request_stats.in_flight,
                 "scheduler": dict(self.scheduler.counters),
                 **self.metrics.snapshot(), **self.scheduler.occupancy(),
-                "warm": dict(self.warm), "fleet": [link.stats() for link in self.links]}
+                "warm": dict(self.warm), "jit": self._jit_work(),
+                "fleet": [link.stats() for link in self.links]}
+
+    def _jit_work(self) -> dict:
+        generator = self.generator
+        runtime = generator.step if generator.step is not None else generator.decode
+        if runtime is None or runtime.jit is None:
+            return {}
+        stats = runtime.stats()
+        return {"promotions": stats["promotions"], "compiles": stats["compiles"],
+                "settled": runtime.settled()}
 
     # ------------------------------------------------------------------ HTTP
 

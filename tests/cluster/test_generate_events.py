@@ -106,3 +106,21 @@ def test_a_streams_end_is_one_chunk(served, path, doc, done):
             # the tokens before the end: one event per token, none held back
             assert sum(len(c.split(b"\n\n")) - 1 for c in chunks) == len(expected) + 1 + done
     assert server.scheduler.wait_idle(20) and not server.scheduler.held
+
+
+def test_stats_show_the_steps_jit_work(served, tmp_path):
+    """/stats carries the step's JIT work: nothing without the JIT; with it, the
+    compiles of the warm-up before ready and whether the JIT has settled."""
+    server, _ = served
+    assert server.stats()["jit"] == {}
+    bundle = saved_generator(tmp_path / "tiny", tokenizer=False)
+    warmed = GeneratorServer("tiny", str(bundle), ServingConfig(device="cpu"),
+                             SchedulerConfig(max_sequences=4, warm_seconds=20),
+                             metrics_to_ray=False)
+    try:
+        work = warmed.stats()["jit"]
+        assert set(work) == {"promotions", "compiles", "settled"}, work
+        assert work["promotions"] >= work["compiles"] >= 1, work
+        assert work["settled"] == warmed.generator.step.settled()
+    finally:
+        warmed.close()
