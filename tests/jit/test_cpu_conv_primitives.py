@@ -12,6 +12,8 @@ differently from normalizing the output).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -19,8 +21,15 @@ from torch.export import Dim
 
 import dynvm
 from dynvm.jit.backends.cpu import onednn_api
+from dynvm.jit.backends.cpu.conv_residual import CONV_BINARY_INPLACE
 from dynvm.jit.backends.cpu.fusion import onednn_available
-from dynvm.jit.backends.cpu.onednn_conv import ConvSpec, PrimitiveConv, eltwise_of
+from dynvm.jit.backends.cpu.onednn_conv import (
+    ConvSpec,
+    PrimitiveConv,
+    eltwise_of,
+    torch_fallback,
+)
+from dynvm.jit.ir import Literal, SpecOp, Var
 from tests.jit import _jit_helpers as h
 
 pytestmark = pytest.mark.skipif(not onednn_available(torch.device("cpu")),
@@ -98,6 +107,25 @@ def test_a_family_kernel_runs_primitives_and_agrees_with_eager():
         assert "7 of 7 convolution(s) on oneDNN" in source, source   # the header's note
 
 
+@needs_library
+def test_shapes_without_a_primitive_run_torchs_call_and_agree():
+    # A family whose height varies: primitives for the probes' shapes, torch's fused
+    # call (its packed weight kept for that) at the others, never a build at run time.
+    model = _Bottlenecks().eval()
+    program = dynvm.compile(model, (torch.randn(2, 3, 16, 16),),
+                            ({0: Dim("batch", min=1, max=4), 2: 8 * Dim("h", min=1, max=4)},))
+    config = h.eager_config(families=True, cpu_fusion="always", cpu_channels_last="always")
+    gen = torch.Generator().manual_seed(19)
+    with dynvm.Runtime(program, jit=config) as rt, torch.no_grad():
+        for batch, height in ((2, 16), (3, 24), (1, 32), (4, 16), (2, 24), (3, 32)):
+            x = torch.randn(batch, 3, height, 16, generator=gen)
+            torch.testing.assert_close(rt(x), model(x), **TOL, msg=f"{batch}x{height}")
+        stats = rt.stats()
+        assert stats["specialized_region_calls"] > 0 and not stats["compile_failures"]
+        sources = [a.source for a in rt.jit.artifacts.values()]
+    assert any("= onednn_conv_primitive" in s for s in sources), sources
+
+
 def _conv_act(attr: str):
     """A convolution followed by one activation the fusion pass folds in."""
     acts = {"relu": torch.relu, "silu": nn.functional.silu, "sigmoid": torch.sigmoid,
@@ -150,7 +178,7 @@ def test_a_primitive_equals_conv2d_across_geometries_and_input_layouts():
         shape = (2, 5, 9, 11)
         packed = _packed(weight, list(padding), list(stride), list(dilation), list(shape))
         conv = PrimitiveConv(library, packed, bias,
-                             ConvSpec(stride, padding, dilation, False, None), [shape], True)
+                             ConvSpec(stride, padding, dilation, False, None), [shape])
         x = torch.randn(shape, generator=gen)
         want = nn.functional.conv2d(x, weight, bias, stride, padding, dilation)
         spread = torch.zeros(2, 6, 9, 22)
@@ -163,25 +191,32 @@ def test_a_primitive_equals_conv2d_across_geometries_and_input_layouts():
 
 
 @needs_library
-def test_a_residual_is_written_into_and_a_shape_not_built_is_built_on_first_call():
+def test_a_residual_is_written_into_and_a_shape_not_built_runs_torchs_call():
     gen = torch.Generator().manual_seed(17)
     weight, bias = torch.randn(8, 4, 1, 1, generator=gen), torch.randn(8, generator=gen)
     packed = _packed(weight, [0, 0], [1, 1], [1, 1], [2, 4, 6, 6])
-    relu = eltwise_of("relu", [], "")
-    # built for batch 2 only, the family not covered: batch 5 is built when it comes
-    conv = PrimitiveConv(onednn_api.library(), packed, bias,
-                         ConvSpec((1, 1), (0, 0), (1, 1), True, relu), [(2, 4, 6, 6)], False)
+    op = SpecOp(CONV_BINARY_INPLACE, (2,), (Var(0), Var(1), Literal(packed), Literal(bias),
+                                            *map(Literal, ([0, 0], [1, 1], [1, 1], 1, "add",
+                                                           None, "relu", [], ""))),
+                0, variant="onednn")
+    spec = ConvSpec((1, 1), (0, 0), (1, 1), True, eltwise_of("relu", [], ""))
+    # built for batch 2 only; batch 5 (not built) runs the op's own torch call
+    conv = PrimitiveConv(onednn_api.library(), packed, bias, spec, [(2, 4, 6, 6)],
+                         torch_fallback(op))
     for batch in (2, 5):
         x = torch.randn(batch, 4, 6, 6, generator=gen)
         other = torch.randn(batch, 8, 6, 6, generator=gen)
         want = torch.relu(nn.functional.conv2d(x, weight, bias) + other)
-        for into in (other.contiguous(memory_format=torch.channels_last), other.clone()):
+        intos = [other.contiguous(memory_format=torch.channels_last)]
+        if batch == 2:
+            intos.append(other.clone())     # NCHW: computed aside, copied in
+        for into in intos:
             got = conv.into(x, into)
-            assert got is into       # written into the residual, NCHW or channels-last
-            torch.testing.assert_close(into, want, **TOL)
-    assert set(conv.by_shape) == {(2, 4, 6, 6), (5, 4, 6, 6)}
+            assert got is into              # written into the residual
+            torch.testing.assert_close(into, want, **TOL, msg=f"batch {batch}")
+    assert set(conv.by_shape) == {(2, 4, 6, 6)}
     covered = PrimitiveConv(onednn_api.library(), packed, bias,
-                            ConvSpec((1, 1), (0, 0), (1, 1), False, relu), [(2, 4, 6, 6)], True)
+                            dataclasses.replace(spec, residual=False), [(2, 4, 6, 6)])
     with pytest.raises(RuntimeError, match="no oneDNN primitive"):
         covered(torch.randn(3, 4, 6, 6))
 

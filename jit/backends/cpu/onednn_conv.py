@@ -35,8 +35,12 @@ What is rewritten: the channels-last forms alone (`CONV_UNARY`, and `CONV_BINARY
 whose residual is already written in place, Note [Residual add in place]), fp32,
 ungrouped, with an activation oneDNN's eltwise post-ops compute as torch's does. The
 NCHW forms, grouped, bf16 and not-in-place residual convolutions keep torch's calls.
-Where the library does not load the pass changes nothing and the kernel's header says
-why (`onednn_api.unavailable_reason()`).
+Primitives are built when the kernel is compiled, for the input shapes its probes name
+(every batch of a family's range, as conv.py packs for, Note [Conv weights for one row
+or many]); a shape not built (a family whose spatial dims vary) runs torch's fused call
+on the packed weight kept for it: building a primitive generates code (milliseconds),
+which no call waits for. Where the library does not load the pass changes nothing and
+the kernel's header says why (`onednn_api.unavailable_reason()`).
 """
 
 from __future__ import annotations
@@ -49,8 +53,8 @@ import torch
 
 from dynvm.jit.backends.cpu import onednn_api as api
 from dynvm.jit.backends.cpu.conv import PackedPerBatch, _batches_asked
-from dynvm.jit.backends.cpu.conv_residual import CONV_BINARY_INPLACE
-from dynvm.jit.backends.cpu.fusion import CONV_UNARY, is_fused
+from dynvm.jit.backends.cpu.conv_residual import CONV_BINARY_INPLACE, IN_PLACE_KERNELS
+from dynvm.jit.backends.cpu.fusion import CONV_UNARY, FUSED_KERNELS, is_fused
 from dynvm.jit.backends.cpu.ir_match import probe_tensors
 from dynvm.jit.ir import Literal, SpecializedRegion, Var
 
@@ -244,20 +248,20 @@ class ConvPrimitive:
 
 class PrimitiveConv:
     """One fused convolution of a kernel: its primitives by input shape, built when the
-    kernel is compiled for the shapes its family serves; a shape not built (a family
-    wider than the batches asked, Note [Conv weights for one row or many]) is built on
-    its first call from the packed weight kept for that."""
+    kernel is compiled, for the shapes its family serves. A shape not built (a family
+    whose spatial dims vary, or wider than the batches asked: Note [Conv weights for one
+    row or many]) runs torch's fused call (`fallback`, on the packed weight it keeps):
+    building a primitive takes milliseconds (oneDNN generates its code), which no call
+    waits for."""
 
     def __init__(self, library: api.Library, source, bias, spec: ConvSpec,
-                 shapes: list[tuple], covered: bool) -> None:
-        self._library, self._bias, self.spec = library, bias, spec
+                 shapes: list[tuple], fallback=None) -> None:
+        self.spec = spec
         self._weights: list[_Weights] = []
-        self._lock = threading.Lock()
         plain = _plain_weight(source)
         self.by_shape = {s: ConvPrimitive(library, plain, bias, s, spec, self._weights)
                          for s in shapes}
-        # torch's packed copy is kept only where a shape may still have to be built
-        self._source = None if covered else source
+        self._fallback = fallback    # holds torch's packed copy only where it may run
 
     def impls(self) -> set[str]:
         return {p.impl for p in self.by_shape.values()}
@@ -265,26 +269,36 @@ class PrimitiveConv:
     def copies(self) -> int:
         return len(self._weights)
 
-    def _primitive(self, shape) -> ConvPrimitive:
-        with self._lock:
-            found = self.by_shape.get(shape)
-            if found is None:
-                if self._source is None:
-                    raise RuntimeError(f"no oneDNN primitive for input shape {tuple(shape)}")
-                found = ConvPrimitive(self._library, _plain_weight(self._source),
-                                      self._bias, shape, self.spec, self._weights)
-                self.by_shape = {**self.by_shape, shape: found}
-            return found
+    def _unbuilt(self, x, other):
+        if self._fallback is None:
+            raise RuntimeError(f"no oneDNN primitive for input shape {tuple(x.shape)}")
+        return self._fallback(x, other)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.residual:   # its sum post-op reads the tensor it writes
             raise TypeError("a convolution with a residual runs through into()")
-        primitive = self.by_shape.get(x.shape) or self._primitive(x.shape)
-        return primitive.run(x, None)
+        primitive = self.by_shape.get(x.shape)
+        return self._unbuilt(x, None) if primitive is None else primitive.run(x, None)
 
     def into(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        primitive = self.by_shape.get(x.shape) or self._primitive(x.shape)
-        return primitive.run(x, other)
+        primitive = self.by_shape.get(x.shape)
+        return self._unbuilt(x, other) if primitive is None else primitive.run(x, other)
+
+
+def torch_fallback(op):
+    """The fused op's own torch call, as a function of (x, other): what a shape without
+    a primitive runs."""
+    into = op.opcode == CONV_BINARY_INPLACE
+    weight_at = 2 if into else 1
+    source = op.args[weight_at].value
+    rest = [a.value for a in op.args[weight_at + 1:]]
+    by_batch = source.packs if isinstance(source, PackedPerBatch) else None
+    kernel = IN_PLACE_KERNELS[CONV_BINARY_INPLACE] if into else FUSED_KERNELS[CONV_UNARY]
+
+    def run(x, other):
+        weight = source if by_batch is None else by_batch[x.shape[0]]
+        return kernel(x, other, weight, *rest) if into else kernel(x, weight, *rest)
+    return run
 
 
 def conv_primitive(x, conv: PrimitiveConv):
@@ -377,7 +391,7 @@ def conv_primitives(spec: SpecializedRegion) -> tuple[SpecializedRegion, str]:
         shapes, covered = _shapes(spec.abstract, x.reg)
         try:
             conv = PrimitiveConv(library, weight.value, bias.value, conv_spec, shapes,
-                                 covered)
+                                 None if covered else torch_fallback(op))
         except api.OnednnError as exc:
             kept[str(exc)] = kept.get(str(exc), 0) + 1
             continue
