@@ -126,6 +126,27 @@ def test_shapes_without_a_primitive_run_torchs_call_and_agree():
     assert any("= onednn_conv_primitive" in s for s in sources), sources
 
 
+@needs_library
+def test_bf16_chains_run_bf16_primitives_within_bf16s_tolerance():
+    # Note [bf16 convolution chains]: the chain's convolutions read bf16 values and
+    # weights; their primitives are bf16 ones (tolerance: tests/jit/test_cpu_conv_bf16.py)
+    model = _Bottlenecks().eval()
+    program = dynvm.compile(model, (torch.randn(2, 3, 16, 16),),
+                            ({0: Dim("batch", min=1, max=4)},))
+    config = h.eager_config(families=True, cpu_fusion="always", cpu_channels_last="always",
+                            precision="bf16")
+    gen = torch.Generator().manual_seed(23)
+    with dynvm.Runtime(program, jit=config) as rt, torch.no_grad():
+        for batch in (4, 1, 3, 2, 4, 3):
+            x = torch.randn(batch, 3, 16, 16, generator=gen)
+            got, want = rt(x), model(x)
+            assert got.dtype == torch.float32
+            assert float((got - want).abs().max() / want.abs().max()) < 0.03, batch
+        sources = [a.source for a in rt.jit.artifacts.values()]
+    assert sources and all("1 chain(s) in bf16 (7 convolution(s)); 7 of 7 convolution(s) "
+                           "on oneDNN" in s for s in sources), sources
+
+
 def _conv_act(attr: str):
     """A convolution followed by one activation the fusion pass folds in."""
     acts = {"relu": torch.relu, "silu": nn.functional.silu, "sigmoid": torch.sigmoid,

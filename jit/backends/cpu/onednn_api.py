@@ -21,7 +21,7 @@ _SONAME = "libdnnl.so.3"
 
 # dnnl_status_t, dnnl_data_type_t, dnnl_format_tag_t
 SUCCESS = 0
-F32 = 3
+BF16, F32 = 2, 3
 TAG_ANY, TAG_A, TAG_OIHW, TAG_NHWC = 1, 2, 5, 22
 # dnnl_engine_kind_t, dnnl_stream_flags_t, dnnl_prop_kind_t, dnnl_alg_kind_t
 ENGINE_CPU = 1

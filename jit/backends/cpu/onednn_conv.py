@@ -32,9 +32,11 @@ sequence (A/A 0.994-1.004): batch 1 34.88 -> 31.60 ms (0.907), batch 2 59.58 -> 
 the 7x7 stem's jit:avx512_core) on both sides, results bit-equal.
 
 What is rewritten: the channels-last forms alone (`CONV_UNARY`, and `CONV_BINARY_INPLACE`
-whose residual is already written in place, Note [Residual add in place]), fp32,
-ungrouped, with an activation oneDNN's eltwise post-ops compute as torch's does. The
-NCHW forms, grouped, bf16 and not-in-place residual convolutions keep torch's calls.
+whose residual is already written in place, Note [Residual add in place]), ungrouped,
+fp32 or bf16 (a bf16 chain's, Note [bf16 convolution chains]: input, weight and result
+bf16, the bias as the fused op had it), with an activation oneDNN's eltwise post-ops
+compute as torch's does. The NCHW forms, grouped and not-in-place residual convolutions
+keep torch's calls.
 Primitives are built when the kernel is compiled, for the input shapes its probes name
 (every batch of a family's range, as conv.py packs for, Note [Conv weights for one row
 or many]); a shape not built (a family whose spatial dims vary) runs torch's fused call
@@ -74,6 +76,7 @@ class ConvSpec:
     dilation: tuple[int, int]
     residual: bool
     eltwise: tuple[int, float, float] | None
+    dtype: torch.dtype = torch.float32        # of the input, weight and result
 
 
 def eltwise_of(attr: str, scalars: list, algorithm: str) -> tuple | None | str:
@@ -100,10 +103,14 @@ def eltwise_of(attr: str, scalars: list, algorithm: str) -> tuple | None | str:
     return ""
 
 
-def _md(lib, dims, tag: int) -> ctypes.c_void_p:
+_DATA_TYPES = {torch.float32: api.F32, torch.bfloat16: api.BF16}
+
+
+def _md(lib, dims, tag: int, dtype: torch.dtype = torch.float32) -> ctypes.c_void_p:
     md = ctypes.c_void_p()
     api.check(lib.dnnl_memory_desc_create_with_tag(ctypes.byref(md), len(dims),
-                                                   api.Dims(*dims), api.F32, tag), "md")
+                                                   api.Dims(*dims), _DATA_TYPES[dtype], tag),
+              "md")
     return md
 
 
@@ -121,8 +128,8 @@ class _Weights:
                                          ctypes.c_void_p(self.tensor.data_ptr())), "memory")
         self.md = ctypes.c_void_p()   # owned by the memory object
         api.check(lib.dnnl_memory_get_memory_desc(self.memory, ctypes.byref(self.md)), "md")
-        plain = weight.detach().float().contiguous()
-        plain_md = _md(lib, plain.shape, api.TAG_OIHW)
+        plain = weight.detach().contiguous()
+        plain_md = _md(lib, plain.shape, api.TAG_OIHW, plain.dtype)
         source, reorder_pd, reorder = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         try:
             api.check(lib.dnnl_memory_create(ctypes.byref(source), plain_md, library.engine,
@@ -170,16 +177,20 @@ class ConvPrimitive:
         ow = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
         self.in_shape, self.out_shape = tuple(shape), (n, oc, oh, ow)
         engine = library.engine
-        mds = [_md(lib, shape, api.TAG_NHWC), _md(lib, weight.shape, api.TAG_ANY),
-               _md(lib, [oc], api.TAG_A), _md(lib, self.out_shape, api.TAG_NHWC)]
+        self.dtype = dtype = spec.dtype
+        # the bias as the fused op had it (fp32, or the input's type where torch cast it)
+        self.bias = None if bias is None else bias.detach().contiguous()
+        mds = [_md(lib, shape, api.TAG_NHWC, dtype), _md(lib, weight.shape, api.TAG_ANY, dtype),
+               _md(lib, [oc], api.TAG_A, torch.float32 if bias is None else self.bias.dtype),
+               _md(lib, self.out_shape, api.TAG_NHWC, dtype)]
         src, weights_any, bias_md, dst = mds
         post_ops, attr, pd = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         self._prim = ctypes.c_void_p()
-        self.bias = None if bias is None else bias.detach().float().contiguous()
         try:
             api.check(lib.dnnl_post_ops_create(ctypes.byref(post_ops)), "post-ops")
             if spec.residual:
-                api.check(lib.dnnl_post_ops_append_sum(post_ops, 1.0, 0, api.F32), "sum")
+                api.check(lib.dnnl_post_ops_append_sum(post_ops, 1.0, 0, _DATA_TYPES[dtype]),
+                          "sum")
             if spec.eltwise is not None:
                 api.check(lib.dnnl_post_ops_append_eltwise(post_ops, *spec.eltwise), "eltwise")
             api.check(lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "attr")
@@ -230,7 +241,8 @@ class ConvPrimitive:
         if into is not None and not into.is_contiguous(memory_format=_CL):
             into.copy_(self.run(x, into.contiguous(memory_format=_CL)))
             return into
-        out = torch.empty(self.out_shape, memory_format=_CL) if into is None else into
+        out = (torch.empty(self.out_shape, dtype=self.dtype, memory_format=_CL)
+               if into is None else into)
         lib = self._lib
         with self._lock:
             lib.dnnl_memory_set_data_handle(self._src, x.data_ptr())
@@ -380,17 +392,23 @@ def conv_primitives(spec: SpecializedRegion) -> tuple[SpecializedRegion, str]:
         x, weight, bias = op.args[0], op.args[2 if into else 1], op.args[3 if into else 2]
         conv_spec = _spec_of(op)
         reason = conv_spec if isinstance(conv_spec, str) else ""
-        if not reason and not (isinstance(weight, Literal)
-                               and _weight_dtype(weight.value) == torch.float32):
-            reason = "not fp32"
+        dtype = _weight_dtype(weight.value) if isinstance(weight, Literal) else None
+        if not reason and dtype not in _DATA_TYPES:
+            reason = f"weight {dtype}"
         if not reason and not isinstance(x, Var):
             reason = "input not a register"
+        if not reason and any(t.dtype != dtype for t in probe_tensors(spec.abstract, x.reg)):
+            reason = "input and weight of other types"
+        if not reason and isinstance(bias.value, torch.Tensor) \
+                and bias.value.dtype not in (torch.float32, dtype):
+            reason = f"bias {bias.value.dtype}"
         if reason:
             kept[reason] = kept.get(reason, 0) + 1
             continue
         shapes, covered = _shapes(spec.abstract, x.reg)
         try:
-            conv = PrimitiveConv(library, weight.value, bias.value, conv_spec, shapes,
+            conv = PrimitiveConv(library, weight.value, bias.value,
+                                 dataclasses.replace(conv_spec, dtype=dtype), shapes,
                                  None if covered else torch_fallback(op))
         except api.OnednnError as exc:
             kept[str(exc)] = kept.get(str(exc), 0) + 1
