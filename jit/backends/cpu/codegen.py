@@ -387,7 +387,7 @@ def _channels_last(spec: SpecializedRegion, program, constants, device, name: st
     if options.precision == "bf16":  # Note [bf16 convolution chains]
         plan, bf16_note = bf16_chains(plan, options.prepacked)
         plan_note += bf16_note
-    # Note [oneDNN primitives built once]: the fp32 fused convolutions left in the chains
+    # Note [oneDNN primitives built once]: the chains' fused convolutions, fp32 or bf16
     primitives, primitives_note = conv_primitives(plan.spec)
     plan = dataclasses.replace(plan, spec=primitives)
     plan_note += primitives_note
