@@ -16,12 +16,17 @@ to 7 ms at p99, measured in a served replica, docs/bench_log.md, issue 33, 2026-
 
 So a replica whose JIT compiles locally (no fleet: with one, the families come from the
 store before it is ready, Note [Fleet promotion]) runs rounds of synthetic sequences
-through its own scheduler first, in the shapes traffic makes: half the rows at once,
-then the other half joining while the first decode (prompt chunks beside running rows),
-prompt lengths spread up to a few step budgets, outputs of different lengths so that
-rows leave one by one. It stops when a whole round ran no region interpreted and the JIT
-has nothing queued or on probation (`Runtime.settled`), or after
-`SchedulerConfig.warm_seconds` (probation ends on calls, so an unsettled JIT gets
+through its own scheduler first, in the shapes traffic makes: some rows at once, then
+the others joining while the first decode (prompt chunks beside running rows), prompt
+lengths spread up to a few step budgets, outputs of different lengths so that rows
+leave one by one. Rounds take turns at how many rows start at once: half of them, one,
+three. With half only, no step had one or a few running rows beside a prompt chunk, and
+the first pass of traffic promoted and compiled that family (the packed step's
+[5..16] tokens returning [1] row) while it ran: served, a pass with 4 compiles read
+ITL p99/p50 2.99 where the passes after it, with none, read 1.66-1.94 (docs/bench_log.md,
+issue 33, 15:17 UTC). It stops when a round of each kind in a row ran no region
+interpreted with the JIT having nothing queued or on probation (`Runtime.settled`), or
+after `SchedulerConfig.warm_seconds` (probation ends on calls, so an unsettled JIT gets
 another round rather than a wait). The synthetic sequences count nowhere: the scheduler's
 counters are zeroed after, and metrics are off while they run; what the warm-up did is
 the replica's `warm` stat. Greedy and seeded by nothing: their tokens are not read.
@@ -48,7 +53,7 @@ def warm_scheduler(scheduler, seconds: float) -> dict:
     started = time.monotonic()
     deadline = started + seconds
     metrics, scheduler.metrics = scheduler.metrics, None
-    rounds = sequences = 0
+    rounds = sequences = clean = 0
     specialized = False
     try:
         while time.monotonic() < deadline:
@@ -56,8 +61,10 @@ def warm_scheduler(scheduler, seconds: float) -> dict:
             sequences += _round(scheduler, rounds, deadline)
             rounds += 1
             specialized = runtime.region_calls()[1] == before
-            # Probation ends on calls, so an unsettled JIT gets another round, not a wait.
-            if specialized and runtime.settled():
+            # Probation ends on calls, so an unsettled JIT gets another round, not a wait;
+            # done once a round of each kind (Note [Warm before ready]) ran specialized.
+            clean = clean + 1 if specialized and runtime.settled() else 0
+            if clean >= len(_FIRST_GROUPS):
                 break
     finally:
         scheduler.metrics = metrics
@@ -70,7 +77,8 @@ def warm_scheduler(scheduler, seconds: float) -> dict:
 
 
 def _round(scheduler, index: int, deadline: float) -> int:
-    """One round: half the rows, then the other half joining while they decode."""
+    """One round: some of the rows (_FIRST_GROUPS), then the others joining while they
+    decode."""
     rows = max(1, min(scheduler.max_sequences, scheduler.config.max_waiting))
     config = scheduler.config
     longest_prompt = max(1, min(scheduler.max_prompt_tokens,
@@ -81,7 +89,7 @@ def _round(scheduler, index: int, deadline: float) -> int:
         new = max(1, min(4 + (5 * i + 3 * index) % 29, scheduler.max_length - prompt))
         requests.append(GenerationRequest(tuple(3 + (t % 5) for t in range(prompt)), new,
                                           stop_token_ids=()))
-    first = (rows + 1) // 2
+    first = _FIRST_GROUPS[index % len(_FIRST_GROUPS)](rows)
     for request in requests[:first]:
         scheduler.submit(request, _ignore)
     _wait(lambda: not scheduler.occupancy()["prompting"] and
@@ -90,6 +98,14 @@ def _round(scheduler, index: int, deadline: float) -> int:
         scheduler.submit(request, _ignore)
     scheduler.wait_idle(max(0.0, deadline - time.monotonic()))
     return rows
+
+
+# How many of a round's rows start at once (the rest join while they decode): half of
+# them, one, three: a step's rows returned R (the running rows plus the prompts it
+# completes) then falls in each of the JIT's buckets beside prompt chunks, as traffic
+# makes them (Note [Warm before ready]).
+_FIRST_GROUPS = ((lambda rows: (rows + 1) // 2), (lambda rows: 1),
+                 (lambda rows: min(3, rows)))
 
 
 def _wait(condition, deadline: float) -> bool:
