@@ -14,6 +14,7 @@ attention's, whose scores over unit-scale operands reach tens (a sharp softmax),
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -91,6 +92,30 @@ def test_the_norm_and_the_gated_product_inside_the_gemm_call(input_major):
         torch.testing.assert_close(
             native_decode.norm_linear(view, [64], None, None, stored, None, None,
                                       input_major), want, rtol=1e-4, atol=2e-4)
+
+
+@needs_kernels
+def test_the_norm_of_the_picked_rows_equals_index_after_the_norm():
+    torch.manual_seed(9)
+    for tokens, picks in ((1, [0]), (7, [6]), (9, [2, 5, 8]), (4, [-1, 0])):
+        x, weight = torch.randn(1, tokens, 48), torch.randn(48)
+        pick = torch.tensor(picks)
+        _close(native_decode.rms_norm_rows(x, [48], weight, 1e-6, pick),
+               torch.rms_norm(x, [48], weight, 1e-6)[:, pick])
+    with pytest.raises(IndexError):
+        native_decode.rms_norm_rows(x, [48], weight, 1e-6, torch.tensor([4]))
+
+
+@needs_kernels
+def test_the_rotary_table_equals_torchs_within_an_ulp():
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    for positions in ([0], [5], [1, 2, 3, 160], [2047]):
+        at = torch.tensor(positions)
+        cos, sin = native_decode.rotary_table(at, inv_freq, 1.0, 0.5)
+        freqs = at[None, :, None].float() * inv_freq
+        both = torch.cat([freqs, freqs], -1)
+        torch.testing.assert_close(cos, both.cos(), rtol=0, atol=1.2e-7)
+        torch.testing.assert_close(sin, both.sin() * 0.5, rtol=0, atol=1.2e-7)
 
 
 def _layer_operands(heads, kv_heads, dim, slots, capacity, seed):
@@ -219,12 +244,16 @@ def test_dense_decode_kernels_use_them_and_tokens_equal_hf(kind):
     assert one_row, "no kernel ran a one-row attention step"
     source = one_row[0].split("\ndef ")[-1]   # one body (an arena's kernel has two)
     assert source.count("= native_attention_qkv") == 2   # from the QKV row, no views
-    # tiny weights stay on torch's GEMMs, so every norm and product is a call of its own
-    assert source.count("= native_rms_norm") == 5 and source.count("= native_silu_mul") == 2
+    # tiny weights stay on torch's GEMMs, so every norm and product is a call of its own,
+    # the last norm on the row the head reads
+    assert len(re.findall(r"= native_rms_norm\d", source)) == 4
+    assert source.count("= native_silu_mul") == 2
+    assert source.count("= native_rms_norm_rows") == 1
+    assert source.count("= native_rotary_table") == 1   # cos and sin, once a step
     calls = [line for line in source.splitlines() if not line.lstrip().startswith("#")]
     assert not any(f"= {name}" in line for line in calls
                    for name in ("ROTARY", "KV_APPEND", "DECODE_ATTN", "RMS_NORM", "SILU_MUL",
-                                "SPLIT_WITH_SIZES", "PERMUTE", "CLONE"))
+                                "SPLIT_WITH_SIZES", "PERMUTE", "CLONE", "COS", "CAT"))
 
 
 @needs_kernels
@@ -256,5 +285,7 @@ def test_streamed_weights_take_the_norm_and_the_product_into_their_gemv_calls():
     # post-attention norm, the down projection the gated product
     assert source.count("= native_norm_linear") == 4
     assert source.count("= native_silu_mul_linear") == 2
-    # the final norm, read by the last-token pick before the head, stays a call
-    assert source.count("= native_rms_norm") == 1
+    # the final norm, read by the last-token pick before the head, on that row alone
+    assert source.count("= native_rms_norm_rows") == 1
+    assert not any("= INDEX" in line for line in source.splitlines()
+                   if not line.lstrip().startswith("#"))

@@ -21,7 +21,11 @@ NATIVE_ATTENTION_ROW = "NATIVE_ATTENTION_ROW"
 NATIVE_ATTENTION_QKV = "NATIVE_ATTENTION_QKV"
 NATIVE_NORM_LINEAR = "NATIVE_NORM_LINEAR"
 NATIVE_SILU_MUL_LINEAR = "NATIVE_SILU_MUL_LINEAR"
-DECODE_KERNELS = {NATIVE_NORM_LINEAR: native_decode.norm_linear,
+NATIVE_RMS_NORM_ROWS = "NATIVE_RMS_NORM_ROWS"
+NATIVE_ROTARY_TABLE = "NATIVE_ROTARY_TABLE"
+DECODE_KERNELS = {NATIVE_ROTARY_TABLE: native_decode.rotary_table,
+                  NATIVE_RMS_NORM_ROWS: native_decode.rms_norm_rows,
+                  NATIVE_NORM_LINEAR: native_decode.norm_linear,
                   NATIVE_SILU_MUL_LINEAR: native_decode.silu_mul_linear,
                   NATIVE_RMS_NORM: native_decode.rms_norm,
                   NATIVE_SILU_MUL: native_decode.silu_mul,
@@ -65,6 +69,8 @@ def fuse_decode_ops(spec: SpecializedRegion, constants,
     new_ops = _without_dead_views(
         [replaced.get(i, op) for i, op in enumerate(ops) if i not in removed], leaving)
     new_ops, folded = _prologues_folded(new_ops, leaving)
+    new_ops, picked = _picked_norms(new_ops, leaving, spec.abstract)
+    new_ops, tables = _rotary_tables(new_ops, leaving, constants, spec.abstract)
     new_ops = add_frees(new_ops, leaving)
     note = ("dynvm's C kernels (Note [A decode step's small ops in C]): "
             f"{counts[NATIVE_RMS_NORM]} RMS_NORM, {counts[NATIVE_SILU_MUL]} SILU_MUL, "
@@ -72,7 +78,9 @@ def fuse_decode_ops(spec: SpecializedRegion, constants,
             "attention step(s) (ROTARY x2, KV_APPEND x2, DECODE_ATTN), "
             f"{counts[NATIVE_ATTENTION_QKV]} of them read from the QKV projection's row "
             f"with their views; {folded} of the norms and products computed inside the "
-            "small-M GEMM call that reads them")
+            f"small-M GEMM call that reads them; {picked} norm(s) of the rows an INDEX "
+            f"picks computed on those rows alone; {tables} rotary cos/sin table(s) in one "
+            "call")
     return FusionResult(dataclasses.replace(spec, ops=tuple(new_ops)), (note,))
 
 
@@ -197,6 +205,137 @@ def _prologues_folded(ops, leaving) -> tuple[list, int]:
                                     small.source_pc, variant="+".join([_VARIANT, *pcs]))
         removed.add(at)
     return [replaced.get(i, op) for i, op in enumerate(ops) if i not in removed], len(removed)
+
+
+def _picked_norms(ops, leaving, probes) -> tuple[list, int]:
+    """`ops` with each NATIVE_RMS_NORM of [1, N, W] whose one reader is INDEX(normed,
+    (False, True), [pick]) (the rows a step returns logits for) as one NATIVE_RMS_NORM_ROWS
+    at the INDEX's place, and how many were."""
+    uses = use_counts(ops, leaving)
+    producer = {dst: i for i, op in enumerate(ops) for dst in op.dsts}
+    replaced, removed = {}, set()
+    for position, op in enumerate(ops):
+        if (op.opcode != "INDEX" or op.variant or len(op.args) != 3
+                or op.args[1] != Literal((False, True)) or not isinstance(op.args[0], Var)
+                or not isinstance(op.args[2], list) or len(op.args[2]) != 1
+                or not isinstance(op.args[2][0], Var)):
+            continue
+        normed, pick = op.args[0], op.args[2][0]
+        at = producer.get(normed.reg, -1)
+        if at < 0 or ops[at].opcode != NATIVE_RMS_NORM or uses.get(normed.reg) != 1:
+            continue
+        norm = ops[at]
+        rows, picks = probe_tensors(probes, norm.args[0].reg), probe_tensors(probes, pick.reg)
+        if rows is None or picks is None or any(
+                r.dim() != 3 or r.shape[0] != 1 or p.dim() != 1 or p.dtype != torch.int64
+                for r, p in zip(rows, picks)):
+            continue
+        if any(norm.args[0] == Var(d) or d == pick.reg for o in ops[at + 1:position]
+               for d in o.dsts) or any(o.variant == "inplace" and o.args
+                                      and o.args[0] == norm.args[0]
+                                      for o in ops[at + 1:position]):
+            continue
+        replaced[position] = SpecOp(NATIVE_RMS_NORM_ROWS, op.dsts, (*norm.args, pick),
+                                    norm.source_pc, variant=f"{_VARIANT}+{op.source_pc}")
+        removed.add(at)
+    return [replaced.get(i, op) for i, op in enumerate(ops) if i not in removed], len(removed)
+
+
+def _rotary_tables(ops, leaving, constants, probes) -> tuple[list, int]:
+    """`ops` with each rotary table, UNSQUEEZE(UNSQUEEZE(positions, 0), 2) -> TO_COPY
+    float32 -> MUL by the constant inverse frequencies -> CAT([f, f], -1) -> COS and SIN
+    (each then times a scalar), as one NATIVE_ROTARY_TABLE at the last of them, and how
+    many were (Llama-style rotary embeddings, computed once a step)."""
+    uses = use_counts(ops, leaving)
+    producer = {dst: i for i, op in enumerate(ops) for dst in op.dsts}
+    readers: dict[int, list[int]] = {}
+    for i, op in enumerate(ops):
+        for v in flat_values(op.args):
+            if isinstance(v, Var):
+                readers.setdefault(v.reg, []).append(i)
+    replaced, removed = {}, set()
+    for position in range(len(ops)):
+        found = _rotary_chain(ops, position, uses, producer, readers, constants, probes)
+        if found is None:
+            continue
+        chain, new = found
+        last = max(chain)
+        replaced[last] = new
+        removed |= chain - {last}
+    return [replaced.get(i, op) for i, op in enumerate(ops) if i not in removed], len(replaced)
+
+
+def _rotary_chain(ops, position, uses, producer, readers, constants, probes):
+    cat = ops[position]
+    if (cat.opcode != "CAT" or cat.variant or len(cat.args) != 2 or cat.args[1] != Literal(-1)
+            or not isinstance(cat.args[0], list) or len(cat.args[0]) != 2
+            or cat.args[0][0] != cat.args[0][1] or not isinstance(cat.args[0][0], Var)):
+        return None
+    freqs = cat.args[0][0]
+    mul = producer.get(freqs.reg, -1)
+    if mul < 0 or uses.get(freqs.reg) != 2 or ops[mul].opcode != "MUL" or ops[mul].variant:
+        return None
+    floats, inv = ops[mul].args
+    inv_value = constants[inv.index] if isinstance(inv, ConstRef) else None
+    if not (isinstance(inv_value, torch.Tensor) and inv_value.dtype == torch.float32
+            and inv_value.is_contiguous()):
+        return None
+    chain = [position, mul]
+    value = floats
+    for opcode, check in (("TO_COPY", lambda o: o.args[1:] == (
+            Literal(torch.float32), Literal(None), Literal(None))),
+            ("UNSQUEEZE", lambda o: o.args[1] == Literal(2)),
+            ("UNSQUEEZE", lambda o: o.args[1] == Literal(0))):
+        at = _single_producer(ops, producer, uses, value, opcode)
+        if at is None or not check(ops[at]):
+            return None
+        chain.append(at)
+        value = ops[at].args[0]
+    positions = value
+    both = Var(cat.dsts[0])
+    if not isinstance(positions, Var) or uses.get(both.reg) != 2:
+        return None
+    outs, scales = {}, {}
+    for reader in readers.get(both.reg, []):
+        trig = ops[reader]
+        if trig.opcode not in ("COS", "SIN") or len(trig.args) != 1 or trig.variant not in (
+                "", "inplace") or trig.opcode in outs:
+            return None
+        chain.append(reader)
+        result, scale = trig.dsts[0], 1.0
+        after = readers.get(result, [])
+        if uses.get(result) == 1 and len(after) == 1 and ops[after[0]].opcode == "MUL" \
+                and ops[after[0]].variant in ("", "inplace") \
+                and ops[after[0]].args[0] == Var(result) \
+                and isinstance(ops[after[0]].args[1], Literal) \
+                and isinstance(ops[after[0]].args[1].value, int | float):
+            chain.append(after[0])
+            result, scale = ops[after[0]].dsts[0], float(ops[after[0]].args[1].value)
+        outs[trig.opcode], scales[trig.opcode] = result, scale
+    if set(outs) != {"COS", "SIN"}:
+        return None
+    tables = probe_tensors(probes, both.reg)
+    points = probe_tensors(probes, positions.reg)
+    if tables is None or points is None or any(
+            p.dim() != 1 or p.dtype != torch.int64 or t.dtype != torch.float32
+            or t.shape != (1, p.shape[0], 2 * inv_value.numel())
+            for t, p in zip(tables, points)):
+        return None
+    span = set(chain)
+    if any(positions.reg in ops[i].dsts or (ops[i].variant == "inplace" and ops[i].args
+                                            and ops[i].args[0] == positions)
+           for i in range(min(span), max(span)) if i not in span):
+        return None
+    # the two results come out of one op: nothing may read either before the last
+    last = max(span)
+    if any(i < last and i not in span for r in outs.values() for i in readers.get(r, [])):
+        return None
+    new = SpecOp(NATIVE_ROTARY_TABLE, (outs["COS"], outs["SIN"]),
+                 (positions, inv, Literal(scales["COS"]), Literal(scales["SIN"])),
+                 ops[min(span)].source_pc,
+                 variant="+".join([_VARIANT, *(str(ops[i].source_pc)
+                                               for i in sorted(span - {min(span)}))]))
+    return span, new
 
 
 def _single_producer(ops, producer, uses, value, opcode):

@@ -54,6 +54,10 @@ if _LIBRARY is not None:
     _LIBRARY.dynvm_prologue_linear.argtypes = [ctypes.c_int, _P, _L, _L, _L, _P, _F,
                                                ctypes.c_int, _P, _L, _L, _P, _P, _L, _P, _L]
     _LIBRARY.dynvm_prologue_linear.restype = ctypes.c_int
+    _LIBRARY.dynvm_rms_norm_rows.argtypes = [_P, _L, _P, _L, _L, _P, _F, _P]
+    _LIBRARY.dynvm_rms_norm_rows.restype = ctypes.c_int
+    _LIBRARY.dynvm_rotary_table.argtypes = [_P, _L, _P, _L, _F, _F, _P, _P]
+    _LIBRARY.dynvm_rotary_table.restype = None
 
 
 def available() -> bool:
@@ -218,3 +222,41 @@ def silu_mul_linear(x, weight, bias, add, input_major):
         if y is not None:
             return y
     return small_m_linear(silu_mul(x), weight, bias, add, input_major)
+
+
+def rms_norm_rows(x, normalized_shape, weight, eps, pick):
+    """`rms_norm(x)[:, pick]` for x [1, N, W] and pick [R] int64 (INDEX over dim 1 of the
+    normed rows: the rows whose logits a step returns), normalizing only the picked rows,
+    in one C call."""
+    width = x.shape[-1]
+    if (x.dim() == 3 and x.shape[0] == 1 and x.dtype == torch.float32 and x.is_contiguous()
+            and len(normalized_shape) == 1 and normalized_shape[0] == width
+            and pick.dim() == 1 and pick.dtype == torch.int64 and pick.is_contiguous()
+            and (weight is None or (weight.dtype == torch.float32 and weight.is_contiguous()
+                                    and weight.numel() == width))):
+        y = x.new_empty((1, pick.shape[0], width))
+        failed = _LIBRARY.dynvm_rms_norm_rows(
+            x.data_ptr(), x.shape[1], pick.data_ptr(), pick.shape[0], width,
+            None if weight is None else weight.data_ptr(),
+            torch.finfo(torch.float32).eps if eps is None else eps, y.data_ptr())
+        if not failed:
+            return y
+    return rms_norm(x, normalized_shape, weight, eps)[:, pick]
+
+
+def rotary_table(positions, inv_freq, cos_scale, sin_scale):
+    """(cos, sin), each [1, N, D]: `cat(f, f).cos() * cos_scale` and the same with sin,
+    for f = positions[None, :, None].float() * inv_freq (positions [N] int64, inv_freq
+    D / 2 floats), in one C call."""
+    half = inv_freq.numel()
+    n = positions.shape[0] if positions.dim() == 1 else -1
+    if (n >= 0 and positions.dtype == torch.int64 and positions.is_contiguous()
+            and inv_freq.dtype == torch.float32 and inv_freq.is_contiguous()):
+        cos = torch.empty(1, n, 2 * half)
+        sin = torch.empty(1, n, 2 * half)
+        _LIBRARY.dynvm_rotary_table(positions.data_ptr(), n, inv_freq.data_ptr(), half,
+                                    cos_scale, sin_scale, cos.data_ptr(), sin.data_ptr())
+        return cos, sin
+    freqs = positions[None, :, None].float() * inv_freq
+    both = torch.cat([freqs, freqs], -1)
+    return both.cos() * cos_scale, both.sin() * sin_scale

@@ -197,3 +197,35 @@ int dynvm_prologue_linear(int prologue, const float* x, long ldx, long M, long K
   free(rows);
   return 0;
 }
+
+/* The RMS norm of the rows `pick` selects among N (the last token of each sequence,
+   picked before the LM head): y[r] = rms_norm(x[pick[r]]). Returns 1 (nothing written)
+   for an index outside -N..N-1, which the caller's operations then report. */
+AVX512 int dynvm_rms_norm_rows(const float* x, long N, const long* pick, long R, long K,
+                               const float* w, float eps, float* y) {
+  for (long r = 0; r < R; r++)
+    if (pick[r] < -N || pick[r] >= N) return 1;
+  for (long r = 0; r < R; r++) {
+    long row = pick[r] < 0 ? pick[r] + N : pick[r];
+    dynvm_rms_norm(x + row * K, K, 1, K, w, eps, y + r * K, K);
+  }
+  return 0;
+}
+
+/* Rotary embedding's cos and sin tables for N positions: f = float(pos[n]) * inv[i] for
+   the half = D / 2 frequencies, repeated over both halves of the D dims (cat(f, f)),
+   times the model's attention scaling. glibc's cosf and sinf where torch's vectorized
+   ones are used: both within 1 ulp, so a value may differ in its last bit. */
+void dynvm_rotary_table(const long* pos, long N, const float* inv, long half,
+                        float cos_scale, float sin_scale, float* cos_out, float* sin_out) {
+  for (long n = 0; n < N; n++) {
+    float p = (float)pos[n];
+    float* c = cos_out + n * 2 * half;
+    float* s = sin_out + n * 2 * half;
+    for (long i = 0; i < half; i++) {
+      float f = p * inv[i];
+      c[i] = c[i + half] = cosf(f) * cos_scale;
+      s[i] = s[i + half] = sinf(f) * sin_scale;
+    }
+  }
+}
