@@ -242,6 +242,26 @@ def test_a_residual_is_written_into_and_a_shape_not_built_runs_torchs_call():
         covered(torch.randn(3, 4, 6, 6))
 
 
+@needs_library
+def test_kernels_with_one_weight_share_its_reordered_copies():
+    # two kernels (batches) of one convolution read one reordered copy per layout
+    gen = torch.Generator().manual_seed(29)
+    weight, bias = torch.randn(16, 8, 3, 3, generator=gen), torch.randn(16, generator=gen)
+    spec = ConvSpec((1, 1), (1, 1), (1, 1), False, None)
+    library = onednn_api.library()
+    first = PrimitiveConv(library, _packed(weight, [1, 1], [1, 1], [1, 1], [1, 8, 10, 10]),
+                          bias, spec, [(1, 8, 10, 10)])
+    second = PrimitiveConv(library, _packed(weight, [1, 1], [1, 1], [1, 1], [2, 8, 10, 10]),
+                           bias, spec, [(1, 8, 10, 10), (2, 8, 10, 10)])
+    assert second.by_shape[(1, 8, 10, 10)].weights is first.by_shape[(1, 8, 10, 10)].weights
+    other = PrimitiveConv(library, _packed(weight + 1, [1, 1], [1, 1], [1, 1],
+                                           [1, 8, 10, 10]), bias, spec, [(1, 8, 10, 10)])
+    assert other.by_shape[(1, 8, 10, 10)].weights is not first.by_shape[(1, 8, 10, 10)].weights
+    for conv in (first, second):
+        x = torch.randn(1, 8, 10, 10, generator=gen)
+        torch.testing.assert_close(conv(x), nn.functional.conv2d(x, weight, bias, 1, 1), **TOL)
+
+
 def test_activations_without_an_equal_post_op_stay_on_torch():
     assert eltwise_of("none", [], "") is None
     assert eltwise_of("hardswish", [], "") == ""
