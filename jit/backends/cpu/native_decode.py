@@ -11,14 +11,30 @@ add, rsqrt, mul, mul), DECODE_ATTN 4 x 84 us, ROTARY 8 x 28 us, SILU_MUL 4 x 43 
 KV_APPEND 8 x 17 us, SPLIT_WITH_SIZES 4 x 27 us: ~1.0 ms, 7.5% of the step, and the
 whole of the margin to CTranslate2 at batch 1.
 
-So the CPU backend (decode_fusion) rewrites, where the native library runs (AVX-512F):
+So under cpu_fusion="dense" (a generator's JIT, Note [Dense weights only]) the CPU
+backend (decode_fusion) rewrites, where the native library runs (AVX-512F):
 - RMS_NORM (last-dim weight, float32) and SILU_MUL of at most `MAX_ROWS` rows into one
-  C call each (`rms_norm`, `silu_mul`);
+  C call each (`rms_norm`, `silu_mul`), and where the one reader of either is a GEMM on
+  the small-M kernel, into that GEMM's call (`norm_linear`, `silu_mul_linear`: the rows
+  into a scratch buffer, then the GEMM);
 - one row's attention step, ROTARY of the query and of the new key, KV_APPEND of the key
   and of the value, and DECODE_ATTN (batch 1, one new token), into one C call
   (`attention_row`) that embeds the two, writes them into the cache at the row's slot
   and position, and attends the query heads over the slot's first `length` keys
-  (grouped heads read their shared key/value head, no copy).
+  (grouped heads read their shared key/value head, no copy); where the three come from
+  one projection's row by SPLIT_WITH_SIZES, VIEW and PERMUTE, and the result goes on by
+  PERMUTE, CLONE and VIEW, the call reads the row and writes the flat result itself
+  (`attention_qkv`), and cos and sin's UNSQUEEZEs go too;
+- the rotary cos/sin table (positions -> float -> times the inverse frequencies -> cat
+  -> COS and SIN, each times the scaling: 9 ops) into one call (`rotary_table`), and the
+  final norm with the INDEX that picks the rows the head reads into one
+  (`rms_norm_rows`).
+The bench Llama's B=1 decode kernel goes from 119 operations to 26 calls; what is left
+beside the GEMVs (10.97 of 11.31 ms) is 0.34 ms, 0.23 of it the four attention steps
+(measured as above, 15:30 UTC, load 2.4). A/B in one process (two generators over the
+same programs, this pass off and on, 8 generations interleaved, 15:06 UTC, load 2.8-3.9):
+step p50 12.98 -> 11.80 ms (1.095x tokens/s), tokens equal; B=4 1.016x, B=16 1.012x
+(15:15-15:20, load 1.6-2.2).
 Each wrapper checks what the C code assumes (float32, contiguous rows, operands in
 range) and otherwise runs the original operations, which compute (or raise) exactly as
 the interpreter does. Results agree with torch's to float32 rounding, not bit for bit:

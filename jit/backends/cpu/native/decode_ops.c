@@ -84,7 +84,8 @@ AVX512 void dynvm_silu_mul(const float* x, long ldx, long M, long F, float* y, l
 
 /* rotate_half's embedding of one head (D floats): x * cos + cat(-x2, x1) * sin, each
    product rounded before the sum (no fused multiply-add), as torch's ROTARY computes it:
-   the keys written into the cache are the interpreter's, bit for bit. */
+   given the same cos and sin, the keys written into the cache are the interpreter's, bit
+   for bit. */
 static __attribute__((optimize("fp-contract=off"))) void rotary(const float* x, const float* cs, const float* sn, long D,
                           float* out) {
   long half = D / 2;
