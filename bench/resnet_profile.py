@@ -79,17 +79,26 @@ def profile_jit(runtime, x, calls: int) -> list[tuple[str, str, float, int, list
 
 def onednn_verbose_lines(fn, calls: int) -> list[str]:
     """oneDNN's verbose lines (printed by the library to file descriptor 1) over `calls`
-    calls of `fn`, caught in a temporary file (a pipe could fill and block the writer)."""
+    calls of `fn`, caught in a temporary file (a pipe could fill and block the writer):
+    torch's oneDNN and, where loaded, the libdnnl that runs dynvm's primitives (Note
+    [oneDNN primitives built once])."""
+    from dynvm.jit.backends.cpu import onednn_api
+
     libc = ctypes.CDLL(None)
+    library = onednn_api.library()
     sys.stdout.flush()
     saved = os.dup(1)
     with tempfile.TemporaryFile() as caught:
         os.dup2(caught.fileno(), 1)
         try:
+            if library is not None:
+                library.dll.dnnl_set_verbose(1)     # exec lines, as torch's VERBOSE_ON
             with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
                 for _ in range(calls):
                     fn()
         finally:
+            if library is not None:
+                library.dll.dnnl_set_verbose(0)
             libc.fflush(None)   # the C library's stdout buffer, before fd 1 goes back
             os.dup2(saved, 1)
             os.close(saved)
@@ -224,6 +233,35 @@ def main(argv=None) -> int:
     return 0
 
 
+def primitive_times(fn, calls: int) -> dict:
+    """Per (input, weight) key: [ms per call summed, calls per call] of the JIT's
+    convolutions that run dynvm's oneDNN primitives (Note [oneDNN primitives built
+    once]): Python functions the operator profiler does not see, so timed here, wall
+    time around each call, over `calls` calls of `fn`."""
+    from dynvm.jit.backends.cpu.onednn_conv import PrimitiveConv
+
+    found: dict = defaultdict(lambda: [0.0, 0])
+    plain, into = PrimitiveConv.__call__, PrimitiveConv.into
+
+    def timed(method):
+        def run(self, x, *rest):
+            start = time.perf_counter()
+            try:
+                return method(self, x, *rest)
+            finally:
+                entry = found[(tuple(x.shape), self.weight_shape)]
+                entry[0] += (time.perf_counter() - start) * 1e3 / calls
+                entry[1] += 1
+        return run
+    PrimitiveConv.__call__, PrimitiveConv.into = timed(plain), timed(into)
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        PrimitiveConv.__call__, PrimitiveConv.into = plain, into
+    return {k: [ms, n // calls] for k, (ms, n) in found.items()}
+
+
 def _print_layers(rows, trace, jit, x, calls: int) -> None:
     """The per-layer table (Note [ResNet layers side by side])."""
     jit_convs: dict = defaultdict(lambda: [0.0, 0])
@@ -232,6 +270,9 @@ def _print_layers(rows, trace, jit, x, calls: int) -> None:
         if key is not None:
             jit_convs[key][0] += ms
             jit_convs[key][1] += count
+    for key, (ms, count) in primitive_times(lambda: jit(*x), calls).items():
+        jit_convs[key][0] += ms
+        jit_convs[key][1] += count
     ort_convs, runs = resnet_layers.ort_conv_times(trace)
     verbose_calls = 3
     onednn = resnet_layers.onednn_exec(onednn_verbose_lines(lambda: jit(*x), verbose_calls))

@@ -56,6 +56,7 @@ class _Version(ctypes.Structure):
 
 _SIGNATURES = {
     "dnnl_version": ([], ctypes.POINTER(_Version)),
+    "dnnl_set_verbose": ([ctypes.c_int], ctypes.c_int),
     "dnnl_engine_create": ([_pp, ctypes.c_int, ctypes.c_size_t], ctypes.c_int),
     "dnnl_stream_create": ([_pp, _p, ctypes.c_uint], ctypes.c_int),
     "dnnl_memory_desc_create_with_tag": ([_pp, ctypes.c_int, Dims, ctypes.c_int,

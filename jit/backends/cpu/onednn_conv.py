@@ -307,6 +307,7 @@ class PrimitiveConv:
                  shapes: list[tuple], fallback=None) -> None:
         self.spec = spec
         plain = _plain_weight(source)
+        self.weight_shape = tuple(plain.shape)
         self._weights = WeightLayouts.of(plain)
         self.by_shape = {s: ConvPrimitive(library, plain, bias, s, spec, self._weights)
                          for s in shapes}
