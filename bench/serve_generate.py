@@ -169,9 +169,9 @@ def _stream(port: int, path: str, body: dict, conn: http.client.HTTPConnection |
     return ttft, times, tokens, done and response.status == 200
 
 
-def _steps(port: int, prefix: str) -> tuple[int, int, int]:
-    """(decode steps, specialized steps, the step's JIT compiles) a dynvm replica has
-    counted."""
+def _steps(port: int, prefix: str) -> tuple[int, int, int, float]:
+    """(decode steps, specialized steps, the step's JIT compiles, their seconds) a dynvm
+    replica has counted."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         conn.request("GET", prefix + "/v2/models/gen/stats")
@@ -179,8 +179,9 @@ def _steps(port: int, prefix: str) -> tuple[int, int, int]:
     finally:
         conn.close()
     counters = stats["scheduler"]
-    return (counters["decode_steps"], counters["specialized_steps"],
-            stats.get("jit", {}).get("compiles", 0))
+    jit = stats.get("jit", {})
+    return (counters["decode_steps"], counters["specialized_steps"], jit.get("compiles", 0),
+            jit.get("compile_seconds", 0.0))
 
 
 def _play(trace: list[dict], clients: int, one) -> tuple[list, float]:
@@ -466,7 +467,8 @@ def main(argv=None) -> int:
                         after = _steps(ports[system], prefixes[system])
                         row.update(steps=after[0] - before[0],
                                    specialized_steps=after[1] - before[1],
-                                   jit_compiles=after[2] - before[2])
+                                   jit_compiles=after[2] - before[2],
+                                   jit_compile_s=round(after[3] - before[3], 3))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
         if args.out:

@@ -158,7 +158,8 @@ class GeneratorServer:
 
     def stats(self) -> dict:
         """Scheduler counters, occupancy, the latency snapshot and the step's JIT work
-        (promotions and compiles so far; settled: nothing queued or on probation)."""
+        (promotions, compiles and their seconds so far; settled: nothing queued or on
+        probation)."""
         return {"model": self.model_name, **as_dict(self.request_stats.counters),
                 "in_flight": self.request_stats.in_flight,
                 "scheduler": dict(self.scheduler.counters),
@@ -173,7 +174,7 @@ class GeneratorServer:
             return {}
         stats = runtime.stats()
         return {"promotions": stats["promotions"], "compiles": stats["compiles"],
-                "settled": runtime.settled()}
+                "compile_seconds": stats["compile_seconds"], "settled": runtime.settled()}
 
     # ------------------------------------------------------------------ HTTP
 

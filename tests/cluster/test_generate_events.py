@@ -119,7 +119,8 @@ def test_stats_show_the_steps_jit_work(served, tmp_path):
                              metrics_to_ray=False)
     try:
         work = warmed.stats()["jit"]
-        assert set(work) == {"promotions", "compiles", "settled"}, work
+        assert set(work) == {"promotions", "compiles", "compile_seconds", "settled"}, work
+        assert work["compile_seconds"] > 0, work
         assert work["promotions"] >= work["compiles"] >= 1, work
         assert work["settled"] == warmed.generator.step.settled()
     finally:
