@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import dynvm
-from dynvm.jit.backends.cpu import native_decode
+from dynvm.jit.backends.cpu import native_decode, native_linear
 from dynvm.vm.ops_fused import rotary_embed, silu_mul
 from dynvm.vm.ops_kv import decode_attention, kv_append
 from tests.generation._tiny import hf_greedy, left_padded, tiny_generator
@@ -116,6 +116,49 @@ def test_the_rotary_table_equals_torchs_within_an_ulp():
         both = torch.cat([freqs, freqs], -1)
         torch.testing.assert_close(cos, both.cos(), rtol=0, atol=1.2e-7)
         torch.testing.assert_close(sin, both.sin() * 0.5, rtol=0, atol=1.2e-7)
+
+
+@needs_kernels
+def test_a_decoder_layer_in_one_call_is_its_five_calls_bit_for_bit():
+    torch.manual_seed(11)
+    width, heads, kv_heads, dim, hidden = 96, 6, 2, 16, 80
+    h = torch.randn(1, 1, width)
+    norm1, norm2 = torch.randn(width), torch.randn(width)
+    qkv_w = torch.randn((heads + 2 * kv_heads) * dim, width) / width ** 0.5
+    o_w, o_b = torch.randn(width, heads * dim) / 10, torch.randn(width)
+    gu_w, d_w = torch.randn(2 * hidden, width) / 10, torch.randn(width, hidden) / 10
+    cos, sin = torch.randn(1, 1, dim), torch.randn(1, 1, dim)
+    keys, values = torch.randn(3, kv_heads, 20, dim), torch.randn(3, kv_heads, 20, dim)
+    at = (torch.tensor([1]), torch.tensor([7]), torch.tensor([8]))
+    mine, theirs = [keys.clone(), values.clone()], [keys.clone(), values.clone()]
+    h2, out = native_decode.decoder_layer_row(
+        h, [width], norm1, 1e-6, qkv_w, None, cos, sin, *mine, *at, None, heads, kv_heads,
+        o_w, o_b, [width], norm2, 1e-5, gu_w, None, d_w, None)
+    qkv = native_decode.norm_linear(h, [width], norm1, 1e-6, qkv_w, None, None, False)
+    attended = native_decode.attention_qkv(qkv, cos, sin, *theirs, *at, None, heads,
+                                           kv_heads, True)
+    want_h2 = native_linear.small_m_linear(attended, o_w, o_b, h, False)
+    gated = native_decode.norm_linear(want_h2, [width], norm2, 1e-5, gu_w, None, None, False)
+    want = native_decode.silu_mul_linear(gated, d_w, None, want_h2, False)
+    assert torch.equal(h2, want_h2) and torch.equal(out, want)
+    assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
+    # and against torch's own operations, to float32 rounding
+    fresh = [keys.clone(), values.clone()]
+    q, k, v = (part.view(1, 1, -1, dim).permute(0, 2, 1, 3) for part in
+               (torch.rms_norm(h, [width], norm1, 1e-6) @ qkv_w.t()).split(
+                   [heads * dim, kv_heads * dim, kv_heads * dim], -1))
+    attention = _reference(q, k, v, cos.unsqueeze(1), sin.unsqueeze(1), *fresh, *at, None)
+    torch_h2 = h + attention.permute(0, 2, 1, 3).reshape(1, 1, -1) @ o_w.t() + o_b
+    torch_out = torch_h2 + silu_mul(torch.rms_norm(torch_h2, [width], norm2, 1e-5)
+                                    @ gu_w.t()) @ d_w.t()
+    torch.testing.assert_close(h2, torch_h2, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, torch_out, rtol=1e-4, atol=1e-4)
+    # a slot past the state: the five calls run, and raise as the operations do
+    with pytest.raises(IndexError):
+        native_decode.decoder_layer_row(
+            h, [width], norm1, 1e-6, qkv_w, None, cos, sin, *mine, torch.tensor([3]),
+            *at[1:], None, heads, kv_heads, o_w, o_b, [width], norm2, 1e-5, gu_w, None,
+            d_w, None)
 
 
 def _layer_operands(heads, kv_heads, dim, slots, capacity, seed):
@@ -278,13 +321,14 @@ def test_streamed_weights_take_the_norm_and_the_product_into_their_gemv_calls():
             actual = generator.generate(ids, mask, max_new_tokens=8, stop_tokens=())
             assert torch.equal(actual, hf_greedy(model, ids, mask, 8, eos_token_id=None))
         sources = [a.source for a in generator.step.jit.artifacts.values()
-                   if "native_attention_qkv" in a.source]
+                   if "(1, 1) int64" in a.source.splitlines()[1]]   # the B=1 decode step
     assert sources
     source = sources[0].split("\ndef ")[-1]
-    # per layer: the QKV projection reads the input norm, the gate/up projection the
-    # post-attention norm, the down projection the gated product
-    assert source.count("= native_norm_linear") == 4
-    assert source.count("= native_silu_mul_linear") == 2
+    # per layer one call: the QKV projection reading the input norm, the attention
+    # step, the output projection with its residual, the gate/up projection reading the
+    # post-attention norm, the down projection reading the gated product
+    assert source.count("= native_decoder_layer_row") == 2
+    assert "= native_norm_linear" not in source and "= native_attention" not in source
     # the final norm, read by the last-token pick before the head, on that row alone
     assert source.count("= native_rms_norm_rows") == 1
     assert not any("= INDEX" in line for line in source.splitlines()

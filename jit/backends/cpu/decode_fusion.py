@@ -23,7 +23,9 @@ NATIVE_NORM_LINEAR = "NATIVE_NORM_LINEAR"
 NATIVE_SILU_MUL_LINEAR = "NATIVE_SILU_MUL_LINEAR"
 NATIVE_RMS_NORM_ROWS = "NATIVE_RMS_NORM_ROWS"
 NATIVE_ROTARY_TABLE = "NATIVE_ROTARY_TABLE"
-DECODE_KERNELS = {NATIVE_ROTARY_TABLE: native_decode.rotary_table,
+NATIVE_DECODER_LAYER_ROW = "NATIVE_DECODER_LAYER_ROW"
+DECODE_KERNELS = {NATIVE_DECODER_LAYER_ROW: native_decode.decoder_layer_row,
+                  NATIVE_ROTARY_TABLE: native_decode.rotary_table,
                   NATIVE_RMS_NORM_ROWS: native_decode.rms_norm_rows,
                   NATIVE_NORM_LINEAR: native_decode.norm_linear,
                   NATIVE_SILU_MUL_LINEAR: native_decode.silu_mul_linear,
@@ -71,6 +73,7 @@ def fuse_decode_ops(spec: SpecializedRegion, constants,
     new_ops, folded = _prologues_folded(new_ops, leaving)
     new_ops, picked = _picked_norms(new_ops, leaving, spec.abstract)
     new_ops, tables = _rotary_tables(new_ops, leaving, constants, spec.abstract)
+    new_ops, layers = _decoder_layers(new_ops, leaving, spec.abstract)
     new_ops = add_frees(new_ops, leaving)
     note = ("dynvm's C kernels (Note [A decode step's small ops in C]): "
             f"{counts[NATIVE_RMS_NORM]} RMS_NORM, {counts[NATIVE_SILU_MUL]} SILU_MUL, "
@@ -80,7 +83,7 @@ def fuse_decode_ops(spec: SpecializedRegion, constants,
             f"with their views; {folded} of the norms and products computed inside the "
             f"small-M GEMM call that reads them; {picked} norm(s) of the rows an INDEX "
             f"picks computed on those rows alone; {tables} rotary cos/sin table(s) in one "
-            "call")
+            f"call; {layers} whole decoder layer(s) of a one-token row in one call")
     return FusionResult(dataclasses.replace(spec, ops=tuple(new_ops)), (note,))
 
 
@@ -336,6 +339,55 @@ def _rotary_chain(ops, position, uses, producer, readers, constants, probes):
                  variant="+".join([_VARIANT, *(str(ops[i].source_pc)
                                                for i in sorted(span - {min(span)}))]))
     return span, new
+
+
+def _decoder_layers(ops, leaving, probes) -> tuple[list, int]:
+    """`ops` with each run of five consecutive calls that is one decoder layer of a
+    one-token row (norm + QKV GEMV, attention step, output GEMV + residual, norm +
+    gate/up GEMV, gated product + down GEMV + residual) as one NATIVE_DECODER_LAYER_ROW,
+    and how many were."""
+    uses = use_counts(ops, leaving)
+    out, layers, position = [], 0, 0
+    while position < len(ops):
+        group = ops[position:position + 5]
+        args = _layer_args(group, uses, probes) if len(group) == 5 else None
+        if args is None:
+            out.append(ops[position])
+            position += 1
+            continue
+        pcs = [pc for op in group for pc in (str(op.source_pc), *op.variant.split("+")[1:])]
+        out.append(SpecOp(NATIVE_DECODER_LAYER_ROW, (group[2].dsts[0], group[4].dsts[0]),
+                          args, group[0].source_pc,
+                          variant="+".join([_VARIANT, *pcs[1:]])))
+        layers += 1
+        position += 5
+    return out, layers
+
+
+def _layer_args(group, uses, probes):
+    norm_qkv, attend, o_proj, norm_gate_up, down = group
+    if [op.opcode for op in group] != [NATIVE_NORM_LINEAR, NATIVE_ATTENTION_QKV,
+                                       NATIVE_LINEAR, NATIVE_NORM_LINEAR,
+                                       NATIVE_SILU_MUL_LINEAR]:
+        return None
+    h, shape1, norm1, eps1, qkv_w, qkv_b, qkv_add, qkv_im = norm_qkv.args
+    qkv, *attention, flat = attend.args
+    attended, o_w, o_b, residual, o_im = o_proj.args
+    h2, shape2, norm2, eps2, gu_w, gu_b, gu_add, gu_im = norm_gate_up.args
+    gated, d_w, d_b, residual2, d_im = down.args
+    produced = [Var(op.dsts[0]) for op in group]
+    if not (qkv == produced[0] and attended == produced[1] and h2 == produced[2]
+            and gated == produced[3] and residual == h and residual2 == produced[2]
+            and flat == Literal(True) and qkv_add == gu_add == Literal(None)
+            and qkv_im == o_im == gu_im == d_im == Literal(False)):
+        return None
+    if [uses.get(v.reg) for v in produced[:4]] != [1, 1, 2, 1] or not isinstance(h, Var):
+        return None
+    rows = probe_tensors(probes, h.reg)
+    if rows is None or any(r.numel() != r.shape[-1] for r in rows):
+        return None
+    return (h, shape1, norm1, eps1, qkv_w, qkv_b, *attention, o_w, o_b, shape2, norm2, eps2,
+            gu_w, gu_b, d_w, d_b)
 
 
 def _single_producer(ops, producer, uses, value, opcode):

@@ -74,6 +74,10 @@ if _LIBRARY is not None:
     _LIBRARY.dynvm_rms_norm_rows.restype = ctypes.c_int
     _LIBRARY.dynvm_rotary_table.argtypes = [_P, _L, _P, _L, _F, _F, _P, _P]
     _LIBRARY.dynvm_rotary_table.restype = None
+    _LIBRARY.dynvm_decoder_layer_row.argtypes = [
+        _P, _L, _P, _F, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _P, _P, _P, _F, _P, _P,
+        _P, _F, _P, _L, _P, _P, _P, _P, _P]
+    _LIBRARY.dynvm_decoder_layer_row.restype = ctypes.c_int
 
 
 def available() -> bool:
@@ -276,3 +280,66 @@ def rotary_table(positions, inv_freq, cos_scale, sin_scale):
     freqs = positions[None, :, None].float() * inv_freq
     both = torch.cat([freqs, freqs], -1)
     return both.cos() * cos_scale, both.sin() * sin_scale
+
+
+def _rows_of(weight, rows: int, width: int) -> bool:
+    return (weight.dtype == torch.float32 and weight.shape == (rows, width)
+            and weight.is_contiguous())
+
+
+def _vector(bias, size: int) -> bool:
+    return bias is None or (bias.dtype == torch.float32 and bias.shape == (size,)
+                            and bias.is_contiguous())
+
+
+def decoder_layer_row(h, norm1_shape, norm1, eps1, qkv_weight, qkv_bias, cos, sin, keys,
+                      values, slots, positions, lengths, scale, heads, kv_heads, o_weight,
+                      o_bias, norm2_shape, norm2, eps2, gate_up_weight, gate_up_bias,
+                      down_weight, down_bias):
+    """One decoder layer of a one-token row in one C call (Note [A decode step's small
+    ops in C]): (h2, out) with h2 = h + o_proj(attention_qkv(norm_linear(h)))
+    and out = h2 + down(silu_mul(gate_up(rms_norm(h2)))), the calls it stands for."""
+    width = h.shape[-1]
+    dim = keys.shape[-1] if keys.dim() == 4 else 0
+    inner = heads * dim
+    hidden = gate_up_weight.shape[0] // 2
+    if (dim and h.dtype == torch.float32 and h.is_contiguous() and h.numel() == width
+            and list(norm1_shape) == [width] and list(norm2_shape) == [width]
+            and _vector(norm1, width) and _vector(norm2, width)
+            and _rows_of(qkv_weight, (heads + 2 * kv_heads) * dim, width)
+            and _vector(qkv_bias, (heads + 2 * kv_heads) * dim)
+            and _rows_of(o_weight, width, inner) and _vector(o_bias, width)
+            and _rows_of(gate_up_weight, 2 * hidden, width) and _vector(gate_up_bias, 2 * hidden)
+            and _rows_of(down_weight, width, hidden) and _vector(down_bias, width)
+            and keys.dtype == torch.float32 and values.dtype == torch.float32
+            and keys.shape == values.shape and keys.shape[1] == kv_heads
+            and keys.is_contiguous() and values.is_contiguous()
+            and cos.dtype == torch.float32 and sin.dtype == torch.float32
+            and cos.numel() == dim and sin.numel() == dim
+            and cos.stride(-1) == 1 and sin.stride(-1) == 1
+            and all(t.dtype == torch.int64 and t.shape == (1,)
+                    for t in (slots, positions, lengths))):
+        h2, out = torch.empty_like(h), torch.empty_like(h)
+        eps = torch.finfo(torch.float32).eps
+
+        def ptr(t):
+            return None if t is None else t.data_ptr()
+
+        failed = _LIBRARY.dynvm_decoder_layer_row(
+            h.data_ptr(), width, ptr(norm1), eps if eps1 is None else eps1,
+            qkv_weight.data_ptr(), ptr(qkv_bias), cos.data_ptr(), sin.data_ptr(),
+            keys.data_ptr(), values.data_ptr(), keys.shape[0], kv_heads, keys.shape[2], dim,
+            heads, slots.data_ptr(), positions.data_ptr(), lengths.data_ptr(),
+            1.0 / math.sqrt(dim) if scale is None else scale, o_weight.data_ptr(),
+            ptr(o_bias), ptr(norm2), eps if eps2 is None else eps2,
+            gate_up_weight.data_ptr(), hidden, ptr(gate_up_bias), down_weight.data_ptr(),
+            ptr(down_bias), h2.data_ptr(), out.data_ptr())
+        if not failed:
+            return h2, out
+    qkv = norm_linear(h, norm1_shape, norm1, eps1, qkv_weight, qkv_bias, None, False)
+    attended = attention_qkv(qkv, cos, sin, keys, values, slots, positions, lengths, scale,
+                             heads, kv_heads, True)
+    h2 = small_m_linear(attended, o_weight, o_bias, h, False)
+    gated = norm_linear(h2, norm2_shape, norm2, eps2, gate_up_weight, gate_up_bias, None,
+                        False)
+    return h2, silu_mul_linear(gated, down_weight, down_bias, h2, False)

@@ -230,3 +230,41 @@ void dynvm_rotary_table(const long* pos, long N, const float* inv, long half,
     }
   }
 }
+
+/* ---- one decoder layer of a one-token row ---------------------------------------------
+   What the layer's five calls above compute, in one call: h2 = h + Wo attention(norm1(h)
+   Wqkv), out = h2 + Wd silu_mul(norm2(h2) Wgu), with the attention step writing the
+   cache as dynvm_attention_row does. The same functions in the same order, so the
+   results are those of the five calls bit for bit; what goes is four returns to Python
+   between them, each of which ran cold after its GEMV had streamed its weight through
+   the caches. */
+int dynvm_decoder_layer_row(const float* h, long K, const float* nw1, float eps1,
+                            const float* wqkv, const float* bqkv, const float* cs,
+                            const float* sn, float* kc, float* vc, long S, long Hkv,
+                            long C, long D, long H, const long* slot, const long* position,
+                            const long* length, float scale, const float* wo,
+                            const float* bo, const float* nw2, float eps2,
+                            const float* wgu, long F, const float* bgu, const float* wd,
+                            const float* bd, float* h2, float* out) {
+  long width = (H + 2 * Hkv) * D;
+  float* qkv = (float*)aligned_alloc(64, (size_t)((width + H * D + 2 * F + K + 15) / 16 * 64));
+  if (!qkv) return 1;
+  float* attended = qkv + width;
+  float* gated = attended + H * D;
+  float* normed = gated + 2 * F;
+  int failed = dynvm_prologue_linear(0, h, K, 1, K, nw1, eps1, 0, wqkv, K, width, bqkv,
+                                     0, 0, qkv, width);
+  if (!failed)
+    failed = dynvm_attention_row(qkv, D, qkv + H * D, D, qkv + (H + Hkv) * D, D, cs, sn, kc,
+                                 vc, S, Hkv, C, D, H, slot, position, length, scale,
+                                 attended);
+  if (!failed) {
+    dynvm_small_m_linear_nk(attended, H * D, 1, H * D, wo, H * D, K, bo, h, K, h2, K);
+    dynvm_rms_norm(h2, K, 1, K, nw2, eps2, normed, K);
+    dynvm_small_m_linear_nk(normed, K, 1, K, wgu, K, 2 * F, bgu, 0, 0, gated, 2 * F);
+    failed = dynvm_prologue_linear(1, gated, 2 * F, 1, F, 0, 0.0f, 0, wd, F, K, bd, h2, K,
+                                   out, K);
+  }
+  free(qkv);
+  return failed;
+}
