@@ -169,11 +169,12 @@ def _load() -> tuple[Library | None, str]:
     if v.major != 3 or v.cpu_runtime != RUNTIME_OMP:
         return None, (f"{paths[0]} is oneDNN {text} with CPU runtime {v.cpu_runtime}; "
                       "dynvm calls oneDNN 3.x built on OpenMP")
-    after = _openmp_runtimes()
-    if before and len(after) > 1:
-        # Note [oneDNN primitives built once]: one OpenMP team, torch's
-        return None, (f"{paths[0].name} brought a second OpenMP runtime ({sorted(after)}); "
-                      "its threads would compete with torch's")
+    brought = _openmp_runtimes() - before
+    if brought:
+        # Note [oneDNN primitives built once]: one OpenMP team, torch's (a torch on
+        # another OpenMP, or a libgomp of another soname, would leave two teams)
+        return None, (f"{paths[0].name} brought an OpenMP runtime of its own "
+                      f"({sorted(brought)}); its threads would compete with torch's")
     try:
         return Library(cdll, paths[0], text), ""
     except OnednnError as exc:
