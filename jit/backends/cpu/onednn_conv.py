@@ -21,10 +21,13 @@ program against 474 MiB with torch's packed weights). A call sets two data
 handles and executes: no descriptor work, and the GIL is released for the whole call
 (ctypes does), where torch's entry points hold it.
 
-One OpenMP team: the extra's libdnnl needs `libgomp.so.1`, and torch's own libgomp
-carries that soname, so the loader binds libdnnl to the copy torch already mapped (the
-library refuses to load where a second runtime would appear, onednn_api). Its parallel
-regions then run on torch's team with the calling thread's `torch.get_num_threads()`.
+One OpenMP team: the extra's libdnnl needs `libgomp.so.1`, and the libgomp this torch
+build vendors (torch/lib/libgomp.so.1) carries that soname, so the loader binds libdnnl
+to the copy torch already mapped (`/proc/self/maps` lists one libgomp). Its parallel
+regions run on torch's team with the calling thread's `torch.get_num_threads()`. Where
+loading it maps a libgomp that was not there (a torch on another OpenMP runtime, or one
+whose vendored copy is renamed `libgomp-<hash>.so.1`), onednn_api refuses the library:
+two teams would compete for the same cores.
 
 Measured on this 2-core host (OMP_WAIT_POLICY=PASSIVE, 2 threads, 2026-12-05 14:47,
 load 2.5-2.9, scratch prototype): ResNet-50's 53 convolutions run back to back in the
