@@ -28,13 +28,23 @@ backend (decode_fusion) rewrites, where the native library runs (AVX-512F):
 - the rotary cos/sin table (positions -> float -> times the inverse frequencies -> cat
   -> COS and SIN, each times the scaling: 9 ops) into one call (`rotary_table`), and the
   final norm with the INDEX that picks the rows the head reads into one
-  (`rms_norm_rows`).
-The bench Llama's B=1 decode kernel goes from 119 operations to 26 calls; what is left
-beside the GEMVs (10.97 of 11.31 ms) is 0.34 ms, 0.23 of it the four attention steps
-(measured as above, 15:30 UTC, load 2.4). A/B in one process (two generators over the
-same programs, this pass off and on, 8 generations interleaved, 15:06 UTC, load 2.8-3.9):
-step p50 12.98 -> 11.80 ms (1.095x tokens/s), tokens equal; B=4 1.016x, B=16 1.012x
-(15:15-15:20, load 1.6-2.2).
+  (`rms_norm_rows`);
+- and a decoder layer's five calls that result (norm + QKV GEMV, attention step, output
+  GEMV + residual, norm + gate/up GEMV, gated product + down GEMV + residual) into one
+  (`decoder_layer_row`, the same C functions in the same order: equal bit for bit). Each
+  return to Python between two GEMVs ran cold, its GEMV having streamed 2-13 MB of
+  weight through the caches: the same ops as 16 calls took 0.8 ms a step more than as 4.
+The bench Llama's B=1 decode kernel goes from 119 operations to 10 calls (the step's
+ADD and EMBEDDING, the rotary table, 4 layers, the picked norm, the head's GEMV on
+MKL, SELECT); beside its GEMVs 0.13 ms is left (bench.decode_breakdown, 15:39 UTC,
+load 2.8). A/B in one process (two generators over the same programs, this pass off
+and on, 8 generations interleaved), step p50 and tokens/s: 14.05 -> 13.36 ms (1.056x)
+with the first three kernels (14:52, load ~1.1), 12.98 -> 11.80 (1.095x) with the norms
+and products inside the GEMV calls (15:06, load 2.8-3.9), 12.46 -> 10.56 (1.175x) with
+the layer calls (15:36, load 2.6); tokens equal. B=4 1.016x, B=16 1.012x (15:15-15:20,
+load 1.6-2.2, before the layer calls, which take one row only). Against CTranslate2,
+generations interleaved (`dynvm bench generate --systems dynvm-jit-vs-ct2,ctranslate2`,
+15:42-15:47, load 2.9 -> 1.0): B=1 1.074 (A/A 0.998), B=4 2.048, B=16 1.548.
 Each wrapper checks what the C code assumes (float32, contiguous rows, operands in
 range) and otherwise runs the original operations, which compute (or raise) exactly as
 the interpreter does. Results agree with torch's to float32 rounding, not bit for bit:
