@@ -366,9 +366,9 @@ def test_every_generation_setting_is_one_flag():
                                                                      "max_waiting"}
     assert scheduler_from_args(_serve_args("m.dvm")) == SchedulerConfig()
     given = scheduler_from_args(_serve_args(
-        "m.dvm", "--max-batch-size", "4", "--max-queued", "9", "--step-token-budget", "16",
+        "m.dvm", "--max-batch-size", "4", "--max-queued", "9", "--step-token-budget", "24",
         "--min-prompt-tokens", "2", "--request-seconds", "5"))
     assert (given.max_sequences, given.max_waiting, given.step_token_budget,
-            given.min_prompt_tokens, given.request_seconds) == (4, 9, 16, 2, 5.0)
+            given.min_prompt_tokens, given.request_seconds) == (4, 9, 24, 2, 5.0)
     with pytest.raises(CliError, match="bad generation flag.*step_token_budget"):
         scheduler_from_args(_serve_args("m.dvm", "--step-token-budget", "0"))
