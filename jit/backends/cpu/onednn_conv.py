@@ -325,12 +325,13 @@ class PrimitiveConv:
 
     def _unbuilt(self, x, other):
         if self._fallback is None:
-            raise RuntimeError(f"no oneDNN primitive for input shape {tuple(x.shape)}")
+            # internal: a kernel's guard admits only the shapes its primitives cover
+            raise api.OnednnError(f"no oneDNN primitive for input shape {tuple(x.shape)}")
         return self._fallback(x, other)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.residual:   # its sum post-op reads the tensor it writes
-            raise TypeError("a convolution with a residual runs through into()")
+            raise api.OnednnError("a convolution with a residual runs through into()")
         primitive = self.by_shape.get(x.shape)
         return self._unbuilt(x, None) if primitive is None else primitive.run(x, None)
 
