@@ -15,6 +15,8 @@ import importlib.metadata
 import sys
 from pathlib import Path
 
+from dynvm.vm.errors import DynvmError
+
 DISTRIBUTION = "onednn-cpu-gomp"
 """The wheel of the `onednn` extra: libdnnl.so.3 built on GNU OpenMP."""
 _SONAME = "libdnnl.so.3"
@@ -90,7 +92,7 @@ _SIGNATURES = {
 }
 
 
-class OnednnError(RuntimeError):
+class OnednnError(DynvmError, RuntimeError):
     """A oneDNN call returned a status other than success."""
 
 
