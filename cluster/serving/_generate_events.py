@@ -15,7 +15,20 @@ from dynvm.cluster.protocol._generate import TextStream, openai_error, sse
 from dynvm.cluster.protocol._http_front import MODEL_VERSION
 
 
-class OpenAIShape:
+class _TemplatedEvents:
+    """A shape's token events, from a template of its own chunk (Note [Token events from a
+    template]); the shape gives `chunk`."""
+
+    _template = None
+
+    def token_event(self, token: int, piece: str) -> bytes:
+        """`sse(self.chunk(token, piece, None))`, from the template."""
+        if self._template is None:
+            self._template = TokenTemplate(self)
+        return self._template.event(token, piece)
+
+
+class OpenAIShape(_TemplatedEvents):
     """OpenAI completion objects (`text_completion`), whole or as stream chunks."""
 
     done = "[DONE]"
@@ -28,15 +41,6 @@ class OpenAIShape:
         return {**self.head, "choices": [{
             "index": 0, "text": piece, "logprobs": None, "finish_reason": reason,
             "token_ids": [] if token is None else [token]}]}
-
-    def token_event(self, token: int, piece: str) -> bytes:
-        """`sse(self.chunk(token, piece, None))`, from a template (Note [Token events
-        from a template])."""
-        if self._template is None:
-            self._template = TokenTemplate(self)
-        return self._template.event(token, piece)
-
-    _template = None
 
     def whole(self, text: TextStream, reason: str) -> dict:
         prompt = self.prompt_tokens
@@ -52,7 +56,7 @@ class OpenAIShape:
     prompt_tokens = 0
 
 
-class V2Shape:
+class V2Shape(_TemplatedEvents):
     """The v2 generate extension's response objects (`output_ids`, `text_output`)."""
 
     done = None
@@ -63,15 +67,6 @@ class V2Shape:
     def chunk(self, token: int | None, piece: str, reason: str | None) -> dict:
         return {**self.head, "output_ids": [] if token is None else [token],
                 "text_output": piece, "finish_reason": reason}
-
-    def token_event(self, token: int, piece: str) -> bytes:
-        """`sse(self.chunk(token, piece, None))`, from a template (Note [Token events
-        from a template])."""
-        if self._template is None:
-            self._template = TokenTemplate(self)
-        return self._template.event(token, piece)
-
-    _template = None
 
     def whole(self, text: TextStream, reason: str) -> dict:
         return {**self.head, "output_ids": list(text.ids), "text_output": text.text,

@@ -91,12 +91,7 @@ def kill_left(token: str, listed: dict[int, int]) -> int:
     pids = {pid for pid, started in listed.items()
             if pid != me and (_stat(pid) or (0, None))[1] == started}
     pids.update(marked(token, exclude=frozenset({me})))
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            continue
-    return len(pids)
+    return _kill_all(pids)
 
 
 def kill_descendants_now(token: str, spare: frozenset[int] = frozenset()) -> int:
@@ -108,6 +103,11 @@ def kill_descendants_now(token: str, spare: frozenset[int] = frozenset()) -> int
     listed = {pid: started for pid, started in tree(os.getpid()).items()
               if pid not in spare}
     pids = set(listed) | (set(marked(token, exclude=frozenset({os.getpid()}))) - spare)
+    return _kill_all(pids)
+
+
+def _kill_all(pids: set[int]) -> int:
+    """SIGKILL each of `pids` (one already gone is skipped); how many were asked."""
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -129,6 +129,20 @@ def _rows_ok(t: torch.Tensor, heads: int, dim: int) -> bool:
             and t.stride(-1) == 1)
 
 
+def _cache_operands_fit(keys, values, cos, sin, slots, positions, lengths, kv_heads: int,
+                        dim: int) -> bool:
+    """What the C attention step assumes of the cache, the rotary table and the row's
+    slot, position and length (the C code checks their values)."""
+    return (keys.dtype == torch.float32 and values.dtype == torch.float32
+            and keys.dim() == 4 and keys.shape == values.shape and keys.shape[1] == kv_heads
+            and keys.shape[-1] == dim and keys.is_contiguous() and values.is_contiguous()
+            and cos.dtype == torch.float32 and sin.dtype == torch.float32
+            and cos.numel() == dim and sin.numel() == dim
+            and cos.stride(-1) == 1 and sin.stride(-1) == 1
+            and all(t.dtype == torch.int64 and t.shape == (1,)
+                    for t in (slots, positions, lengths)))
+
+
 def attention_row(query, key, value, cos, sin, keys, values, slots, positions, lengths,
                   scale):
     """ROTARY(query), ROTARY(key), KV_APPEND of both into `keys`/`values`, DECODE_ATTN:
@@ -136,16 +150,9 @@ def attention_row(query, key, value, cos, sin, keys, values, slots, positions, l
     call; the attention's result [1, H, 1, D]. Anything else runs those operations."""
     heads, dim = query.shape[1], query.shape[-1]
     kv_heads = key.shape[1] if key.dim() == 4 else 0
-    if (keys.dtype == torch.float32 and values.dtype == torch.float32
-            and keys.dim() == 4 and keys.shape == values.shape and keys.shape[1] == kv_heads
-            and keys.shape[-1] == dim and keys.is_contiguous() and values.is_contiguous()
+    if (_cache_operands_fit(keys, values, cos, sin, slots, positions, lengths, kv_heads, dim)
             and _rows_ok(query, heads, dim) and _rows_ok(key, kv_heads, dim)
-            and _rows_ok(value, kv_heads, dim)
-            and cos.dtype == torch.float32 and sin.dtype == torch.float32
-            and cos.numel() == dim and sin.numel() == dim
-            and cos.stride(-1) == 1 and sin.stride(-1) == 1
-            and all(t.dtype == torch.int64 and t.shape == (1,)
-                    for t in (slots, positions, lengths))):
+            and _rows_ok(value, kv_heads, dim)):
         out = query.new_empty((1, heads, 1, dim))
         failed = _LIBRARY.dynvm_attention_row(
             query.data_ptr(), query.stride(1), key.data_ptr(), key.stride(1),
@@ -170,14 +177,8 @@ def attention_qkv(row, cos, sin, keys, values, slots, positions, lengths, scale,
     dim = keys.shape[-1] if keys.dim() == 4 else 0
     width = (heads + 2 * kv_heads) * dim
     if (dim and row.dtype == torch.float32 and row.is_contiguous() and row.numel() == width
-            and keys.dtype == torch.float32 and values.dtype == torch.float32
-            and keys.shape == values.shape and keys.shape[1] == kv_heads
-            and keys.is_contiguous() and values.is_contiguous()
-            and cos.dtype == torch.float32 and sin.dtype == torch.float32
-            and cos.numel() == dim and sin.numel() == dim
-            and cos.stride(-1) == 1 and sin.stride(-1) == 1
-            and all(t.dtype == torch.int64 and t.shape == (1,)
-                    for t in (slots, positions, lengths))):
+            and _cache_operands_fit(keys, values, cos, sin, slots, positions, lengths,
+                                    kv_heads, dim)):
         out = row.new_empty((1, 1, heads * dim) if flat else (1, heads, 1, dim))
         base, size = row.data_ptr(), row.element_size()
         failed = _LIBRARY.dynvm_attention_row(
@@ -321,14 +322,8 @@ def decoder_layer_row(h, norm1_shape, norm1, eps1, qkv_weight, qkv_bias, cos, si
             and _rows_of(o_weight, width, inner) and _vector(o_bias, width)
             and _rows_of(gate_up_weight, 2 * hidden, width) and _vector(gate_up_bias, 2 * hidden)
             and _rows_of(down_weight, width, hidden) and _vector(down_bias, width)
-            and keys.dtype == torch.float32 and values.dtype == torch.float32
-            and keys.shape == values.shape and keys.shape[1] == kv_heads
-            and keys.is_contiguous() and values.is_contiguous()
-            and cos.dtype == torch.float32 and sin.dtype == torch.float32
-            and cos.numel() == dim and sin.numel() == dim
-            and cos.stride(-1) == 1 and sin.stride(-1) == 1
-            and all(t.dtype == torch.int64 and t.shape == (1,)
-                    for t in (slots, positions, lengths))):
+            and _cache_operands_fit(keys, values, cos, sin, slots, positions, lengths,
+                                    kv_heads, dim)):
         h2, out = torch.empty_like(h), torch.empty_like(h)
         eps = torch.finfo(torch.float32).eps
 
