@@ -102,16 +102,27 @@ def check(status: int, what: str) -> None:
         raise OnednnError(f"oneDNN {what} failed (dnnl_status_t {status})")
 
 
+# A primitive's per-call functions, called holding the GIL (Note [oneDNN primitives
+# built once]: as torch's oneDNN calls do).
+_HOLDING_THE_GIL = ("dnnl_memory_set_data_handle", "dnnl_primitive_execute")
+
+
 class Library:
-    """The loaded library with its signatures set, one CPU engine and one stream."""
+    """The loaded library with its signatures set, one CPU engine and one stream; `dll`
+    releases the GIL in each call (ctypes.CDLL), `calls` holds it (ctypes.PyDLL, the
+    per-call functions only)."""
 
     def __init__(self, cdll: ctypes.CDLL, path: Path, version: str) -> None:
         self.dll = cdll
+        self.calls = ctypes.PyDLL(str(path))    # the same loaded library
         self.path = path
         self.version = version
         for name, (argtypes, restype) in _SIGNATURES.items():
             fn = getattr(cdll, name)
             fn.argtypes, fn.restype = argtypes, restype
+            if name in _HOLDING_THE_GIL:
+                held = getattr(self.calls, name)
+                held.argtypes, held.restype = argtypes, restype
         self.engine, self.stream = ctypes.c_void_p(), ctypes.c_void_p()
         check(cdll.dnnl_engine_create(ctypes.byref(self.engine), ENGINE_CPU, 0), "engine")
         check(cdll.dnnl_stream_create(ctypes.byref(self.stream), self.engine,

@@ -18,8 +18,18 @@ activation as an eltwise post-op), its weight reordered once into the layout the
 primitive chose (one copy per layout, shared by every kernel with that weight:
 `WeightLayouts`; ResNet-50's four kernels over batch 1, 2, 4 hold 459 MiB beyond the
 program against 474 MiB with torch's packed weights). A call sets two data
-handles and executes: no descriptor work, and the GIL is released for the whole call
-(ctypes does), where torch's entry points hold it.
+handles and executes: no descriptor work.
+
+A call holds the GIL, as torch's oneDNN calls do (Note [oneDNN holds the GIL]), through
+ctypes.PyDLL; built with ctypes.CDLL it released it. Released, the compile thread's
+timing runs (the layout choice runs the whole region ~8 times) overlapped the calls being
+served on the same 2 cores, four OpenMP threads on two cores, where GIL-holding calls
+take turns: over ResNet-50's warm-up (`bench.full_width`, in-process switch, 4
+calls/shape, 15:50-16:20, load 0.8-2.9) a shape's JIT p90 over 1.1x the interpreter's
+in 4 of 8 runs with the GIL released, 0 of 4 held (largest 0.98), 1 of 4 with the
+primitives off; steady JIT / ONNX Runtime alike held or released (1.11-1.21 / 1.00-1.14
+/ 0.91-1.13 held, 1.15-1.21 / 0.94-1.19 / 0.90-1.11 released). Other Python threads
+wait for a convolution (ms) as they waited for torch's.
 
 One OpenMP team: the extra's libdnnl needs `libgomp.so.1`, and the libgomp this torch
 build vendors (torch/lib/libgomp.so.1) carries that soname, so the loader binds libdnnl
@@ -212,6 +222,7 @@ class ConvPrimitive:
     def __init__(self, library: api.Library, weight: torch.Tensor, bias, shape,
                  spec: ConvSpec, weights: WeightLayouts) -> None:
         lib = self._lib = library.dll
+        self._calls = library.calls
         self._stream = library.stream
         self._memories: list = []
         n, _, h, w = shape
@@ -283,11 +294,11 @@ class ConvPrimitive:
             return into
         out = (torch.empty(self.out_shape, dtype=self.dtype, memory_format=_CL)
                if into is None else into)
-        lib = self._lib
+        calls = self._calls     # Note [oneDNN primitives built once]: the GIL held
         with self._lock:
-            lib.dnnl_memory_set_data_handle(self._src, x.data_ptr())
-            lib.dnnl_memory_set_data_handle(self._dst, out.data_ptr())
-            status = lib.dnnl_primitive_execute(self._prim, self._stream, self._nargs,
+            calls.dnnl_memory_set_data_handle(self._src, x.data_ptr())
+            calls.dnnl_memory_set_data_handle(self._dst, out.data_ptr())
+            status = calls.dnnl_primitive_execute(self._prim, self._stream, self._nargs,
                                                 self._args_pointer)
         api.check(status, "convolution")
         return out
