@@ -15,20 +15,16 @@ from dynvm.cluster.protocol._generate import TextStream, openai_error, sse
 from dynvm.cluster.protocol._http_front import MODEL_VERSION
 
 
-class _TemplatedEvents:
-    """A shape's token events, from a template of its own chunk (Note [Token events from a
-    template]); the shape gives `chunk`."""
-
-    _template = None
-
-    def token_event(self, token: int, piece: str) -> bytes:
-        """`sse(self.chunk(token, piece, None))`, from the template."""
-        if self._template is None:
-            self._template = TokenTemplate(self)
-        return self._template.event(token, piece)
+def templated_event(shape, token: int, piece: str) -> bytes:
+    """`sse(shape.chunk(token, piece, None))`, from a template of the shape's own chunk
+    made at its first token and kept on it (Note [Token events from a template])."""
+    template = shape.__dict__.get("_template")
+    if template is None:
+        template = shape._template = TokenTemplate(shape)
+    return template.event(token, piece)
 
 
-class OpenAIShape(_TemplatedEvents):
+class OpenAIShape:
     """OpenAI completion objects (`text_completion`), whole or as stream chunks."""
 
     done = "[DONE]"
@@ -41,6 +37,9 @@ class OpenAIShape(_TemplatedEvents):
         return {**self.head, "choices": [{
             "index": 0, "text": piece, "logprobs": None, "finish_reason": reason,
             "token_ids": [] if token is None else [token]}]}
+
+    def token_event(self, token: int, piece: str) -> bytes:
+        return templated_event(self, token, piece)
 
     def whole(self, text: TextStream, reason: str) -> dict:
         prompt = self.prompt_tokens
@@ -56,7 +55,7 @@ class OpenAIShape(_TemplatedEvents):
     prompt_tokens = 0
 
 
-class V2Shape(_TemplatedEvents):
+class V2Shape:
     """The v2 generate extension's response objects (`output_ids`, `text_output`)."""
 
     done = None
@@ -67,6 +66,9 @@ class V2Shape(_TemplatedEvents):
     def chunk(self, token: int | None, piece: str, reason: str | None) -> dict:
         return {**self.head, "output_ids": [] if token is None else [token],
                 "text_output": piece, "finish_reason": reason}
+
+    def token_event(self, token: int, piece: str) -> bytes:
+        return templated_event(self, token, piece)
 
     def whole(self, text: TextStream, reason: str) -> dict:
         return {**self.head, "output_ids": list(text.ids), "text_output": text.text,
