@@ -23,19 +23,36 @@ _SONAME = "libdnnl.so.3"
 
 # dnnl_status_t, dnnl_data_type_t, dnnl_format_tag_t
 SUCCESS = 0
-BF16, F32 = 2, 3
-TAG_ANY, TAG_A, TAG_OIHW, TAG_NHWC = 1, 2, 5, 22
+BF16, F32, S32, S8, U8 = 2, 3, 4, 5, 6
+TAG_ANY, TAG_A, TAG_AB, TAG_ABC, TAG_OIHW, TAG_BA, TAG_ACB, TAG_NHWC = 1, 2, 3, 4, 5, 14, 15, 22
+TAG_NCHW = TAG_OIHW        # dnnl_abcd under both names
 # dnnl_engine_kind_t, dnnl_stream_flags_t, dnnl_prop_kind_t, dnnl_alg_kind_t
 ENGINE_CPU = 1
 STREAM_DEFAULT = 1
 FORWARD_INFERENCE = 96
 CONVOLUTION_DIRECT = 1
+POOLING_MAX, POOLING_AVG_INCLUDE_PADDING, POOLING_AVG_EXCLUDE_PADDING = 0x1FF, 0x2FF, 0x3FF
+BINARY_ADD, BINARY_MUL = 0x1FFF0, 0x1FFF1
+# dnnl_fpmath_mode_t, dnnl_scratchpad_mode_t
+FPMATH_STRICT, FPMATH_BF16 = 0, 1
+SCRATCHPAD_LIBRARY, SCRATCHPAD_USER = 0, 1
 ELTWISE = {"relu": 32, "tanh": 33, "logistic": 41, "gelu_tanh": 43, "swish": 44,
            "clip": 46, "gelu_erf": 49}
 # dnnl_query_t
-QUERY_IMPL_INFO_STR, QUERY_WEIGHTS_MD = 8, 131
+QUERY_IMPL_INFO_STR = 8
+QUERY_SRC_MD, QUERY_WEIGHTS_MD, QUERY_DST_MD, QUERY_SCRATCHPAD_MD = 129, 131, 133, 136
 # DNNL_ARG_*
-ARG_SRC, ARG_DST, ARG_WEIGHTS, ARG_BIAS = 1, 17, 33, 41
+ARG_SRC, ARG_SRC_1, ARG_DST, ARG_WEIGHTS, ARG_BIAS = 1, 2, 17, 33, 41
+ARG_WORKSPACE, ARG_SCRATCHPAD = 64, 80
+_ARG_POST_OP_BASE = 32768
+
+
+def arg_post_op(index: int, arg: int) -> int:
+    """DNNL_ARG_ATTR_MULTIPLE_POST_OP(index) | arg: an operand of post-op `index` (the
+    second source of a binary post-op is `arg_post_op(i, ARG_SRC_1)`)."""
+    return _ARG_POST_OP_BASE * (index + 1) | arg
+
+
 RUNTIME_OMP = 2            # dnnl_version_t.cpu_runtime of a GNU/LLVM OpenMP build
 MAX_NDIMS = 12
 
@@ -63,18 +80,30 @@ _SIGNATURES = {
     "dnnl_stream_create": ([_pp, _p, ctypes.c_uint], ctypes.c_int),
     "dnnl_memory_desc_create_with_tag": ([_pp, ctypes.c_int, Dims, ctypes.c_int,
                                           ctypes.c_int], ctypes.c_int),
+    "dnnl_memory_desc_create_with_strides": ([_pp, ctypes.c_int, Dims, ctypes.c_int, Dims],
+                                             ctypes.c_int),
+    "dnnl_memory_desc_reshape": ([_pp, _p, ctypes.c_int, Dims], ctypes.c_int),
     "dnnl_memory_desc_destroy": ([_p], ctypes.c_int),
     "dnnl_memory_desc_get_size": ([_p], ctypes.c_size_t),
     "dnnl_memory_desc_equal": ([_p, _p], ctypes.c_int),
     "dnnl_primitive_attr_create": ([_pp], ctypes.c_int),
     "dnnl_primitive_attr_destroy": ([_p], ctypes.c_int),
     "dnnl_primitive_attr_set_post_ops": ([_p, _p], ctypes.c_int),
+    "dnnl_primitive_attr_set_fpmath_mode": ([_p, ctypes.c_int], ctypes.c_int),
+    "dnnl_primitive_attr_set_scratchpad_mode": ([_p, ctypes.c_int], ctypes.c_int),
     "dnnl_post_ops_create": ([_pp], ctypes.c_int),
     "dnnl_post_ops_destroy": ([_p], ctypes.c_int),
     "dnnl_post_ops_append_sum": ([_p, ctypes.c_float, ctypes.c_int32, ctypes.c_int],
                                  ctypes.c_int),
     "dnnl_post_ops_append_eltwise": ([_p, ctypes.c_int, ctypes.c_float, ctypes.c_float],
                                      ctypes.c_int),
+    "dnnl_post_ops_append_binary": ([_p, ctypes.c_int, _p], ctypes.c_int),
+    "dnnl_matmul_primitive_desc_create": ([_pp, _p, _p, _p, _p, _p, _p], ctypes.c_int),
+    "dnnl_inner_product_forward_primitive_desc_create": ([_pp, _p, ctypes.c_int, _p, _p, _p,
+                                                          _p, _p], ctypes.c_int),
+    "dnnl_pooling_forward_primitive_desc_create": (
+        [_pp, _p, ctypes.c_int, ctypes.c_int, _p, _p, Dims, Dims, Dims, Dims, Dims, _p],
+        ctypes.c_int),
     "dnnl_convolution_forward_primitive_desc_create": (
         [_pp, _p, ctypes.c_int, ctypes.c_int, _p, _p, _p, _p, Dims, Dims, Dims, Dims, _p],
         ctypes.c_int),
