@@ -22,6 +22,9 @@ system (the peers get the same count, Note [ONNX peers] in bench.peers):
    shape, the JIT's p90 over the interpreter's p90 in these calls is the warm-up column
    (the speed issue's bar: at most 1.1 at every shape); the compile seconds and the
    calibration seconds (the process's Calibrator, jit.calibration) it spent are stated.
+   A second interpreter runs in the same rotation as the warm-up's A/A: a p90 of the
+   12-13 calls a shape gets is its second-slowest call, and interpreter B's p90 over
+   A's says how far this host alone moves that ratio in the same run.
 2. Seasoning: the JIT alone, untimed, over the shapes until it is settled (nothing
    queued, nothing on probation, Runtime.settled) or a cap; every other system runs
    every shape once, untimed.
@@ -156,7 +159,9 @@ def _warmup(model, systems, jit, calls: int, log) -> dict:
 
     calibrator = calibrator_for("cpu")
     calibration_before = calibrator.seconds
-    order = ["eager", "interp", "jit"]
+    # interp_b is the warm-up's A/A: its p90 over the interpreter's is the noise of a
+    # p90 of this many calls on this host (Note [Full-width timing]).
+    order = ["eager", "interp", "interp_b", "jit"]
     times = {name: {label: [] for label in model.labels} for name in order}
     n = len(model.inputs)
     started = time.perf_counter()
@@ -175,8 +180,10 @@ def _warmup(model, systems, jit, calls: int, log) -> dict:
             continue
         jit_p90 = percentile(times["jit"][label], 90)
         interp_p90 = percentile(times["interp"][label], 90)
+        interp_b_p90 = percentile(times["interp_b"][label], 90)
         per_shape[label] = {"calls": len(times["jit"][label]), "jit_p90_ms": 1e3 * jit_p90,
                             "interp_p90_ms": 1e3 * interp_p90,
+                            "aa_over_interp_p90": interp_b_p90 / interp_p90,
                             "interp_p99_ms": 1e3 * percentile(times["interp"][label], 99),
                             "jit_max_ms": 1e3 * max(times["jit"][label]),
                             "jit_over_interp_p90": jit_p90 / interp_p90}

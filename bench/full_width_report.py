@@ -90,6 +90,11 @@ def markdown(run: dict) -> str:
             lines.append(f"- {name} not run: {why}")
         over = [label for label, s in warm["per_shape"].items()
                 if s["jit_over_interp_p90"] > WARMUP_BAR]
+        aa = [s["aa_over_interp_p90"] for s in warm["per_shape"].values()
+              if "aa_over_interp_p90" in s]   # runs before the warm-up had an A/A lack it
+        aa_text = (f" The warm-up's A/A (a second interpreter's p90 over the first's): "
+                   f"{min(aa):.2f}-{max(aa):.2f} over the shapes, above {WARMUP_BAR} at "
+                   f"{sum(r > WARMUP_BAR for r in aa)}." if aa else "")
         lines.append(
             f"Warm-up: the first {warm['calls']} calls of a cold JIT beside eager and the "
             f"interpreter, nothing drained ({warm['wall_seconds']:.0f} s, load "
@@ -101,13 +106,15 @@ def markdown(run: dict) -> str:
             f"{m['season']['rounds']} rounds, settled {m['season']['settled']}, compile "
             f"seconds in all {m['season']['compile_seconds']:.1f}. JIT p90 above "
             f"{WARMUP_BAR}x the interpreter's: "
-            + (", ".join(over) if over else "no shape") + ".")
+            + (", ".join(over) if over else "no shape") + "." + aa_text)
         table = ["| shape | calls | JIT p90 ms | interp. p90 ms | JIT / interp. p90 "
-                 "| JIT max ms | interp. p99 ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+                 "| A/A p90 | JIT max ms | interp. p99 ms |",
+                 "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for label, s in warm["per_shape"].items():
+            aa_cell = f"{s['aa_over_interp_p90']:.2f}" if "aa_over_interp_p90" in s else "—"
             table.append(f"| {label} | {s['calls']} | {s['jit_p90_ms']:.1f} | "
                          f"{s['interp_p90_ms']:.1f} | {s['jit_over_interp_p90']:.2f} | "
-                         f"{s['jit_max_ms']:.1f} | {s['interp_p99_ms']:.1f} |")
+                         f"{aa_cell} | {s['jit_max_ms']:.1f} | {s['interp_p99_ms']:.1f} |")
         lines.append("\n".join(table))
         if m["peers"]:
             lines.append("Peers: " + "; ".join(

@@ -36,6 +36,7 @@ def test_phases_report_every_shape(measured):
         assert shape["jit_over_interp_p90"] == pytest.approx(
             shape["jit_p90_ms"] / shape["interp_p90_ms"])
         assert shape["jit_max_ms"] >= shape["jit_p90_ms"] > 0
+        assert shape["aa_over_interp_p90"] > 0   # the warm-up's A/A, a second interpreter
     assert steady["calls"] == 3
     for system in ("interp", "interp_b", "jit"):
         assert set(steady["x_eager"][system]) == set(model.labels)
@@ -63,6 +64,7 @@ def test_report_and_docs_block(measured, tmp_path):
     assert [m["name"] for m in kept["models"]] == [result["name"], "resnet50-224"]
     assert "From the run of earlier" in full_width.markdown(kept)
     assert "| 2x32 |" in text and "JIT / best fp32 peer" in text and "Warm-up" in text
+    assert "The warm-up's A/A" in text and "| A/A p90 |" in text
     doc = tmp_path / "BENCHMARKS.md"
     doc.write_text("# Benchmarks\n\nhand-written text\n")
     full_width.update_docs(text, doc)
