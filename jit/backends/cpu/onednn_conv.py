@@ -73,8 +73,9 @@ import torch
 from dynvm.jit.backends.cpu import onednn_api as api
 from dynvm.jit.backends.cpu.conv import PackedPerBatch, _batches_asked
 from dynvm.jit.backends.cpu.conv_residual import CONV_BINARY_INPLACE, IN_PLACE_KERNELS
-from dynvm.jit.backends.cpu.fusion import CONV_UNARY, FUSED_KERNELS, is_fused
+from dynvm.jit.backends.cpu.fusion import CONV_UNARY, FUSED_KERNELS, FUSED_VARIANT, is_fused
 from dynvm.jit.backends.cpu.ir_match import probe_tensors
+from dynvm.jit.backends.cpu.onednn_pool import POOL_KERNELS, pool_primitives
 from dynvm.jit.ir import Literal, SpecializedRegion, Var
 
 CONV_PRIMITIVE = "ONEDNN_CONV_PRIMITIVE"
@@ -377,7 +378,8 @@ def conv_primitive_into(x, other, conv: PrimitiveConv):
     return conv.into(x, other)
 
 
-PRIMITIVE_KERNELS = {CONV_PRIMITIVE: conv_primitive, CONV_PRIMITIVE_INTO: conv_primitive_into}
+PRIMITIVE_KERNELS = {CONV_PRIMITIVE: conv_primitive, CONV_PRIMITIVE_INTO: conv_primitive_into,
+                     **POOL_KERNELS}   # Note [oneDNN pooling built once]
 
 
 def _plain_weight(packed) -> torch.Tensor:
@@ -428,7 +430,8 @@ def _spec_of(op) -> ConvSpec | str:
 
 def conv_primitives(spec: SpecializedRegion) -> tuple[SpecializedRegion, str]:
     """`spec` with its channels-last fused convolutions on oneDNN primitives built once
-    (Note [oneDNN primitives built once]), and a note saying how many or why none."""
+    (Note [oneDNN primitives built once]), its chains' max poolings too (Note [oneDNN
+    pooling built once]), and a note saying how many or why none."""
     candidates = [i for i, op in enumerate(spec.ops)
                   if op.opcode in (CONV_UNARY, CONV_BINARY_INPLACE) and is_fused(op)]
     if not candidates:
@@ -477,6 +480,10 @@ def conv_primitives(spec: SpecializedRegion) -> tuple[SpecializedRegion, str]:
             f"primitives built once ({', '.join(sorted(impls))}; {copies} weight copies)")
     if kept:
         note += "; on torch: " + ", ".join(f"{n} {why}" for why, n in kept.items())
-    if not done:
-        return spec, note
-    return dataclasses.replace(spec, ops=tuple(ops)), note
+    if done:
+        spec = dataclasses.replace(spec, ops=tuple(ops))
+    # Note [oneDNN pooling built once]: the chains' max poolings, for the same shapes
+    probes = spec.abstract
+    spec, pool_note = pool_primitives(spec, library, lambda reg: _shapes(probes, reg),
+                                      FUSED_VARIANT)
+    return spec, note + pool_note

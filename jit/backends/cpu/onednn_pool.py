@@ -1,0 +1,267 @@
+"""Channels-last max pooling as oneDNN primitives built once: a pass over a region whose
+convolution chains already run on oneDNN primitives (onednn_conv calls it).
+
+Note [oneDNN pooling built once]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+torch's max pooling on a channels-last tensor (`max_pool2d_with_indices`, what the
+bytecode's MAX_POOL2D runs, or `max_pool2d` without indices, no faster) is its own
+vectorized loop, not oneDNN's: at ResNet-50's stem (64 x 112 x 112, 3x3 stride 2,
+padding 1) 0.59-0.63 ms at batch 1 on two threads, where ONNX Runtime's pooling node
+takes 0.18. oneDNN's pooling primitive (jit:avx512_core; jit:avx512_core_bf16 in a bf16
+chain) on the same NHWC tensor, built once and called with two data handles as the
+convolutions are (Note [oneDNN primitives built once]): 0.16-0.19 ms at batch 1,
+0.33 against 0.99 at batch 2, 0.64 against 2.10 at batch 4; bf16 0.10-0.13 against
+0.48-0.50 at batch 1 (2026-12-05 17:16, load 1.5-3.3, /tmp/h31r/proto.py).
+
+What is rewritten: a MAX_POOL2D inside a channels-last chain (its input's and result's
+probes NHWC, fp32 or bf16) whose indices nothing reads (the chain pass admits no other:
+Note [Channels-last chains]). oneDNN's max pooling skips padded positions as torch's
+does (-inf); its window geometry is torch's with the right padding chosen so that the
+output has torch's size (`ceil_mode` included: a window that torch lets run past the
+input's end is one whose right padding oneDNN skips; floor mode's dropped remainder is a
+negative right padding). Dilation maps to oneDNN's (d - 1). Primitives are built when
+the kernel is compiled, for the input shapes its probes name (every batch of a family's
+range, as for the convolutions); any other shape runs torch's call.
+
+NaN: torch's max pooling returns NaN for a window holding one; oneDNN's vectorized max
+keeps the other operand where it compares a NaN, so a window with a NaN may give a
+number. The convolution before it propagates a NaN input to the whole of its output
+either way (ResNet's pools read a convolution's result), so the model's output is NaN
+in both; a NaN produced inside a window alone is where they differ.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import threading
+
+import torch
+
+from dynvm.jit.aliasing import flat_values
+from dynvm.jit.backends.cpu import onednn_api as api
+from dynvm.jit.backends.cpu.ir_match import probe_tensors
+from dynvm.jit.ir import Literal, SpecializedRegion, Var
+from dynvm.vm.opcodes import opcode
+
+POOL_PRIMITIVE = "ONEDNN_POOL_PRIMITIVE"
+_CL = torch.channels_last
+_DATA_TYPES = {torch.float32: api.F32, torch.bfloat16: api.BF16}
+
+
+def _pair(value, default) -> tuple[int, int]:
+    """torch's int-or-list pooling argument as (height, width); `default` when empty."""
+    if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
+        return default
+    if isinstance(value, int):
+        return value, value
+    value = [int(v) for v in value]
+    return (value[0], value[0]) if len(value) == 1 else (value[0], value[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSpec:
+    """torch's max_pool2d arguments, normalized to (height, width) pairs."""
+
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    ceil_mode: bool
+    dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def of(cls, kernel, stride, padding, dilation, ceil_mode, dtype) -> PoolSpec:
+        k = _pair(kernel, None)
+        return cls(k, _pair(stride, k), _pair(padding, (0, 0)), _pair(dilation, (1, 1)),
+                   bool(ceil_mode), dtype)
+
+    def out_size(self, size: int, axis: int) -> int:
+        """torch's pooled length along `axis` (0 height, 1 width) of an input `size`."""
+        k, s, p, d = (self.kernel[axis], self.stride[axis], self.padding[axis],
+                      self.dilation[axis])
+        span = size + 2 * p - d * (k - 1) - 1
+        out = (-(-span // s) if self.ceil_mode else span // s) + 1
+        if self.ceil_mode and (out - 1) * s >= size + p:
+            out -= 1   # the last window would start in the right padding
+        return out
+
+    def right_padding(self, size: int, axis: int) -> int:
+        """oneDNN's right padding giving torch's output length (negative where floor
+        mode drops a remainder)."""
+        k, s, p, d = (self.kernel[axis], self.stride[axis], self.padding[axis],
+                      self.dilation[axis])
+        return (self.out_size(size, axis) - 1) * s + d * (k - 1) + 1 - size - p
+
+
+def _md(lib, dims, tag: int, dtype: torch.dtype) -> ctypes.c_void_p:
+    md = ctypes.c_void_p()
+    api.check(lib.dnnl_memory_desc_create_with_tag(ctypes.byref(md), len(dims),
+                                                   api.Dims(*dims), _DATA_TYPES[dtype], tag),
+              "md")
+    return md
+
+
+class PoolPrimitive:
+    """One oneDNN max pooling primitive for one NHWC input shape."""
+
+    def __init__(self, library: api.Library, shape, spec: PoolSpec) -> None:
+        lib = self._lib = library.dll
+        self._calls, self._stream = library.calls, library.stream
+        n, c, h, w = shape
+        self.in_shape = tuple(shape)
+        self.out_shape = (n, c, spec.out_size(h, 0), spec.out_size(w, 1))
+        self.dtype = spec.dtype
+        src = _md(lib, shape, api.TAG_NHWC, spec.dtype)
+        dst = _md(lib, self.out_shape, api.TAG_NHWC, spec.dtype)
+        pd = ctypes.c_void_p()
+        self._prim, self._src, self._dst = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        try:
+            api.check(lib.dnnl_pooling_forward_primitive_desc_create(
+                ctypes.byref(pd), library.engine, api.FORWARD_INFERENCE, api.POOLING_MAX,
+                src, dst, api.Dims(*spec.stride), api.Dims(*spec.kernel),
+                api.Dims(*(d - 1 for d in spec.dilation)), api.Dims(*spec.padding),
+                api.Dims(spec.right_padding(h, 0), spec.right_padding(w, 1)), None),
+                "pooling descriptor")
+            impl = ctypes.c_char_p()
+            lib.dnnl_primitive_desc_query(pd, api.QUERY_IMPL_INFO_STR, 0, ctypes.byref(impl))
+            self.impl = (impl.value or b"?").decode()
+            api.check(lib.dnnl_primitive_create(ctypes.byref(self._prim), pd), "primitive")
+            for memory, md in ((self._src, src), (self._dst, dst)):
+                api.check(lib.dnnl_memory_create(ctypes.byref(memory), md, library.engine,
+                                                 None), "memory")
+        finally:
+            for destroy, handle in (("dnnl_primitive_desc_destroy", pd),
+                                    ("dnnl_memory_desc_destroy", src),
+                                    ("dnnl_memory_desc_destroy", dst)):
+                if handle:
+                    getattr(lib, destroy)(handle)
+        self._args = (api.ExecArg * 2)(api.ExecArg(api.ARG_SRC, self._src),
+                                       api.ExecArg(api.ARG_DST, self._dst))
+        self._args_pointer = ctypes.cast(self._args, ctypes.c_void_p)
+        self._lock = threading.Lock()   # the data handles are this primitive's state
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """max_pool2d(x) as a new channels-last tensor."""
+        if not x.is_contiguous(memory_format=_CL):
+            x = x.contiguous(memory_format=_CL)
+        out = torch.empty(self.out_shape, dtype=self.dtype, memory_format=_CL)
+        calls = self._calls     # Note [oneDNN primitives built once]: the GIL held
+        with self._lock:
+            calls.dnnl_memory_set_data_handle(self._src, x.data_ptr())
+            calls.dnnl_memory_set_data_handle(self._dst, out.data_ptr())
+            status = calls.dnnl_primitive_execute(self._prim, self._stream, 2,
+                                                  self._args_pointer)
+        api.check(status, "pooling")
+        return out
+
+    def __del__(self) -> None:
+        lib = getattr(self, "_lib", None)
+        for destroy, name in (("dnnl_primitive_destroy", "_prim"),
+                              ("dnnl_memory_destroy", "_src"),
+                              ("dnnl_memory_destroy", "_dst")):
+            handle = getattr(self, name, None)
+            if lib is not None and handle:
+                getattr(lib, destroy)(handle)
+
+
+class PrimitivePool:
+    """One max pooling of a kernel: its primitives by input shape, built when the kernel
+    is compiled; a shape not built runs torch's call (`fallback`)."""
+
+    def __init__(self, library: api.Library, spec: PoolSpec, shapes: list[tuple],
+                 fallback=None) -> None:
+        self.spec = spec
+        self.by_shape = {tuple(s): PoolPrimitive(library, s, spec) for s in shapes}
+        self._fallback = fallback
+
+    def impls(self) -> set[str]:
+        return {p.impl for p in self.by_shape.values()}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        primitive = self.by_shape.get(x.shape)
+        if primitive is not None:
+            return primitive.run(x)
+        if self._fallback is None:
+            # internal: a kernel's guard admits only the shapes its primitives cover
+            raise api.OnednnError(f"no oneDNN pooling primitive for input shape "
+                                  f"{tuple(x.shape)}")
+        return self._fallback(x)
+
+
+def pool_primitive(x, pool: PrimitivePool):
+    """`ONEDNN_POOL_PRIMITIVE`: a channels-last max pooling, its values alone."""
+    return pool(x)
+
+
+POOL_KERNELS = {POOL_PRIMITIVE: pool_primitive}
+
+
+def _torch_fallback(args):
+    impl = opcode("MAX_POOL2D").impl
+    rest = [a.value for a in args[1:]]
+
+    def run(x):
+        return impl(x, *rest)[0]
+    return run
+
+
+def _nhwc(values) -> bool:
+    return bool(values) and all(
+        isinstance(v, torch.Tensor) and v.dim() == 4 and v.dtype in _DATA_TYPES
+        and v.is_contiguous(memory_format=_CL) and v.shape[2] * v.shape[3] > 1
+        for v in values)
+
+
+def pool_primitives(spec: SpecializedRegion, library: api.Library, shapes_of,
+                    fused_variant: str) -> tuple[SpecializedRegion, str]:
+    """`spec` with its channels-last max poolings on oneDNN primitives (Note [oneDNN
+    pooling built once]) and a note for the kernel's header ("" when it has none).
+    `shapes_of(reg)`: the input shapes to build for and whether they are all the family
+    serves (onednn_conv's, shared with the convolutions)."""
+    ops = list(spec.ops)
+    done, kept = 0, {}
+    impls: set[str] = set()
+    for position, op in enumerate(ops):
+        if op.opcode != "MAX_POOL2D" or op.variant not in ("", "inplace") or not op.dsts:
+            continue
+        x = op.args[0]
+        if not isinstance(x, Var) or not all(isinstance(a, Literal) for a in op.args[1:]):
+            continue
+        inputs = probe_tensors(spec.abstract, x.reg)
+        results = [p.get(op.dsts[0]) for p in spec.abstract]
+        if not (_nhwc(inputs) and _nhwc(results)):
+            continue     # outside a channels-last chain: torch's call stays
+        if _read(op.dsts[1:], ops, spec.outputs):
+            continue     # its indices are read
+        kernel, stride, padding, dilation, ceil_mode = (
+            [a.value for a in op.args[1:]] + [[], [0], [1], False])[:5]
+        pool_spec = PoolSpec.of(kernel, stride, padding, dilation, ceil_mode,
+                                inputs[0].dtype)
+        shapes, covered = shapes_of(x.reg)
+        try:
+            pool = PrimitivePool(library, pool_spec, shapes,
+                                 None if covered else _torch_fallback(op.args))
+        except api.OnednnError as exc:
+            kept[str(exc)] = kept.get(str(exc), 0) + 1
+            continue
+        impls |= pool.impls()
+        done += 1
+        # the indices were never read: no longer a result, nor freed
+        ops[position] = dataclasses.replace(
+            op, opcode=POOL_PRIMITIVE, variant=fused_variant, dsts=op.dsts[:1],
+            args=(x, Literal(pool)), frees=tuple(r for r in op.frees if r not in op.dsts[1:]))
+    if not done and not kept:
+        return spec, ""
+    note = f"; {done} max pooling(s) on oneDNN primitives"
+    note += f" ({', '.join(sorted(impls))})" if impls else ""
+    if kept:
+        note += "; pooling on torch: " + ", ".join(f"{n} {why}" for why, n in kept.items())
+    return (dataclasses.replace(spec, ops=tuple(ops)) if done else spec), note
+
+
+def _read(regs, ops, outputs) -> bool:
+    """Whether any of `regs` is an operand of an op or a region output."""
+    regs = set(regs)
+    values = [v for o in ops for v in flat_values(o.args)] + [v for _, v in outputs]
+    return any(isinstance(v, Var) and v.reg in regs for v in values)
