@@ -52,6 +52,7 @@ from dynvm.jit.backends.cpu.one_thread import (
     plan_one_thread,
 )
 from dynvm.jit.backends.cpu.onednn_conv import PRIMITIVE_KERNELS, conv_primitives
+from dynvm.jit.backends.cpu.onednn_linear import LINEAR_PRIMITIVE_KERNELS, linear_primitives
 from dynvm.jit.backends.cpu.precision import (
     PRECISION_KERNELS,
     PRECISION_VARIANT,
@@ -267,6 +268,7 @@ def _emit_body(emitter, spec, program, constants, device,
         elif is_fused(op):  # Note [CPU fusion]
             fn = emitter.bind(op.opcode.lower(),
                               IN_PLACE_KERNELS.get(op.opcode) or PRIMITIVE_KERNELS.get(op.opcode)
+                              or LINEAR_PRIMITIVE_KERNELS.get(op.opcode)
                               or FUSED_KERNELS[op.opcode])
             # Note [Conv weights for one row or many]: the weight by the input's batch
             args = [f"{emitter.bind('k', a.value.packs)}[{args[0]}.shape[0]]"
@@ -348,6 +350,11 @@ class CpuOptions:
     """Small ops on the calling thread alone (Note [Small ops on one thread] in
     one_thread): "measured" where they measure faster so, "always" wherever one may be
     asked (tests, debugging), "off". Not part of the key, as `arena_ops`."""
+
+    linear_primitives: str = "on"
+    """Fused and small-M linears on oneDNN primitives built once (Note [oneDNN linear
+    primitives built once] in onednn_linear): "on", or "off" (the in-process A/B). Not
+    part of the key, as `arena_ops`: the same results, re-done by whoever emits."""
 
     precision: str = "fp32"
     """GEMMs with constant weights in "fp32", "bf16" or "int8-dynamic" (Note
@@ -434,6 +441,10 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
         if options.fusion == "dense":   # Note [A decode step's small ops in C]
             fused = fuse_decode_ops(spec, constants, device)
             spec, notes = fused.spec, notes + fused.notes
+        elif options.linear_primitives == "on" and device.type == "cpu":
+            # Note [oneDNN linear primitives built once]: the linears fusion chose
+            spec, note = linear_primitives(spec, constants, options.prepacked)
+            notes += (note.removeprefix("; "),) if note else ()
     if options.channels_last != "off" and guard != GuardStrength.WEAK.value \
             and device.type == "cpu":
         spec, note = _channels_last(spec, program, constants, device, name, options)

@@ -93,4 +93,6 @@ class PrepackCache:
         memory] in dynvm._generate_memory)."""
         with self._lock:
             packed = list(self._packed.values())
-        return sum(t.numel() * t.element_size() for t in packed)
+        # a tensor, or an object holding copies of its own (onednn_linear's weights)
+        return sum(t.nbytes() if callable(getattr(t, "nbytes", None))
+                   else t.numel() * t.element_size() for t in packed)

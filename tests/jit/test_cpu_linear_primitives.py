@@ -1,0 +1,285 @@
+"""Linears on oneDNN matmul primitives built once, called through oneDNN's C API (Note
+[oneDNN linear primitives built once] in jit/backends/cpu/onednn_linear.py): kernels
+use them for the linears fusion put on oneDNN or on dynvm's small-M kernel, and what
+they compute equals eager and the interpreter over random shape sequences, offset and
+strided inputs, every post-op the pass maps, rows without a primitive (eager's call on
+the plain weight), bf16 (within the bf16 chain's tolerance, tests/jit/test_cpu_precision.py)
+and with the pass off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+
+import dynvm
+from dynvm.jit.backends.cpu import onednn_api
+from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
+from dynvm.jit.backends.cpu.fusion import onednn_available
+from dynvm.jit.backends.cpu.onednn_conv import eltwise_of
+from dynvm.jit.backends.cpu.onednn_linear import (
+    LinearSpec,
+    LinearWeights,
+    PrimitiveLinear,
+)
+from dynvm.jit.backends.cpu.precision import precision_available
+from dynvm.jit.backends.cpu.prepack import PrepackCache
+from dynvm.jit.specialize import specialize
+from tests.jit import _jit_helpers as h
+
+pytestmark = [
+    pytest.mark.skipif(not onednn_available(torch.device("cpu")),
+                       reason="this torch build has no oneDNN"),
+    pytest.mark.skipif(onednn_api.library() is None,
+                       reason=f"oneDNN's C library is not loaded: "
+                              f"{onednn_api.unavailable_reason()}"),
+]
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+BF16_RELATIVE = 3e-2        # tests/jit/test_cpu_precision.py's bf16 bound
+
+
+class Gemms(nn.Module):
+    """Every GEMM form fusion puts on oneDNN, with each epilogue the primitive computes
+    as a post-op: linear + GELU into a linear + residual add, MM + ReLU, ADDMM +
+    sigmoid, MATMUL + tanh, a linear times a tensor (binary mul), and two linears of one
+    input (the specializer makes them one GEMM, no epilogue) whose result leaves the
+    region."""
+
+    def __init__(self, d: int = 32, f: int = 64) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, f), nn.Linear(f, d)
+        self.norm = nn.LayerNorm(d)
+        self.w_mm = nn.Parameter(torch.randn(d, f) / d ** 0.5)
+        self.w_add = nn.Parameter(torch.randn(d, f) / d ** 0.5)
+        self.b_add = nn.Parameter(torch.randn(f))
+        self.w_mat = nn.Parameter(torch.randn(f, d) / f ** 0.5)
+        self.gate = nn.Linear(d, d)
+        self.twice = nn.Linear(d, d)
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x):                                         # x: [batch, seq, d]
+        y = self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
+        flat = y.reshape(-1, y.shape[-1])
+        a = torch.relu(flat @ self.w_mm)
+        b = torch.sigmoid(torch.addmm(self.b_add, flat, self.w_add))
+        c = torch.tanh(torch.matmul(a * b, self.w_mat)).reshape(y.shape)
+        g = self.gate(c) * y
+        t = self.twice(y)
+        return g + t * t, self.head(y)
+
+
+def _model_and_program():
+    torch.manual_seed(0)
+    model = Gemms().eval()
+    batch, seq = Dim("batch", min=1, max=64), Dim("seq", min=2, max=64)
+    return model, dynvm.compile(model, (torch.randn(2, 5, 32),), ({0: batch, 1: seq},))
+
+
+def _inputs(gen, steps: int = 8):
+    """Random (batch, seq) inputs: contiguous, then offset views, then strided ones."""
+    for step in range(steps):
+        batch, seq = (int(v) for v in torch.randint(1, 6, (2,), generator=gen))
+        seq += 1
+        if step % 3 == 0:
+            yield torch.randn(batch, seq, 32, generator=gen)
+        elif step % 3 == 1:     # offset: a view starting past its storage's first element
+            yield torch.randn(batch + 1, seq, 32, generator=gen)[1:]
+        else:                   # strided: every other feature of a wider tensor
+            yield torch.randn(batch, seq, 64, generator=gen)[..., ::2]
+
+
+def test_kernels_run_primitives_and_agree_with_eager_and_the_interpreter():
+    model, program = _model_and_program()
+    config = h.eager_config(cpu_fusion="always")
+    gen = torch.Generator().manual_seed(3)
+    with dynvm.Runtime(program, jit=config) as rt, \
+            dynvm.Runtime(program, jit=None) as interpreter, torch.no_grad():
+        for step, x in enumerate(_inputs(gen)):
+            before = x.clone()
+            rt(x)              # promoted here (compiled synchronously), run next call
+            got = rt(x)
+            for g, want, ref in zip(got, model(x), interpreter(x)):
+                torch.testing.assert_close(g, want, **TOL, msg=f"step {step}")
+                torch.testing.assert_close(g, ref, **TOL, msg=f"step {step}")
+            assert torch.equal(x, before)      # the caller's tensor is never written
+        stats = rt.stats()
+        assert stats["specialized_region_calls"] > 0 and not stats["compile_failures"]
+        sources = [a.source for a in rt.jit.artifacts.values()]
+    assert sources
+    for source in sources:
+        # 7 GEMMs, each on a primitive (GELU, ReLU, sigmoid, tanh, the residual add and
+        # the gate's mul as post-ops), in both bodies (arena and plain)
+        assert source.count("= onednn_linear_primitive") == 14, source
+        assert "7 of 7 linear(s) on oneDNN 3." in source, source
+        assert "onednn_linear(" not in source and "onednn_linear_binary(" not in source
+
+
+def test_kernels_with_one_weight_share_its_reordered_copy():
+    # Two exact kernels of one engine: each weight reordered once (torch's packed copy
+    # is not kept beside it: the primitives replace it).
+    _, program = _model_and_program()
+    region = program.regions[0]
+    prepacked = PrepackCache()
+    constants = [t.detach() for t in program.constants]
+    options = CpuOptions(None, fusion="always", prepacked=prepacked)
+    kernels = []
+    for shape in ((2, 5, 32), (3, 9, 32)):
+        spec = specialize(program, region, {region.live_in[0].index: torch.randn(*shape)})
+        kernels.append(compile_kernel(spec, program, constants, torch.device("cpu"),
+                                      f"k{shape[0]}", "strong", options))
+    alive = dict(prepacked._packed.items())
+    ours = [v for k, v in alive.items() if k[1] == "onednn-linear"]
+    assert len(ours) == 7, list(alive)
+    assert not [k for k in alive if k[1] == "linear"], list(alive)   # torch's: gone
+    assert all(w.copies() >= 1 for w in ours)
+    weights = sum(t.numel() * 4 for t in program.constants if t.dim() == 2)
+    assert prepacked.nbytes() >= weights
+
+
+def test_small_m_linears_over_streamed_weights_become_primitives():
+    # 2..16 rows over weights streamed from memory went to dynvm's small-M kernel
+    # (Note [A small-M GEMM of our own]), the GELU apart; the pass puts them on
+    # primitives, the GELU as an eltwise post-op and the residual add as a binary one.
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(1024, 1024), nn.Linear(1024, 1024)
+
+        def forward(self, x):
+            return self.b(torch.nn.functional.gelu(self.a(x))) + x
+
+    torch.manual_seed(1)
+    model = Wide().eval()
+    program = dynvm.compile(model, (torch.randn(2, 1024),), ({0: Dim("m", min=1, max=64)},))
+    gen = torch.Generator().manual_seed(5)
+    with dynvm.Runtime(program, jit=h.eager_config()) as rt, torch.no_grad():
+        for rows in (8, 8, 3, 16):
+            x = torch.randn(rows, 1024, generator=gen)
+            torch.testing.assert_close(rt(x), model(x), **TOL)
+        sources = [a.source for a in rt.jit.artifacts.values()]
+    assert sources and all("dynvm's small-M linear" in s for s in sources)
+    assert all(s.count("= onednn_linear_primitive") == 2 for s in sources), sources
+    assert all("1 activation(s) folded in as post-ops" in s for s in sources), sources
+    assert all("native_linear" not in s.split("def ")[1] and "gelu" not in s.split("def ")[1]
+               for s in sources), sources
+
+
+def _linear(weight, bias, activation, binary, dtype=torch.float32, rows=(5,)):
+    library = onednn_api.library()
+    eltwise = None if activation is None else eltwise_of(*activation)
+    spec = LinearSpec(weight.shape[1], weight.shape[0], dtype, bias is not None, eltwise,
+                      binary)
+    return PrimitiveLinear(library, spec, LinearWeights(library, weight.to(dtype)), bias,
+                           list(rows), activation)
+
+
+ACTIVATIONS = {
+    "relu": (("relu", [], ""), torch.relu),
+    "gelu": (("gelu", [], "none"), torch.nn.functional.gelu),
+    "gelu_tanh": (("gelu", [], "tanh"),
+                  lambda y: torch.nn.functional.gelu(y, approximate="tanh")),
+    "swish": (("swish", [], ""), torch.nn.functional.silu),
+    "sigmoid": (("sigmoid", [], ""), torch.sigmoid),
+    "tanh": (("tanh", [], ""), torch.tanh),
+    "leaky_relu": (("leaky_relu", [0.1], ""),
+                   lambda y: torch.nn.functional.leaky_relu(y, 0.1)),
+    "hardtanh": (("hardtanh", [-0.5, 0.5], ""),
+                 lambda y: torch.nn.functional.hardtanh(y, -0.5, 0.5)),
+}
+
+
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+@pytest.mark.parametrize("binary", [None, "add", "mul"])
+def test_every_post_op_agrees_with_eager_built_or_not(name, binary):
+    gen = torch.Generator().manual_seed(11)
+    weight, bias = torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen)
+    activation, eager = ACTIVATIONS[name]
+    linear = _linear(weight, bias, activation, binary, rows=(6,))
+    for rows in (6, 7):       # built; not built: eager's call on the plain weight
+        x = torch.randn(rows, 40, generator=gen)
+        other = torch.randn(rows, 48, generator=gen) if binary else None
+        want = eager(torch.nn.functional.linear(x, weight, bias))
+        want = want if binary is None else want + other if binary == "add" else want * other
+        torch.testing.assert_close(linear(x, other), want, **TOL, msg=f"{rows} rows")
+    assert set(linear.by_rows) == {6}      # nothing built while the call ran
+
+
+def test_offset_strided_and_batched_inputs_read_as_eager():
+    gen = torch.Generator().manual_seed(13)
+    weight = torch.randn(24, 16, generator=gen)
+    linear = _linear(weight, None, None, "add", rows=(6,))
+    wide = torch.randn(4, 3, 40, generator=gen)
+    other = torch.randn(2, 3, 24, generator=gen)
+    for x in (wide[1:3, :, 8:24],                 # offset rows of a wider tensor
+              wide[:2, :, ::2][..., :16],          # strided features
+              wide[2:, :, :16].transpose(0, 1).transpose(0, 1)):
+        want = torch.nn.functional.linear(x, weight) + other
+        torch.testing.assert_close(linear(x, other), want, **TOL)
+    torch.testing.assert_close(linear(wide[:2, :, :16], other[:, :, :].clone()),
+                               torch.nn.functional.linear(wide[:2, :, :16], weight) + other,
+                               **TOL)
+
+
+@pytest.mark.skipif(precision_available("bf16") is not None,
+                    reason=str(precision_available("bf16")))
+def test_bf16_kernels_run_bf16_primitives_within_bf16s_tolerance():
+    model, program = _model_and_program()
+    gen = torch.Generator().manual_seed(17)
+    with dynvm.Runtime(program, jit=h.eager_config(cpu_fusion="always",
+                                                   precision="bf16")) as rt, torch.no_grad():
+        for step, x in enumerate(_inputs(gen, 6)):
+            rt(x)
+            for got, want in zip(rt(x), model(x)):
+                assert got.dtype == torch.float32
+                relative = float((got - want).abs().max() / want.abs().max())
+                assert relative < BF16_RELATIVE, (step, relative)
+        sources = [a.source for a in rt.jit.artifacts.values()]
+    assert sources and all("linear(s) on oneDNN 3." in s and "amx" in s or "avx512" in s
+                           for s in sources), sources
+    assert all(s.count("= onednn_linear_primitive") >= 6 for s in sources), sources
+
+
+def test_a_bf16_primitive_equals_the_bf16_linear_of_torch():
+    gen = torch.Generator().manual_seed(19)
+    weight, bias = torch.randn(64, 32, generator=gen), torch.randn(64, generator=gen)
+    linear = _linear(weight, bias, ACTIVATIONS["gelu"][0], None, torch.bfloat16, rows=(9,))
+    for rows in (9, 4):
+        x = torch.randn(rows, 32, generator=gen).to(torch.bfloat16)
+        want = torch.nn.functional.gelu(torch.nn.functional.linear(
+            x.float(), weight.to(torch.bfloat16).float(), bias))
+        got = linear(x, None)
+        assert got.dtype == torch.bfloat16
+        assert float((got.float() - want).abs().max() / want.abs().max()) < BF16_RELATIVE
+
+
+def test_families_whose_rows_vary_keep_torchs_calls():
+    # Rows that vary within a family have no primitive each (a build per row count is
+    # milliseconds): such a kernel keeps fusion's calls, and says so.
+    model, program = _model_and_program()
+    config = h.eager_config(cpu_fusion="always", families=True)
+    gen = torch.Generator().manual_seed(23)
+    with dynvm.Runtime(program, jit=config) as rt, torch.no_grad():
+        for batch, seq in ((2, 5), (3, 7), (2, 6), (4, 5), (3, 6), (2, 7)):
+            x = torch.randn(batch, seq, 32, generator=gen)
+            for got, want in zip(rt(x), model(x)):
+                torch.testing.assert_close(got, want, **TOL)
+        sources = [a.source for a in rt.jit.artifacts.values()]
+    family = [s for s in sources if "guard: family" in s]
+    assert family and all("rows vary in the family" in s for s in family), sources
+
+
+def test_the_pass_off_leaves_fusions_calls():
+    model, program = _model_and_program()
+    region = program.regions[0]
+    x = torch.randn(2, 5, 32)
+    spec = specialize(program, region, {region.live_in[0].index: x})
+    options = dataclasses.replace(CpuOptions(None, fusion="always"), linear_primitives="off")
+    constants = [t.detach() for t in program.constants]
+    kernel = compile_kernel(spec, program, constants, torch.device("cpu"), "off", "strong",
+                            options)
+    assert "onednn_linear_primitive" not in kernel.source
+    assert "= onednn_linear" in kernel.source
