@@ -22,6 +22,7 @@ from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
 from dynvm.jit.backends.cpu.fusion import onednn_available
 from dynvm.jit.backends.cpu.onednn_conv import eltwise_of
 from dynvm.jit.backends.cpu.onednn_linear import (
+    ANY_ROWS,
     LinearSpec,
     LinearWeights,
     PrimitiveLinear,
@@ -256,9 +257,10 @@ def test_a_bf16_primitive_equals_the_bf16_linear_of_torch():
         assert float((got.float() - want).abs().max() / want.abs().max()) < BF16_RELATIVE
 
 
-def test_families_whose_rows_vary_keep_torchs_calls():
-    # Rows that vary within a family have no primitive each (a build per row count is
-    # milliseconds): such a kernel keeps fusion's calls, and says so.
+def test_families_whose_rows_vary_run_one_primitive_for_any_rows():
+    # Rows that vary within a family: one primitive per linear taking its rows with each
+    # call (fp32: gemm:jit on the program's constant as stored, no copy); a binary
+    # product has no form at any rows and keeps fusion's call.
     model, program = _model_and_program()
     config = h.eager_config(cpu_fusion="always", families=True)
     gen = torch.Generator().manual_seed(23)
@@ -267,9 +269,26 @@ def test_families_whose_rows_vary_keep_torchs_calls():
             x = torch.randn(batch, seq, 32, generator=gen)
             for got, want in zip(rt(x), model(x)):
                 torch.testing.assert_close(got, want, **TOL)
+        assert rt.stats()["specialized_region_calls"] > 0
         sources = [a.source for a in rt.jit.artifacts.values()]
     family = [s for s in sources if "guard: family" in s]
-    assert family and all("rows vary in the family" in s for s in family), sources
+    assert family and all("6 of 7 linear(s) on oneDNN" in s and "gemm:jit:f32" in s
+                          and "1 mul after None at any rows" in s for s in family), sources
+
+
+def test_a_primitive_for_any_rows_agrees_with_eager():
+    gen = torch.Generator().manual_seed(29)
+    weight, bias = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+    for activation, binary in ((ACTIVATIONS["gelu"][0], None), (None, "add"), (None, None)):
+        linear = _linear(weight, bias, activation, binary, rows=(ANY_ROWS,))
+        assert not linear.by_rows
+        for rows in (1, 6, 33):
+            x = torch.randn(rows, 24, generator=gen)
+            other = torch.randn(rows, 40, generator=gen)
+            want = torch.nn.functional.linear(x, weight, bias)
+            want = torch.nn.functional.gelu(want) if activation else want
+            want = want + other if binary else want
+            torch.testing.assert_close(linear(x, other if binary else None), want, **TOL)
 
 
 def test_the_pass_off_leaves_fusions_calls():

@@ -26,11 +26,19 @@ never both: the packed copy fusion made dies with the IR that named it). Linears
 small-M kernel read the program's constant as stored; on a primitive they read a
 reordered copy, one weight's worth more.
 
-Families whose rows vary keep fusion's calls (row-gated or not): a primitive per row
-count would build milliseconds of code per M. In an exact kernel a call at rows not
-built (none: the guard proves the rows) would run eager's linear on the plain weight,
-never a build. Where the library does not load, or `CpuOptions.linear_primitives` is
-"off", the pass changes nothing and the kernel's header says why.
+A family whose rows vary gets one primitive per linear built for any rows (oneDNN's
+runtime dim: each call makes its rows' src and dst memory, a few us): fp32 on
+`gemm:jit:f32` (brgemm needs its rows at build time), which reads the program's constant
+as stored, no copy at all; bf16 on AMX brgemm sharing the exact kernels' copy. At any
+rows a binary post-op cannot name its operand, so the residual add is a sum post-op over
+the result, filled with the residual first; a product, or an add after an activation,
+keeps fusion's call (counted in the header), as do row-gated linears (Note [oneDNN at a
+new row count]), which keep torch's packed copy for their kernel.
+
+An exact kernel's call at rows not built (none: the guard proves the rows) would run
+eager's linear on the plain weight, never a build. Where the library does not load the
+pass changes nothing and the kernel's header says why; `CpuOptions.linear_primitives`
+"off" skips it (the in-process A/B).
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ from dynvm.jit.specialize import add_frees
 
 _DATA_TYPES = {torch.float32: api.F32, torch.bfloat16: api.BF16}
 _BINARY = {"add": api.BINARY_ADD, "mul": api.BINARY_MUL}
+ANY_ROWS = -(1 << 63)     # DNNL_RUNTIME_DIM_VAL: rows given with each call's memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,14 +203,19 @@ class LinearPrimitive:
         self.rows, self.spec = rows, spec
         k, n, dtype = spec.in_features, spec.out_features, spec.dtype
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
-        engine = library.engine
+        self._engine = engine = library.engine
         src = _md_strides(lib, [rows, k], [k, 1], dtype)
         dst = _md_strides(lib, [rows, n], [n, 1], dtype)
         weights_md = weights.plain_md() if plain_weight else _md_tag(lib, [k, n],
                                                                        api.TAG_ANY, dtype)
         bias_md = _md_tag(lib, [1, n], api.TAG_AB, torch.float32)
         mds = [src, dst, weights_md, bias_md]
-        if spec.binary is not None:
+        # At any rows a binary post-op cannot name its operand's rows: the residual add
+        # is a sum post-op over the result's memory, which the call fills with it first.
+        self._sum = rows == ANY_ROWS and spec.binary is not None
+        if self._sum and (spec.binary != "add" or spec.eltwise is not None):
+            raise api.OnednnError(f"{spec.binary} after {spec.eltwise} at any rows")
+        if spec.binary is not None and not self._sum:
             other_md = _md_strides(lib, [rows, n], [n, 1], dtype)
             mds.append(other_md)
         post_ops, attr, pd = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
@@ -211,7 +225,10 @@ class LinearPrimitive:
             if spec.eltwise is not None:
                 api.check(lib.dnnl_post_ops_append_eltwise(post_ops, *spec.eltwise), "eltwise")
             binary_at = None
-            if spec.binary is not None:
+            if self._sum:
+                api.check(lib.dnnl_post_ops_append_sum(post_ops, 1.0, 0, _DATA_TYPES[dtype]),
+                          "sum")
+            elif spec.binary is not None:
                 binary_at = 1 if spec.eltwise is not None else 0
                 api.check(lib.dnnl_post_ops_append_binary(post_ops, _BINARY[spec.binary],
                                                           other_md), "binary")
@@ -242,6 +259,9 @@ class LinearPrimitive:
                 operands.append((api.arg_post_op(binary_at, api.ARG_SRC_1), other_md, None))
             for arg, md, data in operands:
                 memory = ctypes.c_void_p()
+                if rows == ANY_ROWS and data is None:
+                    memories[arg] = memory    # none: each call makes its rows' memory
+                    continue
                 handle = ctypes.c_void_p(data.data_ptr()) if data is not None else None
                 api.check(lib.dnnl_memory_create(ctypes.byref(memory), md, engine, handle),
                           "memory")
@@ -260,11 +280,14 @@ class LinearPrimitive:
         self._args_pointer = ctypes.cast(self._args, ctypes.c_void_p)
         self._nargs = len(memories)
         self._lock = threading.Lock()   # the data handles are this primitive's state
+        self._binary_at = binary_at
 
     def run(self, rows: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
         """The [M, N] result of `rows` ([M, K], contiguous) (with `other`, [M, N]
         contiguous, for a binary post-op)."""
         out = torch.empty((rows.shape[0], self.spec.out_features), dtype=self.spec.dtype)
+        if self.rows == ANY_ROWS:
+            return self._run_any_rows(rows, other, out)
         calls = self._calls     # Note [oneDNN primitives built once]: the GIL held
         with self._lock:
             calls.dnnl_memory_set_data_handle(self._src, rows.data_ptr())
@@ -274,6 +297,36 @@ class LinearPrimitive:
             status = calls.dnnl_primitive_execute(self._prim, self._stream, self._nargs,
                                                 self._args_pointer)
         api.check(status, "matmul")
+        return out
+
+    def _run_any_rows(self, rows, other, out) -> torch.Tensor:
+        """A primitive built for any rows reads memory objects of this call's rows (its
+        own keep the runtime dim): made, executed, destroyed; the weight's and bias's stay."""
+        lib, m = self._lib, rows.shape[0]
+        k, n, dtype = self.spec.in_features, self.spec.out_features, self.spec.dtype
+        if self._sum:
+            out.copy_(other)
+        operands = [(api.ARG_SRC, [k, 1], k, rows), (api.ARG_DST, [n, 1], n, out)]
+        if self._binary_at is not None:
+            operands.append((api.arg_post_op(self._binary_at, api.ARG_SRC_1), [n, 1], n, other))
+        args = list(self._args)
+        made = []
+        try:
+            for arg, strides, width, tensor in operands:
+                md = _md_strides(lib, [m, width], strides, dtype)
+                memory = ctypes.c_void_p()
+                status = lib.dnnl_memory_create(ctypes.byref(memory), md, self._engine,
+                                                ctypes.c_void_p(tensor.data_ptr()))
+                lib.dnnl_memory_desc_destroy(md)
+                api.check(status, "memory")
+                made.append(memory)
+                args = [api.ExecArg(arg, memory) if a.arg == arg else a for a in args]
+            packed = (api.ExecArg * len(args))(*args)
+            api.check(self._calls.dnnl_primitive_execute(
+                self._prim, self._stream, len(args), ctypes.cast(packed, ctypes.c_void_p)),
+                "matmul")
+        finally:
+            _destroy(lib, [("dnnl_memory_destroy", memory) for memory in made])
         return out
 
     def __del__(self) -> None:
@@ -307,10 +360,16 @@ class PrimitiveLinear:
         self._weights = weights
         self._bias = bias
         self._activation = activation
-        self.by_rows = {m: LinearPrimitive(library, spec, m, weights, bias) for m in rows}
+        # fp32 at any rows reads the program's constant as stored (gemm:jit takes a
+        # plain weight; no copy); bf16's AMX brgemm shares the reordered copy
+        self.by_rows = {m: LinearPrimitive(library, spec, m, weights, bias,
+                                           plain_weight=m == ANY_ROWS
+                                           and spec.dtype == torch.float32)
+                        for m in rows}
+        self._any_rows = self.by_rows.pop(ANY_ROWS, None)
 
     def impls(self) -> set[str]:
-        return {p.impl for p in self.by_rows.values()}
+        return {p.impl for p in (*self.by_rows.values(), self._any_rows) if p is not None}
 
     def fallback(self, rows: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
         """Eager PyTorch's linear (+ activation, + binary) on the plain weight."""
@@ -341,7 +400,7 @@ class PrimitiveLinear:
                 raise api.OnednnError(f"a binary post-op's operand of {other.dtype}")
             if other.stride(-1) != 1 or (other.shape[0] > 1 and other.stride(0) != n):
                 other = other.contiguous()
-        primitive = self.by_rows.get(rows.shape[0])
+        primitive = self.by_rows.get(rows.shape[0], self._any_rows)
         out = (self.fallback(rows, other) if primitive is None
                else primitive.run(rows, other))
         return out.view(*x.shape[:-1], n)
@@ -446,9 +505,8 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
         if not reason and xs is None:
             reason = "input not a tensor at every probe"
         rows = sorted({t.numel() // t.shape[-1] for t in xs}) if not reason else []
-        if not reason and len(rows) != 1:
-            # a family whose rows vary: its kernel keeps torch's gated or fused call
-            reason = "rows vary in the family"
+        if len(rows) > 1:     # a family whose rows vary: one primitive for any rows
+            rows = [ANY_ROWS]
         if reason:
             kept[reason] = kept.get(reason, 0) + 1
             continue
