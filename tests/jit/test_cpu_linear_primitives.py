@@ -164,7 +164,8 @@ def test_small_m_linears_over_streamed_weights_become_primitives():
         sources = [a.source for a in rt.jit.artifacts.values()]
     assert sources and all("dynvm's small-M linear" in s for s in sources)
     assert all(s.count("= onednn_linear_primitive") == 2 for s in sources), sources
-    assert all("1 activation(s) folded in as post-ops" in s for s in sources), sources
+    assert all("1 activation(s) or fp32 residual add(s) folded in" in s for s in sources), \
+        sources
     assert all("native_linear" not in s.split("def ")[1] and "gelu" not in s.split("def ")[1]
                for s in sources), sources
 
@@ -242,6 +243,27 @@ def test_bf16_kernels_run_bf16_primitives_within_bf16s_tolerance():
     assert sources and all("linear(s) on oneDNN 3." in s and "amx" in s or "avx512" in s
                            for s in sources), sources
     assert all(s.count("= onednn_linear_primitive") >= 6 for s in sources), sources
+    # the residual add after `down` reads its bf16 result with fp32 x: the primitive
+    # writes fp32 with the add as a post-op (no bf16 result, no separate ADD)
+    assert all("fp32 residual add(s) folded in" in s for s in sources), sources
+
+
+def test_a_bf16_primitive_adds_an_fp32_residual_and_writes_fp32():
+    gen = torch.Generator().manual_seed(31)
+    weight, bias = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+    library = onednn_api.library()
+    spec = LinearSpec(24, 40, torch.bfloat16, True, None, "add", torch.float32)
+    weights = LinearWeights(library, weight.to(torch.bfloat16))
+    for rows in ((7,), (ANY_ROWS,)):
+        linear = PrimitiveLinear(library, spec, weights, bias, list(rows), None)
+        for m in (7, 3):
+            x = torch.randn(m, 24, generator=gen).to(torch.bfloat16)
+            residual = torch.randn(m, 40, generator=gen)
+            got = linear(x, residual)
+            want = torch.nn.functional.linear(x.float(), weight.to(torch.bfloat16).float(),
+                                              bias) + residual
+            assert got.dtype == torch.float32
+            assert float((got - want).abs().max() / want.abs().max()) < 1e-2, (rows, m)
 
 
 def test_a_bf16_primitive_equals_the_bf16_linear_of_torch():

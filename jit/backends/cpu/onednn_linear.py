@@ -81,7 +81,9 @@ ANY_ROWS = -(1 << 63)     # DNNL_RUNTIME_DIM_VAL: rows given with each call's me
 class LinearSpec:
     """What a primitive computes besides its rows: x @ W^T + bias, then `eltwise`
     (oneDNN algorithm, alpha, beta) if any, then `binary` ("add" or "mul" with a tensor
-    of the result's shape) if any; x, W and the result of `dtype`, the bias fp32."""
+    of the result's shape) if any; x, W and the result of `dtype`, the bias fp32, the
+    result (and the binary operand) of `out_dtype` where given (a bf16 linear whose
+    residual add is fp32)."""
 
     in_features: int
     out_features: int
@@ -89,6 +91,11 @@ class LinearSpec:
     has_bias: bool
     eltwise: tuple[int, float, float] | None = None
     binary: str | None = None
+    out_dtype: torch.dtype | None = None
+
+    @property
+    def result_dtype(self) -> torch.dtype:
+        return self.out_dtype or self.dtype
 
 
 def _md_strides(lib, dims, strides, dtype: torch.dtype) -> ctypes.c_void_p:
@@ -205,7 +212,7 @@ class LinearPrimitive:
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self._engine = engine = library.engine
         src = _md_strides(lib, [rows, k], [k, 1], dtype)
-        dst = _md_strides(lib, [rows, n], [n, 1], dtype)
+        dst = _md_strides(lib, [rows, n], [n, 1], spec.result_dtype)
         weights_md = weights.plain_md() if plain_weight else _md_tag(lib, [k, n],
                                                                        api.TAG_ANY, dtype)
         bias_md = _md_tag(lib, [1, n], api.TAG_AB, torch.float32)
@@ -216,7 +223,7 @@ class LinearPrimitive:
         if self._sum and (spec.binary != "add" or spec.eltwise is not None):
             raise api.OnednnError(f"{spec.binary} after {spec.eltwise} at any rows")
         if spec.binary is not None and not self._sum:
-            other_md = _md_strides(lib, [rows, n], [n, 1], dtype)
+            other_md = _md_strides(lib, [rows, n], [n, 1], spec.result_dtype)
             mds.append(other_md)
         post_ops, attr, pd = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         self._prim = ctypes.c_void_p()
@@ -226,7 +233,8 @@ class LinearPrimitive:
                 api.check(lib.dnnl_post_ops_append_eltwise(post_ops, *spec.eltwise), "eltwise")
             binary_at = None
             if self._sum:
-                api.check(lib.dnnl_post_ops_append_sum(post_ops, 1.0, 0, _DATA_TYPES[dtype]),
+                api.check(lib.dnnl_post_ops_append_sum(post_ops, 1.0, 0,
+                                                       _DATA_TYPES[spec.result_dtype]),
                           "sum")
             elif spec.binary is not None:
                 binary_at = 1 if spec.eltwise is not None else 0
@@ -280,12 +288,12 @@ class LinearPrimitive:
         self._args_pointer = ctypes.cast(self._args, ctypes.c_void_p)
         self._nargs = len(memories)
         self._lock = threading.Lock()   # the data handles are this primitive's state
-        self._binary_at = binary_at
 
     def run(self, rows: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
         """The [M, N] result of `rows` ([M, K], contiguous) (with `other`, [M, N]
         contiguous, for a binary post-op)."""
-        out = torch.empty((rows.shape[0], self.spec.out_features), dtype=self.spec.dtype)
+        out = torch.empty((rows.shape[0], self.spec.out_features),
+                          dtype=self.spec.result_dtype)
         if self.rows == ANY_ROWS:
             return self._run_any_rows(rows, other, out)
         calls = self._calls     # Note [oneDNN primitives built once]: the GIL held
@@ -303,17 +311,15 @@ class LinearPrimitive:
         """A primitive built for any rows reads memory objects of this call's rows (its
         own keep the runtime dim): made, executed, destroyed; the weight's and bias's stay."""
         lib, m = self._lib, rows.shape[0]
-        k, n, dtype = self.spec.in_features, self.spec.out_features, self.spec.dtype
+        k, n = self.spec.in_features, self.spec.out_features
         if self._sum:
             out.copy_(other)
-        operands = [(api.ARG_SRC, [k, 1], k, rows), (api.ARG_DST, [n, 1], n, out)]
-        if self._binary_at is not None:
-            operands.append((api.arg_post_op(self._binary_at, api.ARG_SRC_1), [n, 1], n, other))
+        operands = [(api.ARG_SRC, k, rows), (api.ARG_DST, n, out)]
         args = list(self._args)
         made = []
         try:
-            for arg, strides, width, tensor in operands:
-                md = _md_strides(lib, [m, width], strides, dtype)
+            for arg, width, tensor in operands:
+                md = _md_strides(lib, [m, width], [width, 1], tensor.dtype)
                 memory = ctypes.c_void_p()
                 status = lib.dnnl_memory_create(ctypes.byref(memory), md, self._engine,
                                                 ctypes.c_void_p(tensor.data_ptr()))
@@ -396,7 +402,7 @@ class PrimitiveLinear:
             rows = rows.contiguous()       # oneDNN reads the rows as built: dense
         if other is not None:
             other = other.reshape(-1, n)
-            if other.dtype != self.spec.dtype:
+            if other.dtype != self.spec.result_dtype:
                 raise api.OnednnError(f"a binary post-op's operand of {other.dtype}")
             if other.stride(-1) != 1 or (other.shape[0] > 1 and other.stride(0) != n):
                 other = other.contiguous()
@@ -500,6 +506,12 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
             folded = _activation_after(ops, position, uses, removed)
             if folded is not None:
                 found = dataclasses.replace(found, activation=folded[1])
+        residual = None
+        if not isinstance(found, str) and found.weight_key[3] == torch.bfloat16 \
+                and found.other is None:
+            residual = _fp32_residual_after(ops, position, uses, removed, spec.abstract)
+            if residual is not None:
+                found = dataclasses.replace(found, other=residual[1], binary="add")
         reason = found if isinstance(found, str) else ""
         xs = probe_tensors(spec.abstract, found.x.reg) if not reason else None
         if not reason and xs is None:
@@ -521,7 +533,8 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
                     raise api.OnednnError(f"activation {found.activation[0]!r}")
             n, k = weights.plain.shape
             linear_spec = LinearSpec(k, n, dtype, found.bias is not None, eltwise,
-                                     found.binary)
+                                     found.binary,
+                                     torch.float32 if residual is not None else None)
             linear = PrimitiveLinear(library, linear_spec, weights, found.bias, rows,
                                      found.activation)
         except api.OnednnError as exc:
@@ -530,9 +543,10 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
         impls |= linear.impls()
         other = found.other if found.other is not None else Literal(None)
         pcs, dsts = epilogue_pcs(op), op.dsts
-        if folded is not None:       # the activation dynvm's small-M kernel left apart
-            removed.add(folded[0])
-            pcs, dsts = (*pcs, ops[folded[0]].source_pc), ops[folded[0]].dsts
+        for taken in (folded, residual):   # an activation the small-M kernel left
+            if taken is not None:            # apart; a bf16 result's fp32 residual add
+                removed.add(taken[0])
+                pcs, dsts = (*pcs, ops[taken[0]].source_pc), ops[taken[0]].dsts
         variant = FUSED_VARIANT + "".join(f"+{pc}" for pc in pcs)
         ops[position] = dataclasses.replace(op, opcode=LINEAR_PRIMITIVE, dsts=dsts,
                                             args=(found.x, other, Literal(linear)),
@@ -543,11 +557,37 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
     if kept:
         note += "; kept: " + ", ".join(f"{n} {why}" for why, n in kept.items())
     if removed:
-        note += f"; {len(removed)} activation(s) folded in as post-ops"
+        note += f"; {len(removed)} activation(s) or fp32 residual add(s) folded in"
     if not done:
         return spec, note
     new_ops = add_frees([op for i, op in enumerate(ops) if i not in removed], leaving)
     return dataclasses.replace(spec, ops=tuple(new_ops)), note
+
+
+def _fp32_residual_after(ops, position: int, uses, removed: set[int], probes):
+    """(position, operand) of the ADD that alone reads bf16 op `position`'s result with
+    an fp32 tensor of the sum's shape (computed in fp32 by type promotion, Note
+    [Lower-precision GEMMs]): the primitive then writes fp32, adding it as a post-op."""
+    consumer_at = single_consumer(ops, position, uses)
+    if consumer_at is None or consumer_at in removed:
+        return None
+    consumer, mine = ops[consumer_at], Var(ops[position].dsts[0])
+    if (consumer.opcode != "ADD" or consumer.variant not in ("", "inplace")
+            or len(consumer.args) != 2 or len(consumer.dsts) != 1
+            or not untouched_between(ops, position, consumer_at, consumer)):
+        return None
+    others = [a for a in consumer.args if a != mine]
+    if len(others) != 1 or not isinstance(others[0], Var):
+        return None
+    other = others[0]
+    if any(other.reg in op.dsts for op in ops[position:consumer_at]):
+        return None      # made after the linear: not there when the primitive runs
+    values, sums = probe_tensors(probes, other.reg), probe_tensors(probes, consumer.dsts[0])
+    if values is None or sums is None or any(
+            v.dtype != torch.float32 or v.shape != t.shape or t.dtype != torch.float32
+            for v, t in zip(values, sums)):
+        return None
+    return consumer_at, other
 
 
 def _activation_after(ops, position: int, uses, removed: set[int]):
