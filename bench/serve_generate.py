@@ -5,6 +5,8 @@ against the same random-weight model in CTranslate2 behind a plain Ray Serve dep
     flock /tmp/dynvm_bench.lock python -m bench.serve_generate --clients 8 --requests 96 --rate 64
     ... --passes 4          # passes per system, in turn (default 3, Note [Passes in turn])
     ... --step-token-budget 16,64   # a dynvm replica per budget, in the same passes
+    ... --thread-slice-ms 0,0.5     # a dynvm replica per slice (Note [Short slices for
+                                    # the step's threads]), in the same passes
     ... --ingress proxy     # both systems behind Serve's proxy instead
 
 Note [Serving trace]
@@ -173,9 +175,9 @@ def _stream(port: int, path: str, body: dict, conn: http.client.HTTPConnection |
     return ttft, times, tokens, done and response.status == 200
 
 
-def _steps(port: int, prefix: str) -> tuple[int, int, int, float]:
-    """(decode steps, specialized steps, the step's JIT compiles, their seconds) a dynvm
-    replica has counted."""
+def _steps(port: int, prefix: str) -> tuple[int, int, int, float, dict]:
+    """(decode steps, specialized steps, the step's JIT compiles, their seconds, the
+    slices its threads got) a dynvm replica has counted."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         conn.request("GET", prefix + "/v2/models/gen/stats")
@@ -185,7 +187,7 @@ def _steps(port: int, prefix: str) -> tuple[int, int, int, float]:
     counters = stats["scheduler"]
     jit = stats.get("jit", {})
     return (counters["decode_steps"], counters["specialized_steps"], jit.get("compiles", 0),
-            jit.get("compile_seconds", 0.0))
+            jit.get("compile_seconds", 0.0), stats.get("thread_slice_s", {}))
 
 
 def _play(trace: list[dict], clients: int, one) -> tuple[list, float]:
@@ -355,10 +357,27 @@ def _budgets(args) -> list[int]:
     return [int(b) for b in str(args.step_token_budget).split(",")]
 
 
-def _scheduler_config(budget: int):
+def _scheduler_config(budget: int, slice_ms: float | None = None):
     from dynvm.cluster.serving._generate_scheduler import SchedulerConfig
 
-    return SchedulerConfig(**({"step_token_budget": budget} if budget else {}))
+    return SchedulerConfig(**({"step_token_budget": budget} if budget else {}),
+                           **({} if slice_ms is None else {"thread_slice_s": slice_ms / 1e3}))
+
+
+def _replicas(args) -> list[tuple[str, int, float | None]]:
+    """The dynvm replicas to serve, (system name, budget, slice in ms or None: the
+    default): one per --step-token-budget and --thread-slice-ms value, all played in
+    the same passes; named `dynvm` when there is one, else by what differs."""
+    budgets = _budgets(args)
+    slices = [None] if not args.thread_slice_ms else [
+        float(v) for v in str(args.thread_slice_ms).split(",")]
+    replicas = []
+    for budget in budgets:
+        for slice_ms in slices:
+            name = "dynvm" + (f"-b{budget}" if len(budgets) > 1 else "") + (
+                f"-s{slice_ms:g}" if len(slices) > 1 else "")
+            replicas.append((name, budget, slice_ms))
+    return replicas
 
 
 def main(argv=None) -> int:
@@ -381,6 +400,11 @@ def main(argv=None) -> int:
                         "16); "
                         "a comma list (16,64): one dynvm replica per budget, systems "
                         "dynvm-b16, dynvm-b64, ..., played in the same passes")
+    p.add_argument("--thread-slice-ms", default="",
+                   help="the dynvm scheduler's and loop's time slice (SchedulerConfig."
+                        "thread_slice_s; empty: its default); a comma list (0,0.5): one "
+                        "dynvm replica per value, systems dynvm-s0, dynvm-s0.5, played in "
+                        "the same passes")
     p.add_argument("--systems", default="dynvm,ctranslate2")
     p.add_argument("--out", default="")
     p.add_argument("--packed", type=int, default=1,
@@ -429,20 +453,21 @@ def main(argv=None) -> int:
     from dynvm.cluster.protocol.ingress import direct_addresses, ingress_environment
 
     os.environ.update(ingress_environment(args.ingress))   # read when Ray starts
-    budgets = _budgets(args) if "dynvm" in systems else []
+    replicas = _replicas(args) if "dynvm" in systems else []
     # Ray's CPUs are logical: one per replica, as each system's deployment asks.
-    ray.init(num_cpus=max(2, len(budgets) + 1), include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=max(2, len(replicas) + 1), include_dashboard=False,
+             log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         targets, apps, prefixes = {}, {}, {}
-        for index, budget in enumerate(budgets):
-            # several budgets: one replica each, compared in the same passes
-            system = "dynvm" if len(budgets) == 1 else f"dynvm-b{budget}"
-            apps[system] = "dynvm-gen" if index == 0 else f"dynvm-gen-b{budget}"
-            prefixes[system] = "" if index == 0 else f"/b{budget}"
+        for index, (system, budget, slice_ms) in enumerate(replicas):
+            # several replicas: one per budget and slice, compared in the same passes
+            tag = system.removeprefix("dynvm-")
+            apps[system] = "dynvm-gen" if index == 0 else f"dynvm-gen-{tag}"
+            prefixes[system] = "" if index == 0 else f"/{tag}"
             serve.run(generator_application("gen", str(folder / "gen"), ServingConfig(
-                device="cpu", num_cpus=1), _scheduler_config(budget)), name=apps[system],
-                route_prefix=prefixes[system] or "/")
+                device="cpu", num_cpus=1), _scheduler_config(budget, slice_ms)),
+                name=apps[system], route_prefix=prefixes[system] or "/")
             targets[system] = prefixes[system] + "/v1/completions"
         if ct2 is not None:
             serve.run(_ct2_deployment().bind(str(ct2)), name="ct2", route_prefix=CT2_PREFIX)
@@ -472,7 +497,8 @@ def main(argv=None) -> int:
                         row.update(steps=after[0] - before[0],
                                    specialized_steps=after[1] - before[1],
                                    jit_compiles=after[2] - before[2],
-                                   jit_compile_s=round(after[3] - before[3], 3))
+                                   jit_compile_s=round(after[3] - before[3], 3),
+                                   thread_slice_s=after[4])
                     rows.append(row)
                     print(json.dumps(row), flush=True)
         if args.out:

@@ -49,6 +49,16 @@ class SchedulerConfig:
     specialized (Note [Warm before ready] in dynvm.cluster.serving._generate_warm);
     0: not at all."""
 
+    thread_slice_s: float = field(default=0.0005, metadata=cli(
+        "--thread-slice-ms", scale=0.001, unit="ms"))
+    """The time slice the scheduler's thread and the replica's event loop ask the kernel
+    for (Linux 6.12+ EEVDF custom slices, no privilege needed; elsewhere nothing
+    changes): a short one puts the step's threads back on a core sooner when the host
+    has more runnable threads than cores (Note [Short slices for the step's threads] in
+    dynvm.cluster.serving._generate_slice); 0: the kernel's default. 0.5 ms by measure
+    (bench, 8 clients, load 1.5-3.1: ITL p99/p50 2.04-2.22 against 1.86-2.69 at the
+    default slice, tokens/s +8%; 0.2 ms no better)."""
+
     def __post_init__(self) -> None:
         for name in ("max_sequences", "max_waiting", "cache_tokens", "step_token_budget",
                      "prefill_length_multiple", "max_prompt_tokens", "max_tokens",
@@ -64,6 +74,10 @@ class SchedulerConfig:
         if not self.request_seconds > 0:
             raise ConfigError(f"SchedulerConfig.request_seconds: expected > 0, got "
                               f"{self.request_seconds!r}")
+        if isinstance(self.thread_slice_s, bool) or \
+                not isinstance(self.thread_slice_s, int | float) or not self.thread_slice_s >= 0:
+            raise ConfigError(f"SchedulerConfig.thread_slice_s: expected >= 0, got "
+                              f"{self.thread_slice_s!r}")
         if isinstance(self.warm_seconds, bool) or \
                 not isinstance(self.warm_seconds, int | float) or not self.warm_seconds >= 0:
             raise ConfigError(f"SchedulerConfig.warm_seconds: expected >= 0, got "

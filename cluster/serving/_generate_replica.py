@@ -65,6 +65,7 @@ from dynvm.cluster.serving._generate_scheduler import (
     GenerateTimeout,
     SchedulerConfig,
 )
+from dynvm.cluster.serving._generate_slice import request_slice, thread_slice
 from dynvm.cluster.serving._generate_warm import warm_scheduler
 from dynvm.cluster.serving._infer_seam import RequestGate, RequestTally
 from dynvm.cluster.serving._replica import pick_device
@@ -117,6 +118,8 @@ class GeneratorServer:
         self.gate = RequestGate(self.model_name, self.request_stats, self.telemetry,
                                 classify=_fault_of)
         self.created = int(time.time())
+        self.loop_slice: float | None = None   # the event loop thread's, at its first request
+        self._loop_sliced = False
 
     def _fleet_links(self, directory: Path, fleet) -> list:
         """A FleetLink per Runtime the scheduler calls (the step over the KV state, or
@@ -165,6 +168,8 @@ class GeneratorServer:
                 "scheduler": dict(self.scheduler.counters),
                 **self.metrics.snapshot(), **self.scheduler.occupancy(),
                 "warm": dict(self.warm), "jit": self._jit_work(),
+                "thread_slice_s": {"scheduler": self.scheduler.thread_slice,
+                                   "loop": self.loop_slice},
                 "fleet": [link.stats() for link in self.links]}
 
     def _jit_work(self) -> dict:
@@ -180,6 +185,8 @@ class GeneratorServer:
 
     async def __call__(self, request: Request) -> Response:
         """Every HTTP request (route prefix `/`)."""
+        if not self._loop_sliced:   # Note [Short slices for the step's threads]
+            self._slice_loop_thread()
         path = request.scope["path"]
         root = request.scope.get("root_path", "")
         if root and root != "/" and path.startswith(root):
@@ -194,6 +201,14 @@ class GeneratorServer:
             return self._error(openai, str(exc), exc.status)
         except Exception as exc:
             return server_fault(f"{v2.cut(method, 20)} {v2.cut(request.url.path)}", exc)
+
+    def _slice_loop_thread(self) -> None:
+        """The event loop's thread asks for the scheduler's slice (once, on that thread)."""
+        self._loop_sliced = True
+        wanted = self.scheduler.config.thread_slice_s
+        if wanted > 0:
+            request_slice(wanted)
+        self.loop_slice = thread_slice()
 
     def _error(self, openai: bool, message: str, status: int, param: str | None = None,
                code: str | None = None, headers: dict | None = None) -> Response:

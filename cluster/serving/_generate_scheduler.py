@@ -63,6 +63,7 @@ from dynvm._sampling import next_tokens
 from dynvm.cluster.protocol._generate import GenerationRequest
 from dynvm.cluster.serving._generate_config import SchedulerConfig
 from dynvm.cluster.serving._generate_outbox import Outbox
+from dynvm.cluster.serving._generate_slice import request_slice, thread_slice
 from dynvm.cluster.serving._generate_slots import SlotCache
 from dynvm.vm.errors import ConfigError, DynvmError, InputError
 
@@ -194,6 +195,7 @@ class GenerateScheduler:
         self.held: set[int] = set()   # ids of sequences admitted and not yet freed
         self._outbox = Outbox()   # a step's events for sequences on loops
         self._published = 0.0
+        self.thread_slice: float | None = None   # the scheduler thread's, once it runs
         self.counters = dict.fromkeys(
             ("admitted", "rejected", "finished", "cancelled", "errors", "timeouts", "freed",
              "prefill_calls", "decode_steps", "specialized_steps", "tokens", "copies",
@@ -294,6 +296,10 @@ class GenerateScheduler:
     # ------------------------------------------------------------------ scheduler thread
 
     def _loop(self) -> None:
+        # Note [Short slices for the step's threads]: what the kernel gave, for /stats.
+        if self.config.thread_slice_s > 0:
+            request_slice(self.config.thread_slice_s)
+        self.thread_slice = thread_slice()
         while True:
             with self._cond:
                 while not self._closed and not self._waiting and not self._running and \
