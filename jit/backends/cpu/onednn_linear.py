@@ -26,14 +26,17 @@ never both: the packed copy fusion made dies with the IR that named it). Linears
 small-M kernel read the program's constant as stored; on a primitive they read a
 reordered copy, one weight's worth more.
 
-A family whose rows vary gets one primitive per linear built for any rows (oneDNN's
-runtime dim: each call makes its rows' src and dst memory, a few us): fp32 on
-`gemm:jit:f32` (brgemm needs its rows at build time), which reads the program's constant
-as stored, no copy at all; bf16 on AMX brgemm sharing the exact kernels' copy. At any
-rows a binary post-op cannot name its operand, so the residual add is a sum post-op over
-the result, filled with the residual first; a product, or an add after an activation,
-keeps fusion's call (counted in the header), as do row-gated linears (Note [oneDNN at a
-new row count]), which keep torch's packed copy for their kernel.
+A bf16 family whose rows vary gets one primitive per linear built for any rows
+(oneDNN's runtime dim: each call makes its rows' src and dst memory, a few us), AMX
+brgemm sharing the exact kernels' copy. At any rows a binary post-op cannot name its
+operand, so the residual add is a sum post-op over the result, filled with the residual
+first; a product, or an add after an activation, keeps fusion's call. An fp32 family
+whose rows vary keeps fusion's calls (row-gated or not, Note [oneDNN at a new row
+count]) on torch's packed copy: at any rows oneDNN 3.2 has only `gemm:jit:f32` for fp32
+(brgemm needs its rows when built), and BERT-base's 16 GEMMs took 16.7 ms there against
+10.7 on torch's calls at M=16 and 24.9 against 18.7 at M=64 (isolated chain, two
+threads passive, 17:42 UTC, load 2.8-3.2). While an fp32 family kernel and an exact
+kernel of one weight are both alive, both copies are (torch's and the primitives').
 
 An exact kernel's call at rows not built (none: the guard proves the rows) would run
 eager's linear on the plain weight, never a build. Where the library does not load the
@@ -519,6 +522,9 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
         rows = sorted({t.numel() // t.shape[-1] for t in xs}) if not reason else []
         if len(rows) > 1:     # a family whose rows vary: one primitive for any rows
             rows = [ANY_ROWS]
+            if found.weight_key[3] == torch.float32:
+                # fp32 has only gemm:jit at any rows, far slower than torch's brgemm
+                reason = "fp32 rows vary in the family"
         if reason:
             kept[reason] = kept.get(reason, 0) + 1
             continue
