@@ -269,6 +269,22 @@ def test_prometheus_series_and_stats(served):
     assert stats["tokens"] >= 4 and stats["ttft_p50_s"] > 0 and stats["itl_p99_s"] > 0
 
 
+def test_the_step_threads_run_on_the_configured_slice(served):
+    """Note [Short slices for the step's threads]: the scheduler's thread and the thread
+    of the loop that serves the requests each got SchedulerConfig.thread_slice_s from
+    the kernel (where it reports per-thread slices), and /stats says so."""
+    from dynvm.cluster.serving._generate_slice import thread_slice
+
+    if thread_slice() is None:
+        pytest.skip("this kernel reports no per-thread slice (Linux 6.12+ EEVDF)")
+    server, http_server = served
+    _post(http_server, "/v1/completions", {"prompt": [5], "max_tokens": 2})
+    wanted = server.scheduler.config.thread_slice_s
+    assert wanted > 0
+    assert server.stats()["thread_slice_s"] == {"scheduler": pytest.approx(wanted),
+                                                "loop": pytest.approx(wanted)}
+
+
 def test_dynvm_top_shows_generation(served):
     from dynvm._top_cmd import Row
     from dynvm._top_generate import generation_lines
