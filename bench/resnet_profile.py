@@ -262,6 +262,32 @@ def primitive_times(fn, calls: int) -> dict:
     return {k: [ms, n // calls] for k, (ms, n) in found.items()}
 
 
+def pool_times(fn, calls: int) -> dict:
+    """Per input shape: [ms per call summed, calls per call] of the JIT's max poolings
+    on dynvm's oneDNN primitives (Note [oneDNN pooling built once]), timed as
+    `primitive_times` times the convolutions."""
+    from dynvm.jit.backends.cpu.onednn_pool import PrimitivePool
+
+    found: dict = defaultdict(lambda: [0.0, 0])
+    plain = PrimitivePool.__call__
+
+    def run(self, x):
+        start = time.perf_counter()
+        try:
+            return plain(self, x)
+        finally:
+            entry = found[tuple(x.shape)]
+            entry[0] += (time.perf_counter() - start) * 1e3 / calls
+            entry[1] += 1
+    PrimitivePool.__call__ = run
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        PrimitivePool.__call__ = plain
+    return {k: [ms, n // calls] for k, (ms, n) in found.items()}
+
+
 def _print_layers(rows, trace, jit, x, calls: int) -> None:
     """The per-layer table (Note [ResNet layers side by side])."""
     jit_convs: dict = defaultdict(lambda: [0.0, 0])
@@ -283,6 +309,9 @@ def _print_layers(rows, trace, jit, x, calls: int) -> None:
                                onednn, onednn_calls=verbose_calls)
     print("\nper layer (ms per call, summed over the layers of one geometry):")
     print(resnet_layers.markdown(table))
+    for shape, (ms, count) in pool_times(lambda: jit(*x), calls).items():
+        print(f"max pooling on a oneDNN primitive, input {list(shape)}: {ms:.3f} ms per "
+              f"call (x{count}; ONNX Runtime's MaxPool is among its nodes above)")
 
 
 if __name__ == "__main__":
