@@ -10,6 +10,7 @@ and with the pass off.
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -119,9 +120,9 @@ def test_kernels_run_primitives_and_agree_with_eager_and_the_interpreter():
         assert "onednn_linear(" not in source and "onednn_linear_binary(" not in source
 
 
-def test_kernels_with_one_weight_share_its_reordered_copy():
-    # Two exact kernels of one engine: each weight reordered once (torch's packed copy
-    # is not kept beside it: the primitives replace it).
+def test_kernels_with_one_weight_share_one_copy_of_it():
+    # Two exact kernels of one engine: each weight is held once, in torch's packed copy
+    # read in place where the primitive chose its layout, else in one reordered copy.
     _, program = _model_and_program()
     region = program.regions[0]
     prepacked = PrepackCache()
@@ -133,12 +134,19 @@ def test_kernels_with_one_weight_share_its_reordered_copy():
         kernels.append(compile_kernel(spec, program, constants, torch.device("cpu"),
                                       f"k{shape[0]}", "strong", options))
     alive = dict(prepacked._packed.items())
-    ours = [v for k, v in alive.items() if k[1] == "onednn-linear"]
+    ours = {k: v for k, v in alive.items() if k[1] == "onednn-linear"}
     assert len(ours) == 7, list(alive)
-    assert not [k for k in alive if k[1] == "linear"], list(alive)   # torch's: gone
-    assert all(w.copies() >= 1 for w in ours)
-    weights = sum(t.numel() * 4 for t in program.constants if t.dim() == 2)
-    assert prepacked.nbytes() >= weights
+    for key, weights in ours.items():
+        torch_copy = alive.get((key[0], "linear", key[2]))
+        assert weights.copies() == 1, key                   # one layout for both M
+        if weights.shared():                                # torch's copy, read in place
+            assert torch_copy is not None and weights.nbytes() == 0, key
+        else:                                               # a copy of its own instead
+            assert weights.nbytes() >= weights.plain.numel() * 4, key
+    assert sum(w.shared() for w in ours.values()) >= 1
+    del kernels, alive, ours, weights, torch_copy
+    gc.collect()
+    assert prepacked.alive() == 0                           # freed with the kernels
 
 
 def test_small_m_linears_over_streamed_weights_become_primitives():

@@ -21,10 +21,20 @@ weight), and those on dynvm's small-M kernel (Note [A small-M GEMM of our own]),
 GELU, left apart there, is folded in as a post-op. The kernels' choice stays fusion's
 (calibrated); a linear fusion left on torch's own GEMM stays there.
 
-Memory: the reordered copy replaces torch's packed one (a kernel holds one or the other,
-never both: the packed copy fusion made dies with the IR that named it). Linears on the
-small-M kernel read the program's constant as stored; on a primitive they read a
-reordered copy, one weight's worth more.
+Memory: one copy of each weight, torch's. A primitive chooses its weight layout (format
+`any`); where torch's packed copy (PrepackCache key `linear` / `linear-bf16`, Note
+[Prepacked weights]) holds the weight in that layout, the primitive reads it in place
+(`LinearWeights.offer`; checked at build: same size, and reordered back it equals the
+plain weight element for element), and fp32 families still on torch's calls share it.
+On this host's AVX-512/AMX CPU that is every BERT-base weight: matmul chooses one
+layout for every M (16-1024 tried), the one torch's reorder gives fp32 with a row hint
+of 16 or more and bf16 with a hint of 1 (what fusion and the bf16 lowering use; the
+small-M linears pack theirs with 16); elsewhere a reordered copy of its own, and torch's
+is not held. BERT-base width (2 layers, kernels at 1x16, 2x32, 4x64): 54.0 MiB of packed
+fp32 weights, 27.0 MiB bf16, one copy of each weight (4 layers, a first version with
+copies of its own held 216 MiB with the pass on against 108 off). Linears on the
+small-M kernel read the program's constant as stored; on a primitive they read the
+shared packed copy, one weight's worth more where no fused kernel had packed it.
 
 A bf16 family whose rows vary gets one primitive per linear built for any rows
 (oneDNN's runtime dim: each call makes its rows' src and dst memory, a few us), AMX
@@ -32,11 +42,10 @@ brgemm sharing the exact kernels' copy. At any rows a binary post-op cannot name
 operand, so the residual add is a sum post-op over the result, filled with the residual
 first; a product, or an add after an activation, keeps fusion's call. An fp32 family
 whose rows vary keeps fusion's calls (row-gated or not, Note [oneDNN at a new row
-count]) on torch's packed copy: at any rows oneDNN 3.2 has only `gemm:jit:f32` for fp32
-(brgemm needs its rows when built), and BERT-base's 16 GEMMs took 16.7 ms there against
-10.7 on torch's calls at M=16 and 24.9 against 18.7 at M=64 (isolated chain, two
-threads passive, 17:42 UTC, load 2.8-3.2). While an fp32 family kernel and an exact
-kernel of one weight are both alive, both copies are (torch's and the primitives').
+count]) on torch's packed copy, the one the primitives read: at any rows oneDNN 3.2
+has only `gemm:jit:f32` for fp32 (brgemm needs its rows when built), and BERT-base's
+16 GEMMs took 16.7 ms there against 10.7 on torch's calls at M=16 and 24.9 against
+18.7 at M=64 (isolated chain, two threads passive, 17:42 UTC, load 2.8-3.2).
 
 An exact kernel's call at rows not built (none: the guard proves the rows) would run
 eager's linear on the plain weight, never a build. Where the library does not load the
@@ -124,21 +133,35 @@ def _destroy(lib, handles) -> None:
 
 
 class LinearWeights:
-    """One linear weight ([N, K], as torch's linear reads it) reordered into the layouts
-    the primitives chose, one copy per layout, each with the memory object primitives
-    read it through (its data handle never changes, so primitives share it); and the
-    plain weight the runtime-rows primitive reads (the program's own constant in fp32:
-    no copy)."""
+    """One linear weight ([N, K], as torch's linear reads it) in the layouts the
+    primitives chose, one copy per layout, each with the memory object primitives read
+    it through (its data handle never changes, so primitives share it): torch's packed
+    copy itself where its layout is the one chosen (`offer`, checked element by
+    element), else a copy reordered from the plain weight."""
 
     def __init__(self, library: api.Library, plain: torch.Tensor) -> None:
         self._library = library
         self.plain = plain                    # [N, K], any strides torch gives it
-        self._copies: list = []               # (md, memory, tensor)
+        self._copies: list = []               # (md, memory, tensor or torch's packed)
+        self._torch_packed = None             # Note [oneDNN linear primitives built once]
         self._lock = threading.Lock()
 
+    def offer(self, packed: torch.Tensor) -> None:
+        """torch's packed copy of this weight (an opaque mkldnn tensor), read in place
+        where a primitive chooses its layout."""
+        with self._lock:
+            if self._torch_packed is None:
+                self._torch_packed = packed
+
     def nbytes(self) -> int:
-        """Bytes of the reordered copies (the plain weight is the program's or shared)."""
-        return sum(t.numel() * t.element_size() for _, _, t in self._copies)
+        """Bytes of the reordered copies made here (torch's packed copy, where read in
+        place, is counted by the PrepackCache entry that holds it)."""
+        return sum(t.numel() * t.element_size() for _, _, t in self._copies
+                   if not t.is_mkldnn)
+
+    def shared(self) -> int:
+        """Layouts read in torch's packed copy (no copy of their own)."""
+        return sum(1 for _, _, t in self._copies if t.is_mkldnn)
 
     def copies(self) -> int:
         return len(self._copies)
@@ -156,9 +179,54 @@ class LinearWeights:
             for md, memory, _ in self._copies:
                 if lib.dnnl_memory_desc_equal(md, wanted):
                     return memory
-            copy = self._reorder(wanted)
+            copy = self._torch_copy_in(wanted)
+            if copy is None:
+                self._torch_packed = None   # not kept alive for nothing
+                copy = self._reorder(wanted)
             self._copies.append(copy)
             return copy[1]
+
+    def _torch_copy_in(self, wanted) -> tuple | None:
+        """torch's packed copy as memory of layout `wanted`, if it holds the weight in
+        that layout: same size, and reordered back it equals the plain weight."""
+        packed, lib = self._torch_packed, self._library.dll
+        if packed is None or packed.dtype != self.plain.dtype \
+                or lib.dnnl_memory_desc_get_size(wanted) != \
+                self.plain.numel() * self.plain.element_size():
+            return None
+        library = self._library
+        memory = ctypes.c_void_p()
+        api.check(lib.dnnl_memory_create(
+            ctypes.byref(memory), wanted, library.engine,
+            ctypes.c_void_p(torch.ops.mkldnn.data_ptr(packed))), "memory")
+        back = torch.empty(self.plain.shape, dtype=self.plain.dtype)
+        back_md = _md_strides(lib, list(back.shape[::-1]), [1, back.shape[1]], back.dtype)
+        target, reorder_pd, reorder = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        try:
+            api.check(lib.dnnl_memory_create(ctypes.byref(target), back_md, library.engine,
+                                             ctypes.c_void_p(back.data_ptr())), "memory")
+            api.check(lib.dnnl_reorder_primitive_desc_create(
+                ctypes.byref(reorder_pd), wanted, library.engine, back_md, library.engine,
+                None), "layout check descriptor")
+            api.check(lib.dnnl_primitive_create(ctypes.byref(reorder), reorder_pd), "reorder")
+            args = (api.ExecArg * 2)(api.ExecArg(api.ARG_SRC, memory),
+                                     api.ExecArg(api.ARG_DST, target))
+            api.check(lib.dnnl_primitive_execute(reorder, library.stream, 2,
+                                                 ctypes.cast(args, ctypes.c_void_p)),
+                      "layout check")
+        except api.OnednnError:
+            back = None
+        finally:
+            _destroy(lib, (("dnnl_primitive_destroy", reorder),
+                           ("dnnl_primitive_desc_destroy", reorder_pd),
+                           ("dnnl_memory_destroy", target),
+                           ("dnnl_memory_desc_destroy", back_md)))
+        if back is None or not torch.equal(back, self.plain):
+            lib.dnnl_memory_destroy(memory)
+            return None
+        md = ctypes.c_void_p()    # owned by the memory object
+        api.check(lib.dnnl_memory_get_memory_desc(memory, ctypes.byref(md)), "md")
+        return md, memory, packed
 
     def _reorder(self, wanted) -> tuple:
         library, lib = self._library, self._library.dll
@@ -436,6 +504,7 @@ class _Linear:
     bias: torch.Tensor | None
     activation: tuple[str, list, str] | None
     binary: str | None
+    torch_packed: object = None    # fusion's packed copy of the weight, if any
 
 
 def _plain_of(constants, index: int, transpose: bool, dtype: torch.dtype):
@@ -446,7 +515,7 @@ def _plain_of(constants, index: int, transpose: bool, dtype: torch.dtype):
     return plain
 
 
-def _match(op, constants, prepacked: PrepackCache) -> _Linear | str:
+def _match(op, constants, prepacked: PrepackCache, rows: int) -> _Linear | str:
     """The linear `op` computes, or why it keeps its call."""
     value = (lambda a: constants[a.index] if isinstance(a, ConstRef)
              else a.value if isinstance(a, Literal) else None)
@@ -454,10 +523,15 @@ def _match(op, constants, prepacked: PrepackCache) -> _Linear | str:
         x, weight, bias, other, input_major = op.args
         if not isinstance(weight, ConstRef):
             return "weight not a constant"
+        # torch's packed copy as fusion would make it (the hint of at least 16 rows
+        # gives the blocking the primitives choose; a fused kernel shares it)
+        packed = prepacked.linear_weight(weight.index, constants[weight.index],
+                                         max(rows, 16), input_major.value)
         return _Linear(x, None if other == Literal(None) else other,
                        (weight.index, "onednn-linear", input_major.value, torch.float32),
                        _plain_of(constants, weight.index, input_major.value, torch.float32),
-                       value(bias), None, None if other == Literal(None) else "add")
+                       value(bias), None, None if other == Literal(None) else "add",
+                       packed)
     if not is_fused(op) or op.opcode not in (LINEAR_UNARY, LINEAR_BINARY):
         return ""
     if op.opcode == LINEAR_UNARY:
@@ -476,7 +550,7 @@ def _match(op, constants, prepacked: PrepackCache) -> _Linear | str:
     dtype = torch.bfloat16 if key[1] == "linear-bf16" else torch.float32
     return _Linear(x, other, (key[0], "onednn-linear", key[2], dtype),
                    _plain_of(constants, key[0], key[2], dtype), value(bias), activation,
-                   binary)
+                   binary, packed.value)
 
 
 def _weights_of(library: api.Library, plain) -> LinearWeights:
@@ -503,7 +577,10 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
     removed: set[int] = set()
     for position in candidates:
         op = ops[position]
-        found = _match(op, constants, prepacked)
+        xs = probe_tensors(spec.abstract, op.args[0].reg) if isinstance(op.args[0], Var) \
+            else None
+        found = _match(op, constants, prepacked,
+                       xs[0].numel() // max(1, xs[0].shape[-1]) if xs else 16)
         folded = None
         if not isinstance(found, str) and found.activation is None and found.other is None:
             folded = _activation_after(ops, position, uses, removed)
@@ -532,6 +609,8 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
         try:
             weights = prepacked.get(found.weight_key, functools.partial(
                 _weights_of, library, found.plain))
+            if found.torch_packed is not None:
+                weights.offer(found.torch_packed)
             eltwise = None
             if found.activation is not None:
                 eltwise = eltwise_of(*found.activation)
