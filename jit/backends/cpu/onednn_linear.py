@@ -72,6 +72,7 @@ from dynvm.jit.backends.cpu.fusion import (
     is_fused,
     is_native,
 )
+from dynvm.jit.backends.cpu.huge_pages import to_huge_pages
 from dynvm.jit.backends.cpu.ir_match import (
     probe_tensors,
     single_consumer,
@@ -527,6 +528,7 @@ def _match(op, constants, prepacked: PrepackCache, rows: int) -> _Linear | str:
         # gives the blocking the primitives choose; a fused kernel shares it)
         packed = prepacked.linear_weight(weight.index, constants[weight.index],
                                          max(rows, 16), input_major.value)
+        to_huge_pages(packed)   # Note [Packed weights on huge pages]: it streams
         return _Linear(x, None if other == Literal(None) else other,
                        (weight.index, "onednn-linear", input_major.value, torch.float32),
                        _plain_of(constants, weight.index, input_major.value, torch.float32),
