@@ -143,7 +143,7 @@ class LinearWeights:
     def __init__(self, library: api.Library, plain: torch.Tensor) -> None:
         self._library = library
         self.plain = plain                    # [N, K], any strides torch gives it
-        self._copies: list = []               # (md, memory, tensor or torch's packed)
+        self._copies: list = []               # (md, memory, buffer, made here)
         self._torch_packed = None             # Note [oneDNN linear primitives built once]
         self._lock = threading.Lock()
 
@@ -157,12 +157,11 @@ class LinearWeights:
     def nbytes(self) -> int:
         """Bytes of the reordered copies made here (torch's packed copy, where read in
         place, is counted by the PrepackCache entry that holds it)."""
-        return sum(t.numel() * t.element_size() for _, _, t in self._copies
-                   if not t.is_mkldnn)
+        return sum(t.numel() * t.element_size() for _, _, t, own in self._copies if own)
 
     def shared(self) -> int:
         """Layouts read in torch's packed copy (no copy of their own)."""
-        return sum(1 for _, _, t in self._copies if t.is_mkldnn)
+        return sum(1 for *_, own in self._copies if not own)
 
     def copies(self) -> int:
         return len(self._copies)
@@ -177,7 +176,7 @@ class LinearWeights:
         """The memory object of the copy in layout `wanted`, reordered once if none."""
         lib = self._library.dll
         with self._lock:
-            for md, memory, _ in self._copies:
+            for md, memory, *_ in self._copies:
                 if lib.dnnl_memory_desc_equal(md, wanted):
                     return memory
             copy = self._torch_copy_in(wanted)
@@ -227,15 +226,18 @@ class LinearWeights:
             return None
         md = ctypes.c_void_p()    # owned by the memory object
         api.check(lib.dnnl_memory_get_memory_desc(memory, ctypes.byref(md)), "md")
-        return md, memory, packed
+        return md, memory, packed, False
 
     def _reorder(self, wanted) -> tuple:
         library, lib = self._library, self._library.dll
         size = lib.dnnl_memory_desc_get_size(wanted)
-        tensor = torch.empty(size // 4 + 1, dtype=torch.float32)
+        # an opaque oneDNN tensor as torch's packed weights are (Note [A generator's
+        # resident memory] counts those as packed weights)
+        tensor = torch.empty(size // 4 + 1, dtype=torch.float32).to_mkldnn()
         memory = ctypes.c_void_p()
-        api.check(lib.dnnl_memory_create(ctypes.byref(memory), wanted, library.engine,
-                                         ctypes.c_void_p(tensor.data_ptr())), "memory")
+        api.check(lib.dnnl_memory_create(
+            ctypes.byref(memory), wanted, library.engine,
+            ctypes.c_void_p(torch.ops.mkldnn.data_ptr(tensor))), "memory")
         md = ctypes.c_void_p()    # owned by the memory object
         api.check(lib.dnnl_memory_get_memory_desc(memory, ctypes.byref(md)), "md")
         plain_md = self.plain_md()
@@ -258,13 +260,13 @@ class LinearWeights:
                            ("dnnl_primitive_desc_destroy", reorder_pd),
                            ("dnnl_memory_destroy", source),
                            ("dnnl_memory_desc_destroy", plain_md)))
-        return md, memory, tensor
+        return md, memory, tensor, True
 
     def __del__(self) -> None:
         library = getattr(self, "_library", None)
         lib = library.dll if library is not None else None
         _destroy(lib, [("dnnl_memory_destroy", memory)
-                       for _, memory, _ in getattr(self, "_copies", ())])
+                       for _, memory, *_ in getattr(self, "_copies", ())])
 
 
 class LinearPrimitive:
