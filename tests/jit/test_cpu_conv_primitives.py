@@ -27,7 +27,6 @@ from dynvm.jit.backends.cpu.onednn_conv import (
     ConvSpec,
     PrimitiveConv,
     eltwise_of,
-    runs_as_matmul,
     torch_fallback,
 )
 from dynvm.jit.ir import Literal, SpecOp, Var
@@ -267,38 +266,3 @@ def test_activations_without_an_equal_post_op_stay_on_torch():
     assert eltwise_of("none", [], "") is None
     assert eltwise_of("hardswish", [], "") == ""
     assert eltwise_of("leaky_relu", [], "") == ""     # its slope missing
-
-
-@needs_library
-def test_bf16_1x1_convolutions_run_as_matmuls_and_agree_with_conv2d():
-    # Note [bf16 1x1 convolutions as matmuls]: stride 1, no padding, bf16; the residual's
-    # sum and the activation as post-ops; fp32 and strided 1x1 stay convolutions
-    gen = torch.Generator().manual_seed(31)
-    library = onednn_api.library()
-    weight, bias = torch.randn(24, 16, 1, 1, generator=gen), torch.randn(24, generator=gen)
-    relu = eltwise_of("relu", [], "")
-    wanted = ConvSpec((1, 1), (0, 0), (1, 1), False, relu, torch.bfloat16)
-    assert runs_as_matmul(wanted, (24, 16, 1, 1))
-    assert not runs_as_matmul(dataclasses.replace(wanted, dtype=torch.float32), (24, 16, 1, 1))
-    assert not runs_as_matmul(dataclasses.replace(wanted, stride=(2, 2)), (24, 16, 1, 1))
-    assert not runs_as_matmul(wanted, (24, 16, 3, 3))
-    shape = (3, 16, 5, 7)
-    plain = weight.to(torch.bfloat16)
-    for residual in (False, True):
-        spec = dataclasses.replace(wanted, residual=residual)
-        conv = PrimitiveConv(library, plain, bias, spec, [shape])
-        assert all(p.as_matrix for p in conv.by_shape.values())
-        assert any("brg" in impl for impl in conv.impls()), conv.impls()
-        x = torch.randn(shape, generator=gen).to(torch.bfloat16)
-        other = torch.randn(3, 24, 5, 7, generator=gen).to(torch.bfloat16)
-        want = nn.functional.conv2d(x.float(), plain.float(), bias)
-        if residual:
-            want = want + other.float()
-            into = other.contiguous(memory_format=torch.channels_last)
-            got = conv.into(x[:, :, :, :], into)
-            assert got is into
-        else:
-            got = conv(x)
-        assert got.dtype == torch.bfloat16
-        assert got.is_contiguous(memory_format=torch.channels_last)
-        torch.testing.assert_close(got.float(), torch.relu(want), rtol=2e-2, atol=5e-2)

@@ -137,8 +137,7 @@ class _Weights:
     object that primitives of that layout read it through (its data handle never
     changes, so primitives share it)."""
 
-    def __init__(self, library: api.Library, wanted, weight: torch.Tensor,
-                 as_matrix: bool = False) -> None:
+    def __init__(self, library: api.Library, wanted, weight: torch.Tensor) -> None:
         lib = self._lib = library.dll
         self.tensor = torch.empty(lib.dnnl_memory_desc_get_size(wanted) // 4 + 1,
                                   dtype=torch.float32)
@@ -148,12 +147,7 @@ class _Weights:
         self.md = ctypes.c_void_p()   # owned by the memory object
         api.check(lib.dnnl_memory_get_memory_desc(self.memory, ctypes.byref(self.md)), "md")
         plain = weight.detach().contiguous()
-        if as_matrix:
-            # a 1x1 convolution run as a matmul (Note [bf16 1x1 convolutions as
-            # matmuls]): OIHW [OC, C, 1, 1] is the [C, OC] matrix transposed
-            plain_md = _md(lib, (plain.shape[1], plain.shape[0]), api.TAG_BA, plain.dtype)
-        else:
-            plain_md = _md(lib, plain.shape, api.TAG_OIHW, plain.dtype)
+        plain_md = _md(lib, plain.shape, api.TAG_OIHW, plain.dtype)
         source, reorder_pd, reorder = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         try:
             api.check(lib.dnnl_memory_create(ctypes.byref(source), plain_md, library.engine,
@@ -204,15 +198,13 @@ class WeightLayouts(list):
                 found = cls._registry[key] = cls()
             return found
 
-    def get(self, library: api.Library, wanted, weight: torch.Tensor,
-            as_matrix: bool = False) -> _Weights:
-        """The copy in layout `wanted` (a descriptor), reordered from `weight` if none;
-        `as_matrix`: `wanted` is a matmul's [C, OC] (a 1x1 weight)."""
+    def get(self, library: api.Library, wanted, weight: torch.Tensor) -> _Weights:
+        """The copy in layout `wanted` (a descriptor), reordered from `weight` if none."""
         with self._lock:
             for copy in self:
                 if library.dll.dnnl_memory_desc_equal(copy.md, wanted):
                     return copy
-            copy = _Weights(library, wanted, weight, as_matrix)
+            copy = _Weights(library, wanted, weight)
             self.append(copy)
             return copy
 
@@ -221,26 +213,6 @@ def _destroy(lib, handles) -> None:
     for destroy, handle in handles:
         if lib is not None and handle:
             getattr(lib, destroy)(handle)
-
-
-# Note [bf16 1x1 convolutions as matmuls]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A 1x1 convolution with stride 1 and no padding over an NHWC tensor is a matrix product:
-# the input is the [N*H*W, C] matrix, the output [N*H*W, OC], the weight [C, OC]. In
-# bf16, oneDNN 3.2's matmul (brg:avx512_core_amx) ran faster than its convolution
-# (brgconv_1x1:avx512_core_amx) at most of ResNet-50's 1x1 geometries: 0.83-0.91x at
-# [1, 256, 14, 14] -> 1024, [1, 1024, 14, 14] -> 256, [1, 256, 56, 56] -> 64,
-# [1, 64, 56, 56] -> 64 and 0.73 at [4, 2048, 7, 7] -> 512, 0.98-1.06 at the others
-# (2026-12-05 18:02, 200 calls interleaved with a second convolution as the A/A, load
-# 3.3, /tmp/h31r/mm1x1.py). In fp32 the matmul (brg:avx512_core) was no faster anywhere
-# (0.99-1.07x), so fp32 keeps the convolution. Same post-ops (the residual's sum, the
-# activation), the bias as a [1, OC] row, the weight reordered once from OIHW read as
-# the [C, OC] matrix transposed; results within bf16's rounding of the convolution's.
-def runs_as_matmul(spec: ConvSpec, weight_shape: tuple) -> bool:
-    """Whether the primitive for `spec` is a matmul (Note [bf16 1x1 convolutions as
-    matmuls]): a bf16 1x1 convolution, stride 1, no padding."""
-    return (spec.dtype == torch.bfloat16 and tuple(weight_shape[2:]) == (1, 1)
-            and tuple(spec.stride) == (1, 1) and tuple(spec.padding) == (0, 0))
 
 
 class ConvPrimitive:
@@ -264,17 +236,9 @@ class ConvPrimitive:
         self.dtype = dtype = spec.dtype
         # the bias as the fused op had it (fp32, or the input's type where torch cast it)
         self.bias = None if bias is None else bias.detach().contiguous()
-        bias_type = torch.float32 if bias is None else self.bias.dtype
-        self.as_matrix = as_matrix = runs_as_matmul(spec, tuple(weight.shape))
-        if as_matrix:   # Note [bf16 1x1 convolutions as matmuls]: NHWC is [NHW, C]
-            c = weight.shape[1]
-            mds = [_md(lib, (n * h * w, c), api.TAG_AB, dtype),
-                   _md(lib, (c, oc), api.TAG_ANY, dtype), _md(lib, (1, oc), api.TAG_AB, bias_type),
-                   _md(lib, (n * oh * ow, oc), api.TAG_AB, dtype)]
-        else:
-            mds = [_md(lib, shape, api.TAG_NHWC, dtype), _md(lib, weight.shape, api.TAG_ANY, dtype),
-                   _md(lib, [oc], api.TAG_A, bias_type),
-                   _md(lib, self.out_shape, api.TAG_NHWC, dtype)]
+        mds = [_md(lib, shape, api.TAG_NHWC, dtype), _md(lib, weight.shape, api.TAG_ANY, dtype),
+               _md(lib, [oc], api.TAG_A, torch.float32 if bias is None else self.bias.dtype),
+               _md(lib, self.out_shape, api.TAG_NHWC, dtype)]
         src, weights_any, bias_md, dst = mds
         post_ops, attr, pd = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         self._prim = ctypes.c_void_p()
@@ -287,22 +251,16 @@ class ConvPrimitive:
                 api.check(lib.dnnl_post_ops_append_eltwise(post_ops, *spec.eltwise), "eltwise")
             api.check(lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "attr")
             api.check(lib.dnnl_primitive_attr_set_post_ops(attr, post_ops), "attr post-ops")
-            if as_matrix:
-                api.check(lib.dnnl_matmul_primitive_desc_create(
-                    ctypes.byref(pd), engine, src, weights_any,
-                    bias_md if self.bias is not None else None, dst, attr),
-                    "matmul descriptor")
-            else:
-                api.check(lib.dnnl_convolution_forward_primitive_desc_create(
-                    ctypes.byref(pd), engine, api.FORWARD_INFERENCE, api.CONVOLUTION_DIRECT,
-                    src, weights_any, bias_md if self.bias is not None else None, dst,
-                    api.Dims(sh, sw), api.Dims(dh - 1, dw - 1), api.Dims(ph, pw),
-                    api.Dims(ph, pw), attr), "convolution descriptor")
+            api.check(lib.dnnl_convolution_forward_primitive_desc_create(
+                ctypes.byref(pd), engine, api.FORWARD_INFERENCE, api.CONVOLUTION_DIRECT,
+                src, weights_any, bias_md if self.bias is not None else None, dst,
+                api.Dims(sh, sw), api.Dims(dh - 1, dw - 1), api.Dims(ph, pw),
+                api.Dims(ph, pw), attr), "convolution descriptor")
             impl = ctypes.c_char_p()
             lib.dnnl_primitive_desc_query(pd, api.QUERY_IMPL_INFO_STR, 0, ctypes.byref(impl))
             self.impl = (impl.value or b"?").decode()
             wanted = lib.dnnl_primitive_desc_query_md(pd, api.QUERY_WEIGHTS_MD, 0)
-            self.weights = weights.get(library, wanted, weight, as_matrix)
+            self.weights = weights.get(library, wanted, weight)
             api.check(lib.dnnl_primitive_create(ctypes.byref(self._prim), pd), "primitive")
             memories = {api.ARG_WEIGHTS: self.weights.memory}
             for arg, md, data in ((api.ARG_SRC, src, None), (api.ARG_DST, dst, None),
