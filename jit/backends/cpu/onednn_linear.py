@@ -47,6 +47,20 @@ has only `gemm:jit:f32` for fp32 (brgemm needs its rows when built), and BERT-ba
 16 GEMMs took 16.7 ms there against 10.7 on torch's calls at M=16 and 24.9 against
 18.7 at M=64 (isolated chain, two threads passive, 17:42 UTC, load 2.8-3.2).
 
+Measured (two threads, the bench's passive OpenMP, 2026-12-05): BERT-base's 16 GEMMs
+back to back with their post-ops at M=16 took 9.61 ms on the primitives against 10.68
+on torch's fused calls and 10.88 on the small-M kernel (M=32 12.79 / 14.08, M=64 17.30 /
+18.72; bf16 M=16 3.58 / 5.78, M=64 5.58 / 7.69, M=256 11.46 / 11.95; an inner-product
+primitive 9.90, no better than matmul; 17:42 UTC, load 2.8-3.2). In one process, whole
+BERT-base calls with the pass on against off (interleaved, an A/A beside): fp32
+0.946-0.991 over 1x16..4x32, bf16 0.874-0.921 (18:10-18:15, load 2.3-3.1). What remains
+at batch 1 is OpenMP's wake: each primitive's execute is one parallel region, and with
+passive waiting the second thread sleeps between them; the 16 GEMMs take 7.93 ms with
+OMP_WAIT_POLICY=ACTIVE against 9.61 passive (~105 us a GEMM), 15.15 on one thread (the
+weights stream; one core moves them slower). Q, K and V are one GEMM already; fewer
+regions would take one region around a layer's GEMMs and small ops (as the decode pass's
+C layer call does), which oneDNN's per-call regions do not give.
+
 An exact kernel's call at rows not built (none: the guard proves the rows) would run
 eager's linear on the plain weight, never a build. Where the library does not load the
 pass changes nothing and the kernel's header says why; `CpuOptions.linear_primitives`
