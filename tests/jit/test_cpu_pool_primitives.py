@@ -19,7 +19,7 @@ from torch.export import Dim
 import dynvm
 from dynvm.jit.backends.cpu import onednn_api
 from dynvm.jit.backends.cpu.fusion import onednn_available
-from dynvm.jit.backends.cpu.onednn_pool import PoolSpec, PrimitivePool
+from dynvm.jit.backends.cpu.onednn_pool import PoolSpec, PrimitivePool, pool_arguments
 from tests.jit import _jit_helpers as h
 
 pytestmark = [
@@ -72,6 +72,12 @@ def test_torchs_default_stride_and_one_number_arguments():
     x = torch.randn(1, 4, 13, 8)
     pool = PrimitivePool(onednn_api.library(), spec, [tuple(x.shape)])
     assert torch.equal(pool(x), _max_pool(x, [3], [], [1])[0])
+
+
+def test_arguments_left_out_take_the_schemas_defaults():
+    assert pool_arguments([[3, 3]]) == [[3, 3], [], [0], [1], False]
+    assert pool_arguments([[3, 3], [2, 2], [1, 1]]) == [[3, 3], [2, 2], [1, 1], [1], False]
+    assert pool_arguments([[2], [1], [0], [2], True]) == [[2], [1], [0], [2], True]
 
 
 def test_a_shape_not_built_runs_the_fallback_and_none_raises():

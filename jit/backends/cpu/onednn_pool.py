@@ -59,6 +59,13 @@ _CL = torch.channels_last
 _DATA_TYPES = {torch.float32: api.F32, torch.bfloat16: api.BF16}
 
 
+def pool_arguments(given: list) -> list:
+    """max_pool2d_with_indices' (kernel, stride, padding, dilation, ceil_mode) from the
+    arguments after the input, the schema's defaults for those left out."""
+    defaults = [[], [0], [1], False]       # stride, padding, dilation, ceil_mode
+    return (list(given) + defaults[max(len(given) - 1, 0):])[:5]
+
+
 def _pair(value, default) -> tuple[int, int]:
     """torch's int-or-list pooling argument as (height, width); `default` when empty."""
     if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
@@ -244,9 +251,7 @@ def pool_primitives(spec: SpecializedRegion, library: api.Library, shapes_of,
             continue     # outside a channels-last chain: torch's call stays
         if _read(op.dsts[1:], ops, spec.outputs):
             continue     # its indices are read
-        kernel, stride, padding, dilation, ceil_mode = (
-            [a.value for a in op.args[1:]] + [[], [0], [1], False])[:5]
-        pool_spec = PoolSpec.of(kernel, stride, padding, dilation, ceil_mode,
+        pool_spec = PoolSpec.of(*pool_arguments([a.value for a in op.args[1:]]),
                                 inputs[0].dtype)
         shapes, covered = shapes_of(x.reg)
         try:
