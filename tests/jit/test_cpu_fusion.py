@@ -80,8 +80,10 @@ def _kernel(program, x: torch.Tensor, fusion: str, prepacked: PrepackCache | Non
     region = program.regions[0]
     spec = specialize(program, region, {region.live_in[0].index: x})
     constants = [t.detach() for t in program.constants]
+    # torch's fused calls themselves: the primitives pass off (tests/jit/
+    # test_cpu_linear_primitives.py covers it)
     options = CpuOptions(None, fusion=fusion, calibrator=calibrator,
-                         prepacked=prepacked or PrepackCache())
+                         prepacked=prepacked or PrepackCache(), linear_primitives="off")
     kernel = compile_kernel(spec, program, constants, torch.device("cpu"), "test", "strong",
                             options)
     return kernel, spec, region
@@ -219,7 +221,7 @@ def test_a_family_kernel_fused_at_its_upper_bound_runs_every_member():
                                                                         (2, 3))]
     spec = specialize(program, region, probes[0], tuple(probes[1:]))
     constants = [t.detach() for t in program.constants]
-    options = CpuOptions(None, fusion="always")
+    options = CpuOptions(None, fusion="always", linear_primitives="off")
     kernel = compile_kernel(spec, program, constants, torch.device("cpu"), "test", "family",
                             options)
     assert "onednn_linear_binary" in kernel.source

@@ -80,7 +80,7 @@ def _kernel(program, x, precision, prepacked=None):
     region = program.regions[0]
     spec = specialize(program, region, {region.live_in[0].index: x})
     options = CpuOptions(None, fusion="always", precision=precision,
-                         prepacked=prepacked or PrepackCache())
+                         prepacked=prepacked or PrepackCache(), linear_primitives="off")
     constants = [t.detach() for t in program.constants]
     return compile_kernel(spec, program, constants, torch.device("cpu"), "test", "strong",
                           options), region

@@ -133,7 +133,7 @@ def _kernel(program, x, fusion, prepacked):
     spec = specialize(program, region, {region.live_in[0].index: x})
     constants = [t.detach() for t in program.constants]
     options = CpuOptions(None, fusion=fusion, prepacked=prepacked, channels_last="off",
-                         one_thread="off",
+                         one_thread="off", linear_primitives="off",
                          calibrator=_NeverAsked() if fusion in ("measured", "dense") else None)
     return compile_kernel(spec, program, constants, torch.device("cpu"), "test", "strong",
                           options), region
