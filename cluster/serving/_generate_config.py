@@ -56,8 +56,9 @@ class SchedulerConfig:
     changes): a short one puts the step's threads back on a core sooner when the host
     has more runnable threads than cores (Note [Short slices for the step's threads] in
     dynvm.cluster.serving._generate_slice); 0: the kernel's default. 0.5 ms by measure
-    (bench, 8 clients, load 1.5-3.1: ITL p99/p50 2.04-2.22 against 1.86-2.69 at the
-    default slice, tokens/s +8%; 0.2 ms no better)."""
+    (served, 8 clients, load 1.5-3.1: the step's run-queue wait p99 1.38 against 4.24 ms
+    at the default slice, ITL p99/p50 2.04-2.22 against 1.86-2.69; 0.2 ms no better;
+    at load 1.3-1.7, where run-queue waits are not the tail, no difference)."""
 
     def __post_init__(self) -> None:
         for name in ("max_sequences", "max_waiting", "cache_tokens", "step_token_budget",
