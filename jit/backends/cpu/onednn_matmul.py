@@ -14,8 +14,15 @@ import threading
 import torch
 
 from dynvm.jit.backends.cpu import onednn_api as api
+from dynvm.jit.backends.cpu.onednn_objects import (
+    DATA_TYPES,
+    destroy,
+    md_strides,
+    md_tag,
+    reorder_once,
+)
+from dynvm.jit.backends.cpu.onednn_objects import memory as new_memory
 
-_DATA_TYPES = {torch.float32: api.F32, torch.bfloat16: api.BF16}
 BINARY_ALGORITHMS = {"add": api.BINARY_ADD, "mul": api.BINARY_MUL}
 """oneDNN's binary post-op algorithm for a fused linear's binary attribute."""
 ANY_ROWS = -(1 << 63)     # DNNL_RUNTIME_DIM_VAL: rows given with each call's memory
@@ -40,28 +47,6 @@ class LinearSpec:
     @property
     def result_dtype(self) -> torch.dtype:
         return self.out_dtype or self.dtype
-
-
-def _md_strides(lib, dims, strides, dtype: torch.dtype) -> ctypes.c_void_p:
-    md = ctypes.c_void_p()
-    api.check(lib.dnnl_memory_desc_create_with_strides(
-        ctypes.byref(md), len(dims), api.Dims(*dims), _DATA_TYPES[dtype],
-        api.Dims(*strides)), "md")
-    return md
-
-
-def _md_tag(lib, dims, tag: int, dtype: torch.dtype) -> ctypes.c_void_p:
-    md = ctypes.c_void_p()
-    api.check(lib.dnnl_memory_desc_create_with_tag(ctypes.byref(md), len(dims),
-                                                   api.Dims(*dims), _DATA_TYPES[dtype], tag),
-              "md")
-    return md
-
-
-def _destroy(lib, handles) -> None:
-    for destroy, handle in handles:
-        if lib is not None and handle:
-            getattr(lib, destroy)(handle)
 
 
 class LinearWeights:
@@ -101,7 +86,7 @@ class LinearWeights:
         """A new descriptor of the plain weight as matmul's [K, N] (strides swapped)."""
         n, k = self.plain.shape
         sn, sk = self.plain.stride()
-        return _md_strides(self._library.dll, [k, n], [sk, sn], self.plain.dtype)
+        return md_strides(self._library.dll, [k, n], [sk, sn], self.plain.dtype)
 
     def memory_for(self, wanted) -> ctypes.c_void_p:
         """The memory object of the copy in layout `wanted`, reordered once if none."""
@@ -126,32 +111,18 @@ class LinearWeights:
                 self.plain.numel() * self.plain.element_size():
             return None
         library = self._library
-        memory = ctypes.c_void_p()
-        api.check(lib.dnnl_memory_create(
-            ctypes.byref(memory), wanted, library.engine,
-            ctypes.c_void_p(torch.ops.mkldnn.data_ptr(packed))), "memory")
+        memory = new_memory(library, wanted, torch.ops.mkldnn.data_ptr(packed))
         back = torch.empty(self.plain.shape, dtype=self.plain.dtype)
-        back_md = _md_strides(lib, list(back.shape[::-1]), [1, back.shape[1]], back.dtype)
-        target, reorder_pd, reorder = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        back_md = md_strides(lib, list(back.shape[::-1]), [1, back.shape[1]], back.dtype)
+        target = None
         try:
-            api.check(lib.dnnl_memory_create(ctypes.byref(target), back_md, library.engine,
-                                             ctypes.c_void_p(back.data_ptr())), "memory")
-            api.check(lib.dnnl_reorder_primitive_desc_create(
-                ctypes.byref(reorder_pd), wanted, library.engine, back_md, library.engine,
-                None), "layout check descriptor")
-            api.check(lib.dnnl_primitive_create(ctypes.byref(reorder), reorder_pd), "reorder")
-            args = (api.ExecArg * 2)(api.ExecArg(api.ARG_SRC, memory),
-                                     api.ExecArg(api.ARG_DST, target))
-            api.check(lib.dnnl_primitive_execute(reorder, library.stream, 2,
-                                                 ctypes.cast(args, ctypes.c_void_p)),
-                      "layout check")
+            target = new_memory(library, back_md, back.data_ptr())
+            reorder_once(library, wanted, memory, back_md, target, "layout check")
         except api.OnednnError:
             back = None
         finally:
-            _destroy(lib, (("dnnl_primitive_destroy", reorder),
-                           ("dnnl_primitive_desc_destroy", reorder_pd),
-                           ("dnnl_memory_destroy", target),
-                           ("dnnl_memory_desc_destroy", back_md)))
+            destroy(lib, (("dnnl_memory_destroy", target),
+                          ("dnnl_memory_desc_destroy", back_md)))
         if back is None or not torch.equal(back, self.plain):
             lib.dnnl_memory_destroy(memory)
             return None
@@ -165,39 +136,24 @@ class LinearWeights:
         # an opaque oneDNN tensor as torch's packed weights are (Note [A generator's
         # resident memory] counts those as packed weights)
         tensor = torch.empty(size // 4 + 1, dtype=torch.float32).to_mkldnn()
-        memory = ctypes.c_void_p()
-        api.check(lib.dnnl_memory_create(
-            ctypes.byref(memory), wanted, library.engine,
-            ctypes.c_void_p(torch.ops.mkldnn.data_ptr(tensor))), "memory")
+        memory = new_memory(library, wanted, torch.ops.mkldnn.data_ptr(tensor))
         md = ctypes.c_void_p()    # owned by the memory object
         api.check(lib.dnnl_memory_get_memory_desc(memory, ctypes.byref(md)), "md")
         plain_md = self.plain_md()
-        source, reorder_pd, reorder = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        source = None
         try:
-            api.check(lib.dnnl_memory_create(ctypes.byref(source), plain_md, library.engine,
-                                             ctypes.c_void_p(self.plain.data_ptr())),
-                      "memory")
-            api.check(lib.dnnl_reorder_primitive_desc_create(
-                ctypes.byref(reorder_pd), plain_md, library.engine, wanted, library.engine,
-                None), "weight reorder descriptor")
-            api.check(lib.dnnl_primitive_create(ctypes.byref(reorder), reorder_pd), "reorder")
-            args = (api.ExecArg * 2)(api.ExecArg(api.ARG_SRC, source),
-                                     api.ExecArg(api.ARG_DST, memory))
-            api.check(lib.dnnl_primitive_execute(reorder, library.stream, 2,
-                                                 ctypes.cast(args, ctypes.c_void_p)),
-                      "weight reorder")
+            source = new_memory(library, plain_md, self.plain.data_ptr())
+            reorder_once(library, plain_md, source, wanted, memory, "weight reorder")
         finally:
-            _destroy(lib, (("dnnl_primitive_destroy", reorder),
-                           ("dnnl_primitive_desc_destroy", reorder_pd),
-                           ("dnnl_memory_destroy", source),
-                           ("dnnl_memory_desc_destroy", plain_md)))
+            destroy(lib, (("dnnl_memory_destroy", source),
+                          ("dnnl_memory_desc_destroy", plain_md)))
         return md, memory, tensor, True
 
     def __del__(self) -> None:
         library = getattr(self, "_library", None)
         lib = library.dll if library is not None else None
-        _destroy(lib, [("dnnl_memory_destroy", memory)
-                       for _, memory, *_ in getattr(self, "_copies", ())])
+        destroy(lib, [("dnnl_memory_destroy", memory)
+                      for _, memory, *_ in getattr(self, "_copies", ())])
 
 
 class LinearPrimitive:
@@ -216,11 +172,11 @@ class LinearPrimitive:
         k, n, dtype = spec.in_features, spec.out_features, spec.dtype
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self._engine = engine = library.engine
-        src = _md_strides(lib, [rows, k], [k, 1], dtype)
-        dst = _md_strides(lib, [rows, n], [n, 1], spec.result_dtype)
-        weights_md = weights.plain_md() if plain_weight else _md_tag(lib, [k, n],
+        src = md_strides(lib, [rows, k], [k, 1], dtype)
+        dst = md_strides(lib, [rows, n], [n, 1], spec.result_dtype)
+        weights_md = weights.plain_md() if plain_weight else md_tag(lib, [k, n],
                                                                        api.TAG_ANY, dtype)
-        bias_md = _md_tag(lib, [1, n], api.TAG_AB, torch.float32)
+        bias_md = md_tag(lib, [1, n], api.TAG_AB, torch.float32)
         mds = [src, dst, weights_md, bias_md]
         # At any rows a binary post-op cannot name its operand's rows: the residual add
         # is a sum post-op over the result's memory, which the call fills with it first.
@@ -228,7 +184,7 @@ class LinearPrimitive:
         if self._sum and (spec.binary != "add" or spec.eltwise is not None):
             raise api.OnednnError(f"{spec.binary} after {spec.eltwise} at any rows")
         if spec.binary is not None and not self._sum:
-            other_md = _md_strides(lib, [rows, n], [n, 1], spec.result_dtype)
+            other_md = md_strides(lib, [rows, n], [n, 1], spec.result_dtype)
             mds.append(other_md)
         post_ops, attr, pd = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         self._prim = ctypes.c_void_p()
@@ -239,7 +195,7 @@ class LinearPrimitive:
             binary_at = None
             if self._sum:
                 api.check(lib.dnnl_post_ops_append_sum(post_ops, 1.0, 0,
-                                                       _DATA_TYPES[spec.result_dtype]),
+                                                       DATA_TYPES[spec.result_dtype]),
                           "sum")
             elif spec.binary is not None:
                 binary_at = 1 if spec.eltwise is not None else 0
@@ -254,10 +210,7 @@ class LinearPrimitive:
             lib.dnnl_primitive_desc_query(pd, api.QUERY_IMPL_INFO_STR, 0, ctypes.byref(impl))
             self.impl = (impl.value or b"?").decode()
             if plain_weight:
-                weight_memory = ctypes.c_void_p()
-                api.check(lib.dnnl_memory_create(
-                    ctypes.byref(weight_memory), weights_md, engine,
-                    ctypes.c_void_p(weights.plain.data_ptr())), "memory")
+                weight_memory = new_memory(library, weights_md, weights.plain.data_ptr())
                 self._memories.append(weight_memory)
             else:
                 wanted = lib.dnnl_primitive_desc_query_md(pd, api.QUERY_WEIGHTS_MD, 0)
@@ -271,20 +224,17 @@ class LinearPrimitive:
             if binary_at is not None:
                 operands.append((api.arg_post_op(binary_at, api.ARG_SRC_1), other_md, None))
             for arg, md, data in operands:
-                memory = ctypes.c_void_p()
                 if rows == ANY_ROWS and data is None:
-                    memories[arg] = memory    # none: each call makes its rows' memory
+                    memories[arg] = ctypes.c_void_p()   # each call makes its rows' memory
                     continue
-                handle = ctypes.c_void_p(data.data_ptr()) if data is not None else None
-                api.check(lib.dnnl_memory_create(ctypes.byref(memory), md, engine, handle),
-                          "memory")
+                memory = new_memory(library, md, data.data_ptr() if data is not None else None)
                 self._memories.append(memory)
                 memories[arg] = memory
         finally:
-            _destroy(lib, (("dnnl_primitive_desc_destroy", pd),
-                           ("dnnl_primitive_attr_destroy", attr),
-                           ("dnnl_post_ops_destroy", post_ops),
-                           *(("dnnl_memory_desc_destroy", md) for md in mds)))
+            destroy(lib, (("dnnl_primitive_desc_destroy", pd),
+                          ("dnnl_primitive_attr_destroy", attr),
+                          ("dnnl_post_ops_destroy", post_ops),
+                          *(("dnnl_memory_desc_destroy", md) for md in mds)))
         self._src, self._dst = memories[api.ARG_SRC], memories[api.ARG_DST]
         self._other = (memories[api.arg_post_op(binary_at, api.ARG_SRC_1)]
                        if binary_at is not None else None)
@@ -324,7 +274,7 @@ class LinearPrimitive:
         made = []
         try:
             for arg, width, tensor in operands:
-                md = _md_strides(lib, [m, width], [width, 1], tensor.dtype)
+                md = md_strides(lib, [m, width], [width, 1], tensor.dtype)
                 memory = ctypes.c_void_p()
                 status = lib.dnnl_memory_create(ctypes.byref(memory), md, self._engine,
                                                 ctypes.c_void_p(tensor.data_ptr()))
@@ -337,13 +287,13 @@ class LinearPrimitive:
                 self._prim, self._stream, len(args), ctypes.cast(packed, ctypes.c_void_p)),
                 "matmul")
         finally:
-            _destroy(lib, [("dnnl_memory_destroy", memory) for memory in made])
+            destroy(lib, [("dnnl_memory_destroy", memory) for memory in made])
         return out
 
     def __del__(self) -> None:
         lib = getattr(self, "_lib", None)
-        _destroy(lib, [("dnnl_primitive_destroy", getattr(self, "_prim", None)),
-                       *(("dnnl_memory_destroy", m) for m in getattr(self, "_memories", ()))])
+        destroy(lib, [("dnnl_primitive_destroy", getattr(self, "_prim", None)),
+                      *(("dnnl_memory_destroy", m) for m in getattr(self, "_memories", ()))])
 
 
 _ACTIVATIONS = {
