@@ -51,12 +51,12 @@ import torch
 from dynvm.jit.aliasing import flat_values
 from dynvm.jit.backends.cpu import onednn_api as api
 from dynvm.jit.backends.cpu.ir_match import probe_tensors
+from dynvm.jit.backends.cpu.onednn_objects import DATA_TYPES, destroy, md_tag, memory
 from dynvm.jit.ir import Literal, SpecializedRegion, Var
 from dynvm.vm.opcodes import opcode
 
 POOL_PRIMITIVE = "ONEDNN_POOL_PRIMITIVE"
 _CL = torch.channels_last
-_DATA_TYPES = {torch.float32: api.F32, torch.bfloat16: api.BF16}
 
 
 def pool_arguments(given: list) -> list:
@@ -111,14 +111,6 @@ class PoolSpec:
         return (self.out_size(size, axis) - 1) * s + d * (k - 1) + 1 - size - p
 
 
-def _md(lib, dims, tag: int, dtype: torch.dtype) -> ctypes.c_void_p:
-    md = ctypes.c_void_p()
-    api.check(lib.dnnl_memory_desc_create_with_tag(ctypes.byref(md), len(dims),
-                                                   api.Dims(*dims), _DATA_TYPES[dtype], tag),
-              "md")
-    return md
-
-
 class PoolPrimitive:
     """One oneDNN max pooling primitive for one NHWC input shape."""
 
@@ -129,10 +121,10 @@ class PoolPrimitive:
         self.in_shape = tuple(shape)
         self.out_shape = (n, c, spec.out_size(h, 0), spec.out_size(w, 1))
         self.dtype = spec.dtype
-        src = _md(lib, shape, api.TAG_NHWC, spec.dtype)
-        dst = _md(lib, self.out_shape, api.TAG_NHWC, spec.dtype)
+        src = md_tag(lib, shape, api.TAG_NHWC, spec.dtype)
+        dst = md_tag(lib, self.out_shape, api.TAG_NHWC, spec.dtype)
         pd = ctypes.c_void_p()
-        self._prim, self._src, self._dst = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        self._prim = ctypes.c_void_p()
         try:
             api.check(lib.dnnl_pooling_forward_primitive_desc_create(
                 ctypes.byref(pd), library.engine, api.FORWARD_INFERENCE, api.POOLING_MAX,
@@ -144,15 +136,11 @@ class PoolPrimitive:
             lib.dnnl_primitive_desc_query(pd, api.QUERY_IMPL_INFO_STR, 0, ctypes.byref(impl))
             self.impl = (impl.value or b"?").decode()
             api.check(lib.dnnl_primitive_create(ctypes.byref(self._prim), pd), "primitive")
-            for memory, md in ((self._src, src), (self._dst, dst)):
-                api.check(lib.dnnl_memory_create(ctypes.byref(memory), md, library.engine,
-                                                 None), "memory")
+            self._src = memory(library, src, None)
+            self._dst = memory(library, dst, None)
         finally:
-            for destroy, handle in (("dnnl_primitive_desc_destroy", pd),
-                                    ("dnnl_memory_desc_destroy", src),
-                                    ("dnnl_memory_desc_destroy", dst)):
-                if handle:
-                    getattr(lib, destroy)(handle)
+            destroy(lib, (("dnnl_primitive_desc_destroy", pd),
+                          ("dnnl_memory_desc_destroy", src), ("dnnl_memory_desc_destroy", dst)))
         self._args = (api.ExecArg * 2)(api.ExecArg(api.ARG_SRC, self._src),
                                        api.ExecArg(api.ARG_DST, self._dst))
         self._args_pointer = ctypes.cast(self._args, ctypes.c_void_p)
@@ -173,13 +161,11 @@ class PoolPrimitive:
         return out
 
     def __del__(self) -> None:
-        lib = getattr(self, "_lib", None)
-        for destroy, name in (("dnnl_primitive_destroy", "_prim"),
-                              ("dnnl_memory_destroy", "_src"),
-                              ("dnnl_memory_destroy", "_dst")):
-            handle = getattr(self, name, None)
-            if lib is not None and handle:
-                getattr(lib, destroy)(handle)
+        destroy(getattr(self, "_lib", None),
+                [(function, getattr(self, name, None))
+                 for function, name in (("dnnl_primitive_destroy", "_prim"),
+                                        ("dnnl_memory_destroy", "_src"),
+                                        ("dnnl_memory_destroy", "_dst"))])
 
 
 class PrimitivePool:
@@ -225,7 +211,7 @@ def _torch_fallback(args):
 
 def _nhwc(values) -> bool:
     return bool(values) and all(
-        isinstance(v, torch.Tensor) and v.dim() == 4 and v.dtype in _DATA_TYPES
+        isinstance(v, torch.Tensor) and v.dim() == 4 and v.dtype in DATA_TYPES
         and v.is_contiguous(memory_format=_CL) and v.shape[2] * v.shape[3] > 1
         for v in values)
 
