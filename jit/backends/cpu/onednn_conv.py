@@ -75,6 +75,8 @@ from dynvm.jit.backends.cpu.conv import PackedPerBatch, _batches_asked
 from dynvm.jit.backends.cpu.conv_residual import CONV_BINARY_INPLACE, IN_PLACE_KERNELS
 from dynvm.jit.backends.cpu.fusion import CONV_UNARY, FUSED_KERNELS, FUSED_VARIANT, is_fused
 from dynvm.jit.backends.cpu.ir_match import probe_tensors
+from dynvm.jit.backends.cpu.onednn_objects import DATA_TYPES, destroy, md_tag, reorder_once
+from dynvm.jit.backends.cpu.onednn_objects import memory as new_memory
 from dynvm.jit.backends.cpu.onednn_pool import POOL_KERNELS, pool_primitives
 from dynvm.jit.ir import Literal, SpecializedRegion, Var
 
@@ -121,17 +123,6 @@ def eltwise_of(attr: str, scalars: list, algorithm: str) -> tuple | None | str:
     return ""
 
 
-_DATA_TYPES = {torch.float32: api.F32, torch.bfloat16: api.BF16}
-
-
-def _md(lib, dims, tag: int, dtype: torch.dtype = torch.float32) -> ctypes.c_void_p:
-    md = ctypes.c_void_p()
-    api.check(lib.dnnl_memory_desc_create_with_tag(ctypes.byref(md), len(dims),
-                                                   api.Dims(*dims), _DATA_TYPES[dtype], tag),
-              "md")
-    return md
-
-
 class _Weights:
     """A convolution's weight reordered into one primitive layout, with the memory
     object that primitives of that layout read it through (its data handle never
@@ -141,35 +132,22 @@ class _Weights:
         lib = self._lib = library.dll
         self.tensor = torch.empty(lib.dnnl_memory_desc_get_size(wanted) // 4 + 1,
                                   dtype=torch.float32)
-        self.memory = ctypes.c_void_p()
-        api.check(lib.dnnl_memory_create(ctypes.byref(self.memory), wanted, library.engine,
-                                         ctypes.c_void_p(self.tensor.data_ptr())), "memory")
+        self.memory = new_memory(library, wanted, self.tensor.data_ptr())
         self.md = ctypes.c_void_p()   # owned by the memory object
         api.check(lib.dnnl_memory_get_memory_desc(self.memory, ctypes.byref(self.md)), "md")
         plain = weight.detach().contiguous()
-        plain_md = _md(lib, plain.shape, api.TAG_OIHW, plain.dtype)
-        source, reorder_pd, reorder = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        plain_md = md_tag(lib, plain.shape, api.TAG_OIHW, plain.dtype)
+        source = None
         try:
-            api.check(lib.dnnl_memory_create(ctypes.byref(source), plain_md, library.engine,
-                                             ctypes.c_void_p(plain.data_ptr())), "memory")
-            api.check(lib.dnnl_reorder_primitive_desc_create(
-                ctypes.byref(reorder_pd), plain_md, library.engine, wanted, library.engine,
-                None), "weight reorder descriptor")
-            api.check(lib.dnnl_primitive_create(ctypes.byref(reorder), reorder_pd), "reorder")
-            args = (api.ExecArg * 2)(api.ExecArg(api.ARG_SRC, source),
-                                     api.ExecArg(api.ARG_DST, self.memory))
-            api.check(lib.dnnl_primitive_execute(reorder, library.stream, 2,
-                                                 ctypes.cast(args, ctypes.c_void_p)),
-                      "weight reorder")
+            source = new_memory(library, plain_md, plain.data_ptr())
+            reorder_once(library, plain_md, source, wanted, self.memory, "weight reorder")
         finally:
-            _destroy(lib, (("dnnl_primitive_destroy", reorder),
-                           ("dnnl_primitive_desc_destroy", reorder_pd),
-                           ("dnnl_memory_destroy", source),
-                           ("dnnl_memory_desc_destroy", plain_md)))
+            destroy(lib, (("dnnl_memory_destroy", source),
+                          ("dnnl_memory_desc_destroy", plain_md)))
 
     def __del__(self) -> None:
-        _destroy(getattr(self, "_lib", None), (("dnnl_memory_destroy",
-                                                 getattr(self, "memory", None)),))
+        destroy(getattr(self, "_lib", None), (("dnnl_memory_destroy",
+                                                getattr(self, "memory", None)),))
 
 
 class WeightLayouts(list):
@@ -209,12 +187,6 @@ class WeightLayouts(list):
             return copy
 
 
-def _destroy(lib, handles) -> None:
-    for destroy, handle in handles:
-        if lib is not None and handle:
-            getattr(lib, destroy)(handle)
-
-
 class ConvPrimitive:
     """One oneDNN convolution primitive for one input shape (NHWC), reading its weight
     in the layout it chose (shared with the convolution's other primitives of that
@@ -236,16 +208,17 @@ class ConvPrimitive:
         self.dtype = dtype = spec.dtype
         # the bias as the fused op had it (fp32, or the input's type where torch cast it)
         self.bias = None if bias is None else bias.detach().contiguous()
-        mds = [_md(lib, shape, api.TAG_NHWC, dtype), _md(lib, weight.shape, api.TAG_ANY, dtype),
-               _md(lib, [oc], api.TAG_A, torch.float32 if bias is None else self.bias.dtype),
-               _md(lib, self.out_shape, api.TAG_NHWC, dtype)]
+        mds = [md_tag(lib, shape, api.TAG_NHWC, dtype),
+               md_tag(lib, weight.shape, api.TAG_ANY, dtype),
+               md_tag(lib, [oc], api.TAG_A, torch.float32 if bias is None else self.bias.dtype),
+               md_tag(lib, self.out_shape, api.TAG_NHWC, dtype)]
         src, weights_any, bias_md, dst = mds
         post_ops, attr, pd = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         self._prim = ctypes.c_void_p()
         try:
             api.check(lib.dnnl_post_ops_create(ctypes.byref(post_ops)), "post-ops")
             if spec.residual:
-                api.check(lib.dnnl_post_ops_append_sum(post_ops, 1.0, 0, _DATA_TYPES[dtype]),
+                api.check(lib.dnnl_post_ops_append_sum(post_ops, 1.0, 0, DATA_TYPES[dtype]),
                           "sum")
             if spec.eltwise is not None:
                 api.check(lib.dnnl_post_ops_append_eltwise(post_ops, *spec.eltwise), "eltwise")
@@ -267,17 +240,14 @@ class ConvPrimitive:
                                   (api.ARG_BIAS, bias_md, self.bias)):
                 if arg == api.ARG_BIAS and data is None:
                     continue
-                memory = ctypes.c_void_p()
-                handle = ctypes.c_void_p(data.data_ptr()) if data is not None else None
-                api.check(lib.dnnl_memory_create(ctypes.byref(memory), md, engine, handle),
-                          "memory")
+                memory = new_memory(library, md, data.data_ptr() if data is not None else None)
                 self._memories.append(memory)
                 memories[arg] = memory
         finally:
-            _destroy(lib, (("dnnl_primitive_desc_destroy", pd),
-                           ("dnnl_primitive_attr_destroy", attr),
-                           ("dnnl_post_ops_destroy", post_ops),
-                           *(("dnnl_memory_desc_destroy", md) for md in mds)))
+            destroy(lib, (("dnnl_primitive_desc_destroy", pd),
+                          ("dnnl_primitive_attr_destroy", attr),
+                          ("dnnl_post_ops_destroy", post_ops),
+                          *(("dnnl_memory_desc_destroy", md) for md in mds)))
         self._src, self._dst = memories[api.ARG_SRC], memories[api.ARG_DST]
         self._args = (api.ExecArg * len(memories))(
             *[api.ExecArg(arg, memory) for arg, memory in memories.items()])
@@ -306,8 +276,8 @@ class ConvPrimitive:
 
     def __del__(self) -> None:
         lib = getattr(self, "_lib", None)
-        _destroy(lib, [("dnnl_primitive_destroy", getattr(self, "_prim", None)),
-                       *(("dnnl_memory_destroy", m) for m in getattr(self, "_memories", ()))])
+        destroy(lib, [("dnnl_primitive_destroy", getattr(self, "_prim", None)),
+                      *(("dnnl_memory_destroy", m) for m in getattr(self, "_memories", ()))])
 
 
 class PrimitiveConv:
@@ -450,7 +420,7 @@ def conv_primitives(spec: SpecializedRegion) -> tuple[SpecializedRegion, str]:
         conv_spec = _spec_of(op)
         reason = conv_spec if isinstance(conv_spec, str) else ""
         dtype = _weight_dtype(weight.value) if isinstance(weight, Literal) else None
-        if not reason and dtype not in _DATA_TYPES:
+        if not reason and dtype not in DATA_TYPES:
             reason = f"weight {dtype}"
         if not reason and not isinstance(x, Var):
             reason = "input not a register"
