@@ -75,7 +75,13 @@ from dynvm.jit.backends.cpu.conv import PackedPerBatch, _batches_asked
 from dynvm.jit.backends.cpu.conv_residual import CONV_BINARY_INPLACE, IN_PLACE_KERNELS
 from dynvm.jit.backends.cpu.fusion import CONV_UNARY, FUSED_KERNELS, FUSED_VARIANT, is_fused
 from dynvm.jit.backends.cpu.ir_match import probe_tensors
-from dynvm.jit.backends.cpu.onednn_objects import DATA_TYPES, destroy, md_tag, reorder_once
+from dynvm.jit.backends.cpu.onednn_objects import (
+    DATA_TYPES,
+    destroy,
+    destroy_build,
+    md_tag,
+    reorder_once,
+)
 from dynvm.jit.backends.cpu.onednn_objects import memory as new_memory
 from dynvm.jit.backends.cpu.onednn_pool import POOL_KERNELS, pool_primitives
 from dynvm.jit.ir import Literal, SpecializedRegion, Var
@@ -244,10 +250,7 @@ class ConvPrimitive:
                 self._memories.append(memory)
                 memories[arg] = memory
         finally:
-            destroy(lib, (("dnnl_primitive_desc_destroy", pd),
-                          ("dnnl_primitive_attr_destroy", attr),
-                          ("dnnl_post_ops_destroy", post_ops),
-                          *(("dnnl_memory_desc_destroy", md) for md in mds)))
+            destroy_build(lib, pd, attr, post_ops, mds)
         self._src, self._dst = memories[api.ARG_SRC], memories[api.ARG_DST]
         self._args = (api.ExecArg * len(memories))(
             *[api.ExecArg(arg, memory) for arg, memory in memories.items()])

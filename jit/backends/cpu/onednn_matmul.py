@@ -17,6 +17,7 @@ from dynvm.jit.backends.cpu import onednn_api as api
 from dynvm.jit.backends.cpu.onednn_objects import (
     DATA_TYPES,
     destroy,
+    destroy_build,
     md_strides,
     md_tag,
     reorder_once,
@@ -231,10 +232,7 @@ class LinearPrimitive:
                 self._memories.append(memory)
                 memories[arg] = memory
         finally:
-            destroy(lib, (("dnnl_primitive_desc_destroy", pd),
-                          ("dnnl_primitive_attr_destroy", attr),
-                          ("dnnl_post_ops_destroy", post_ops),
-                          *(("dnnl_memory_desc_destroy", md) for md in mds)))
+            destroy_build(lib, pd, attr, post_ops, mds)
         self._src, self._dst = memories[api.ARG_SRC], memories[api.ARG_DST]
         self._other = (memories[api.arg_post_op(binary_at, api.ARG_SRC_1)]
                        if binary_at is not None else None)

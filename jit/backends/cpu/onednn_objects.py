@@ -73,3 +73,12 @@ def memory(library: api.Library, md, pointer: int | None) -> ctypes.c_void_p:
         ctypes.byref(made), md, library.engine,
         ctypes.c_void_p(pointer) if pointer is not None else None), "memory")
     return made
+
+
+def destroy_build(lib, descriptor, attr, post_ops, mds) -> None:
+    """Free what building a primitive made besides the primitive: its descriptor, its
+    attribute and post-ops, and the memory descriptors it was described with."""
+    destroy(lib, (("dnnl_primitive_desc_destroy", descriptor),
+                  ("dnnl_primitive_attr_destroy", attr),
+                  ("dnnl_post_ops_destroy", post_ops),
+                  *(("dnnl_memory_desc_destroy", md) for md in mds)))
