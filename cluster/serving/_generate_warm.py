@@ -30,30 +30,6 @@ after `SchedulerConfig.warm_seconds` (probation ends on calls, so an unsettled J
 another round rather than a wait). The synthetic sequences count nowhere: the scheduler's
 counters are zeroed after, and metrics are off while they run; what the warm-up did is
 the replica's `warm` stat. Greedy and seeded by nothing: their tokens are not read.
-
-Note [Decode plateaus before ready]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The rounds above make every family the traffic makes, but not the exact kernels (tier 2,
-Note [Tiering] in dynvm.jit.region_jit): those are promoted when one signature keeps
-hitting its family kernel, and in the rounds rows leave one by one, so no row count
-lasts. Traffic does make one last: 8 clients keep 8 rows decoding together for most of
-a trace, and every first pass of the mixed trace served after the rounds promoted and
-compiled the exact kernel of the 8-row pure decode while it ran (2 compiles in each of
-the 2026-12-05 first passes, where the later passes had none; that pass's ITL p99 7.51
-ms against 5.53 in the next, in process; docs/bench_log.md, issue 33, 17:14-18:40).
-
-So before the rounds, the warm-up holds plateaus: for each power of two up to the rows
-a step can run (1, 2, 4, 8, 16, ...), that many sequences with one-token prompts and
-the same output length start together and decode together for `PLATEAU_STEPS` steps,
-long enough for the tier check (every 32 family hits) to see one signature recur. The
-row counts are powers of two, as a GPU server captures its graphs at batch sizes 1, 2,
-4, 8, ...: a replica cannot know how many clients will come, and a count between two
-plateaus still runs its family kernel. Measured (the bench's model, in process,
-/tmp/h33/warmgap.py, 2026-12-05 19:05): the warm-up took 5.9 s (17 rounds after the
-plateaus 1-16), and the first pass compiled one exact kernel where it had compiled two:
-the 7-row pure decode (one of 8 clients between requests) is still made by traffic.
-Served (`bench.serve_generate`, 19:02, load 1.3-1.6): 1 compile in the first pass, ITL
-p99/p50 2.15 there and 1.70 / 1.68 in the next two.
 """
 
 from __future__ import annotations
@@ -64,28 +40,22 @@ from dynvm.cluster.protocol._generate import GenerationRequest
 
 
 def warm_scheduler(scheduler, seconds: float) -> dict:
-    """Note [Warm before ready]: the decode plateaus (Note [Decode plateaus before
-    ready]), then rounds of synthetic sequences through `scheduler` until one runs
-    specialized and the JIT settles, or `seconds`. Returns what it did: rounds, the
-    plateaus' row counts, sequences, seconds, whether the last round ran specialized,
-    and the JIT settled."""
+    """Note [Warm before ready]: rounds of synthetic sequences through `scheduler` until
+    one runs specialized and the JIT settles, or `seconds`. Returns what it did: rounds,
+    sequences, seconds, whether the last round ran specialized, and the JIT settled."""
     generator = scheduler.generator
     runtime = generator.step if generator.step is not None else generator.decode
     jit = getattr(runtime, "jit", None)
     if seconds <= 0 or jit is None or not jit.compiles_locally() or \
             scheduler.config.max_waiting < 1:
-        return {"rounds": 0, "plateaus": [], "sequences": 0, "seconds": 0.0,
-                "specialized": False,
+        return {"rounds": 0, "sequences": 0, "seconds": 0.0, "specialized": False,
                 "settled": runtime.settled() if runtime is not None else True}
     started = time.monotonic()
     deadline = started + seconds
     metrics, scheduler.metrics = scheduler.metrics, None
     rounds = sequences = clean = 0
     specialized = False
-    plateaus: list[int] = []
     try:
-        plateaus = _plateaus(scheduler, deadline)
-        sequences += sum(plateaus)
         while time.monotonic() < deadline:
             before = runtime.region_calls()[1]
             sequences += _round(scheduler, rounds, deadline)
@@ -101,7 +71,7 @@ def warm_scheduler(scheduler, seconds: float) -> dict:
         scheduler.wait_idle(max(1.0, deadline - time.monotonic()))
         for key in scheduler.counters:
             scheduler.counters[key] = 0
-    return {"rounds": rounds, "plateaus": plateaus, "sequences": sequences,
+    return {"rounds": rounds, "sequences": sequences,
             "seconds": round(time.monotonic() - started, 3), "specialized": specialized,
             "settled": runtime.settled()}
 
@@ -116,8 +86,7 @@ def _round(scheduler, index: int, deadline: float) -> int:
     requests = []
     for i in range(rows):
         prompt = 1 + (7 * i + 5 * index) % longest_prompt
-        new = max(1, min(4 + (5 * i + 3 * index) % 29, scheduler.max_new_tokens,
-                         scheduler.max_length - prompt))
+        new = max(1, min(4 + (5 * i + 3 * index) % 29, scheduler.max_length - prompt))
         requests.append(GenerationRequest(tuple(3 + (t % 5) for t in range(prompt)), new,
                                           stop_token_ids=()))
     first = _FIRST_GROUPS[index % len(_FIRST_GROUPS)](rows)
@@ -129,27 +98,6 @@ def _round(scheduler, index: int, deadline: float) -> int:
         scheduler.submit(request, _ignore)
     scheduler.wait_idle(max(0.0, deadline - time.monotonic()))
     return rows
-
-
-PLATEAU_STEPS = 80
-"""Steps each plateau of Note [Decode plateaus before ready] decodes its rows together
-(two tier checks of 32 family hits, and the family's own promotion before them)."""
-
-
-def _plateaus(scheduler, deadline: float) -> list[int]:
-    """Note [Decode plateaus before ready]: for each power of two up to the step's rows,
-    that many one-token prompts decoding together; the row counts held."""
-    rows = max(1, min(scheduler.max_sequences, scheduler.config.max_waiting))
-    new = max(1, min(PLATEAU_STEPS, scheduler.max_new_tokens, scheduler.max_length - 1))
-    held, count = [], 1
-    while count <= rows and time.monotonic() < deadline:
-        for i in range(count):
-            scheduler.submit(GenerationRequest((3 + i % 5,), new, stop_token_ids=()),
-                             _ignore)
-        held.append(count)
-        scheduler.wait_idle(max(0.0, deadline - time.monotonic()))
-        count *= 2
-    return held
 
 
 # How many of a round's rows start at once (the rest join while they decode): half of
