@@ -1,5 +1,7 @@
-"""The one compiled part of dynvm: the CPU backend's small-M GEMM (Note [A small-M GEMM
-of our own] in jit/backends/cpu/native_linear.py). Everything else is in pyproject.toml.
+"""The compiled parts of dynvm: the CPU backend's small-M GEMM (Note [A small-M GEMM of
+our own] in jit/backends/cpu/native_linear.py) and its chain of oneDNN primitives in one
+call (Note [A chain of primitives in one call] in jit/backends/cpu/onednn_chain.py).
+Everything else is in pyproject.toml.
 
 The kernels are plain C functions called through ctypes (the module itself is empty, so
 that every module of the package imports); it is optional: where no
@@ -15,5 +17,12 @@ setup(ext_modules=[Extension(
              "jit/backends/cpu/native/decode_ops.c"],
     extra_compile_args=["-O3", "-fopenmp"],
     extra_link_args=["-fopenmp"],
+    optional=True,
+), Extension(
+    # oneDNN's functions arrive as pointers at run time: nothing of libdnnl is linked,
+    # so it builds and loads without the `onednn` extra
+    "dynvm.jit.backends.cpu._onednn_chain",
+    sources=["jit/backends/cpu/native/onednn_chain.c"],
+    extra_compile_args=["-O2"],
     optional=True,
 )])

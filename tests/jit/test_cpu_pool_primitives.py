@@ -17,7 +17,7 @@ from torch import nn
 from torch.export import Dim
 
 import dynvm
-from dynvm.jit.backends.cpu import onednn_api
+from dynvm.jit.backends.cpu import onednn_api, onednn_chain
 from dynvm.jit.backends.cpu.fusion import onednn_available
 from dynvm.jit.backends.cpu.onednn_pool import PoolSpec, PrimitivePool, pool_arguments
 from tests.jit import _jit_helpers as h
@@ -30,6 +30,14 @@ pytestmark = [
                               f"{onednn_api.unavailable_reason()}")]
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 _max_pool = torch.ops.aten.max_pool2d_with_indices
+
+
+@pytest.fixture(autouse=True)
+def _primitives_one_by_one(monkeypatch):
+    """These tests read each primitive op in a kernel's source: the chain library is
+    taken away, as where it was not built (Note [A chain of primitives in one call];
+    tests/jit/test_cpu_chain_native.py covers the chains)."""
+    monkeypatch.setattr(onednn_chain, "_find_library", lambda: None)
 
 
 def _geometries():

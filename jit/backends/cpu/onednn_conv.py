@@ -75,6 +75,7 @@ from dynvm.jit.backends.cpu.conv import PackedPerBatch, _batches_asked
 from dynvm.jit.backends.cpu.conv_residual import CONV_BINARY_INPLACE, IN_PLACE_KERNELS
 from dynvm.jit.backends.cpu.fusion import CONV_UNARY, FUSED_KERNELS, FUSED_VARIANT, is_fused
 from dynvm.jit.backends.cpu.ir_match import probe_tensors
+from dynvm.jit.backends.cpu.onednn_chain import CHAIN_KERNELS, chain_primitives
 from dynvm.jit.backends.cpu.onednn_objects import (
     DATA_TYPES,
     destroy,
@@ -83,7 +84,7 @@ from dynvm.jit.backends.cpu.onednn_objects import (
     reorder_once,
 )
 from dynvm.jit.backends.cpu.onednn_objects import memory as new_memory
-from dynvm.jit.backends.cpu.onednn_pool import POOL_KERNELS, pool_primitives
+from dynvm.jit.backends.cpu.onednn_pool import POOL_KERNELS, POOL_PRIMITIVE, pool_primitives
 from dynvm.jit.ir import Literal, SpecializedRegion, Var
 
 CONV_PRIMITIVE = "ONEDNN_CONV_PRIMITIVE"
@@ -258,6 +259,16 @@ class ConvPrimitive:
         self._nargs = len(memories)
         self._lock = threading.Lock()   # the data handles are this primitive's state
 
+    @property
+    def handle(self) -> ctypes.c_void_p:
+        """The primitive (Note [A chain of primitives in one call] executes it)."""
+        return self._prim
+
+    def arguments(self) -> list[tuple[int, ctypes.c_void_p]]:
+        """(DNNL_ARG_*, memory object) of each execute argument; the source's and
+        destination's handles are set per call, the others fixed."""
+        return [(a.arg, ctypes.c_void_p(a.memory)) for a in self._args]
+
     def run(self, x: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
         """conv(x) (+ `into`, written there) with the post-ops; a new channels-last
         tensor when `into` is None."""
@@ -352,7 +363,15 @@ def conv_primitive_into(x, other, conv: PrimitiveConv):
 
 
 PRIMITIVE_KERNELS = {CONV_PRIMITIVE: conv_primitive, CONV_PRIMITIVE_INTO: conv_primitive_into,
-                     **POOL_KERNELS}   # Note [oneDNN pooling built once]
+                     **POOL_KERNELS,   # Note [oneDNN pooling built once]
+                     **CHAIN_KERNELS}  # Note [A chain of primitives in one call]
+_STEP_KINDS = {CONV_PRIMITIVE: "conv", CONV_PRIMITIVE_INTO: "into", POOL_PRIMITIVE: "pool"}
+
+
+def _run_step(step, values: dict):
+    """One step of a chain in Python (a shape its arenas were not built for)."""
+    x = values[step.x]
+    return step.runner(x) if step.into is None else step.runner.into(x, values[step.into])
 
 
 def _plain_weight(packed) -> torch.Tensor:
@@ -459,4 +478,6 @@ def conv_primitives(spec: SpecializedRegion) -> tuple[SpecializedRegion, str]:
     probes = spec.abstract
     spec, pool_note = pool_primitives(spec, library, lambda reg: _shapes(probes, reg),
                                       FUSED_VARIANT)
-    return spec, note + pool_note
+    # Note [A chain of primitives in one call]: each run of them as one native call
+    spec, chain_note = chain_primitives(spec, library, _STEP_KINDS, _run_step, FUSED_VARIANT)
+    return spec, note + pool_note + chain_note

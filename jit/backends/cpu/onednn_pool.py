@@ -146,6 +146,15 @@ class PoolPrimitive:
         self._args_pointer = ctypes.cast(self._args, ctypes.c_void_p)
         self._lock = threading.Lock()   # the data handles are this primitive's state
 
+    @property
+    def handle(self) -> ctypes.c_void_p:
+        """The primitive (Note [A chain of primitives in one call] executes it)."""
+        return self._prim
+
+    def arguments(self) -> list[tuple[int, ctypes.c_void_p]]:
+        """(DNNL_ARG_*, memory object) of each execute argument (handles set per call)."""
+        return [(a.arg, ctypes.c_void_p(a.memory)) for a in self._args]
+
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """max_pool2d(x) as a new channels-last tensor."""
         if not x.is_contiguous(memory_format=_CL):
