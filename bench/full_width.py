@@ -187,8 +187,11 @@ def _warmup(model, systems, jit, calls: int, log) -> dict:
                             "interp_p99_ms": 1e3 * percentile(times["interp"][label], 99),
                             "jit_max_ms": 1e3 * max(times["jit"][label]),
                             "jit_over_interp_p90": jit_p90 / interp_p90}
+    # The calls' own times too: bench.warmup_bar pools them over fresh processes.
+    raw = {name: {label: [round(1e3 * t, 4) for t in by] for label, by in shapes.items()}
+           for name, shapes in times.items()}
     return {"calls": calls, "wall_seconds": time.perf_counter() - started,
-            "per_shape": per_shape, "compiles": stats["compiles"],
+            "per_shape": per_shape, "times_ms": raw, "compiles": stats["compiles"],
             "compile_seconds": stats["compile_seconds"],
             "calibration_seconds": calibrator.seconds - calibration_before,
             "loadavg": os.getloadavg()}

@@ -37,6 +37,10 @@ def test_phases_report_every_shape(measured):
             shape["jit_p90_ms"] / shape["interp_p90_ms"])
         assert shape["jit_max_ms"] >= shape["jit_p90_ms"] > 0
         assert shape["aa_over_interp_p90"] > 0   # the warm-up's A/A, a second interpreter
+    for label, shape in warm["per_shape"].items():   # the calls' own times (warmup_bar)
+        calls = warm["times_ms"]["jit"][label]
+        assert len(calls) == shape["calls"] and max(calls) == pytest.approx(
+            shape["jit_max_ms"], abs=1e-3)
     assert steady["calls"] == 3
     for system in ("interp", "interp_b", "jit"):
         assert set(steady["x_eager"][system]) == set(model.labels)
