@@ -288,6 +288,41 @@ def pool_times(fn, calls: int) -> dict:
     return {k: [ms, n // calls] for k, (ms, n) in found.items()}
 
 
+def chain_times(fn, calls: int) -> tuple[float, int]:
+    """(ms per call, primitives per call) of the JIT's chains of primitives made in one
+    native call (Note [A chain of primitives in one call]), wall time around each chain
+    over `calls` calls of `fn`."""
+    from dynvm.jit.backends.cpu.onednn_chain import PrimitiveChain
+
+    found = [0.0, 0]
+    plain = PrimitiveChain.__call__
+
+    def run(self, x):
+        start = time.perf_counter()
+        try:
+            return plain(self, x)
+        finally:
+            found[0] += (time.perf_counter() - start) * 1e3 / calls
+            found[1] += len(self.steps)
+    PrimitiveChain.__call__ = run
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        PrimitiveChain.__call__ = plain
+    return found[0], found[1] // calls
+
+
+def _exec_ms(lines, kind: str) -> float:
+    """Summed ms of oneDNN's verbose `exec` lines of primitive `kind`."""
+    total = 0.0
+    for line in lines:
+        fields = line.strip().split(",")
+        if len(fields) >= 8 and "exec" in fields[:4] and kind in fields:
+            total += float(fields[-1])
+    return total
+
+
 def _print_layers(rows, trace, jit, x, calls: int) -> None:
     """The per-layer table (Note [ResNet layers side by side])."""
     jit_convs: dict = defaultdict(lambda: [0.0, 0])
@@ -301,7 +336,8 @@ def _print_layers(rows, trace, jit, x, calls: int) -> None:
         jit_convs[key][1] += count
     ort_convs, runs = resnet_layers.ort_conv_times(trace)
     verbose_calls = 3
-    onednn = resnet_layers.onednn_exec(onednn_verbose_lines(lambda: jit(*x), verbose_calls))
+    lines = onednn_verbose_lines(lambda: jit(*x), verbose_calls)
+    onednn = resnet_layers.onednn_exec(lines)
     # rows are per call already; ONNX Runtime's sums cover `runs` runs (warm-up included)
     table = resnet_layers.join({k: tuple(v) for k, v in jit_convs.items()},
                                {k: (ms / max(runs, 1), n // max(runs, 1))
@@ -309,6 +345,14 @@ def _print_layers(rows, trace, jit, x, calls: int) -> None:
                                onednn, onednn_calls=verbose_calls)
     print("\nper layer (ms per call, summed over the layers of one geometry):")
     print(resnet_layers.markdown(table))
+    chained, steps = chain_times(lambda: jit(*x), calls)
+    if steps:
+        executed = sum(_exec_ms(lines, k) for k in ("convolution", "pooling")) / verbose_calls
+        print(f"chains of primitives in one native call: {chained:.3f} ms per call over "
+              f"{steps} primitive(s); oneDNN's execution of them {executed:.3f} ms "
+              f"(verbose): {1e3 * (chained - executed) / steps:.1f} us a primitive outside "
+              f"oneDNN's execution (the chain's Python, its results' allocation and the "
+              f"verbose timing's own cost)")
     for shape, (ms, count) in pool_times(lambda: jit(*x), calls).items():
         print(f"max pooling on a oneDNN primitive, input {list(shape)}: {ms:.3f} ms per "
               f"call (x{count}; ONNX Runtime's MaxPool is among its nodes above)")

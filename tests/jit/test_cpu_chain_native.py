@@ -77,20 +77,23 @@ class _Blocks(nn.Module):
         return z.mean((2, 3))
 
 
-def _chained(rt) -> list[str]:
+def _chained(rt, layout: str) -> list[str]:
     sources = [a.source for a in rt.jit.artifacts.values()]
     assert sources
     for source in sources:
         assert source.count("= onednn_chain_primitives") == 1, source
         assert "= onednn_conv_primitive" not in source, source
-        assert "8 primitive(s) in 1 native call(s)" in source, source
+        assert f"8 primitive(s) in 1 native call(s) ({layout} inside" in source, source
     return sources
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_chain_is_one_native_call_and_agrees_with_eager(precision):
+@pytest.mark.parametrize("precision,width,layout", [
+    ("fp32", 32, "nChw16c"),     # every convolution but the stem's on 16-channel blocks
+    ("fp32", 16, "NHWC"),        # 8-channel convolutions: NHWC throughout
+    ("bf16", 32, "NHWC")])       # bf16 stays NHWC (BLOCKED_DTYPES)
+def test_a_chain_is_one_native_call_and_agrees_with_eager(precision, width, layout):
     _bound()
-    model = _Blocks().eval()
+    model = _Blocks(width).eval()
     program = dynvm.compile(model, (torch.randn(2, 3, 16, 16),),
                             ({0: Dim("batch", min=1, max=8)},))
     config = h.eager_config(families=True, cpu_fusion="always", cpu_channels_last="always",
@@ -111,7 +114,7 @@ def test_a_chain_is_one_native_call_and_agrees_with_eager(precision):
             assert torch.equal(x, before)   # the caller's tensor is never written
         stats = rt.stats()
         assert stats["specialized_region_calls"] > 0 and not stats["compile_failures"]
-        _chained(rt)
+        _chained(rt, layout)
 
 
 def test_shapes_without_an_arena_run_the_steps_one_by_one():
@@ -145,18 +148,20 @@ def _conv(library, c_in, c_out, kernel, stride, shapes, residual=False, gen=None
     return conv, reference
 
 
-def _hand_chain(shapes=((2, 4, 12, 12),)):
+def _hand_chain(shapes=((2, 4, 12, 12),), width: int = 8):
     """x -> conv a -> pool -> conv b, and conv c of the pool written into b's result:
     registers 0 (x), 1 (a), 2 (pool), 3 (b), 4 (c + b, in b's storage); with each
     step's frees."""
     library, gen = onednn_api.library(), torch.Generator().manual_seed(31)
-    a, ref_a = _conv(library, 4, 8, 3, 1, list(shapes), gen=gen)
-    pooled = [(n, 8, h, w) for n, _, h, w in shapes]
+    c_in = shapes[0][1]
+    a, ref_a = _conv(library, c_in, width, 3, 1, list(shapes), gen=gen)
+    pooled = [(n, width, h, w) for n, _, h, w in shapes]
     pool_spec = PoolSpec.of([3, 3], [2, 2], [1], [1], False, torch.float32)
     pool = PrimitivePool(library, pool_spec, pooled)
-    after = [(n, 8, pool_spec.out_size(h, 0), pool_spec.out_size(w, 1)) for n, _, h, w in shapes]
-    b, ref_b = _conv(library, 8, 8, 1, 1, after, gen=gen)
-    c, ref_c = _conv(library, 8, 8, 3, 1, after, residual=True, gen=gen)
+    after = [(n, width, pool_spec.out_size(h, 0), pool_spec.out_size(w, 1))
+             for n, _, h, w in shapes]
+    b, ref_b = _conv(library, width, width, 1, 1, after, gen=gen)
+    c, ref_c = _conv(library, width, width, 3, 1, after, residual=True, gen=gen)
     steps = [Step(a, 0, None, 1), Step(pool, 1, None, 2), Step(b, 2, None, 3),
              Step(c, 2, 3, 4)]
 
@@ -167,13 +172,17 @@ def _hand_chain(shapes=((2, 4, 12, 12),)):
     return library, steps, frees, reference
 
 
-def test_a_returned_tensor_is_not_changed_by_the_next_call():
+@pytest.mark.parametrize("c_in,width,layout", [(4, 8, "NHWC"), (16, 32, "nChw16c")])
+def test_a_returned_tensor_is_not_changed_by_the_next_call(c_in, width, layout):
+    # nChw16c: the input reordered in, the result reordered out into a new NHWC tensor
     bound = _bound()
-    library, steps, frees, reference = _hand_chain()
+    library, steps, frees, reference = _hand_chain(((2, c_in, 12, 12),), width)
     chain = PrimitiveChain(library, bound, steps, (4,), frees, _run_step)
-    assert set(chain.by_shape) == {(2, 4, 12, 12)}
+    assert set(chain.by_shape) == {(2, c_in, 12, 12)}
+    assert chain.layouts() == {layout}
+    assert chain.reorders() == (2 if layout == "nChw16c" else 0)
     gen = torch.Generator().manual_seed(3)
-    first_x = torch.randn(2, 4, 12, 12, generator=gen)
+    first_x = torch.randn(2, c_in, 12, 12, generator=gen)
     first = chain(first_x)
     kept = first.clone()
     torch.testing.assert_close(first, reference(first_x), **TOL)
@@ -181,18 +190,20 @@ def test_a_returned_tensor_is_not_changed_by_the_next_call():
                for b in a.buffers}
     assert first.untyped_storage().data_ptr() not in buffers
     for _ in range(3):
-        x = torch.randn(2, 4, 12, 12, generator=gen)
+        x = torch.randn(2, c_in, 12, 12, generator=gen)
         torch.testing.assert_close(chain(x), reference(x), **TOL)
     assert torch.equal(first, kept)
     # a shape without an arena (and without primitives: `covered` ones raise) fails
     # loudly rather than computing something else
     with pytest.raises(RuntimeError, match="no oneDNN"):
-        chain(torch.randn(3, 4, 12, 12))
+        chain(torch.randn(3, c_in, 12, 12))
 
 
-def test_two_threads_calling_one_chain_get_their_own_results():
+@pytest.mark.parametrize("c_in,width", [(4, 8), (16, 32)])
+def test_two_threads_calling_one_chain_get_their_own_results(c_in, width):
     bound = _bound()
-    library, steps, frees, reference = _hand_chain(((2, 4, 12, 12), (3, 4, 12, 12)))
+    library, steps, frees, reference = _hand_chain(((2, c_in, 12, 12), (3, c_in, 12, 12)),
+                                                   width)
     chain = PrimitiveChain(library, bound, steps, (4,), frees, _run_step)
     errors: list = []
 
@@ -200,7 +211,7 @@ def test_two_threads_calling_one_chain_get_their_own_results():
         gen = torch.Generator().manual_seed(seed)
         try:
             for i in range(30):
-                x = torch.randn(2 + (i + seed) % 2, 4, 12, 12, generator=gen)
+                x = torch.randn(2 + (i + seed) % 2, c_in, 12, 12, generator=gen)
                 x = x.contiguous(memory_format=_CL) if i % 3 else x
                 torch.testing.assert_close(chain(x), reference(x), **TOL)
         except Exception as exc:   # noqa: BLE001  (reported by the main thread)

@@ -51,7 +51,7 @@ import torch
 
 from dynvm.jit.aliasing import flat_values
 from dynvm.jit.backends.cpu import onednn_api as api
-from dynvm.jit.backends.cpu.onednn_objects import destroy
+from dynvm.jit.backends.cpu.onednn_objects import destroy, md_tag
 from dynvm.jit.backends.cpu.onednn_objects import memory as new_memory
 from dynvm.jit.ir import Literal, SpecializedRegion, SpecOp, Var
 
@@ -59,6 +59,11 @@ CHAIN_PRIMITIVES = "ONEDNN_CHAIN_PRIMITIVES"
 _CL = torch.channels_last
 _LIBRARY_STEM = "_onednn_chain"
 _MIN_STEPS = 2     # a run of one primitive gains nothing from a chain
+_BLOCKED = 78      # dnnl_nChw16c (dnnl_aBcd16b) in oneDNN 3.2's dnnl_format_tag_t
+_BLOCK = 16
+BLOCKED_DTYPES = (torch.float32,)
+"""The chains whose convolutions run on nChw16c values inside (Note [A chain of
+primitives in one call]): fp32; in bf16 oneDNN 3.2 has no AMX kernel for that layout."""
 
 
 def _find_library() -> Path | None:
@@ -116,91 +121,160 @@ class Step:
 
 class _Arena:
     """The chain for one input shape: buffers, memory objects and argument arrays built
-    once; `run` binds the input and the results and makes the one native call."""
+    once; `run` binds the input and the results and makes the one native call. With
+    `blocked`, the convolutions whose channels are whole blocks run on nChw16c values
+    (Note [A chain of primitives in one call]), reorders inserted where a value is read
+    in the other layout; results are NHWC."""
 
     def __init__(self, library: api.Library, native_: _Native, steps: list[Step],
-                 shape: tuple, results: tuple[int, ...], frees: list[tuple]) -> None:
+                 shape: tuple, results: tuple[int, ...], frees: list[tuple],
+                 blocked: bool = False) -> None:
         self._library, self._lib = library, library.dll
         self._native = native_
         self._made: list = []          # memory objects this arena owns
+        self._owned: list = []         # primitives built for it (blocked ones, reorders)
         self.buffers: list[torch.Tensor] = []
+        self._free: list[int] = []
+        self._per_call: list[tuple[int, object]] = []   # (-1 input | result k, memory)
+        self._execs: list[tuple[object, list]] = []     # (primitive, [(arg, memory)])
         # a residual written in place shares its residual's storage: one group of names
         group = {steps[0].x: steps[0].x}
         for step in steps:
             group[step.dst] = group[step.into] if step.into is not None else step.dst
-        per_call_groups = list(dict.fromkeys(group[r] for r in results))
-        self._result_of = [per_call_groups.index(group[r]) for r in results]
-        self._result_specs: list = [None] * len(per_call_groups)
-        # group -> where it lives: a buffer index (>= 0), -1 the input, -2 - k result k
-        where = {steps[0].x: -1}
-        free: list[int] = []
-        holders: dict[int, set[int]] = {}               # buffer -> names alive in it
-        per_call: list[tuple[int, object]] = []
-        prims, nargs, arrays = [], [], []
-        shapes = {steps[0].x: tuple(shape)}
+        result_groups = list(dict.fromkeys(group[r] for r in results))
+        self._result_of = [result_groups.index(group[r]) for r in results]
+        self._result_specs: list = [None] * len(result_groups)
+        x = steps[0].x
+        # (group, layout) -> (where, memory): where >= 0 a buffer, -1 the input, -2 - k
+        # result k; each group's first layout is its home
+        self._versions: dict[tuple[int, int], tuple[int, object]] = {}
+        home = {x: api.TAG_NHWC}
+        shapes = {x: tuple(shape)}
+        dtype = steps[0].runner.by_shape[tuple(shape)].dtype
+        input_md = md_tag(self._lib, shape, api.TAG_NHWC, dtype)
+        try:
+            self._versions[(x, api.TAG_NHWC)] = (-1, self._memory_over(input_md, -1))
+        finally:
+            self._lib.dnnl_memory_desc_destroy(input_md)
+        alive, dead = {x: {x}}, set()
         for position, step in enumerate(steps):
-            primitive = step.runner.by_shape.get(shapes[step.x])
-            if primitive is None:
+            src = group[step.x]
+            tag = self._layout(step, shapes[step.x], home, group, blocked)
+            base = step.runner.by_shape.get(shapes[step.x])
+            if base is None:
                 raise api.OnednnError(f"no primitive for {shapes[step.x]}")
+            primitive = base if tag == api.TAG_NHWC else \
+                step.runner.build(library, shapes[step.x], tag)
+            if primitive is not base:
+                self._owned.append(primitive)
             shapes[step.dst] = primitive.out_shape
+            source = self._version(src, tag, primitive.arguments())
             root = group[step.dst]
-            if root not in where:
-                if root in per_call_groups:
-                    k = per_call_groups.index(root)
-                    where[root] = -2 - k
+            if (root, tag) not in self._versions:     # a new value (into: its residual's)
+                home[root] = tag
+                alive[root] = set()
+                k = result_groups.index(root) if root in result_groups else None
+                if k is not None:
                     self._result_specs[k] = (primitive.out_shape, primitive.dtype)
-                else:
-                    where[root] = self._buffer(primitive, free)
-            if where[root] >= 0:
-                holders.setdefault(where[root], set()).add(step.dst)
+                where = -2 - k if k is not None and tag == api.TAG_NHWC else None
+                self._versions[(root, tag)] = self._new_version(
+                    _md_of(self._lib, dict(primitive.arguments())[api.ARG_DST]), where)
+            alive[root].add(step.dst)
             args = []
             for arg, memory in primitive.arguments():
-                if arg in (api.ARG_SRC, api.ARG_DST):
-                    reg = step.x if arg == api.ARG_SRC else step.dst
-                    memory = self._memory(memory, where[group[reg]], per_call)
-                args.append(api.ExecArg(arg, memory))
-            arrays.append((api.ExecArg * len(args))(*args))
-            prims.append(primitive.handle)
-            nargs.append(len(args))
-            # names dead after this step: a buffer none lives in serves later steps
-            for reg in frees[position]:
-                buffer = where.get(group.get(reg, reg), -1)
-                if buffer >= 0 and reg in holders.get(buffer, ()):
-                    holders[buffer].discard(reg)
-                    if not holders[buffer]:
-                        free.append(buffer)
-        self._arrays = arrays          # the argument arrays the pointers below name
-        n = len(steps)
-        self._prims = (ctypes.c_void_p * n)(*prims)
-        self._nargs = (ctypes.c_int * n)(*nargs)
+                if arg == api.ARG_SRC:
+                    memory = self._memory_like(memory, source[0])
+                elif arg == api.ARG_DST:
+                    memory = self._memory_like(memory, self._versions[(root, tag)][0])
+                args.append((arg, memory))
+            self._execs.append((primitive.handle, args))
+            for reg in frees[position]:     # a group none of whose names lives frees
+                name = group.get(reg, reg)
+                alive.get(name, set()).discard(reg)
+                if not alive.get(name, True) and name not in result_groups \
+                        and name not in dead:
+                    dead.add(name)
+                    self._free.extend(w for (g, _), (w, _) in self._versions.items()
+                                      if g == name and w >= 0)
+        for k, root in enumerate(result_groups):     # results blocked: NHWC at the end
+            if home[root] != api.TAG_NHWC:
+                out_md = md_tag(self._lib, shapes[root], api.TAG_NHWC, dtype)
+                try:
+                    made = self._new_version(out_md, -2 - k)
+                finally:
+                    self._lib.dnnl_memory_desc_destroy(out_md)
+                self._reorder(self._versions[(root, home[root])][1], made[1])
+        self._arrays = [(api.ExecArg * len(a))(*[api.ExecArg(arg, m) for arg, m in a])
+                        for _, a in self._execs]
+        n = len(self._execs)
+        self._prims = (ctypes.c_void_p * n)(*[h for h, _ in self._execs])
+        self._nargs = (ctypes.c_int * n)(*[len(a) for _, a in self._execs])
         self._args = (ctypes.c_void_p * n)(*[ctypes.cast(a, ctypes.c_void_p)
-                                             for a in arrays])
-        self._bind = [k for k, _ in per_call]
-        self._memories = (ctypes.c_void_p * len(per_call))(*[m for _, m in per_call])
-        self._handles = (ctypes.c_void_p * len(per_call))()
+                                             for a in self._arrays])
+        self._bind = [k for k, _ in self._per_call]
+        self._memories = (ctypes.c_void_p * len(self._per_call))(
+            *[m for _, m in self._per_call])
+        self._handles = (ctypes.c_void_p * len(self._per_call))()
         self._failed = ctypes.c_int()
         self._lock = threading.Lock()
+        self.reorders = sum(1 for p in self._owned if isinstance(p, _Reorder))
+        self.blocked = any(tag == _BLOCKED for _, tag in self._versions)
 
-    def _buffer(self, primitive, free: list[int]) -> int:
-        need = _nbytes(primitive.out_shape, primitive.dtype)
-        fits = sorted((self.buffers[b].numel(), b) for b in free
+    @staticmethod
+    def _layout(step, shape, home, group, blocked: bool) -> int:
+        if not blocked:
+            return api.TAG_NHWC
+        if step.into is not None:          # written into its residual, in its layout
+            return home[group[step.into]]
+        if not hasattr(step.runner, "weight_shape"):
+            return home[group[step.x]]     # a pooling keeps its input's layout
+        whole = shape[1] % _BLOCK == 0 and step.runner.weight_shape[0] % _BLOCK == 0
+        return _BLOCKED if whole else api.TAG_NHWC
+
+    def _version(self, root: int, tag: int, arguments) -> tuple[int, object]:
+        """(where, memory) of group `root` in layout `tag`, reordered from its home
+        layout the first time it is read so."""
+        found = self._versions.get((root, tag))
+        if found is not None:
+            return found
+        home = next(v for (g, _), v in self._versions.items() if g == root)
+        made = self._new_version(_md_of(self._lib, dict(arguments)[api.ARG_SRC]), None)
+        self._reorder(home[1], made[1])
+        self._versions[(root, tag)] = made
+        return made
+
+    def _new_version(self, md, where: int | None) -> tuple[int, object]:
+        """A value of descriptor `md`: over a free or new buffer (`where` None) or bound
+        per call (-1 the input, -2 - k result k)."""
+        if where is None:
+            where = self._buffer(self._lib.dnnl_memory_desc_get_size(md))
+        return where, self._memory_over(md, where)
+
+    def _reorder(self, source, target) -> None:
+        reorder = _Reorder(self._library, _md_of(self._lib, source), _md_of(self._lib, target))
+        self._owned.append(reorder)
+        self._execs.append((reorder.handle, [(api.ARG_SRC, source), (api.ARG_DST, target)]))
+
+    def _buffer(self, need: int) -> int:
+        fits = sorted((self.buffers[b].numel(), b) for b in self._free
                       if self.buffers[b].numel() >= need)
         if fits:
-            free.remove(fits[0][1])
+            self._free.remove(fits[0][1])
             return fits[0][1]
         self.buffers.append(torch.empty(need, dtype=torch.uint8))
         return len(self.buffers) - 1
 
-    def _memory(self, like, where: int, per_call: list) -> ctypes.c_void_p:
-        """A memory object of `like`'s descriptor over buffer `where` (>= 0), or bound
-        per call (-1 the input, -2 - k result k)."""
-        md = ctypes.c_void_p()
-        api.check(self._lib.dnnl_memory_get_memory_desc(like, ctypes.byref(md)), "md")
+    def _memory_like(self, like, where: int) -> ctypes.c_void_p:
+        """A memory object of `like`'s descriptor over `where` (a buffer, or bound per
+        call: -1 the input, -2 - k result k)."""
+        return self._memory_over(_md_of(self._lib, like), where)
+
+    def _memory_over(self, md, where: int) -> ctypes.c_void_p:
         pointer = self.buffers[where].data_ptr() if where >= 0 else None
         made = new_memory(self._library, md, pointer)
         self._made.append(made)
         if where < 0:
-            per_call.append((where, made))
+            self._per_call.append((where, made))
         return made
 
     def run(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -226,11 +300,31 @@ class _Arena:
                 [("dnnl_memory_destroy", m) for m in getattr(self, "_made", ()) if m])
 
 
-def _nbytes(shape, dtype: torch.dtype) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count * torch.empty((), dtype=dtype).element_size()
+def _md_of(lib, memory) -> ctypes.c_void_p:
+    """The descriptor of a memory object (owned by it)."""
+    md = ctypes.c_void_p()
+    api.check(lib.dnnl_memory_get_memory_desc(memory, ctypes.byref(md)), "md")
+    return md
+
+
+class _Reorder:
+    """A reorder primitive between two layouts of one value, built once."""
+
+    def __init__(self, library: api.Library, source_md, target_md) -> None:
+        lib = self._lib = library.dll
+        descriptor, self.handle = ctypes.c_void_p(), ctypes.c_void_p()
+        try:
+            api.check(lib.dnnl_reorder_primitive_desc_create(
+                ctypes.byref(descriptor), source_md, library.engine, target_md,
+                library.engine, None), "reorder descriptor")
+            api.check(lib.dnnl_primitive_create(ctypes.byref(self.handle), descriptor),
+                      "reorder")
+        finally:
+            destroy(lib, (("dnnl_primitive_desc_destroy", descriptor),))
+
+    def __del__(self) -> None:
+        destroy(getattr(self, "_lib", None),
+                (("dnnl_primitive_destroy", getattr(self, "handle", None)),))
 
 
 class PrimitiveChain:
@@ -244,11 +338,22 @@ class PrimitiveChain:
         self._run_step = run_step
         self.by_shape: dict[tuple, _Arena] = {}
         for shape in steps[0].runner.by_shape:
-            try:
-                self.by_shape[tuple(shape)] = _Arena(library, native_, steps, shape,
-                                                     results, frees)
-            except api.OnednnError:
-                continue        # that shape runs step by step
+            blocked = steps[0].runner.by_shape[shape].dtype in BLOCKED_DTYPES
+            for layout in ((True, False) if blocked else (False,)):
+                try:
+                    self.by_shape[tuple(shape)] = _Arena(library, native_, steps, shape,
+                                                         results, frees, layout)
+                    break
+                except api.OnednnError:
+                    continue        # NHWC inside, or that shape runs step by step
+
+    def layouts(self) -> set[str]:
+        """The layouts inside its arenas ("nChw16c", "NHWC")."""
+        return {"nChw16c" if a.blocked else "NHWC" for a in self.by_shape.values()}
+
+    def reorders(self) -> int:
+        """Reorders its arenas run, all shapes."""
+        return sum(a.reorders for a in self.by_shape.values())
 
     def arena_bytes(self) -> int:
         """Bytes of the arenas' buffers, all shapes."""
@@ -316,6 +421,8 @@ def chain_primitives(spec: SpecializedRegion, library: api.Library, kinds: dict[
     ops = list(spec.ops)
     after_reads = _reads_after(ops, spec.outputs)
     chains, kept, steps_total, arena_bytes = [], 0, 0, 0
+    layouts: set[str] = set()
+    reorders = 0
     for start, end in reversed(runs):
         inner = ops[start:end]
         steps = _steps(inner, kinds)
@@ -342,10 +449,13 @@ def chain_primitives(spec: SpecializedRegion, library: api.Library, kinds: dict[
         chains.append(len(steps))
         steps_total += len(steps)
         arena_bytes += chain.arena_bytes()
+        layouts |= chain.layouts()
+        reorders += chain.reorders()
     if not chains:
         return spec, f"; primitives called one by one ({kept} run(s) not chained)"
     note = (f"; {steps_total} primitive(s) in {len(chains)} native call(s) "
-            f"(arenas {arena_bytes / 2**20:.1f} MiB)")
+            f"({'/'.join(sorted(layouts))} inside, {reorders} reorder(s); arenas "
+            f"{arena_bytes / 2**20:.1f} MiB)")
     return dataclasses.replace(spec, ops=tuple(ops)), note
 
 

@@ -142,6 +142,10 @@ class _Weights:
         self.memory = new_memory(library, wanted, self.tensor.data_ptr())
         self.md = ctypes.c_void_p()   # owned by the memory object
         api.check(lib.dnnl_memory_get_memory_desc(self.memory, ctypes.byref(self.md)), "md")
+        if isinstance(weight, _Weights):   # another layout's copy: one reorder from it
+            reorder_once(library, weight.md, weight.memory, wanted, self.memory,
+                         "weight reorder")
+            return
         plain = weight.detach().contiguous()
         plain_md = md_tag(lib, plain.shape, api.TAG_OIHW, plain.dtype)
         source = None
@@ -183,13 +187,14 @@ class WeightLayouts(list):
                 found = cls._registry[key] = cls()
             return found
 
-    def get(self, library: api.Library, wanted, weight: torch.Tensor) -> _Weights:
-        """The copy in layout `wanted` (a descriptor), reordered from `weight` if none."""
+    def get(self, library: api.Library, wanted, weight: torch.Tensor | None) -> _Weights:
+        """The copy in layout `wanted` (a descriptor), reordered from `weight` if none
+        (None: from the first copy)."""
         with self._lock:
             for copy in self:
                 if library.dll.dnnl_memory_desc_equal(copy.md, wanted):
                     return copy
-            copy = _Weights(library, wanted, weight)
+            copy = _Weights(library, wanted, self[0] if weight is None else weight)
             self.append(copy)
             return copy
 
@@ -199,14 +204,16 @@ class ConvPrimitive:
     in the layout it chose (shared with the convolution's other primitives of that
     layout, `weights`)."""
 
-    def __init__(self, library: api.Library, weight: torch.Tensor, bias, shape,
-                 spec: ConvSpec, weights: WeightLayouts) -> None:
+    def __init__(self, library: api.Library, weight: torch.Tensor | None, bias, shape,
+                 spec: ConvSpec, weights: WeightLayouts, tag: int = api.TAG_NHWC,
+                 weight_shape: tuple | None = None) -> None:
         lib = self._lib = library.dll
         self._calls = library.calls
         self._stream = library.stream
         self._memories: list = []
         n, _, h, w = shape
-        oc, _, kh, kw = weight.shape
+        weight_shape = tuple(weight.shape) if weight is not None else weight_shape
+        oc, _, kh, kw = weight_shape
         (sh, sw), (ph, pw), (dh, dw) = spec.stride, spec.padding, spec.dilation
         oh = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
         ow = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
@@ -215,10 +222,10 @@ class ConvPrimitive:
         self.dtype = dtype = spec.dtype
         # the bias as the fused op had it (fp32, or the input's type where torch cast it)
         self.bias = None if bias is None else bias.detach().contiguous()
-        mds = [md_tag(lib, shape, api.TAG_NHWC, dtype),
-               md_tag(lib, weight.shape, api.TAG_ANY, dtype),
+        mds = [md_tag(lib, shape, tag, dtype),
+               md_tag(lib, weight_shape, api.TAG_ANY, dtype),
                md_tag(lib, [oc], api.TAG_A, torch.float32 if bias is None else self.bias.dtype),
-               md_tag(lib, self.out_shape, api.TAG_NHWC, dtype)]
+               md_tag(lib, self.out_shape, tag, dtype)]
         src, weights_any, bias_md, dst = mds
         post_ops, attr, pd = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         self._prim = ctypes.c_void_p()
@@ -314,6 +321,14 @@ class PrimitiveConv:
 
     def impls(self) -> set[str]:
         return {p.impl for p in self.by_shape.values()}
+
+    def build(self, library: api.Library, shape: tuple, tag: int) -> ConvPrimitive:
+        """Another primitive of this convolution, its source and result in layout `tag`
+        (Note [A chain of primitives in one call]: a chain's blocked layout), its weight
+        reordered from a copy this convolution holds."""
+        like = next(iter(self.by_shape.values()))
+        return ConvPrimitive(library, None, like.bias, shape, self.spec, self._weights, tag,
+                             self.weight_shape)
 
     def copies(self) -> int:
         """Distinct reordered copies of this weight alive in the process."""

@@ -114,15 +114,16 @@ class PoolSpec:
 class PoolPrimitive:
     """One oneDNN max pooling primitive for one NHWC input shape."""
 
-    def __init__(self, library: api.Library, shape, spec: PoolSpec) -> None:
+    def __init__(self, library: api.Library, shape, spec: PoolSpec,
+                 tag: int = api.TAG_NHWC) -> None:
         lib = self._lib = library.dll
         self._calls, self._stream = library.calls, library.stream
         n, c, h, w = shape
         self.in_shape = tuple(shape)
         self.out_shape = (n, c, spec.out_size(h, 0), spec.out_size(w, 1))
         self.dtype = spec.dtype
-        src = md_tag(lib, shape, api.TAG_NHWC, spec.dtype)
-        dst = md_tag(lib, self.out_shape, api.TAG_NHWC, spec.dtype)
+        src = md_tag(lib, shape, tag, spec.dtype)
+        dst = md_tag(lib, self.out_shape, tag, spec.dtype)
         pd = ctypes.c_void_p()
         self._prim = ctypes.c_void_p()
         try:
@@ -189,6 +190,11 @@ class PrimitivePool:
 
     def impls(self) -> set[str]:
         return {p.impl for p in self.by_shape.values()}
+
+    def build(self, library: api.Library, shape: tuple, tag: int) -> PoolPrimitive:
+        """Another primitive of this pooling, in layout `tag` (Note [A chain of
+        primitives in one call]: a chain's blocked layout)."""
+        return PoolPrimitive(library, shape, self.spec, tag)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         primitive = self.by_shape.get(x.shape)
