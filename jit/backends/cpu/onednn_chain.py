@@ -27,6 +27,20 @@ primitives were built for, is:
 A residual written in place (CONV_PRIMITIVE_INTO) writes into its residual's buffer, as
 it wrote into its tensor.
 
+Inside an fp32 chain the values are nChw16c, not NHWC: every convolution whose input and
+output channels are whole 16-blocks is built again on that layout (oneDNN 3.2 then runs
+jit_1x1 / jit:avx512_core where NHWC runs brgconv_1x1 / brgconv; OpenVINO's CPU plugin
+runs blocked layouts too), a pooling keeps its input's layout, a residual written in
+place keeps its residual's; a reorder (built once) runs where a value is read in the
+other layout (ResNet-50: the pooled stem's output in, the last block's result out into
+its new NHWC tensor). Measured before building (ResNet-50's 53 convolutions back to back
+in one native call, NHWC against nChw16c, interleaved with an A/A, 2 threads, passive
+OpenMP, 2026-12-05 20:20-20:23, load 2.1-2.8): all 53 0.978 / 0.931 / 0.940 at batch 1 /
+2 / 4 (A/A 0.999 / 0.998 / 1.001), the 36 1x1s alone 0.952 / 0.916 / 0.913, the 16 3x3s
+1.066 / 0.969 / 0.984. bf16 stays NHWC: its blocked kernels are jit_bf16 without AMX,
+4.3x slower at batch 1 (19.9 against 84.5 ms, same run). The blocked weights are one more reordered copy
+per convolution (WeightLayouts, shared across kernels).
+
 Two threads calling one kernel: the chain of each shape has a lock, held from the
 handles to the results; no second arena per thread. The call holds the GIL as each
 primitive call did (Note [oneDNN primitives built once]: the warm-up's calls take turns
