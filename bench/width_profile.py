@@ -18,6 +18,7 @@ softmax, embedding, elementwise, copies and views), each side by its own names
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -71,7 +72,7 @@ def profile_jit(runtime, x, calls: int) -> dict:
     """Self CPU seconds per call by operator kind, under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with _primitives_named(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(calls):
             runtime(*x)
     by_kind: dict[str, float] = defaultdict(float)
@@ -102,27 +103,68 @@ def profile_openvino(runner, x, calls: int) -> dict:
     return {"by_kind": dict(by_kind), "other": dict(other)}
 
 
-def _settle(runtime, x, cap_s: float = 60.0) -> None:
+def _settle(runtime, x, cap_s: float = 120.0, min_calls: int = 24) -> None:
+    """Calls at `x` until the JIT is settled with its code in use: at least `min_calls`
+    (a signature is promoted after several calls, and settled() is True before that
+    too), then until nothing is queued or on probation and the last call ran
+    specialized code (capped)."""
     deadline = time.monotonic() + cap_s
-    runtime(*x)
-    while time.monotonic() < deadline and not runtime.settled():
+    calls = 0
+    while time.monotonic() < deadline:
+        before = runtime.stats()["specialized_region_calls"]
         runtime(*x)
-        time.sleep(0.01)
+        calls += 1
+        if calls >= min_calls and runtime.settled() \
+                and runtime.stats()["specialized_region_calls"] > before:
+            return
+        time.sleep(0.005)
 
 
-def run(shapes, layers: int, calls: int, log=print) -> list[dict]:
-    """Profile the JIT and OpenVINO at each (batch, seq) of `shapes`."""
+@contextlib.contextmanager
+def _primitives_named():
+    """dynvm's oneDNN primitives run through ctypes, which torch.profiler does not see:
+    while profiling, each primitive call is a named range (record_function) so its time
+    counts under its kind instead of the call's overhead."""
+    from torch.profiler import record_function
+
+    from dynvm.jit.backends.cpu import onednn_matmul
+
+    patched = []
+    for owner, name, label in ((onednn_matmul.PrimitiveLinear, "__call__",
+                                "onednn_linear_primitive"),):
+        original = getattr(owner, name)
+
+        def named(self, *args, _original=original, _label=label):
+            with record_function(_label):
+                return _original(self, *args)
+
+        setattr(owner, name, named)
+        patched.append((owner, name, original))
+    try:
+        yield
+    finally:
+        for owner, name, original in patched:
+            setattr(owner, name, original)
+
+
+def run(shapes, layers: int, calls: int, log=print, precision: str = "fp32"
+        ) -> list[dict]:
+    """Profile the JIT and OpenVINO at each (batch, seq) of `shapes`, both in
+    `precision` ("fp32", or "bf16": the JIT's bf16 lowering against OpenVINO's bf16
+    inference precision)."""
     import dynvm
     from bench.peers import OpenvinoRunner, Peer
 
     model = full_width.bert(layers=layers, shapes=tuple(shapes))
     program = dynvm.compile(model.module, model.export_inputs,
                             model.dynamic_shapes, name=model.name)
-    jit = dynvm.Runtime(program, jit=dynvm.JitConfig())
-    peer = Peer("openvino", model.module, model.export_inputs,
-                model.dynamic_shapes)
+    bf16 = precision == "bf16"
+    jit = dynvm.Runtime(program, jit=dynvm.JitConfig(precision=precision))
+    peer = Peer("openvino-bf16" if bf16 else "openvino", model.module,
+                model.export_inputs, model.dynamic_shapes)
     # The same file compiled again with per-node counters on (they add timers).
-    counted = OpenvinoRunner(peer.path, torch.get_num_threads(), perf_count=True)
+    counted = OpenvinoRunner(peer.path, torch.get_num_threads(), bf16=bf16,
+                             perf_count=True)
     rows = []
     try:
         for label, x in zip(model.labels, model.inputs):
@@ -198,11 +240,13 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="the JIT's precision and OpenVINO's inference precision")
     parser.add_argument("--update-docs", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    rows = run(shapes, args.layers, args.calls)
+    rows = run(shapes, args.layers, args.calls, precision=args.precision)
     command = "python -m bench.width_profile " + " ".join(argv or sys.argv[1:])
     text = markdown(rows, command, args.layers)
     print(text)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dynvm.arena import ArenaPool
+from dynvm.jit.backends.cpu.attention_bf16 import bf16_attention
 from dynvm.jit.backends.cpu.arena_choice import out_form_pays, zeros_like_abstract
 from dynvm.jit.backends.cpu.arena_layout import OUT_KERNELS, ArenaBinding, ArenaLayout, plan_layout
 from dynvm.jit.backends.cpu.chain_bf16 import bf16_chains
@@ -356,6 +357,11 @@ class CpuOptions:
     primitives built once] in onednn_linear): "on", or "off" (the in-process A/B). Not
     part of the key, as `arena_ops`: the same results, re-done by whoever emits."""
 
+    bf16_attention: str = "on"
+    """Under precision "bf16", SDPA on its bf16 Q/K/V between bf16 GEMMs (Note [bf16
+    attention between bf16 GEMMs] in attention_bf16): "on", or "off" (the in-process
+    A/B). Not part of the key, as `arena_ops`."""
+
     precision: str = "fp32"
     """GEMMs with constant weights in "fp32", "bf16" or "int8-dynamic" (Note
     [Lower-precision GEMMs] in precision)."""
@@ -428,6 +434,10 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
         lowered = lower_precision(spec, constants, device, precision=options.precision,
                                   prepacked=options.prepacked)
         spec, notes = lowered.spec, lowered.notes
+        if options.precision == "bf16" and options.bf16_attention == "on":
+            # Note [bf16 attention between bf16 GEMMs]
+            spec, note = bf16_attention(spec)
+            notes += (note.removeprefix("; "),) if note else ()
     if options.fusion != "off":
         calibrator = None if options.fusion == "always" else (
             options.calibrator or calibrator_for(device))

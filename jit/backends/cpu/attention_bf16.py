@@ -1,0 +1,189 @@
+"""Attention in bf16 between bf16 GEMMs: a pass over a region after the bf16 lowering
+(Note [Lower-precision GEMMs]).
+
+Note [bf16 attention between bf16 GEMMs]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The bf16 lowering keeps everything but the GEMMs fp32, so a BERT layer's attention
+casts three times: the Q/K/V GEMM's bf16 result to fp32 (TO_FP32 of the whole [M, 3D]
+result), SDPA in fp32, and its result back to bf16 for the output projection (TO_BF16,
+after a copy that undoes the heads' permute). OpenVINO's bf16 runs the attention
+matmuls in bf16. torch's CPU flash attention takes bf16 q, k and v (fp32 accumulation
+inside, a bf16 result) with a boolean mask, so here the cast after the GEMM goes, the
+views between (split, view, permute) carry the bf16 value, SDPA reads bf16 and writes
+bf16, and where its result reaches only the casts into bf16 GEMMs (through views),
+those casts go too; otherwise one TO_FP32 follows SDPA and its readers stay fp32.
+
+Which: a TO_FP32 of the lowering whose value reaches, through view ops that read it as
+their first operand only, nothing but SDPA's q, k or v, where each such SDPA's three
+come that way and its mask is boolean or absent (a float mask would need bf16 too:
+left fp32). What rounds besides the GEMMs' inputs and outputs: softmax's probabilities
+times V in the flash kernel's bf16 GEMM (fp32 accumulation), and the attention's output
+(already rounded before, as the output projection's input).
+
+Measured (torch 2.13 flash attention, 2 threads passive, BERT-base heads 12 x 64, the
+Q/K/V views of one [M, 2304] result, a boolean mask; 2026-12-05 20:19 UTC, load 3-5):
+SDPA fp32 / bf16 ms 0.109 / 0.121 at 1x16, 0.530 / 0.354 at 1x128, 0.874 / 0.476 at
+2x128, 0.897 / 0.695 at 8x64, 3.259 / 1.538 at 8x128; besides, the casts it removes
+took 0.09-0.39 ms (the Q/K/V result to fp32) and 0.005-0.22 ms (the output back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dynvm.jit.aliasing import flat_values
+from dynvm.jit.backends.cpu.ir_match import probe_tensors
+from dynvm.jit.backends.cpu.precision import PRECISION_VARIANT, TO_BF16, TO_FP32
+from dynvm.jit.ir import Literal, SpecializedRegion, SpecOp, Var
+from dynvm.jit.specialize import add_frees
+from dynvm.vm.opcodes import OPCODES
+
+# Ops that only reshape or view their first operand: the dtype flows through them.
+_VIEWS = frozenset({"SPLIT_WITH_SIZES", "SPLIT", "VIEW", "RESHAPE_IF", "PERMUTE",
+                    "TRANSPOSE", "UNSQUEEZE", "SQUEEZE"})
+_SDPA = "SDPA"
+
+
+def _retyped(value: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with `value`'s shape, strides and offset, of dtype bf16."""
+    size = value.storage_offset() + 1 + sum(
+        (n - 1) * s for n, s in zip(value.shape, value.stride()) if n > 0)
+    base = torch.empty(max(size, 1), dtype=torch.bfloat16, device="meta")
+    return base.as_strided(value.shape, value.stride(), value.storage_offset())
+
+
+class _Region:
+    """The ops of one region with who reads each register."""
+
+    def __init__(self, spec: SpecializedRegion) -> None:
+        self.ops = list(spec.ops)
+        self.leaving = {v.reg for _, v in spec.outputs if isinstance(v, Var)}
+        self.readers: dict[int, list[int]] = {}
+        for position, op in enumerate(self.ops):
+            for value in flat_values(op.args):
+                if isinstance(value, Var):
+                    self.readers.setdefault(value.reg, []).append(position)
+
+    def view_tree(self, reg: int):
+        """(registers, end ops) of the values viewed from `reg`: `registers` hold `reg`
+        and every view of it; `end ops` are (position, register) of the other ops that
+        read one of them. None where one leaves the region or a view op reads it twice."""
+        registers, ends, stack = [], [], [reg]
+        while stack:
+            current = stack.pop()
+            if current in self.leaving:
+                return None
+            registers.append(current)
+            for position in dict.fromkeys(self.readers.get(current, ())):
+                op = self.ops[position]
+                reads = sum(v == Var(current) for v in flat_values(op.args))
+                if op.opcode in _VIEWS and op.args[0] == Var(current) and reads == 1:
+                    stack.extend(op.dsts)
+                else:
+                    ends.append((position, current))
+        return registers, ends
+
+
+def bf16_attention(spec: SpecializedRegion) -> tuple[SpecializedRegion, str]:
+    """`spec` with its attention in bf16 where the Q/K/V come from bf16 GEMMs (Note [bf16
+    attention between bf16 GEMMs]), and a note saying how many (or "")."""
+    region = _Region(spec)
+    ops, probes = region.ops, spec.abstract
+    trees = {}   # TO_FP32 position -> the fp32 registers viewed from its result
+    for position, op in enumerate(ops):
+        if op.opcode != TO_FP32 or op.variant != PRECISION_VARIANT:
+            continue
+        tree = region.view_tree(op.dsts[0])
+        if tree is None or not tree[1] or any(
+                ops[at].opcode != _SDPA or Var(reg) not in ops[at].args[:3]
+                or Var(reg) in ops[at].args[3:] for at, reg in tree[1]):
+            continue
+        trees[position] = tree
+    while True:   # every SDPA's q, k and v bf16, or the trees feeding it stay fp32
+        bf16_regs = {reg for registers, _ in trees.values() for reg in registers}
+        sdpas = {at for _, ends in trees.values() for at, _ in ends}
+        bad = {at for at in sdpas if not _sdpa_takes_bf16(ops[at], bf16_regs, probes)}
+        if not bad:
+            break
+        trees = {p: t for p, t in trees.items() if not {at for at, _ in t[1]} & bad}
+    if not trees:
+        return spec, ""
+    probes = [dict(p) for p in probes]
+    renamed: dict[int, int] = {}     # register -> the register that now holds its value
+    dropped: set[int] = set()
+    for position, (registers, _) in trees.items():
+        cast = ops[position]
+        renamed[cast.dsts[0]] = cast.args[0].reg
+        dropped.add(position)
+        for reg in registers[1:]:
+            for probe in probes:
+                probe[reg] = _retyped(probe[reg])
+    next_reg = max({r for op in ops for r in op.dsts} | set(spec.live_in)) + 1
+    after: dict[int, SpecOp] = {}    # SDPA position -> the TO_FP32 that follows it
+    out_casts = 0
+    for at in sorted(sdpas):
+        sdpa, result = ops[at], ops[at].dsts[0]
+        fp32 = [probe[result] for probe in probes]
+        shape_fn = OPCODES[_SDPA].custom_shape_fn
+        for probe in probes:
+            args = [probe[renamed.get(a.reg, a.reg)] if isinstance(a, Var)
+                    else a.value if isinstance(a, Literal) else a for a in sdpa.args]
+            probe[result] = shape_fn(*args)
+        tree = region.view_tree(result)
+        if tree is not None and tree[1] and all(
+                ops[p].opcode == TO_BF16 and ops[p].variant == PRECISION_VARIANT
+                and ops[p].args[0] == Var(reg) for p, reg in tree[1]):
+            for p, reg in tree[1]:     # the casts into bf16 GEMMs go
+                renamed[ops[p].dsts[0]] = reg
+                dropped.add(p)
+                out_casts += 1
+            for reg in tree[0][1:]:
+                for probe in probes:
+                    probe[reg] = _retyped(probe[reg])
+            continue
+        kept = next_reg
+        next_reg += 1
+        for probe, value in zip(probes, fp32):
+            probe[kept] = value
+        renamed[result] = kept       # its readers read the fp32 copy
+        after[at] = SpecOp(TO_FP32, (kept,), (Var(result),), sdpa.source_pc,
+                           variant=PRECISION_VARIANT)
+    new_ops = []
+    for position, op in enumerate(ops):
+        if position in dropped:
+            continue
+        new_ops.append(dataclasses.replace(op, args=_renamed(op.args, renamed)))
+        if position in after:
+            new_ops.append(after[position])
+    new_ops = add_frees(new_ops, region.leaving)
+    note = (f"; attention in bf16: {len(sdpas)} SDPA(s) on their bf16 Q/K/V, "
+            f"{len(trees)} cast(s) to fp32 and {out_casts} back to bf16 gone "
+            "(Note [bf16 attention between bf16 GEMMs])")
+    return dataclasses.replace(spec, ops=tuple(new_ops), abstract=tuple(probes)), note
+
+
+def _renamed(args, renamed: dict[int, int]):
+    def one(value):
+        if isinstance(value, Var) and value.reg in renamed:
+            return Var(renamed[value.reg])
+        if isinstance(value, (list, tuple)):
+            return type(value)(one(v) for v in value)
+        return value
+    return tuple(one(a) for a in args)
+
+
+def _sdpa_takes_bf16(op: SpecOp, bf16_regs: set[int], probes) -> bool:
+    """SDPA `op` reads q, k and v from `bf16_regs`, with a boolean mask or none."""
+    if len(op.args) < 4 or len(op.dsts) != 1 or op.variant not in ("",):
+        return False
+    if not all(isinstance(a, Var) and a.reg in bf16_regs for a in op.args[:3]):
+        return False
+    mask = op.args[3]
+    if mask == Literal(None):
+        return True
+    if not isinstance(mask, Var):
+        return False
+    values = probe_tensors(probes, mask.reg)
+    return values is not None and all(v.dtype == torch.bool for v in values)
