@@ -42,6 +42,12 @@ class GenerationStats:
     """Calls that wrote prompt chunks into the KV state (T > 1, or a 1-token prompt)."""
 
 
+CLOSE_WAIT_S = 10.0
+"""How long `Generator.close` waits for a compile in flight (a step's exact kernel
+with its calibration takes well under that) before leaving its thread to the queue's
+exit hook."""
+
+
 class Generator:
     """Generates tokens with the programs' step over the KV cache as state, or with a
     prefill and a decode Runtime over plain caches.
@@ -310,11 +316,13 @@ class Generator:
         return GenerationStats(self._generations, self._decode_steps,
                                self._specialized_steps, self._prompt_calls)
 
-    def close(self) -> None:
-        """Stop the runtimes' background compiles (they keep working, interpreted)."""
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Stop the runtimes' background compiles (they keep working, interpreted), their
+        compile threads joined for up to `wait_s` seconds (Note [Scheduler threads end
+        before exit] in dynvm.cluster.serving._generate_exit)."""
         for runtime in (self.step, self.prefill, self.decode):
-            if runtime is not None:
-                runtime.close()
+            if runtime is not None and runtime.jit is not None:
+                runtime.jit.close(wait_s)
 
     def __enter__(self) -> Generator:
         return self

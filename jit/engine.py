@@ -146,8 +146,11 @@ class Jit:
                 self.regions[region.index] = slot
                 self.interpreter.install_slot(region.index, slot)
 
-    def close(self) -> None:
-        self.queue.close()
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop the compile workers after their compile; with `wait_s`, join them for up
+        to that long (Note [Scheduler threads end before exit] in
+        dynvm.cluster.serving._generate_exit)."""
+        self.queue.close(wait_s)
 
     def packed_weight_bytes(self) -> int:
         """Bytes of the oneDNN-packed weight copies this engine's kernels hold alive

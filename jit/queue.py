@@ -130,6 +130,8 @@ class CompileQueue:
             self._heap.clear()
             self._cond.notify_all()
             workers = list(self._workers)
+            if self._watchdog is not None:   # it wakes on _stopped and returns
+                workers.append(self._watchdog)
         deadline = time.monotonic() + wait_s
         for worker in workers:
             if worker is not threading.current_thread():

@@ -62,6 +62,7 @@ from dynvm._generation_ahead import LengthBucketsAhead
 from dynvm._sampling import next_tokens
 from dynvm.cluster.protocol._generate import GenerationRequest
 from dynvm.cluster.serving._generate_config import SchedulerConfig
+from dynvm.cluster.serving._generate_exit import close_at_exit
 from dynvm.cluster.serving._generate_outbox import Outbox
 from dynvm.cluster.serving._generate_slice import request_slice, thread_slice
 from dynvm.cluster.serving._generate_slots import SlotCache
@@ -202,6 +203,7 @@ class GenerateScheduler:
              "copy_bytes"), 0)
         self._thread = threading.Thread(target=self._loop, name="dynvm-generate",
                                         daemon=True)
+        close_at_exit(self)   # Note [Scheduler threads end before exit]
         self._thread.start()
 
     @staticmethod
@@ -286,12 +288,15 @@ class GenerateScheduler:
                 and not self._prompting,
                 timeout)
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread; sequences still admitted end in an error."""
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stop the thread; sequences still admitted end in an error. Whether the thread
+        ended within `timeout` seconds (Note [Scheduler threads end before exit])."""
         with self._cond:
             self._closed = True
             self._cond.notify()
-        self._thread.join(timeout)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # ------------------------------------------------------------------ scheduler thread
 

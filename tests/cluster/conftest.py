@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import secrets
+import threading
 
 import pytest
 
 from dynvm.cluster import LocalDirStore, RedisStore
 from tests.cluster._redis_server import REDIS_SERVER, RedisServer, redis_config
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _generation_modules_close_their_schedulers(request):
+    """Note [Scheduler threads end before exit]: a generation serving test module closes
+    every scheduler it started (its own, or its replica's), so none is left stepping
+    when the test process exits."""
+    yield
+    if request.module.__name__.rpartition(".")[2].startswith("test_generate"):
+        left = [t.name for t in threading.enumerate()
+                if t.name == "dynvm-generate" and t.is_alive()]
+        assert not left, f"{request.module.__name__} left {len(left)} scheduler(s) running"
 
 
 @pytest.fixture

@@ -68,6 +68,7 @@ pages collapsed).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import ctypes
 import functools
@@ -148,11 +149,14 @@ class _Collapser:
         self._last_queued = 0.0
         self._busy = False
         self._thread: threading.Thread | None = None
+        self._closed = False
         self.collapsed_bytes = 0    # bytes collapsed so far (diagnostics, tests)
         self.collapses = 0          # weights asked of the kernel so far
 
     def put(self, tensor: torch.Tensor) -> None:
         with self._cond:
+            if self._closed:   # the process is exiting (Note [Collapser stopped at exit])
+                return
             self._queue.append(weakref.ref(tensor))
             self._last_queued = time.monotonic()
             if self._thread is None:
@@ -162,11 +166,14 @@ class _Collapser:
             self._cond.notify_all()
 
     def _next(self) -> torch.Tensor | None:
-        """The next live weight, once the queue has been quiet for QUIET_S."""
+        """The next live weight, once the queue has been quiet for QUIET_S; None once
+        closed."""
         with self._cond:
             self._busy = False
             self._cond.notify_all()
             while True:
+                if self._closed:
+                    return None
                 if not self._queue:
                     self._cond.wait()
                     continue
@@ -182,6 +189,8 @@ class _Collapser:
     def _work(self) -> None:
         while True:
             tensor = self._next()
+            if tensor is None:
+                return
             collapsed = collapse(tensor)   # ctypes releases the GIL for the call
             del tensor
             with self._cond:
@@ -199,14 +208,37 @@ class _Collapser:
                 self._cond.wait(left)
         return True
 
+    def close(self, timeout: float) -> bool:
+        """Stop the collapser thread after the weight it is collapsing, dropping the rest
+        (Note [Collapser stopped at exit]); False if it still ran after `timeout` s."""
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
     def _after_fork(self) -> None:
         # The child has no collapser thread: a fresh state starts one on its first ask.
         self.__init__()
 
 
+# Note [Collapser stopped at exit]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The collapser is a daemon thread, and a `madvise` call releases the GIL: left running,
+# it could still be inside a collapse, or start one on a weight, while the interpreter
+# finalizes and the native libraries' destructors run. At exit it is stopped and joined
+# (at most EXIT_WAIT_S: one collapse of a model's weights takes well under a second);
+# the weights still queued stay on small pages, which costs an exiting process nothing.
+EXIT_WAIT_S = 5.0
+
 _COLLAPSER = _Collapser()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_COLLAPSER._after_fork)
+atexit.register(lambda: _COLLAPSER.close(EXIT_WAIT_S))
 
 
 def to_huge_pages(tensor: torch.Tensor) -> bool:
