@@ -49,6 +49,14 @@ class SchedulerConfig:
     specialized (Note [Warm before ready] in dynvm.cluster.serving._generate_warm);
     0: not at all."""
 
+    decode_pad_rows: int = field(default=1, metadata=cli("--decode-pad-rows"))
+    """Over the packed step, a pure decode step at most this many rows short of a plateau
+    row count (a power of two, Note [Decode plateaus before ready] in
+    dynvm.cluster.serving._generate_warm) runs that count, the extra rows dummies in
+    free slots whose logits are dropped: it runs the exact kernel the warm-up made
+    instead of a family kernel, and traffic never makes that row count's own (Note
+    [Decode rows padded to a plateau], the same file); 0: never padded."""
+
     thread_slice_s: float = field(default=0.0005, metadata=cli(
         "--thread-slice-ms", scale=0.001, unit="ms"))
     """The time slice the scheduler's thread and the replica's event loop ask the kernel
@@ -63,7 +71,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_sequences", "max_waiting", "cache_tokens", "step_token_budget",
                      "prefill_length_multiple", "max_prompt_tokens", "max_tokens",
-                     "min_prompt_tokens"):
+                     "min_prompt_tokens", "decode_pad_rows"):
             value = getattr(self, name)
             if type(value) is not int or value < 0:
                 raise ConfigError(f"SchedulerConfig.{name}: expected an integer >= 0, got "

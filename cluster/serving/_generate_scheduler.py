@@ -66,6 +66,7 @@ from dynvm.cluster.serving._generate_exit import close_at_exit
 from dynvm.cluster.serving._generate_outbox import Outbox
 from dynvm.cluster.serving._generate_slice import request_slice, thread_slice
 from dynvm.cluster.serving._generate_slots import SlotCache
+from dynvm.cluster.serving._generate_warm import padded_rows
 from dynvm.vm.errors import ConfigError, DynvmError, InputError
 
 PUBLISH_S = 0.1
@@ -182,8 +183,8 @@ class GenerateScheduler:
         self._ahead = (LengthBucketsAhead(generator.decode)
                        if getattr(generator, "decode", None) is not None else None)
         # Note [Slots instead of copies]: the generator's KV state, when it has one.
-        self._slots = (SlotCache(generator) if getattr(generator, "state", None) is not None
-                       else None)
+        self._slots = (SlotCache(generator, padded_rows(self.max_sequences, config))
+                       if getattr(generator, "state", None) is not None else None)
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []

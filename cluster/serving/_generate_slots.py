@@ -52,8 +52,12 @@ class SlotCache:
     """Slots of a generator's KV state for the scheduler's sequences: prompts written in
     chunks (Note [Prompt chunks between decode steps]), then decoded."""
 
-    def __init__(self, generator) -> None:
+    def __init__(self, generator, pad_to: list[int] | None = None) -> None:
         self.generator = generator
+        # Note [Decode rows padded to a plateau]: rows a pure decode step of n runs as
+        # (pad_to[n]); only where a JIT made the plateaus' exact kernels.
+        self.pad_to = pad_to if getattr(generator.step, "jit", None) is not None else None
+        self.padded = 0   # pure decode calls run with dummy rows
         self.state = generator.state
         self.chunk = generator.chunk
         for tensor in self.state.tensors:  # Note [Slots instead of copies]: finite
@@ -153,6 +157,9 @@ class SlotCache:
             room -= take
         done = [(seq, end) for seq, take, end in pieces if take == self.rest(seq)]
         last = list(range(len(running))) + [end for _, end in done]
+        if not pieces and self.pad_to is not None and self.pad_to[len(running)] > len(running):
+            tokens, slots, positions, last = self._padded(tokens, slots, positions,
+                                                          self.pad_to[len(running)])
         logits = self.generator.packed_call(
             torch.tensor(tokens), torch.tensor(slots), torch.tensor(positions),
             torch.tensor(last or [len(tokens) - 1]))
@@ -161,8 +168,32 @@ class SlotCache:
         for seq, take, _ in pieces:
             self.length_of[seq.id] += take
             self.prompt_tokens += take
-        self.used += len(tokens)
-        return logits[:len(running)], [seq for seq, _ in done], logits[len(running):len(last)]
+        self.used += len(running) + sum(take for _, take, _ in pieces)
+        return (logits[:len(running)], [seq for seq, _ in done],
+                logits[len(running):len(running) + len(done)])
+
+    def _padded(self, tokens, slots, positions, rows: int):
+        """Note [Decode rows padded to a plateau]: a pure decode call's rows (in slot
+        order) with dummy rows in the lowest free slots, up to `rows` if enough slots are
+        free, merged in slot order: a dummy writes its key and value at position 0 of a
+        free slot (the next sequence there writes its prompt over it) and attends to that
+        alone. The call's tokens, slots and positions, and `last`: the real rows first,
+        in their order, then the dummies (whose logits are dropped)."""
+        extra = rows - len(tokens)
+        if extra > len(self.free):
+            return tokens, slots, positions, list(range(len(tokens)))
+        self.padded += 1
+        merged = sorted([(slot, i) for i, slot in enumerate(slots)] +
+                        [(slot, -1) for slot in heapq.nsmallest(extra, self.free)])
+        real, dummies = [0] * len(tokens), []
+        for at, (_, i) in enumerate(merged):
+            if i >= 0:
+                real[i] = at
+            else:
+                dummies.append(at)
+        return ([tokens[i] if i >= 0 else tokens[0] for _, i in merged],
+                [slot for slot, _ in merged],
+                [positions[i] if i >= 0 else 0 for _, i in merged], real + dummies)
 
     def used_tokens(self) -> int:
         """Tokens the sequences hold in their slots (any thread)."""

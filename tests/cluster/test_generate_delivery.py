@@ -130,6 +130,7 @@ def test_warm_up_leaves_nothing_held_or_counted(step_programs):
             max_sequences=4, step_token_budget=8, min_prompt_tokens=4))
         try:
             warm = warm_scheduler(scheduler, 6.0)
+            assert warm["plateaus"] == [1, 2, 4], warm   # Note [Decode plateaus before ready]
             assert warm["rounds"] >= 1 and warm["sequences"] >= 4 * warm["rounds"] // 2, warm
             assert all(value == 0 for value in scheduler.counters.values())
             assert not scheduler.held and scheduler.occupancy()["reserved_tokens"] == 0
