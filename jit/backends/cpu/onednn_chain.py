@@ -38,7 +38,12 @@ in one native call, NHWC against nChw16c, interleaved with an A/A, 2 threads, pa
 OpenMP, 2026-12-05 20:20-20:23, load 2.1-2.8): all 53 0.978 / 0.931 / 0.940 at batch 1 /
 2 / 4 (A/A 0.999 / 0.998 / 1.001), the 36 1x1s alone 0.952 / 0.916 / 0.913, the 16 3x3s
 1.066 / 0.969 / 0.984. bf16 stays NHWC: its blocked kernels are jit_bf16 without AMX,
-4.3x slower at batch 1 (19.9 against 84.5 ms, same run). The blocked weights are one more reordered copy
+4.3x slower at batch 1 (19.9 against 84.5 ms, same run). In the whole model (three
+Runtimes in one process, chains nChw16c / chains NHWC / no chains, interleaved with an
+A/A, 40 calls, 20:46-20:48, load 1.6; /tmp/h31rb/ab3.py): batch 1 0.960 / 0.928 of no
+chains (A/A 0.989), batch 2 0.929 / 0.943 (A/A 0.992); at batch 4 0.942 / 0.951 (20:31,
+load 3.3-3.6): so batch 1 stays NHWC inside (BLOCKED_MIN_BATCH), where the 3x3s lose
+more on jit:avx512_core than the 1x1s gain. The blocked weights are one more reordered copy
 per convolution (WeightLayouts, shared across kernels).
 
 Two threads calling one kernel: the chain of each shape has a lock, held from the
@@ -78,6 +83,9 @@ _BLOCK = 16
 BLOCKED_DTYPES = (torch.float32,)
 """The chains whose convolutions run on nChw16c values inside (Note [A chain of
 primitives in one call]): fp32; in bf16 oneDNN 3.2 has no AMX kernel for that layout."""
+BLOCKED_MIN_BATCH = 2
+"""The smallest batch whose fp32 arena is nChw16c inside: at batch 1 NHWC measured
+faster in the whole model (Note [A chain of primitives in one call])."""
 
 
 def _find_library() -> Path | None:
@@ -352,7 +360,8 @@ class PrimitiveChain:
         self._run_step = run_step
         self.by_shape: dict[tuple, _Arena] = {}
         for shape in steps[0].runner.by_shape:
-            blocked = steps[0].runner.by_shape[shape].dtype in BLOCKED_DTYPES
+            blocked = steps[0].runner.by_shape[shape].dtype in BLOCKED_DTYPES \
+                and shape[0] >= BLOCKED_MIN_BATCH
             for layout in ((True, False) if blocked else (False,)):
                 try:
                     self.by_shape[tuple(shape)] = _Arena(library, native_, steps, shape,
