@@ -50,8 +50,9 @@ Two threads calling one kernel: the chain of each shape has a lock, held from th
 handles to the results; no second arena per thread. The call holds the GIL as each
 primitive call did (Note [oneDNN primitives built once]: the warm-up's calls take turns
 with the compile thread's timing runs), so two chains would not overlap anyway and a
-second arena would only hold memory; between two primitives the C loop lets the GIL go
-and takes it back, where the interpreter would have switched between two calls.
+second arena would only hold memory; between two primitives, once half a switch
+interval (`sys.getswitchinterval()`) has passed since it last did, the C loop lets the
+GIL go and takes it back, where the interpreter would have switched between two calls.
 
 A shape without primitives (a family whose spatial dims vary) runs the ops one by one as
 before (their own fallbacks). Where `_onednn_chain` was not built (no C compiler at
@@ -63,6 +64,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import importlib.machinery
+import sys
 import threading
 from pathlib import Path
 
@@ -104,8 +106,8 @@ class _Native:
     def __init__(self, path: Path, library: api.Library) -> None:
         self.run = ctypes.PyDLL(str(path)).dynvm_onednn_chain_run
         p, pp, i = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int
-        self.run.argtypes = [p, p, p, p, i, pp, pp, i, pp, ctypes.POINTER(i), pp, i,
-                             ctypes.POINTER(i)]
+        self.run.argtypes = [p, p, p, p, i, pp, pp, i, pp, ctypes.POINTER(i), pp,
+                             ctypes.c_longlong, ctypes.POINTER(i)]
         self.run.restype = i
         dll = library.dll
         wait = dll.dnnl_stream_wait      # declared here: onednn_api does not list it
@@ -113,6 +115,8 @@ class _Native:
         self.functions = [ctypes.cast(f, p) for f in (
             dll.dnnl_primitive_execute, dll.dnnl_memory_set_data_handle, wait)]
         self.stream = library.stream
+        # the GIL let go between two primitives at most twice a switch interval
+        self.yield_after_ns = int(sys.getswitchinterval() * 1e9 / 2)
 
 
 def native(library: api.Library | None, path: Path | None = None) -> tuple[_Native | None, str]:
@@ -313,7 +317,7 @@ class _Arena:
             status = self._native.run(
                 execute, set_handle, wait, self._native.stream, len(self._bind),
                 self._memories, self._handles, len(self._prims), self._prims, self._nargs,
-                self._args, 1, ctypes.byref(self._failed))
+                self._args, self._native.yield_after_ns, ctypes.byref(self._failed))
         api.check(status, f"chain step {self._failed.value}")
         return [made[k] for k in self._result_of]
 
