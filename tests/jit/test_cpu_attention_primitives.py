@@ -22,7 +22,7 @@ from dynvm.jit.backends.cpu.precision import precision_available
 from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.specialize import specialize
 from tests.jit import _jit_helpers as h
-from tests.jit._kernel_run import run_kernel_outputs, views
+from tests.jit._kernel_run import views
 
 pytestmark = pytest.mark.skipif(precision_available("bf16") is not None,
                                 reason=str(precision_available("bf16")))

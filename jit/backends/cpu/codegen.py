@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dynvm.arena import ArenaPool
-from dynvm.jit.backends.cpu.attention_bf16 import bf16_attention
 from dynvm.jit.backends.cpu.arena_choice import out_form_pays, zeros_like_abstract
 from dynvm.jit.backends.cpu.arena_layout import OUT_KERNELS, ArenaBinding, ArenaLayout, plan_layout
+from dynvm.jit.backends.cpu.attention_bf16 import bf16_attention
 from dynvm.jit.backends.cpu.chain_bf16 import bf16_chains
 from dynvm.jit.backends.cpu.channels_last import (
     LAYOUT_KERNELS,
