@@ -41,6 +41,15 @@ threads, PASSIVE, load 2.6, A/A 0.998), x eager: 1x16 0.655 -> 0.595, 1x32 0.745
 0.708, 2x16 0.747 -> 0.702, 2x32 0.660 -> 0.625 (layer norm and SDPA, or the
 embeddings' adds and layer norm, chosen per kernel). In a run beside the peers at load
 3.3 (12 calls a shape) the two were within noise of each other (1x16 0.433 / 0.435).
+
+The cap was 2^18 elements until a verdict taken under load put SDPA and layer norm on
+one thread at 1x128 (largest tensors 98,304-196,608 elements), where the team is the
+right answer on a quiet host: bench.full_width's 1x128 ran 1.24-1.35x OpenVINO in the
+rotation and 1.04x seasoned alone. Every askable op on one thread against none, in one
+process (exact kernels, 15 rounds interleaved, 2026-12-05 21:44 UTC, load 1.4, A/A
+0.987-1.008): 1x16 0.912, 1x64 0.961, 2x32 1.015, 4x32 1.010, 2x64 1.038, 1x128 1.242.
+The gain ends near 2^16 elements (1x64's and 2x32's layer norm are 49,152), so that is
+the cap: a larger op is never asked, whatever the host's load at compile time.
 """
 
 from __future__ import annotations
@@ -58,7 +67,7 @@ from dynvm.vm.opcodes import OPCODES
 
 TEAM, ONE = "team", "one thread"
 # Ops above this many elements in their largest tensor are never asked (see the Note).
-MAX_ELEMENTS = 1 << 18
+MAX_ELEMENTS = 1 << 16
 
 
 @functools.lru_cache(maxsize=1)
