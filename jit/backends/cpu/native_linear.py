@@ -52,13 +52,19 @@ NATIVE_ROWS = (2, 16)
 stored [N, K]: the Note)."""
 
 
-def _find_library() -> Path | None:
+def find_extension(stem: str) -> Path | None:
+    """The C library `stem` that setup.py built beside these modules, or None (not
+    built: no C compiler at install). Shared by every native kernel of the backend."""
     here = Path(__file__).resolve().parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        candidate = here / f"{_LIBRARY_STEM}{suffix}"
+        candidate = here / f"{stem}{suffix}"
         if candidate.exists():
             return candidate
     return None
+
+
+def _find_library() -> Path | None:
+    return find_extension(_LIBRARY_STEM)
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:

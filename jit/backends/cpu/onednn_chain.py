@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import importlib.machinery
 import sys
 import threading
 from pathlib import Path
@@ -72,6 +71,7 @@ import torch
 
 from dynvm.jit.aliasing import flat_values
 from dynvm.jit.backends.cpu import onednn_api as api
+from dynvm.jit.backends.cpu.native_linear import find_extension
 from dynvm.jit.backends.cpu.onednn_objects import destroy, md_tag
 from dynvm.jit.backends.cpu.onednn_objects import memory as new_memory
 from dynvm.jit.ir import Literal, SpecializedRegion, SpecOp, Var
@@ -91,12 +91,7 @@ faster in the whole model (Note [A chain of primitives in one call])."""
 
 
 def _find_library() -> Path | None:
-    here = Path(__file__).resolve().parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        candidate = here / f"{_LIBRARY_STEM}{suffix}"
-        if candidate.exists():
-            return candidate
-    return None
+    return find_extension(_LIBRARY_STEM)
 
 
 class _Native:
