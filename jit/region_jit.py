@@ -20,7 +20,8 @@ further only when that pays:
 - tier 2, the exact specialization: a signature that keeps hitting its family kernel is
   compiled exactly (all shapes folded, its arena planned for its exact sizes)
   when its frequency x family-kernel time x `exact_over_family_gain` over the horizon
-  beats a compile. The check runs every `TIER_CHECK_EVERY` family hits of a signature.
+  beats a compile. The check runs at K, 2K and 4K family hits of a signature, then
+  every `TIER_CHECK_EVERY` (Note [Tier-2 checks] in jit.tiering).
 
 A family that has seen a single member so far is no family yet: its signature is
 promoted as an exact specialization directly.
@@ -67,6 +68,7 @@ from dynvm.jit.profiler import RegionProfile
 from dynvm.jit.region_slot import RegionCounters, Specialization
 from dynvm.jit.region_watch import RegionWatch
 from dynvm.jit.savings import KernelSavings
+from dynvm.jit.tiering import eviction_victim, note_served, tier_check_due
 from dynvm.shape_cluster import FamilyIndex
 
 if TYPE_CHECKING:
@@ -75,7 +77,6 @@ if TYPE_CHECKING:
     from dynvm.jit.queue import CompileQueue
     from dynvm.shape_cluster import Family
 
-TIER_CHECK_EVERY = 32
 SHADOW_BENEFIT = 1e18   # shadow samples run before compiles: a verdict is waiting on them
 _MEMO_LIMIT = 4096
 _MANY = object()       # a family with more than one member signature so far
@@ -489,7 +490,8 @@ class RegionJit:
         if len(self._family_hits) >= _MEMO_LIMIT and hits == 1:
             self._family_hits.clear()
         self._family_hits[signature] = hits
-        if hits % TIER_CHECK_EVERY:
+        note_served(spec, signature)   # Note [Eviction by what a kernel still serves]
+        if not tier_check_due(hits, self.threshold):
             return
         config = self.engine.config
         with self._lock:
@@ -506,7 +508,7 @@ class RegionJit:
                 return
             self.pending.add(signature)
             self.counters.promotions += 1
-        self.engine.promote(self, signature, Decision(True, hits, TIER_CHECK_EVERY, benefit,
+        self.engine.promote(self, signature, Decision(True, hits, self.threshold, benefit,
                                                       cost))
 
     # -- helpers ---------------------------------------------------------------------
@@ -563,9 +565,8 @@ class RegionJit:
                 self._evict_one()
 
     def _evict_one(self) -> None:
-        everything = [(s.last_used, id(s), key, table)
-                      for table in self._tables() for key, s in table.items()]
-        _, _, key, table = min(everything)
+        # Note [Eviction by what a kernel still serves]
+        table, key = eviction_victim(self._tables(), self.strong)
         evicted = table.pop(key)
         self._tables_changed()
         if evicted.family is not None:

@@ -46,6 +46,8 @@ class Specialization:
     probation: Probation | None = None
     ratio: float | None = None
     promoted_as: object = None
+    # A family kernel's served signatures (Note [Eviction by what a kernel still serves]).
+    served: set = field(default_factory=set)
 
     @property
     def target(self):

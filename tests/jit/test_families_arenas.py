@@ -29,7 +29,7 @@ from dynvm.arena import AllocationCounter
 from dynvm.jit.backends.cpu.arena_layout import ArenaBinding
 from dynvm.jit.config import JitConfig
 from dynvm.jit.guards import GuardStrength
-from dynvm.jit.region_jit import TIER_CHECK_EVERY
+from dynvm.jit.tiering import TIER_CHECK_EVERY
 from dynvm.models import transformer
 from tests.vm import _programs
 
