@@ -113,7 +113,10 @@ def test_a_conv_chain_runs_bf16_between_its_ends_and_stays_within_tolerance():
     text = "\n".join(notes)
     assert "1 chain(s) in bf16 (5 convolution(s))" in text, text
     for source in sources:   # casts only where the layout converts: in, and out (the mean)
-        assert "= to_channels_last_bf16" in source and "= exact_nchw_fp32" in source
+        # Note [A chain's input conversion and global mean]: the cast in is the chain's
+        # first step where its native library runs it
+        assert "= to_channels_last_bf16" in source or "1 input conversion(s)" in source
+        assert "= exact_nchw_fp32" in source
         assert not re.search(r"= (to_channels_last|exact_nchw|exact_nhwc)\d+\(", source)
 
 

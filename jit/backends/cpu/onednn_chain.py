@@ -54,6 +54,9 @@ second arena would only hold memory; between two primitives, once half a switch
 interval (`sys.getswitchinterval()`) has passed since it last did, the C loop lets the
 GIL go and takes it back, where the interpreter would have switched between two calls.
 
+In a bf16 chain the input's conversion and a global mean after it are steps too (Note
+[A chain's input conversion and global mean] in chain_ends).
+
 A shape without primitives (a family whose spatial dims vary) runs the ops one by one as
 before (their own fallbacks). Where `_onednn_chain` was not built (no C compiler at
 install) or libdnnl does not load, the pass changes nothing and the note says why.
@@ -70,10 +73,13 @@ from pathlib import Path
 import torch
 
 from dynvm.jit.aliasing import flat_values
+from dynvm.jit.backends.cpu import chain_ends
 from dynvm.jit.backends.cpu import onednn_api as api
+from dynvm.jit.backends.cpu.ir_match import probe_tensors
 from dynvm.jit.backends.cpu.native_linear import find_extension
 from dynvm.jit.backends.cpu.onednn_objects import destroy, md_tag
 from dynvm.jit.backends.cpu.onednn_objects import memory as new_memory
+from dynvm.jit.backends.cpu.onednn_pool import PrimitiveMean
 from dynvm.jit.ir import Literal, SpecializedRegion, SpecOp, Var
 
 CHAIN_PRIMITIVES = "ONEDNN_CHAIN_PRIMITIVES"
@@ -149,7 +155,7 @@ class _Arena:
 
     def __init__(self, library: api.Library, native_: _Native, steps: list[Step],
                  shape: tuple, results: tuple[int, ...], frees: list[tuple],
-                 blocked: bool = False) -> None:
+                 blocked: bool = False, head: torch.dtype | None = None) -> None:
         self._library, self._lib = library, library.dll
         self._native = native_
         self._made: list = []          # memory objects this arena owns
@@ -173,10 +179,21 @@ class _Arena:
         shapes = {x: tuple(shape)}
         dtype = steps[0].runner.by_shape[tuple(shape)].dtype
         input_md = md_tag(self._lib, shape, api.TAG_NHWC, dtype)
+        # Note [A chain's input conversion and global mean]: with `head` the call binds
+        # the NCHW source, and a reorder writes `x` into a buffer
+        source_md = md_tag(self._lib, shape, api.TAG_NCHW, head) if head else None
         try:
-            self._versions[(x, api.TAG_NHWC)] = (-1, self._memory_over(input_md, -1))
+            if head is None:
+                self._versions[(x, api.TAG_NHWC)] = (-1, self._memory_over(input_md, -1))
+            else:
+                source = self._memory_over(source_md, -1)
+                self._versions[(x, api.TAG_NHWC)] = self._new_version(input_md, None)
+                self._reorder(source, self._versions[(x, api.TAG_NHWC)][1])
         finally:
             self._lib.dnnl_memory_desc_destroy(input_md)
+            if source_md is not None:
+                self._lib.dnnl_memory_desc_destroy(source_md)
+        self._head = head
         alive, dead = {x: {x}}, set()
         for position, step in enumerate(steps):
             src = group[step.x]
@@ -196,7 +213,8 @@ class _Arena:
                 alive[root] = set()
                 k = result_groups.index(root) if root in result_groups else None
                 if k is not None:
-                    self._result_specs[k] = (primitive.out_shape, primitive.dtype)
+                    self._result_specs[k] = (primitive.out_shape, primitive.dtype,
+                                             getattr(primitive, "result_format", _CL))
                 where = -2 - k if k is not None and tag == api.TAG_NHWC else None
                 self._versions[(root, tag)] = self._new_version(
                     _md_of(self._lib, dict(primitive.arguments())[api.ARG_DST]), where)
@@ -299,11 +317,17 @@ class _Arena:
         return made
 
     def run(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """The chain on `x` (NHWC, this arena's shape): its results, new tensors."""
-        if not x.is_contiguous(memory_format=_CL):
+        """The chain on `x` (this arena's shape; NHWC, or with a head NCHW of its
+        dtype): its results, new tensors."""
+        if self._head is not None:
+            if x.dtype != self._head:
+                raise api.OnednnError(f"a chain's source of {x.dtype}")
+            if not x.is_contiguous():
+                x = x.contiguous()
+        elif not x.is_contiguous(memory_format=_CL):
             x = x.contiguous(memory_format=_CL)
-        made = [torch.empty(shape, dtype=dtype, memory_format=_CL)
-                for shape, dtype in self._result_specs]
+        made = [torch.empty(shape, dtype=dtype, memory_format=form)
+                for shape, dtype, form in self._result_specs]
         with self._lock:
             for k, where in enumerate(self._bind):
                 tensor = x if where == -1 else made[-2 - where]
@@ -353,18 +377,21 @@ class PrimitiveChain:
     in one call]); a shape without an arena runs the ops one by one (`steps`)."""
 
     def __init__(self, library: api.Library, native_: _Native, steps: list[Step],
-                 results: tuple[int, ...], frees: list[tuple], run_step) -> None:
+                 results: tuple[int, ...], frees: list[tuple], run_step,
+                 head: chain_ends.Head | None = None) -> None:
         self.steps = steps
         self.results = results
         self._run_step = run_step
+        self.head = head     # Note [A chain's input conversion and global mean]
         self.by_shape: dict[tuple, _Arena] = {}
         for shape in steps[0].runner.by_shape:
             blocked = steps[0].runner.by_shape[shape].dtype in BLOCKED_DTYPES \
                 and shape[0] >= BLOCKED_MIN_BATCH
             for layout in ((True, False) if blocked else (False,)):
                 try:
-                    self.by_shape[tuple(shape)] = _Arena(library, native_, steps, shape,
-                                                         results, frees, layout)
+                    self.by_shape[tuple(shape)] = _Arena(
+                        library, native_, steps, shape, results, frees, layout,
+                        head.source_dtype if head is not None else None)
                     break
                 except api.OnednnError:
                     continue        # NHWC inside, or that shape runs step by step
@@ -386,7 +413,7 @@ class PrimitiveChain:
         if arena is not None:
             out = arena.run(x)
         else:
-            values = {self.steps[0].x: x}
+            values = {self.steps[0].x: self.head.convert(x) if self.head else x}
             for step in self.steps:
                 values[step.dst] = self._run_step(step, values)
             out = [values[r] for r in self.results]
@@ -428,12 +455,13 @@ def _steps(ops, kinds) -> list[Step] | None:
 
 
 def chain_primitives(spec: SpecializedRegion, library: api.Library, kinds: dict[str, str],
-                     run_step, variant: str,
-                     native_path: Path | None = None) -> tuple[SpecializedRegion, str]:
+                     run_step, variant: str, native_path: Path | None = None,
+                     ends: bool = True) -> tuple[SpecializedRegion, str]:
     """`spec` with each run of primitive ops (`kinds`: opcode -> "conv", "into" or
     "pool") as one CHAIN_PRIMITIVES op (Note [A chain of primitives in one call]), and
     a note for the kernel's header. `run_step(step, values)` runs one step in Python
-    (a shape without an arena)."""
+    (a shape without an arena). With `ends`, the conversion into a run and a global mean
+    after it become steps of it too (Note [A chain's input conversion and global mean])."""
     runs = [r for r in _runs(spec.ops, kinds) if r[1] - r[0] >= _MIN_STEPS]
     if not runs:
         return spec, ""
@@ -444,7 +472,7 @@ def chain_primitives(spec: SpecializedRegion, library: api.Library, kinds: dict[
     after_reads = _reads_after(ops, spec.outputs)
     chains, kept, steps_total, arena_bytes = [], 0, 0, 0
     layouts: set[str] = set()
-    reorders = 0
+    reorders, heads, means = 0, 0, 0
     for start, end in reversed(runs):
         inner = ops[start:end]
         steps = _steps(inner, kinds)
@@ -453,31 +481,47 @@ def chain_primitives(spec: SpecializedRegion, library: api.Library, kinds: dict[
                 or any(s.x not in defined and s.x != steps[0].x for s in steps):
             kept += 1       # reads a second value from outside, or writes one
             continue
+        head = tail = None
+        if ends:
+            head = chain_ends.head(ops, start, end, steps[0].x, after_reads, spec.abstract)
+            tail = chain_ends.mean_after(ops, end, defined, after_reads, spec.abstract)
+        step_frees = [op.frees for op in inner]
+        if tail is not None:
+            dtype = probe_tensors(spec.abstract, tail[0])[0].dtype
+            steps = [*steps, Step(PrimitiveMean(library, dtype), tail[0], None, tail[1])]
+            step_frees.append(ops[end].frees)
+            end += 1
+            defined.add(tail[1])
+        if head is not None:
+            defined.add(steps[0].x)
+            start = head.position
         results = tuple(r for r in dict.fromkeys(s.dst for s in steps)
                         if any(reg == r and pos >= end for reg, pos in after_reads))
         try:
-            chain = PrimitiveChain(library, bound, steps, results,
-                                   [op.frees for op in inner], run_step)
+            chain = PrimitiveChain(library, bound, steps, results, step_frees, run_step, head)
         except api.OnednnError:
             kept += 1
             continue
         if not chain.by_shape:
             kept += 1
             continue
-        frees = tuple(r for op in inner for r in op.frees if r not in defined)
-        ops[start:end] = [SpecOp(CHAIN_PRIMITIVES, results,
-                                 (Var(steps[0].x), Literal(chain)), inner[0].source_pc,
-                                 frees, variant)]
+        frees = tuple(r for op in ops[start:end] for r in op.frees if r not in defined)
+        source = head.source if head is not None else steps[0].x
+        ops[start:end] = [SpecOp(CHAIN_PRIMITIVES, results, (Var(source), Literal(chain)),
+                                 ops[start].source_pc, frees, variant)]
         chains.append(len(steps))
         steps_total += len(steps)
         arena_bytes += chain.arena_bytes()
         layouts |= chain.layouts()
         reorders += chain.reorders()
+        heads, means = heads + (head is not None), means + (tail is not None)
     if not chains:
         return spec, f"; primitives called one by one ({kept} run(s) not chained)"
     note = (f"; {steps_total} primitive(s) in {len(chains)} native call(s) "
             f"({'/'.join(sorted(layouts))} inside, {reorders} reorder(s); arenas "
             f"{arena_bytes / 2**20:.1f} MiB)")
+    if heads or means:
+        note += f"; into them {heads} input conversion(s) and {means} global mean(s)"
     return dataclasses.replace(spec, ops=tuple(ops)), note
 
 

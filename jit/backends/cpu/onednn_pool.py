@@ -112,10 +112,10 @@ class PoolSpec:
 
 
 class PoolPrimitive:
-    """One oneDNN max pooling primitive for one NHWC input shape."""
+    """One oneDNN pooling primitive (max, or `algorithm`) for one NHWC input shape."""
 
     def __init__(self, library: api.Library, shape, spec: PoolSpec,
-                 tag: int = api.TAG_NHWC) -> None:
+                 tag: int = api.TAG_NHWC, algorithm: int = api.POOLING_MAX) -> None:
         lib = self._lib = library.dll
         self._calls, self._stream = library.calls, library.stream
         n, c, h, w = shape
@@ -128,7 +128,7 @@ class PoolPrimitive:
         self._prim = ctypes.c_void_p()
         try:
             api.check(lib.dnnl_pooling_forward_primitive_desc_create(
-                ctypes.byref(pd), library.engine, api.FORWARD_INFERENCE, api.POOLING_MAX,
+                ctypes.byref(pd), library.engine, api.FORWARD_INFERENCE, algorithm,
                 src, dst, api.Dims(*spec.stride), api.Dims(*spec.kernel),
                 api.Dims(*(d - 1 for d in spec.dilation)), api.Dims(*spec.padding),
                 api.Dims(spec.right_padding(h, 0), spec.right_padding(w, 1)), None),
@@ -205,6 +205,47 @@ class PrimitivePool:
             raise api.OnednnError(f"no oneDNN pooling primitive for input shape "
                                   f"{tuple(x.shape)}")
         return self._fallback(x)
+
+
+class _BuiltWhenAsked(dict):
+    """Primitives by input shape, each built the first time its shape is asked for
+    (a chain's arena asks for the shapes it is built for)."""
+
+    def __init__(self, build) -> None:
+        super().__init__()
+        self._build = build
+
+    def __missing__(self, shape):
+        made = self[shape] = self._build(tuple(shape))
+        return made
+
+    def get(self, shape, default=None):
+        return self[tuple(shape)]
+
+
+class PrimitiveMean:
+    """MEAN over the height and width, kept as 1 x 1 (ResNet's global average pooling
+    on the last block's result), as a oneDNN average pooling over the whole plane: a
+    chain's last step (Note [A chain's input conversion and global mean] in
+    chain_ends). `__call__` is torch's mean (a shape its chain has no arena for)."""
+
+    result_format = torch.contiguous_format
+    """torch's mean gives [N, C, 1, 1] contiguous strides; the bytes are NHWC's."""
+
+    def __init__(self, library: api.Library, dtype: torch.dtype) -> None:
+        self._library, self.dtype = library, dtype
+        self.by_shape = _BuiltWhenAsked(lambda shape: self.build(library, shape, api.TAG_NHWC))
+
+    def build(self, library: api.Library, shape: tuple, tag: int) -> PoolPrimitive:
+        """The primitive for input `shape` in layout `tag`."""
+        plane = (shape[2], shape[3])
+        spec = PoolSpec(plane, plane, (0, 0), (1, 1), False, self.dtype)
+        primitive = PoolPrimitive(library, shape, spec, tag, api.POOLING_AVG_EXCLUDE_PADDING)
+        primitive.result_format = self.result_format
+        return primitive
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mean(x, [-1, -2], keepdim=True)
 
 
 def pool_primitive(x, pool: PrimitivePool):
