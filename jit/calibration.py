@@ -37,6 +37,15 @@ a rule:
   a few ms per pair), so those keep every round: with 50 ms, one roofline run at load
   6-10 kept 6 of the Transformer's 30 GEMMs on torch (the JIT at 34% of the peak GEMM);
   the next, with 0.2 s, kept none (72%). One run each: a sign, not a proof.
+- a costly question with an overwhelming answer stops after one round: once past
+  `budget_s`, when every run of one candidate, its warm-up run included, took at most
+  1 / `overwhelming` of every run of each other one. The layout question of ResNet-50's
+  family kernel (batch 2..4) runs the whole region each way: NCHW 0.44-0.99 s a run
+  against channels-last's 0.12-0.31 (2026-12-05 23:10 UTC, the warm-up of
+  bench.warmup_bar, load 1.6-2.9), and min_rounds made that four NCHW runs, each one
+  step of the compile thread that a call beginning meanwhile shares the cores with
+  (Note [Background work yields to calls]); two runs of each already separate them
+  3-8x, more than a call beside a run moves it.
 
 One `Calibrator` per device for the whole process (`calibrator_for`): it measures the
 device, not a Runtime, and two Runtimes asking the same question must not pay twice.
@@ -87,13 +96,14 @@ class Calibrator:
 
     def __init__(self, device: torch.device | str, rounds: int = 7,
                  margin: float = 0.05, min_rounds: int = 3, decisive: float = 0.5,
-                 budget_s: float = 0.2) -> None:
+                 budget_s: float = 0.2, overwhelming: float = 2.5) -> None:
         self.device = torch.device(device)
         self.rounds = rounds
         self.margin = margin
         self.min_rounds = min(min_rounds, rounds)
         self.decisive = decisive
         self.budget_s = budget_s
+        self.overwhelming = overwhelming
         self._choices: dict[tuple, Choice] = {}
         self._lock = threading.Lock()
         self.measurements = 0     # choices measured (not answered from the cache)
@@ -134,12 +144,15 @@ class Calibrator:
         names = list(candidates)
         default = names[0]
         waited = 0.0
-        for fn in candidates.values():
+        clock = time.perf_counter
+        warm: dict[str, float] = {}
+        for name, fn in candidates.items():
             waited += checkpoint()
+            start = clock()
             fn()
             self._sync()
+            warm[name] = clock() - start
         samples: dict[str, list[float]] = {name: [] for name in names}
-        clock = time.perf_counter
         began = clock()
         for round_ in range(self.rounds):
             shift = round_ % len(names)
@@ -155,6 +168,8 @@ class Calibrator:
             if round_ + 1 >= self.min_rounds and (
                     clock() - began > self.budget_s or self._decided(samples)):
                 break
+            if clock() - began > self.budget_s and self._overwhelmed(samples, warm):
+                break   # Note [Calibration]: a costly question, an overwhelming answer
         medians = {name: statistics.median(times) for name, times in samples.items()}
         best = min(names, key=medians.__getitem__)
         if medians[best] >= medians[default] * (1.0 - self.margin):
@@ -169,6 +184,15 @@ class Calibrator:
         best = min(slowest, key=slowest.__getitem__)
         return all(min(times) > slowest[best] * (1.0 + self.decisive)
                    for name, times in samples.items() if name != best)
+
+    def _overwhelmed(self, samples: dict[str, list[float]], warm: dict[str, float]) -> bool:
+        """Whether one candidate's every run, warm-up included, took at most 1 /
+        `overwhelming` of every run of each other candidate."""
+        runs = {name: [warm[name], *times] for name, times in samples.items()}
+        slowest = {name: max(times) for name, times in runs.items()}
+        best = min(slowest, key=slowest.__getitem__)
+        return all(min(times) >= slowest[best] * self.overwhelming
+                   for name, times in runs.items() if name != best)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -97,3 +97,22 @@ def test_a_costly_question_stops_after_min_rounds_past_its_budget(monkeypatch):
     candidates, runs = _fake_candidates(monkeypatch, a=0.004, b=0.004)
     Calibrator("cpu", rounds=9, min_rounds=3, budget_s=0.001).choose("OP", 0, candidates)
     assert runs == {"a": 1 + 3, "b": 1 + 3}
+
+
+def test_a_costly_question_with_an_overwhelming_answer_stops_after_one_round(monkeypatch):
+    # Note [Calibration]: past the budget, 3x apart in every run (warm-up included):
+    # one round, not min_rounds.
+    candidates, runs = _fake_candidates(monkeypatch, nchw=0.9, channels_last=0.3)
+    calibrator = Calibrator("cpu", rounds=9, min_rounds=3, budget_s=0.2)
+    choice = calibrator.choose("OP", 0, candidates)
+    assert choice.name == "channels_last"
+    assert runs == {"nchw": 1 + 1, "channels_last": 1 + 1}
+    # 2x apart is not overwhelming (2.5x is the rule): min_rounds, as before.
+    candidates, runs = _fake_candidates(monkeypatch, nchw=0.6, channels_last=0.3)
+    calibrator.choose("CLOSER", 0, candidates)
+    assert runs == {"nchw": 1 + 3, "channels_last": 1 + 3}
+    # Within the budget an overwhelming answer still takes min_rounds (cheap questions
+    # keep their rounds: the decisive rule ends those).
+    candidates, runs = _fake_candidates(monkeypatch, slow=0.009, fast=0.003)
+    Calibrator("cpu", rounds=9, min_rounds=3, budget_s=10.0).choose("CHEAP", 0, candidates)
+    assert runs == {"slow": 1 + 3, "fast": 1 + 3}
