@@ -61,6 +61,26 @@ weights stream; one core moves them slower). Q, K and V are one GEMM already; fe
 regions would take one region around a layer's GEMMs and small ops (as the decode pass's
 C layer call does), which oneDNN's per-call regions do not give.
 
+Where the wake goes (H31L, 2026-12-05 22:50-23:32, load 1.6-2.3 beside other work,
+timestamps from an LD_PRELOAD shim of libgomp's GOMP_parallel_start / _end, the entry
+points oneDNN 3.2's wheel calls): each primitive is one region, 16 a batch-1 call and
+nothing else in a region at 1x16; over the 16 bf16 GEMMs at M=16 the worker starts 45 us
+after the caller enters a region and the caller leaves 38 us after the later body ends,
+1.33 ms of the 3.05 ms the regions take (with OMP_WAIT_POLICY=ACTIVE 32 us in all,
+1.55 ms). This guest's haltpoll cpuidle polls 0 ns (guest_halt_poll_ns), so an idle
+core halts at once; but keeping both cores busy does not remove the wake: spinners of
+SCHED_IDLE priority spinning only while a kernel call is inside (tried, not kept) left
+it at 1.25 ms; whole BERT calls at 1x16 / 1x64 ran 0.98-1.05 of without (A/A
+0.97-1.03), the fp32 chain 1.42x slower at load 1.9. The cost is the futex wake's trip
+through the kernel to the other core, not the halted core. What removes it, measured on
+the same 16 GEMMs (a prototype, not built in): each GEMM as two column halves on one-thread
+primitives, the caller running one and a helper thread of its own, spinning at
+SCHED_IDLE within the call, claiming the other (the caller runs it if not claimed): bf16
+M=16 0.69-0.80 of the team, M=64 0.65-0.79, fp32 M=16 0.78-0.87 (A/A 0.99-1.01,
+bit-exact); but with two busy processes beside it 1.16x (bf16) and 3.13x (fp32): a
+helper preempted in the middle of its half keeps the caller waiting. It needs the
+caller to stop waiting for a preempted helper before it can serve a loaded host.
+
 An exact kernel's call at rows not built (none: the guard proves the rows) would run
 eager's linear on the plain weight, never a build. Where the library does not load the
 pass changes nothing and the kernel's header says why; `CpuOptions.linear_primitives`
