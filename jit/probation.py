@@ -65,15 +65,6 @@ measurement decides:
   all at or over 1.05 (a kernel that would pass at <= 0.95 almost never measures that
   four times in a row; gnn's family kernel at 1.19x took all 12 shadow calls with the
   bar at 1.25), a winner stays only at four all at or under 0.8.
-  An overwhelming winner is kept at two: once `CLEAR_SAMPLES` shadow calls all
-  measured it at most `CLEAR_WIN` times the interpreter. Each shadow call is a whole
-  interpreted run and a kernel run on the compile thread, and the early ones are taken
-  on consecutive hits: ResNet-50's family kernel (batch 2..4, ~0.45x) ran four pairs
-  back to back, 0.2-0.35 s each, and the warm-up's calls right after its install ran
-  beside them at up to 2.5x the interpreter (2026-12-05 23:25 UTC, bench.warmup_bar's
-  warm-up with each call timed against the compile thread's work, load 1.8-2.0). Two
-  paired ratios both at or under 0.6 from a kernel no faster than the interpreter
-  would need a noise far wider than the A/A's (p10 0.86).
   The early samples are taken on consecutive hits (all but the first, which warms up),
   the rest on one hit in `probation_shadow_every`: at one in four, gnn's kernels, each
   hit on a fraction of the calls, still ran ~16 hits at 2.7x before the early verdict,
@@ -105,8 +96,6 @@ DROP = "drop"
 EARLY_SAMPLES = 4    # Note [Probation]: a clear loser is decided after this many samples
 EARLY_LOSS = 1.05    # ... when every one of them is at least this ratio
 EARLY_WIN = 0.8      # ... or at most this one
-CLEAR_SAMPLES = 2    # ... and an overwhelming winner after this many
-CLEAR_WIN = 0.6      # ... all at most this ratio
 
 
 @dataclass
@@ -138,8 +127,7 @@ class Probation:
             self.ratios.append(specialized_seconds / interpreted_seconds)
         if len(self.ratios) < self.samples:
             early = len(self.ratios) >= EARLY_SAMPLES and (
-                min(self.ratios) >= EARLY_LOSS or max(self.ratios) <= EARLY_WIN) or \
-                len(self.ratios) >= CLEAR_SAMPLES and max(self.ratios) <= CLEAR_WIN
+                min(self.ratios) >= EARLY_LOSS or max(self.ratios) <= EARLY_WIN)
             return statistics.median(self.ratios) if early else None
         return statistics.median(self.ratios)
 
