@@ -78,8 +78,14 @@ primitives, the caller running one and a helper thread of its own, spinning at
 SCHED_IDLE within the call, claiming the other (the caller runs it if not claimed): bf16
 M=16 0.69-0.80 of the team, M=64 0.65-0.79, fp32 M=16 0.78-0.87 (A/A 0.99-1.01,
 bit-exact); but with two busy processes beside it 1.16x (bf16) and 3.13x (fp32): a
-helper preempted in the middle of its half keeps the caller waiting. It needs the
-caller to stop waiting for a preempted helper before it can serve a loaded host.
+helper preempted in the middle of its half kept the caller waiting. With the caller
+sleeping on a futex once the helper is 100 us late, and the team of two (these
+primitives, unchanged) for the next 8 chains whenever the helper claimed under half of a
+chain's halves: 0.707 (bf16) / 0.839 (fp32) of the team (A/A 0.990 / 1.013, 23:52, load
+1.9), beside two busy processes 1.000 / 0.937 (A/A 1.089 / 1.114; /tmp/h31lc/pair.c,
+pairbench.py). Building it in is left: a pass over exact kernels at batch 1 (the halves'
+weights reordered copies of their own), the helper spinning only while a kernel is
+inside, eager-equal tests.
 
 An exact kernel's call at rows not built (none: the guard proves the rows) would run
 eager's linear on the plain weight, never a build. Where the library does not load the
