@@ -83,7 +83,11 @@ sleeping on a futex once the helper is 100 us late, and the team of two (these
 primitives, unchanged) for the next 8 chains whenever the helper claimed under half of a
 chain's halves: 0.707 (bf16) / 0.839 (fp32) of the team (A/A 0.990 / 1.013, 23:52, load
 1.9), beside two busy processes 1.000 / 0.937 (A/A 1.089 / 1.114; /tmp/h31lc/pair.c,
-pairbench.py). Building it in is left: a pass over exact kernels at batch 1 (the halves'
+pairbench.py). In a busier window (23:56, load 2.1-2.4 beside other work) adaptive /
+team ran bf16 M=32 1.006, M=64 0.820, M=128 1.099, fp32 M=64 0.992 (A/A 0.97-1.04), the
+halves alone 0.91-4.07x: at M=128 the helper claimed and still lost, so the choice
+should be by the chains' measured time, not by the helper's claims. Building it in is
+left: a pass over exact kernels at batch 1 (the halves'
 weights reordered copies of their own), the helper spinning only while a kernel is
 inside, eager-equal tests.
 
