@@ -24,7 +24,14 @@ system (the peers get the same count, Note [ONNX peers] in bench.peers):
    calibration seconds (the process's Calibrator, jit.calibration) it spent are stated.
    A second interpreter runs in the same rotation as the warm-up's A/A: a p90 of the
    12-13 calls a shape gets is its second-slowest call, and interpreter B's p90 over
-   A's says how far this host alone moves that ratio in the same run.
+   A's says how far this host alone moves that ratio in the same run. Before the first
+   timed call, eager runs every shape once, untimed: the process's first use of torch's
+   own kernels at a shape (its allocator, torch's oneDNN primitives, lazy
+   initialisation) costs whichever system comes first, and the call order puts the JIT
+   first at steps 0 and 1, so without it ResNet-50's batch 1 charged the process's
+   first forward (1.2-1.6x the interpreter's call, 5 of its 100 pooled calls in
+   bench.warmup_bar) to the JIT (H31J, 2026-12-06). A server does the same before it is
+   ready; the JIT stays cold: nothing of its own runs before step 0.
 2. Seasoning: the JIT alone, untimed, over the shapes until it is settled (nothing
    queued, nothing on probation, Runtime.settled) or a cap; every other system runs
    every shape once, untimed.
@@ -164,6 +171,8 @@ def _warmup(model, systems, jit, calls: int, log) -> dict:
     order = ["eager", "interp", "interp_b", "jit"]
     times = {name: {label: [] for label in model.labels} for name in order}
     n = len(model.inputs)
+    for inputs in model.inputs:   # untimed: the process's first use of torch (the Note)
+        systems["eager"](*inputs)
     started = time.perf_counter()
     for step in range(calls):
         index = stream_input(step, n, len(order))
