@@ -123,3 +123,39 @@ def test_only_ops_that_may_gain_are_asked():
     for (op, _), choice in calibrator.entries().items():
         if op == "one thread":
             assert set(choice.seconds) == {TEAM, ONE}
+
+
+class Attention(nn.Module):
+    """Layer norm around masked SDPA: the norm may be asked, SDPA never."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x, keep):                  # x: [batch, seq, d]; keep: [batch, seq]
+        q, k, v = (t.reshape(x.shape[0], x.shape[1], 4, -1).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        mask = keep[:, None, None, :]
+        h = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask)
+        return self.norm(h.transpose(1, 2).reshape(x.shape) + x)
+
+
+def test_sdpa_is_never_asked():
+    model = Attention().eval()
+    batch, seq = Dim("batch", min=1, max=8), Dim("seq", min=2, max=32)
+    example = (torch.randn(2, 5, 32), torch.ones(2, 5, dtype=torch.bool))
+    program = dynvm.compile(model, example, ({0: batch, 1: seq}, {0: batch, 1: seq}))
+    region = program.regions[0]
+    x, keep = torch.randn(2, 16, 32), torch.rand(2, 16) > 0.3
+    keep[:, 0] = True
+    probe = dict(zip((v.index for v in region.live_in), (x, keep), strict=False))
+    spec = specialize(program, region, probe)
+    assert "SDPA" in {op.opcode for op in spec.ops}
+    calibrator = Calibrator("cpu", rounds=2)
+    options = CpuOptions(None, fusion="off", channels_last="off", calibrator=calibrator,
+                         prepacked=PrepackCache(), one_thread="measured")
+    compile_kernel(spec, program, [t.detach() for t in program.constants],
+                   torch.device("cpu"), "test", "strong", options)
+    asked = {key[0] for (op, key) in calibrator.entries() if op == "one thread"}
+    assert "LAYER_NORM" in asked and "SDPA" not in asked, asked

@@ -50,6 +50,17 @@ process (exact kernels, 15 rounds interleaved, 2026-12-05 21:44 UTC, load 1.4, A
 0.987-1.008): 1x16 0.912, 1x64 0.961, 2x32 1.015, 4x32 1.010, 2x64 1.038, 1x128 1.242.
 The gain ends near 2^16 elements (1x64's and 2x32's layer norm are 49,152), so that is
 the cap: a larger op is never asked, whatever the host's load at compile time.
+
+SDPA is never asked (NEVER_ASKED). Its question is timed on zero operands, and its
+answer did not hold on the calls: BERT-base width's bf16 exact kernel at 2x32 ran 0.84x
+the interpreter where the other shapes' ran 0.26-0.41x, each of its four SDPA calls
+3.6-4.3 ms on one thread inside the kernel against 0.16 ms with the team, the same
+tensors (2026-12-06 00:17 UTC, load 1.6; bench.full_width's jit-bf16 1x32 / 2x32 at
+1.83 / 2.54x OpenVINO bf16 in the 00:02 run). Alone, with omp_set_num_threads(1),
+SDPA at BERT's batch 1-8 x seq 16-64 shapes took 1.3-3.5x (bf16) and 1.4-2.3x (fp32)
+the team's time (00:19, load 1.4). Without it the 2x32 kernel ran 0.365x the
+interpreter, every other shape within noise (fp32 too: 0.67-0.91 either way, 5 calls a
+shape).
 """
 
 from __future__ import annotations
@@ -68,6 +79,7 @@ from dynvm.vm.opcodes import OPCODES
 TEAM, ONE = "team", "one thread"
 # Ops above this many elements in their largest tensor are never asked (see the Note).
 MAX_ELEMENTS = 1 << 16
+NEVER_ASKED = frozenset({"SDPA"})   # Note [Small ops on one thread]: its last paragraph
 
 
 @functools.lru_cache(maxsize=1)
@@ -125,7 +137,8 @@ def _operand(arg, probe, constants, device):
 def _askable(op, probe, constants, device):
     """(the op's run function, abstract operands, largest tensor's numel), or None."""
     spec = OPCODES.get(op.opcode)
-    if (spec is None or op.variant not in ("", "inplace") or spec.gemm is not None
+    if (spec is None or op.opcode in NEVER_ASKED or op.variant not in ("", "inplace")
+            or spec.gemm is not None
             or spec.writes_state or spec.data_dependent or spec.is_view
             or spec.returns_operand or spec.impl is None):
         return None
