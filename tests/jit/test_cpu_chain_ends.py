@@ -10,8 +10,6 @@ Tolerance: tests/jit/test_cpu_conv_bf16.py's (bf16 against fp32 eager).
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from torch import nn
@@ -20,49 +18,26 @@ from torch.export import Dim
 import dynvm
 from dynvm.jit.backends.cpu import chain_ends, onednn_api, onednn_chain
 from dynvm.jit.backends.cpu.channels_last import to_channels_last_bf16
-from dynvm.jit.backends.cpu.fusion import onednn_available
 from dynvm.jit.backends.cpu.onednn_chain import PrimitiveChain, Step
 from dynvm.jit.backends.cpu.onednn_conv import ConvSpec, PrimitiveConv, _run_step, eltwise_of
 from dynvm.jit.backends.cpu.onednn_pool import PrimitiveMean
 from tests.jit import _jit_helpers as h
+from tests.jit._onednn import NEEDS_ONEDNN_LIBRARY, ChainBlocks, native_chain
 
-pytestmark = [
-    pytest.mark.skipif(not onednn_available(torch.device("cpu")),
-                       reason="this torch build has no oneDNN"),
-    pytest.mark.skipif(onednn_api.library() is None,
-                       reason=f"oneDNN's C library is not loaded: "
-                              f"{onednn_api.unavailable_reason()}")]
+pytestmark = NEEDS_ONEDNN_LIBRARY
 RELATIVE = 0.03
 
 
-def _bound():
-    bound, why = onednn_chain.native(onednn_api.library())
-    if bound is None and shutil.which("cc") is None:
-        pytest.skip(f"no C compiler at install: {why}")
-    assert bound is not None, why
-    return bound
-
-
-class _Net(nn.Module):
-    """tests/jit/test_cpu_chain_native.py's blocks (a stem, a max pool, a bottleneck
-    with a downsampling residual, one adding its input), then ResNet's head: the global
-    mean kept 1 x 1, flattened, a linear."""
+class _Net(ChainBlocks):
+    """The chain's blocks (tests/jit/_onednn.py), then ResNet's head: the global mean
+    kept 1 x 1, flattened, a linear."""
 
     def __init__(self, c: int = 16) -> None:
-        super().__init__()
-        self.stem, self.b0 = nn.Conv2d(3, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
-        self.pool = nn.MaxPool2d(3, 2, 1)
-        self.a1, self.a2 = nn.Conv2d(c, c // 2, 1), nn.Conv2d(c // 2, c // 2, 3, 2, 1)
-        self.a3, self.down = nn.Conv2d(c // 2, 2 * c, 1), nn.Conv2d(c, 2 * c, 1, 2)
-        self.c1, self.c2 = nn.Conv2d(2 * c, c // 2, 1), nn.Conv2d(c // 2, 2 * c, 3, 1, 1)
+        super().__init__(c)
         self.head = nn.Linear(2 * c, 10)
 
     def forward(self, x):
-        h = self.pool(torch.relu(self.b0(self.stem(x))))
-        a = torch.relu(self.a2(torch.relu(self.a1(h))))
-        y = torch.relu(self.a3(a) + self.down(h))
-        z = torch.relu(self.c2(torch.relu(self.c1(y))) + y)
-        return self.head(z.mean((2, 3), keepdim=True).flatten(1))
+        return self.head(self.trunk(x).mean((2, 3), keepdim=True).flatten(1))
 
 
 def _relative(got, want) -> float:
@@ -96,7 +71,7 @@ def _code(source: str) -> str:
 
 
 def test_a_bf16_chain_takes_in_its_conversion_and_mean_and_agrees_with_eager():
-    _bound()
+    native_chain()
     shapes = [(b, 16) for b in (4, 1, 3, 2, 4, 3, 1, 2, 8, 5)]
     sources = _sources("bf16", {0: Dim("batch", min=1, max=8)}, shapes, seed=11)
     converted_in = 0
@@ -116,7 +91,7 @@ def test_a_bf16_chain_takes_in_its_conversion_and_mean_and_agrees_with_eager():
 
 
 def test_fp32_chains_keep_their_conversion_and_mean():
-    _bound()
+    native_chain()
     shapes = [(b, 16) for b in (4, 1, 3, 2, 4, 3, 1, 2)]
     sources = _sources("fp32", {0: Dim("batch", min=1, max=4)}, shapes, seed=12)
     for source in sources:
@@ -128,7 +103,7 @@ def test_fp32_chains_keep_their_conversion_and_mean():
 def test_shapes_without_an_arena_convert_and_take_torchs_mean():
     # a family whose height varies: arenas for the probes' shapes only; dense sources,
     # so that the conversion is taken in
-    _bound()
+    native_chain()
     dims = {0: Dim("batch", min=1, max=4), 2: 8 * Dim("h", min=2, max=4)}
     shapes = [(2, 16), (3, 24), (1, 32), (4, 16), (2, 24), (3, 32)] * 2
     calls: list[tuple[bool, bool]] = []
@@ -161,7 +136,7 @@ def _hand_chain(shapes):
         y = nn.functional.conv2d(x.to(torch.bfloat16), weight.to(torch.bfloat16),
                                  bias.to(torch.bfloat16), 1, 1)
         return torch.relu(y.float()).mean((2, 3), keepdim=True)
-    return library, PrimitiveChain(library, _bound(), steps, (3,), [(1,), (2,)], _run_step,
+    return library, PrimitiveChain(library, native_chain(), steps, (3,), [(1,), (2,)], _run_step,
                                    head), reference
 
 
@@ -184,7 +159,7 @@ def test_the_mean_is_a_new_tensor_with_torchs_strides_unchanged_by_the_next_call
 
 
 def test_where_the_library_is_absent_nothing_is_taken_in(monkeypatch):
-    _bound()
+    native_chain()
     monkeypatch.setattr(onednn_chain, "_find_library", lambda: None)
     shapes = [(b, 16) for b in (2, 1, 2, 1, 2, 1)]
     sources = _sources("bf16", {0: Dim("batch", min=1, max=2)}, shapes, seed=14)

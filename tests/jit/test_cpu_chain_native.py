@@ -11,7 +11,6 @@ Tolerance as tests/jit/test_cpu_conv_primitives.py's.
 
 from __future__ import annotations
 
-import shutil
 import threading
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from torch.export import Dim
 
 import dynvm
 from dynvm.jit.backends.cpu import onednn_api, onednn_chain
-from dynvm.jit.backends.cpu.fusion import onednn_available
 from dynvm.jit.backends.cpu.onednn_chain import PrimitiveChain, Step, chain_primitives
 from dynvm.jit.backends.cpu.onednn_conv import (
     _STEP_KINDS,
@@ -36,45 +34,11 @@ from dynvm.jit.backends.cpu.onednn_conv import (
 from dynvm.jit.backends.cpu.onednn_pool import POOL_PRIMITIVE, PoolSpec, PrimitivePool
 from dynvm.jit.ir import Literal, SpecializedRegion, SpecOp, Var
 from tests.jit import _jit_helpers as h
+from tests.jit._onednn import NEEDS_ONEDNN_LIBRARY, ChainBlocks, native_chain
 
-pytestmark = [
-    pytest.mark.skipif(not onednn_available(torch.device("cpu")),
-                       reason="this torch build has no oneDNN"),
-    pytest.mark.skipif(onednn_api.library() is None,
-                       reason=f"oneDNN's C library is not loaded: "
-                              f"{onednn_api.unavailable_reason()}")]
+pytestmark = NEEDS_ONEDNN_LIBRARY
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 _CL = torch.channels_last
-
-
-def _bound():
-    bound, why = onednn_chain.native(onednn_api.library())
-    if bound is None and shutil.which("cc") is None:
-        pytest.skip(f"no C compiler at install: {why}")
-    # where a compiler exists, a silently missing library would leave every chain on
-    # Python's calls
-    assert bound is not None, why
-    return bound
-
-
-class _Blocks(nn.Module):
-    """A stem, a max pool and two bottlenecks (a strided one with a downsampling
-    residual, then one adding its input): every primitive kind a chain holds."""
-
-    def __init__(self, c: int = 16) -> None:
-        super().__init__()
-        self.stem, self.b0 = nn.Conv2d(3, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
-        self.pool = nn.MaxPool2d(3, 2, 1)
-        self.a1, self.a2 = nn.Conv2d(c, c // 2, 1), nn.Conv2d(c // 2, c // 2, 3, 2, 1)
-        self.a3, self.down = nn.Conv2d(c // 2, 2 * c, 1), nn.Conv2d(c, 2 * c, 1, 2)
-        self.c1, self.c2 = nn.Conv2d(2 * c, c // 2, 1), nn.Conv2d(c // 2, 2 * c, 3, 1, 1)
-
-    def forward(self, x):
-        h = self.pool(torch.relu(self.b0(self.stem(x))))
-        a = torch.relu(self.a2(torch.relu(self.a1(h))))
-        y = torch.relu(self.a3(a) + self.down(h))
-        z = torch.relu(self.c2(torch.relu(self.c1(y))) + y)
-        return z.mean((2, 3))
 
 
 def _chained(rt, layout: str) -> list[str]:
@@ -94,8 +58,8 @@ def _chained(rt, layout: str) -> list[str]:
     ("fp32", 16, "NHWC"),        # 8-channel convolutions: NHWC throughout
     ("bf16", 32, "NHWC")])       # bf16 stays NHWC (BLOCKED_DTYPES)
 def test_a_chain_is_one_native_call_and_agrees_with_eager(precision, width, layout):
-    _bound()
-    model = _Blocks(width).eval()
+    native_chain()
+    model = ChainBlocks(width).eval()
     program = dynvm.compile(model, (torch.randn(2, 3, 16, 16),),
                             ({0: Dim("batch", min=1, max=8)},))
     config = h.eager_config(families=True, cpu_fusion="always", cpu_channels_last="always",
@@ -122,8 +86,8 @@ def test_a_chain_is_one_native_call_and_agrees_with_eager(precision, width, layo
 def test_shapes_without_an_arena_run_the_steps_one_by_one():
     # A family whose height varies: arenas for the probes' shapes; the others run each
     # step on its own (a primitive where built, else the op's torch call).
-    _bound()
-    model = _Blocks().eval()
+    native_chain()
+    model = ChainBlocks().eval()
     program = dynvm.compile(model, (torch.randn(2, 3, 16, 16),),
                             ({0: Dim("batch", min=1, max=4), 2: 8 * Dim("h", min=2, max=4)},))
     config = h.eager_config(families=True, cpu_fusion="always", cpu_channels_last="always")
@@ -179,7 +143,7 @@ def _hand_chain(shapes=((2, 4, 12, 12),), width: int = 8):
     (1, 16, 32, "NHWC")])     # batch 1 stays NHWC inside (BLOCKED_MIN_BATCH)
 def test_a_returned_tensor_is_not_changed_by_the_next_call(batch, c_in, width, layout):
     # nChw16c: the input reordered in, the result reordered out into a new NHWC tensor
-    bound = _bound()
+    bound = native_chain()
     library, steps, frees, reference = _hand_chain(((batch, c_in, 12, 12),), width)
     chain = PrimitiveChain(library, bound, steps, (4,), frees, _run_step)
     assert set(chain.by_shape) == {(batch, c_in, 12, 12)}
@@ -205,7 +169,7 @@ def test_a_returned_tensor_is_not_changed_by_the_next_call(batch, c_in, width, l
 
 @pytest.mark.parametrize("c_in,width", [(4, 8), (16, 32)])
 def test_two_threads_calling_one_chain_get_their_own_results(c_in, width):
-    bound = _bound()
+    bound = native_chain()
     library, steps, frees, reference = _hand_chain(((2, c_in, 12, 12), (3, c_in, 12, 12)),
                                                    width)
     chain = PrimitiveChain(library, bound, steps, (4,), frees, _run_step)
@@ -242,7 +206,7 @@ def _hand_spec(steps, frees) -> SpecializedRegion:
 
 
 def test_the_pass_makes_one_op_and_where_the_library_is_absent_changes_nothing():
-    _bound()
+    native_chain()
     library, steps, frees, reference = _hand_chain()
     spec = _hand_spec(steps, frees)
     chained, note = chain_primitives(spec, library, _STEP_KINDS, _run_step, "onednn")

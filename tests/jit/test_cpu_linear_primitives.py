@@ -20,7 +20,6 @@ from torch.export import Dim
 import dynvm
 from dynvm.jit.backends.cpu import onednn_api
 from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
-from dynvm.jit.backends.cpu.fusion import onednn_available
 from dynvm.jit.backends.cpu.onednn_conv import eltwise_of
 from dynvm.jit.backends.cpu.onednn_linear import (
     ANY_ROWS,
@@ -32,14 +31,9 @@ from dynvm.jit.backends.cpu.precision import precision_available
 from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.specialize import specialize
 from tests.jit import _jit_helpers as h
+from tests.jit._onednn import NEEDS_ONEDNN_LIBRARY
 
-pytestmark = [
-    pytest.mark.skipif(not onednn_available(torch.device("cpu")),
-                       reason="this torch build has no oneDNN"),
-    pytest.mark.skipif(onednn_api.library() is None,
-                       reason=f"oneDNN's C library is not loaded: "
-                              f"{onednn_api.unavailable_reason()}"),
-]
+pytestmark = NEEDS_ONEDNN_LIBRARY
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 BF16_RELATIVE = 3e-2        # tests/jit/test_cpu_precision.py's bf16 bound
 

@@ -18,16 +18,11 @@ from torch.export import Dim
 
 import dynvm
 from dynvm.jit.backends.cpu import onednn_api, onednn_chain
-from dynvm.jit.backends.cpu.fusion import onednn_available
 from dynvm.jit.backends.cpu.onednn_pool import PoolSpec, PrimitivePool, pool_arguments
 from tests.jit import _jit_helpers as h
+from tests.jit._onednn import NEEDS_ONEDNN_LIBRARY
 
-pytestmark = [
-    pytest.mark.skipif(not onednn_available(torch.device("cpu")),
-                       reason="this torch build has no oneDNN"),
-    pytest.mark.skipif(onednn_api.library() is None,
-                       reason=f"oneDNN's C library is not loaded: "
-                              f"{onednn_api.unavailable_reason()}")]
+pytestmark = NEEDS_ONEDNN_LIBRARY
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 _max_pool = torch.ops.aten.max_pool2d_with_indices
 
