@@ -79,7 +79,11 @@ measurement decides:
   in the interpreter. A region whose specializations were dropped expects no saving
   from the next (its speed-up estimate is the measured ratios), so its cold check
   (Note [Cold regions]) soon stops watching it, and its calls no longer pay for a
-  signature either.
+  signature either. But a drop that was not a clear loss (its ratio under
+  `EARLY_LOSS`) is held out of that estimate until the key's retry, after its
+  back-off, measures it again on fresh samples (Note [One noisy verdict] in
+  jit.savings); the back-off keeps doubling across retries (an install no longer
+  resets its count).
 
 Each step is counted (stats()["probation"]), logged in the event log and sent as an
 event on the call's span; `dynvm explain` shows each specialization's measured ratio.

@@ -18,6 +18,7 @@ class SignatureStats:
     count: int = 0
     total_seconds: float = 0.0
     last_seen: int = 0          # the region call number of its latest call
+    first_seen: int = 0         # ... and of its first (its rate: Note [Settled])
     # Its fastest call: what the region costs without the stalls a loaded machine adds
     # (a preempted call can take 1000x the usual; a mean keeps it, a minimum never does).
     min_seconds: float = float("inf")
@@ -43,7 +44,7 @@ class RegionProfile:
         if stats is None:
             if len(self.table) >= 4 * self.window:
                 self._forget_oldest()
-            stats = self.table[signature] = SignatureStats()
+            stats = self.table[signature] = SignatureStats(first_seen=self.calls)
         stats.count += 1
         stats.total_seconds += seconds
         if seconds < stats.min_seconds:

@@ -60,7 +60,6 @@ from dynvm.jit.policy import (
     PolicyInputs,
     benefit_seconds,
     decide,
-    horizon,
     recurrence_threshold,
 )
 from dynvm.jit.probation import CONFIRMED, DEMOTE, DROP, EARLY_SAMPLES, Probation
@@ -68,7 +67,7 @@ from dynvm.jit.profiler import RegionProfile
 from dynvm.jit.region_slot import RegionCounters, Specialization
 from dynvm.jit.region_watch import RegionWatch
 from dynvm.jit.savings import KernelSavings
-from dynvm.jit.tiering import eviction_victim, note_served, tier_check_due
+from dynvm.jit.tiering import eviction_victim, exact_benefit, note_served, tier_check_due
 from dynvm.shape_cluster import FamilyIndex
 
 if TYPE_CHECKING:
@@ -82,6 +81,7 @@ _MEMO_LIMIT = 4096
 _MANY = object()       # a family with more than one member signature so far
 _UNMATCHED = object()  # a signature not looked up among the family kernels yet
 _COLD = object()       # the ticket of a call run unwatched (Note [Cold regions])
+_NO_HITS = (0, 0)      # a signature's family hits and the clock at its latest
 
 
 class RegionHost(Protocol):
@@ -153,7 +153,7 @@ class RegionJit:
         self.family_profile = RegionProfile(engine.config.window)
         self._members: dict[str, object] = {}     # family key -> its one signature, or _MANY
         self._memo: dict[tuple, Specialization] = {}
-        self._family_hits: dict[tuple, int] = {}
+        self._family_hits: dict[tuple, tuple[int, int]] = {}   # hits, clock
         self.profile = RegionProfile(engine.config.window)
         self.threshold = recurrence_threshold(engine.config, len(region))
         self.pending: set[tuple] = set()
@@ -409,12 +409,14 @@ class RegionJit:
         """Note [Probation]: keep, demote (re-plan without the arena) or drop."""
         passed = spec.probation.passes(ratio)
         spec.ratio, spec.probation = ratio, None
-        self.savings.record(FAMILY if spec.family is not None else EXACT, ratio)
+        key = spec.promoted_as if spec.promoted_as is not None else spec.target
+        # Note [One noisy verdict] in jit.savings: a loss within the noise is held once.
+        self.savings.record(FAMILY if spec.family is not None else EXACT, ratio, key,
+                            lost=not passed)
         self._policy_inputs = None
         if passed:
             self.engine.on_probation(self, spec, CONFIRMED)
             return
-        key = spec.promoted_as if spec.promoted_as is not None else spec.target
         with self._lock:
             if not self._remove(spec):
                 return  # evicted meanwhile
@@ -423,6 +425,7 @@ class RegionJit:
         if spec.arena:
             self.engine.on_probation(self, spec, DEMOTE, key)
         else:
+            self.savings.dropped(key)
             self.compile_failed(key)  # backs off (Note [Cold regions])
             self.engine.on_probation(self, spec, DROP, key)
             with self._lock:  # the measured loss lowers the region's best saving: look now
@@ -486,24 +489,18 @@ class RegionJit:
         return found
 
     def _family_hit(self, signature: tuple, spec: Specialization) -> None:
-        hits = self._family_hits.get(signature, 0) + 1
+        hits = self._family_hits.get(signature, _NO_HITS)[0] + 1
         if len(self._family_hits) >= _MEMO_LIMIT and hits == 1:
             self._family_hits.clear()
-        self._family_hits[signature] = hits
+        self._family_hits[signature] = (hits, self._clock)   # the clock: Note [Settled]
         note_served(spec, signature)   # Note [Eviction by what a kernel still serves]
         if not tier_check_due(hits, self.threshold):
             return
-        config = self.engine.config
         with self._lock:
             if signature in self.pending or signature in self.strong or \
                     self._backing_off(signature) or not self.engine.compiles_locally():
                 return
-            calls = self.counters.interpreted + self.counters.specialized
-            frequency = hits / max(1, calls - spec.installed_at)
-            per_call = spec.seconds / max(1, spec.calls)
-            benefit = (frequency * horizon(config, self.age()) * per_call
-                       * config.exact_over_family_gain)
-            cost = self.engine.estimated_compile_seconds(len(self.region), EXACT)
+            benefit, cost = exact_benefit(self, hits, spec)
             if benefit <= cost:
                 return
             self.pending.add(signature)
@@ -545,9 +542,8 @@ class RegionJit:
         if config.probation and not self._writes_state:
             spec.probation = Probation(config.probation_shadow_every,
                                        config.probation_samples, config.probation_margin)
-        with self._lock:
+        with self._lock:   # a back-off's count stays: a dropped key's next backs off 2x
             self.pending.discard(pending)
-            self.counters.failed.pop(pending, None)
             if spec.family is not None:
                 table, key = self.family_kernels, spec.family.key
                 self._memo.clear()  # signatures it covers may be memoized as misses

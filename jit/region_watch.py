@@ -52,20 +52,22 @@ A specialization that measured slower than the interpreter (Note [Probation] in
 dynvm.jit.probation) is dropped and its key backs off as after a failed compile: not
 promoted again for `failed_compile_backoff_calls` region calls, doubling each time; the
 region checks the bound at once (its speed-up estimate now includes the loss), so a
-region whose every specialization loses runs interpreted, watched only cheaply. The
-check comes every 64 profiled calls (it was 256: gnn's 300-call workload, a new shape
-every call, paid for watching its one region on every call and was never checked). A
-cold period also skips the lookups, not only the profiling, when they cost more than
-they found since the last check, by measurement: the misses' layout keys and the
-region's resolution of new layouts per call against the hits' savings, each priced by
-its specialization's probation verdict (kernel time x (1 / ratio - 1)). On a shape storm
-(gnn) most calls are new layouts whose resolution (a strong signature with new interned
-shapes) costs more than the few hits save. The rule was "hits under half of the calls"
-once (it stays where no verdict prices a hit, probation off); that switched off llama's
-kept family kernel (0.93-0.95x the interpreter on its half of the shapes) whenever a
-window saw 31 hits in 64, and as the skipped period's calls hit nothing by
-construction, every later check agreed: it served 4% of the calls. Hits are now judged
-over the calls that looked up.
+region whose every specialization loses runs interpreted, watched only cheaply. A loss
+within the noise is held out of the estimate until the key's retry measured it again
+(Note [One noisy verdict] in jit.savings): one noisy verdict left bloom's region
+interpreted for good. The check comes every 64 profiled calls (it was 256: gnn's
+300-call workload, a new shape every call, paid for watching its one region on every
+call and was never checked). A cold period also skips the lookups, not only the
+profiling, when they cost more than they found since the last check, by measurement: the
+misses' layout keys and the region's resolution of new layouts per call against the
+hits' savings, each priced by its specialization's probation verdict (kernel time x (1 /
+ratio - 1)). On a shape storm (gnn) most calls are new layouts whose resolution (a
+strong signature with new interned shapes) costs more than the few hits save. The rule
+was "hits under half of the calls" once (it stays where no verdict prices a hit,
+probation off); that switched off llama's kept family kernel (0.93-0.95x the interpreter
+on its half of the shapes) whenever a window saw 31 hits in 64, and as the skipped
+period's calls hit nothing by construction, every later check agreed: it served 4% of
+the calls. Hits are now judged over the calls that looked up.
 
 Note [Sampled watching]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -215,6 +217,7 @@ class RegionWatch:
         self.unlooked_calls = 0       # calls that took the first cold path of `enter`
         self._detach_period = DETACH_CALLS   # program calls (Note [Detached regions])
         self.checked = False   # its first cold check has run (Jit.settled)
+        self.judged_cold = False   # ... and the latest found it cold (Note [Settled])
         # The watch's measured price (Note [Sampled watching]): the recent profiled
         # leaves' seconds, and a layout key's, timed on one miss per cold check.
         self._leave_costs: deque[float] = deque(maxlen=WATCH_SAMPLES * 4)
@@ -292,8 +295,10 @@ class RegionWatch:
                 self._watch_affordable
                 and any(COLD_SLACK * benefit >= cost for benefit, cost in priced)):
             self._cold_period = COLD_CHECK_EVERY
+            self.judged_cold = False
             self._sample(counters.promotions)
             return
+        self.judged_cold = True
         self._idle_checks = 0   # a cold period replaces the idle doubling
         installed = region.installed()
         self.sample_every = self._sample_floor

@@ -5,6 +5,8 @@ calls them holding its lock."""
 
 from __future__ import annotations
 
+from dynvm.jit.policy import EXACT, horizon
+
 TIER_CHECK_EVERY = 32
 SERVED_LIMIT = 64   # signatures a family kernel remembers serving; past it, "many"
 
@@ -38,6 +40,17 @@ def tier_check_due(hits: int, threshold: int) -> bool:
         return False
     multiple = hits // threshold
     return multiple & (multiple - 1) == 0
+
+
+def exact_benefit(region_jit, hits: int, spec) -> tuple[float, float]:
+    """(benefit, compile cost) of the exact kernel of a signature with `hits` hits of
+    family kernel `spec` in `region_jit` (Note [Tiering] in jit.region_jit: frequency x
+    family-kernel time x `exact_over_family_gain` over the horizon)."""
+    config = region_jit.engine.config
+    frequency = hits / max(1, region_jit.region_calls() - spec.installed_at)
+    benefit = (frequency * horizon(config, region_jit.age()) * spec.seconds
+               / max(1, spec.calls) * config.exact_over_family_gain)
+    return benefit, region_jit.engine.estimated_compile_seconds(len(region_jit.region), EXACT)
 
 
 def note_served(spec, signature: tuple) -> None:
