@@ -1,6 +1,8 @@
 """The compiled parts of dynvm: the CPU backend's small-M GEMM (Note [A small-M GEMM of
-our own] in jit/backends/cpu/native_linear.py) and its chain of oneDNN primitives in one
-call (Note [A chain of primitives in one call] in jit/backends/cpu/onednn_chain.py).
+our own] in jit/backends/cpu/native_linear.py), its chain of oneDNN primitives in one
+call (Note [A chain of primitives in one call] in jit/backends/cpu/onednn_chain.py) and
+a GEMM's column halves with a helper thread (Note [Column halves with a helper thread]
+in jit/backends/cpu/column_halves.py).
 Everything else is in pyproject.toml.
 
 The kernels are plain C functions called through ctypes (the module itself is empty, so
@@ -24,5 +26,13 @@ setup(ext_modules=[Extension(
     "dynvm.jit.backends.cpu._onednn_chain",
     sources=["jit/backends/cpu/native/onednn_chain.c"],
     extra_compile_args=["-O2"],
+    optional=True,
+), Extension(
+    # a GEMM's column halves, the second run by a helper thread of dynvm's own (Note
+    # [Column halves with a helper thread] in jit/backends/cpu/column_halves.py);
+    # oneDNN's and OpenMP's functions arrive as pointers: nothing is linked
+    "dynvm.jit.backends.cpu._column_halves",
+    sources=["jit/backends/cpu/native/column_halves.c"],
+    extra_compile_args=["-O3"],
     optional=True,
 )])

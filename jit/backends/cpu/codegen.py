@@ -34,6 +34,7 @@ from dynvm.jit.backends.cpu.channels_last import (
     layout_comment,
     plan_channels_last,
 )
+from dynvm.jit.backends.cpu.column_halves import kernel_halves
 from dynvm.jit.backends.cpu.conv import PackedPerBatch, fuse_conv_epilogues
 from dynvm.jit.backends.cpu.conv_residual import IN_PLACE_KERNELS, residuals_in_place
 from dynvm.jit.backends.cpu.decode_fusion import DECODE_KERNELS, fuse_decode_ops
@@ -135,17 +136,28 @@ def kernel_name(spec: SpecializedRegion, signature_text: str) -> str:
 def emit_source(spec: SpecializedRegion, program, constants, device: torch.device,
                 name: str, header: str, options: CpuOptions,
                 arena: ArenaBinding | None = None,
-                one_thread: frozenset = frozenset()) -> tuple[str, dict]:
+                one_thread: frozenset = frozenset(), halves=None) -> tuple[str, dict]:
     """The Python source of the kernel, and the globals it runs with.
 
     With an arena, two bodies are emitted: `<name>_arena` writes planned results into
     the leased buffer (Note [Arena layout]); `<name>_plain` allocates as the interpreter
     does and runs when the pool refuses a lease. `<name>` picks one per call. Ops at the
     positions in `one_thread` run on the calling thread alone (Note [Small ops on one
-    thread])."""
+    thread]). With `halves` (a KernelHalves, Note [Column halves with a helper thread])
+    `<name>` enters and leaves it around `<name>_run`."""
     emitter = _Emitter()
     for line in header.splitlines():
         emitter.lines.append(f"# {line}")
+    if halves is not None:
+        entry = emitter.bind("halves", halves)
+        emitter.lines.append(f"def {name}(regs):")
+        emitter.line(f"token = {entry}.enter()")
+        emitter.line("try:")
+        emitter.line(f"return {name}_run(regs)", 2)
+        emitter.line("finally:")
+        emitter.line(f"{entry}.leave(token)", 2)
+        emitter.lines.append("")
+        name = f"{name}_run"
     if arena is None:
         emitter.lines.append(f"def {name}(regs):")
         _emit_body(emitter, spec, program, constants, device, None, one_thread)
@@ -357,6 +369,14 @@ class CpuOptions:
     primitives built once] in onednn_linear): "on", or "off" (the in-process A/B). Not
     part of the key, as `arena_ops`: the same results, re-done by whoever emits."""
 
+    column_halves: str = "off"
+    """Linear primitives of exact kernels at a few rows also as column halves with a
+    helper thread, chosen per kernel by its measured calls (Note [Column halves with a
+    helper thread] in column_halves): "on", "off" (the default until it measures a
+    gain in the bar's command), or "always" / "never" (the kernel's calls always / never
+    run the halves: the in-process A/B's arms, tests). Not part of the key, as
+    `arena_ops`."""
+
     bf16_attention: str = "on"
     """Under precision "bf16", SDPA on its bf16 Q/K/V between bf16 GEMMs (Note [bf16
     attention between bf16 GEMMs] in attention_bf16): "on", or "off" (the in-process
@@ -453,7 +473,8 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
             spec, notes = fused.spec, notes + fused.notes
         elif options.linear_primitives == "on" and device.type == "cpu":
             # Note [oneDNN linear primitives built once]: the linears fusion chose
-            spec, note = linear_primitives(spec, constants, options.prepacked)
+            spec, note = linear_primitives(spec, constants, options.prepacked,
+                                           halves=options.column_halves != "off")
             notes += (note.removeprefix("; "),) if note else ()
     if options.channels_last != "off" and guard != GuardStrength.WEAK.value \
             and device.type == "cpu":
@@ -476,6 +497,8 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
                                  shapes_vary=len(spec.abstract) > 1)
             header += (f"\narena: {layout.plan.size:,} bytes for {len(layout.blocks)} "
                        f"tensors (lower bound {layout.plan.lower_bound:,})")
+    halves = kernel_halves(spec.ops, {"always": True, "never": False}.get(
+        options.column_halves))   # Note [Column halves with a helper thread]
     source, bindings = emit_source(spec, program, constants, device, name, header, options,
-                                   arena, one_thread)
+                                   arena, one_thread, halves)
     return CpuKernel(name, source, _define(source, bindings, name), arena, notes)

@@ -104,6 +104,7 @@ import functools
 
 import torch
 
+from dynvm.jit.backends.cpu import column_halves
 from dynvm.jit.backends.cpu import onednn_api as api
 from dynvm.jit.backends.cpu.fusion import (
     FUSED_VARIANT,
@@ -210,10 +211,12 @@ def _weights_of(library: api.Library, plain) -> LinearWeights:
     return LinearWeights(library, plain())
 
 
-def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCache
-                      ) -> tuple[SpecializedRegion, str]:
+def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCache,
+                      halves: bool = False) -> tuple[SpecializedRegion, str]:
     """`spec` with its fused and native linears on oneDNN matmul primitives built once
-    (Note [oneDNN linear primitives built once]), and a note saying how many or why none."""
+    (Note [oneDNN linear primitives built once]), and a note saying how many or why none.
+    With `halves`, those at column_halves.MAX_ROWS rows or fewer in an exact kernel also
+    get column halves (Note [Column halves with a helper thread])."""
     candidates = [i for i, op in enumerate(spec.ops)
                   if (op.opcode in (LINEAR_UNARY, LINEAR_BINARY) and is_fused(op))
                   or (op.opcode == NATIVE_LINEAR and is_native(op))]
@@ -226,6 +229,10 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
     leaving = {v.reg for _, v in spec.outputs if isinstance(v, Var)}
     uses = use_counts(ops, leaving)
     kept: dict[str, int] = {}
+    halved, halves_native, halves_note = 0, None, ""
+    if halves:
+        halves_native, why = column_halves.native(library)
+        halves_note = f"; no column halves ({why})" if halves_native is None else ""
     impls: set[str] = set()
     removed: set[int] = set()
     for position in candidates:
@@ -278,6 +285,15 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
         except api.OnednnError as exc:
             kept[str(exc)] = kept.get(str(exc), 0) + 1
             continue
+        if halves_native is not None and rows[0] != ANY_ROWS \
+                and rows[0] <= column_halves.MAX_ROWS:
+            try:   # Note [Column halves with a helper thread]
+                linear = column_halves.halves_of(linear, library, halves_native, rows[0],
+                                                 found.plain, prepacked, found.weight_key,
+                                                 found.bias)
+                halved += 1
+            except api.OnednnError as exc:
+                halves_note += f"; no halves: {exc}"
         impls |= linear.impls()
         other = found.other if found.other is not None else Literal(None)
         pcs, dsts = epilogue_pcs(op), op.dsts
@@ -296,6 +312,9 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
         note += "; kept: " + ", ".join(f"{n} {why}" for why, n in kept.items())
     if removed:
         note += f"; {len(removed)} activation(s) or fp32 residual add(s) folded in"
+    if halved:
+        note += f"; {halved} as column halves with a helper thread"
+    note += halves_note
     if not done:
         return spec, note
     new_ops = add_frees([op for i, op in enumerate(ops) if i not in removed], leaving)

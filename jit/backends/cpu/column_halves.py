@@ -1,0 +1,288 @@
+"""A GEMM at a few rows as two column halves on one-thread oneDNN primitives, the second
+half run by a helper thread of dynvm's own, chosen per exact kernel by its measured
+calls (native/column_halves.c, the `_column_halves` library).
+
+Note [Column halves with a helper thread]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+At batch 1 each linear primitive is one OpenMP region (Note [oneDNN linear primitives
+built once]); with the passive wait policy the benchmarks run (bench/_omp.py) its worker
+starts ~45 us into the region and the caller leaves ~38 us after the later body: 1.33
+of 3.05 ms over BERT-base's 16 bf16 GEMMs at M=16. Here such a GEMM is two primitives
+over the two halves of its output columns, each built and run on one thread (oneDNN
+then runs it inline, no region): the caller posts half B, runs half A, and takes B
+itself unless the helper claimed it first. The helper is one pthread per process that
+spins, at SCHED_IDLE priority, only while a kernel call that runs halves is inside (the
+kernel's entry and exit: codegen wraps the kernel, `KernelHalves`), sleeps on a futex
+between calls and parks after `MAX_SPIN_NS` without a half; it computes at normal
+priority. A caller whose claimed half is `LATE_NS` late sleeps on a futex, so a helper
+preempted mid-half gets the core. A second thread calling while a call owns the helper
+runs the team (the linear's ordinary primitive).
+
+The halves' weights are reordered copies of their own ([N/2, K] each, built at one
+thread; shared across kernels through the PrepackCache, key `onednn-linear-halves`): a
+second copy of each weight beside the team's. oneDNN 3.2's brgemm matmul refuses a
+strided result (it falls to gemm:jit, several times slower), so each half writes a dense
+buffer of its own and its thread copies it into its columns of the result; a binary
+post-op (add or multiply, fp32 result) is done there on the operand's columns, after
+the primitive's bias and activation, in the order oneDNN's post-op does it: equal to
+the team's result.
+
+Halves or team is measured, not assumed: a kernel's calls alternate until each way has
+`_FIRST` timings, then run the faster by median over the last `_WINDOW`, the other one
+call in `_EXPLORE` (an online A/B of whole kernel calls, per exact kernel, so per row
+count). Under load the helper claims little or late, the halves' calls slow and the
+kernel falls back to the team. Rows: exact kernels whose linears run at
+`MAX_ROWS` rows or fewer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from dynvm.jit.backends.cpu import onednn_api as api
+from dynvm.jit.backends.cpu.native_linear import find_extension
+from dynvm.jit.backends.cpu.one_thread import openmp_runtime
+from dynvm.jit.backends.cpu.onednn_matmul import LinearPrimitive, LinearSpec, LinearWeights
+
+_LIBRARY_STEM = "_column_halves"
+MAX_ROWS = 64
+"""The most rows a linear runs as halves (BERT-base width, Note [Column halves with a
+helper thread])."""
+LATE_NS = 100_000
+"""How late the helper's half may be before the caller sleeps on a futex."""
+MAX_SPIN_NS = 2_000_000
+"""How long the helper spins inside a call without a half to run before it parks."""
+_BLOCK = 16          # the halves' split, in columns: oneDNN's blocking
+_WINDOW, _FIRST, _EXPLORE = 7, 3, 16
+
+_THREAD = threading.local()     # .halves: this thread's call owns the helper
+
+
+class _Halves(ctypes.Structure):
+    """struct halves of native/column_halves.c: one GEMM's two halves."""
+
+    _fields_ = [("primitive", ctypes.c_void_p * 2), ("nargs", ctypes.c_int64 * 2),
+                ("args", ctypes.c_void_p * 2), ("src_memory", ctypes.c_void_p * 2),
+                ("buffer", ctypes.c_void_p * 2), ("cols", ctypes.c_int64 * 2),
+                ("first_col", ctypes.c_int64 * 2), ("rows", ctypes.c_int64),
+                ("width", ctypes.c_int64), ("element_size", ctypes.c_int64),
+                ("binary", ctypes.c_int64)]
+
+
+class _Native:
+    """The library's functions (ctypes.PyDLL: called holding the GIL), its helper
+    started on oneDNN's execute with a stream of its own."""
+
+    def __init__(self, path: Path, library: api.Library, omp) -> None:
+        dll = ctypes.PyDLL(str(path))
+        p, i = ctypes.c_void_p, ctypes.c_int
+        self.run = dll.dynvm_halves_run
+        self.run.argtypes, self.run.restype = [p, ctypes.POINTER(_Halves), p, p, p], i
+        self.enter, self.leave = dll.dynvm_halves_enter, dll.dynvm_halves_leave
+        self.enter.argtypes, self.enter.restype = [], i
+        self.leave.argtypes, self.leave.restype = [], None
+        self._counts = dll.dynvm_halves_counts
+        self._counts.argtypes, self._counts.restype = [ctypes.POINTER(ctypes.c_longlong)], None
+        self.set_claiming = dll.dynvm_halves_set_claiming
+        self.set_claiming.argtypes, self.set_claiming.restype = [i], None
+        self.omp = omp
+        self.stream = library.stream
+        self._helper_stream = ctypes.c_void_p()     # alive with the process
+        api.check(library.dll.dnnl_stream_create(ctypes.byref(self._helper_stream),
+                                                 library.engine, api.STREAM_DEFAULT),
+                  "helper stream")
+        start = dll.dynvm_halves_start
+        start.argtypes, start.restype = [p, p, p, p, p, ctypes.c_longlong,
+                                         ctypes.c_longlong], i
+        status = start(*(ctypes.cast(f, p) for f in (
+            library.dll.dnnl_primitive_execute, library.dll.dnnl_memory_set_data_handle,
+            omp.omp_set_num_threads, omp.omp_get_max_threads)),
+            self._helper_stream, LATE_NS, MAX_SPIN_NS)
+        if status != 0:
+            raise api.OnednnError(f"the helper thread did not start (error {status})")
+
+    def counts(self) -> tuple[int, int]:
+        """B halves run by the helper and by the caller since the process started."""
+        out = (ctypes.c_longlong * 2)()
+        self._counts(out)
+        return out[0], out[1]
+
+
+_NATIVE: dict = {}
+_NATIVE_LOCK = threading.Lock()
+
+
+def native(library: api.Library | None, path: Path | None = None
+           ) -> tuple[_Native | None, str]:
+    """The halves library bound to `library` (its helper started), or None and why not
+    (`path` overrides where it is looked for: tests point it at a missing file)."""
+    if library is None:
+        return None, api.unavailable_reason()
+    found = path if path is not None else find_extension(_LIBRARY_STEM)
+    if found is None or not found.exists():
+        return None, (f"{_LIBRARY_STEM} was not built (setup.py compiles it at install; "
+                      "reinstall dynvm with a C compiler present)")
+    with _NATIVE_LOCK:
+        if found not in _NATIVE:
+            omp = openmp_runtime()
+            if omp is None:
+                return None, "no OpenMP runtime loaded"
+            try:
+                _NATIVE[found] = _Native(found, library, omp)
+            except (OSError, AttributeError, api.OnednnError) as exc:
+                return None, f"{found.name}: {exc}"
+        return _NATIVE[found], ""
+
+
+class HalvesLinear:
+    """One linear of an exact kernel at `rows` rows: its column halves while this
+    thread's kernel call owns the helper, else `team` (the ordinary primitive linear,
+    whose attributes it shows)."""
+
+    def __init__(self, native_: _Native, library: api.Library, team, rows: int,
+                 halves_weights: tuple[LinearWeights, LinearWeights],
+                 bias: torch.Tensor | None) -> None:
+        spec: LinearSpec = team.spec
+        if spec.binary is not None and spec.result_dtype != torch.float32:
+            raise api.OnednnError(f"a {spec.binary} post-op on a {spec.result_dtype} result")
+        self.team, self.rows, self._native = team, rows, native_
+        n = spec.out_features
+        cut = halves_weights[0].plain.shape[0]
+        widths = (cut, n - cut)
+        previous = native_.omp.omp_get_max_threads()
+        native_.omp.omp_set_num_threads(1)     # built for one thread: run inline
+        try:
+            self._halves = [LinearPrimitive(
+                library, LinearSpec(spec.in_features, width, spec.dtype, bias is not None,
+                                    spec.eltwise, None, spec.result_dtype),
+                rows, weights, None if bias is None else bias[first:first + width])
+                for weights, width, first in zip(halves_weights, widths, (0, cut))]
+        finally:
+            native_.omp.omp_set_num_threads(previous)
+        self._buffers = [torch.empty((rows, w), dtype=spec.result_dtype) for w in widths]
+        h = self._struct = _Halves()
+        for i, (half, buffer) in enumerate(zip(self._halves, self._buffers)):
+            h.primitive[i], h.nargs[i] = half._prim.value, half._nargs
+            h.args[i], h.src_memory[i] = half._args_pointer.value, half._src.value
+            h.buffer[i] = buffer.data_ptr()
+            api.check(library.dll.dnnl_memory_set_data_handle(half._dst, buffer.data_ptr()),
+                      "halves' buffer")
+            h.cols[i], h.first_col[i] = widths[i], (0, cut)[i]
+        h.rows, h.width = rows, n
+        h.element_size = torch.empty((), dtype=spec.result_dtype).element_size()
+        h.binary = {None: 0, "add": 1, "mul": 2}[spec.binary]
+        self._pointer = ctypes.pointer(h)
+        self.spec = spec
+
+    def impls(self) -> set[str]:
+        return self.team.impls() | {f"{p.impl} halves" for p in self._halves}
+
+    def __getattr__(self, name):      # by_rows, fallback, ...: the team's
+        return getattr(self.__dict__["team"], name)
+
+    def __call__(self, x: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+        if not getattr(_THREAD, "halves", False):
+            return self.team(x, other)
+        k, n = self.spec.in_features, self.spec.out_features
+        rows = x.reshape(-1, k)
+        if rows.shape[0] != self.rows:
+            return self.team(x, other)
+        if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
+            rows = rows.contiguous()
+        operand = None
+        if other is not None:
+            other = other.reshape(-1, n)
+            if other.dtype != self.spec.result_dtype:
+                raise api.OnednnError(f"a binary post-op's operand of {other.dtype}")
+            if other.stride(-1) != 1 or (other.shape[0] > 1 and other.stride(0) != n):
+                other = other.contiguous()
+            operand = other.data_ptr()
+        out = torch.empty((self.rows, n), dtype=self.spec.result_dtype)
+        api.check(self._native.run(self._native.stream, self._pointer, rows.data_ptr(),
+                                   out.data_ptr(), operand), "column halves")
+        return out.view(*x.shape[:-1], n)
+
+
+def halves_of(team, library: api.Library, native_: _Native, rows: int, plain, prepacked,
+              key: tuple, bias: torch.Tensor | None) -> HalvesLinear:
+    """`team` (a PrimitiveLinear at `rows` rows) with column halves, their weights
+    reordered from `plain` ([N, K]) once per engine under PrepackCache `key`s."""
+    n = team.spec.out_features
+    cut = (n // 2) // _BLOCK * _BLOCK
+    if cut == 0:
+        raise api.OnednnError(f"{n} columns: no halves")
+    weights = tuple(prepacked.get(
+        (key[0], "onednn-linear-halves", *key[2:], first),
+        lambda first=first, last=last: LinearWeights(library, plain()[first:last]))
+        for first, last in ((0, cut), (cut, n)))
+    return HalvesLinear(native_, library, team, rows, weights, bias)
+
+
+class HalvesChoice:
+    """Halves or team for one exact kernel, by its calls' measured time: alternate until
+    each way has `_FIRST` timings, then the faster by median over the last `_WINDOW`,
+    the other one call in `_EXPLORE`."""
+
+    def __init__(self) -> None:
+        self._times = {True: deque(maxlen=_WINDOW), False: deque(maxlen=_WINDOW)}
+        self._calls = 0
+        self.halves = True
+        self.runs = {True: 0, False: 0}
+
+    def next(self) -> bool:
+        self._calls += 1
+        if len(self._times[True]) < _FIRST or len(self._times[False]) < _FIRST:
+            return self._calls % 2 == 1
+        return (not self.halves) if self._calls % _EXPLORE == 0 else self.halves
+
+    def record(self, halves: bool, seconds: float) -> None:
+        self.runs[halves] += 1
+        self._times[halves].append(seconds)
+        if len(self._times[True]) >= _FIRST and len(self._times[False]) >= _FIRST:
+            self.halves = (statistics.median(self._times[True])
+                           <= statistics.median(self._times[False]))
+
+
+class KernelHalves:
+    """A kernel's entry and exit (Note [Column halves with a helper thread]): each call
+    runs halves or the team as `choice` says, owning the helper for the halves."""
+
+    def __init__(self, native_: _Native, force: bool | None = None) -> None:
+        self._native = native_
+        self.choice = HalvesChoice()
+        self._force = force      # True / False: always halves / team (the A/B's arms)
+
+    def enter(self):
+        halves = self.choice.next() if self._force is None else self._force
+        if halves:
+            if not self._native.enter():
+                return None       # another thread's call has the helper: the team
+            _THREAD.halves = True
+        return halves, time.perf_counter()
+
+    def leave(self, token) -> None:
+        if token is None:
+            return
+        halves, start = token
+        seconds = time.perf_counter() - start
+        if halves:
+            _THREAD.halves = False
+            self._native.leave()
+        self.choice.record(halves, seconds)
+
+
+def kernel_halves(spec_ops, force: bool | None = None) -> KernelHalves | None:
+    """The entry and exit for a kernel whose ops include a HalvesLinear, else None."""
+    for op in spec_ops:
+        for arg in op.args:
+            linear = getattr(arg, "value", None)
+            if isinstance(linear, HalvesLinear):
+                return KernelHalves(linear._native, force)
+    return None

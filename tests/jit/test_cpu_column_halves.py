@@ -1,0 +1,257 @@
+"""A GEMM at a few rows as two column halves with a helper thread (Note [Column halves
+with a helper thread] in jit/backends/cpu/column_halves.py): what the halves compute
+equals eager and the team (the linear's ordinary primitive) over random shape
+sequences, offset and strided inputs, fp32 and bf16, with the helper claiming or never
+claiming, with two threads on one kernel, and nothing changes where the library is
+absent. The halves-or-team choice is checked on given timings, never on the clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+
+import dynvm
+from dynvm.jit.backends.cpu import column_halves, onednn_api
+from dynvm.jit.backends.cpu.onednn_conv import eltwise_of
+from dynvm.jit.backends.cpu.onednn_linear import LinearSpec, LinearWeights, PrimitiveLinear
+from dynvm.jit.backends.cpu.precision import precision_available
+from dynvm.jit.backends.cpu.prepack import PrepackCache
+from tests.jit import _jit_helpers as h
+from tests.jit._onednn import NEEDS_ONEDNN_LIBRARY
+
+pytestmark = NEEDS_ONEDNN_LIBRARY
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+BF16_RELATIVE = 3e-2        # tests/jit/test_cpu_precision.py's bf16 bound
+
+
+def _native():
+    """The halves library bound to the loaded libdnnl; skips where no C compiler
+    existed at install, fails where one did."""
+    bound, why = column_halves.native(onednn_api.library())
+    if bound is None and shutil.which("cc") is None:
+        pytest.skip(f"no C compiler at install: {why}")
+    assert bound is not None, why
+    return bound
+
+
+class Block(nn.Module):
+    """An encoder layer's GEMMs: QKV-like, an up projection with GELU, a down projection
+    added to its input (the residual add a binary post-op), and a head too narrow to
+    halve."""
+
+    def __init__(self, d: int = 64, f: int = 256) -> None:
+        super().__init__()
+        self.qkv, self.up, self.down = nn.Linear(d, 3 * d), nn.Linear(d, f), nn.Linear(f, d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x):                                         # x: [batch, seq, d]
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        y = self.norm(x + q * k + v)
+        z = self.down(torch.nn.functional.gelu(self.up(y))) + y
+        return z, self.head(z)
+
+
+def _program():
+    torch.manual_seed(0)
+    model = Block().eval()
+    batch, seq = Dim("batch", min=1, max=8), Dim("seq", min=2, max=64)
+    return model, dynvm.compile(model, (torch.randn(2, 5, 64),), ({0: batch, 1: seq},))
+
+
+def _inputs(gen, steps: int = 9):
+    """Random (batch, seq) inputs of at most 64 rows: contiguous, offset, strided."""
+    for step in range(steps):
+        batch = int(torch.randint(1, 4, (1,), generator=gen))
+        seq = int(torch.randint(2, 64 // batch + 1, (1,), generator=gen))
+        if step % 3 == 0:
+            yield torch.randn(batch, seq, 64, generator=gen)
+        elif step % 3 == 1:     # offset: a view starting past its storage's first element
+            yield torch.randn(batch + 1, seq, 64, generator=gen)[1:]
+        else:                   # strided: every other feature of a wider tensor
+            yield torch.randn(batch, seq, 128, generator=gen)[..., ::2]
+
+
+def _runtime(program, halves: str, precision: str = "fp32"):
+    rt = dynvm.Runtime(program, jit=h.eager_config(cpu_fusion="always", precision=precision))
+    rt.jit._cpu_options = dataclasses.replace(rt.jit._cpu_options, column_halves=halves)
+    return rt
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_halves_agree_with_eager_and_the_team(precision):
+    if precision_available(precision) is not None:
+        pytest.skip(str(precision_available(precision)))
+    native = _native()
+    model, program = _program()
+    gen = torch.Generator().manual_seed(3)
+    before_helper, before_caller = native.counts()
+    with _runtime(program, "always", precision) as rt, \
+            _runtime(program, "never", precision) as team, torch.no_grad():
+        for step, x in enumerate(_inputs(gen)):
+            before = x.clone()
+            rt(x), team(x)        # promoted here (compiled synchronously), run next call
+            got, wanted = rt(x), team(x)
+            for g, w, e in zip(got, wanted, model(x)):
+                if precision == "fp32":
+                    torch.testing.assert_close(g, e, **TOL, msg=f"step {step}")
+                    torch.testing.assert_close(g, w, **TOL, msg=f"step {step}")
+                else:
+                    scale = e.abs().max()
+                    assert (g - e).abs().max() <= BF16_RELATIVE * scale, step
+                    assert (g - w).abs().max() <= 1e-3 * scale, step
+            assert torch.equal(x, before)      # the caller's tensor is never written
+        sources = [a.source for a in rt.jit.artifacts.values()]
+        assert not rt.stats()["compile_failures"]
+    assert sources
+    for source in sources:
+        # qkv, up and down as halves; the 8-column head too narrow
+        assert "3 as column halves with a helper thread" in source, source
+        assert "no halves: 8 columns" in source, source
+        assert ".enter()" in source
+    after_helper, after_caller = native.counts()
+    assert after_helper + after_caller >= before_helper + before_caller + 3 * 9
+
+
+def test_a_returned_result_is_unchanged_by_the_next_call():
+    _native()
+    _, program = _program()
+    gen = torch.Generator().manual_seed(4)
+    with _runtime(program, "always") as rt, torch.no_grad():
+        x = torch.randn(1, 16, 64, generator=gen)
+        rt(x)
+        first = rt(x)
+        kept = [t.clone() for t in first]
+        for _ in range(3):
+            rt(torch.randn(1, 16, 64, generator=gen))
+        for t, k in zip(first, kept):
+            assert torch.equal(t, k)
+
+
+def test_a_helper_that_never_claims_leaves_the_caller_both_halves():
+    native = _native()
+    model, program = _program()
+    gen = torch.Generator().manual_seed(5)
+    native.set_claiming(0)
+    try:
+        with _runtime(program, "always") as rt, torch.no_grad():
+            x = torch.randn(1, 32, 64, generator=gen)
+            rt(x)
+            helper, caller = native.counts()
+            for _ in range(5):
+                for g, e in zip(rt(x), model(x)):
+                    torch.testing.assert_close(g, e, **TOL)
+            after_helper, after_caller = native.counts()
+    finally:
+        native.set_claiming(1)
+    assert after_helper == helper
+    assert after_caller == caller + 5 * 3
+
+
+def test_where_the_library_is_absent_kernels_keep_the_team(monkeypatch):
+    model, program = _program()
+    missing = Path("/nonexistent/_column_halves.so")
+    bound, why = column_halves.native(onednn_api.library(), missing)
+    assert bound is None and "was not built" in why
+    monkeypatch.setattr(column_halves, "find_extension", lambda stem: missing)
+    gen = torch.Generator().manual_seed(6)
+    with _runtime(program, "on") as rt, torch.no_grad():
+        for x in _inputs(gen, 3):
+            rt(x)
+            for g, e in zip(rt(x), model(x)):
+                torch.testing.assert_close(g, e, **TOL)
+        sources = [a.source for a in rt.jit.artifacts.values()]
+    assert sources and all("no column halves (_column_halves was not built" in s
+                           and ".enter()" not in s for s in sources), sources
+
+
+def _halved(native, rows: int, binary: str | None):
+    library = onednn_api.library()
+    torch.manual_seed(7)
+    weight, bias = torch.randn(96, 48) / 7, torch.randn(96)
+    spec = LinearSpec(48, 96, torch.float32, True, eltwise_of("gelu", [], "none"), binary)
+    team = PrimitiveLinear(library, spec, LinearWeights(library, weight), bias, [rows],
+                           ("gelu", [], "none"))
+    halves = column_halves.halves_of(team, library, native, rows, lambda: weight,
+                                     PrepackCache(), (0, "onednn-linear", False,
+                                                      torch.float32), bias)
+    return team, halves
+
+
+def test_two_threads_on_one_kernel():
+    # The first call to enter owns the helper; a second thread's call is refused and
+    # runs the team; both compute the same results throughout.
+    native = _native()
+    team, halves = _halved(native, 24, "mul")
+    kernel = column_halves.KernelHalves(native, force=True)
+    gen = torch.Generator().manual_seed(8)
+    xs = [torch.randn(2, 12, 48, generator=gen) for _ in range(4)]
+    others = [torch.randn(2, 12, 96, generator=gen) for _ in range(4)]
+    wanted = [team(x, o) for x, o in zip(xs, others)]
+    owner = kernel.enter()
+    assert owner is not None and owner[0]
+    refused = []
+    errors = []
+
+    def second():
+        try:
+            token = kernel.enter()
+            refused.append(token is None)
+            for _ in range(20):
+                for x, o, w in zip(xs, others, wanted):
+                    assert torch.equal(halves(x, o), w)
+            kernel.leave(token)
+        except BaseException as exc:     # reported below, in the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    for _ in range(20):
+        for x, o, w in zip(xs, others, wanted):
+            assert torch.equal(halves(x, o), w)
+    thread.join()
+    kernel.leave(owner)
+    assert not errors, errors
+    assert refused == [True]
+
+
+def test_halves_of_a_strided_and_offset_input_equal_the_team():
+    native = _native()
+    team, halves = _halved(native, 16, "add")
+    kernel = column_halves.KernelHalves(native, force=True)
+    gen = torch.Generator().manual_seed(9)
+    for x, o in ((torch.randn(17, 48, generator=gen)[1:], torch.randn(16, 96, generator=gen)),
+                 (torch.randn(16, 96, generator=gen)[:, ::2],
+                  torch.randn(16, 192, generator=gen)[:, 1::2])):
+        token = kernel.enter()
+        try:
+            got = halves(x, o)
+        finally:
+            kernel.leave(token)
+        assert torch.equal(got, team(x, o))
+
+
+def test_the_choice_follows_the_measured_calls():
+    choice = column_halves.HalvesChoice()
+    first = [choice.next() for _ in range(2 * column_halves._FIRST)]
+    assert first.count(True) == first.count(False) == column_halves._FIRST
+    for halves in first:
+        choice.record(halves, 1.0 if halves else 2.0)
+    runs = [choice.next() for _ in range(4 * column_halves._EXPLORE)]
+    assert runs.count(False) == 4 and choice.halves      # the team explored 1 in _EXPLORE
+    for _ in range(column_halves._WINDOW):               # the halves slow down (load)
+        choice.record(True, 3.0)
+    assert not choice.halves
+    runs = [choice.next() for _ in range(2 * column_halves._EXPLORE)]
+    assert runs.count(True) == 2
+    for _ in range(column_halves._WINDOW):                # the team slows down too
+        choice.record(False, 4.0)
+    assert choice.halves
