@@ -9,6 +9,7 @@ families; a float mask, or a Q/K/V value read outside attention, keeps the fp32 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -43,12 +44,12 @@ class Layer(nn.Module):
         self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
         self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
 
-    def forward(self, x, keep):                    # x: [b, s, d], keep: [b, s] 0/1
+    def forward(self, x, keep, mask=None):         # x: [b, s, d], keep: [b, s] 0/1
         b, s, d = x.shape
         qkv = self.qkv(x)
         q, k, v = (t.view(b, s, self.heads, d // self.heads).permute(0, 2, 1, 3)
                    for t in qkv.split(d, -1))
-        mask = keep[:, None, None, :].bool()
+        mask = keep[:, None, None, :].bool() if mask is None else mask
         if self.float_mask:
             mask = torch.zeros(mask.shape).masked_fill(~mask, -1e4)
         a = nn.functional.scaled_dot_product_attention(q, k, v, mask, scale=0.3)
@@ -155,3 +156,82 @@ def test_a_float_mask_or_a_qkv_value_leaving_keeps_fp32_attention(kwargs):
     for want in wants:
         assert _relative(gots[tuple(want.shape)], want) < BF16_RELATIVE
     assert bf16_attention(dataclasses.replace(spec))[1] == ""   # fp32 IR: nothing to do
+
+
+class TwoLayers(nn.Module):
+    """Two of those layers reading one boolean [b, 1, s, s] mask, made once (as BERT's
+    layers share theirs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = Layer(), Layer()
+
+    def forward(self, x, keep):
+        b, s = keep.shape
+        mask = keep[:, None, None, :].bool().expand(b, 1, s, s)
+        return self.second(self.first(x, keep, mask), keep, mask)
+
+
+def _two_layers():
+    torch.manual_seed(0)
+    model = TwoLayers().eval()
+    batch, seq = Dim("batch", min=1, max=16), Dim("seq", min=2, max=64)
+    keep = torch.ones(2, 5, dtype=torch.long)
+    return model, dynvm.compile(model, (torch.randn(2, 5, 32), keep),
+                                ({0: batch, 1: seq}, {0: batch, 1: seq}))
+
+
+def test_one_mask_bias_a_call_gives_the_same_bits(monkeypatch):
+    # Note [One bf16 mask bias a call]: the shared boolean mask becomes one bf16 bias,
+    # made once, and both SDPAs read it; the results are those of SDPA's own conversion.
+    from dynvm.jit.backends.cpu import codegen
+
+    model, program = _two_layers()
+    gen = torch.Generator().manual_seed(3)
+    options = CpuOptions(fusion="always", precision="bf16", prepacked=PrepackCache())
+    for batch, seq in ((1, 16), (3, 9), (2, 40)):
+        keep = _keep(batch, seq, gen)
+        keep[-1, 1:] = 0        # a row that keeps one token only
+        for name, x in views(torch.randn(batch, seq, 32, generator=gen)).items():
+            monkeypatch.setattr(codegen, "bf16_attention", bf16_attention)
+            region, kernel = _kernel(program, x, keep, options)
+            assert "2 SDPA(s) on their bf16 Q/K/V" in kernel.source, kernel.source
+            assert "1 boolean mask(s) made a bf16 bias once" in kernel.source
+            bodies = [b for b in kernel.source.split("\ndef ") if "= SDPA" in b]
+            assert bodies and all(b.count("bf16_mask_bias") == 1 for b in bodies), [
+                line for line in kernel.source.splitlines() if "mask_bias" in line]
+            monkeypatch.setattr(codegen, "bf16_attention",
+                                functools.partial(bf16_attention, mask_bias=False))
+            _, without = _kernel(program, x, keep, options)
+            assert "bf16_mask_bias" not in without.source
+            got = []
+            for fn in (kernel.fn, without.fn):
+                regs = [None] * 1024
+                regs[region.live_in[0].index], regs[region.live_in[1].index] = x, keep
+                fn(regs)
+                got.append(regs[region.live_out[0].index])
+            assert torch.equal(got[0], got[1]), (batch, seq, name)
+            with torch.no_grad():
+                want = model(x, keep)
+            assert _relative(got[0], want) < BF16_RELATIVE, (batch, seq, name)
+
+
+def test_the_mask_bias_serves_random_shape_sequences():
+    model, program = _two_layers()
+    gen = torch.Generator().manual_seed(13)
+    for families in (False, True):
+        config = h.eager_config(cpu_fusion="always", precision="bf16", families=families)
+        with dynvm.Runtime(program, jit=config) as rt, torch.no_grad():
+            for step in range(8):
+                batch, seq = (int(v) for v in torch.randint(1, 5, (2,), generator=gen))
+                seq += 2 + 7 * (step % 3)
+                x, keep = torch.randn(batch, seq, 32, generator=gen), _keep(batch, seq, gen)
+                if step % 2:       # offset input and a strided (transposed) mask
+                    x = torch.randn(batch + 1, seq, 32, generator=gen)[1:]
+                    keep = keep.t().contiguous().t()
+                rt(x, keep)
+                got = rt(x, keep)
+                assert _relative(got, model(x, keep)) < BF16_RELATIVE, (families, step)
+            assert rt.stats()["specialized_region_calls"] > 0
+            sources = [a.source for a in rt.jit.artifacts.values()]
+        assert sources and all("bf16_mask_bias" in s for s in sources), sources

@@ -30,6 +30,21 @@ Whole BERT-base calls (4 layers), in one process on / off, interleaved with an A
 (A/A 1.010-1.026). Distance from eager fp32 there, max |out - fp32| over the output
 (|fp32| up to 3.8-5.1): 0.0110 / 0.0114 / 0.0114 at 1x16 / 1x128 / 8x64, OpenVINO bf16's
 0.0111 / 0.0154 / 0.0133 on the same inputs (20:52 UTC).
+
+Note [One bf16 mask bias a call]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Given a boolean mask, SDPA first makes an additive one in its operands' dtype (0 where
+kept, -inf where masked: `convert_boolean_attn_mask`), on every call: BERT's four layers
+make the same [B, 1, S, S] bias four times a call from one mask. So where the SDPAs this
+pass puts in bf16 read a boolean mask, one op (`MASK_BIAS`, before the first of them)
+makes that bias once, as SDPA would, and each of them reads it; the results are the same
+bits (the same bias reaches the same kernel). The boolean mask's other readers keep it.
+Measured (SDPA alone, bf16 Q/K/V views of one [B, S, 2304] result, BERT-base's heads,
+2 threads passive, 60 calls interleaved, 2026-12-06 01:32 UTC, load 0.3-0.6), ms a call,
+boolean [B, 1, S, S] mask against the bf16 bias made beforehand: 2x64 0.226 / 0.202,
+4x64 0.448 / 0.417, 4x128 1.128 / 1.086, 8x64 0.856 / 0.818, 8x128 2.329 / 2.215 (no mask
+at all: 0.204 / 0.417 / 1.024 / 0.820 / 2.134), so the conversion is most of what the
+mask costs the kernel.
 """
 
 from __future__ import annotations
@@ -40,7 +55,7 @@ import torch
 
 from dynvm.jit.aliasing import flat_values
 from dynvm.jit.backends.cpu.ir_match import probe_tensors
-from dynvm.jit.backends.cpu.precision import PRECISION_VARIANT, TO_BF16, TO_FP32
+from dynvm.jit.backends.cpu.precision import MASK_BIAS, PRECISION_VARIANT, TO_BF16, TO_FP32
 from dynvm.jit.ir import Literal, SpecializedRegion, SpecOp, Var
 from dynvm.jit.specialize import add_frees
 from dynvm.vm.opcodes import OPCODES
@@ -91,9 +106,12 @@ class _Region:
         return registers, ends
 
 
-def bf16_attention(spec: SpecializedRegion) -> tuple[SpecializedRegion, str]:
+def bf16_attention(spec: SpecializedRegion, *, mask_bias: bool = True
+                   ) -> tuple[SpecializedRegion, str]:
     """`spec` with its attention in bf16 where the Q/K/V come from bf16 GEMMs (Note [bf16
-    attention between bf16 GEMMs]), and a note saying how many (or "")."""
+    attention between bf16 GEMMs]), and a note saying how many (or ""); with
+    `mask_bias`, their boolean masks made into one bf16 bias each (Note [One bf16 mask
+    bias a call])."""
     region = _Region(spec)
     ops, probes = region.ops, spec.abstract
     trees = {}   # TO_FP32 position -> the fp32 registers viewed from its result
@@ -126,10 +144,27 @@ def bf16_attention(spec: SpecializedRegion) -> tuple[SpecializedRegion, str]:
             for probe in probes:
                 probe[reg] = _retyped(probe[reg])
     next_reg = max({r for op in ops for r in op.dsts} | set(spec.live_in)) + 1
+    biases: dict[int, int] = {}      # boolean mask register -> its bf16 bias register
+    before: dict[int, SpecOp] = {}   # SDPA position -> the MASK_BIAS made before it
+    for at in sorted(sdpas) if mask_bias else ():
+        mask = ops[at].args[3]
+        if not isinstance(mask, Var) or mask.reg in biases:
+            continue
+        biases[mask.reg] = next_reg
+        for probe in probes:
+            probe[next_reg] = torch.empty(probe[mask.reg].shape, dtype=torch.bfloat16,
+                                          device="meta")
+        before[at] = SpecOp(MASK_BIAS, (next_reg,), (mask,), ops[at].source_pc,
+                            variant=PRECISION_VARIANT)
+        next_reg += 1
     after: dict[int, SpecOp] = {}    # SDPA position -> the TO_FP32 that follows it
     out_casts = 0
     for at in sorted(sdpas):
         sdpa, result = ops[at], ops[at].dsts[0]
+        if isinstance(sdpa.args[3], Var) and sdpa.args[3].reg in biases:
+            sdpa = dataclasses.replace(sdpa, args=(
+                *sdpa.args[:3], Var(biases[sdpa.args[3].reg]), *sdpa.args[4:]))
+            ops[at] = sdpa
         fp32 = [probe[result] for probe in probes]
         shape_fn = OPCODES[_SDPA].custom_shape_fn
         for probe in probes:
@@ -159,13 +194,17 @@ def bf16_attention(spec: SpecializedRegion) -> tuple[SpecializedRegion, str]:
     for position, op in enumerate(ops):
         if position in dropped:
             continue
+        if position in before:
+            new_ops.append(before[position])
         new_ops.append(dataclasses.replace(op, args=_renamed(op.args, renamed)))
         if position in after:
             new_ops.append(after[position])
     new_ops = add_frees(new_ops, region.leaving)
     note = (f"; attention in bf16: {len(sdpas)} SDPA(s) on their bf16 Q/K/V, "
             f"{len(trees)} cast(s) to fp32 and {out_casts} back to bf16 gone "
-            "(Note [bf16 attention between bf16 GEMMs])")
+            "(Note [bf16 attention between bf16 GEMMs])"
+            + (f"; {len(biases)} boolean mask(s) made a bf16 bias once (Note [One bf16 "
+               "mask bias a call])" if biases else ""))
     return dataclasses.replace(spec, ops=tuple(new_ops), abstract=tuple(probes)), note
 
 

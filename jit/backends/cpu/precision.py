@@ -91,6 +91,9 @@ from dynvm.vm.opcodes import OPCODES
 # fused oneDNN linear (fusion's opcode and variant) on bf16 operands.
 PRECISION_VARIANT = "precision"
 TO_BF16, TO_FP32, INT8_LINEAR = "TO_BF16", "TO_FP32", "INT8_LINEAR_DYNAMIC"
+# A boolean attention mask as the additive bf16 mask SDPA makes of it (Note [One bf16
+# mask bias a call] in attention_bf16).
+MASK_BIAS = "BF16_MASK_BIAS"
 # A bf16 GEMM result's readers that compute in fp32 by type promotion, free of a cast:
 # the binary epilogues (the residual add's kinds), from the opcode table.
 _PROMOTING = frozenset(name for name, spec in OPCODES.items() if spec.onednn_binary is not None)
@@ -109,7 +112,15 @@ def _int8_linear(x: torch.Tensor, packed, reduce_range: bool) -> torch.Tensor:
     return torch.ops.quantized.linear_dynamic(x.contiguous(), packed, reduce_range)
 
 
-PRECISION_KERNELS = {TO_BF16: _to_bf16, TO_FP32: _to_fp32, INT8_LINEAR: _int8_linear}
+def _bf16_mask_bias(mask: torch.Tensor) -> torch.Tensor:
+    # What SDPA makes of a boolean mask for bf16 operands, on every call it is given one:
+    # 0 where kept, -inf where masked (Note [One bf16 mask bias a call]).
+    bias = torch.zeros(mask.shape, dtype=torch.bfloat16)
+    return bias.masked_fill_(mask.logical_not(), float("-inf"))
+
+
+PRECISION_KERNELS = {TO_BF16: _to_bf16, TO_FP32: _to_fp32, INT8_LINEAR: _int8_linear,
+                     MASK_BIAS: _bf16_mask_bias}
 
 
 def cpu_flags() -> str:
