@@ -13,6 +13,20 @@ interpreter. Operators are grouped by kind (matmul/linear, attention, layer norm
 softmax, embedding, elementwise, copies and views), each side by its own names
 (`_KINDS`), so the two columns compare like with like; an operator no pattern names is
 "other" and listed by name below the table when it is large.
+
+Note [Walls inside the kernel]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+torch.profiler's self times miss what runs outside torch's operators (dynvm's ctypes
+primitives, Python between the calls) and add its own cost per operator; OpenVINO's
+node counters undercount its wall (8x64 bf16: nodes 10.5 of a 23.4 ms call). `--walls`
+times each call the JIT's installed kernels make instead: every function the generated
+source calls is wrapped, for the duration, by a perf_counter pair in the kernel's own
+globals (restored after), and its seconds are summed by piece of a BERT layer
+(`_PIECES`: the four GEMMs by their order in a layer, SDPA, layer norm, the casts, the
+views, the mask prologue and other small ops); "between the calls" is the call's wall
+less those sums (the kernel's Python, the slot's guard, the wrappers' own ~1 us a
+call). OpenVINO's side is then compared by wall, whole calls of models with a part
+removed (`/tmp`-scripted, as Note [Lower-precision GEMMs]'s figures), not by nodes.
 """
 
 from __future__ import annotations
@@ -147,6 +161,124 @@ def _primitives_named():
             setattr(owner, name, original)
 
 
+# The generated code's callees by name prefix (Note [Walls inside the kernel]); a
+# oneDNN linear primitive is named by its place among a layer's four GEMMs.
+_LAYER_GEMMS = ("QKV GEMM", "output projection + residual", "FFN up + GELU",
+                "FFN down + residual")
+_PIECES = (("SDPA", "attention (SDPA)"), ("bf16_mask_bias", "mask bias"),
+           ("LAYER_NORM", "layer norm"), ("to_bf16", "casts"), ("to_fp32", "casts"),
+           ("set_threads", "thread switches"), ("SPLIT", "views"), ("VIEW", "views"),
+           ("PERMUTE", "views"), ("RESHAPE", "views"))
+_GEMM_PREFIXES = ("onednn_linear_primitive", "linear_pointwise", "mkldnn_linear")
+
+
+def piece_of(callee: str) -> str | None:
+    """The piece a generated kernel's callee counts under; None for a GEMM (counted by
+    its place in the layer)."""
+    if callee.startswith(_GEMM_PREFIXES):
+        return None
+    return next((piece for prefix, piece in _PIECES if callee.startswith(prefix)),
+                "prologue / other ops")
+
+
+@contextlib.contextmanager
+def kernel_walls(runtime):
+    """While inside: each call the runtime's installed CPU kernels make is timed, summed
+    by piece into the yielded dict (seconds; Note [Walls inside the kernel]). Call
+    `reset(walls)` before each timed call of a whole model."""
+    walls: dict[str, float] = defaultdict(float)
+    walls["_gemms"] = 0
+    wrapped = []
+    seen = set()
+    for region in runtime.jit.regions.values():
+        for spec in region.installed():
+            namespace = getattr(spec.fn, "__globals__", None)
+            source = getattr(spec.artifact, "source", "")
+            if namespace is None or id(namespace) in seen or not source:
+                continue
+            seen.add(id(namespace))
+            for name, fn in list(namespace.items()):
+                if callable(fn) and not name.startswith("kernel_") and f"{name}(" in source:
+                    namespace[name] = _timed(fn, piece_of(name), walls)
+                    wrapped.append((namespace, name, fn))
+    try:
+        yield walls
+    finally:
+        for namespace, name, fn in wrapped:
+            namespace[name] = fn
+
+
+def reset(walls: dict) -> None:
+    """Start a call: the GEMM count (a layer's place) from zero."""
+    walls["_gemms"] = 0
+
+
+def _timed(fn, piece, walls):
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds = time.perf_counter() - start
+            if piece is None:
+                walls[_LAYER_GEMMS[walls["_gemms"] % 4]] += seconds
+                walls["_gemms"] += 1
+            else:
+                walls[piece] += seconds
+    return timed
+
+
+def run_walls(shapes, layers: int, calls: int, precision: str = "bf16", log=print
+              ) -> list[dict]:
+    """Per shape: the JIT's mean call wall and its seconds a call by piece (Note [Walls
+    inside the kernel]), exact kernels seasoned first."""
+    import dynvm
+
+    model = full_width.bert(layers=layers, shapes=tuple(shapes))
+    program = dynvm.compile(model.module, model.export_inputs, model.dynamic_shapes,
+                            name=model.name)
+    rows = []
+    with dynvm.Runtime(program, jit=dynvm.JitConfig(precision=precision)) as jit:
+        for x in model.inputs:
+            _settle(jit, x)
+        for label, x in zip(model.labels, model.inputs):
+            _settle(jit, x)
+            with kernel_walls(jit) as walls:
+                for _ in range(3):
+                    reset(walls)
+                    jit(*x)
+                walls.clear()
+                total = 0.0
+                for _ in range(calls):
+                    reset(walls)
+                    start = time.perf_counter()
+                    jit(*x)
+                    total += time.perf_counter() - start
+                pieces = {k: v / calls for k, v in walls.items() if k != "_gemms"}
+            wall = total / calls
+            pieces["between the calls"] = wall - sum(pieces.values())
+            rows.append({"shape": label, "wall": wall, "pieces": pieces,
+                         "loadavg": os.getloadavg()[0]})
+            log(f"{label}: {1e3 * wall:.2f} ms, " + ", ".join(
+                f"{k} {1e3 * v:.2f}" for k, v in sorted(pieces.items(), key=lambda kv: -kv[1])))
+    return rows
+
+
+def walls_markdown(rows: list[dict], command: str) -> str:
+    """The pieces' table: ms a call per shape (Note [Walls inside the kernel])."""
+    pieces = sorted({k for row in rows for k in row["pieces"]},
+                    key=lambda k: -max(row["pieces"].get(k, 0.0) for row in rows))
+    lines = [f"`{command}`: the JIT's calls, ms a call by piece (Note [Walls inside the "
+             "kernel] in bench/width_profile.py); load at each shape in its column's head",
+             "| piece | " + " | ".join(f"{r['shape']} ({r['loadavg']:.1f})" for r in rows) + " |",
+             "|---|" + "---:|" * len(rows),
+             "| wall | " + " | ".join(f"{1e3 * r['wall']:.2f}" for r in rows) + " |"]
+    for piece in pieces:
+        lines.append(f"| {piece} | " + " | ".join(
+            f"{1e3 * r['pieces'].get(piece, 0.0):.2f}" for r in rows) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def run(shapes, layers: int, calls: int, log=print, precision: str = "fp32"
         ) -> list[dict]:
     """Profile the JIT and OpenVINO at each (batch, seq) of `shapes`, both in
@@ -242,10 +374,18 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="the JIT's precision and OpenVINO's inference precision")
+    parser.add_argument("--walls", action="store_true",
+                        help="the JIT's calls timed by piece inside its kernels (Note "
+                             "[Walls inside the kernel]), no OpenVINO profile")
     parser.add_argument("--update-docs", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    if args.walls:
+        rows = run_walls(shapes, args.layers, args.calls, args.precision)
+        print(walls_markdown(rows, "python -m bench.width_profile "
+                             + " ".join(argv or sys.argv[1:])))
+        return 0
     rows = run(shapes, args.layers, args.calls, precision=args.precision)
     command = "python -m bench.width_profile " + " ".join(argv or sys.argv[1:])
     text = markdown(rows, command, args.layers)
