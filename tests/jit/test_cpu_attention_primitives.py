@@ -235,3 +235,36 @@ def test_the_mask_bias_serves_random_shape_sequences():
             assert rt.stats()["specialized_region_calls"] > 0
             sources = [a.source for a in rt.jit.artifacts.values()]
         assert sources and all("bf16_mask_bias" in s for s in sources), sources
+
+
+def test_a_mask_written_in_place_between_gets_a_fresh_bias():
+    # Note [One bf16 mask bias a call]: a bias made before an in-place write into the
+    # mask is not read after it; the later SDPA reads a bias made after the write.
+    from dynvm.jit.backends.cpu.precision import lower_precision
+    from dynvm.jit.ir import Literal, SpecOp, Var
+
+    _, program = _two_layers()
+    gen = torch.Generator().manual_seed(2)
+    keep = _keep(2, 9, gen)
+    _, spec = _spec(program, torch.randn(2, 9, 32, generator=gen), keep)
+    constants = [t.detach() for t in program.constants]
+    lowered = lower_precision(spec, constants, torch.device("cpu"), precision="bf16",
+                              prepacked=PrepackCache()).spec
+    assert "made a bf16 bias once" in bf16_attention(lowered)[1]
+    ops = list(lowered.ops)
+    first, second = [i for i, op in enumerate(ops) if op.opcode == "SDPA"]
+    mask = ops[first].args[3]
+    fresh = max(r for op in ops for r in op.dsts) + 1
+    write = SpecOp("BITWISE_AND", (fresh,), (mask, Literal(True)), ops[first].source_pc,
+                   variant="inplace")
+    probes = [{**p, fresh: p[mask.reg]} for p in lowered.abstract]
+    written = dataclasses.replace(lowered, ops=(*ops[:first + 1], write, *ops[first + 1:]),
+                                  abstract=tuple(probes))
+    rewritten, note = bf16_attention(written)
+    assert "1 boolean mask(s) made bf16 biases 2 times" in note, note
+    sdpas = [op for op in rewritten.ops if op.opcode == "SDPA"]
+    biases = [op for op in rewritten.ops if op.opcode == "BF16_MASK_BIAS"]
+    assert [op.args[3] for op in sdpas] == [Var(b.dsts[0]) for b in biases]
+    positions = {id(op): i for i, op in enumerate(rewritten.ops)}
+    at_write = next(i for i, op in enumerate(rewritten.ops) if op.variant == "inplace")
+    assert positions[id(biases[0])] < at_write < positions[id(biases[1])]

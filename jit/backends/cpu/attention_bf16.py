@@ -38,7 +38,9 @@ kept, -inf where masked: `convert_boolean_attn_mask`), on every call: BERT's fou
 make the same [B, 1, S, S] bias four times a call from one mask. So where the SDPAs this
 pass puts in bf16 read a boolean mask, one op (`MASK_BIAS`, before the first of them)
 makes that bias once, as SDPA would, and each of them reads it; the results are the same
-bits (the same bias reaches the same kernel). The boolean mask's other readers keep it.
+bits (the same bias reaches the same kernel). The boolean mask's other readers keep it;
+where an op between two of those SDPAs writes in place into the mask (or a view of it),
+the later SDPA gets a bias made after that write.
 Measured (SDPA alone, bf16 Q/K/V views of one [B, S, 2304] result, BERT-base's heads,
 2 threads passive, 60 calls interleaved, 2026-12-06 01:32 UTC, load 0.3-0.6), ms a call,
 boolean [B, 1, S, S] mask against the bf16 bias made beforehand: 2x64 0.226 / 0.202,
@@ -105,6 +107,21 @@ class _Region:
                     ends.append((position, current))
         return registers, ends
 
+    def written_between(self, reg: int, start: int, end: int) -> bool:
+        """Whether an op strictly between positions `start` and `end` writes in place
+        into `reg` or a view of it (Note [One bf16 mask bias a call])."""
+        viewed, stack = {reg}, [reg]
+        while stack:
+            for position in self.readers.get(stack.pop(), ()):
+                op = self.ops[position]
+                if op.opcode in _VIEWS and isinstance(op.args[0], Var) \
+                        and op.args[0].reg in viewed:
+                    fresh = [d for d in op.dsts if d not in viewed]
+                    viewed.update(fresh)
+                    stack.extend(fresh)
+        return any("inplace" in op.variant and isinstance(op.args[0], Var)
+                   and op.args[0].reg in viewed for op in self.ops[start + 1:end])
+
 
 def bf16_attention(spec: SpecializedRegion, *, mask_bias: bool = True
                    ) -> tuple[SpecializedRegion, str]:
@@ -146,11 +163,13 @@ def bf16_attention(spec: SpecializedRegion, *, mask_bias: bool = True
     next_reg = max({r for op in ops for r in op.dsts} | set(spec.live_in)) + 1
     biases: dict[int, int] = {}      # boolean mask register -> its bf16 bias register
     before: dict[int, SpecOp] = {}   # SDPA position -> the MASK_BIAS made before it
+    made_at: dict[int, int] = {}     # boolean mask register -> where its bias is made
     for at in sorted(sdpas) if mask_bias else ():
         mask = ops[at].args[3]
-        if not isinstance(mask, Var) or mask.reg in biases:
+        if not isinstance(mask, Var) or (mask.reg in biases and not region.written_between(
+                mask.reg, made_at[mask.reg], at)):
             continue
-        biases[mask.reg] = next_reg
+        biases[mask.reg], made_at[mask.reg] = next_reg, at
         for probe in probes:
             probe[next_reg] = torch.empty(probe[mask.reg].shape, dtype=torch.bfloat16,
                                           device="meta")
@@ -159,11 +178,18 @@ def bf16_attention(spec: SpecializedRegion, *, mask_bias: bool = True
         next_reg += 1
     after: dict[int, SpecOp] = {}    # SDPA position -> the TO_FP32 that follows it
     out_casts = 0
+    bias_of = {}                     # SDPA position -> the bias register it reads
+    for at in sorted(sdpas):
+        if at in before:
+            bias_of[at] = before[at].dsts[0]
+        elif isinstance(ops[at].args[3], Var) and ops[at].args[3].reg in biases:
+            made = max(p for p in before if before[p].args[0] == ops[at].args[3] and p < at)
+            bias_of[at] = before[made].dsts[0]
     for at in sorted(sdpas):
         sdpa, result = ops[at], ops[at].dsts[0]
-        if isinstance(sdpa.args[3], Var) and sdpa.args[3].reg in biases:
-            sdpa = dataclasses.replace(sdpa, args=(
-                *sdpa.args[:3], Var(biases[sdpa.args[3].reg]), *sdpa.args[4:]))
+        if at in bias_of:
+            sdpa = dataclasses.replace(sdpa, args=(*sdpa.args[:3], Var(bias_of[at]),
+                                                   *sdpa.args[4:]))
             ops[at] = sdpa
         fp32 = [probe[result] for probe in probes]
         shape_fn = OPCODES[_SDPA].custom_shape_fn
@@ -204,7 +230,9 @@ def bf16_attention(spec: SpecializedRegion, *, mask_bias: bool = True
             f"{len(trees)} cast(s) to fp32 and {out_casts} back to bf16 gone "
             "(Note [bf16 attention between bf16 GEMMs])"
             + (f"; {len(biases)} boolean mask(s) made a bf16 bias once (Note [One bf16 "
-               "mask bias a call])" if biases else ""))
+               "mask bias a call])" if len(before) == len(biases) else
+               f"; {len(biases)} boolean mask(s) made bf16 biases {len(before)} times (Note "
+               "[One bf16 mask bias a call])" if biases else ""))
     return dataclasses.replace(spec, ops=tuple(new_ops), abstract=tuple(probes)), note
 
 
