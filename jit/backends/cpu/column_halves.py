@@ -30,8 +30,11 @@ the team's result.
 Halves or team is measured, not assumed: a kernel's calls alternate until each way has
 `_FIRST` timings, then run the faster by median over the last `_WINDOW`, the other one
 call in `_EXPLORE` (an online A/B of whole kernel calls, per exact kernel, so per row
-count). Under load the helper claims little or late, the halves' calls slow and the
-kernel falls back to the team. Rows: exact kernels whose linears run at
+count). Timings alone did not hold beside two busy processes: the halves' few samples
+went stale while the helper, at SCHED_IDLE, was starved (6 of 2176 B halves claimed),
+and the choice ran the halves at 2x16 / 2x32 for 1.22 / 1.27x the team's time. So a
+halves call whose helper ran under half of its B halves also sends the next `_EXPLORE`
+calls to the team, whatever the timings say. Rows: exact kernels whose linears run at
 `MAX_ROWS` rows or fewer.
 """
 
@@ -87,7 +90,7 @@ class _Native:
         self.run.argtypes, self.run.restype = [p, ctypes.POINTER(_Halves), p, p, p], i
         self.enter, self.leave = dll.dynvm_halves_enter, dll.dynvm_halves_leave
         self.enter.argtypes, self.enter.restype = [], i
-        self.leave.argtypes, self.leave.restype = [], None
+        self.leave.argtypes, self.leave.restype = [], i
         self._counts = dll.dynvm_halves_counts
         self._counts.argtypes, self._counts.restype = [ctypes.POINTER(ctypes.c_longlong)], None
         self.set_claiming = dll.dynvm_halves_set_claiming
@@ -228,23 +231,32 @@ def halves_of(team, library: api.Library, native_: _Native, rows: int, plain, pr
 class HalvesChoice:
     """Halves or team for one exact kernel, by its calls' measured time: alternate until
     each way has `_FIRST` timings, then the faster by median over the last `_WINDOW`,
-    the other one call in `_EXPLORE`."""
+    the other one call in `_EXPLORE`. A halves call whose helper ran under half of its
+    B halves (starved: its core busy elsewhere) sends the next `_EXPLORE` calls to the
+    team whatever the timings say."""
 
     def __init__(self) -> None:
         self._times = {True: deque(maxlen=_WINDOW), False: deque(maxlen=_WINDOW)}
         self._calls = 0
+        self._team_until = 0
         self.halves = True
         self.runs = {True: 0, False: 0}
+        self.starved = 0
 
     def next(self) -> bool:
         self._calls += 1
+        if self._calls <= self._team_until:
+            return False
         if len(self._times[True]) < _FIRST or len(self._times[False]) < _FIRST:
-            return self._calls % 2 == 1
+            return len(self._times[True]) <= len(self._times[False])
         return (not self.halves) if self._calls % _EXPLORE == 0 else self.halves
 
-    def record(self, halves: bool, seconds: float) -> None:
+    def record(self, halves: bool, seconds: float, starved: bool = False) -> None:
         self.runs[halves] += 1
         self._times[halves].append(seconds)
+        if starved:
+            self.starved += 1
+            self._team_until = self._calls + _EXPLORE
         if len(self._times[True]) >= _FIRST and len(self._times[False]) >= _FIRST:
             self.halves = (statistics.median(self._times[True])
                            <= statistics.median(self._times[False]))
@@ -272,10 +284,13 @@ class KernelHalves:
             return
         halves, start = token
         seconds = time.perf_counter() - start
+        starved = False
         if halves:
             _THREAD.halves = False
-            self._native.leave()
-        self.choice.record(halves, seconds)
+            counts = self._native.leave()
+            by_helper, by_caller = counts >> 16, counts & 0xFFFF
+            starved = by_helper < by_caller
+        self.choice.record(halves, seconds, starved)
 
 
 def kernel_halves(spec_ops, force: bool | None = None) -> KernelHalves | None:

@@ -82,6 +82,7 @@ static char *posted_out;
 static const char *posted_other;
 static atomic_int posted_status;
 static atomic_llong by_helper, by_caller;
+static atomic_int call_helper, call_caller;   /* this call's B halves, by whom */
 
 static long long now_ns(void) {
   struct timespec t;
@@ -156,6 +157,7 @@ static void *helper(void *unused) {
                                               posted_other));
         set_idle(1);
         atomic_fetch_add(&by_helper, 1);
+        atomic_fetch_add(&call_helper, 1);
         atomic_store(&state, DONE);   /* seq_cst: before caller_waiting's load */
         if (atomic_load(&caller_waiting)) futex_wake(&state);
         since = now_ns();
@@ -202,12 +204,20 @@ int dynvm_halves_start(void *execute_fn_, void *set_handle_fn_, void *set_thread
 int dynvm_halves_enter(void) {
   int expected = 0;
   if (!atomic_compare_exchange_strong(&inside, &expected, 1)) return 0;
+  atomic_store(&call_helper, 0);
+  atomic_store(&call_caller, 0);
   atomic_fetch_add(&generation, 1);
   futex_wake(&generation);
   return 1;
 }
 
-void dynvm_halves_leave(void) { atomic_store_explicit(&inside, 0, memory_order_release); }
+/* The call ends. Returns its B halves: by the helper << 16 | by the caller (each at
+   most 65535). */
+int dynvm_halves_leave(void) {
+  int helper_ = atomic_load(&call_helper), caller = atomic_load(&call_caller);
+  atomic_store_explicit(&inside, 0, memory_order_release);
+  return (helper_ > 0xFFFF ? 0xFFFF : helper_) << 16 | (caller > 0xFFFF ? 0xFFFF : caller);
+}
 
 /* One GEMM: both halves of `h` over x into `out` (the binary operand `other`, or NULL).
    Only the thread that entered calls it. Returns oneDNN's status (0: success). */
@@ -226,6 +236,7 @@ int dynvm_halves_run(void *stream, struct halves *h, void *x, char *out,
   if (atomic_compare_exchange_strong(&state, &expected, TAKEN)) {
     status |= run_half(h, 1, stream, out, other);
     atomic_fetch_add(&by_caller, 1);
+    atomic_fetch_add(&call_caller, 1);
   } else {
     long long since = now_ns();
     int spins = 0;
