@@ -86,10 +86,9 @@ chain's halves: 0.707 (bf16) / 0.839 (fp32) of the team (A/A 0.990 / 1.013, 23:5
 pairbench.py). In a busier window (23:56, load 2.1-2.4 beside other work) adaptive /
 team ran bf16 M=32 1.006, M=64 0.820, M=128 1.099, fp32 M=64 0.992 (A/A 0.97-1.04), the
 halves alone 0.91-4.07x: at M=128 the helper claimed and still lost, so the choice
-should be by the chains' measured time, not by the helper's claims. Building it in is
-left: a pass over exact kernels at batch 1 (the halves'
-weights reordered copies of their own), the helper spinning only while a kernel is
-inside, eager-equal tests.
+should be by the chains' measured time, not by the helper's claims. Built in (this
+pass, for exact kernels' linears at up to 64 rows, off by default): Note [Column halves
+with a helper thread] in column_halves.
 
 An exact kernel's call at rows not built (none: the guard proves the rows) would run
 eager's linear on the plain weight, never a build. Where the library does not load the
