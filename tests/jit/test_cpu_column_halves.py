@@ -260,13 +260,15 @@ def test_the_choice_follows_the_measured_calls():
 
 
 def test_a_starved_helper_sends_the_next_calls_to_the_team():
-    # Faster by the timings, but the helper ran under half of the B halves: the team
-    # for the next _EXPLORE calls, then the halves are tried again.
+    # Faster by the timings, but twice in a row the helper ran under half of the B
+    # halves: the team for the next _EXPLORE calls, then the halves are tried again.
     choice = column_halves.HalvesChoice()
     for _ in range(2 * column_halves._FIRST):
         halves = choice.next()
         choice.record(halves, 1.0 if halves else 2.0)
     assert choice.next() and choice.halves
+    choice.record(True, 1.0, starved=True)          # once: a blip, the halves go on
+    assert choice.next()
     choice.record(True, 1.0, starved=True)
     runs = [choice.next() for _ in range(column_halves._EXPLORE)]
     assert not any(runs) and choice.halves

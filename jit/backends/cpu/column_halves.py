@@ -34,7 +34,10 @@ count). Timings alone did not hold beside two busy processes: the halves' few sa
 went stale while the helper, at SCHED_IDLE, was starved (6 of 2176 B halves claimed),
 and the choice ran the halves at 2x16 / 2x32 for 1.22 / 1.27x the team's time. So a
 halves call whose helper ran under half of its B halves also sends the next `_EXPLORE`
-calls to the team, whatever the timings say. Rows: exact kernels whose linears run at
+calls to the team, whatever the timings say, once two halves calls in a row were so
+starved (a single one is a passing blip: at load 1.6 one starved call in seven held
+the team for 16 calls, and the kernel's halves at 0.81-0.87 of the team's time ran in
+only 3-7 of 24 calls). Rows: exact kernels whose linears run at
 `MAX_ROWS` rows or fewer.
 """
 
@@ -231,9 +234,9 @@ def halves_of(team, library: api.Library, native_: _Native, rows: int, plain, pr
 class HalvesChoice:
     """Halves or team for one exact kernel, by its calls' measured time: alternate until
     each way has `_FIRST` timings, then the faster by median over the last `_WINDOW`,
-    the other one call in `_EXPLORE`. A halves call whose helper ran under half of its
-    B halves (starved: its core busy elsewhere) sends the next `_EXPLORE` calls to the
-    team whatever the timings say."""
+    the other one call in `_EXPLORE`. Two halves calls in a row whose helper ran under
+    half of their B halves (starved: its core busy elsewhere) send the next `_EXPLORE`
+    calls to the team whatever the timings say (one such call is a passing blip)."""
 
     def __init__(self) -> None:
         self._times = {True: deque(maxlen=_WINDOW), False: deque(maxlen=_WINDOW)}
@@ -242,6 +245,7 @@ class HalvesChoice:
         self.halves = True
         self.runs = {True: 0, False: 0}
         self.starved = 0
+        self._in_a_row = 0
 
     def next(self) -> bool:
         self._calls += 1
@@ -254,9 +258,11 @@ class HalvesChoice:
     def record(self, halves: bool, seconds: float, starved: bool = False) -> None:
         self.runs[halves] += 1
         self._times[halves].append(seconds)
-        if starved:
-            self.starved += 1
-            self._team_until = self._calls + _EXPLORE
+        if halves:
+            self._in_a_row = self._in_a_row + 1 if starved else 0
+            self.starved += starved
+            if self._in_a_row >= 2:
+                self._team_until = self._calls + _EXPLORE
         if len(self._times[True]) >= _FIRST and len(self._times[False]) >= _FIRST:
             self.halves = (statistics.median(self._times[True])
                            <= statistics.median(self._times[False]))
