@@ -51,11 +51,11 @@ whole chains interleaved with an A/A; docs/bench_log.md 01:31): a 1x1 stride-1
 convolution as a oneDNN matmul over the (N*H*W, C) view of its NHWC value (no copy;
 bias, the residual's sum and the activation as post-ops) runs `brg:avx512_core`, the
 same brgemm as brgconv_1x1: batch 1 0.998 with all 33 or stage 3-4's 17 (A/A
-0.995-0.997), batch 2 / 4 1.010-1.019 against the blocked chain; blocked only from
-some stage on at batch 1: from 7x7 0.991, from 14x14 1.015, from 28x28 1.052 (A/A
-1.005, load 1-3.5). At batch 1 what ONNX Runtime is ahead by is stage 3-4's 1x1s inside
-the whole model (1.07-1.32x per geometry, +1.3 of +1.35 ms), none of the three kernels
-faster there.
+0.995-0.997), batch 2 / 4 0.992-1.019 against the blocked chain (A/A 0.983-1.014:
+no gain); blocked only from some stage on at batch 1: from 7x7 0.991, from 14x14 1.015,
+from 28x28 1.052 (A/A 1.005, load 1-3.5). At batch 1 what ONNX Runtime is ahead by is
+stage 3-4's 1x1s inside the whole model (1.07-1.32x per geometry, +1.3 of +1.35 ms),
+none of the three kernels faster there.
 
 Two threads calling one kernel: the chain of each shape has a lock, held from the
 handles to the results; no second arena per thread. The call holds the GIL as each
