@@ -218,6 +218,7 @@ class RegionWatch:
         self._detach_period = DETACH_CALLS   # program calls (Note [Detached regions])
         self.checked = False   # its first cold check has run (Jit.settled)
         self.judged_cold = False   # ... and the latest found it cold (Note [Settled])
+        self.profiled_at = 0   # the region's calls at its latest profiled miss (the same)
         # The watch's measured price (Note [Sampled watching]): the recent profiled
         # leaves' seconds, and a layout key's, timed on one miss per cold check.
         self._leave_costs: deque[float] = deque(maxlen=WATCH_SAMPLES * 4)
@@ -243,6 +244,7 @@ class RegionWatch:
         if self.sample_every > 1 and not self.cold:
             self.cold = self.sample_every - 1   # Note [Sampled watching]
             self.cold_unlooked = False          # installed ones are still looked up
+        self.profiled_at = self._region.region_calls()
         self._since_cold_check += 1
         # Every COLD_CHECK_EVERY region calls, profiled or sampled away (Note
         # [Sampled watching]): a sampled region is not looked at 16x less often.

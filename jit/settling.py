@@ -30,6 +30,12 @@ profiled calls),
   tier-2 check weighs it: Note [Tier-2 checks] in jit.tiering) has hit its family
   kernel within the region's last W kernel hits: its next check promotes it.
 
+The window moves only with profiled misses: where every call has hit a kernel for the
+last W x `sample_every` region calls, what it holds is old (a family key whose family
+has since grown under another key, say, recurs there for good), so the first rule
+then holds nothing back. Without this, llama's zoo seasoning (100% specialized) ran to
+its cap once (2026-12-06 02:14 UTC; what it held was not recorded).
+
 Nothing here waits for the horizon's growth (Note [Rent or buy]): a key that pays
 only later is bench.zoo's SEASON_CALLS business. A region called no more keeps what
 it had; every seasoning loop also has a cap of rounds or seconds.
@@ -61,7 +67,9 @@ def short_of_promotion(region_jit: RegionJit) -> bool:
 
 
 def _recurring_key(region_jit: RegionJit) -> bool:
-    config = region_jit.engine.config
+    config, watch = region_jit.engine.config, region_jit.watch
+    if region_jit.region_calls() - watch.profiled_at > config.window * watch.sample_every:
+        return False   # no miss profiled lately: the window holds nothing current
     inputs = region_jit.refresh_policy_inputs()
     k, age = region_jit.threshold, region_jit.age()
     for profile, kind in ((region_jit.profile, EXACT), (region_jit.family_profile, FAMILY)):
