@@ -53,7 +53,10 @@ bias, the residual's sum and the activation as post-ops) runs `brg:avx512_core`,
 same brgemm as brgconv_1x1: batch 1 0.998 with all 33 or stage 3-4's 17 (A/A
 0.995-0.997), batch 2 / 4 0.992-1.019 against the blocked chain (A/A 0.983-1.014:
 no gain); blocked only from some stage on at batch 1: from 7x7 0.991, from 14x14 1.015,
-from 28x28 1.052 (A/A 1.005, load 1-3.5). At batch 1 what ONNX Runtime is ahead by is
+from 28x28 1.052 (A/A 1.005, load 1-3.5), again at 02:37 (load 1.8) from 7x7 1.004,
+from 14x14 1.013, all blocked 1.037 (A/A 1.000); at batch 2 NHWC before 7x7 0.982,
+before 14x14 0.988, NHWC throughout 1.003 of the blocked chain (A/A 1.000): within
+two runs' noise, not built. At batch 1 what ONNX Runtime is ahead by is
 stage 3-4's 1x1s inside the whole model (1.07-1.32x per geometry, +1.3 of +1.35 ms),
 none of the three kernels faster there.
 
