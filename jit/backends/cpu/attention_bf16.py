@@ -46,7 +46,11 @@ Measured (SDPA alone, bf16 Q/K/V views of one [B, S, 2304] result, BERT-base's h
 boolean [B, 1, S, S] mask against the bf16 bias made beforehand: 2x64 0.226 / 0.202,
 4x64 0.448 / 0.417, 4x128 1.128 / 1.086, 8x64 0.856 / 0.818, 8x128 2.329 / 2.215 (no mask
 at all: 0.204 / 0.417 / 1.024 / 0.820 / 2.134), so the conversion is most of what the
-mask costs the kernel.
+mask costs the kernel. Whole BERT-base calls (4 layers, exact kernels) in one process, on /
+off, 20 rounds interleaved with an A/A of two "off" runtimes (02:41 UTC, load 1.8-2.3):
+2x16 0.967, 2x64 1.001, 2x128 0.994, 4x32 0.979, 4x64 0.977, 4x128 0.977, 8x16 0.988, 8x64
+0.987, 8x128 0.965 (A/A 0.972-1.016): the ~1-3% it predicts, at the edge of the A/A; on
+and off gave the same bits at every shape.
 """
 
 from __future__ import annotations
