@@ -39,6 +39,23 @@ starved (a single one is a passing blip: at load 1.6 one starved call in seven h
 the team for 16 calls, and the kernel's halves at 0.81-0.87 of the team's time ran in
 only 3-7 of 24 calls). Rows: exact kernels whose linears run at
 `MAX_ROWS` rows or fewer.
+
+Measured (BERT-base width, 4 layers, in one process, interleaved call by call with the
+team and an A/A; /tmp/h31ld/ab.py, 2026-12-06): with a core free (02:26 UTC, load 1.6)
+the halves forced on ran 0.813 / 0.827 / 0.871 / 0.829 of the team's whole bf16 calls
+at 1x16 / 1x32 / 1x64 / 2x16 (A/A 1.012-1.023; the helper ran 720 of 800 B halves).
+With the other core busy (other sessions' work, load 2.1-4.0 at 01:52-02:43; two busy
+processes beside it at 02:07, load 6.1-6.4) the helper at SCHED_IDLE was starved (12-35
+of 700-1250 B halves; 6 of 2176 beside the busy processes) and the halves ran at one
+thread's speed: forced on 1.03-1.26x the team. The adaptive choice with the two-strike
+hold then stayed within its A/A (fp32 1.003-1.009, A/A 0.986-1.013; bf16 1.028-1.064
+against an A/A of 1.048-1.099, 02:42 UTC, load 2.5; the halves in 3-4 of 20-28 calls).
+The bar's command with the halves on (one-strike hold, 02:26-02:36 UTC, load 1.6-1.8,
+margin 0.022): fp32 JIT / best peer 1x16 1.059, 2x16 1.048, every other shape within the
+margin (median 0.991); jit-bf16 / OpenVINO bf16 1x16 0.935 but median 1.148 with the
+bf16 seasoning unsettled after 486 s; a warm-up spike at 1x32 (JIT p90 2.92x the
+interpreter's, max 172 ms) not yet explained. Off by default until the gain holds in
+the bar's command beside an "off" run of the same window.
 """
 
 from __future__ import annotations
