@@ -160,13 +160,11 @@ class LinearWeights:
 class LinearPrimitive:
     """One oneDNN matmul primitive: `rows` rows (RUNTIME_DIM: any, given per call) of
     `spec`, its weight in the layout it chose (`weights`' shared copy), or with
-    `plain_weight` the weight as `weights` holds it unreordered. With `out_stride` its
-    result and binary operand are rows `out_stride` elements apart (columns of a wider
-    tensor: Note [Column halves with a helper thread] in column_halves)."""
+    `plain_weight` the weight as `weights` holds it unreordered."""
 
     def __init__(self, library: api.Library, spec: LinearSpec, rows: int,
                  weights: LinearWeights, bias: torch.Tensor | None,
-                 plain_weight: bool = False, out_stride: int | None = None) -> None:
+                 plain_weight: bool = False) -> None:
         lib = self._lib = library.dll
         self._calls = library.calls
         self._stream = library.stream
@@ -176,8 +174,7 @@ class LinearPrimitive:
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self._engine = engine = library.engine
         src = md_strides(lib, [rows, k], [k, 1], dtype)
-        out_stride = n if out_stride is None else out_stride
-        dst = md_strides(lib, [rows, n], [out_stride, 1], spec.result_dtype)
+        dst = md_strides(lib, [rows, n], [n, 1], spec.result_dtype)
         weights_md = weights.plain_md() if plain_weight else md_tag(lib, [k, n],
                                                                        api.TAG_ANY, dtype)
         bias_md = md_tag(lib, [1, n], api.TAG_AB, torch.float32)
@@ -188,7 +185,7 @@ class LinearPrimitive:
         if self._sum and (spec.binary != "add" or spec.eltwise is not None):
             raise api.OnednnError(f"{spec.binary} after {spec.eltwise} at any rows")
         if spec.binary is not None and not self._sum:
-            other_md = md_strides(lib, [rows, n], [out_stride, 1], spec.result_dtype)
+            other_md = md_strides(lib, [rows, n], [n, 1], spec.result_dtype)
             mds.append(other_md)
         post_ops, attr, pd = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         self._prim = ctypes.c_void_p()
