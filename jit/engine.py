@@ -59,7 +59,7 @@ from dynvm.jit.probes import abstract_live_ins, clip_to_declared, family_live_in
 from dynvm.jit.queue import CompileQueue, CompileTimeout
 from dynvm.jit.region_jit import RegionJit, Specialization
 from dynvm.jit.region_slot import BuiltCode
-from dynvm.jit.settling import short_of_promotion
+from dynvm.jit.settling import awaiting_verdict, short_of_promotion
 from dynvm.jit.specialize import InputRejected, failure_reason, specialize
 from dynvm.shape_cluster import Family
 from dynvm.vm.isa import OpClass
@@ -221,18 +221,18 @@ class Jit:
         self._compile_listeners.append(listener)
 
     def settled(self) -> bool:
-        """True when no compile is queued or running, no installed specialization is
-        still on probation (Note [Probation]) and every region with nothing installed has
-        had its first cold check (Note [Cold regions]: until then it is profiled on
-        every call; after it, it is watched, cold or detached for good reason), and no
-        attached region has a key on its way to a promotion (Note [Settled]): the JIT's
-        steady state, as far as it knows."""
+        """True when no compile is queued or running, no installed specialization that
+        its region's calls still reach is on probation (Note [Probation]), every region
+        with nothing installed has had its first cold check (Note [Cold regions]: until
+        then it is profiled on every call; after it, it is watched, cold or detached for
+        good reason), and no attached region has a key on its way to a promotion (Note
+        [Settled]): the JIT's steady state, as far as it knows."""
         if len(self.queue):
             return False
         local = self.compiles_locally()
         for index, region_jit in list(self.regions.items()):
             installed = region_jit.installed()
-            if region_jit.pending or any(spec.probation is not None for spec in installed):
+            if region_jit.pending or awaiting_verdict(region_jit, installed):
                 return False
             if local and not installed and not region_jit.watch.checked:
                 return False

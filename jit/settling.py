@@ -36,6 +36,13 @@ has since grown under another key, say, recurs there for good), so the first rul
 then holds nothing back. Without this, llama's zoo seasoning (100% specialized) ran to
 its cap once (2026-12-06 02:14 UTC; what it held was not recorded).
 
+Nor does a region wait for the verdict of a kernel on probation that its calls no
+longer reach (not hit within the region's last W kernel hits): its samples come only
+with its hits. In the zoo (2026-12-06 02:44 UTC) albert's and llama's seasonings ran
+to their cap, 2,048 calls, with nothing short of a promotion but a fifth kernel (of
+four shapes) on probation, its verdict never due; efficientnet's did before this
+change (02:13 and 02:43).
+
 Nothing here waits for the horizon's growth (Note [Rent or buy]): a key that pays
 only later is bench.zoo's SEASON_CALLS business. A region called no more keeps what
 it had; every seasoning loop also has a cap of rounds or seconds.
@@ -54,6 +61,15 @@ if TYPE_CHECKING:
     from dynvm.jit.region_jit import RegionJit
 
 RECURRING = 2   # seen this often in the window: a key that recurs (Note [Settled])
+
+
+def awaiting_verdict(region_jit: RegionJit, installed) -> bool:
+    """Whether a specialization of `installed` is on probation and still hit: hit within
+    the region's last W kernel hits (Note [Settled]); one its region no longer sends calls
+    to (a family whose shapes all have exact kernels now) would wait for ever."""
+    window, clock = region_jit.engine.config.window, region_jit._clock
+    return any(spec.probation is not None and clock - spec.last_used <= window
+               for spec in installed)
 
 
 def short_of_promotion(region_jit: RegionJit) -> bool:

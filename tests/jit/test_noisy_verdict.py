@@ -163,3 +163,27 @@ def test_held_verdicts_by_key():
     assert not other.record(EXACT, EARLY_LOSS, ("a",), lost=True)
     assert not other.record(EXACT, 0.5, ("b",), lost=False)
     assert other.measured(EXACT, [], {}) == pytest.approx((-0.05 + 0.5) / 2)
+
+
+def test_a_kernel_on_probation_that_its_calls_no_longer_reach_does_not_hold_settled(scripted):
+    """Note [Settled]: A's kernel is on probation with no sample yet when the calls move to
+    B, whose kernel is kept; A's verdict would never come (its samples come with its
+    hits), so once W kernel hits have passed it by, the JIT is settled. Before: not
+    settled for ever (albert's and llama's zoo seasonings ran to their cap)."""
+    scripted[:] = [0.6]
+    runtime = _runtime(compiled("transformer"))
+    a = _x()
+    b = torch.randn(3, 8, SMALL_TRANSFORMER["hidden"], generator=torch.Generator().manual_seed(3))
+    with torch_threads(1), torch.inference_mode():
+        for _ in range(K + 1):   # promoted at K, then one hit: its warm-up, no sample
+            runtime(a)
+        region_jit = _region(runtime)
+        (on_probation,) = region_jit.installed()
+        assert on_probation.probation is not None and not on_probation.probation.ratios
+        for _ in range(K + 5):   # B: promoted, warm-up hit, three samples, kept
+            runtime(b)
+    assert on_probation.probation is not None and on_probation in region_jit.installed()
+    assert [spec.ratio for spec in region_jit.installed() if spec is not on_probation] == [
+        pytest.approx(0.6)]
+    assert runtime.jit.settled()
+    runtime.close()
