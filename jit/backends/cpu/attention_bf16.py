@@ -70,6 +70,7 @@ from dynvm.vm.opcodes import OPCODES
 _VIEWS = frozenset({"SPLIT_WITH_SIZES", "SPLIT", "VIEW", "RESHAPE_IF", "PERMUTE",
                     "TRANSPOSE", "UNSQUEEZE", "SQUEEZE"})
 _SDPA = "SDPA"
+_MASK_NOTE = "Note [One bf16 mask bias a call]"   # cited in a kernel's header
 
 
 def _retyped(value: torch.Tensor) -> torch.Tensor:
@@ -233,10 +234,10 @@ def bf16_attention(spec: SpecializedRegion, *, mask_bias: bool = True
     note = (f"; attention in bf16: {len(sdpas)} SDPA(s) on their bf16 Q/K/V, "
             f"{len(trees)} cast(s) to fp32 and {out_casts} back to bf16 gone "
             "(Note [bf16 attention between bf16 GEMMs])"
-            + (f"; {len(biases)} boolean mask(s) made a bf16 bias once (Note [One bf16 "
-               "mask bias a call])" if len(before) == len(biases) else
-               f"; {len(biases)} boolean mask(s) made bf16 biases {len(before)} times (Note "
-               "[One bf16 mask bias a call])" if biases else ""))
+            + (f"; {len(biases)} boolean mask(s) made a bf16 bias once ({_MASK_NOTE})"
+               if len(before) == len(biases) else
+               f"; {len(biases)} boolean mask(s) made bf16 biases {len(before)} times "
+               f"({_MASK_NOTE})" if biases else ""))
     return dataclasses.replace(spec, ops=tuple(new_ops), abstract=tuple(probes)), note
 
 
