@@ -286,7 +286,8 @@ def test_batch_jitter_compiles_at_most_a_tenth_of_the_signatures(small):
     figures = (f"{stats['compiles']} compiles ({stats['family_compiles']} family) for "
                f"{distinct} distinct signatures in 300 calls; specialized "
                f"{stats['specialized_region_calls']}, interpreted "
-               f"{stats['interpreted_region_calls']} region calls")
+               f"{stats['interpreted_region_calls']} region calls; {stats['promotions']} "
+               f"promotions; probation {stats['probation']}")
     assert stats["compiles"] <= distinct / 10, figures
     assert stats["family_compiles"] >= 1, figures
     assert stats["compile_failures"] == 0 and stats["deopts"] == 0, stats
