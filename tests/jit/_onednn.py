@@ -22,15 +22,20 @@ NEEDS_ONEDNN_LIBRARY = [
                               f"{onednn_api.unavailable_reason()}")]
 
 
-def native_chain():
-    """The chain's native functions bound to the loaded libdnnl; skips where no C
-    compiler existed at install, fails where one did: a silently missing library would
-    leave every chain on Python's calls."""
-    bound, why = onednn_chain.native(onednn_api.library())
+def bound_native(module):
+    """`module`'s native library (onednn_chain's, column_halves') bound to the loaded
+    libdnnl; skips where no C compiler existed at install, fails where one did: a
+    silently missing library would leave every kernel on its fallback."""
+    bound, why = module.native(onednn_api.library())
     if bound is None and shutil.which("cc") is None:
         pytest.skip(f"no C compiler at install: {why}")
     assert bound is not None, why
     return bound
+
+
+def native_chain():
+    """The chain's native functions (Note [A chain of primitives in one call])."""
+    return bound_native(onednn_chain)
 
 
 class ChainBlocks(nn.Module):

@@ -9,7 +9,6 @@ absent. The halves-or-team choice is checked on given timings, never on the cloc
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import threading
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from dynvm.jit.backends.cpu.onednn_linear import LinearSpec, LinearWeights, Prim
 from dynvm.jit.backends.cpu.precision import precision_available
 from dynvm.jit.backends.cpu.prepack import PrepackCache
 from tests.jit import _jit_helpers as h
-from tests.jit._onednn import NEEDS_ONEDNN_LIBRARY
+from tests.jit._onednn import NEEDS_ONEDNN_LIBRARY, bound_native
 
 pytestmark = NEEDS_ONEDNN_LIBRARY
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -33,13 +32,8 @@ BF16_RELATIVE = 3e-2        # tests/jit/test_cpu_precision.py's bf16 bound
 
 
 def _native():
-    """The halves library bound to the loaded libdnnl; skips where no C compiler
-    existed at install, fails where one did."""
-    bound, why = column_halves.native(onednn_api.library())
-    if bound is None and shutil.which("cc") is None:
-        pytest.skip(f"no C compiler at install: {why}")
-    assert bound is not None, why
-    return bound
+    """The halves library bound to the loaded libdnnl (tests.jit._onednn.bound_native)."""
+    return bound_native(column_halves)
 
 
 class Block(nn.Module):

@@ -72,7 +72,12 @@ import torch
 from dynvm.jit.backends.cpu import onednn_api as api
 from dynvm.jit.backends.cpu.native_linear import find_extension
 from dynvm.jit.backends.cpu.one_thread import openmp_runtime
-from dynvm.jit.backends.cpu.onednn_matmul import LinearPrimitive, LinearSpec, LinearWeights
+from dynvm.jit.backends.cpu.onednn_matmul import (
+    LinearPrimitive,
+    LinearSpec,
+    LinearWeights,
+    dense_operands,
+)
 
 _LIBRARY_STEM = "_column_halves"
 MAX_ROWS = 64
@@ -213,20 +218,11 @@ class HalvesLinear:
     def __call__(self, x: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
         if not getattr(_THREAD, "halves", False):
             return self.team(x, other)
-        k, n = self.spec.in_features, self.spec.out_features
-        rows = x.reshape(-1, k)
-        if rows.shape[0] != self.rows:
+        n = self.spec.out_features
+        if x.numel() != self.rows * self.spec.in_features:
             return self.team(x, other)
-        if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
-            rows = rows.contiguous()
-        operand = None
-        if other is not None:
-            other = other.reshape(-1, n)
-            if other.dtype != self.spec.result_dtype:
-                raise api.OnednnError(f"a binary post-op's operand of {other.dtype}")
-            if other.stride(-1) != 1 or (other.shape[0] > 1 and other.stride(0) != n):
-                other = other.contiguous()
-            operand = other.data_ptr()
+        rows, other = dense_operands(self.spec, x, other)
+        operand = None if other is None else other.data_ptr()
         out = torch.empty((self.rows, n), dtype=self.spec.result_dtype)
         api.check(self._native.run(self._native.stream, self._pointer, rows.data_ptr(),
                                    out.data_ptr(), operand), "column halves")

@@ -349,17 +349,27 @@ class PrimitiveLinear:
         return y
 
     def __call__(self, x: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
-        k, n = self.spec.in_features, self.spec.out_features
-        rows = x.reshape(-1, k)
-        if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
-            rows = rows.contiguous()       # oneDNN reads the rows as built: dense
-        if other is not None:
-            other = other.reshape(-1, n)
-            if other.dtype != self.spec.result_dtype:
-                raise api.OnednnError(f"a binary post-op's operand of {other.dtype}")
-            if other.stride(-1) != 1 or (other.shape[0] > 1 and other.stride(0) != n):
-                other = other.contiguous()
+        n = self.spec.out_features
+        rows, other = dense_operands(self.spec, x, other)
         primitive = self.by_rows.get(rows.shape[0], self._any_rows)
         out = (self.fallback(rows, other) if primitive is None
                else primitive.run(rows, other))
         return out.view(*x.shape[:-1], n)
+
+
+def dense_operands(spec: LinearSpec, x: torch.Tensor, other: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`x` as [rows, in_features] and the binary post-op's `other` as [rows,
+    out_features], each dense (copied only where it is not): oneDNN reads them as its
+    primitives were built."""
+    k, n = spec.in_features, spec.out_features
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != k):
+        rows = rows.contiguous()
+    if other is not None:
+        other = other.reshape(-1, n)
+        if other.dtype != spec.result_dtype:
+            raise api.OnednnError(f"a binary post-op's operand of {other.dtype}")
+        if other.stride(-1) != 1 or (other.shape[0] > 1 and other.stride(0) != n):
+            other = other.contiguous()
+    return rows, other
