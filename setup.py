@@ -35,4 +35,13 @@ setup(ext_modules=[Extension(
     sources=["jit/backends/cpu/native/column_halves.c"],
     extra_compile_args=["-O3"],
     optional=True,
+), Extension(
+    # layer norm writing its bf16 copy in the same pass (Note [Layer norm writing bf16
+    # too] in jit/backends/cpu/norm_bf16.py); without it the bf16 lowering keeps torch's
+    # layer norm and a cast
+    "dynvm.jit.backends.cpu._layer_norm_bf16",
+    sources=["jit/backends/cpu/native/layer_norm_bf16.c"],
+    extra_compile_args=["-O3", "-fopenmp"],
+    extra_link_args=["-fopenmp"],
+    optional=True,
 )])

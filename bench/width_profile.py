@@ -162,11 +162,13 @@ def _primitives_named():
 
 
 # The generated code's callees by name prefix (Note [Walls inside the kernel]); a
-# oneDNN linear primitive is named by its place among a layer's four GEMMs.
+# oneDNN linear primitive is named by its place among a layer's four GEMMs; a layer norm
+# writing its bf16 copy (Note [Layer norm writing bf16 too]) is a layer norm, its cast in it.
 _LAYER_GEMMS = ("QKV GEMM", "output projection + residual", "FFN up + GELU",
                 "FFN down + residual")
 _PIECES = (("SDPA", "attention (SDPA)"), ("bf16_mask_bias", "mask bias"),
-           ("LAYER_NORM", "layer norm"), ("to_bf16", "casts"), ("to_fp32", "casts"),
+           ("LAYER_NORM", "layer norm"), ("layer_norm_bf16", "layer norm"),
+           ("to_bf16", "casts"), ("to_fp32", "casts"),
            ("set_threads", "thread switches"), ("SPLIT", "views"), ("VIEW", "views"),
            ("PERMUTE", "views"), ("RESHAPE", "views"))
 _GEMM_PREFIXES = ("onednn_linear_primitive", "linear_pointwise", "mkldnn_linear")

@@ -72,6 +72,7 @@ import re
 import torch
 
 from dynvm.jit.backends.cpu.arena_choice import tensors_in, zeros_like_abstract
+from dynvm.jit.backends.cpu.shape_constants import SHAPE_CONSTANT
 from dynvm.jit.calibration import Calibrator, size_class
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, Var
 from dynvm.vm.opcodes import OPCODES
@@ -120,6 +121,8 @@ def openmp_getter():
 def neutral(op) -> bool:
     """An op that moves no data (a view, or its operand back): it neither gains from
     one thread nor ends a run of ops on one."""
+    if op.opcode == SHAPE_CONSTANT:   # a constant handed over (Note [Shape constants in kernels])
+        return True
     spec = OPCODES.get(op.opcode)
     return spec is not None and op.variant == "" and (spec.is_view or spec.returns_operand)
 

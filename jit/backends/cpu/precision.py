@@ -25,7 +25,10 @@ as a post-op, and returns bf16. Casts sit at the boundaries, each made once:
   computes that one in fp32 from the bf16 operand in the same pass, so the cast is free.
   An in-place residual add that would write into the bf16 result runs out of place.
 The residual stream and layer norm thus stay fp32; what rounds to bf16 is the GEMMs'
-inputs, weights and outputs (8 bits of mantissa: about 0.4% of each value). Attention
+inputs, weights and outputs (8 bits of mantissa: about 0.4% of each value). A layer
+norm whose result a TO_BF16 reads writes its bf16 copy in the same pass (Note [Layer
+norm writing bf16 too]), and ops over constants and literals alone run once, at compile
+time (Note [Shape constants in kernels]). Attention
 between bf16 GEMMs then runs in bf16 (Note [bf16 attention between bf16 GEMMs]). A
 residual stream in bf16 too measured faster (BERT-base width, in one process 0.913-0.964
 over 1x16..8x64) but 4-5x OpenVINO bf16's distance from fp32 (max |out - fp32| 0.042-0.076
@@ -80,7 +83,13 @@ from dynvm.jit.backends.cpu.ir_match import (
     untouched_between,
     use_counts,
 )
+from dynvm.jit.backends.cpu.norm_bf16 import LAYER_NORM_BF16, fuse_norm_casts, layer_norm_bf16
 from dynvm.jit.backends.cpu.prepack import PrepackCache
+from dynvm.jit.backends.cpu.shape_constants import (
+    SHAPE_CONSTANT,
+    fold_shape_constants,
+    shape_constant,
+)
 from dynvm.jit.config import PRECISIONS
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
 from dynvm.jit.specialize import add_frees
@@ -120,7 +129,8 @@ def _bf16_mask_bias(mask: torch.Tensor) -> torch.Tensor:
 
 
 PRECISION_KERNELS = {TO_BF16: _to_bf16, TO_FP32: _to_fp32, INT8_LINEAR: _int8_linear,
-                     MASK_BIAS: _bf16_mask_bias}
+                     MASK_BIAS: _bf16_mask_bias, LAYER_NORM_BF16: layer_norm_bf16,
+                     SHAPE_CONSTANT: shape_constant}
 
 
 def cpu_flags() -> str:
@@ -170,7 +180,15 @@ def lower_precision(spec: SpecializedRegion, constants, device: torch.device, *,
     leaving = {v.reg for _, v in spec.outputs if isinstance(v, Var)}
     if precision == "int8-dynamic":
         return _int8(spec, ops, gemms, constants, prepacked, leaving)
-    return _Bf16Lowering(spec, ops, gemms, constants, prepacked, leaving).run()
+    lowered = _Bf16Lowering(spec, ops, gemms, constants, prepacked, leaving).run()
+    # Note [Layer norm writing bf16 too]: the casts of layer norms' results into the norm
+    fused, note = fuse_norm_casts(lowered.spec, constants, cast=TO_BF16,
+                                  variant=PRECISION_VARIANT)
+    # Note [Shape constants in kernels]: what the shapes alone give, once
+    folded, fold_note = fold_shape_constants(fused, constants, device,
+                                             variant=PRECISION_VARIANT)
+    notes = tuple(n.removeprefix("; ") for n in (note, fold_note) if n)
+    return FusionResult(folded, lowered.notes + notes)
 
 
 # -- bf16 ------------------------------------------------------------------------------

@@ -1,0 +1,79 @@
+/* Layer norm over the last dim of fp32 rows, writing its fp32 result and that result
+   rounded to bf16 in the same pass (Note [Layer norm writing bf16 too] in
+   jit/backends/cpu/norm_bf16.py says where the JIT uses it and what it saves).
+
+     dynvm_layer_norm_bf16: per row of N, a multiple of 16 (rows `ldx` apart, elements
+                            contiguous; results dense):
+         mean, var = the row's mean and (biased) variance, rstd = 1 / sqrt(var + eps)
+         y   = (x * rstd - mean * rstd) * w + b      (w, b: N floats each, or NULL)
+         y16 = y rounded to bf16, nearest even, as torch's conversion rounds it
+
+   AVX-512F code behind target attributes only, so the library loads on any x86-64; the
+   Python side calls it only where dynvm_layer_norm_bf16_supported() says AVX-512F is
+   there. Rows are split over `threads` OpenMP threads (torch's team: -fopenmp links
+   the libgomp soname torch ships), one thread where `threads` is 1. */
+
+#include <Python.h>
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define AVX512 __attribute__((target("avx512f")))
+
+/* An empty module, so that importing every module of the package imports this one. */
+static struct PyModuleDef layer_norm_module = {
+    PyModuleDef_HEAD_INIT, "_layer_norm_bf16",
+    "dynvm's layer norm writing bf16 too; its C function is called through ctypes "
+    "(norm_bf16.py)",
+    -1, NULL, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__layer_norm_bf16(void) { return PyModule_Create(&layer_norm_module); }
+
+int dynvm_layer_norm_bf16_supported(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+}
+
+/* fp32 -> bf16 bits, round to nearest even; NaN to 0xFFFF (ATen's vectorized
+   conversion, cvtfp32_bf16, does the same). */
+static inline AVX512 __m256i bf16_bits(__m512 v) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_srli_epi32(r, 16);
+  __mmask16 ordered = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+  r = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xFFFF), r);
+  return _mm512_cvtepi32_epi16(r);
+}
+
+static AVX512 void one_row(const float* x, long N, const float* w, const float* b,
+                           float eps, float* y, uint16_t* y16) {
+  __m512 acc = _mm512_setzero_ps();
+  for (long k = 0; k < N; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + k));
+  float mean = _mm512_reduce_add_ps(acc) / (float)N;
+  __m512 vmean = _mm512_set1_ps(mean);
+  __m512 sq = _mm512_setzero_ps();
+  for (long k = 0; k < N; k += 16) {
+    __m512 d = _mm512_sub_ps(_mm512_loadu_ps(x + k), vmean);
+    sq = _mm512_fmadd_ps(d, d, sq);
+  }
+  float var = _mm512_reduce_add_ps(sq) / (float)N;
+  float rstd = 1.0f / sqrtf(var + eps);
+  __m512 scale = _mm512_set1_ps(rstd), shift = _mm512_set1_ps(-mean * rstd);
+  for (long k = 0; k < N; k += 16) {
+    __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), scale, shift);
+    if (w) v = _mm512_mul_ps(v, _mm512_loadu_ps(w + k));
+    if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b + k));
+    _mm512_storeu_ps(y + k, v);
+    _mm256_storeu_si256((__m256i*)(y16 + k), bf16_bits(v));
+  }
+}
+
+AVX512 void dynvm_layer_norm_bf16(const float* x, long ldx, long M, long N,
+                                  const float* w, const float* b, float eps,
+                                  float* y, uint16_t* y16, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (long m = 0; m < M; m++)
+    one_row(x + m * ldx, N, w, b, eps, y + m * N, y16 + m * N);
+}

@@ -1,0 +1,176 @@
+"""Ops computed from constants and literals alone, run once at compile time: a pass over
+a specialized region.
+
+Note [Shape constants in kernels]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+An exact specialization knows every dim, so the specializer writes them as literals, and
+what a model computes from its shapes alone is then computed from literals alone on
+every call: BERT's attention-mask prologue (Hugging Face's `sdpa_mask`) makes three
+ARANGEs, two ADDs of 0, nine UNSQUEEZEs, a FULL, a GE and a BITWISE_AND of the batch
+and sequence indices before its one op that reads the mask, and its embeddings slice
+and expand the position and token-type ids from constants: ~20 ATen calls a call, each
+a few microseconds of dispatch for a few hundred bytes of result.
+
+So ops of a pure opcode (`_PURE`: views, index arithmetic, comparisons, fills, gathers
+and casts; nothing random, stateful or data-dependent in its shape) whose operands are
+all constants, literals or such ops' results are run once when the kernel is built, and
+each result a remaining op reads becomes a constant of the kernel (one `SHAPE_CONSTANT`
+op handing it over, so every later pass still sees a register). Shape dims that vary
+(a family's runtime params) are registers, so a family kernel folds only what does not
+depend on them. Not folded:
+- a result that leaves the region (the caller must get a fresh tensor);
+- an in-place op, unless its target has no other reader and owns its storage (it is
+  then run out of place, which the remaining ops cannot tell);
+- anything in the storage of a value a remaining op writes in place (a constant must
+  stay what it was built as);
+- a result over `MAX_BYTES` a remaining op reads, unless it shares a program constant's
+  storage (a view of a weight costs nothing to keep): its op runs on each call, from
+  folded operands (at 8x128 BERT's token-type embeddings are 3 MB).
+Each folded result is checked against the region's abstract values (shape, dtype and
+strides at every probe) and the op kept where they differ. Results are the same bits:
+the same ops on the same operands, run earlier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dynvm.jit.aliasing import flat_values
+from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Var
+from dynvm.jit.specialize import add_frees
+from dynvm.vm.opcodes import OPCODES
+
+SHAPE_CONSTANT = "SHAPE_CONSTANT"
+MAX_BYTES = 1 << 16
+"""A folded result a remaining op reads is kept as a constant up to this size (the Note)."""
+
+_PURE = frozenset(name for name in (
+    "ARANGE", "FULL", "ZEROS", "ONES", "FULL_LIKE", "ZEROS_LIKE", "ONES_LIKE",
+    "SCALAR_TENSOR", "UNSQUEEZE", "SQUEEZE", "SQUEEZE_DIMS", "VIEW", "RESHAPE_IF", "EXPAND",
+    "SLICE", "SELECT", "PERMUTE", "TRANSPOSE", "T", "ALIAS", "GATHER", "INDEX",
+    "INDEX_SELECT", "EMBEDDING", "TO_COPY", "CLONE", "ADD", "SUB", "MUL", "DIV", "NEG",
+    "GE", "GT", "LE", "LT", "EQ", "NE", "BITWISE_AND", "BITWISE_OR", "BITWISE_XOR",
+    "BITWISE_NOT", "LOGICAL_AND", "LOGICAL_OR", "LOGICAL_NOT", "LOGICAL_XOR", "WHERE",
+    "MASKED_FILL", "CAT", "STACK", "CUMSUM", "TRIL_INDICES", "TRIU_INDICES", "REPEAT")
+    if name in OPCODES)
+
+
+def shape_constant(value):
+    """The kernel's constant, handed over as a register's value (the Note)."""
+    return value
+
+
+def _storage(value) -> int | None:
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+        return None
+    try:
+        return value.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
+def _matches(value, abstract) -> bool:
+    return (isinstance(value, torch.Tensor) and isinstance(abstract, torch.Tensor)
+            and value.shape == abstract.shape and value.dtype == abstract.dtype
+            and value.stride() == abstract.stride())
+
+
+def _run(op: SpecOp, values: dict, constants, device: torch.device):
+    """`op`'s results (one per dst) from known operands, or None where it cannot be run."""
+    spec = OPCODES[op.opcode]
+    if spec.impl is None or spec.writes_state or spec.data_dependent:
+        return None
+
+    def operand(arg):
+        if isinstance(arg, Var):
+            return values[arg.reg]
+        if isinstance(arg, ConstRef):
+            return constants[arg.index]
+        if isinstance(arg, Literal):
+            return device if isinstance(arg.value, torch.device) else arg.value
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(operand(a) for a in arg)
+        return arg
+    try:
+        result = spec.impl(*(operand(a) for a in op.args))
+    except Exception:  # noqa: BLE001 - an op that refuses here runs on each call
+        return None
+    results = (result,) if len(op.dsts) == 1 else result
+    if not isinstance(results, (tuple, list)) or len(results) != len(op.dsts) \
+            or not all(isinstance(r, torch.Tensor) for r in results):
+        return None
+    return tuple(results)
+
+
+def fold_shape_constants(spec: SpecializedRegion, constants, device: torch.device, *,
+                         variant: str) -> tuple[SpecializedRegion, str]:
+    """`spec` with its ops over constants and literals alone run at compile time (Note
+    [Shape constants in kernels]), and a note ("" where nothing was folded); the
+    SHAPE_CONSTANT ops handing the results over are of `variant` (whose kernel table
+    names `shape_constant`)."""
+    if device.type != "cpu" or not spec.abstract:
+        return spec, ""
+    ops = list(spec.ops)
+    leaving = {v.reg for _, v in spec.outputs if isinstance(v, Var)}
+    readers: dict[int, list[int]] = {}
+    for position, op in enumerate(ops):
+        for value in flat_values(op.args):
+            if isinstance(value, Var):
+                readers.setdefault(value.reg, []).append(position)
+    values: dict[int, torch.Tensor] = {}
+    folded: set[int] = set()
+    for position, op in enumerate(ops):
+        if op.opcode not in _PURE or op.variant not in ("", "inplace") \
+                or any(d in leaving for d in op.dsts) \
+                or not all(v.reg in values for v in flat_values(op.args) if isinstance(v, Var)):
+            continue
+        if op.variant == "inplace":
+            target = op.args[0]
+            owner = next((ops[p] for p in range(position) if target.reg in ops[p].dsts), None)
+            if readers.get(target.reg) != [position] or owner is None or owner.opcode in (
+                    "SLICE", "SELECT", "EXPAND", "VIEW", "UNSQUEEZE", "SQUEEZE", "PERMUTE",
+                    "TRANSPOSE", "T", "ALIAS", "RESHAPE_IF", "SQUEEZE_DIMS") \
+                    or OPCODES[owner.opcode].is_view or OPCODES[owner.opcode].returns_operand:
+                continue
+        results = _run(op, values, constants, device)
+        if results is None or not all(
+                _matches(r, probe.get(d)) for probe in spec.abstract
+                for d, r in zip(op.dsts, results)):
+            continue
+        values.update(zip(op.dsts, results))
+        folded.add(position)
+    constant_storages = {_storage(c) for c in constants if isinstance(c, torch.Tensor)}
+    while True:
+        kept = [p for p in range(len(ops)) if p not in folded]
+        # a remaining op's in-place write into a folded value's storage unfolds it
+        written = {_storage(values[op.args[0].reg]) for op in (ops[p] for p in kept)
+                   if (op.variant == "inplace" or (op.opcode in OPCODES
+                                                   and OPCODES[op.opcode].writes_state))
+                   and op.args and isinstance(op.args[0], Var) and op.args[0].reg in values}
+        needed = {v.reg for p in kept for v in flat_values(ops[p].args)
+                  if isinstance(v, Var) and v.reg in values}
+        unfold = {p for p in folded for d in ops[p].dsts
+                  if _storage(values[d]) in written
+                  or (d in needed and values[d].nbytes > MAX_BYTES
+                      and _storage(values[d]) not in constant_storages)}
+        if not unfold:
+            break
+        folded -= unfold
+    if not folded:
+        return spec, ""
+    produced = {d for p in folded for d in ops[p].dsts}
+    new_ops = []
+    for position, op in enumerate(ops):
+        if position in folded:
+            new_ops.extend(SpecOp(SHAPE_CONSTANT, (d,), (Literal(values[d]),), op.source_pc,
+                                  variant=variant)
+                           for d in op.dsts if d in produced and d in needed)
+            continue
+        new_ops.append(op)
+    new_ops = add_frees(new_ops, leaving)
+    kept_constants = sum(1 for op in new_ops if op.opcode == SHAPE_CONSTANT)
+    note = (f"; {len(folded)} op(s) over constants and literals run at compile time, "
+            f"{kept_constants} shape constant(s) kept (Note [Shape constants in kernels])")
+    return dataclasses.replace(spec, ops=tuple(new_ops)), note
