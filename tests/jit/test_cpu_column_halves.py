@@ -9,6 +9,7 @@ absent. The halves-or-team choice is checked on given timings, never on the cloc
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from pathlib import Path
 
@@ -130,7 +131,7 @@ def test_a_returned_result_is_unchanged_by_the_next_call():
             assert torch.equal(t, k)
 
 
-def test_a_helper_that_never_claims_leaves_the_caller_both_halves():
+def test_a_helper_that_never_claims_leaves_the_caller_every_piece():
     native = _native()
     model, program = _program()
     gen = torch.Generator().manual_seed(5)
@@ -146,8 +147,54 @@ def test_a_helper_that_never_claims_leaves_the_caller_both_halves():
             after_helper, after_caller = native.counts()
     finally:
         native.set_claiming(1)
+    pieces = sum(len(column_halves.pieces_of(n)) for n in (192, 256, 64))  # qkv, up, down
     assert after_helper == helper
-    assert after_caller == caller + 5 * 3
+    assert after_caller == caller + 5 * pieces
+
+
+def test_pieces_cover_the_columns_in_blocks():
+    for columns in (32, 48, 64, 96, 100, 192, 768, 2304, 3072):
+        pieces = column_halves.pieces_of(columns)
+        assert 2 <= len(pieces) <= column_halves.PIECES, (columns, pieces)
+        assert [f for f, _ in pieces] == [0] + list(itertools.accumulate(
+            w for _, w in pieces[:-1])), pieces
+        assert sum(w for _, w in pieces) == columns
+        assert all(w % 16 == 0 for _, w in pieces[:-1]), pieces
+    assert column_halves.pieces_of(16) == column_halves.pieces_of(8) == []
+
+
+def test_the_helpers_counters_add_up():
+    # Every piece of every halves call is counted once, by the helper or the caller, in
+    # the process's counters, the per-call counts and the kernel's own; waits and claims
+    # move only with pieces the helper ran.
+    native = _native()
+    team, halves = _halved(native, 16, "add")
+    kernel = column_halves.KernelHalves(native, force=True)
+    gen = torch.Generator().manual_seed(10)
+    x, o = torch.randn(16, 48, generator=gen), torch.randn(16, 96, generator=gen)
+    for claiming in (0, 1):
+        native.set_claiming(claiming)
+        try:
+            before = native.stats()
+            for _ in range(6):
+                token = kernel.enter()
+                try:
+                    for _ in range(4):
+                        assert torch.equal(halves(x, o), team(x, o))
+                finally:
+                    kernel.leave(token)
+            after = native.stats()
+        finally:
+            native.set_claiming(1)
+        ran = (after.by_helper - before.by_helper) + (after.by_caller - before.by_caller)
+        assert ran == 6 * 4 * halves.pieces
+        assert after.wakes - before.wakes <= 6
+        assert after.wait_ns >= before.wait_ns and after.wake_ns >= before.wake_ns
+        if not claiming:
+            assert after.by_helper == before.by_helper
+            assert (after.wait_ns, after.sleeps, after.claim_ns) == (
+                before.wait_ns, before.sleeps, before.claim_ns)
+    assert sum(kernel.b_halves.values()) == 2 * 6 * 4 * halves.pieces
 
 
 def test_where_the_library_is_absent_kernels_keep_the_team(monkeypatch):
@@ -267,3 +314,35 @@ def test_a_starved_helper_sends_the_next_calls_to_the_team():
     runs = [choice.next() for _ in range(column_halves._EXPLORE)]
     assert not any(runs) and choice.halves
     assert choice.next()
+
+
+def test_a_compile_workers_runs_keep_the_team_and_are_not_timed():
+    # Calibration and probation run kernels on the compile worker: the helper stays with
+    # the serving calls (a worker's halves took it from them and raised it beside them)
+    # and the choice times serving calls only.
+    from dynvm.jit import background
+
+    native = _native()
+    team, halves = _halved(native, 16, None)
+    kernel = column_halves.KernelHalves(native)
+    x = torch.randn(16, 48, generator=torch.Generator().manual_seed(11))
+    seen = []
+
+    def worker():
+        background.background_thread()
+        token = kernel.enter()
+        seen.append((token, torch.equal(halves(x, None), team(x, None)),
+                     native.stats().by_helper + native.stats().by_caller))
+        kernel.leave(token)
+        seen.append(native.stats().by_helper + native.stats().by_caller)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    (token, equal, ran_before), ran_after = seen
+    assert token is None and equal and ran_after == ran_before
+    assert kernel.choice.runs == {True: 0, False: 0}
+    token = kernel.enter()           # a serving thread's call: the choice's first, halves
+    assert token is not None and token[0]
+    kernel.leave(token)
+    assert kernel.choice.runs == {True: 1, False: 0}

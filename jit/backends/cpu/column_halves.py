@@ -1,5 +1,5 @@
-"""A GEMM at a few rows as two column halves on one-thread oneDNN primitives, the second
-half run by a helper thread of dynvm's own, chosen per exact kernel by its measured
+"""A GEMM at a few rows as column pieces on one-thread oneDNN primitives, shared between
+the caller and a helper thread of dynvm's own, chosen per exact kernel by its measured
 calls (native/column_halves.c, the `_column_halves` library).
 
 Note [Column halves with a helper thread]
@@ -7,21 +7,33 @@ Note [Column halves with a helper thread]
 At batch 1 each linear primitive is one OpenMP region (Note [oneDNN linear primitives
 built once]); with the passive wait policy the benchmarks run (bench/_omp.py) its worker
 starts ~45 us into the region and the caller leaves ~38 us after the later body: 1.33
-of 3.05 ms over BERT-base's 16 bf16 GEMMs at M=16. Here such a GEMM is two primitives
-over the two halves of its output columns, each built and run on one thread (oneDNN
-then runs it inline, no region): the caller posts half B, runs half A, and takes B
-itself unless the helper claimed it first. The helper is one pthread per process that
-spins, at SCHED_IDLE priority, only while a kernel call that runs halves is inside (the
-kernel's entry and exit: codegen wraps the kernel, `KernelHalves`), sleeps on a futex
-between calls and parks after `MAX_SPIN_NS` without a half; it computes at normal
-priority. A caller whose claimed half is `LATE_NS` late sleeps on a futex, so a helper
-preempted mid-half gets the core. A second thread calling while a call owns the helper
-runs the team (the linear's ordinary primitive).
+of 3.05 ms over BERT-base's 16 bf16 GEMMs at M=16. Here such a GEMM is `PIECES`
+primitives over pieces of its output columns (`pieces_of`), each built and run on one
+thread (oneDNN then runs it inline, no region): the caller posts the GEMM and both
+threads claim its pieces one at a time (one compare-and-swap each), the caller from its
+first piece on, until none is left; the caller then waits only for a piece the helper
+is inside. The helper is one pthread per process that spins, at SCHED_IDLE priority,
+only while a kernel call that runs halves is inside (the kernel's entry and exit:
+codegen wraps the kernel, `KernelHalves`), sleeps on a futex between calls and parks
+after `MAX_SPIN_NS` without a piece; it computes at normal priority. A caller whose
+helper's piece is `LATE_NS` late sleeps on a futex, so a helper preempted mid-piece gets
+the core. A second thread calling while a call owns the helper runs the team (the
+linear's ordinary primitive), and so does a compile worker's run of a kernel
+(calibration, probation's shadow calls): the helper serves the serving calls, and the
+choice times only them.
 
-The halves' weights are reordered copies of their own ([N/2, K] each, built at one
-thread; shared across kernels through the PrepackCache, key `onednn-linear-halves`): a
+Four pieces, not two halves (2026-12-06, H31LE): with two halves a helper that claimed
+B late (its SCHED_IDLE spin got the core 0.2-0.6 ms after the post, beside other work)
+made the caller wait for the whole of B after its A, and B then ran beside the other
+work at half a core: in the bar's own loop at load 3-5 the halves calls ran 1.1-2x the
+team's (1x32: 54.7 against 27.9 ms), the caller waiting 1.0-2.5 ms a call. With pieces
+claimed one at a time a late helper takes only what is left, and the caller waits for
+at most one piece.
+
+The pieces' weights are reordered copies of their own ([N/4, K] each, built at one
+thread; shared across kernels through the PrepackCache, key `onednn-linear-pieces`): a
 second copy of each weight beside the team's. oneDNN 3.2's brgemm matmul refuses a
-strided result (it falls to gemm:jit, several times slower), so each half writes a dense
+strided result (it falls to gemm:jit, several times slower), so each piece writes a dense
 buffer of its own and its thread copies it into its columns of the result; a binary
 post-op (add or multiply, fp32 result) is done there on the operand's columns, after
 the primitive's bias and activation, in the order oneDNN's post-op does it: equal to
@@ -32,13 +44,12 @@ Halves or team is measured, not assumed: a kernel's calls alternate until each w
 call in `_EXPLORE` (an online A/B of whole kernel calls, per exact kernel, so per row
 count). Timings alone did not hold beside two busy processes: the halves' few samples
 went stale while the helper, at SCHED_IDLE, was starved (6 of 2176 B halves claimed),
-and the choice ran the halves at 2x16 / 2x32 for 1.22 / 1.27x the team's time. So a
-halves call whose helper ran under half of its B halves also sends the next `_EXPLORE`
-calls to the team, whatever the timings say, once two halves calls in a row were so
-starved (a single one is a passing blip: at load 1.6 one starved call in seven held
-the team for 16 calls, and the kernel's halves at 0.81-0.87 of the team's time ran in
-only 3-7 of 24 calls). Rows: exact kernels whose linears run at
-`MAX_ROWS` rows or fewer.
+and the choice ran the halves at 2x16 / 2x32 for 1.22 / 1.27x the team's time. So
+two halves calls in a row whose helper was starved (it ran under a quarter of the
+pieces, half its share) send the next `_EXPLORE` calls to the team, whatever the timings
+say (a single one is a passing blip: at load 1.6 one starved call in seven held the
+team for 16 calls, and the kernel's halves at 0.81-0.87 of the team's time ran in only
+3-7 of 24 calls). Rows: exact kernels whose linears run at `MAX_ROWS` rows or fewer.
 
 Measured (BERT-base width, 4 layers, in one process, interleaved call by call with the
 team and an A/A; /tmp/h31ld/ab.py, 2026-12-06): with a core free (02:26 UTC, load 1.6)
@@ -61,6 +72,7 @@ the bar's command beside an "off" run of the same window.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import statistics
 import threading
 import time
@@ -69,6 +81,7 @@ from pathlib import Path
 
 import torch
 
+from dynvm.jit import background
 from dynvm.jit.backends.cpu import onednn_api as api
 from dynvm.jit.backends.cpu.native_linear import find_extension
 from dynvm.jit.backends.cpu.one_thread import openmp_runtime
@@ -87,21 +100,65 @@ LATE_NS = 100_000
 """How late the helper's half may be before the caller sleeps on a futex."""
 MAX_SPIN_NS = 2_000_000
 """How long the helper spins inside a call without a half to run before it parks."""
-_BLOCK = 16          # the halves' split, in columns: oneDNN's blocking
+PIECES = 4
+"""The column pieces a GEMM is cut into, claimed one at a time by the caller and the
+helper (Note [Column halves with a helper thread]: a late helper delays the call by at
+most one piece)."""
+_MAX_PIECES = 8      # native/column_halves.c's MAX_PIECES
+_BLOCK = 16          # the pieces' split, in columns: oneDNN's blocking
 _WINDOW, _FIRST, _EXPLORE = 7, 3, 16
 
 _THREAD = threading.local()     # .halves: this thread's call owns the helper
 
 
 class _Halves(ctypes.Structure):
-    """struct halves of native/column_halves.c: one GEMM's two halves."""
+    """struct halves of native/column_halves.c: one GEMM's column pieces."""
 
-    _fields_ = [("primitive", ctypes.c_void_p * 2), ("nargs", ctypes.c_int64 * 2),
-                ("args", ctypes.c_void_p * 2), ("src_memory", ctypes.c_void_p * 2),
-                ("buffer", ctypes.c_void_p * 2), ("cols", ctypes.c_int64 * 2),
-                ("first_col", ctypes.c_int64 * 2), ("rows", ctypes.c_int64),
-                ("width", ctypes.c_int64), ("element_size", ctypes.c_int64),
-                ("binary", ctypes.c_int64)]
+    _fields_ = [("primitive", ctypes.c_void_p * _MAX_PIECES),
+                ("nargs", ctypes.c_int64 * _MAX_PIECES),
+                ("args", ctypes.c_void_p * _MAX_PIECES),
+                ("src_memory", ctypes.c_void_p * _MAX_PIECES),
+                ("buffer", ctypes.c_void_p * _MAX_PIECES),
+                ("cols", ctypes.c_int64 * _MAX_PIECES),
+                ("first_col", ctypes.c_int64 * _MAX_PIECES), ("pieces", ctypes.c_int64),
+                ("rows", ctypes.c_int64), ("width", ctypes.c_int64),
+                ("element_size", ctypes.c_int64), ("binary", ctypes.c_int64)]
+
+
+def pieces_of(columns: int, pieces: int = PIECES) -> list[tuple[int, int]]:
+    """(first column, width) of each piece of a GEMM with `columns` output columns: up
+    to `pieces`, each a multiple of 16 wide but the last; an empty list where fewer than
+    two pieces fit."""
+    width = -(-columns // pieces // _BLOCK) * _BLOCK if columns >= pieces * _BLOCK \
+        else _BLOCK
+    firsts = list(range(0, columns, width))
+    if len(firsts) < 2:
+        return []
+    return [(first, min(width, columns - first)) for first in firsts]
+
+
+@dataclasses.dataclass(frozen=True)
+class HelperStats:
+    """The helper's counters since the process started (native/column_halves.c): they
+    say, in a benchmark's own process, what the helper met. Differences of two readings
+    cover the calls between them."""
+
+    by_helper: int
+    """B halves the helper claimed and ran."""
+    by_caller: int
+    """B halves the caller took back and ran itself (the helper had not claimed)."""
+    wait_ns: int
+    """The caller's wait, after its A, for B halves the helper had claimed."""
+    sleeps: int
+    """Of those waits, how many went to sleep on the futex (B `LATE_NS` late)."""
+    claim_ns: int
+    """From each post to the helper's claim, summed over the claimed B halves."""
+    wake_ns: int
+    """From a call's entry to the helper seeing it, summed over the calls it saw."""
+    wakes: int
+    """The calls the helper saw."""
+    parks: int
+    """Times the helper parked inside a call after `MAX_SPIN_NS` without a half."""
 
 
 class _Native:
@@ -118,6 +175,8 @@ class _Native:
         self.leave.argtypes, self.leave.restype = [], i
         self._counts = dll.dynvm_halves_counts
         self._counts.argtypes, self._counts.restype = [ctypes.POINTER(ctypes.c_longlong)], None
+        self._stats = dll.dynvm_halves_stats
+        self._stats.argtypes, self._stats.restype = [ctypes.POINTER(ctypes.c_longlong)], None
         self.set_claiming = dll.dynvm_halves_set_claiming
         self.set_claiming.argtypes, self.set_claiming.restype = [i], None
         self.omp = omp
@@ -141,6 +200,12 @@ class _Native:
         out = (ctypes.c_longlong * 2)()
         self._counts(out)
         return out[0], out[1]
+
+    def stats(self) -> HelperStats:
+        """What the helper met since the process started (dynvm_halves_stats)."""
+        out = (ctypes.c_longlong * 8)()
+        self._stats(out)
+        return HelperStats(*out)
 
 
 _NATIVE: dict = {}
@@ -175,39 +240,41 @@ class HalvesLinear:
     whose attributes it shows)."""
 
     def __init__(self, native_: _Native, library: api.Library, team, rows: int,
-                 halves_weights: tuple[LinearWeights, LinearWeights],
+                 pieces: list[tuple[int, int]], weights: tuple[LinearWeights, ...],
                  bias: torch.Tensor | None) -> None:
         spec: LinearSpec = team.spec
         if spec.binary is not None and spec.result_dtype != torch.float32:
             raise api.OnednnError(f"a {spec.binary} post-op on a {spec.result_dtype} result")
+        if not 2 <= len(pieces) <= _MAX_PIECES:
+            raise api.OnednnError(f"{len(pieces)} pieces")
         self.team, self.rows, self._native = team, rows, native_
         n = spec.out_features
-        cut = halves_weights[0].plain.shape[0]
-        widths = (cut, n - cut)
         previous = native_.omp.omp_get_max_threads()
         native_.omp.omp_set_num_threads(1)     # built for one thread: run inline
         try:
             self._halves = [LinearPrimitive(
                 library, LinearSpec(spec.in_features, width, spec.dtype, bias is not None,
                                     spec.eltwise, None, spec.result_dtype),
-                rows, weights, None if bias is None else bias[first:first + width])
-                for weights, width, first in zip(halves_weights, widths, (0, cut))]
+                rows, piece_weights, None if bias is None else bias[first:first + width])
+                for piece_weights, (first, width) in zip(weights, pieces)]
         finally:
             native_.omp.omp_set_num_threads(previous)
-        self._buffers = [torch.empty((rows, w), dtype=spec.result_dtype) for w in widths]
+        self._buffers = [torch.empty((rows, w), dtype=spec.result_dtype) for _, w in pieces]
         h = self._struct = _Halves()
-        for i, (half, buffer) in enumerate(zip(self._halves, self._buffers)):
+        for i, (half, buffer, (first, width)) in enumerate(zip(self._halves, self._buffers,
+                                                               pieces)):
             h.primitive[i], h.nargs[i] = half._prim.value, half._nargs
             h.args[i], h.src_memory[i] = half._args_pointer.value, half._src.value
             h.buffer[i] = buffer.data_ptr()
             api.check(library.dll.dnnl_memory_set_data_handle(half._dst, buffer.data_ptr()),
                       "halves' buffer")
-            h.cols[i], h.first_col[i] = widths[i], (0, cut)[i]
-        h.rows, h.width = rows, n
+            h.cols[i], h.first_col[i] = width, first
+        h.pieces, h.rows, h.width = len(pieces), rows, n
         h.element_size = torch.empty((), dtype=spec.result_dtype).element_size()
         h.binary = {None: 0, "add": 1, "mul": 2}[spec.binary]
         self._pointer = ctypes.pointer(h)
         self.spec = spec
+        self.pieces = len(pieces)
 
     def impls(self) -> set[str]:
         return self.team.impls() | {f"{p.impl} halves" for p in self._halves}
@@ -231,17 +298,17 @@ class HalvesLinear:
 
 def halves_of(team, library: api.Library, native_: _Native, rows: int, plain, prepacked,
               key: tuple, bias: torch.Tensor | None) -> HalvesLinear:
-    """`team` (a PrimitiveLinear at `rows` rows) with column halves, their weights
-    reordered from `plain` ([N, K]) once per engine under PrepackCache `key`s."""
+    """`team` (a PrimitiveLinear at `rows` rows) as column pieces (`pieces_of`), their
+    weights reordered from `plain` ([N, K]) once per engine under PrepackCache `key`s."""
     n = team.spec.out_features
-    cut = (n // 2) // _BLOCK * _BLOCK
-    if cut == 0:
+    pieces = pieces_of(n)
+    if not pieces:
         raise api.OnednnError(f"{n} columns: no halves")
     weights = tuple(prepacked.get(
-        (key[0], "onednn-linear-halves", *key[2:], first),
-        lambda first=first, last=last: LinearWeights(library, plain()[first:last]))
-        for first, last in ((0, cut), (cut, n)))
-    return HalvesLinear(native_, library, team, rows, weights, bias)
+        (key[0], "onednn-linear-pieces", *key[2:], first, width),
+        lambda first=first, width=width: LinearWeights(library, plain()[first:first + width]))
+        for first, width in pieces)
+    return HalvesLinear(native_, library, team, rows, pieces, weights, bias)
 
 
 class HalvesChoice:
@@ -289,8 +356,11 @@ class KernelHalves:
         self._native = native_
         self.choice = HalvesChoice()
         self._force = force      # True / False: always halves / team (the A/B's arms)
+        self.b_halves = {"helper": 0, "caller": 0}   # this kernel's, since it was built
 
     def enter(self):
+        if getattr(background._LOCAL, "background", False):
+            return None   # a compile worker's run (calibration, probation): the team
         halves = self.choice.next() if self._force is None else self._force
         if halves:
             if not self._native.enter():
@@ -308,7 +378,10 @@ class KernelHalves:
             _THREAD.halves = False
             counts = self._native.leave()
             by_helper, by_caller = counts >> 16, counts & 0xFFFF
-            starved = by_helper < by_caller
+            self.b_halves["helper"] += by_helper
+            self.b_halves["caller"] += by_caller
+            # under a quarter of the pieces: under half of its share
+            starved = 3 * by_helper < by_caller
         self.choice.record(halves, seconds, starved)
 
 

@@ -1,21 +1,24 @@
-/* A GEMM as two column halves on one-thread oneDNN primitives, the second half run by
-   a helper thread of dynvm's own (Note [Column halves with a helper thread] in
+/* A GEMM as column pieces on one-thread oneDNN primitives, shared between the caller
+   and a helper thread of dynvm's own (Note [Column halves with a helper thread] in
    jit/backends/cpu/column_halves.py says why and what it measured).
 
    One helper per process. A kernel call that runs halves enters (`_enter`: it owns the
    helper until `_leave`; a second caller, in another thread, is refused and runs the
    OpenMP team), which wakes the helper from its futex; the helper then spins, at
    SCHED_IDLE priority (any other runnable thread on its core preempts it), until the
-   call leaves or max_spin_ns pass without a half to run, and sleeps again. For each GEMM
-   the caller posts half B, runs half A, then takes B itself unless the helper claimed it
-   first; a claimed B that is late_ns late puts the caller to sleep on a futex (a helper
-   preempted mid-half then gets the caller's core). The helper raises itself to normal
-   priority before it claims and computes there (claimed at SCHED_IDLE and preempted, a
-   busy host could starve it for as long as it stays busy). Each half writes a dense [M, h] buffer of its own (oneDNN 3.2's brgemm
-   matmul refuses a strided result: gemm:jit then, several times slower) and the thread
-   that ran it copies it into its columns of the result, adding or multiplying the fp32
-   binary operand's columns there (the primitive's binary post-op, done after it, in the
-   same fp32 order).
+   call leaves or max_spin_ns pass without a piece to run, and sleeps again. For each
+   GEMM the caller posts it (one word: its serial, its pieces, the next piece) and both
+   threads claim pieces one at a time by compare-and-swap until none is left; the caller
+   then waits for a piece the helper is inside, on a futex once late_ns pass (a helper
+   preempted mid-piece then gets the caller's core). A late helper so costs at most one
+   piece: with two halves it cost the whole of B after A. The helper raises itself to
+   normal priority before it claims and computes there (claimed at SCHED_IDLE and
+   preempted, a busy host could starve it for as long as it stays busy). Each piece
+   writes a dense [M, w] buffer of its own (oneDNN 3.2's brgemm matmul refuses a strided
+   result: gemm:jit then, several times slower) and the thread that ran it copies it
+   into its columns of the result, adding or multiplying the fp32 binary operand's
+   columns there (the primitive's binary post-op, done after it, in the same fp32
+   order).
 
    oneDNN's and OpenMP's functions come in as pointers, so nothing is linked; the
    functions are called through ctypes, holding the GIL as the primitives' calls do. */
@@ -46,22 +49,23 @@ typedef int (*set_handle_fn)(void *memory, void *handle);
 typedef void (*set_threads_fn)(int);
 typedef int (*get_threads_fn)(void);
 
-/* One GEMM's halves, laid out by column_halves.py (ctypes.Structure _Halves). */
+/* One GEMM's column pieces, laid out by column_halves.py (ctypes.Structure _Halves). */
+#define MAX_PIECES 8
 struct halves {
-  void *primitive[2];
-  int64_t nargs[2];
-  const void *args[2];
-  void *src_memory[2];     /* memory objects of x, set per call */
-  char *buffer[2];         /* each half's dense [rows, cols] result */
-  int64_t cols[2];         /* the halves' widths */
-  int64_t first_col[2];    /* where each half's columns start in the result */
+  void *primitive[MAX_PIECES];
+  int64_t nargs[MAX_PIECES];
+  const void *args[MAX_PIECES];
+  void *src_memory[MAX_PIECES];  /* memory objects of x, set per call */
+  char *buffer[MAX_PIECES];      /* each piece's dense [rows, cols] result */
+  int64_t cols[MAX_PIECES];      /* the pieces' widths */
+  int64_t first_col[MAX_PIECES]; /* where each piece's columns start in the result */
+  int64_t pieces;
   int64_t rows;
   int64_t width;           /* the result's row length (N) */
   int64_t element_size;    /* of the result */
   int64_t binary;          /* 0 none, 1 add, 2 multiply (fp32 result and operand) */
 };
 
-enum { IDLE, POSTED, CLAIMED, DONE, TAKEN };
 
 static execute_fn execute;
 static set_handle_fn set_handle;
@@ -75,13 +79,25 @@ static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static atomic_int inside;           /* 1 while a call owns the helper */
 static atomic_int generation;       /* bumped by every _enter: the helper's futex word */
-static atomic_int state;            /* the posted half's: IDLE .. TAKEN */
+/* The posted GEMM and its next piece: serial << 16 | pieces << 8 | next. A piece is
+   claimed by one compare-and-swap of next to next + 1, by either thread; serial (the
+   caller's count of GEMMs) makes a stale word fail the swap. */
+static atomic_llong work;
+static atomic_int finished;         /* the posted GEMM's pieces run to the end */
 static atomic_int caller_waiting;
-static struct halves *posted;       /* set before state becomes POSTED */
+static struct halves *posted;       /* set before work names the GEMM */
 static char *posted_out;
 static const char *posted_other;
 static atomic_int posted_status;
-static atomic_llong by_helper, by_caller;
+static long long serial;            /* the caller's alone */
+static atomic_int call_helper, call_caller;   /* this call's pieces, by whom */
+static atomic_llong by_helper, by_caller;   /* pieces, by whom, since the start */
+/* What the helper met, for dynvm_halves_stats (a clock read a GEMM, ~25 ns of ~100 us):
+   the caller's wait, after its last piece, for the helper's, its futex sleeps, the time
+   from a post to the helper's first claim in it, the time from _enter to the helper seeing the call, the
+   calls it saw, and its parks after max_spin_ns without a half. */
+static atomic_llong wait_ns, sleeps, claim_ns, wake_ns, wakes, parks;
+static atomic_llong posted_at, entered_at;
 static atomic_int call_helper, call_caller;   /* this call's B halves, by whom */
 
 static long long now_ns(void) {
@@ -130,10 +146,26 @@ static int run_half(const struct halves *h, int i, void *stream, char *out,
   return status;
 }
 
+/* A piece of the GEMM named by `w` (re-read on failure): its index, or -1 where every
+   piece is claimed. `*claimed` gets the word that was swapped. */
+static int claim(long long *claimed) {
+  long long w = atomic_load(&work);
+  for (;;) {
+    int next = (int)(w & 0xFF), pieces = (int)((w >> 8) & 0xFF);
+    if (next >= pieces) return -1;
+    if (atomic_compare_exchange_weak(&work, &w, w + 1)) {
+      *claimed = w;
+      return next;
+    }
+  }
+}
+
 static void *helper(void *unused) {
   (void)unused;
   set_threads(1);     /* this thread's OpenMP count: its primitives run inline */
   set_idle(1);
+  int last_seen = -1;
+  long long last_serial = -1;
   for (;;) {
     int seen = atomic_load(&generation);
     if (!atomic_load(&inside)) {
@@ -142,30 +174,44 @@ static void *helper(void *unused) {
     }
     long long since = now_ns();
     int spins = 0;
+    int now_seen = atomic_load(&generation);
+    if (now_seen != last_seen) {
+      /* a call this helper has not yet seen: how long it took to notice it */
+      atomic_fetch_add(&wake_ns, since - atomic_load(&entered_at));
+      atomic_fetch_add(&wakes, 1);
+      last_seen = now_seen;
+    }
     while (atomic_load_explicit(&inside, memory_order_acquire)) {
-      int expected = POSTED;
-      if (atomic_load_explicit(&state, memory_order_acquire) == POSTED &&
+      long long w = atomic_load_explicit(&work, memory_order_acquire);
+      if ((w & 0xFF) < ((w >> 8) & 0xFF) &&
           atomic_load_explicit(&claiming, memory_order_relaxed)) {
-        /* normal priority before claiming: a helper preempted after its claim must
-           not wait at SCHED_IDLE (starved on a busy host) while the caller waits */
+        /* normal priority before claiming: a helper preempted inside a piece must not
+           wait at SCHED_IDLE (starved on a busy host) while the caller waits */
         set_idle(0);
-        if (!atomic_compare_exchange_strong(&state, &expected, CLAIMED)) {
-          set_idle(1);
-          continue;
+        long long claimed;
+        int i;
+        while ((i = claim(&claimed)) >= 0) {
+          /* the swap succeeded on a GEMM with a piece unclaimed, so the caller is still
+             inside it (it waits for every piece): posted is that GEMM's */
+          if ((claimed >> 16) != last_serial) {
+            atomic_fetch_add(&claim_ns, now_ns() - atomic_load(&posted_at));
+            last_serial = claimed >> 16;
+          }
+          atomic_fetch_or(&posted_status, run_half(posted, i, helper_stream, posted_out,
+                                                   posted_other));
+          atomic_fetch_add(&by_helper, 1);
+          atomic_fetch_add(&call_helper, 1);
+          atomic_fetch_add(&finished, 1);   /* seq_cst: before caller_waiting's load */
+          if (atomic_load(&caller_waiting)) futex_wake(&finished);
         }
-        atomic_store(&posted_status, run_half(posted, 1, helper_stream, posted_out,
-                                              posted_other));
         set_idle(1);
-        atomic_fetch_add(&by_helper, 1);
-        atomic_fetch_add(&call_helper, 1);
-        atomic_store(&state, DONE);   /* seq_cst: before caller_waiting's load */
-        if (atomic_load(&caller_waiting)) futex_wake(&state);
         since = now_ns();
         continue;
       }
       __builtin_ia32_pause();
       if (++spins % 64 == 0 && now_ns() - since > atomic_load(&max_spin_ns)) {
-        /* no half for a while: parked until the next call's _enter */
+        /* no piece for a while: parked until the next call's _enter */
+        atomic_fetch_add(&parks, 1);
         if (atomic_load(&generation) == seen) futex_wait(&generation, seen);
         break;
       }
@@ -206,61 +252,92 @@ int dynvm_halves_enter(void) {
   if (!atomic_compare_exchange_strong(&inside, &expected, 1)) return 0;
   atomic_store(&call_helper, 0);
   atomic_store(&call_caller, 0);
+  atomic_store(&entered_at, now_ns());
   atomic_fetch_add(&generation, 1);
   futex_wake(&generation);
   return 1;
 }
 
-/* The call ends. Returns its B halves: by the helper << 16 | by the caller (each at
-   most 65535). */
+/* The call ends. Returns its pieces: by the helper << 16 | by the caller (each at most
+   65535). */
 int dynvm_halves_leave(void) {
   int helper_ = atomic_load(&call_helper), caller = atomic_load(&call_caller);
   atomic_store_explicit(&inside, 0, memory_order_release);
   return (helper_ > 0xFFFF ? 0xFFFF : helper_) << 16 | (caller > 0xFFFF ? 0xFFFF : caller);
 }
 
-/* One GEMM: both halves of `h` over x into `out` (the binary operand `other`, or NULL).
-   Only the thread that entered calls it. Returns oneDNN's status (0: success). */
+/* One GEMM: its pieces of `h` over x into `out` (the binary operand `other`, or NULL),
+   claimed one at a time by the caller and the helper; the caller returns once every
+   piece has run (it waits at most for the one piece the helper is inside). Only the
+   thread that entered calls it. Returns oneDNN's status (0: success). */
 int dynvm_halves_run(void *stream, struct halves *h, void *x, char *out,
                      const char *other) {
-  int status = set_handle(h->src_memory[0], x) | set_handle(h->src_memory[1], x);
+  int status = 0;
+  int pieces = (int)h->pieces;
+  if (pieces < 1 || pieces > MAX_PIECES) return -1;
+  for (int i = 0; i < pieces; i++) status |= set_handle(h->src_memory[i], x);
   if (status != 0) return status;
   int threads = get_threads();
   set_threads(1);
   posted = h;
   posted_out = out;
   posted_other = other;
-  atomic_store_explicit(&state, POSTED, memory_order_release);
-  status = run_half(h, 0, stream, out, other);
-  int expected = POSTED;
-  if (atomic_compare_exchange_strong(&state, &expected, TAKEN)) {
-    status |= run_half(h, 1, stream, out, other);
-    atomic_fetch_add(&by_caller, 1);
-    atomic_fetch_add(&call_caller, 1);
-  } else {
+  atomic_store(&posted_status, 0);
+  atomic_store(&finished, 0);
+  atomic_store(&posted_at, now_ns());
+  serial = (serial + 1) & 0xFFFFFFFFFFLL;
+  atomic_store_explicit(&work, serial << 16 | (long long)pieces << 8, memory_order_release);
+  long long claimed;
+  int i, mine = 0;
+  while ((i = claim(&claimed)) >= 0) {
+    status |= run_half(h, i, stream, out, other);
+    mine++;
+    atomic_fetch_add(&finished, 1);
+  }
+  atomic_fetch_add(&by_caller, mine);
+  atomic_fetch_add(&call_caller, mine);
+  if (atomic_load(&finished) < pieces) {
     long long since = now_ns();
-    int spins = 0;
-    while (atomic_load_explicit(&state, memory_order_acquire) != DONE) {
+    int spins = 0, slept = 0, done;
+    while ((done = atomic_load(&finished)) < pieces) {
       __builtin_ia32_pause();
       if (++spins % 64 == 0 && now_ns() - since > atomic_load(&late_ns)) {
-        /* the helper is late (preempted?): sleep, so this core is free for it */
+        /* the helper's piece is late (preempted?): sleep, so this core is free for it */
         atomic_store(&caller_waiting, 1);
-        while (atomic_load(&state) == CLAIMED) futex_wait(&state, CLAIMED);
+        if (atomic_load(&finished) == done) futex_wait(&finished, done);
         atomic_store(&caller_waiting, 0);
+        slept = 1;
       }
     }
-    status |= atomic_load(&posted_status);
+    atomic_fetch_add(&wait_ns, now_ns() - since);
+    atomic_fetch_add(&sleeps, slept);
   }
-  atomic_store(&state, IDLE);
+  status |= atomic_load(&posted_status);
   set_threads(threads);
   return status;
 }
 
-/* B halves run by the helper and by the caller since the start: out[0], out[1]. */
+/* Pieces run by the helper and by the caller since the start: out[0], out[1]. */
 void dynvm_halves_counts(long long *out) {
   out[0] = atomic_load(&by_helper);
   out[1] = atomic_load(&by_caller);
 }
 
-/* 0: the helper never claims a half (the caller runs both); 1: it does. */
+/* Since the start: pieces by the helper, by the caller, the caller's wait for the
+   helper's last piece (ns), its futex sleeps in them, post-to-first-claim time (ns)
+   summed over the GEMMs the helper took part in,
+   enter-to-seen time (ns) summed over the calls the helper saw, those calls, and its
+   parks: out[0..7]. */
+void dynvm_halves_stats(long long *out) {
+  out[0] = atomic_load(&by_helper);
+  out[1] = atomic_load(&by_caller);
+  out[2] = atomic_load(&wait_ns);
+  out[3] = atomic_load(&sleeps);
+  out[4] = atomic_load(&claim_ns);
+  out[5] = atomic_load(&wake_ns);
+  out[6] = atomic_load(&wakes);
+  out[7] = atomic_load(&parks);
+}
+
+/* 0: the helper never claims a piece (the caller runs them all); 1: it does. */
 void dynvm_halves_set_claiming(int on) { atomic_store(&claiming, on); }
