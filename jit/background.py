@@ -40,7 +40,8 @@ thread waits, at checkpoints between its steps, until no call is in flight:
 - a slice of work per wait (Note [A slice of work per wait]).
 
 A call that begins while a step runs still shares the cores with that one step; what
-the checkpoints remove is a compile that keeps working through the whole call.
+the checkpoints remove is a compile that keeps working through the whole call. What the
+step takes from that call is bounded too (Note [A compile worker at a lower priority]).
 
 Note [A slice of work per wait]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -65,10 +66,43 @@ background work beyond a slice (the step that crosses it), and a step of a few
 milliseconds (a calibration run, Note [oneDNN holds the GIL] in cpu/fusion.py) still
 waits after it, as before. A fresh worker has no slice: its first checkpoint beside a
 call waits, so a queued compile still starts in a gap.
+
+Note [A compile worker at a lower priority]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The checkpoints decide when a step starts, not what it takes from a call that begins
+while it runs, and the steps between two checkpoints are not short: specializing and
+emitting a region is Python from end to end (hundreds of ms at BERT-base width, 4
+layers), building a kernel packs weights and builds oneDNN primitives, a shadow sample
+runs the whole region twice (Note [Probation]), a prewarm once. A step begun in the
+gap after one call runs beside the next, and takes from it in two ways:
+
+- the cores: the worker's torch ops run on a team of their own (each thread that
+  starts an OpenMP region has its own), as many threads as the calls' team, on the
+  same two cores. So a worker runs at nice `WORKER_NICE` (10: CFS weighs it 110
+  against a call thread's 1024, about a tenth of a core that a call's thread also
+  wants, all of a core that nothing else wants), set on itself when it starts, before
+  its first parallel region, so that its OpenMP team, created later by it, inherits
+  it. Not lower: under traffic with no gap a compile must still progress (Note
+  [Background work yields to calls]), and other processes on the host weigh 1024 each
+  too. At nice 19 (weight 15), beside other sessions' work (load 8), BERT-base's
+  warm-up made 2 compiles in 200 calls where it made 17 at nice 0 (docs/bench_log.md,
+  2026-12-06 04:30-04:39 UTC); a SCHED_IDLE helper beside two busy processes was
+  starved outright (Note [Column halves with a helper thread]). Linux only (elsewhere
+  setpriority on a thread id would set a process's); where it is refused the worker
+  runs as before.
+- the GIL: a call's thread gives the GIL up in every torch op, the worker's Python
+  takes it, and the call waits up to the switch interval (5 ms by default) to get it
+  back, at every op: the convoy of Note [Background work yields to calls]. While a
+  worker runs a task (`worker_task`), the switch interval is at most
+  `SWITCH_INTERVAL_S` (0.5 ms), restored when the last running task ends unless
+  someone set another meanwhile. With no task running nothing changes; while one runs,
+  two threads that both want the GIL trade it ten times as often (a few us each).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
@@ -76,6 +110,10 @@ MAX_WAIT_S = 1.0   # the longest a checkpoint waits for calls to end (module doc
 WAIT_SHARE = 1.0   # seconds of waiting a second of work between checkpoints earns
 SLICE_S = 0.002    # work a worker goes on with beside calls after a wait (Note [A slice
 #                    of work per wait]); 0: every checkpoint beside a call waits
+WORKER_NICE = 10   # a compile worker's nice value (Note [A compile worker at a lower
+#                    priority]); 0: unchanged
+SWITCH_INTERVAL_S = 5e-4   # the switch interval at most while a task runs (same Note);
+#                            0: unchanged
 
 
 class ServingActivity:
@@ -168,8 +206,64 @@ def serving_call() -> _Serving:
 
 def background_thread(enabled: bool = True) -> None:
     """Mark the current thread as a compile worker whose checkpoints wait for calls
-    (Note [Background work yields to calls])."""
+    (Note [Background work yields to calls]), running at a lower priority (Note [A
+    compile worker at a lower priority])."""
     _LOCAL.background = enabled
+    if enabled:
+        lower_priority()
+
+
+def lower_priority(nice: int | None = None) -> bool:
+    """Set the calling thread's nice value to `nice` (default `WORKER_NICE`) unless it
+    is higher already; whether the thread now runs at it (Note [A compile worker at a
+    lower priority]: Linux only, threads it starts later inherit it)."""
+    nice = WORKER_NICE if nice is None else nice
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return False
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        return os.getpriority(os.PRIO_PROCESS, tid) >= nice
+    except OSError:
+        return False
+
+
+class _WorkerTasks:
+    """The tasks running on compile workers, and the switch interval they lowered (Note
+    [A compile worker at a lower priority])."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.running = 0
+        self._saved: float | None = None   # the interval before the first task lowered it
+        self._set: float | None = None     # the one it set
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self.running += 1
+            if self.running == 1 and 0 < SWITCH_INTERVAL_S < sys.getswitchinterval():
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(SWITCH_INTERVAL_S)
+                self._set = sys.getswitchinterval()
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self.running -= 1
+            if self.running == 0 and self._saved is not None:
+                if sys.getswitchinterval() == self._set:   # else: someone else's now
+                    sys.setswitchinterval(self._saved)
+                self._saved = self._set = None
+
+
+_TASKS = _WorkerTasks()
+
+
+def worker_task() -> _WorkerTasks:
+    """A context manager around one task on a compile worker: the switch interval is at
+    most `SWITCH_INTERVAL_S` while any runs (Note [A compile worker at a lower
+    priority])."""
+    return _TASKS
 
 
 def checkpoint(max_wait_s: float = MAX_WAIT_S) -> float:

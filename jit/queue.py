@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
-from dynvm.jit.background import background_thread, checkpoint
+from dynvm.jit.background import background_thread, checkpoint, worker_task
 from dynvm.vm.errors import DynvmError
 
 
@@ -202,7 +202,8 @@ class CompileQueue:
                 future = self._futures[key]
                 self._running[me] = (time.monotonic(), key, future)
             if future.set_running_or_notify_cancel():
-                self._run(key, task, future, started=True)
+                with worker_task():   # Note [A compile worker at a lower priority]
+                    self._run(key, task, future, started=True)
             with self._cond:
                 self._running.pop(me, None)
                 if me not in self._workers:

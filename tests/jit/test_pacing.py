@@ -10,6 +10,7 @@ speed is asserted here (bench.full_width and bench.warmup_trace measure it).
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 import time
 
@@ -312,3 +313,71 @@ def test_after_a_wait_a_worker_goes_on_for_a_slice_of_work_then_waits_again():
         background.SLICE_S = slice_s
     first, *within, last = results[0]
     assert first >= QUIET and within == [0.0, 0.0, 0.0] and last >= QUIET
+
+
+def _nice(tid: int) -> int:
+    import os
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice: Linux")
+def test_a_compile_worker_and_the_threads_it_starts_run_at_the_workers_nice():
+    """Note [A compile worker at a lower priority]: the worker lowers itself before its
+    first task, so the threads it starts (its OpenMP team) inherit it; the thread that
+    submitted the task keeps its own."""
+    from dynvm.jit import background
+
+    caller = _nice(threading.get_native_id())
+    queue = CompileQueue()
+
+    def task():
+        seen = {}
+        child = threading.Thread(target=lambda: seen.update(child=_nice(
+            threading.get_native_id())))
+        child.start()
+        child.join()
+        return _nice(threading.get_native_id()), seen["child"]
+
+    try:
+        worker, child = queue.submit("nice", 1.0, task).result(10)
+    finally:
+        queue.close(wait_s=5)
+    assert worker == child == max(caller, background.WORKER_NICE)
+    assert _nice(threading.get_native_id()) == caller
+
+
+def test_the_switch_interval_is_lowered_while_a_task_runs_and_restored_after():
+    """Note [A compile worker at a lower priority]: at most SWITCH_INTERVAL_S while a
+    worker runs a task, the application's own again once none runs."""
+    from dynvm.jit import background
+
+    before = sys.getswitchinterval()
+    queue = CompileQueue()
+    try:
+        during = queue.submit("interval", 1.0, sys.getswitchinterval).result(10)
+        deadline = time.monotonic() + 10
+        while queue.running() and time.monotonic() < deadline:
+            time.sleep(0.005)
+    finally:
+        queue.close(wait_s=5)
+    assert during == pytest.approx(min(before, background.SWITCH_INTERVAL_S))
+    assert sys.getswitchinterval() == before
+
+
+def test_tasks_overlapping_restore_the_interval_after_the_last_and_keep_one_set_meanwhile():
+    from dynvm.jit import background
+    from dynvm.jit.background import worker_task
+
+    before = sys.getswitchinterval()
+    try:
+        with worker_task():
+            with worker_task():   # a second worker's task
+                pass
+            assert sys.getswitchinterval() == pytest.approx(
+                min(before, background.SWITCH_INTERVAL_S))   # one still runs
+        assert sys.getswitchinterval() == before
+        with worker_task():
+            sys.setswitchinterval(0.002)   # the application's, set meanwhile
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+    finally:
+        sys.setswitchinterval(before)
