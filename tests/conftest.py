@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from tests import _fuzz
+from tests import _fuzz, _parallel
 from tests.cluster import _shared_serve
 
 # Loaded here, at the first conftest's import, so that test modules' settings inherit
@@ -40,10 +40,12 @@ settings.load_profile(_fuzz.CI)
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     """Under the explore profile without a seed, pick one for the run, so that it can be
-    printed and a failure replayed (Hypothesis reads the option after this hook)."""
+    printed and a failure replayed (Hypothesis reads the option after this hook); load
+    the xdist groups' plugin."""
     if (config.getoption("--hypothesis-profile") == _fuzz.EXPLORE
             and config.getoption("--hypothesis-seed") is None):
         config.option.hypothesis_seed = str(secrets.randbelow(2**32))
+    config.pluginmanager.register(_parallel, "tests._parallel")
     config.addinivalue_line("markers", f"{_shared_serve.MARK}: uses the local Ray + Serve "
                             "shared by such tests (Note [Shared Serve in tests])")
 
@@ -74,27 +76,25 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.failed and getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
-        command = ["scripts/test", *_replay_options(item.config), item.nodeid]
+        command = ["scripts/test", *_replay_options(item.config),
+                   _parallel.without_group(item.nodeid)]
         report.sections.append(("replay", shlex.join(command)))
-
-
-# The test files whose tests are parametrized by a zoo entry's name and export it.
-_ZOO_EXPORTERS = ("tests/zoo/test_zoo.py", "tests/jit/test_abstract_zoo.py")
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
 def pytest_collection_modifyitems(session, config, items):
     """Run the tests marked `shared_serve` one after another (Note [Shared Serve in
     tests]); start exporting the selected zoo models ahead, in the order the tests need
-    them (Note [Zoo exports ahead]); not for a session that selects one model or none."""
+    them (Note [Zoo exports ahead]); not for a session that selects one model or none,
+    nor in an xdist worker (Note [Two workers])."""
     _shared_serve.run_together(items)
     names: list[str] = []
     for item in items:
         name = getattr(getattr(item, "callspec", None), "params", {}).get("name")
-        if name is not None and item.nodeid.split("::")[0] in _ZOO_EXPORTERS \
+        if name is not None and item.nodeid.split("::")[0] in _parallel.ZOO_EXPORTERS \
                 and name not in names:
             names.append(name)
-    if len(names) > 1:
+    if len(names) > 1 and not _parallel.under_xdist():
         from tests.zoo import _zoo_exports
 
         _zoo_exports.start(Path(tempfile.mkdtemp(prefix="dynvm-zoo-exports-")), names)
