@@ -24,8 +24,12 @@ setup(ext_modules=[Extension(
     # oneDNN's functions arrive as pointers at run time: nothing of libdnnl is linked,
     # so it builds and loads without the `onednn` extra
     "dynvm.jit.backends.cpu._onednn_chain",
-    sources=["jit/backends/cpu/native/onednn_chain.c"],
-    extra_compile_args=["-O2"],
+    sources=["jit/backends/cpu/native/onednn_chain.c",
+             # a chain's own 1x1 convolution (Note [A 1x1 convolution of our own at a
+             # few rows] in jit/backends/cpu/own_1x1.py), on torch's OpenMP team
+             "jit/backends/cpu/native/own_1x1.c"],
+    extra_compile_args=["-O3", "-fopenmp"],
+    extra_link_args=["-fopenmp"],
     optional=True,
 ), Extension(
     # a GEMM's column halves, the second run by a helper thread of dynvm's own (Note

@@ -87,7 +87,7 @@ from pathlib import Path
 import torch
 
 from dynvm.jit.aliasing import flat_values
-from dynvm.jit.backends.cpu import chain_ends
+from dynvm.jit.backends.cpu import chain_ends, own_1x1
 from dynvm.jit.backends.cpu import onednn_api as api
 from dynvm.jit.backends.cpu.ir_match import probe_tensors
 from dynvm.jit.backends.cpu.native_linear import find_extension
@@ -119,11 +119,19 @@ class _Native:
     oneDNN functions it calls as pointers into the libdnnl `library` loaded."""
 
     def __init__(self, path: Path, library: api.Library) -> None:
-        self.run = ctypes.PyDLL(str(path)).dynvm_onednn_chain_run
+        dll = ctypes.PyDLL(str(path))
+        self.run = dll.dynvm_onednn_chain_run
         p, pp, i = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int
         self.run.argtypes = [p, p, p, p, i, pp, pp, i, pp, ctypes.POINTER(i), pp,
                              ctypes.c_longlong, ctypes.POINTER(i)]
         self.run.restype = i
+        # each step by its own function (Note [A 1x1 convolution of our own at a few
+        # rows]); None in a library built before it, whose chains run oneDNN's alone
+        self.run_steps = getattr(dll, "dynvm_onednn_chain_run_steps", None)
+        if self.run_steps is not None:
+            self.run_steps.argtypes = [pp, *self.run.argtypes[1:]]
+            self.run_steps.restype = i
+        self.own = own_1x1.kernel(dll, library) if self.run_steps is not None else None
         dll = library.dll
         wait = dll.dnnl_stream_wait      # declared here: onednn_api does not list it
         wait.argtypes, wait.restype = [p], i
@@ -177,7 +185,9 @@ class _Arena:
         self.buffers: list[torch.Tensor] = []
         self._free: list[int] = []
         self._per_call: list[tuple[int, object]] = []   # (-1 input | result k, memory)
-        self._execs: list[tuple[object, list]] = []     # (primitive, [(arg, memory)])
+        # (primitive, [(arg, memory)], its execute function or None for oneDNN's)
+        self._execs: list[tuple[object, list, object]] = []
+        self._own: list = []           # our own 1x1 steps (Own1x1), kept alive here
         # a residual written in place shares its residual's storage: one group of names
         group = {steps[0].x: steps[0].x}
         for step in steps:
@@ -219,6 +229,11 @@ class _Arena:
                 step.runner.build(library, shapes[step.x], tag)
             if primitive is not base:
                 self._owned.append(primitive)
+            # Note [A 1x1 convolution of our own at a few rows]: where it measured faster
+            own = own_1x1.own_step(library, native_.own, step.runner, primitive,
+                                   shapes[step.x]) if tag == api.TAG_NHWC else None
+            if own is not None:
+                self._own.append(own)
             shapes[step.dst] = primitive.out_shape
             source = self._version(src, tag, primitive.arguments())
             root = group[step.dst]
@@ -240,7 +255,8 @@ class _Arena:
                 elif arg == api.ARG_DST:
                     memory = self._memory_like(memory, self._versions[(root, tag)][0])
                 args.append((arg, memory))
-            self._execs.append((primitive.handle, args))
+            self._execs.append((own.handle, args, own.execute) if own is not None
+                               else (primitive.handle, args, None))
             for reg in frees[position]:     # a group none of whose names lives frees
                 name = group.get(reg, reg)
                 alive.get(name, set()).discard(reg)
@@ -258,10 +274,14 @@ class _Arena:
                     self._lib.dnnl_memory_desc_destroy(out_md)
                 self._reorder(self._versions[(root, home[root])][1], made[1])
         self._arrays = [(api.ExecArg * len(a))(*[api.ExecArg(arg, m) for arg, m in a])
-                        for _, a in self._execs]
+                        for _, a, _ in self._execs]
         n = len(self._execs)
-        self._prims = (ctypes.c_void_p * n)(*[h for h, _ in self._execs])
-        self._nargs = (ctypes.c_int * n)(*[len(a) for _, a in self._execs])
+        self._prims = (ctypes.c_void_p * n)(*[h for h, _, _ in self._execs])
+        self._nargs = (ctypes.c_int * n)(*[len(a) for _, a, _ in self._execs])
+        onednn_execute = native_.functions[0]
+        self._executes = (ctypes.c_void_p * n)(
+            *[e if e is not None else onednn_execute for _, _, e in self._execs]) \
+            if self._own else None
         self._args = (ctypes.c_void_p * n)(*[ctypes.cast(a, ctypes.c_void_p)
                                              for a in self._arrays])
         self._bind = [k for k, _ in self._per_call]
@@ -306,7 +326,8 @@ class _Arena:
     def _reorder(self, source, target) -> None:
         reorder = _Reorder(self._library, _md_of(self._lib, source), _md_of(self._lib, target))
         self._owned.append(reorder)
-        self._execs.append((reorder.handle, [(api.ARG_SRC, source), (api.ARG_DST, target)]))
+        self._execs.append((reorder.handle, [(api.ARG_SRC, source), (api.ARG_DST, target)],
+                            None))
 
     def _buffer(self, need: int) -> int:
         fits = sorted((self.buffers[b].numel(), b) for b in self._free
@@ -347,7 +368,10 @@ class _Arena:
                 tensor = x if where == -1 else made[-2 - where]
                 self._handles[k] = tensor.data_ptr()
             execute, set_handle, wait = self._native.functions
-            status = self._native.run(
+            run = self._native.run
+            if self._executes is not None:     # some steps ours
+                run, execute = self._native.run_steps, self._executes
+            status = run(
                 execute, set_handle, wait, self._native.stream, len(self._bind),
                 self._memories, self._handles, len(self._prims), self._prims, self._nargs,
                 self._args, self._native.yield_after_ns, ctypes.byref(self._failed))
@@ -418,6 +442,11 @@ class PrimitiveChain:
         """Reorders its arenas run, all shapes."""
         return sum(a.reorders for a in self.by_shape.values())
 
+    def own_steps(self) -> int:
+        """Steps on our own 1x1 kernel (Note [A 1x1 convolution of our own at a few
+        rows]), all shapes."""
+        return sum(len(a._own) for a in self.by_shape.values())
+
     def arena_bytes(self) -> int:
         """Bytes of the arenas' buffers, all shapes."""
         return sum(b.numel() for a in self.by_shape.values() for b in a.buffers)
@@ -486,7 +515,7 @@ def chain_primitives(spec: SpecializedRegion, library: api.Library, kinds: dict[
     after_reads = _reads_after(ops, spec.outputs)
     chains, kept, steps_total, arena_bytes = [], 0, 0, 0
     layouts: set[str] = set()
-    reorders, heads, means = 0, 0, 0
+    reorders, heads, means, own = 0, 0, 0, 0
     for start, end in reversed(runs):
         inner = ops[start:end]
         steps = _steps(inner, kinds)
@@ -528,6 +557,7 @@ def chain_primitives(spec: SpecializedRegion, library: api.Library, kinds: dict[
         arena_bytes += chain.arena_bytes()
         layouts |= chain.layouts()
         reorders += chain.reorders()
+        own += chain.own_steps()
         heads, means = heads + (head is not None), means + (tail is not None)
     if not chains:
         return spec, f"; primitives called one by one ({kept} run(s) not chained)"
@@ -536,6 +566,8 @@ def chain_primitives(spec: SpecializedRegion, library: api.Library, kinds: dict[
             f"{arena_bytes / 2**20:.1f} MiB)")
     if heads or means:
         note += f"; into them {heads} input conversion(s) and {means} global mean(s)"
+    if own:
+        note += f"; {own} 1x1 step(s) on dynvm's own kernel"
     return dataclasses.replace(spec, ops=tuple(ops)), note
 
 

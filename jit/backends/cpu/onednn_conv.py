@@ -198,6 +198,27 @@ class WeightLayouts(list):
             self.append(copy)
             return copy
 
+    def repacked(self, library: api.Library, shape: tuple, pack) -> torch.Tensor:
+        """`pack(weight)` of the plain OIHW fp32 weight of `shape`, made once from the
+        first copy (a reorder back: exact) and shared like the copies (Note [A 1x1
+        convolution of our own at a few rows]: our kernel's panels)."""
+        with self._lock:
+            found = getattr(self, "_repacked", None)
+            if found is None:
+                plain = torch.empty(shape, dtype=torch.float32)
+                lib = library.dll
+                plain_md = md_tag(lib, shape, api.TAG_OIHW, torch.float32)
+                target = None
+                try:
+                    target = new_memory(library, plain_md, plain.data_ptr())
+                    reorder_once(library, self[0].md, self[0].memory, plain_md, target,
+                                 "weight reorder back")
+                finally:
+                    destroy(lib, (("dnnl_memory_destroy", target),
+                                  ("dnnl_memory_desc_destroy", plain_md)))
+                found = self._repacked = pack(plain)
+            return found
+
 
 class ConvPrimitive:
     """One oneDNN convolution primitive for one input shape (NHWC), reading its weight
@@ -271,6 +292,15 @@ class ConvPrimitive:
         """The primitive (Note [A chain of primitives in one call] executes it)."""
         return self._prim
 
+    @property
+    def nargs(self) -> int:
+        return self._nargs
+
+    @property
+    def args_pointer(self) -> ctypes.c_void_p:
+        """The execute-argument array (dnnl_primitive_execute's `args`)."""
+        return self._args_pointer
+
     def arguments(self) -> list[tuple[int, ctypes.c_void_p]]:
         """(DNNL_ARG_*, memory object) of each execute argument; the source's and
         destination's handles are set per call, the others fixed."""
@@ -329,6 +359,11 @@ class PrimitiveConv:
         like = next(iter(self.by_shape.values()))
         return ConvPrimitive(library, None, like.bias, shape, self.spec, self._weights, tag,
                              self.weight_shape)
+
+    def repacked(self, library: api.Library, pack) -> torch.Tensor:
+        """`pack` of this convolution's plain weight, made once per weight (Note [A 1x1
+        convolution of our own at a few rows])."""
+        return self._weights.repacked(library, self.weight_shape, pack)
 
     def copies(self) -> int:
         """Distinct reordered copies of this weight alive in the process."""

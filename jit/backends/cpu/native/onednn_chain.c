@@ -14,7 +14,11 @@
    interpreter's loop would have switched threads between two calls: a thread that
    waited longer than the switch interval runs then, and a chain of 100 ms never holds
    the GIL for all of it. (Letting it go between every two primitives cost 1.5% of a
-   bf16 ResNet-50 chain at batch 1: 13.36 against 13.20 ms, A/A 0.995.) */
+   bf16 ResNet-50 chain at batch 1: 13.36 against 13.20 ms, A/A 0.995.)
+
+   Each step names the function that executes it: dnnl_primitive_execute for oneDNN's
+   primitives, or a step of dynvm's own with the same signature (own_1x1.c, Note [A 1x1
+   convolution of our own at a few rows] in jit/backends/cpu/own_1x1.py). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -40,16 +44,17 @@ static long long now_ns(void) {
 }
 
 /* Set handles[i] on memories[i] (i < nhandles), then execute primitives[s] with its
-   nargs[s] arguments args[s] (s < nsteps), then wait. Returns oneDNN's first status other
-   than success (0), with *failed the index of the step (nhandles + s for a primitive, i
-   for a handle, nhandles + nsteps for the wait); 0 when all succeeded. With
-   yield_after_ns > 0 the GIL (the caller holds it) is let go and taken back between two
-   primitives once that many nanoseconds have passed since the last time. */
-int dynvm_onednn_chain_run(void *execute, void *set_handle, void *wait, void *stream,
-                           int nhandles, void *const *memories, void *const *handles,
-                           int nsteps, void *const *primitives, const int *nargs,
-                           void *const *args, long long yield_after_ns, int *failed) {
-  execute_fn run = (execute_fn)execute;
+   nargs[s] arguments args[s] by executes[s], or by `execute` where executes is NULL
+   (s < nsteps), then wait. Returns the first status other than success (0), with
+   *failed the index of the step (nhandles + s for a step, i for a handle, nhandles +
+   nsteps for the wait); 0 when all succeeded. With yield_after_ns > 0 the GIL (the
+   caller holds it) is let go and taken back between two steps once that many
+   nanoseconds have passed since the last time. */
+static int chain_run(void *const *executes, void *execute, void *set_handle, void *wait,
+                     void *stream, int nhandles, void *const *memories,
+                     void *const *handles, int nsteps, void *const *primitives,
+                     const int *nargs, void *const *args, long long yield_after_ns,
+                     int *failed) {
   set_handle_fn set = (set_handle_fn)set_handle;
   long long last = yield_after_ns > 0 ? now_ns() : 0;
   int status;
@@ -66,6 +71,7 @@ int dynvm_onednn_chain_run(void *execute, void *set_handle, void *wait, void *st
       PyEval_RestoreThread(state);
       last = now_ns();
     }
+    execute_fn run = (execute_fn)(executes != NULL ? executes[s] : execute);
     status = run(primitives[s], stream, nargs[s], args[s]);
     if (status != 0) {
       *failed = nhandles + s;
@@ -75,4 +81,23 @@ int dynvm_onednn_chain_run(void *execute, void *set_handle, void *wait, void *st
   status = ((wait_fn)wait)(stream);
   if (status != 0) *failed = nhandles + nsteps;
   return status;
+}
+
+/* Every step by dnnl_primitive_execute (`execute`). */
+int dynvm_onednn_chain_run(void *execute, void *set_handle, void *wait, void *stream,
+                           int nhandles, void *const *memories, void *const *handles,
+                           int nsteps, void *const *primitives, const int *nargs,
+                           void *const *args, long long yield_after_ns, int *failed) {
+  return chain_run(NULL, execute, set_handle, wait, stream, nhandles, memories, handles,
+                   nsteps, primitives, nargs, args, yield_after_ns, failed);
+}
+
+/* Each step by its own function, executes[s]: oneDNN's or dynvm's own (own_1x1.c). */
+int dynvm_onednn_chain_run_steps(void *const *executes, void *set_handle, void *wait,
+                                 void *stream, int nhandles, void *const *memories,
+                                 void *const *handles, int nsteps,
+                                 void *const *primitives, const int *nargs,
+                                 void *const *args, long long yield_after_ns, int *failed) {
+  return chain_run(executes, NULL, set_handle, wait, stream, nhandles, memories, handles,
+                   nsteps, primitives, nargs, args, yield_after_ns, failed);
 }

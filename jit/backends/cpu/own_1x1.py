@@ -1,0 +1,172 @@
+"""dynvm's own fp32 1x1 convolution as a step of a chain of primitives, where it measures
+faster than oneDNN's (native/own_1x1.c; onednn_chain's arenas ask `own_step`).
+
+Note [A 1x1 convolution of our own at a few rows]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+At batch 1 ResNet-50's JIT was 32.1 ms against ONNX Runtime's 28.3, and +1.29 of the
++1.35 ms were stage 3 and 4's 1x1 convolutions (49 and 196 rows of output pixels),
+1.07-1.32x ONNX Runtime's per geometry; oneDNN 3.2 offers three kernels there
+(brgconv_1x1 on NHWC, jit_1x1 on nChw16c, brg matmul), none faster in a whole chain
+(docs/bench_log.md, 2026-12-06 01:31). Timed alone per geometry, oneDNN's primitive
+against ONNX Runtime's Conv node (one ONNX model of K such convolutions with distinct
+weights, run in turn so that the weights come from L3 as in the model; spinning off;
+interleaved; 2026-12-06 04:16, load 1-6): at ONE thread oneDNN is already 1.20 / 1.24 /
+1.20 / 1.06 / 1.06 / 1.03x ONNX Runtime at 2048->512 @7, 512->2048 @7, 256->1024 @14,
+1024->256 @14, 1024->512 @14, 1024->2048 s2 @14, and at two threads about the same
+ratio: the loss is the kernel, not how two threads split the rows or wake.
+
+So a kernel of our own, fp32, for NHWC 1x1 stride-1 convolutions whose output channels
+are whole panels of 64: the (rows, in) x (in, out) product in a 7 x 64 register tile
+(28 zmm accumulators; 49 and 196 rows are 7 and 28 tiles), the weight packed once per
+convolution into 64-column panels, each panel taken in chunks of 256 input channels that
+every 7-row block reuses from L1 / L2 while the next chunk is prefetched into L2; the
+bias, the residual's sum (the residual is the first chunk's starting value) and the ReLU
+in the last chunk's store; two threads take halves of the panels, each reading half of
+the weight, in one OpenMP region (torch's team) as oneDNN's primitive does. At one
+thread, weights from L3 (04:25, load 3.5-4.6): 0.77-0.80x oneDNN's at 7x7, 0.93-1.02x
+at 14x14.
+
+It is chosen per geometry by measurement (Note [Calibration]): when a chain's arena is
+built, for each NHWC fp32 1x1 step that fits, the calibrator times oneDNN's primitive
+against ours on that geometry (rows, in, out, the residual, the ReLU, the thread count)
+and the verdict is reused for every arena and kernel after; oneDNN is the default, kept
+on a tie. The step is called by the chain's C loop with dnnl_primitive_execute's
+signature, so a chain mixes the two freely. Where the chain library predates it, the
+CPU lacks AVX-512F, or the value is nChw16c (fp32 batch >= 2) or bf16, nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from dynvm.jit.backends.cpu import onednn_api as api
+from dynvm.jit.calibration import calibrator_for
+
+PANEL = 64
+"""Output channels per packed panel (the kernel's tile width)."""
+QUESTION = "own 1x1 convolution"
+policy = "measure"
+""""measure" (the calibrator chooses per geometry), "always" or "never": tests force it."""
+
+
+class _Own1x1(ctypes.Structure):
+    """native/own_1x1.c's `Own1x1`."""
+
+    _fields_ = [("rows", ctypes.c_int), ("in_channels", ctypes.c_int),
+                ("out_channels", ctypes.c_int), ("weight", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("sum", ctypes.c_int), ("relu", ctypes.c_int),
+                ("arg_src", ctypes.c_int), ("arg_dst", ctypes.c_int),
+                ("get_handle", ctypes.c_void_p)]
+
+
+class Kernel:
+    """The chain library's own-1x1 functions, or None where it predates them."""
+
+    def __init__(self, dll: ctypes.CDLL, library: api.Library) -> None:
+        self.execute = ctypes.cast(dll.dynvm_own_1x1_execute, ctypes.c_void_p)
+        self.call = dll.dynvm_own_1x1_execute
+        self.call.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p]
+        self.call.restype = ctypes.c_int
+        self.get_handle = ctypes.cast(library.dll.dnnl_memory_get_data_handle, ctypes.c_void_p)
+        supported = dll.dynvm_own_1x1_supported
+        supported.restype = ctypes.c_int
+        self.supported = bool(supported())
+
+
+def kernel(dll: ctypes.CDLL, library: api.Library) -> Kernel | None:
+    """The own-1x1 functions of the chain library `dll`, or None (an older build)."""
+    try:
+        found = Kernel(dll, library)
+    except AttributeError:
+        return None
+    return found if found.supported else None
+
+
+def fits(runner, shape: tuple) -> bool:
+    """Whether `runner` (a PrimitiveConv) at input `shape` is a convolution the kernel
+    computes: fp32, 1x1, stride 1, no padding, whole panels of output channels, ReLU or
+    no activation."""
+    spec = getattr(runner, "spec", None)
+    weight_shape = getattr(runner, "weight_shape", None)
+    if spec is None or weight_shape is None or spec.dtype != torch.float32:
+        return False
+    out, _, kh, kw = weight_shape
+    relu = api.ELTWISE["relu"]
+    return (kh, kw) == (1, 1) and spec.stride == (1, 1) and spec.padding == (0, 0) \
+        and spec.dilation == (1, 1) and out % PANEL == 0 and len(shape) == 4 \
+        and (spec.eltwise is None or tuple(spec.eltwise) == (relu, 0.0, 0.0))
+
+
+def panels(plain: torch.Tensor) -> torch.Tensor:
+    """The OIHW 1x1 weight [out, in, 1, 1] in panels: [out / 64, in, 64], panel p the
+    output channels [64p, 64p + 64) of every input channel."""
+    out, cin = plain.shape[:2]
+    return plain.reshape(out, cin).t().reshape(cin, out // PANEL, PANEL) \
+        .permute(1, 0, 2).contiguous()
+
+
+class Own1x1:
+    """One convolution at one input shape on our kernel: the packed weight, the bias,
+    and the struct the C step reads (`handle`)."""
+
+    def __init__(self, library: api.Library, kernel_: Kernel, runner, primitive) -> None:
+        out, cin = runner.weight_shape[:2]
+        n, _, h, w = primitive.in_shape
+        self.rows, self.in_channels, self.out_channels = n * h * w, cin, out
+        self.weight = runner.repacked(library, panels)   # shared by the weight's kernels
+        bias = primitive.bias
+        self.bias = (torch.zeros(out) if bias is None else bias.float()).contiguous()
+        spec = runner.spec
+        self.struct = _Own1x1(self.rows, cin, out, self.weight.data_ptr(),
+                              self.bias.data_ptr(), int(spec.residual),
+                              int(spec.eltwise is not None), api.ARG_SRC, api.ARG_DST,
+                              kernel_.get_handle)
+        self.handle = ctypes.c_void_p(ctypes.addressof(self.struct))
+        self.execute = kernel_.execute
+
+
+def own_step(library: api.Library, kernel_: Kernel | None, runner, primitive,
+             shape: tuple) -> Own1x1 | None:
+    """Our kernel for this NHWC step where it fits and measured faster than oneDNN's
+    `primitive` on its geometry (Note [A 1x1 convolution of our own at a few rows]),
+    else None."""
+    if kernel_ is None or policy == "never" or not fits(runner, shape):
+        return None
+    own = Own1x1(library, kernel_, runner, primitive)
+    if policy == "always":
+        return own
+    key = (own.rows, own.in_channels, own.out_channels, runner.spec.residual,
+           runner.spec.eltwise is not None, torch.get_num_threads())
+    choice = calibrator_for("cpu").choose(
+        QUESTION, key, lambda: _candidates(library, kernel_, primitive, own))
+    return own if choice.name == "own" else None
+
+
+def _candidates(library: api.Library, kernel_: Kernel, primitive, own: Own1x1) -> dict:
+    """One execution each of oneDNN's primitive and ours on random operands, both
+    through one ctypes call over the same memory objects."""
+    x = torch.randn(primitive.in_shape).contiguous(memory_format=torch.channels_last)
+    y = torch.randn(primitive.out_shape).contiguous(memory_format=torch.channels_last)
+    calls = library.calls
+    args = [(a, m) for a, m in primitive.arguments() if a in (api.ARG_SRC, api.ARG_DST)]
+    own_args = (api.ExecArg * 2)(*[api.ExecArg(a, m) for a, m in args])
+    own_pointer = ctypes.cast(own_args, ctypes.c_void_p)
+    memories = dict(args)
+
+    def bind():
+        calls.dnnl_memory_set_data_handle(memories[api.ARG_SRC], x.data_ptr())
+        calls.dnnl_memory_set_data_handle(memories[api.ARG_DST], y.data_ptr())
+
+    def onednn():
+        bind()
+        api.check(calls.dnnl_primitive_execute(primitive.handle, library.stream,
+                                               primitive.nargs, primitive.args_pointer),
+                  "convolution")
+
+    def ours():
+        bind()
+        api.check(kernel_.call(own.handle, None, 2, own_pointer), "own 1x1 convolution")
+    ours.keep = (own_args, x, y)    # alive while the candidates are
+    return {"onednn": onednn, "own": ours}
