@@ -103,11 +103,13 @@ def pytest_collection_modifyitems(session, config, items):
 # beside them (04:25-04:44 UTC, load 7-13 with other benchmarks). So a worker runs its
 # `stack` tests at the priority it was started with, and every other test at a nice
 # level NICE_OTHERS higher (all of its threads: Linux keeps a nice value per thread, and
-# torch's OpenMP workers exist by then); what they start inherits it. On an idle host the
-# CPU-bound tests still take every cycle the stack leaves; only the order of who waits
-# changes. Without the right to lower a nice value again (not root), the worker stays at
-# the raised one: only the stack's priority is lost, not a test.
-NICE_OTHERS = 10
+# torch's OpenMP workers exist by then); what they start inherits it. NICE_OTHERS is past
+# 15, the nice value Ray gives its worker processes (Serve's replicas, the compile
+# service): at +10 the CPU-bound tests still outweighed a starting replica three to one.
+# On an idle host the CPU-bound tests still take every cycle the stack leaves; only the
+# order of who waits changes. Without the right to lower a nice value again (not root),
+# the worker stays at the raised one: only the stack's priority is lost, not a test.
+NICE_OTHERS = 19
 
 
 def _renice(value: int) -> None:
