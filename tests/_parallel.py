@@ -35,7 +35,6 @@ worker:
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -97,41 +96,23 @@ def pytest_collection_modifyitems(session, config, items):
 
 # Note [Stack worker first]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
-# The `stack` group is the run's longest (Ray, Serve and `dynvm serve` starts, one after
-# another) and mostly waits on processes that need a core in bursts: the other worker's
-# CPU-bound tests (torch on both cores) slowed those starts two to three times in a run
-# beside them (04:25-04:44 UTC, load 7-13 with other benchmarks). So a worker runs its
-# `stack` tests at the priority it was started with, and every other test at a nice
-# level NICE_OTHERS higher (all of its threads: Linux keeps a nice value per thread, and
-# torch's OpenMP workers exist by then); what they start inherits it. NICE_OTHERS is past
-# 15, the nice value Ray gives its worker processes (Serve's replicas, the compile
-# service): at +10 the CPU-bound tests still outweighed a starting replica three to one.
-# On an idle host the CPU-bound tests still take every cycle the stack leaves; only the
-# order of who waits changes. Without the right to lower a nice value again (not root),
-# the worker stays at the raised one: only the stack's priority is lost, not a test.
-NICE_OTHERS = 19
+# Ray runs its worker processes (Serve's replicas, the compile service, every actor and
+# task) at nice 15, below the pytest process that started them. In a serial run nothing
+# else competes, but beside the other xdist worker's CPU-bound tests (torch on both
+# cores) a replica's start and its requests waited for every idle moment: the `stack`
+# group's process starts took two to four times their serial times in a run beside them
+# (04:25-04:44 UTC, load 7-13 with other sessions' benchmarks). So in a worker the Ray
+# clusters that tests start (ray.init, `ray start`, `dynvm serve`: they inherit the
+# environment) run their workers at the nice value of the rest (RAY_worker_niceness=0,
+# set unless the caller set it). Lowering the other worker's priority instead (+10, +19
+# for its tests) lost it every contest with other sessions' processes on a shared host:
+# 1,122 s for the whole run at load 5-10 (04:46-05:05 UTC).
+RAY_WORKER_NICENESS = "RAY_worker_niceness"
 
 
-def _renice(value: int) -> None:
-    """Every thread of this process to nice `value`."""
-    for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError, ValueError):  # a thread gone, or no right
-            os.setpriority(os.PRIO_PROCESS, int(task), value)
+def pytest_configure(config):
+    """In an xdist worker: Ray's workers at the tests' own priority.
 
-
-_NICE: dict[str, int] = {}
-"""The worker's own nice value ("base") and the one its threads were last set to."""
-
-
-@pytest.hookimpl(tryfirst=True)  # before the test's fixtures start anything
-def pytest_runtest_setup(item):
-    """In an xdist worker: the stack's tests at the worker's own priority, the others'
-    lower (Note [Stack worker first])."""
-    if not under_xdist() or not hasattr(os, "setpriority"):
-        return
-    base = _NICE.setdefault("base", os.getpriority(os.PRIO_PROCESS, 0))
-    stack = group_of(item.nodeid.split("::")[0]) == "stack"
-    wanted = base if stack else base + NICE_OTHERS
-    if _NICE.get("now") != wanted:
-        _renice(wanted)
-        _NICE["now"] = wanted
+    Note [Stack worker first]."""
+    if under_xdist():
+        os.environ.setdefault(RAY_WORKER_NICENESS, "0")
