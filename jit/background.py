@@ -78,18 +78,17 @@ gap after one call runs beside the next, and takes from it in two ways:
 
 - the cores: the worker's torch ops run on a team of their own (each thread that
   starts an OpenMP region has its own), as many threads as the calls' team, on the
-  same two cores. So a worker runs at nice `WORKER_NICE` (10: CFS weighs it 110
-  against a call thread's 1024, about a tenth of a core that a call's thread also
-  wants, all of a core that nothing else wants), set on itself when it starts, before
-  its first parallel region, so that its OpenMP team, created later by it, inherits
-  it. Not lower: under traffic with no gap a compile must still progress (Note
-  [Background work yields to calls]), and other processes on the host weigh 1024 each
-  too. At nice 19 (weight 15), beside other sessions' work (load 8), BERT-base's
-  warm-up made 2 compiles in 200 calls where it made 17 at nice 0 (docs/bench_log.md,
-  2026-12-06 04:30-04:39 UTC); a SCHED_IDLE helper beside two busy processes was
-  starved outright (Note [Column halves with a helper thread]). Linux only (elsewhere
-  setpriority on a thread id would set a process's); where it is refused the worker
-  runs as before.
+  same two cores. A worker can run at nice `WORKER_NICE`, set on itself when it
+  starts, before its first parallel region, so that its OpenMP team, created later by
+  it, inherits it (Linux only: elsewhere setpriority on a thread id would set a
+  process's; where it is refused the worker runs as before). It is 0, off, because it
+  starved the compiles: other processes on the host weigh 1024 each against the
+  worker's 110 at nice 10 or 15 at nice 19, and BERT-base's 200-call warm-up made 2
+  compiles at nice 19 (load 8) and 3-5 at nice 10 (load 3-13) where it made 17 at nice
+  0 (docs/bench_log.md, 2026-12-06 04:30-05:20 UTC): a warm-up that compiles a fifth
+  as much passes the bar by not warming up. Under traffic with no gap a compile must
+  still progress (Note [Background work yields to calls]); a SCHED_IDLE helper beside
+  two busy processes was starved outright (Note [Column halves with a helper thread]).
 - the GIL: a call's thread gives the GIL up in every torch op, the worker's Python
   takes it, and the call waits up to the switch interval (5 ms by default) to get it
   back, at every op: the convoy of Note [Background work yields to calls]. While a
@@ -110,8 +109,8 @@ MAX_WAIT_S = 1.0   # the longest a checkpoint waits for calls to end (module doc
 WAIT_SHARE = 1.0   # seconds of waiting a second of work between checkpoints earns
 SLICE_S = 0.002    # work a worker goes on with beside calls after a wait (Note [A slice
 #                    of work per wait]); 0: every checkpoint beside a call waits
-WORKER_NICE = 10   # a compile worker's nice value (Note [A compile worker at a lower
-#                    priority]); 0: unchanged
+WORKER_NICE = 0    # a compile worker's nice value (Note [A compile worker at a lower
+#                    priority]: higher starved the compiles); 0: unchanged
 SWITCH_INTERVAL_S = 5e-4   # the switch interval at most while a task runs (same Note);
 #                            0: unchanged
 
