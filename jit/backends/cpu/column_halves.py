@@ -65,8 +65,19 @@ The bar's command with the halves on (one-strike hold, 02:26-02:36 UTC, load 1.6
 margin 0.022): fp32 JIT / best peer 1x16 1.059, 2x16 1.048, every other shape within the
 margin (median 0.991); jit-bf16 / OpenVINO bf16 1x16 0.935 but median 1.148 with the
 bf16 seasoning unsettled after 486 s; a warm-up spike at 1x32 (JIT p90 2.92x the
-interpreter's, max 172 ms) not yet explained. Off by default until the gain holds in
-the bar's command beside an "off" run of the same window.
+interpreter's, max 172 ms). That spike is not the halves': the lead's "off" run of
+02:53 had larger single warm-up calls (1x32 193 ms, 1x128 250 ms) and the "on" run
+beside it none over 2.5x the interpreter's p90; in the warm-up's 12-13 calls a shape
+the exact kernels (the only ones with halves) arrive late, so 0-1 of them ran halves
+(H31LE's replica of the bar's loop, 04:23 UTC): the spikes are the compile worker's
+work beside a call, in both arms. On against off in the bar's command, same window
+(02:53 / 02:56, load 1.7-1.8): 1x16 1.127 / 1.167, 1x32 1.086 / 1.099, 1x64 1.051 /
+1.021, 2x16 1.166 / 1.094, no gain beyond the runs' spread. In the bar's own loop at
+load 3-5 (04:23 UTC) the helper ran 9 of 160 B halves, a B it claimed was claimed
+0.2-0.6 ms after its post and cost the caller 1.0-2.5 ms of waiting a call, and the
+choice ran the team in 36-54 of 40-60 seasoning calls a kernel: hence the four pieces.
+Off by default until the gain holds in the bar's command beside an "off" run of the
+same window.
 """
 
 from __future__ import annotations
