@@ -29,6 +29,13 @@ depend on them. Not folded:
 Each folded result is checked against the region's abstract values (shape, dtype and
 strides at every probe) and the op kept where they differ. Results are the same bits:
 the same ops on the same operands, run earlier.
+
+Measured (BERT-base width, 4 layers, exact bf16 kernels in one process with and without
+it, both with Note [Layer norm writing bf16 too], interleaved with an A/A, 25 rounds;
+2026-12-06 05:30 UTC, load 1.9-2.1): 2x64 0.995, 4x64 1.014, 8x64 1.002 (A/A 1.011 /
+1.032 / 0.992): within the noise, ~0.1 ms of dispatch in calls of 15-33 ms. Kept because
+it is the same bits and fewer ops a call (21 of the prologue's); the bigger prize, the
+token-type and position EMBEDDINGs of constant ids, is over `MAX_BYTES`.
 """
 
 from __future__ import annotations
