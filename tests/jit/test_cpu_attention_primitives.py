@@ -78,6 +78,28 @@ def _relative(got, want) -> float:
     return float((got.float() - want).abs().max() / want.abs().max())
 
 
+def serve_random_shapes(program, model, inputs, seed: int, seq_step: int = 5) -> list[str]:
+    """bf16 runtimes of `program`, exact kernels and then families, each serving 8
+    random (batch, seq) shapes twice, eager-equal within BF16_RELATIVE; `inputs(batch,
+    seq, step, gen)` makes a call's inputs (views at odd steps). The family runtime's
+    kernel sources."""
+    gen = torch.Generator().manual_seed(seed)
+    sources: list[str] = []
+    for families in (False, True):
+        config = h.eager_config(cpu_fusion="always", precision="bf16", families=families)
+        with dynvm.Runtime(program, jit=config) as rt, torch.no_grad():
+            for step in range(8):
+                batch, seq = (int(v) for v in torch.randint(1, 5, (2,), generator=gen))
+                seq += 2 + seq_step * (step % 3)
+                args = inputs(batch, seq, step, gen)
+                rt(*args)
+                got = rt(*args)
+                assert _relative(got, model(*args)) < BF16_RELATIVE, (families, step)
+            assert rt.stats()["specialized_region_calls"] > 0
+            sources = [a.source for a in rt.jit.artifacts.values()]
+    return sources
+
+
 def _spec(program, x, keep):
     region = program.regions[0]
     return region, specialize(program, region, {region.live_in[0].index: x,
@@ -218,23 +240,16 @@ def test_one_mask_bias_a_call_gives_the_same_bits(monkeypatch):
 
 def test_the_mask_bias_serves_random_shape_sequences():
     model, program = _two_layers()
-    gen = torch.Generator().manual_seed(13)
-    for families in (False, True):
-        config = h.eager_config(cpu_fusion="always", precision="bf16", families=families)
-        with dynvm.Runtime(program, jit=config) as rt, torch.no_grad():
-            for step in range(8):
-                batch, seq = (int(v) for v in torch.randint(1, 5, (2,), generator=gen))
-                seq += 2 + 7 * (step % 3)
-                x, keep = torch.randn(batch, seq, 32, generator=gen), _keep(batch, seq, gen)
-                if step % 2:       # offset input and a strided (transposed) mask
-                    x = torch.randn(batch + 1, seq, 32, generator=gen)[1:]
-                    keep = keep.t().contiguous().t()
-                rt(x, keep)
-                got = rt(x, keep)
-                assert _relative(got, model(x, keep)) < BF16_RELATIVE, (families, step)
-            assert rt.stats()["specialized_region_calls"] > 0
-            sources = [a.source for a in rt.jit.artifacts.values()]
-        assert sources and all("bf16_mask_bias" in s for s in sources), sources
+
+    def inputs(batch, seq, step, gen):
+        x, keep = torch.randn(batch, seq, 32, generator=gen), _keep(batch, seq, gen)
+        if step % 2:       # offset input and a strided (transposed) mask
+            x = torch.randn(batch + 1, seq, 32, generator=gen)[1:]
+            keep = keep.t().contiguous().t()
+        return x, keep
+
+    sources = serve_random_shapes(program, model, inputs, seed=13, seq_step=7)
+    assert sources and all("bf16_mask_bias" in s for s in sources), sources
 
 
 def test_a_mask_written_in_place_between_gets_a_fresh_bias():

@@ -12,7 +12,6 @@ import dataclasses
 import pytest
 import torch
 
-import dynvm
 from dynvm.jit.backends.cpu import norm_bf16, precision
 from dynvm.jit.backends.cpu.codegen import CpuOptions
 from dynvm.jit.backends.cpu.norm_bf16 import LAYER_NORM_BF16, layer_norm_bf16, torch_pair
@@ -24,7 +23,6 @@ from dynvm.jit.backends.cpu.precision import (
 )
 from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.ir import Literal, SpecOp, Var
-from tests.jit import _jit_helpers as h
 from tests.jit._kernel_run import views
 from tests.jit.test_cpu_attention_primitives import (
     BF16_RELATIVE,
@@ -33,6 +31,7 @@ from tests.jit.test_cpu_attention_primitives import (
     _program,
     _relative,
     _spec,
+    serve_random_shapes,
 )
 
 NOTE = "layer norm(s) writing their bf16 copy in the same pass"
@@ -170,19 +169,12 @@ def test_a_write_into_the_norms_result_before_its_cast_keeps_the_pair():
 @needs_bf16
 def test_runtimes_serve_random_shape_sequences_and_families():
     model, program = _program()
-    gen = torch.Generator().manual_seed(21)
-    for families in (False, True):
-        config = h.eager_config(cpu_fusion="always", precision="bf16", families=families)
-        with dynvm.Runtime(program, jit=config) as rt, torch.no_grad():
-            for step in range(8):
-                batch, seq = (int(v) for v in torch.randint(1, 5, (2,), generator=gen))
-                seq += 2 + 5 * (step % 3)
-                x, keep = torch.randn(batch, seq, 32, generator=gen), _keep(batch, seq, gen)
-                if step % 2:       # an offset view of the input
-                    x = torch.randn(batch + 1, seq, 32, generator=gen)[1:]
-                rt(x, keep)
-                got = rt(x, keep)
-                assert _relative(got, model(x, keep)) < BF16_RELATIVE, (families, step)
-            assert rt.stats()["specialized_region_calls"] > 0
-            sources = [a.source for a in rt.jit.artifacts.values()]
-        assert sources and all(NOTE in s for s in sources), sources
+
+    def inputs(batch, seq, step, gen):
+        x, keep = torch.randn(batch, seq, 32, generator=gen), _keep(batch, seq, gen)
+        if step % 2:       # an offset view of the input
+            x = torch.randn(batch + 1, seq, 32, generator=gen)[1:]
+        return x, keep
+
+    sources = serve_random_shapes(program, model, inputs, seed=21)
+    assert sources and all(NOTE in s for s in sources), sources

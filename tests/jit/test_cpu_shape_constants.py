@@ -21,8 +21,13 @@ from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.backends.cpu.shape_constants import MAX_BYTES, fold_shape_constants
 from dynvm.jit.ir import Var
 from dynvm.jit.specialize import specialize
-from tests.jit import _jit_helpers as h
-from tests.jit.test_cpu_attention_primitives import BF16_RELATIVE, Layer, _keep, _relative
+from tests.jit.test_cpu_attention_primitives import (
+    BF16_RELATIVE,
+    Layer,
+    _keep,
+    _relative,
+    serve_random_shapes,
+)
 
 pytestmark = pytest.mark.skipif(precision_available("bf16") is not None,
                                 reason=str(precision_available("bf16")))
@@ -149,21 +154,13 @@ def test_large_folded_values_run_on_each_call(monkeypatch):
 
 def test_runtimes_serve_random_shape_sequences_and_families():
     model, program = _program(shifted=True)
-    gen = torch.Generator().manual_seed(17)
-    for families in (False, True):
-        config = h.eager_config(cpu_fusion="always", precision="bf16", families=families)
-        with dynvm.Runtime(program, jit=config) as rt, torch.no_grad():
-            for step in range(8):
-                batch, seq = (int(v) for v in torch.randint(1, 5, (2,), generator=gen))
-                seq += 2 + 5 * (step % 3)
-                ids, keep = torch.randint(0, 50, (batch, seq), generator=gen), \
-                    _keep(batch, seq, gen)
-                if step % 2:       # offset ids and a strided mask
-                    ids = torch.randint(0, 50, (batch + 1, seq), generator=gen)[1:]
-                    keep = keep.t().contiguous().t()
-                rt(ids, keep)
-                got = rt(ids, keep)
-                assert _relative(got, model(ids, keep)) < BF16_RELATIVE, (families, step)
-            assert rt.stats()["specialized_region_calls"] > 0
-            sources = [a.source for a in rt.jit.artifacts.values()]
-        assert sources and all(NOTE in s for s in sources), sources
+
+    def inputs(batch, seq, step, gen):
+        ids, keep = torch.randint(0, 50, (batch, seq), generator=gen), _keep(batch, seq, gen)
+        if step % 2:       # offset ids and a strided mask
+            ids = torch.randint(0, 50, (batch + 1, seq), generator=gen)[1:]
+            keep = keep.t().contiguous().t()
+        return ids, keep
+
+    sources = serve_random_shapes(program, model, inputs, seed=17)
+    assert sources and all(NOTE in s for s in sources), sources
