@@ -252,19 +252,26 @@ def test_the_mask_bias_serves_random_shape_sequences():
     assert sources and all("bf16_mask_bias" in s for s in sources), sources
 
 
-def test_a_mask_written_in_place_between_gets_a_fresh_bias():
-    # Note [One bf16 mask bias a call]: a bias made before an in-place write into the
-    # mask is not read after it; the later SDPA reads a bias made after the write.
+def lowered_bf16(program):
+    """(the bf16 lowering of `program`'s region specialized at batch 2 x seq 9, the
+    program's constants): what a test rewrites by hand."""
     from dynvm.jit.backends.cpu.precision import lower_precision
-    from dynvm.jit.ir import Literal, SpecOp, Var
 
-    _, program = _two_layers()
     gen = torch.Generator().manual_seed(2)
     keep = _keep(2, 9, gen)
     _, spec = _spec(program, torch.randn(2, 9, 32, generator=gen), keep)
     constants = [t.detach() for t in program.constants]
-    lowered = lower_precision(spec, constants, torch.device("cpu"), precision="bf16",
-                              prepacked=PrepackCache()).spec
+    return lower_precision(spec, constants, torch.device("cpu"), precision="bf16",
+                           prepacked=PrepackCache()).spec, constants
+
+
+def test_a_mask_written_in_place_between_gets_a_fresh_bias():
+    # Note [One bf16 mask bias a call]: a bias made before an in-place write into the
+    # mask is not read after it; the later SDPA reads a bias made after the write.
+    from dynvm.jit.ir import Literal, SpecOp, Var
+
+    _, program = _two_layers()
+    lowered, _ = lowered_bf16(program)
     assert "made a bf16 bias once" in bf16_attention(lowered)[1]
     ops = list(lowered.ops)
     first, second = [i for i, op in enumerate(ops) if op.opcode == "SDPA"]

@@ -18,7 +18,6 @@ from dynvm.jit.backends.cpu.norm_bf16 import LAYER_NORM_BF16, layer_norm_bf16, t
 from dynvm.jit.backends.cpu.precision import (
     PRECISION_VARIANT,
     TO_BF16,
-    lower_precision,
     precision_available,
 )
 from dynvm.jit.backends.cpu.prepack import PrepackCache
@@ -31,6 +30,7 @@ from tests.jit.test_cpu_attention_primitives import (
     _program,
     _relative,
     _spec,
+    lowered_bf16,
     serve_random_shapes,
 )
 
@@ -130,12 +130,7 @@ def test_the_casts_of_layer_norms_go_and_kernels_stay_within_tolerance(monkeypat
 @needs_bf16
 def test_a_write_into_the_norms_result_before_its_cast_keeps_the_pair():
     _, program = _program()
-    gen = torch.Generator().manual_seed(2)
-    keep = _keep(2, 9, gen)
-    _, spec = _spec(program, torch.randn(2, 9, 32, generator=gen), keep)
-    constants = [t.detach() for t in program.constants]
-    lowered = lower_precision(spec, constants, torch.device("cpu"), precision="bf16",
-                              prepacked=PrepackCache()).spec
+    lowered, constants = lowered_bf16(program)
     ops = list(lowered.ops)
     fused_at = next(i for i, op in enumerate(ops) if op.opcode == LAYER_NORM_BF16)
     # undo the fusion by hand, then write into the norm's result between it and the cast
