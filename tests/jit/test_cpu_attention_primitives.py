@@ -113,6 +113,16 @@ def _kernel(program, x, keep, options):
                                   "test", "strong", options)
 
 
+def run_kernel(region, fn, *inputs) -> torch.Tensor:
+    """Kernel `fn` of `region` called on `inputs` (its live-ins in order): its first
+    live-out."""
+    regs = [None] * 1024
+    for live_in, value in zip(region.live_in, inputs, strict=True):
+        regs[live_in.index] = value
+    fn(regs)
+    return regs[region.live_out[0].index]
+
+
 def test_the_casts_around_attention_go_and_the_kernel_stays_within_tolerance():
     model, program = _program()
     gen = torch.Generator().manual_seed(5)
@@ -124,10 +134,7 @@ def test_the_casts_around_attention_go_and_the_kernel_stays_within_tolerance():
             assert NOTE in kernel.source, kernel.source
             assert "1 SDPA(s) on their bf16 Q/K/V, 1 cast(s) to fp32 and 1 back" \
                 in kernel.source, kernel.source
-            regs = [None] * 1024
-            regs[region.live_in[0].index], regs[region.live_in[1].index] = x, keep
-            kernel.fn(regs)
-            got = regs[region.live_out[0].index]
+            got = run_kernel(region, kernel.fn, x, keep)
             with torch.no_grad():
                 want = model(x, keep)
             assert got.dtype == torch.float32
@@ -228,10 +235,7 @@ def test_one_mask_bias_a_call_gives_the_same_bits(monkeypatch):
             assert "bf16_mask_bias" not in without.source
             got = []
             for fn in (kernel.fn, without.fn):
-                regs = [None] * 1024
-                regs[region.live_in[0].index], regs[region.live_in[1].index] = x, keep
-                fn(regs)
-                got.append(regs[region.live_out[0].index])
+                got.append(run_kernel(region, fn, x, keep))
             assert torch.equal(got[0], got[1]), (batch, seq, name)
             with torch.no_grad():
                 want = model(x, keep)

@@ -31,6 +31,7 @@ from tests.jit.test_cpu_attention_primitives import (
     _relative,
     _spec,
     lowered_bf16,
+    run_kernel,
     serve_random_shapes,
 )
 
@@ -115,10 +116,7 @@ def test_the_casts_of_layer_norms_go_and_kernels_stay_within_tolerance(monkeypat
             assert unfused.source.count("= to_bf16") > kernel.source.count("= to_bf16")
             got = []
             for fn in (kernel.fn, unfused.fn):
-                regs = [None] * 1024
-                regs[region.live_in[0].index], regs[region.live_in[1].index] = x, keep
-                fn(regs)
-                got.append(regs[region.live_out[0].index])
+                got.append(run_kernel(region, fn, x, keep))
             with torch.no_grad():
                 want = model(x, keep)
             assert _relative(got[0], want) < BF16_RELATIVE, (batch, seq, name)

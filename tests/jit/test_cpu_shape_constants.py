@@ -26,6 +26,7 @@ from tests.jit.test_cpu_attention_primitives import (
     Layer,
     _keep,
     _relative,
+    run_kernel,
     serve_random_shapes,
 )
 
@@ -85,13 +86,6 @@ def _kernel(program, ids, keep, fold=True, monkeypatch=None):
     return region, spec, kernel
 
 
-def _call(region, kernel, ids, keep):
-    regs = [None] * 1024
-    regs[region.live_in[0].index], regs[region.live_in[1].index] = ids, keep
-    kernel.fn(regs)
-    return regs[region.live_out[0].index]
-
-
 @pytest.mark.parametrize("shifted", [False, True])
 def test_the_prologues_index_ops_leave_the_kernel_with_the_same_bits(shifted, monkeypatch):
     model, program = _program(shifted=shifted)
@@ -105,13 +99,14 @@ def test_the_prologues_index_ops_leave_the_kernel_with_the_same_bits(shifted, mo
         assert kernel.source.count("UNSQUEEZE") < plain.source.count("UNSQUEEZE")
         with torch.no_grad():
             want = model(ids, keep)
-        first = _call(region, kernel, ids, keep)
+        first = run_kernel(region, kernel.fn, ids, keep)
         # twice: nothing the kernel keeps as a constant was changed by its first call
-        for got in (first, _call(region, kernel, ids, keep)):
-            assert torch.equal(got, _call(region, plain, ids, keep)), (batch, seq)
+        for got in (first, run_kernel(region, kernel.fn, ids, keep)):
+            assert torch.equal(got, run_kernel(region, plain.fn, ids, keep)), (batch, seq)
             assert _relative(got, want) < BF16_RELATIVE, (batch, seq)
         other = _keep(batch, seq, gen)
-        assert torch.equal(_call(region, kernel, ids, other), _call(region, plain, ids, other))
+        assert torch.equal(run_kernel(region, kernel.fn, ids, other),
+                           run_kernel(region, plain.fn, ids, other))
 
 
 def test_a_value_written_in_place_by_a_remaining_op_is_not_a_constant():
