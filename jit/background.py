@@ -41,7 +41,7 @@ thread waits, at checkpoints between its steps, until no call is in flight:
 
 A call that begins while a step runs still shares the cores with that one step; what
 the checkpoints remove is a compile that keeps working through the whole call. What the
-step takes from that call is bounded too (Note [A compile worker at a lower priority]).
+step takes from that call is bounded too (Note [A compile worker's task and the GIL]).
 
 Note [A slice of work per wait]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -67,7 +67,7 @@ milliseconds (a calibration run, Note [oneDNN holds the GIL] in cpu/fusion.py) s
 waits after it, as before. A fresh worker has no slice: its first checkpoint beside a
 call waits, so a queued compile still starts in a gap.
 
-Note [A compile worker at a lower priority]
+Note [A compile worker's task and the GIL]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The checkpoints decide when a step starts, not what it takes from a call that begins
 while it runs, and the steps between two checkpoints are not short: specializing and
@@ -78,17 +78,16 @@ gap after one call runs beside the next, and takes from it in two ways:
 
 - the cores: the worker's torch ops run on a team of their own (each thread that
   starts an OpenMP region has its own), as many threads as the calls' team, on the
-  same two cores. A worker can run at nice `WORKER_NICE`, set on itself when it
-  starts, before its first parallel region, so that its OpenMP team, created later by
-  it, inherits it (Linux only: elsewhere setpriority on a thread id would set a
-  process's; where it is refused the worker runs as before). It is 0, off, because it
-  starved the compiles: other processes on the host weigh 1024 each against the
-  worker's 110 at nice 10 or 15 at nice 19, and BERT-base's 200-call warm-up made 2
-  compiles at nice 19 (load 8) and 3-5 at nice 10 (load 3-13) where it made 17 at nice
-  0 (docs/bench_log.md, 2026-12-06 04:30-05:20 UTC): a warm-up that compiles a fifth
-  as much passes the bar by not warming up. Under traffic with no gap a compile must
-  still progress (Note [Background work yields to calls]); a SCHED_IDLE helper beside
-  two busy processes was starved outright (Note [Column halves with a helper thread]).
+  same two cores. The worker keeps its priority. A lower one (a nice value the worker
+  set on itself before its first parallel region, so that its OpenMP team inherited
+  it) was tried and taken out: it starved the compiles, since other processes on the
+  host weigh 1024 each against the worker's 110 at nice 10 or 15 at nice 19, and
+  BERT-base's 200-call warm-up made 2 compiles at nice 19 (load 8) and 3-5 at nice 10
+  (load 3-13) where it made 17 at nice 0 (docs/bench_log.md, 2026-12-06 04:30-05:20
+  UTC): a warm-up that compiles a fifth as much passes the bar by not warming up.
+  Under traffic with no gap a compile must still progress (Note [Background work
+  yields to calls]); a SCHED_IDLE helper beside two busy processes was starved
+  outright (Note [Column halves with a helper thread]).
 - the GIL: a call's thread gives the GIL up in every torch op, the worker's Python
   takes it, and the call waits up to the switch interval (5 ms by default) to get it
   back, at every op: the convoy of Note [Background work yields to calls]. While a
@@ -103,7 +102,6 @@ gap after one call runs beside the next, and takes from it in two ways:
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -112,8 +110,6 @@ MAX_WAIT_S = 1.0   # the longest a checkpoint waits for calls to end (module doc
 WAIT_SHARE = 1.0   # seconds of waiting a second of work between checkpoints earns
 SLICE_S = 0.002    # work a worker goes on with beside calls after a wait (Note [A slice
 #                    of work per wait]); 0: every checkpoint beside a call waits
-WORKER_NICE = 0    # a compile worker's nice value (Note [A compile worker at a lower
-#                    priority]: higher starved the compiles); 0: unchanged
 SWITCH_INTERVAL_S = 5e-4   # the switch interval at most while a task runs (same Note);
 #                            0: unchanged
 
@@ -208,32 +204,13 @@ def serving_call() -> _Serving:
 
 def background_thread(enabled: bool = True) -> None:
     """Mark the current thread as a compile worker whose checkpoints wait for calls
-    (Note [Background work yields to calls]), running at a lower priority (Note [A
-    compile worker at a lower priority])."""
+    (Note [Background work yields to calls])."""
     _LOCAL.background = enabled
-    if enabled:
-        lower_priority()
-
-
-def lower_priority(nice: int | None = None) -> bool:
-    """Set the calling thread's nice value to `nice` (default `WORKER_NICE`) unless it
-    is higher already; whether the thread now runs at it (Note [A compile worker at a
-    lower priority]: Linux only, threads it starts later inherit it)."""
-    nice = WORKER_NICE if nice is None else nice
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return False
-    tid = threading.get_native_id()
-    try:
-        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-        return os.getpriority(os.PRIO_PROCESS, tid) >= nice
-    except OSError:
-        return False
 
 
 class _WorkerTasks:
     """The tasks running on compile workers, and the switch interval they lowered (Note
-    [A compile worker at a lower priority])."""
+    [A compile worker's task and the GIL])."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -263,8 +240,8 @@ _TASKS = _WorkerTasks()
 
 def worker_task() -> _WorkerTasks:
     """A context manager around one task on a compile worker: the switch interval is at
-    most `SWITCH_INTERVAL_S` while any runs (Note [A compile worker at a lower
-    priority])."""
+    most `SWITCH_INTERVAL_S` while any runs (Note [A compile worker's task and
+    the GIL])."""
     return _TASKS
 
 

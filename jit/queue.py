@@ -202,7 +202,7 @@ class CompileQueue:
                 future = self._futures[key]
                 self._running[me] = (time.monotonic(), key, future)
             if future.set_running_or_notify_cancel():
-                with worker_task():   # Note [A compile worker at a lower priority]
+                with worker_task():   # Note [A compile worker's task and the GIL]
                     self._run(key, task, future, started=True)
             with self._cond:
                 self._running.pop(me, None)

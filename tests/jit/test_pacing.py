@@ -315,41 +315,8 @@ def test_after_a_wait_a_worker_goes_on_for_a_slice_of_work_then_waits_again():
     assert first >= QUIET and within == [0.0, 0.0, 0.0] and last >= QUIET
 
 
-def _nice(tid: int) -> int:
-    import os
-    return os.getpriority(os.PRIO_PROCESS, tid)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice: Linux")
-def test_a_compile_worker_and_the_threads_it_starts_run_at_the_workers_nice():
-    """Note [A compile worker at a lower priority]: with WORKER_NICE set (0, off, by
-    default), the worker lowers itself before its first task, so the threads it starts
-    (its OpenMP team) inherit it; the thread that submitted the task keeps its own."""
-    from dynvm.jit import background
-
-    caller = _nice(threading.get_native_id())
-    nice, background.WORKER_NICE = background.WORKER_NICE, 10
-    queue = CompileQueue()
-
-    def task():
-        seen = {}
-        child = threading.Thread(target=lambda: seen.update(child=_nice(
-            threading.get_native_id())))
-        child.start()
-        child.join()
-        return _nice(threading.get_native_id()), seen["child"]
-
-    try:
-        worker, child = queue.submit("nice", 1.0, task).result(10)
-    finally:
-        queue.close(wait_s=5)
-        background.WORKER_NICE = nice
-    assert worker == child == max(caller, 10)
-    assert _nice(threading.get_native_id()) == caller
-
-
 def test_the_switch_interval_is_lowered_while_a_task_runs_and_restored_after():
-    """Note [A compile worker at a lower priority]: at most SWITCH_INTERVAL_S while a
+    """Note [A compile worker's task and the GIL]: at most SWITCH_INTERVAL_S while a
     worker runs a task, the application's own again once none runs."""
     from dynvm.jit import background
 
