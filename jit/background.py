@@ -208,6 +208,11 @@ def background_thread(enabled: bool = True) -> None:
     _LOCAL.background = enabled
 
 
+def on_worker() -> bool:
+    """Whether the current thread is a compile worker (`background_thread`)."""
+    return getattr(_LOCAL, "background", False)
+
+
 class _WorkerTasks:
     """The tasks running on compile workers, and the switch interval they lowered (Note
     [A compile worker's task and the GIL])."""

@@ -66,7 +66,9 @@ measurement decides:
   four times in a row; gnn's family kernel at 1.19x took all 12 shadow calls with the
   bar at 1.25), a winner stays only at four all at or under 0.8.
   The early samples are taken on consecutive hits (all but the first, which warms up),
-  the rest on one hit in `probation_shadow_every`: at one in four, gnn's kernels, each
+  the rest on one hit in `probation_shadow_every`, each deferred a few hits while the
+  process's samples keep meeting calls (Note [Shadow samples beside calls] in
+  jit.shadow): at one in four, gnn's kernels, each
   hit on a fraction of the calls, still ran ~16 hits at 2.7x before the early verdict,
   and two of three were undecided after 300 calls. A shadow call costs one extra
   interpreted run of the region and one of the kernel, in the background.
@@ -100,6 +102,8 @@ DROP = "drop"
 EARLY_SAMPLES = 4    # Note [Probation]: a clear loser is decided after this many samples
 EARLY_LOSS = 1.05    # ... when every one of them is at least this ratio
 EARLY_WIN = 0.8      # ... or at most this one
+MAX_DEFERRED = 7      # Note [Shadow samples beside calls] in jit.shadow: hits a due sample
+#                       may wait, in a row, for the process's samples to be spaced
 
 
 @dataclass
@@ -111,17 +115,25 @@ class Probation:
     margin: float               # the ratio must be <= 1 - margin to stay
     countdown: int = 0
     ratios: list[float] = field(default_factory=list)
+    deferred: int = 0           # hits the due sample has waited so far (MAX_DEFERRED)
 
     def __post_init__(self) -> None:
         self.countdown = 2   # the first hit warms up; the next ones are the early samples
 
-    def due(self) -> bool:
+    def due(self, spaced=None) -> bool:
         """Whether this hit is a shadow call (not thread-safe: a lost decrement under a
         race only shifts one shadow call): every hit after the first until there are
-        `EARLY_SAMPLES` ratios, then one in `every` (Note [Probation])."""
+        `EARLY_SAMPLES` ratios, then one in `every` (Note [Probation]). `spaced()`: False
+        defers a due sample to the next hit, at most MAX_DEFERRED hits in a row (Note
+        [Shadow samples beside calls] in jit.shadow)."""
         self.countdown -= 1
         if self.countdown > 0:
             return False
+        if spaced is not None and self.deferred < MAX_DEFERRED and not spaced():
+            self.deferred += 1
+            self.countdown = 1
+            return False
+        self.deferred = 0
         self.countdown = 1 if len(self.ratios) + 1 < EARLY_SAMPLES else self.every
         return True
 

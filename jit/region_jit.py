@@ -42,9 +42,6 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-
-from dynvm.jit.background import checkpoint
 from dynvm.jit.guards import (
     GuardStrength,
     first_failure,
@@ -67,6 +64,7 @@ from dynvm.jit.profiler import RegionProfile
 from dynvm.jit.region_slot import RegionCounters, Specialization
 from dynvm.jit.region_watch import RegionWatch
 from dynvm.jit.savings import KernelSavings
+from dynvm.jit.shadow import shadow_pacing, shadow_sample
 from dynvm.jit.tiering import eviction_victim, exact_benefit, note_served, tier_check_due
 from dynvm.shape_cluster import FamilyIndex
 
@@ -166,6 +164,7 @@ class RegionJit:
         self._writes_state = writes_state
         self.savings = KernelSavings(engine.config.expected_speedup)   # by kind
         self._shadow_ids = itertools.count()   # shadow samples' queue keys
+        self._shadow_spaced = shadow_pacing().spaced   # Note [Shadow samples beside calls]
         self._verdicts_due: deque = deque()     # (spec, probation, ratio) from them
         self.resolve_seconds = 0.0   # spent resolving new layouts (Note [Probation])
         self._policy_inputs: PolicyInputs | None = None
@@ -190,7 +189,7 @@ class RegionJit:
             resolved = self._resolve(key, regs)
         signature, spec = resolved
         if spec is not None:
-            if spec.probation is not None and spec.probation.due():
+            if spec.probation is not None and spec.probation.due(self._shadow_spaced):
                 self._shadow_later(spec, regs)   # Note [Probation]: not on this call
             start = self._clock_fn()
             try:
@@ -345,47 +344,8 @@ class RegionJit:
         self.engine.queue.submit(key, SHADOW_BENEFIT, lambda: self._shadow(spec, copy))
 
     def _shadow(self, spec: Specialization, regs: list) -> None:
-        """A shadow sample (Note [Probation]): the interpreter's steps and the
-        specialization on copies of a hit's registers, back to back, each timed once no
-        call is in flight (Note [Background work yields to calls])."""
-        probation = spec.probation
-        if probation is None:
-            return   # decided meanwhile
-        clock = self._clock_fn
-        # The specialized side is charged its signature too: a call the interpreter
-        # runs alone (no JIT) pays none, and in a region of a few microseconds (a loop
-        # body) the signature is what decides (Note [Probation]).
-        start = clock()
-        self._resolved.get(self._layout_sign(regs))
-        signing = clock() - start
-        specialization_first = len(probation.ratios) % 2 == 1
-        with torch.inference_mode():   # as a call runs
-            checkpoint()
-            interpreted = None if specialization_first else self._interpret(regs.copy())
-            checkpoint()
-            start = clock()
-            try:
-                spec.fn(regs.copy())
-            except Exception:  # noqa: BLE001 — the hit itself deopts if it must
-                return
-            seconds = clock() - start
-            if specialization_first:
-                checkpoint()
-                interpreted = self._interpret(regs.copy())
-        self.engine.probation_counters.shadow_calls += 1
-        if interpreted is None:
-            return
-        # Each hit also carries its share of the signatures of the region's misses
-        # since the install (they buy nothing without this specialization's hits).
-        calls = self.counters.interpreted + self.counters.specialized - spec.installed_at
-        share = max(0, calls - spec.calls) / max(1, spec.calls)
-        # ... and its share of resolving new layouts (a shape storm: most calls).
-        resolving = self.resolve_seconds / max(1, self.region_calls())
-        ratio = probation.add(seconds + (signing + resolving) * (1.0 + share), interpreted)
-        if ratio is not None and spec.probation is probation:
-            # Acted on by the next hit, on its call's thread: a verdict may detach the
-            # region (Note [Detached regions]), which counts the call in progress.
-            self._verdicts_due.append((spec, probation, ratio))
+        """A shadow sample of a hit, on the compile worker (jit.shadow)."""
+        shadow_sample(self, spec, regs)
 
     def _decide_due(self) -> None:
         """The verdicts the background shadow samples reached (Note [Probation])."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dynvm
+from dynvm.jit import shadow
 from dynvm.jit.config import JitConfig
 from dynvm.jit.engine import Jit
 from dynvm.jit.probation import Probation
@@ -23,7 +24,11 @@ def _x(batch: int = 2, seq: int = 8) -> torch.Tensor:
 
 @pytest.fixture
 def slow_kernels(monkeypatch):
-    """Every specialization built from now on sleeps 20 ms in its code."""
+    """Every specialization built from now on sleeps 20 ms in its code. Its samples
+    meet the next calls on the worker; unspaced (SHADOW_SPACING 0), as these tests count
+    them (the spacing: tests/jit/test_shadow_pacing.py)."""
+    monkeypatch.setattr(shadow, "SHADOW_SPACING", 0)
+    shadow.shadow_pacing().next_at = 0
     build = Jit._finish_build
 
     def slowed(self, *args, **kwargs):
