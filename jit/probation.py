@@ -116,6 +116,9 @@ class Probation:
     countdown: int = 0
     ratios: list[float] = field(default_factory=list)
     deferred: int = 0           # hits the due sample has waited so far (MAX_DEFERRED)
+    # A family kernel's early samples are never deferred: the region's next family
+    # waits for them (Note [Shadow samples beside calls] in jit.shadow).
+    early_unspaced: bool = False
 
     def __post_init__(self) -> None:
         self.countdown = 2   # the first hit warms up; the next ones are the early samples
@@ -129,7 +132,8 @@ class Probation:
         self.countdown -= 1
         if self.countdown > 0:
             return False
-        if spaced is not None and self.deferred < MAX_DEFERRED and not spaced():
+        if spaced is not None and self.deferred < MAX_DEFERRED and not (
+                self.early_unspaced and len(self.ratios) < EARLY_SAMPLES) and not spaced():
             self.deferred += 1
             self.countdown = 1
             return False

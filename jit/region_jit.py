@@ -504,7 +504,8 @@ class RegionJit:
         config = self.engine.config
         if config.probation and not self._writes_state:
             spec.probation = Probation(config.probation_shadow_every,
-                                       config.probation_samples, config.probation_margin)
+                                       config.probation_samples, config.probation_margin,
+                                       early_unspaced=spec.family is not None)
         with self._lock:   # a back-off's count stays: a dropped key's next backs off 2x
             self.pending.discard(pending)
             if spec.family is not None:

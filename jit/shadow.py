@@ -17,18 +17,21 @@ at one of its checkpoints or at its end, or one began while it ran. After a coll
 sample the process's next sample waits until `SHADOW_SPACING` calls have begun (every
 Runtime's calls: they share the cores). A hit whose sample is due while the spacing is
 unmet defers it to its kernel's next hit (`Probation.due`), at most
-`MAX_DEFERRED` (jit.probation) times in a row; then it samples anyway. With gaps between calls
-(a sample that meets no call), the zoo's drained calls, or the synchronous switch (the
-sample runs on the call, before it), nothing is deferred.
+`MAX_DEFERRED` (jit.probation) times in a row; then it samples anyway. A family
+kernel's early samples are never deferred: while it has fewer than EARLY_SAMPLES the
+region's next family waits (Note [Probation]: the family bet), and deferred they held
+BERT's warm-up to 12-13 compiles of 17 (kernel calls 72-82 of 200 against 100). With
+gaps between calls (a sample that meets no call), the zoo's drained calls, or the
+synchronous switch (the sample runs on the call, before it), nothing is deferred.
 
 The bound: each sample comes at most `MAX_DEFERRED` hits late, so a kernel at or above
 `EARLY_LOSS` on every sample is dropped by its 1 + EARLY_SAMPLES x (MAX_DEFERRED + 1)-th
-hit (33; 5 unspaced), plus the hit that acts on the verdict; the full verdict (12
-samples) by its 1 + 4 x 8 + 8 x (every + MAX_DEFERRED) = 121st (37 unspaced, every = 4).
+hit (33; 5 unspaced, and a family kernel's), plus the hit that acts on the verdict;
+the full verdict (12 samples) by its 1 + 4 x 8 + 8 x (every + MAX_DEFERRED) = 121st (37
+unspaced, every = 4; a family kernel's 93).
 Every sample is still taken, on the kernel's own hits; only when changes. A kernel
 serves its calls while on probation, so a deferred verdict costs a winner nothing and a
-loser at most those hits; what waits on it is the region's next family (Note [Probation]:
-a family bet stays open until its early verdict) and Note [Settled].
+loser at most those hits (what else waits on a verdict: Note [Settled]).
 """
 
 from __future__ import annotations

@@ -21,6 +21,12 @@ from dynvm.jit.probation import EARLY_LOSS, EARLY_SAMPLES, MAX_DEFERRED, Probati
 from dynvm.jit.region_slot import Specialization
 from dynvm.jit.shadow import SHADOW_SPACING, ShadowPacing, shadow_pacing
 from tests.jit import _jit_helpers as h
+from tests.jit.test_families_arenas import (
+    family_config,
+    one_thread,  # noqa: F401 — the autouse fixture of that module, here too
+    small,  # noqa: F401 — the module-scoped program fixture
+    x_of,
+)
 
 PROGRAM = """
    0  %1 = RELU %0
@@ -172,3 +178,31 @@ def test_the_module_is_what_region_jit_uses():
         assert region_jit._shadow_spaced.__self__ is shadow.shadow_pacing()
     finally:
         rt.close()
+
+
+def test_a_family_kernels_early_samples_are_never_deferred():
+    """The region's next family waits for them (Note [Probation]: the family bet);
+    its later samples are spaced like any."""
+    probation = Probation(every=4, samples=12, margin=0.05, early_unspaced=True)
+    dues = [probation.due(_never) for _ in range(1 + EARLY_SAMPLES)]
+    assert dues == [False, True, True, True, True]
+    for _ in range(EARLY_SAMPLES):
+        probation.add(0.9, 1.0)
+    later = [probation.due(_never) for _ in range(1 + MAX_DEFERRED)]
+    assert later == [False] * MAX_DEFERRED + [True]
+
+
+def test_a_family_kernel_installed_is_on_unspaced_early_samples(small):  # noqa: F811
+    _, program, _ = small
+    config = family_config(probation=True, probation_shadow_every=4)
+    runtime = dynvm.Runtime(program, jit=config)
+    try:
+        for b in (20, 30, 40):
+            runtime(x_of(b))
+        (region_jit,) = runtime.jit.regions.values()
+        for spec in region_jit.installed():
+            assert spec.probation is None or \
+                spec.probation.early_unspaced == (spec.family is not None)
+        assert any(spec.family is not None for spec in region_jit.installed())
+    finally:
+        runtime.close()
