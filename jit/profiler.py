@@ -10,32 +10,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-STALL_CAP = 2.0   # Note [Stall-capped mean]: a key's mean counts at most this x its fastest
-
-# Note [Stall-capped mean]
-# ~~~~~~~~~~~~~~~~~~~~~~~~
-# Every decision that prices a key by its time (promotion, Note [Promotion] in
-# jit.policy; tier 2's check, Note [Tier-2 checks] in jit.tiering; the cold check, Note
-# [Cold regions] in jit.region_watch) uses its mean time capped at STALL_CAP x its
-# fastest call. A loaded host preempts calls: one call of a 25 us loop region took 27
-# ms on the test machine, and a mean keeps such a call for the key's whole life while a
-# minimum never sees it. Uncapped, one stall in a signature's first calls multiplied its
-# benefit and promoted it: test_batch_jitter_compiles_at_most_a_tenth_of_the_signatures
-# made 7 compiles (bound 6.3; 7 promotions, no drop) in three loaded rehearsals
-# (2026-12-06), where the cold check, capped, already said the same keys were far from
-# paying. The fastest call alone undervalues a key on a loaded host (albert's mean is
-# 1.3x its fastest call there, and a bound at the fastest call detached a region the
-# policy was about to promote), so the cap is a multiple, not the minimum. All three
-# take it from `stall_capped_mean`, so they never disagree about one key.
-
-
-def stall_capped_mean(total_seconds: float, calls: int, fastest_seconds: float) -> float:
-    """The mean time of `calls` calls that took `total_seconds`, at most STALL_CAP x the
-    fastest of them (Note [Stall-capped mean]); 0.0 with no call."""
-    if calls <= 0:
-        return 0.0
-    return min(total_seconds / calls, STALL_CAP * fastest_seconds)
-
 
 @dataclass
 class SignatureStats:
@@ -52,11 +26,6 @@ class SignatureStats:
     @property
     def mean_seconds(self) -> float:
         return self.total_seconds / self.count if self.count else 0.0
-
-    @property
-    def capped_mean_seconds(self) -> float:
-        """Its mean time, stalls capped (Note [Stall-capped mean]): what decisions use."""
-        return stall_capped_mean(self.total_seconds, self.count, self.min_seconds)
 
 
 class RegionProfile:

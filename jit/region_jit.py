@@ -198,11 +198,8 @@ class RegionJit:
                 self.counters.deopts += 1
                 self.engine.on_deopt(self, spec, exc)
                 return signature
-            elapsed = self._clock_fn() - start
-            spec.seconds += elapsed
+            spec.seconds += self._clock_fn() - start
             spec.calls += 1
-            if elapsed < spec.fastest_seconds:   # Note [Stall-capped mean]: tier 2's mean
-                spec.fastest_seconds = elapsed
             self._clock += 1
             spec.last_used = self._clock
             self.counters.specialized += 1
@@ -276,7 +273,7 @@ class RegionJit:
             family = self.families.observe(signature) if self.engine.config.families \
                 else None
             target, recurrence, mean = signature, self.profile.recurrence(signature), \
-                stats.capped_mean_seconds   # Note [Stall-capped mean] in jit.profiler
+                stats.mean_seconds
             if family is not None:
                 family_stats = self.family_profile.record(family.key, seconds)
                 member = self._members.setdefault(family.key, signature)
@@ -284,7 +281,7 @@ class RegionJit:
                     self._members[family.key] = member = _MANY
                 if member is _MANY:
                     target, recurrence = family, self.family_profile.recurrence(family.key)
-                    mean = family_stats.capped_mean_seconds
+                    mean = family_stats.mean_seconds
             key = target if family is None or target is signature else family.key
             # Below K the policy never promotes (jit.policy decide): skip its inputs
             # (the speed-up estimate, the compile cost, the clipped family) on most misses.

@@ -37,7 +37,6 @@ class Specialization:
     family: object = None       # the Family a family kernel serves, else None
     calls: int = 0
     seconds: float = 0.0
-    fastest_seconds: float = float("inf")   # its fastest call (Note [Stall-capped mean])
     last_used: int = 0
     installed_at: int = 0       # region calls when it was installed
     ir: object = None           # the SpecializedRegion it was built from (portable form)

@@ -35,10 +35,9 @@ few calls after the first check, was detached first and never promoted (JIT 0.94
 interpreter instead of 0.75x). With the policy's mean and the slack of 2, a key the
 policy is about to promote keeps its region watched (the mean grows with a loaded host,
 and so does the policy's benefit), and a region whose best key is far from paying stops
-being watched. The mean is capped at `STALL_CAP` x the key's fastest call, as the
-policy's is (Note [Stall-capped mean] in jit.profiler): one call preempted for 27 ms on
-the loaded test machine once kept a 25 us loop region watched (albert's mean is 1.3x its
-fastest call on a loaded host). If the bound says cold, its
+being watched. The mean is capped at `STALL_CAP` x the key's fastest call: one call
+preempted for 27 ms on the loaded test machine once kept a 25 us loop region watched
+(albert's mean is 1.3x its fastest call on a loaded host). If the bound says cold, its
 next misses are not
 profiled: with no specialization installed `enter` returns at once, otherwise it still
 looks up the specializations it has and only skips the profiling of a miss. The period
@@ -154,6 +153,7 @@ if TYPE_CHECKING:
 COLD_CHECK_EVERY = 64
 COLD_CALLS_MAX = 1 << 16
 COLD_SLACK = 2.0    # Note [Cold regions]: watched while the best key is within 2x of paying
+STALL_CAP = 2.0     # ... with each key's mean time at most this x its fastest call
 SAMPLE_AFTER = 2    # Note [Sampled watching]: checks without a promotion before sampling
 SAMPLE_MAX = 16     # ... and the sparsest sampling: one profiled miss in this many
 WATCH_SECONDS = 5e-6   # a profiled miss over the plain unit, until measured (below)
@@ -277,7 +277,7 @@ class RegionWatch:
         # regions]), over its kind's compile cost (Note [Promotion by kind]).
         calls = region.age()
         priced = [(benefit_seconds(config, profile.recurrence(key),
-                                   stats.capped_mean_seconds,
+                                   min(stats.mean_seconds, STALL_CAP * stats.min_seconds),
                                    inputs.speedup(kind), calls), inputs.cost(kind))
                   for profile, kind in ((region.profile, EXACT),
                                         (region.family_profile, FAMILY))

@@ -100,8 +100,7 @@ def _recurring_key(region_jit: RegionJit) -> bool:
             if failed is not None and region_jit.region_calls() < failed[0] \
                     and failed[1] > 1:
                 continue   # backing off after a second failure: not soon
-            # The policy's own mean, stalls capped (Note [Stall-capped mean]).
-            benefit = benefit_seconds(config, max(k, seen), stats.capped_mean_seconds,
+            benefit = benefit_seconds(config, max(k, seen), stats.mean_seconds,
                                       inputs.speedup(kind), age)
             if benefit > inputs.cost(kind):
                 return True

@@ -6,7 +6,6 @@ calls them holding its lock."""
 from __future__ import annotations
 
 from dynvm.jit.policy import EXACT, horizon
-from dynvm.jit.profiler import stall_capped_mean
 
 TIER_CHECK_EVERY = 32
 SERVED_LIMIT = 64   # signatures a family kernel remembers serving; past it, "many"
@@ -49,11 +48,8 @@ def exact_benefit(region_jit, hits: int, spec) -> tuple[float, float]:
     family-kernel time x `exact_over_family_gain` over the horizon)."""
     config = region_jit.engine.config
     frequency = hits / max(1, region_jit.region_calls() - spec.installed_at)
-    # The family kernel's mean time, stalls capped as promotion caps them (Note
-    # [Stall-capped mean] in jit.profiler).
-    mean = stall_capped_mean(spec.seconds, spec.calls, spec.fastest_seconds)
-    benefit = (frequency * horizon(config, region_jit.age()) * mean
-               * config.exact_over_family_gain)
+    benefit = (frequency * horizon(config, region_jit.age()) * spec.seconds
+               / max(1, spec.calls) * config.exact_over_family_gain)
     return benefit, region_jit.engine.estimated_compile_seconds(len(region_jit.region), EXACT)
 
 
