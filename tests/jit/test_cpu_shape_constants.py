@@ -14,12 +14,12 @@ from torch import nn
 from torch.export import Dim
 
 import dynvm
-from dynvm.jit.backends.cpu import precision
+from dynvm.jit.backends.cpu import precision, shape_constants
 from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
 from dynvm.jit.backends.cpu.precision import PRECISION_VARIANT, precision_available
 from dynvm.jit.backends.cpu.prepack import PrepackCache
 from dynvm.jit.backends.cpu.shape_constants import MAX_BYTES, fold_shape_constants
-from dynvm.jit.ir import Var
+from dynvm.jit.ir import ConstRef, SpecOp, Var
 from dynvm.jit.specialize import specialize
 from tests.jit.test_cpu_attention_primitives import (
     BF16_RELATIVE,
@@ -130,7 +130,9 @@ def test_a_value_written_in_place_by_a_remaining_op_is_not_a_constant():
 
 def test_large_folded_values_run_on_each_call(monkeypatch):
     # The position embedding of a constant index is a [1, s, width] value: over the cap
-    # it stays an EMBEDDING op reading folded ids; under it, a constant.
+    # it stays an EMBEDDING op reading folded ids; under it, a constant (here taken as
+    # a gather, not as a view of its table: Note [Embeddings of constant ids as views]).
+    monkeypatch.setattr(shape_constants, "_rows_view", lambda *a: None)
     _, program = _program(width=512)
     ids, keep = torch.randint(0, 50, (2, 64)), torch.ones(2, 64, dtype=torch.long)
     assert MAX_BYTES < 64 * 512 * 4
@@ -159,3 +161,67 @@ def test_runtimes_serve_random_shape_sequences_and_families():
 
     sources = serve_random_shapes(program, model, inputs, seed=17)
     assert sources and all(NOTE in s for s in sources), sources
+
+
+def test_embeddings_of_constant_ids_are_views_of_their_table(monkeypatch):
+    # Note [Embeddings of constant ids as views]: the position embedding of a constant
+    # index, over MAX_BYTES, is kept as a view of the table; the kernel gives the bits
+    # of the kernel that gathers it on each call, twice, over offset ids.
+    model, program = _program(width=512)
+    gen = torch.Generator().manual_seed(9)
+    table = program.constants[[i for i, c in enumerate(program.constants)
+                               if tuple(c.shape) == (128, 512)][0]]
+    for batch, seq in ((1, 64), (3, 17)):
+        ids = torch.randint(0, 50, (batch + 1, seq), generator=gen)[1:]
+        keep = _keep(batch, seq, gen)
+        region, spec, kernel = _kernel(program, ids, keep)
+        assert "1 embedding(s) of constant ids as views" in kernel.source, kernel.source
+        folded, _ = fold_shape_constants(spec, [t.detach() for t in program.constants],
+                                         torch.device("cpu"), variant=PRECISION_VARIANT)
+        views = [op.args[0].value for op in folded.ops if op.opcode == "SHAPE_CONSTANT"
+                 and op.args[0].value.dim() == 3]
+        assert [v.untyped_storage().data_ptr() for v in views] == \
+            [table.untyped_storage().data_ptr()]
+        assert views[0].nbytes > MAX_BYTES or seq < 64   # kept whatever its size
+        monkeypatch.setattr(shape_constants, "_rows_view", lambda *a: None)
+        _, _, gathered = _kernel(program, ids, keep)
+        monkeypatch.undo()
+        assert "as views" not in gathered.source
+        with torch.no_grad():
+            want = model(ids, keep)
+        for _ in range(2):
+            got = run_kernel(region, kernel.fn, ids, keep)
+            assert torch.equal(got, run_kernel(region, gathered.fn, ids, keep)), (batch, seq)
+            assert _relative(got, want) < BF16_RELATIVE
+
+
+@pytest.mark.parametrize("ids, strides", [
+    (torch.arange(5)[None], (0, 4, 1)),                  # positions 0..4
+    (torch.arange(2, 7)[None].expand(3, 5), (0, 4, 1)),  # offset, expanded over a batch
+    (torch.zeros(1, 5, dtype=torch.long).expand(3, 5), (0, 0, 1)),   # token types, all 0
+    (torch.tensor([[0, 2, 1]]), None),                   # not a fixed step
+    (torch.arange(4, -1, -1)[None], None),               # a negative step
+])
+def test_a_gather_is_a_view_only_where_its_ids_step_through_rows(ids, strides):
+    table = torch.randn(8, 4)
+    op = SpecOp("EMBEDDING", (2,), (ConstRef(0), Var(1), -1), 0)
+    gathered = torch.nn.functional.embedding(ids, table)
+    view = shape_constants._rows_view(op, gathered, {1: ids}, [table])
+    if strides is None:
+        assert view is None
+    else:
+        assert view.stride() == strides and torch.equal(view, gathered)
+        assert view.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
+
+
+def test_a_table_view_is_taken_only_beside_a_dense_operand():
+    dense = torch.empty(2, 5, 4, device="meta")
+    strided = dense.transpose(0, 1)
+    ops = [SpecOp("ADD", (3,), (Var(1), Var(2)), 0, variant="inplace"),
+           SpecOp("ADD", (4,), (Var(2), Var(1)), 0, variant="inplace"),
+           SpecOp("CAT", (5,), ([Var(1), Var(2)], 0), 0)]
+    probes = [{1: dense, 2: dense.clone()}]
+    assert shape_constants._dense_partner(2, [0], ops, probes)       # writes into 1
+    assert not shape_constants._dense_partner(2, [1], ops, probes)   # writes into 2
+    assert not shape_constants._dense_partner(2, [2], ops, probes)   # not elementwise
+    assert not shape_constants._dense_partner(2, [0], ops, [{1: strided, 2: dense}])

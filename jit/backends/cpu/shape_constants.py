@@ -35,7 +35,24 @@ it, both with Note [Layer norm writing bf16 too], interleaved with an A/A, 25 ro
 2026-12-06 05:30 UTC, load 1.9-2.1): 2x64 0.995, 4x64 1.014, 8x64 1.002 (A/A 1.011 /
 1.032 / 0.992): within the noise, ~0.1 ms of dispatch in calls of 15-33 ms. Kept because
 it is the same bits and fewer ops a call (21 of the prologue's); the bigger prize, the
-token-type and position EMBEDDINGs of constant ids, is over `MAX_BYTES`.
+token-type and position EMBEDDINGs of constant ids, is over `MAX_BYTES`: Note
+[Embeddings of constant ids as views].
+
+Note [Embeddings of constant ids as views]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+BERT's position ids are 0..S-1 and its token-type ids all 0, both constants of an exact
+kernel, so their EMBEDDINGs gather the same rows of a constant table on every call
+(2 x [B, S, 768] fp32 written a call: 0.35-0.6 ms of a 13.6-16.6 ms bf16 call at 1x64 /
+2x64 / 1x128 with the word embedding, walls inside the kernel, 2026-12-06 07:35 UTC, load
+1.9). Where the ids step through the table's rows by a fixed non-negative stride per dim
+(0..S-1: one row per position; all 0: none), the gather is a strided view of the table
+(`_rows_view`: checked element for element against the gather at compile time), and a
+view of a weight is kept whatever its size. Its strides are not the gather's, so it is
+taken only where every reader is an ADD / SUB / MUL writing a new tensor or into its
+other operand, that operand dense and of the result's shape at every probe (the view's,
+or one it broadcasts to: TensorIterator then lays the result out as that operand, as
+before), and the probes then say the view's strides. The same bits: the readers add the
+same values.
 """
 
 from __future__ import annotations
@@ -111,6 +128,63 @@ def _run(op: SpecOp, values: dict, constants, device: torch.device):
     return tuple(results)
 
 
+_ELEMENTWISE = frozenset({"ADD", "SUB", "MUL"})   # readers a strided table view may have
+
+
+def _rows_view(op: SpecOp, gathered: torch.Tensor, values: dict, constants):
+    """Note [Embeddings of constant ids as views]: the EMBEDDING `op` (whose gather gave
+    `gathered`) as a view of its constant table, or None."""
+    weight, ids = op.args[0], op.args[1]
+    if op.opcode != "EMBEDDING" or not isinstance(weight, ConstRef) \
+            or not isinstance(ids, Var) or ids.reg not in values:
+        return None
+    table, ids = constants[weight.index], values[ids.reg]
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or ids.numel() == 0 \
+            or ids.dtype not in (torch.int64, torch.int32):
+        return None
+    origin = int(ids[(0,) * ids.dim()])
+    steps = [int(ids.narrow(d, 1, 1)[(0,) * ids.dim()]) - origin if n > 1 else 0
+             for d, n in enumerate(ids.shape)]
+    if origin < 0 or any(step < 0 for step in steps):
+        return None
+    grid = torch.full(ids.shape, origin, dtype=torch.int64)
+    for d, (n, step) in enumerate(zip(ids.shape, steps)):
+        grid += (torch.arange(n) * step).view([n if i == d else 1 for i in range(ids.dim())])
+    if not torch.equal(grid, ids.to(torch.int64)) or int(grid.max()) >= table.shape[0]:
+        return None
+    view = table.as_strided((*ids.shape, table.shape[1]),
+                            (*(step * table.stride(0) for step in steps), table.stride(1)),
+                            table.storage_offset() + origin * table.stride(0))
+    return view if torch.equal(view, gathered) else None
+
+
+def _dense_partner(reg: int, readers: list[int], ops, abstract) -> bool:
+    """Every reader of `reg` an elementwise op writing into its other operand or a new
+    tensor, that operand dense and of the result's shape (`reg`'s, or one it broadcasts
+    to) at every probe (Note [Embeddings of constant ids as views])."""
+    for position in readers:
+        op = ops[position]
+        if op.opcode not in _ELEMENTWISE or op.variant not in ("", "inplace") \
+                or len(op.args) != 2 or (op.variant == "inplace" and op.args[0] == Var(reg)):
+            return False
+        others = [a for a in op.args if a != Var(reg)]
+        if len(others) != 1 or not isinstance(others[0], Var):
+            return False
+        for probe in abstract:
+            other, mine = probe.get(others[0].reg), probe.get(reg)
+            if not isinstance(other, torch.Tensor) or not other.is_contiguous() \
+                    or other.shape != torch.broadcast_shapes(other.shape, mine.shape):
+                return False
+    return True
+
+
+def _meta_like(view: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with `view`'s shape, strides and dtype (a probe's value)."""
+    size = 1 + sum((n - 1) * s for n, s in zip(view.shape, view.stride()) if n > 0)
+    base = torch.empty(size, dtype=view.dtype, device="meta")
+    return base.as_strided(view.shape, view.stride())
+
+
 def fold_shape_constants(spec: SpecializedRegion, constants, device: torch.device, *,
                          variant: str) -> tuple[SpecializedRegion, str]:
     """`spec` with its ops over constants and literals alone run at compile time (Note
@@ -127,6 +201,7 @@ def fold_shape_constants(spec: SpecializedRegion, constants, device: torch.devic
             if isinstance(value, Var):
                 readers.setdefault(value.reg, []).append(position)
     values: dict[int, torch.Tensor] = {}
+    viewed: dict[int, torch.Tensor] = {}   # registers now views of a table
     folded: set[int] = set()
     for position, op in enumerate(ops):
         if op.opcode not in _PURE or op.variant not in ("", "inplace") \
@@ -146,6 +221,11 @@ def fold_shape_constants(spec: SpecializedRegion, constants, device: torch.devic
                 _matches(r, probe.get(d)) for probe in spec.abstract
                 for d, r in zip(op.dsts, results)):
             continue
+        view = _rows_view(op, results[0], values, constants)
+        if view is not None and _dense_partner(op.dsts[0], readers.get(op.dsts[0], []),
+                                               ops, spec.abstract):
+            results = (view,)      # Note [Embeddings of constant ids as views]
+            viewed[op.dsts[0]] = view
         values.update(zip(op.dsts, results))
         folded.add(position)
     constant_storages = {_storage(c) for c in constants if isinstance(c, torch.Tensor)}
@@ -178,6 +258,11 @@ def fold_shape_constants(spec: SpecializedRegion, constants, device: torch.devic
         new_ops.append(op)
     new_ops = add_frees(new_ops, leaving)
     kept_constants = sum(1 for op in new_ops if op.opcode == SHAPE_CONSTANT)
+    views = {d: v for d, v in viewed.items() if d in produced and d in needed}
     note = (f"; {len(folded)} op(s) over constants and literals run at compile time, "
-            f"{kept_constants} shape constant(s) kept (Note [Shape constants in kernels])")
-    return dataclasses.replace(spec, ops=tuple(new_ops)), note
+            f"{kept_constants} shape constant(s) kept (Note [Shape constants in kernels])"
+            + (f"; {len(views)} embedding(s) of constant ids as views of their table "
+               "(Note [Embeddings of constant ids as views])" if views else ""))
+    abstract = tuple({**probe, **{d: _meta_like(v) for d, v in views.items()}}
+                     for probe in spec.abstract)
+    return dataclasses.replace(spec, ops=tuple(new_ops), abstract=abstract), note
