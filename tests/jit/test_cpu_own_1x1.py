@@ -182,3 +182,41 @@ def test_a_model_with_own_steps_agrees_with_eager(forced, precision):
         assert own, sources
     else:
         assert not own, sources
+
+
+def test_the_question_runs_each_side_over_cold_copies_of_the_weight(forced):
+    """Note [The own 1x1 question asked with cold weights]: each candidate run cycles
+    through copies of the weight, both sides computing the convolution; beyond MAX_ROWS
+    nothing is asked."""
+    bound = _own_kernel()
+    library = onednn_api.library()
+    gen = torch.Generator().manual_seed(9)
+    w, b = torch.randn(128, 64, 1, 1, generator=gen) * 0.1, torch.randn(128, generator=gen)
+    relu = eltwise_of("relu", [], "")
+    shape = (1, 64, 7, 7)
+    conv = PrimitiveConv(library, w, b, ConvSpec((1, 1), (0, 0), (1, 1), False, relu),
+                         [shape])
+    primitive = conv.by_shape[shape]
+    own = own_1x1.Own1x1(library, bound.own, conv, primitive)
+    n = own_1x1.copies(own)
+    weight_bytes = 64 * 128 * 4
+    assert n == own_1x1.MAX_COPIES or \
+        n * weight_bytes >= 2 * own_1x1.l2_bytes() * torch.get_num_threads()
+    assert 1 < n <= own_1x1.MAX_COPIES      # a 32 KiB weight is copied
+    candidates = own_1x1._candidates(library, bound.own, primitive, own)
+    cold, x, y = candidates["own"].keep
+    assert len(cold.onednn_args) == len(cold.own_handles) == n
+    assert len({t.data_ptr() for t in cold._panels}) == n
+    want = torch.relu(torch.nn.functional.conv2d(x, w, b))
+    for name in ("own", "onednn"):
+        y.zero_()
+        candidates[name]()
+        torch.testing.assert_close(y, want, **TOL, msg=name)
+    forced("measure")
+    wide = (1, 64, 17, 16)          # 272 rows, past MAX_ROWS
+    assert own_1x1.MAX_ROWS < 17 * 16
+    big = PrimitiveConv(library, w, b, ConvSpec((1, 1), (0, 0), (1, 1), False, relu), [wide])
+    calibrator = calibrator_for("cpu")
+    asked = calibrator.measurements
+    assert own_1x1.own_step(library, bound.own, big, big.by_shape[wide], wide) is None
+    assert calibrator.measurements == asked

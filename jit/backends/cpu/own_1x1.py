@@ -40,20 +40,52 @@ load 0.5-0.7): 0.995, the A/A 0.994; the calibrator chose ours at 2 of 16 geomet
 (2048->512 @7 0.826, 512->2048 @7 without the residual 0.897) and oneDNN at the rest
 (up to 1.77x ours at 3136 rows), so a compile asked 16 questions to gain ~0.2 ms of
 33. "measure" turns it on.
+
+Note [The own 1x1 question asked with cold weights]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Why the win alone did not reach the model (2026-12-06 07:10-07:45 UTC, load 1.3-2.2,
+ResNet-50 batch 1, two threads; scratch /tmp/h32r/steps.py, steps2.py, ab.py). Each step
+of the model's chain run one at a time in chain order (the previous steps' traffic in
+the caches), ours forced against oneDNN's, interleaved: ours 0.78-0.87x oneDNN's at the
+five 7x7 steps (3.09 -> 2.56 ms), 0.98-1.05x at 14x14, 1.11-1.38x at 784 rows and
+1.03-1.79x at 3136. The old question (one convolution called again and again, its weight
+hot) said 0.93-0.95 at 7x7, 1.01-1.07 at 14x14: a 4 MB weight split over two cores sits
+in their 2 MB L2s when called again, where in the model it comes from L3. With 48 MB
+touched between calls it said 0.81-0.91 at 7x7, as the chain does. So the question now
+cycles each run through copies of the weight (both sides, `copies`: together twice the
+L2 of the cores it runs on, at most MAX_COPIES), and it is asked only up to MAX_ROWS
+rows (7 questions at batch 1, not 16; 0.42 s of calibration at load 1.3).
+
+What it did not change: the whole model. Forced on at the five 7x7 steps alone, the
+chain run back to back was 0.997 of oneDNN's (A/A 1.005; step by step 35.27 against
+35.74 ms), the whole model 1.004 (A/A 1.005), and with the new question 1.006: a gain of
+~0.5 ms of 34 (the 3x3 step after each of ours ran 3% slower, ~0.04 ms) that two-core
+whole-model timings at load ~2 do not resolve. And seven rounds at load 2 still flip
+14x14's verdicts between runs (256->1024 with the residual 1.178 in one run, 0.842 in the
+next). The default stays "never".
 """
 
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import torch
 
 from dynvm.jit.backends.cpu import onednn_api as api
+from dynvm.jit.backends.cpu.onednn_objects import destroy
+from dynvm.jit.backends.cpu.onednn_objects import memory as new_memory
 from dynvm.jit.calibration import calibrator_for
 
 PANEL = 64
 """Output channels per packed panel (the kernel's tile width)."""
 QUESTION = "own 1x1 convolution"
+MAX_ROWS = 256
+"""The most output pixels (rows) at which the calibrator is asked: the kernel's register
+tile is for a few rows, and at 784 and 3136 rows it ran 1.11-1.79x oneDNN's in the model's
+chain (Note [The own 1x1 question asked with cold weights])."""
+MAX_COPIES = 16
+"""The most weight copies one calibration run cycles through (`copies`)."""
 policy = "never"
 """"measure" (the calibrator chooses per geometry), "always" or "never" (the default: no
 gain in the whole model, Note [A 1x1 convolution of our own at a few rows]); tests force
@@ -143,6 +175,9 @@ def own_step(library: api.Library, kernel_: Kernel | None, runner, primitive,
     else None."""
     if kernel_ is None or policy == "never" or not fits(runner, shape):
         return None
+    n, _, h, w = primitive.in_shape
+    if policy != "always" and n * h * w > MAX_ROWS:
+        return None
     own = Own1x1(library, kernel_, runner, primitive)
     if policy == "always":
         return own
@@ -154,15 +189,15 @@ def own_step(library: api.Library, kernel_: Kernel | None, runner, primitive,
 
 
 def _candidates(library: api.Library, kernel_: Kernel, primitive, own: Own1x1) -> dict:
-    """One execution each of oneDNN's primitive and ours on random operands, both
-    through one ctypes call over the same memory objects."""
+    """oneDNN's primitive and ours on random operands, each call running the geometry
+    once per copy of its weight in turn, so that every run reads its weight from L3 as
+    the model's call does (Note [The own 1x1 question asked with cold weights]); both
+    through one ctypes call per run over the same source and destination."""
     x = torch.randn(primitive.in_shape).contiguous(memory_format=torch.channels_last)
     y = torch.randn(primitive.out_shape).contiguous(memory_format=torch.channels_last)
+    cold = _ColdCopies(library, primitive, own, copies(own))
     calls = library.calls
-    args = [(a, m) for a, m in primitive.arguments() if a in (api.ARG_SRC, api.ARG_DST)]
-    own_args = (api.ExecArg * 2)(*[api.ExecArg(a, m) for a, m in args])
-    own_pointer = ctypes.cast(own_args, ctypes.c_void_p)
-    memories = dict(args)
+    memories = dict(primitive.arguments())
 
     def bind():
         calls.dnnl_memory_set_data_handle(memories[api.ARG_SRC], x.data_ptr())
@@ -170,12 +205,70 @@ def _candidates(library: api.Library, kernel_: Kernel, primitive, own: Own1x1) -
 
     def onednn():
         bind()
-        api.check(calls.dnnl_primitive_execute(primitive.handle, library.stream,
-                                               primitive.nargs, primitive.args_pointer),
-                  "convolution")
+        for arguments in cold.onednn_args:
+            api.check(calls.dnnl_primitive_execute(primitive.handle, library.stream,
+                                                   primitive.nargs, arguments),
+                      "convolution")
 
     def ours():
         bind()
-        api.check(kernel_.call(own.handle, None, 2, own_pointer), "own 1x1 convolution")
-    ours.keep = (own_args, x, y)    # alive while the candidates are
+        for handle in cold.own_handles:
+            api.check(kernel_.call(handle, None, 2, cold.own_args), "own 1x1 convolution")
+    ours.keep = onednn.keep = (cold, x, y)    # alive while the candidates are
     return {"onednn": onednn, "own": ours}
+
+
+def l2_bytes() -> int:
+    """One core's L2 cache in bytes (Linux sysfs), or 2 MiB where it cannot be read."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index2/size").read_text().strip()
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:].upper(), 1)
+        return int(text.rstrip("KkMm")) * scale
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+def copies(own: Own1x1) -> int:
+    """Copies of the weight a calibration run cycles through: together twice the L2 of
+    the cores the kernel runs on, so that none is still there when it is read again."""
+    weight = own.in_channels * own.out_channels * 4
+    cores = max(1, torch.get_num_threads())
+    return max(1, min(MAX_COPIES, -(-2 * l2_bytes() * cores // weight)))
+
+
+class _ColdCopies:
+    """`n` copies of a convolution's weight for each side: oneDNN's (its layout, a
+    memory object over each copy, an argument array naming it in place of the
+    primitive's weight) and ours (the panels, an Own1x1 over each copy); the source and
+    destination memory objects are the primitive's own."""
+
+    def __init__(self, library: api.Library, primitive, own: Own1x1, n: int) -> None:
+        self._lib = library.dll
+        self._memories: list = []
+        self._arrays: list = []        # the argument arrays the pointers point into
+        weights = primitive.weights
+        arguments = primitive.arguments()
+        self._tensors = [weights.tensor.clone() for _ in range(n)]
+        self.onednn_args = []
+        for tensor in self._tensors:
+            memory = new_memory(library, weights.md, tensor.data_ptr())
+            self._memories.append(memory)
+            array = (api.ExecArg * len(arguments))(*[
+                api.ExecArg(a, memory if a == api.ARG_WEIGHTS else m) for a, m in arguments])
+            self._arrays.append(array)
+            self.onednn_args.append(ctypes.cast(array, ctypes.c_void_p))
+        self._panels = [own.weight.clone() for _ in range(n)]
+        self._structs = []
+        for panel in self._panels:
+            struct = _Own1x1.from_buffer_copy(own.struct)
+            struct.weight = panel.data_ptr()
+            self._structs.append(struct)
+        self.own_handles = [ctypes.c_void_p(ctypes.addressof(s)) for s in self._structs]
+        source_dst = [(a, m) for a, m in arguments if a in (api.ARG_SRC, api.ARG_DST)]
+        own_array = (api.ExecArg * 2)(*[api.ExecArg(a, m) for a, m in source_dst])
+        self._arrays.append(own_array)
+        self.own_args = ctypes.cast(own_array, ctypes.c_void_p)
+
+    def __del__(self) -> None:
+        destroy(getattr(self, "_lib", None),
+                [("dnnl_memory_destroy", m) for m in getattr(self, "_memories", ())])
