@@ -63,6 +63,12 @@ chain run back to back was 0.997 of oneDNN's (A/A 1.005; step by step 35.27 agai
 whole-model timings at load ~2 do not resolve. And seven rounds at load 2 still flip
 14x14's verdicts between runs (256->1024 with the residual 1.178 in one run, 0.842 in the
 next). The default stays "never".
+
+The two threads' split is not what holds ours back (/tmp/h32r/split.py, 08:06, load 2.2,
+cold copies as the question runs them): at two threads ours takes 0.48-0.53 of its
+one-thread time at 49 and 196 rows (each core reads half the weight), and stands at
+0.85-0.90x oneDNN's at 7x7, 0.97-1.08x at 14x14. oneDNN's primitive took the same time
+with torch at one thread as at two (0.93-1.00): it runs the team it was built for.
 """
 
 from __future__ import annotations
