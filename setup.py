@@ -2,7 +2,9 @@
 our own] in jit/backends/cpu/native_linear.py), its chain of oneDNN primitives in one
 call (Note [A chain of primitives in one call] in jit/backends/cpu/onednn_chain.py) and
 a GEMM's column halves with a helper thread (Note [Column halves with a helper thread]
-in jit/backends/cpu/column_halves.py).
+in jit/backends/cpu/column_halves.py), a layer norm writing a bf16 copy too (Note [Layer
+norm writing bf16 too] in jit/backends/cpu/norm_bf16.py) and a GEMM over weights packed
+in column panels (Note [A panel GEMM of our own] in jit/backends/cpu/panel_linear.py).
 Everything else is in pyproject.toml.
 
 The kernels are plain C functions called through ctypes (the module itself is empty, so
@@ -45,6 +47,14 @@ setup(ext_modules=[Extension(
     # layer norm and a cast
     "dynvm.jit.backends.cpu._layer_norm_bf16",
     sources=["jit/backends/cpu/native/layer_norm_bf16.c"],
+    extra_compile_args=["-O3", "-fopenmp"],
+    extra_link_args=["-fopenmp"],
+    optional=True,
+), Extension(
+    # an fp32 GEMM of 16-32 rows over panels packed once (Note [A panel GEMM of our own]
+    # in jit/backends/cpu/panel_linear.py), on torch's OpenMP team
+    "dynvm.jit.backends.cpu._panel_linear",
+    sources=["jit/backends/cpu/native/panel_linear.c"],
     extra_compile_args=["-O3", "-fopenmp"],
     extra_link_args=["-fopenmp"],
     optional=True,

@@ -2,6 +2,7 @@
 weights of BERT-base's four layers at a few rows, against what the cores can stream.
 
     python -m bench.small_m_stream [--rows 1,4,16] [--threads 1,2] [--calls 30] [--native]
+                                   [--panel]
 
 Note [Small-M weight streaming]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -15,7 +16,10 @@ emits), `F.linear` and `addmm` on the dense weight (MKL for fp32, oneDNN matmul 
 bf16), and the transposed product W @ x^T (the weight as the GEMM's tall operand).
 With --native, also dynvm's own small-M kernel (fp32, on the dense weight: Note [A small-M
 GEMM of our own] in jit/backends/cpu/native_linear.py, which this tool's first runs led
-to): what a kernel that splits the output columns across the threads gains.
+to): what a kernel that splits the output columns across the threads gains. With --panel,
+dynvm's panel GEMM on a copy of each weight packed in column panels (fp32: Note [A panel
+GEMM of our own] in jit/backends/cpu/panel_linear.py), the kernel its 16-32 row counts
+are measured with before the JIT chooses it.
 Paths and rows are interleaved call by call; each path's rate is the weights' bytes
 over its median chain time. The ceiling beside them is a plain reduction over a tensor
 of the weights' size at each thread count: what the cores can stream at all.
@@ -40,6 +44,7 @@ LAYER = ((768, 768), (768, 768), (768, 768), (768, 768), (3072, 768), (768, 3072
 LAYERS = 4
 PATHS = ("onednn-packed", "linear", "addmm-input-major", "w-at-xT")
 NATIVE = "native-fp32"
+PANEL = "panel-fp32"
 
 
 def gemm(torch, path: str, x, weight, bias, rows: int):
@@ -56,6 +61,10 @@ def gemm(torch, path: str, x, weight, bias, rows: int):
         if weight.dtype != torch.float32:
             return None
         return native_linear(torch, x, weight, bias)
+    if path == PANEL:
+        if weight.dtype != torch.float32:
+            return None
+        return panel_linear(torch, x, weight, bias)
     if path == "w-at-xT":  # the weight as the tall operand: (W @ x^T + b)^T, a view
         xt, column = x.t().contiguous(), bias.unsqueeze(1)
         return lambda: torch.addmm(column, weight, xt).t()
@@ -68,6 +77,16 @@ def native_linear(torch, x, weight, bias):
     from dynvm.jit.backends.cpu.native_linear import small_m_linear
 
     return lambda: small_m_linear(x, weight, bias, None, False)
+
+
+def panel_linear(torch, x, weight, bias):
+    """A function computing linear(x, weight, bias) with dynvm's panel GEMM (Note [A panel
+    GEMM of our own] in jit/backends/cpu/panel_linear.py) on the weight packed once."""
+    from dynvm.jit.backends.cpu.panel_linear import PackedPanels
+    from dynvm.jit.backends.cpu.panel_linear import panel_linear as kernel
+
+    packed = PackedPanels(weight)
+    return lambda: kernel(x, packed, bias)
 
 
 def _chain(torch, weights, biases, rows: int, dtype, path: str):
@@ -99,7 +118,8 @@ def _ceiling(torch, nbytes: int, calls: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def run(rows_list, threads_list, calls: int, log=print, native: bool = False) -> list[dict]:
+def run(rows_list, threads_list, calls: int, log=print, native: bool = False,
+        panel: bool = False) -> list[dict]:
     import torch
 
     gen = torch.Generator().manual_seed(0)
@@ -113,7 +133,7 @@ def run(rows_list, threads_list, calls: int, log=print, native: bool = False) ->
         ceiling = _ceiling(torch, fp32_bytes, calls)
         log(f"{threads} thread(s): a reduction over {fp32_bytes / 1e6:.0f} MB streams "
             f"{ceiling:.1f} GB/s")
-        paths = (*PATHS, NATIVE) if native else PATHS
+        paths = (*PATHS, *((NATIVE,) if native else ()), *((PANEL,) if panel else ()))
         chains = {(rows, dtype, path): _chain(torch, weights, biases, rows, dtype, path)
                   for rows in rows_list for dtype in (torch.float32, torch.bfloat16)
                   for path in paths}
@@ -147,11 +167,13 @@ def main(argv=None) -> int:
     p.add_argument("--native", action="store_true",
                    help="also dynvm's small-M kernel, fp32 (built at install where a C "
                         "compiler is)")
+    p.add_argument("--panel", action="store_true",
+                   help="also dynvm's panel GEMM, fp32, on weights packed in column panels")
     args = p.parse_args(argv)
     rows = [int(v) for v in args.rows.split(",")]
     threads = [int(v) for v in args.threads.split(",")]
     print(f"load {os.getloadavg()[0]:.2f}")
-    run(rows, threads, args.calls, native=args.native)
+    run(rows, threads, args.calls, native=args.native, panel=args.panel)
     print(f"load {os.getloadavg()[0]:.2f}")
     return 0
 

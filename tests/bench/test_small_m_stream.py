@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench import small_m_stream
-from dynvm.jit.backends.cpu import native_linear
+from dynvm.jit.backends.cpu import native_linear, panel_linear
 
 
 @pytest.mark.parametrize("rows", [1, 16])
@@ -56,3 +56,19 @@ def test_the_native_kernel_computes_the_linear_at_every_row_count():
                                        rtol=1e-4, atol=1e-4)
     bf16 = torch.ones(2, 16, dtype=torch.bfloat16)
     assert small_m_stream.gemm(torch, small_m_stream.NATIVE, bf16, bf16, bf16[0], 2) is None
+
+
+@pytest.mark.skipif(not panel_linear.available(), reason=panel_linear.unavailable_reason())
+def test_the_panel_kernel_computes_the_linear_at_every_row_count():
+    gen = torch.Generator().manual_seed(3)
+    # 16 and 17 rows: one register block and two; 33 outputs: a masked last panel
+    for rows in (1, 16, 17, 32):
+        for out, width in ((33, 37), (64, 128)):
+            x = torch.randn(rows, width, generator=gen)
+            weight = torch.randn(out, width, generator=gen)
+            bias = torch.randn(out, generator=gen)
+            got = small_m_stream.gemm(torch, small_m_stream.PANEL, x, weight, bias, rows)()
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias),
+                                       rtol=1e-4, atol=1e-4)
+    bf16 = torch.ones(2, 16, dtype=torch.bfloat16)
+    assert small_m_stream.gemm(torch, small_m_stream.PANEL, bf16, bf16, bf16[0], 2) is None
