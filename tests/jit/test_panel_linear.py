@@ -1,7 +1,9 @@
 """dynvm's panel GEMM (Note [A panel GEMM of our own], jit/backends/cpu/panel_linear.py):
 built where a compiler and AVX-512 are, and equal to eager over random shape sequences
 in both panel widths: bias or none, each activation, a residual add or none, strided and
-offset inputs, row counts on both sides of a register block.
+offset inputs, row counts on both sides of a register block; and, with
+CpuOptions.panel_linear "on", kernels whose linears it runs agree with eager and with
+oneDNN's primitives.
 
 Tolerance: the kernel sums K products in order, one FMA a k, where MKL blocks K: on
 unit-scale operands fp32 results agree to 1e-4 relative + 2e-5 * sqrt(K) absolute; erf
@@ -9,6 +11,7 @@ in the GELU is a polynomial (absolute error below 1.5e-7)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sysconfig
 from pathlib import Path
@@ -16,9 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.export import Dim
 
+import dynvm
 from dynvm.jit.backends.cpu import panel_linear
 from dynvm.jit.backends.cpu.panel_linear import PackedPanels
+from tests.jit import _jit_helpers as h
+from tests.jit._onednn import NEEDS_ONEDNN_LIBRARY
 
 needs_kernel = pytest.mark.skipif(not panel_linear.available(),
                                   reason=panel_linear.unavailable_reason())
@@ -101,3 +109,79 @@ def test_bad_operands_are_refused_with_a_reason():
         panel_linear.panel_linear(torch.randn(3, 4), packed, activation="tanh")
     with pytest.raises(TypeError):
         panel_linear.panel_linear(torch.randn(3, 4).double(), packed)
+
+
+class _Block(nn.Module):
+    """An encoder layer's GEMMs: QKV, an up projection with erf-GELU, a down projection
+    added to its input (the residual add as the binary post-op), a tanh-GELU the panel
+    kernel does not compute, and a ReLU head."""
+
+    def __init__(self, d: int = 64, f: int = 256) -> None:
+        super().__init__()
+        self.qkv, self.up, self.down = nn.Linear(d, 3 * d), nn.Linear(d, f), nn.Linear(f, d)
+        self.norm = nn.LayerNorm(d)
+        self.tanh_up, self.head = nn.Linear(d, d), nn.Linear(d, 24)
+
+    def forward(self, x):                                         # x: [batch, seq, d]
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        y = self.norm(x + q * k + v)
+        z = self.down(F.gelu(self.up(y))) + y
+        z = z + F.gelu(self.tanh_up(z), approximate="tanh")
+        return z, torch.relu(self.head(z))
+
+
+def _runtime(program, panels: str):
+    rt = dynvm.Runtime(program, jit=h.eager_config(cpu_fusion="always"))
+    rt.jit._cpu_options = dataclasses.replace(rt.jit._cpu_options, panel_linear=panels)
+    return rt
+
+
+def _block_program():
+    torch.manual_seed(0)
+    model = _Block().eval()
+    batch, seq = Dim("batch", min=1, max=8), Dim("seq", min=2, max=64)
+    return model, dynvm.compile(model, (torch.randn(2, 5, 64),), ({0: batch, 1: seq},))
+
+
+@needs_kernel
+@NEEDS_ONEDNN_LIBRARY[0]
+@NEEDS_ONEDNN_LIBRARY[1]
+def test_kernels_on_panels_agree_with_eager_and_the_primitives(monkeypatch):
+    # Exact kernels at PANEL_ROWS put their fp32 linears on the panel GEMM (the weight
+    # floor lowered for this small model), others keep oneDNN's primitives; every
+    # result as eager's and as the primitives'.
+    monkeypatch.setattr(panel_linear, "PANEL_MIN_WEIGHT_BYTES", 0)
+    model, program = _block_program()
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(1, 16), (2, 8), (1, 8), (3, 5), (1, 12), (1, 20), (4, 8), (1, 4)]
+    with _runtime(program, "on") as rt, _runtime(program, "off") as primitives, \
+            torch.no_grad():
+        for step, (b, s) in enumerate(shapes):
+            x = torch.randn(b + 1, s, 128, generator=gen)[1:, :, ::2]   # offset, strided
+            before = x.clone()
+            rt(x), primitives(x)        # promoted here (compiled synchronously)
+            got, wanted = rt(x), primitives(x)
+            for g, w, e in zip(got, wanted, model(x), strict=True):
+                torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+            assert torch.equal(x, before)
+        assert not rt.stats()["compile_failures"]
+        sources = [a.source for a in rt.jit.artifacts.values()]
+        assert not any("panel GEMM" in a.source for a in primitives.jit.artifacts.values())
+    # 8-16 rows (1x16, 2x8, 1x8, 3x5, 1x12: one exact kernel each): qkv, up + GELU,
+    # down + add and the ReLU head on panels, the tanh-GELU linear on its primitive;
+    # 20, 32 and 4 rows: none.
+    assert sum("4 on dynvm's panel GEMM" in s for s in sources) == 5, sources
+    assert sum("panel GEMM" not in s for s in sources) == 3, sources
+
+
+@needs_kernel
+@NEEDS_ONEDNN_LIBRARY[0]
+@NEEDS_ONEDNN_LIBRARY[1]
+def test_weights_that_fit_a_cores_cache_stay_on_their_primitives():
+    _, program = _block_program()
+    with _runtime(program, "on") as rt, torch.no_grad():
+        x = torch.randn(1, 16, 64)
+        rt(x), rt(x)
+        sources = [a.source for a in rt.jit.artifacts.values()]
+    assert sources and not any("panel GEMM" in s for s in sources)

@@ -377,6 +377,12 @@ class CpuOptions:
     run the halves: the in-process A/B's arms, tests). Not part of the key, as
     `arena_ops`."""
 
+    panel_linear: str = "on"
+    """fp32 linear primitives of exact kernels at panel_linear.PANEL_ROWS rows, over
+    weights that stream, on dynvm's panel GEMM (Note [A panel GEMM of our own] in
+    panel_linear): "on", or "off" (the in-process A/B's other arm). Not part of the key,
+    as `arena_ops`."""
+
     bf16_attention: str = "on"
     """Under precision "bf16", SDPA on its bf16 Q/K/V between bf16 GEMMs (Note [bf16
     attention between bf16 GEMMs] in attention_bf16): "on", or "off" (the in-process
@@ -474,7 +480,8 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
         elif options.linear_primitives == "on" and device.type == "cpu":
             # Note [oneDNN linear primitives built once]: the linears fusion chose
             spec, note = linear_primitives(spec, constants, options.prepacked,
-                                           halves=options.column_halves != "off")
+                                           halves=options.column_halves != "off",
+                                           panels=options.panel_linear == "on")
             notes += (note.removeprefix("; "),) if note else ()
     if options.channels_last != "off" and guard != GuardStrength.WEAK.value \
             and device.type == "cpu":

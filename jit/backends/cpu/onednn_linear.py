@@ -103,7 +103,7 @@ import functools
 
 import torch
 
-from dynvm.jit.backends.cpu import column_halves
+from dynvm.jit.backends.cpu import column_halves, panel_linear
 from dynvm.jit.backends.cpu import onednn_api as api
 from dynvm.jit.backends.cpu.fusion import (
     FUSED_VARIANT,
@@ -211,11 +211,14 @@ def _weights_of(library: api.Library, plain) -> LinearWeights:
 
 
 def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCache,
-                      halves: bool = False) -> tuple[SpecializedRegion, str]:
+                      halves: bool = False, panels: bool = False
+                      ) -> tuple[SpecializedRegion, str]:
     """`spec` with its fused and native linears on oneDNN matmul primitives built once
     (Note [oneDNN linear primitives built once]), and a note saying how many or why none.
     With `halves`, those at column_halves.MAX_ROWS rows or fewer in an exact kernel also
-    get column halves (Note [Column halves with a helper thread])."""
+    get column halves (Note [Column halves with a helper thread]); with `panels`, fp32
+    ones at panel_linear.PANEL_ROWS rows run dynvm's panel GEMM (Note [A panel GEMM of
+    our own])."""
     candidates = [i for i, op in enumerate(spec.ops)
                   if (op.opcode in (LINEAR_UNARY, LINEAR_BINARY) and is_fused(op))
                   or (op.opcode == NATIVE_LINEAR and is_native(op))]
@@ -228,7 +231,7 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
     leaving = {v.reg for _, v in spec.outputs if isinstance(v, Var)}
     uses = use_counts(ops, leaving)
     kept: dict[str, int] = {}
-    halved, halves_native, halves_note = 0, None, ""
+    halved, paneled, halves_native, halves_note = 0, 0, None, ""
     if halves:
         halves_native, why = column_halves.native(library)
         halves_note = f"; no column halves ({why})" if halves_native is None else ""
@@ -284,7 +287,15 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
         except api.OnednnError as exc:
             kept[str(exc)] = kept.get(str(exc), 0) + 1
             continue
-        if halves_native is not None and rows[0] != ANY_ROWS \
+        on_panels = None
+        if panels and rows[0] != ANY_ROWS \
+                and panel_linear.PANEL_ROWS[0] <= rows[0] <= panel_linear.PANEL_ROWS[1]:
+            on_panels = panel_linear.panel_of(linear, found.plain, found.bias,
+                                              found.activation, found.binary, prepacked,
+                                              found.weight_key[0], found.weight_key[2])
+        if on_panels is not None:
+            linear, paneled = on_panels, paneled + 1
+        elif halves_native is not None and rows[0] != ANY_ROWS \
                 and rows[0] <= column_halves.MAX_ROWS:
             try:   # Note [Column halves with a helper thread]
                 linear = column_halves.halves_of(linear, library, halves_native, rows[0],
@@ -313,6 +324,8 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
         note += f"; {len(removed)} activation(s) or fp32 residual add(s) folded in"
     if halved:
         note += f"; {halved} as column halves with a helper thread"
+    if paneled:
+        note += f"; {paneled} on dynvm's panel GEMM"
     note += halves_note
     if not done:
         return spec, note

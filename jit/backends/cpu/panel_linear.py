@@ -25,12 +25,22 @@ oneDNN and MLAS at 32 and loses at 64, where a block's panel no longer stays in 
 register block spills past 16 rows: 28-row blocks ran 2.3x slower). In cache it runs at
 the core's FMA peak on one thread (151-172 GFLOP/s at M = 16-64).
 
-The JIT does not choose it yet: that needs a pass beside the oneDNN linears (Note
-[oneDNN linear primitives built once] in onednn_linear) asking the calibrator this
-kernel against the primitive per linear at 16-32 rows, the packed copy in the prepack
-cache (113 MB at BERT-base's four layers, instead of oneDNN's copy where every kernel of
-a weight chose it), and the whole model measured chosen / never. Until then
-`python -m bench.small_m_stream --panel` measures it beside the other paths, and the
+In BERT-base width's whole fp32 model (exact kernels in one process, `CpuOptions.
+panel_linear` on / off with a second "off" runtime as the A/A, interleaved call by call,
+2026-12-06 08:17-08:19 UTC, load 0.6-1.2): at 16 rows 0.930 / 0.910 / 0.918 over three
+runs (1x16; 2x8 0.914), at 12 rows 0.956, at 8 rows 0.982, where a block of up to 16 rows
+reads the weight once; at 4 rows 1.028, and at 20-32 rows 0.996-1.015, where the rows
+take two blocks and the second reads the panel from L2 while oneDNN's blocking does as
+well (A/A 0.996-1.012). So `PANEL_ROWS` is 8-16, and only weights of at least
+`PANEL_MIN_WEIGHT_BYTES` come here: the kernel's gain is in streaming a weight larger
+than a core's L2, which a repeated calibration call (the weight hot) does not see (as
+Note [Streamed GEMVs stay on torch] found for GEMVs). The packed copy is shared through
+the prepack cache (key `panel`; 113 MB at BERT-base's four layers); oneDNN's copy of the
+same weight stays alive only while another kernel's primitive reads it.
+`CpuOptions.panel_linear = "off"` keeps every linear on its primitive (the in-process
+A/B's other arm). Not yet done: a per-linear choice by measurement with the weights
+streaming as the model's calls meet them, and other hosts' figures. `python -m
+bench.small_m_stream --panel` measures the kernel beside the other GEMM paths, and the
 tests hold it equal to eager.
 
 The library is compiled when dynvm is installed (setup.py; optional) and carries only
@@ -53,6 +63,13 @@ PANEL_WIDTH = 16
 ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2}
 """The epilogue's activations, by the names oneDNN's linear uses (gelu: the erf form)."""
 _ALIGN_FLOATS = 16   # 64 bytes: a panel's rows are read with aligned vector loads
+PANEL_ROWS = (8, 16)
+"""The row counts (inclusive) of an exact kernel whose linears run here: one register
+block, the weight read once (the Note's whole-model figures)."""
+PANEL_MIN_WEIGHT_BYTES = 2 << 20
+"""A weight smaller than this stays on oneDNN's primitive: it need not stream from
+memory (a core's L2 on this project's host is 2 MiB), and the kernel's gain is in the
+streaming."""
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
@@ -108,6 +125,10 @@ class PackedPanels:
         self.panels.copy_(padded.view(count, width, k).transpose(1, 2))
         self.out_features, self.in_features, self.width = n, k, width
 
+    def nbytes(self) -> int:
+        """Bytes of the packed copy (the prepack cache's accounting)."""
+        return self.panels.numel() * self.panels.element_size()
+
 
 def panel_linear(x: torch.Tensor, packed: PackedPanels, bias: torch.Tensor | None = None,
                  activation: str = "none", add: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,3 +162,48 @@ def panel_linear(x: torch.Tensor, packed: PackedPanels, bias: torch.Tensor | Non
             n, None if bias is None else bias.data_ptr(), ACTIVATIONS[activation],
             None if add_rows is None else add_rows.data_ptr(), lda, y.data_ptr(), n)
     return y.view(*x.shape[:-1], n)
+
+
+def _activation_name(activation: tuple[str, list, str] | None) -> str | None:
+    """This kernel's name for a linear's activation (attr, scalars, algorithm), or None
+    where it has none of its own (tanh-GELU and the other eltwise post-ops)."""
+    if activation is None:
+        return "none"
+    attr, _, algorithm = activation
+    if attr == "relu" or (attr == "gelu" and algorithm in ("", "none")):
+        return attr
+    return None
+
+
+class PanelLinear:
+    """A linear of an exact kernel on this kernel, called as the oneDNN `PrimitiveLinear`
+    it replaces: (x, the residual add's operand or None)."""
+
+    def __init__(self, spec, packed: PackedPanels, bias: torch.Tensor | None,
+                 activation: str) -> None:
+        self.spec = spec       # the primitive's LinearSpec: shapes and post-ops
+        self._packed, self._bias, self._activation = packed, bias, activation
+
+    def impls(self) -> set[str]:
+        return {"dynvm panel"}
+
+    def __call__(self, x: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+        return panel_linear(x, self._packed, self._bias, self._activation, other)
+
+
+def panel_of(primitive, plain, bias: torch.Tensor | None,
+             activation: tuple[str, list, str] | None, binary: str | None,
+             prepacked, weight_index: int, transposed: bool) -> PanelLinear | None:
+    """`primitive` (an fp32 `PrimitiveLinear`) on this kernel, its weight (`plain()`,
+    [N, K]) packed once per engine in `prepacked`; None where the kernel cannot compute
+    its epilogue, the weight is under PANEL_MIN_WEIGHT_BYTES, or the library is not
+    available."""
+    name = _activation_name(activation)
+    spec = primitive.spec
+    if (not available() or spec.dtype != torch.float32 or name is None
+            or binary not in (None, "add")
+            or spec.in_features * spec.out_features * 4 < PANEL_MIN_WEIGHT_BYTES):
+        return None
+    packed = prepacked.get((weight_index, "panel", transposed, PANEL_WIDTH),
+                           lambda: PackedPanels(plain().contiguous()))
+    return PanelLinear(spec, packed, bias, name)
