@@ -38,6 +38,15 @@ stream between the blocks of a chain; the interpreter stays fp32 as the referenc
 (bench/precision_accuracy.py) and held to a tolerance in tests/jit/test_cpu_conv_bf16.py.
 Not measured per chain: asking for bf16 is asking for the precision; the region's
 layout choice (Note [Channels-last chains]) then times the bf16 chains against NCHW fp32.
+
+Where ResNet-50's bf16 batch 1 loses to OpenVINO bf16 (2026-12-06 08:06-08:19 UTC, load
+1.2-2.2, /tmp/h32r/bf16prof.py, amx1.py): both run AMX brgconv kernels at every
+convolution, and oneDNN 3.2's alone (a primitive called again and again) run at or below
+OpenVINO's per layer, yet in the chain each took ~60-90 us more (10.9 ms of convolutions
+against 6.8). In one process jit-bf16 / OpenVINO bf16 was 1.377 with
+OMP_WAIT_POLICY=passive (the bar's) and 0.990 with active: the gap is the second
+thread's wake at each of the chain's 53 OpenMP regions, which OpenVINO's spinning
+threads do not pay. Not yet acted on.
 """
 
 from __future__ import annotations
