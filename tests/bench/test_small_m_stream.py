@@ -41,34 +41,29 @@ def test_a_run_reports_every_path_and_row_count(monkeypatch):
     assert all(r["ms"] > 0 and r["gb_s"] > 0 and r["ceiling_gb_s"] > 0 for r in rows)
 
 
-@pytest.mark.skipif(not native_linear.available(), reason=native_linear.unavailable_reason())
-def test_the_native_kernel_computes_the_linear_at_every_row_count():
+# The native kernel: 13 outputs are three blocks of 4 and a tail row, K = 37 two full
+# 16-wide steps and a masked tail. The panel kernel: 16 and 17 rows are one register
+# block and two, 33 outputs a masked last panel.
+KERNEL_CASES = [
+    pytest.param(small_m_stream.NATIVE, (1, 2, 3, 4, 5, 7, 16), (13, 37), id="native",
+                 marks=pytest.mark.skipif(not native_linear.available(),
+                                          reason=native_linear.unavailable_reason())),
+    pytest.param(small_m_stream.PANEL, (1, 16, 17, 32), (33, 37), id="panel",
+                 marks=pytest.mark.skipif(not panel_linear.available(),
+                                          reason=panel_linear.unavailable_reason())),
+]
+
+
+@pytest.mark.parametrize("path, row_counts, odd", KERNEL_CASES)
+def test_each_kernel_computes_the_linear_at_every_row_count(path, row_counts, odd):
     gen = torch.Generator().manual_seed(2)
-    # 13 outputs: three blocks of 4 and a tail row; K = 37: two full 16-wide steps and
-    # a masked tail
-    for rows in (1, 2, 3, 4, 5, 7, 16):
-        for out, width in ((13, 37), (64, 128)):
+    for rows in row_counts:
+        for out, width in (odd, (64, 128)):
             x = torch.randn(rows, width, generator=gen)
             weight = torch.randn(out, width, generator=gen)
             bias = torch.randn(out, generator=gen)
-            got = small_m_stream.gemm(torch, small_m_stream.NATIVE, x, weight, bias, rows)()
+            got = small_m_stream.gemm(torch, path, x, weight, bias, rows)()
             torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias),
                                        rtol=1e-4, atol=1e-4)
     bf16 = torch.ones(2, 16, dtype=torch.bfloat16)
-    assert small_m_stream.gemm(torch, small_m_stream.NATIVE, bf16, bf16, bf16[0], 2) is None
-
-
-@pytest.mark.skipif(not panel_linear.available(), reason=panel_linear.unavailable_reason())
-def test_the_panel_kernel_computes_the_linear_at_every_row_count():
-    gen = torch.Generator().manual_seed(3)
-    # 16 and 17 rows: one register block and two; 33 outputs: a masked last panel
-    for rows in (1, 16, 17, 32):
-        for out, width in ((33, 37), (64, 128)):
-            x = torch.randn(rows, width, generator=gen)
-            weight = torch.randn(out, width, generator=gen)
-            bias = torch.randn(out, generator=gen)
-            got = small_m_stream.gemm(torch, small_m_stream.PANEL, x, weight, bias, rows)()
-            torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias),
-                                       rtol=1e-4, atol=1e-4)
-    bf16 = torch.ones(2, 16, dtype=torch.bfloat16)
-    assert small_m_stream.gemm(torch, small_m_stream.PANEL, bf16, bf16, bf16[0], 2) is None
+    assert small_m_stream.gemm(torch, path, bf16, bf16, bf16[0], 2) is None

@@ -63,21 +63,27 @@ def find_extension(stem: str) -> Path | None:
     return None
 
 
-def _find_library() -> Path | None:
-    return find_extension(_LIBRARY_STEM)
-
-
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    path = _find_library()
+def load_extension(stem: str, supported: str) -> tuple[ctypes.CDLL | None, str]:
+    """The C library `stem` loaded through ctypes, or None and why not: not built, not
+    loadable, or its function `supported` says this CPU lacks AVX-512F. Shared by the
+    backend's AVX-512 kernels called through ctypes."""
+    path = find_extension(stem)
     if path is None:
-        return None, (f"{_LIBRARY_STEM} was not built (setup.py compiles it at install; "
+        return None, (f"{stem} was not built (setup.py compiles it at install; "
                       "reinstall dynvm with a C compiler present)")
     try:
         library = ctypes.CDLL(str(path))
     except OSError as exc:
         return None, f"{path.name} did not load: {exc}"
-    if not library.dynvm_small_m_supported():
+    if not getattr(library, supported)():
         return None, "this CPU has no AVX-512F"
+    return library, ""
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    library, why = load_extension(_LIBRARY_STEM, "dynvm_small_m_supported")
+    if library is None:
+        return None, why
     pointer, size = ctypes.c_void_p, ctypes.c_long
     for name in ("dynvm_small_m_linear_nk", "dynvm_small_m_linear_kn"):
         fn = getattr(library, name)
@@ -126,6 +132,15 @@ def as_stored(weight: torch.Tensor, input_major: bool) -> tuple[torch.Tensor, bo
     return None
 
 
+def as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """`t` as [rows, width] whose rows a C kernel reads by a row stride: a view where
+    its elements allow (last dim contiguous, rows apart), else a contiguous copy."""
+    rows = t.reshape(-1, width)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < width):
+        rows = rows.contiguous()
+    return rows
+
+
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    add: torch.Tensor | None, input_major: bool) -> torch.Tensor:
     """`F.linear(x, W, bias) (+ add)` for W = `weight` ([N, K]) or, with `input_major`,
@@ -135,19 +150,13 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if x.dtype != torch.float32:
         raise TypeError(f"the native small-M linear takes float32, not {x.dtype}")
     k = x.shape[-1]
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
-        rows = rows.contiguous()
+    rows = as_rows(x, k)
     m = rows.shape[0]
     n = weight.shape[1] if input_major else weight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
-        add_rows, lda = None, 0
-        if add is not None:
-            add_rows = add.reshape(m, n)
-            if add_rows.stride(-1) != 1 or (m > 1 and add_rows.stride(0) < n):
-                add_rows = add_rows.contiguous()
-            lda = add_rows.stride(0)
+        add_rows = None if add is None else as_rows(add, n)
+        lda = 0 if add_rows is None else add_rows.stride(0)
         kernel = (_LIBRARY.dynvm_small_m_linear_kn if input_major
                   else _LIBRARY.dynvm_small_m_linear_nk)
         kernel(rows.data_ptr(), rows.stride(0), m, k, weight.data_ptr(), weight.stride(0), n,

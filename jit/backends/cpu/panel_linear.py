@@ -54,7 +54,7 @@ import ctypes
 
 import torch
 
-from dynvm.jit.backends.cpu.native_linear import find_extension
+from dynvm.jit.backends.cpu.native_linear import as_rows, load_extension
 
 _LIBRARY_STEM = "_panel_linear"
 PANEL_WIDTH = 16
@@ -73,16 +73,9 @@ streaming."""
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    path = find_extension(_LIBRARY_STEM)
-    if path is None:
-        return None, (f"{_LIBRARY_STEM} was not built (setup.py compiles it at install; "
-                      "reinstall dynvm with a C compiler present)")
-    try:
-        library = ctypes.CDLL(str(path))
-    except OSError as exc:
-        return None, f"{path.name} did not load: {exc}"
-    if not library.dynvm_panel_supported():
-        return None, "this CPU has no AVX-512F"
+    library, why = load_extension(_LIBRARY_STEM, "dynvm_panel_supported")
+    if library is None:
+        return None, why
     pointer, size = ctypes.c_void_p, ctypes.c_long
     # x, ldx, M, K, packed, width, N, bias, act, add, lda, y, ldy
     library.dynvm_panel_linear.argtypes = [pointer, size, size, size, pointer, size, size,
@@ -143,18 +136,12 @@ def panel_linear(x: torch.Tensor, packed: PackedPanels, bias: torch.Tensor | Non
                          f"not {activation!r}")
     if x.shape[-1] != k:
         raise ValueError(f"x's last dim is {x.shape[-1]}, the weight's in_features {k}")
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
-        rows = rows.contiguous()
+    rows = as_rows(x, k)
     m = rows.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
-        add_rows, lda = None, 0
-        if add is not None:
-            add_rows = add.reshape(m, n)
-            if add_rows.stride(-1) != 1 or (m > 1 and add_rows.stride(0) < n):
-                add_rows = add_rows.contiguous()
-            lda = add_rows.stride(0)
+        add_rows = None if add is None else as_rows(add, n)
+        lda = 0 if add_rows is None else add_rows.stride(0)
         if bias is not None:
             bias = bias.contiguous()
         _LIBRARY.dynvm_panel_linear(
