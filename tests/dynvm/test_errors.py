@@ -113,6 +113,14 @@ INTERNAL = {
     ("jit/backends/cpu/native_linear.py", "small_m_linear", "TypeError"):
         "the CPU backend emits the call only where every probe and the guard say float32; "
         "a wrong dtype there is a backend bug, not a user's input",
+    ("jit/backends/cpu/panel_linear.py", "PackedPanels.__init__", "TypeError"):
+        "the backend packs only the 2-d float32 weights of the linears it hands over",
+    ("jit/backends/cpu/panel_linear.py", "PackedPanels.__init__", "ValueError"):
+        "the panel width is the module's PANEL_WIDTH, never a caller's",
+    ("jit/backends/cpu/panel_linear.py", "panel_linear", "TypeError"):
+        "called only by kernels whose linear the backend proved float32",
+    ("jit/backends/cpu/panel_linear.py", "panel_linear", "ValueError"):
+        "called only by kernels whose operands' widths and activation the backend built",
     ("jit/backends/cpu/codegen.py", "_value", "TypeError"):
         "specialized IR holds only the operand kinds handled (the specializer makes it)",
     ("jit/specialize.py", "_Rewriter.operand", "TypeError"):

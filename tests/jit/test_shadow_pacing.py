@@ -14,7 +14,7 @@ import torch
 
 import dynvm
 from dynvm.jit import shadow
-from dynvm.jit.background import serving_call
+from dynvm.jit.background import serving_call, worker_task
 from dynvm.jit.config import JitConfig
 from dynvm.jit.guards import GuardStrength
 from dynvm.jit.probation import EARLY_LOSS, EARLY_SAMPLES, MAX_DEFERRED, Probation
@@ -38,10 +38,22 @@ PROGRAM = """
 @pytest.fixture(autouse=True)
 def unspaced():
     """The process's pacing as a fresh process has it: an earlier test's colliding
-    sample must not space this one's."""
+    sample must not space this one's. A sample still running on a closed Runtime's
+    worker (an earlier test's, on a loaded host) ends first: it would space this test's
+    samples after the reset (one such failed a two-worker rehearsal)."""
+    _workers_idle()
     shadow_pacing().next_at = 0
     yield
+    _workers_idle()
     shadow_pacing().next_at = 0   # nor this one's the next test's
+
+
+def _workers_idle(timeout_s: float = 30.0) -> None:
+    """Wait until no compile worker of the process runs a task (at most `timeout_s`:
+    the tests' own figures then say what a stray task did)."""
+    deadline = time.monotonic() + timeout_s
+    while worker_task().running and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _never() -> bool:
