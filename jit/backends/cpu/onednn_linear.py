@@ -268,42 +268,44 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
             kept[reason] = kept.get(reason, 0) + 1
             continue
         dtype = found.weight_key[3]
-        try:
-            weights = prepacked.get(found.weight_key, functools.partial(
-                _weights_of, library, found.plain))
-            if found.torch_packed is not None:
-                weights.offer(found.torch_packed)
-            eltwise = None
-            if found.activation is not None:
-                eltwise = eltwise_of(*found.activation)
-                if eltwise == "":
-                    raise api.OnednnError(f"activation {found.activation[0]!r}")
-            n, k = weights.plain.shape
-            linear_spec = LinearSpec(k, n, dtype, found.bias is not None, eltwise,
-                                     found.binary,
-                                     torch.float32 if residual is not None else None)
-            linear = PrimitiveLinear(library, linear_spec, weights, found.bias, rows,
-                                     found.activation)
-        except api.OnednnError as exc:
-            kept[str(exc)] = kept.get(str(exc), 0) + 1
-            continue
-        on_panels = None
-        if panels and rows[0] != ANY_ROWS \
+        # Note [A panel GEMM of our own]: decided first, so that a linear it takes builds
+        # no primitive and reorders no weight for one
+        linear = None
+        if panels and dtype == torch.float32 and rows[0] != ANY_ROWS \
                 and panel_linear.PANEL_ROWS[0] <= rows[0] <= panel_linear.PANEL_ROWS[1]:
-            on_panels = panel_linear.panel_of(linear, found.plain, found.bias,
-                                              found.activation, found.binary, prepacked,
-                                              found.weight_key[0], found.weight_key[2])
-        if on_panels is not None:
-            linear, paneled = on_panels, paneled + 1
-        elif halves_native is not None and rows[0] != ANY_ROWS \
-                and rows[0] <= column_halves.MAX_ROWS:
-            try:   # Note [Column halves with a helper thread]
-                linear = column_halves.halves_of(linear, library, halves_native, rows[0],
-                                                 found.plain, prepacked, found.weight_key,
-                                                 found.bias)
-                halved += 1
+            linear = panel_linear.panel_of(found.plain, found.bias, found.activation,
+                                           found.binary, prepacked, found.weight_key[0],
+                                           found.weight_key[2])
+            paneled += linear is not None
+        if linear is None:
+            try:
+                weights = prepacked.get(found.weight_key, functools.partial(
+                    _weights_of, library, found.plain))
+                if found.torch_packed is not None:
+                    weights.offer(found.torch_packed)
+                eltwise = None
+                if found.activation is not None:
+                    eltwise = eltwise_of(*found.activation)
+                    if eltwise == "":
+                        raise api.OnednnError(f"activation {found.activation[0]!r}")
+                n, k = weights.plain.shape
+                linear_spec = LinearSpec(k, n, dtype, found.bias is not None, eltwise,
+                                         found.binary,
+                                         torch.float32 if residual is not None else None)
+                linear = PrimitiveLinear(library, linear_spec, weights, found.bias, rows,
+                                         found.activation)
             except api.OnednnError as exc:
-                halves_note += f"; no halves: {exc}"
+                kept[str(exc)] = kept.get(str(exc), 0) + 1
+                continue
+            if halves_native is not None and rows[0] != ANY_ROWS \
+                    and rows[0] <= column_halves.MAX_ROWS:
+                try:   # Note [Column halves with a helper thread]
+                    linear = column_halves.halves_of(linear, library, halves_native,
+                                                     rows[0], found.plain, prepacked,
+                                                     found.weight_key, found.bias)
+                    halved += 1
+                except api.OnednnError as exc:
+                    halves_note += f"; no halves: {exc}"
         impls |= linear.impls()
         other = found.other if found.other is not None else Literal(None)
         pcs, dsts = epilogue_pcs(op), op.dsts

@@ -35,8 +35,9 @@ well (A/A 0.996-1.012). So `PANEL_ROWS` is 8-16, and only weights of at least
 `PANEL_MIN_WEIGHT_BYTES` come here: the kernel's gain is in streaming a weight larger
 than a core's L2, which a repeated calibration call (the weight hot) does not see (as
 Note [Streamed GEMVs stay on torch] found for GEMVs). The packed copy is shared through
-the prepack cache (key `panel`; 113 MB at BERT-base's four layers); oneDNN's copy of the
-same weight stays alive only while another kernel's primitive reads it.
+the prepack cache (key `panel`; 113 MB at BERT-base's four layers). A linear it takes
+builds no oneDNN primitive and no oneDNN copy of its weight; the fused call's packed copy
+that fusion made stays only while another kernel reads it.
 `CpuOptions.panel_linear = "off"` keeps every linear on its primitive (the in-process
 A/B's other arm). Not yet done: a per-linear choice by measurement with the weights
 streaming as the model's calls meet them, and other hosts' figures. `python -m
@@ -164,11 +165,10 @@ def _activation_name(activation: tuple[str, list, str] | None) -> str | None:
 
 class PanelLinear:
     """A linear of an exact kernel on this kernel, called as the oneDNN `PrimitiveLinear`
-    it replaces: (x, the residual add's operand or None)."""
+    it stands for would be: (x, the residual add's operand or None)."""
 
-    def __init__(self, spec, packed: PackedPanels, bias: torch.Tensor | None,
+    def __init__(self, packed: PackedPanels, bias: torch.Tensor | None,
                  activation: str) -> None:
-        self.spec = spec       # the primitive's LinearSpec: shapes and post-ops
         self._packed, self._bias, self._activation = packed, bias, activation
 
     def impls(self) -> set[str]:
@@ -178,19 +178,18 @@ class PanelLinear:
         return panel_linear(x, self._packed, self._bias, self._activation, other)
 
 
-def panel_of(primitive, plain, bias: torch.Tensor | None,
-             activation: tuple[str, list, str] | None, binary: str | None,
-             prepacked, weight_index: int, transposed: bool) -> PanelLinear | None:
-    """`primitive` (an fp32 `PrimitiveLinear`) on this kernel, its weight (`plain()`,
-    [N, K]) packed once per engine in `prepacked`; None where the kernel cannot compute
-    its epilogue, the weight is under PANEL_MIN_WEIGHT_BYTES, or the library is not
-    available."""
+def panel_of(plain, bias: torch.Tensor | None, activation: tuple[str, list, str] | None,
+             binary: str | None, prepacked, weight_index: int,
+             transposed: bool) -> PanelLinear | None:
+    """An fp32 linear of weight `plain()` ([N, K]) on this kernel, the weight packed once
+    per engine in `prepacked`; None where the kernel cannot compute its epilogue, the
+    weight is under PANEL_MIN_WEIGHT_BYTES, or the library is not available."""
     name = _activation_name(activation)
-    spec = primitive.spec
-    if (not available() or spec.dtype != torch.float32 or name is None
-            or binary not in (None, "add")
-            or spec.in_features * spec.out_features * 4 < PANEL_MIN_WEIGHT_BYTES):
+    if not available() or name is None or binary not in (None, "add"):
+        return None
+    weight = plain()
+    if weight.dtype != torch.float32 or weight.numel() * 4 < PANEL_MIN_WEIGHT_BYTES:
         return None
     packed = prepacked.get((weight_index, "panel", transposed, PANEL_WIDTH),
-                           lambda: PackedPanels(plain().contiguous()))
-    return PanelLinear(spec, packed, bias, name)
+                           lambda: PackedPanels(weight.contiguous()))
+    return PanelLinear(packed, bias, name)
