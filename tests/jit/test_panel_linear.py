@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import sysconfig
+import threading
 from pathlib import Path
 
 import pytest
@@ -67,12 +68,15 @@ def test_packing_refuses_what_the_kernel_cannot_read():
 
 @needs_kernel
 def test_it_equals_eager_over_a_random_shape_sequence():
+    # rows 1..96 cross one register block (16 / 12 rows) into the K-chunked row blocks;
+    # K on both sides of a chunk (256) and not a multiple of it; N leaving a partial
+    # vector, an odd last 16-column panel (alone past one block) or a partial 32 columns
     rng = random.Random(32)
     torch.manual_seed(32)
-    for _ in range(80):
-        m = rng.choice([1, 2, 11, 12, 13, 16, 17, 31, 32, 33, 64, 96])
-        k = rng.choice([1, 7, 16, 33, 129, 768])
-        n = rng.choice([1, 5, 16, 31, 33, 47, 100])
+    for _ in range(120):
+        m = rng.randint(1, 96)
+        k = rng.choice([1, 7, 16, 33, 129, 255, 257, 600, 768])
+        n = rng.choice([1, 5, 16, 17, 31, 33, 47, 48, 100])
         width = rng.choice([16, 32])
         activation = rng.choice(sorted(EAGER_ACTIVATION))
         weight = torch.randn(n, k)
@@ -86,6 +90,31 @@ def test_it_equals_eager_over_a_random_shape_sequence():
         if add is not None:
             want = want + add
         _close(got, want, k)
+
+
+@needs_kernel
+def test_threads_calling_at_once_each_get_their_own_packed_rows():
+    # past one register block x is packed into a buffer of the calling thread's: two
+    # threads at once, at growing row counts, each equal to eager
+    torch.manual_seed(34)
+    weight, bias = torch.randn(70, 300), torch.randn(70)
+    packed = PackedPanels(weight)
+    inputs = [[torch.randn(m, 300) for m in (20, 40, 90, 30)] for _ in range(2)]
+    results: list[list] = [[], []]
+
+    def work(index):
+        for _ in range(5):
+            results[index] = [panel_linear.panel_linear(x, packed, bias, "relu")
+                              for x in inputs[index]]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for xs, got in zip(inputs, results, strict=True):
+        for x, y in zip(xs, got, strict=True):
+            _close(y, torch.relu(F.linear(x, weight, bias)), 300)
 
 
 @needs_kernel

@@ -1,6 +1,6 @@
-/* An fp32 GEMM of 16-32 rows over a weight packed once into K-major column panels (Note
-   [A panel GEMM of our own] in jit/backends/cpu/panel_linear.py says why, what it
-   measured, and that the JIT does not choose it yet).
+/* An fp32 GEMM of a few to some tens of rows over a weight packed once into K-major
+   column panels (Note [A panel GEMM of our own] in jit/backends/cpu/panel_linear.py says
+   why, what it measured, and at which rows the JIT chooses it).
 
      y[m, n] = act(sum_k x[m, k] * W(n, k) + b[n]) (+ add[m, n])
 
@@ -9,13 +9,21 @@
    follow each other: the weight is one sequential stream, each thread's share of panels
    a contiguous piece of it. width is 16 (one vector a k) or 32 (two).
 
-   Per panel, the rows of x go in blocks (up to 16 rows at width 16: 16 accumulators; up
-   to 12 at width 32: 24), and for each k the block loads the panel's vectors and
-   broadcasts each row's x[m, k] into one FMA per vector. The first block reads the panel
-   from memory, with a software prefetch PREFETCH_BYTES ahead in the stream (the hardware
-   prefetcher stops at each 4 KiB page); the later blocks find it in L2 (a 16-column panel
-   is 48 KiB at K = 768, 192 KiB at K = 3072). The panels are split across the OpenMP
-   team torch itself uses, one parallel region a call.
+   Rows that fit one register block (up to 16 at width 16: 16 accumulators; up to 12 at
+   width 32: 24) go over each panel's whole K at once: for each k the block loads the
+   panel's vectors and broadcasts each row's x[m, k] into one FMA per vector, reading the
+   panel from memory once, with a software prefetch PREFETCH_BYTES ahead in the stream
+   (the hardware prefetcher stops at each 4 KiB page).
+
+   More rows go 32 columns at a time (two 16-column
+   panels side by side, or one 32-column panel) in blocks of up to 12 rows (24
+   accumulators: 2 weight loads and 12 broadcasts a 24 FMAs, where a 16-row block at 16
+   columns needs 17 loads a 16), over K in chunks of CHUNK_K: each chunk of the panels is
+   read from memory once and by the later row blocks from L1, the sums kept in y between
+   chunks; x is first packed k-major a row block (one sequential stream of broadcasts),
+   and each block prefetches its share of the stream's next chunk, spread over its k.
+   The panels are split across the OpenMP team torch itself uses, one parallel region a
+   call.
 
    Only AVX-512F code paths: the functions carry target attributes, so the library loads
    on any x86-64; dynvm_panel_supported says whether the kernels may be called. */
@@ -25,11 +33,22 @@
 
 #include <immintrin.h>
 #include <omp.h>
+#include <stdlib.h>
 
 #define AVX512 __attribute__((target("avx512f")))
 /* 8 KiB ahead: at M = 16 over BERT-base's 16 GEMMs 1 / 4 / 8 / 16 KiB ran 15.97 / 8.57 /
    8.07 / 8.77 ms (2026-12-06, H32M, docs/bench_log.md) */
 #define PREFETCH_BYTES 8192
+/* K a chunk past one register block, and where its next chunk is prefetched to: over
+   BERT-base's 24 GEMMs (H33M, 2026-12-06 10:03 UTC, load 2.5) 192-256 ran 18.7 ms at M =
+   64 against 19.4 at 128 and 20.6 at 64 (equal at 24-48 rows), and into L2 (T1) 0-7%
+   faster than into L1 (T0) at 24-64 rows. A chunk of two panels is 32 KiB at 256. */
+#ifndef CHUNK_K
+#define CHUNK_K 256
+#endif
+#ifndef CHUNK_HINT
+#define CHUNK_HINT _MM_HINT_T1
+#endif
 
 enum { ACT_NONE = 0, ACT_RELU = 1, ACT_GELU_ERF = 2 };
 
@@ -85,8 +104,28 @@ static inline AVX512 __m512 gelu_erf_ps(__m512 v) {
                        _mm512_add_ps(erf, _mm512_set1_ps(1.0f)));
 }
 
+/* The epilogue of a block's accumulators: bias, activation, residual add, store. */
+#define EPILOGUE(V, R)                                                                     \
+  do {                                                                                     \
+    __m512 bv[V];                                                                          \
+    for (int v = 0; v < V; v++)                                                            \
+      bv[v] = b ? _mm512_maskz_loadu_ps(masks[v], b + n0 + 16 * v) : _mm512_setzero_ps();  \
+    for (int r = 0; r < R; r++) {                                                          \
+      long m = r0 + r;                                                                     \
+      for (int v = 0; v < V; v++) {                                                        \
+        __m512 o = _mm512_add_ps(acc[r][v], bv[v]);                                        \
+        if (act == ACT_RELU) o = _mm512_max_ps(o, _mm512_setzero_ps());                    \
+        else if (act == ACT_GELU_ERF) o = gelu_erf_ps(o);                                  \
+        if (add)                                                                           \
+          o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(masks[v], add + m * lda + n0 + 16 * v)); \
+        _mm512_mask_storeu_ps(y + m * ldy + n0 + 16 * v, masks[v], o);                     \
+      }                                                                                    \
+    }                                                                                      \
+  } while (0)
+
 /* One panel's columns n0 .. n0 + 16 V - 1 (lanes masked by `masks` past N) for rows
-   r0 .. r0 + R - 1: the whole K in registers, then bias, activation, add, store. */
+   r0 .. r0 + R - 1 that fit one register block: the whole K in registers, the panel read
+   once from memory, then the epilogue. */
 #define PANEL_BLOCK(V, R)                                                                  \
   static inline AVX512 void panel_block_##V##_##R(                                         \
       const float* x, long ldx, long K, const float* panel, long r0, long n0,              \
@@ -108,53 +147,148 @@ static inline AVX512 __m512 gelu_erf_ps(__m512 v) {
         for (int v = 0; v < V; v++) acc[r][v] = _mm512_fmadd_ps(wv[v], xb, acc[r][v]);     \
       }                                                                                    \
     }                                                                                      \
-    __m512 bv[V];                                                                          \
-    for (int v = 0; v < V; v++)                                                            \
-      bv[v] = b ? _mm512_maskz_loadu_ps(masks[v], b + n0 + 16 * v) : _mm512_setzero_ps();  \
-    for (int r = 0; r < R; r++) {                                                          \
-      long m = r0 + r;                                                                     \
-      for (int v = 0; v < V; v++) {                                                        \
-        __m512 o = _mm512_add_ps(acc[r][v], bv[v]);                                        \
-        if (act == ACT_RELU) o = _mm512_max_ps(o, _mm512_setzero_ps());                    \
-        else if (act == ACT_GELU_ERF) o = gelu_erf_ps(o);                                  \
-        if (add)                                                                           \
-          o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(masks[v], add + m * lda + n0 + 16 * v)); \
-        _mm512_mask_storeu_ps(y + m * ldy + n0 + 16 * v, masks[v], o);                     \
+    EPILOGUE(V, R);                                                                        \
+  }
+
+/* Rows r0 .. r0 + R - 1 over one K chunk of V column vectors, vector v's k-th 16 floats
+   at chunk + v * vstride + k * kstride; x's rows packed k-major (xp: R floats a k). The
+   sums start from y's partial sums unless `first` and get the epilogue if `last`, else
+   go back to y. Every `step`-th k, from k = 0, prefetches row k + `offset` of the
+   stream's next chunk (at `ahead`, `ahead_rows` rows): the chunk's row blocks share it. */
+#define CHUNK_BLOCK(V, R)                                                                  \
+  static inline AVX512 void chunk_block_##V##_##R(                                         \
+      const float* xp, long kn, const float* chunk, long kstride, long vstride, long r0,   \
+      long n0, const __mmask16* masks, const float* b, int act, const float* add,          \
+      long lda, float* y, long ldy, int first, int last, const float* ahead,               \
+      long ahead_rows, long step, long offset) {                                           \
+    __m512 acc[R][V];                                                                      \
+    for (int r = 0; r < R; r++)                                                            \
+      for (int v = 0; v < V; v++)                                                          \
+        acc[r][v] = first ? _mm512_setzero_ps()                                            \
+                          : _mm512_maskz_loadu_ps(masks[v], y + (r0 + r) * ldy + n0 + 16 * v); \
+    long countdown = 1;                                                                    \
+    for (long k = 0; k < kn; k++) {                                                        \
+      if (--countdown == 0) {                                                              \
+        countdown = step;                                                                  \
+        if (k + offset < ahead_rows)                                                       \
+          for (int v = 0; v < V; v++)                                                      \
+            _mm_prefetch((const char*)(ahead + v * vstride + (k + offset) * kstride),      \
+                         CHUNK_HINT);                                                      \
       }                                                                                    \
+      __m512 wv[V];                                                                        \
+      for (int v = 0; v < V; v++) wv[v] = _mm512_load_ps(chunk + v * vstride + k * kstride); \
+      for (int r = 0; r < R; r++) {                                                        \
+        __m512 xb = _mm512_set1_ps(xp[k * R + r]);                                         \
+        for (int v = 0; v < V; v++) acc[r][v] = _mm512_fmadd_ps(wv[v], xb, acc[r][v]);     \
+      }                                                                                    \
+    }                                                                                      \
+    if (last) {                                                                            \
+      EPILOGUE(V, R);                                                                      \
+    } else {                                                                               \
+      for (int r = 0; r < R; r++)                                                          \
+        for (int v = 0; v < V; v++)                                                        \
+          _mm512_mask_storeu_ps(y + (r0 + r) * ldy + n0 + 16 * v, masks[v], acc[r][v]);    \
     }                                                                                      \
   }
 
 typedef void (*panel_block_fn)(const float*, long, long, const float*, long, long,
                                const __mmask16*, const float*, int, const float*, long,
                                float*, long, const char*);
+typedef void (*chunk_block_fn)(const float*, long, const float*, long, long, long, long,
+                               const __mmask16*, const float*, int, const float*, long,
+                               float*, long, int, int, const float*, long, long, long);
+
+#define UP_TO_12(KIND, V)                                                                  \
+  KIND(V, 1) KIND(V, 2) KIND(V, 3) KIND(V, 4) KIND(V, 5) KIND(V, 6) KIND(V, 7) KIND(V, 8)  \
+  KIND(V, 9) KIND(V, 10) KIND(V, 11) KIND(V, 12)
+#define NAMES_UP_TO_12(P, V)                                                               \
+  P##V##_1, P##V##_2, P##V##_3, P##V##_4, P##V##_5, P##V##_6, P##V##_7, P##V##_8,          \
+  P##V##_9, P##V##_10, P##V##_11, P##V##_12
 
 /* 16-column panels: up to 16 rows a block (16 accumulators; 21-22 spilled: M = 64 in
-   3 blocks ran 2.3x slower than in 4); 32-column panels: up to 12
-   (24 accumulators, two weight vectors a k: fewer loads per FMA) */
+   3 blocks ran 2.3x slower than in 4); 32 columns (24 accumulators, two weight vectors a
+   k: fewer loads per FMA): up to 12 */
 #define MAX_ROWS_1 16
 #define MAX_ROWS_2 12
-PANEL_BLOCK(1, 1) PANEL_BLOCK(1, 2) PANEL_BLOCK(1, 3) PANEL_BLOCK(1, 4) PANEL_BLOCK(1, 5)
-PANEL_BLOCK(1, 6) PANEL_BLOCK(1, 7) PANEL_BLOCK(1, 8) PANEL_BLOCK(1, 9) PANEL_BLOCK(1, 10)
-PANEL_BLOCK(1, 11) PANEL_BLOCK(1, 12) PANEL_BLOCK(1, 13) PANEL_BLOCK(1, 14)
-PANEL_BLOCK(1, 15) PANEL_BLOCK(1, 16)
-PANEL_BLOCK(2, 1) PANEL_BLOCK(2, 2) PANEL_BLOCK(2, 3) PANEL_BLOCK(2, 4) PANEL_BLOCK(2, 5)
-PANEL_BLOCK(2, 6) PANEL_BLOCK(2, 7) PANEL_BLOCK(2, 8) PANEL_BLOCK(2, 9) PANEL_BLOCK(2, 10)
-PANEL_BLOCK(2, 11) PANEL_BLOCK(2, 12)
+UP_TO_12(PANEL_BLOCK, 1) PANEL_BLOCK(1, 13) PANEL_BLOCK(1, 14) PANEL_BLOCK(1, 15)
+PANEL_BLOCK(1, 16) UP_TO_12(PANEL_BLOCK, 2)
+UP_TO_12(CHUNK_BLOCK, 1) UP_TO_12(CHUNK_BLOCK, 2)
 
-static const panel_block_fn BLOCKS_1[MAX_ROWS_1 + 1] = {
-    0, panel_block_1_1, panel_block_1_2, panel_block_1_3, panel_block_1_4,
-    panel_block_1_5, panel_block_1_6, panel_block_1_7, panel_block_1_8, panel_block_1_9,
-    panel_block_1_10, panel_block_1_11, panel_block_1_12, panel_block_1_13,
-    panel_block_1_14, panel_block_1_15, panel_block_1_16};
-static const panel_block_fn BLOCKS_2[MAX_ROWS_2 + 1] = {
-    0, panel_block_2_1, panel_block_2_2, panel_block_2_3, panel_block_2_4,
-    panel_block_2_5, panel_block_2_6, panel_block_2_7, panel_block_2_8, panel_block_2_9,
-    panel_block_2_10, panel_block_2_11, panel_block_2_12};
+static const panel_block_fn PANEL_BLOCKS_1[MAX_ROWS_1 + 1] = {
+    0, NAMES_UP_TO_12(panel_block_, 1), panel_block_1_13, panel_block_1_14,
+    panel_block_1_15, panel_block_1_16};
+static const panel_block_fn PANEL_BLOCKS_2[MAX_ROWS_2 + 1] = {
+    0, NAMES_UP_TO_12(panel_block_, 2)};
+static const chunk_block_fn CHUNK_BLOCKS_1[MAX_ROWS_2 + 1] = {
+    0, NAMES_UP_TO_12(chunk_block_, 1)};
+static const chunk_block_fn CHUNK_BLOCKS_2[MAX_ROWS_2 + 1] = {
+    0, NAMES_UP_TO_12(chunk_block_, 2)};
 
 static inline __mmask16 lanes_mask(long lanes) {
   return lanes >= 16 ? (__mmask16)0xFFFF
        : lanes <= 0  ? (__mmask16)0
                      : (__mmask16)((1u << lanes) - 1u);
+}
+
+/* The row blocks past one register block: as few of up to MAX_ROWS_2 rows as cover M,
+   their sizes within one of each other; block i starts at row_start(M, blocks, i). */
+static inline long row_start(long M, long blocks, long i) {
+  return M / blocks * i + (i < M % blocks ? i : M % blocks);
+}
+
+/* x's rows packed a row block at a time, k-major (R floats a k), so that a block's
+   broadcasts read one sequential stream: in place its rows are K floats apart, and at
+   K = 3072 (12 KiB) all of a block's rows fall in one L1 set. */
+static inline void pack_rows(const float* x, long ldx, long M, long K, long blocks,
+                             float* xp) {
+  #pragma omp for schedule(static)
+  for (long block = 0; block < blocks; block++) {
+    long r0 = row_start(M, blocks, block), rows = row_start(M, blocks, block + 1) - r0;
+    float* out = xp + r0 * K;
+    for (long k = 0; k < K; k++)
+      for (long r = 0; r < rows; r++) out[k * rows + r] = x[(r0 + r) * ldx + k];
+  }
+}
+
+/* The calling thread's buffer for x's packed rows, kept between calls: a fresh one a
+   call would be a fresh mapping (768 KiB at 64 rows x 3072) and its page faults. */
+static __thread float* packed_rows;
+static __thread long packed_rows_floats;
+
+static float* rows_buffer(long floats) {
+  if (floats > packed_rows_floats) {
+    free(packed_rows);
+    packed_rows = (float*)aligned_alloc(64, ((floats * 4 + 63) / 64) * 64);
+    packed_rows_floats = packed_rows ? floats : 0;
+  }
+  return packed_rows;
+}
+
+/* Columns n0 .. n0 + 16 V - 1 over K in chunks, for all M rows (x packed in xp).
+   `group` is where the V vectors' data starts, one k row of vector v at group + v *
+   vstride + k * kstride; `next` the stream's next group (null past this thread's). */
+static inline AVX512 void chunked_columns(const float* xp, long M, long K,
+                                          const float* group, long kstride, long vstride,
+                                          const float* next, long n0, long N,
+                                          const float* b, int act, const float* add,
+                                          long lda, float* y, long ldy,
+                                          const chunk_block_fn* table) {
+  long blocks = (M + MAX_ROWS_2 - 1) / MAX_ROWS_2;
+  __mmask16 masks[2] = {lanes_mask(N - n0), lanes_mask(N - n0 - 16)};
+  for (long k0 = 0; k0 < K; k0 += CHUNK_K) {
+    long kn = K - k0 < CHUNK_K ? K - k0 : CHUNK_K;
+    const float* chunk = group + k0 * kstride;
+    /* the next chunk of these columns, or the next group's first */
+    const float* ahead = k0 + kn < K ? chunk + kn * kstride : next;
+    long ahead_rows = !ahead ? 0 : k0 + kn < K ? (K - k0 - kn < CHUNK_K ? K - k0 - kn : CHUNK_K)
+                                               : (K < CHUNK_K ? K : CHUNK_K);
+    for (long block = 0; block < blocks; block++) {
+      long r0 = row_start(M, blocks, block), rows = row_start(M, blocks, block + 1) - r0;
+      table[rows](xp + r0 * K + k0 * rows, kn, chunk, kstride, vstride, r0, n0, masks, b,
+                  act, add, lda, y, ldy, k0 == 0, k0 + kn == K, ahead, ahead_rows, blocks,
+                  block);
+    }
+  }
 }
 
 /* y = act(x W^T + b) (+ add) with W packed as above in panels of `width` (16 or 32)
@@ -164,26 +298,35 @@ AVX512 void dynvm_panel_linear(const float* x, long ldx, long M, long K,
                                const float* packed, long width, long N, const float* b,
                                int act, const float* add, long lda, float* y, long ldy) {
   long panels = (N + width - 1) / width, vectors = width / 16;
-  long max_rows = vectors == 1 ? MAX_ROWS_1 : MAX_ROWS_2;
-  const panel_block_fn* table = vectors == 1 ? BLOCKS_1 : BLOCKS_2;
-  /* rows in as few blocks as fit, their sizes within one of each other */
-  long blocks = (M + max_rows - 1) / max_rows;
+  long one_block = vectors == 1 ? MAX_ROWS_1 : MAX_ROWS_2;
+  const panel_block_fn* table = vectors == 1 ? PANEL_BLOCKS_1 : PANEL_BLOCKS_2;
+  long blocks = (M + MAX_ROWS_2 - 1) / MAX_ROWS_2;
+  float* xp = M > one_block ? rows_buffer(M * K) : 0;
+  if (M > one_block && !xp) return;   /* no memory: unreachable in practice */
+  /* past one block the panels go 32 columns at a time: a 16-column panel and the next */
+  long groups = M > one_block ? (N + 31) / 32 : panels;
   #pragma omp parallel
   {
+    if (xp) pack_rows(x, ldx, M, K, blocks, xp);   /* the team's barrier follows */
     long threads = omp_get_num_threads(), thread = omp_get_thread_num();
-    long first = panels * thread / threads, last = panels * (thread + 1) / threads;
-    const char* end = (const char*)(packed + last * K * width);
-    for (long p = first; p < last; p++) {
-      const float* panel = packed + p * K * width;
-      long n0 = p * width;
-      __mmask16 masks[2] = {lanes_mask(N - n0), lanes_mask(N - n0 - 16)};
-      long r0 = 0;
-      for (long block = 0; block < blocks; block++) {
-        long rows = (M - r0) / (blocks - block);
-        /* only the first block prefetches: the later ones find the panel in L2 */
-        table[rows](x, ldx, K, panel, r0, n0, masks, b, act, add, lda, y, ldy,
-                    block == 0 ? end : (const char*)0);
-        r0 += rows;
+    long first = groups * thread / threads, last = groups * (thread + 1) / threads;
+    if (!xp) {
+      const char* end = (const char*)(packed + last * K * width);
+      for (long p = first; p < last; p++) {
+        const float* panel = packed + p * K * width;
+        long n0 = p * width;
+        __mmask16 masks[2] = {lanes_mask(N - n0), lanes_mask(N - n0 - 16)};
+        table[M](x, ldx, K, panel, 0, n0, masks, b, act, add, lda, y, ldy, end);
+      }
+    } else {
+      for (long g = first; g < last; g++) {
+        long n0 = g * 32;
+        const float* group = packed + n0 * K;         /* 32 columns are K x 32 floats */
+        const float* next = g + 1 < last ? group + 32 * K : 0;
+        /* at width 16 an odd last panel stands alone */
+        int pair = vectors == 2 || n0 + 16 < panels * 16;
+        chunked_columns(xp, M, K, group, width, vectors == 2 ? 16 : 16 * K, next, n0, N, b,
+                        act, add, lda, y, ldy, pair ? CHUNK_BLOCKS_2 : CHUNK_BLOCKS_1);
       }
     }
   }
