@@ -2,7 +2,9 @@
 our own] in jit/backends/cpu/native_linear.py), its chain of oneDNN primitives in one
 call (Note [A chain of primitives in one call] in jit/backends/cpu/onednn_chain.py) and
 a GEMM's column halves with a helper thread (Note [Column halves with a helper thread]
-in jit/backends/cpu/column_halves.py), a layer norm writing a bf16 copy too (Note [Layer
+in jit/backends/cpu/column_halves.py), a batch-1 chain in row halves with a helper
+thread (Note [A chain in halves, one wake a call] in jit/backends/cpu/chain_halves.py),
+a layer norm writing a bf16 copy too (Note [Layer
 norm writing bf16 too] in jit/backends/cpu/norm_bf16.py) and a GEMM over weights packed
 in column panels (Note [A panel GEMM of our own] in jit/backends/cpu/panel_linear.py).
 Everything else is in pyproject.toml.
@@ -42,11 +44,28 @@ setup(ext_modules=[Extension(
     extra_compile_args=["-O3"],
     optional=True,
 ), Extension(
+    # a batch-1 chain of primitives as row halves, the second run by a helper thread of
+    # dynvm's own (Note [A chain in halves, one wake a call] in
+    # jit/backends/cpu/chain_halves.py); oneDNN's and OpenMP's functions arrive as
+    # pointers: nothing is linked
+    "dynvm.jit.backends.cpu._chain_halves",
+    sources=["jit/backends/cpu/native/chain_halves.c"],
+    extra_compile_args=["-O3"],
+    optional=True,
+), Extension(
     # layer norm writing its bf16 copy in the same pass (Note [Layer norm writing bf16
     # too] in jit/backends/cpu/norm_bf16.py); without it the bf16 lowering keeps torch's
     # layer norm and a cast
     "dynvm.jit.backends.cpu._layer_norm_bf16",
     sources=["jit/backends/cpu/native/layer_norm_bf16.c"],
+    extra_compile_args=["-O3", "-fopenmp"],
+    extra_link_args=["-fopenmp"],
+    optional=True,
+), Extension(
+    # masked attention over short sequences (Note [Masked attention of our own] in
+    # jit/backends/cpu/attention_native.py); without it SDPA stays torch's
+    "dynvm.jit.backends.cpu._attention",
+    sources=["jit/backends/cpu/native/attention.c"],
     extra_compile_args=["-O3", "-fopenmp"],
     extra_link_args=["-fopenmp"],
     optional=True,

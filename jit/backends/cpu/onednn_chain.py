@@ -87,7 +87,7 @@ from pathlib import Path
 import torch
 
 from dynvm.jit.aliasing import flat_values
-from dynvm.jit.backends.cpu import chain_ends, own_1x1
+from dynvm.jit.backends.cpu import chain_ends, chain_halves, own_1x1
 from dynvm.jit.backends.cpu import onednn_api as api
 from dynvm.jit.backends.cpu.ir_match import probe_tensors
 from dynvm.jit.backends.cpu.native_linear import find_extension
@@ -433,6 +433,8 @@ class PrimitiveChain:
                     break
                 except api.OnednnError:
                     continue        # NHWC inside, or that shape runs step by step
+        # Note [A chain in halves, one wake a call]: batch 1's arenas, by measured calls
+        self.halves = chain_halves.halves_of(library, steps, self.by_shape)
 
     def layouts(self) -> set[str]:
         """The layouts inside its arenas ("nChw16c", "NHWC")."""
@@ -452,9 +454,11 @@ class PrimitiveChain:
         return sum(b.numel() for a in self.by_shape.values() for b in a.buffers)
 
     def __call__(self, x: torch.Tensor):
-        arena = self.by_shape.get(tuple(x.shape))
+        shape = tuple(x.shape)
+        arena = self.by_shape.get(shape)
         if arena is not None:
-            out = arena.run(x)
+            halves = self.halves.get(shape)
+            out = halves(x) if halves is not None else arena.run(x)
         else:
             values = {self.steps[0].x: self.head.convert(x) if self.head else x}
             for step in self.steps:
@@ -515,7 +519,7 @@ def chain_primitives(spec: SpecializedRegion, library: api.Library, kinds: dict[
     after_reads = _reads_after(ops, spec.outputs)
     chains, kept, steps_total, arena_bytes = [], 0, 0, 0
     layouts: set[str] = set()
-    reorders, heads, means, own = 0, 0, 0, 0
+    reorders, heads, means, own, halves = 0, 0, 0, 0, 0
     for start, end in reversed(runs):
         inner = ops[start:end]
         steps = _steps(inner, kinds)
@@ -558,6 +562,7 @@ def chain_primitives(spec: SpecializedRegion, library: api.Library, kinds: dict[
         layouts |= chain.layouts()
         reorders += chain.reorders()
         own += chain.own_steps()
+        halves += len(chain.halves)
         heads, means = heads + (head is not None), means + (tail is not None)
     if not chains:
         return spec, f"; primitives called one by one ({kept} run(s) not chained)"
@@ -568,6 +573,8 @@ def chain_primitives(spec: SpecializedRegion, library: api.Library, kinds: dict[
         note += f"; into them {heads} input conversion(s) and {means} global mean(s)"
     if own:
         note += f"; {own} 1x1 step(s) on dynvm's own kernel"
+    if halves:
+        note += f"; {halves} arena(s) in row halves with a helper, by measured calls"
     return dataclasses.replace(spec, ops=tuple(ops)), note
 
 
