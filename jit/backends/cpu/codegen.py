@@ -61,6 +61,7 @@ from dynvm.jit.backends.cpu.precision import (
     lower_precision,
 )
 from dynvm.jit.backends.cpu.prepack import PrepackCache
+from dynvm.jit.backends.cpu.shape_constants import fold_shape_constants
 from dynvm.jit.calibration import Calibrator, calibrator_for, size_class
 from dynvm.jit.guards import GuardStrength
 from dynvm.jit.inplace import INPLACE
@@ -388,6 +389,11 @@ class CpuOptions:
     attention between bf16 GEMMs] in attention_bf16): "on", or "off" (the in-process
     A/B). Not part of the key, as `arena_ops`."""
 
+    shape_constants: str = "on"
+    """Under precision "fp32", ops over constants and literals alone run at compile time
+    (Note [Shape constants in kernels] in shape_constants; the bf16 lowering folds its
+    own): "on", or "off" (the in-process A/B). Not part of the key, as `arena_ops`."""
+
     precision: str = "fp32"
     """GEMMs with constant weights in "fp32", "bf16" or "int8-dynamic" (Note
     [Lower-precision GEMMs] in precision)."""
@@ -464,6 +470,10 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
             # Note [bf16 attention between bf16 GEMMs]
             spec, note = bf16_attention(spec)
             notes += (note.removeprefix("; "),) if note else ()
+    elif options.precision == "fp32" and options.shape_constants == "on":
+        # Note [Shape constants in kernels]: what the shapes alone give, once
+        spec, note = fold_shape_constants(spec, constants, device, variant=PRECISION_VARIANT)
+        notes += (note.removeprefix("; "),) if note else ()
     if options.fusion != "off":
         calibrator = None if options.fusion == "always" else (
             options.calibrator or calibrator_for(device))
