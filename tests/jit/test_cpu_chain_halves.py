@@ -1,6 +1,7 @@
-"""A batch-1 chain of primitives in row halves with a helper thread (Note [A chain in
-halves, one wake a call] in jit/backends/cpu/chain_halves.py): the rows each piece
-reads; kernels whose batch-1 arenas run in halves agree with eager over random batches,
+"""A chain of primitives in pieces with a helper thread (Note [A chain in halves, one
+wake a call] in jit/backends/cpu/chain_halves.py): the rows each piece reads; kernels
+whose arenas run in pieces (row halves at batch 1, an image a piece at 2-4 in NHWC)
+agree with eager over random batches,
 offset and strided inputs, odd heights (uneven halves), fp32 and bf16; every piece runs
 once a call; one OpenMP thread runs the team's chain; "never" builds none; the choice
 holds the team after a starved helper.
@@ -80,7 +81,7 @@ def halves_always(monkeypatch):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_batch_one_runs_in_halves_and_agrees_with_eager(precision, halves_always):
+def test_arenas_in_pieces_agree_with_eager(precision, halves_always):
     model = _Net().eval()
     program = dynvm.compile(model, (torch.randn(2, 3, 17, 16),),
                             ({0: Dim("batch", min=1, max=4)},))
@@ -116,6 +117,11 @@ def test_batch_one_runs_in_halves_and_agrees_with_eager(precision, halves_always
                 ran = call.halves.by_helper + call.halves.by_caller
                 assert ran % per_call[id(call)] == 0
         assert _pieces_run(chains) > 0
+        ran_at = {shape[0] for chain in chains for shape, call in chain.halves.items()
+                  if call.halves.by_helper + call.halves.by_caller}
+        assert 1 in ran_at
+        if precision == "bf16":             # NHWC at every batch: an image a piece
+            assert ran_at - {1}, ran_at
 
 
 def test_one_openmp_thread_runs_the_teams_chain(halves_always):

@@ -37,9 +37,16 @@ the team's worker, asleep between regions, is woken ahead of it. So halves or th
 team's chain is chosen per arena by its calls' measured time (`HalvesChoice`, the
 team's chain the fallback), not assumed.
 
+At batch 2-4 (an NHWC arena: bf16; fp32's are nChw16c there and stay the team's) the
+pieces are the images, each the step's batch-1 primitive at its image's offset, claimed
+one at a time (`MAX_BATCH`).
+
 Whole model (ResNet-50, two Runtimes in one process, halves "measure" / "never",
-interleaved call by call with an A/A; /tmp/h33r/ab.py, 10:08-10:10 UTC): bf16 batch 1
-9.99 against 12.99 ms, **0.768** (A/A 1.003, load 2.8); fp32 0.985 (A/A 1.007, load
+interleaved call by call with an A/A; /tmp/h33r/ab.py, 2026-12-06): bf16 batch 1 9.99
+against 12.99 ms, **0.768** (A/A 1.003, 10:08 UTC, load 2.8), 7.83 against 11.37, 0.679
+(A/A 0.985, 10:13, load 2.0), 9.27 against 12.68, 0.732 (A/A 0.997, 10:16, load 1.7);
+batch 2 by image 14.28 against 17.55, **0.826** (A/A 1.016), batch 4 25.54 against
+27.93, 0.918 (A/A 0.996; 10:15, load 2.0); fp32 batch 1 0.985 (A/A 1.007, 10:09, load
 2.2; the chooser still alternating).
 """
 
@@ -67,6 +74,8 @@ LATE_NS = 100_000
 """How long a thread spins at a step's end for its partner's piece before it sleeps."""
 _CL = torch.channels_last
 _WINDOW, _FIRST, _EXPLORE = 7, 3, 8
+MAX_BATCH = 4
+"""The largest batch whose NHWC arena is built in pieces (an image a piece past 1)."""
 policy = "measure"
 """Halves at batch 1: "measure" (by the arena's calls, `HalvesChoice`), "always" or
 "never" (an A/B's arms, and the way to turn it off)."""
@@ -161,6 +170,14 @@ def row_pieces(out_rows: int, pieces: int = 2) -> list[tuple[int, int]]:
             bounds.append((start, end))
         start = end
     return bounds
+
+
+def parts_of(batch: int, out_rows: int, pieces: int = 2) -> list[tuple[int, int, int]]:
+    """(image, a, b) of each piece of a step: at batch 1 its output rows [a, b) in
+    `pieces`, at a larger batch one image each, all its rows."""
+    if batch == 1:
+        return [(0, a, b) for a, b in row_pieces(out_rows, pieces)]
+    return [(image, 0, out_rows) for image in range(batch)]
 
 
 def input_rows(a: int, b: int, size: int, stride: int, pad: int, span: int
@@ -311,12 +328,12 @@ class HalvesArena:
 
     def _conv_pieces(self, runner, like, where: dict, pieces: int) -> None:
         lib, spec = self._lib, runner.spec
-        _, c, h, w = like.in_shape
+        n, c, h, w = like.in_shape
         _, oc, oh, ow = like.out_shape
         size = torch.empty((), dtype=spec.dtype).element_size()
         oc_w, kh = runner.weight_shape[0], runner.weight_shape[2]
         (sh, sw), (ph, pw), (dh, dw) = spec.stride, spec.padding, spec.dilation
-        for a, b in row_pieces(oh, pieces):
+        for image, a, b in parts_of(n, oh, pieces):
             first, end, top, below = input_rows(a, b, h, sh, ph, dh * (kh - 1) + 1)
             mds = [md_tag(lib, (1, c, end - first, w), api.TAG_NHWC, spec.dtype),
                    md_tag(lib, runner.weight_shape, api.TAG_ANY, spec.dtype),
@@ -344,8 +361,8 @@ class HalvesArena:
                     "convolution piece")
                 wanted = lib.dnnl_primitive_desc_query_md(pd, api.QUERY_WEIGHTS_MD, 0)
                 weights = runner._weights.get(self._library, wanted, None)
-                x = self._memory(src, where[api.ARG_SRC], first * w * c * size)
-                y = self._memory(dst, where[api.ARG_DST], a * ow * oc * size)
+                x = self._memory(src, where[api.ARG_SRC], (image * h + first) * w * c * size)
+                y = self._memory(dst, where[api.ARG_DST], (image * oh + a) * ow * oc * size)
                 owned += [("dnnl_memory_destroy", x), ("dnnl_memory_destroy", y)]
                 args = [(api.ARG_SRC, x), (api.ARG_WEIGHTS, weights.memory),
                         (api.ARG_DST, y)]
@@ -363,12 +380,12 @@ class HalvesArena:
 
     def _pool_pieces(self, runner, like, where: dict, pieces: int) -> None:
         lib, spec = self._lib, runner.spec
-        _, c, h, w = like.in_shape
+        n, c, h, w = like.in_shape
         _, _, oh, ow = like.out_shape
         size = torch.empty((), dtype=spec.dtype).element_size()
         (kh, kw), (sh, sw), (ph, pw) = spec.kernel, spec.stride, spec.padding
         dh, dw = spec.dilation
-        for a, b in row_pieces(oh, pieces):
+        for image, a, b in parts_of(n, oh, pieces):
             first, end, top, below = input_rows(a, b, h, sh, ph, dh * (kh - 1) + 1)
             src = md_tag(lib, (1, c, end - first, w), api.TAG_NHWC, spec.dtype)
             dst = md_tag(lib, (1, c, b - a, ow), api.TAG_NHWC, spec.dtype)
@@ -379,8 +396,8 @@ class HalvesArena:
                     api.POOLING_MAX, src, dst, api.Dims(sh, sw), api.Dims(kh, kw),
                     api.Dims(dh - 1, dw - 1), api.Dims(top, pw),
                     api.Dims(below, spec.right_padding(w, 1)), None), "pooling piece")
-                x = self._memory(src, where[api.ARG_SRC], first * w * c * size)
-                y = self._memory(dst, where[api.ARG_DST], a * ow * c * size)
+                x = self._memory(src, where[api.ARG_SRC], (image * h + first) * w * c * size)
+                y = self._memory(dst, where[api.ARG_DST], (image * oh + a) * ow * c * size)
                 self._add(pd, [(api.ARG_SRC, x), (api.ARG_DST, y)],
                           [("dnnl_memory_destroy", x), ("dnnl_memory_destroy", y)])
             finally:
@@ -389,36 +406,42 @@ class HalvesArena:
                               ("dnnl_memory_desc_destroy", dst)))
 
     def _mean_piece(self, runner, shape: tuple, where: dict):
-        primitive = runner.build(self._library, shape, api.TAG_NHWC)   # one thread now
+        """The global mean: whole at batch 1, an image a piece at a larger batch."""
+        n, c, h, w = shape
+        primitive = runner.build(self._library, (1, c, h, w), api.TAG_NHWC)  # one thread
         lib = self._lib
+        size = torch.empty((), dtype=primitive.dtype).element_size()
         src = md_tag(lib, primitive.in_shape, api.TAG_NHWC, primitive.dtype)
         dst = md_tag(lib, primitive.out_shape, api.TAG_NHWC, primitive.dtype)
         try:
-            x = self._memory(src, where[api.ARG_SRC], 0)
-            y = self._memory(dst, where[api.ARG_DST], 0)
+            for image in range(n):
+                x = self._memory(src, where[api.ARG_SRC], image * c * h * w * size)
+                y = self._memory(dst, where[api.ARG_DST], image * c * size)
+                piece = _Piece(lib, primitive.handle, [(api.ARG_SRC, x), (api.ARG_DST, y)],
+                               [("dnnl_memory_destroy", x), ("dnnl_memory_destroy", y)])
+                piece.keep = primitive
+                self._pieces.append(piece)
         finally:
             destroy(lib, (("dnnl_memory_desc_destroy", src),
                           ("dnnl_memory_desc_destroy", dst)))
-        piece = _Piece(lib, primitive.handle, [(api.ARG_SRC, x), (api.ARG_DST, y)],
-                       [("dnnl_memory_destroy", x), ("dnnl_memory_destroy", y)])
-        piece.keep = primitive
         self.impls.add(primitive.impl)
-        self._pieces.append(piece)
-        return primitive
+        out = runner.by_shape[tuple(shape)]      # the team's, for its result's shape
+        return out
 
     def _head_pieces(self, head, getter, per_call, shape: tuple, out_dtype, pieces: int
                      ) -> None:
-        """The input's conversion (NCHW fp32 -> NHWC of the chain's type) by rows."""
+        """The input's conversion (NCHW fp32 -> NHWC of the chain's type): by rows at
+        batch 1, an image a piece at a larger batch."""
         _, args, _ = head
         memories = dict(args)
         lib = self._lib
-        _, c, h, w = shape
+        n, c, h, w = shape
         data = ctypes.c_void_p()
         api.check(getter(memories[api.ARG_DST], ctypes.byref(data)), "data handle")
         target = _Where(data.value, None)
         source = _Where(None, per_call[memories[api.ARG_SRC].value])
         out_size = torch.empty((), dtype=out_dtype).element_size()
-        for a, b in row_pieces(h, pieces):
+        for image, a, b in parts_of(n, h, pieces):
             src = md_strides(lib, (1, c, b - a, w), (c * h * w, h * w, w, 1), torch.float32)
             dst = md_tag(lib, (1, c, b - a, w), api.TAG_NHWC, out_dtype)
             pd = ctypes.c_void_p()
@@ -426,8 +449,8 @@ class HalvesArena:
                 api.check(lib.dnnl_reorder_primitive_desc_create(
                     ctypes.byref(pd), src, self._library.engine, dst, self._library.engine,
                     None), "reorder piece")
-                x = self._memory(src, source, a * w * 4)
-                y = self._memory(dst, target, a * w * c * out_size)
+                x = self._memory(src, source, (image * c * h + a) * w * 4)
+                y = self._memory(dst, target, (image * h + a) * w * c * out_size)
                 self._add(pd, [(api.ARG_SRC, x), (api.ARG_DST, y)],
                           [("dnnl_memory_destroy", x), ("dnnl_memory_destroy", y)])
             finally:
@@ -515,6 +538,7 @@ class HalvesCall:
     def __init__(self, arena, halves: HalvesArena) -> None:
         self.arena, self.halves = arena, halves
         self.choice = HalvesChoice()
+        self.refused = 0      # calls the halves could not run (another call's helper)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if policy == "never" or background.on_worker():
@@ -524,6 +548,7 @@ class HalvesCall:
         out = self.halves.run(x) if use else None
         if out is None:
             if use:
+                self.refused += 1
                 return self.arena.run(x)     # the helper is another call's: not timed
             out = self.arena.run(x)
         self.choice.record(use, time.perf_counter() - start, use and self.halves.starved)
@@ -543,7 +568,7 @@ def halves_of(library: api.Library, steps, arenas: dict, path: Path | None = Non
         return {}
     made = {}
     for shape, arena in arenas.items():
-        if shape[0] != 1 or arena.blocked or arena._own:
+        if shape[0] > MAX_BATCH or arena.blocked or arena._own:
             continue
         try:
             made[shape] = HalvesCall(arena, HalvesArena(library, bound, arena, steps, shape))
