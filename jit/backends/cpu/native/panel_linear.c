@@ -15,12 +15,11 @@
    panel from memory once, with a software prefetch PREFETCH_BYTES ahead in the stream
    (the hardware prefetcher stops at each 4 KiB page).
 
-   More rows go 32 columns at a time (two 16-column
-   panels side by side, or one 32-column panel) in blocks of up to 12 rows (24
-   accumulators: 2 weight loads and 12 broadcasts a 24 FMAs, where a 16-row block at 16
-   columns needs 17 loads a 16), over K in chunks of CHUNK_K: each chunk of the panels is
-   read from memory once and by the later row blocks from L1, the sums kept in y between
-   chunks; x is first packed k-major a row block (one sequential stream of broadcasts),
+   More rows go 32 columns at a time (two 16-column panels side by side, or one 32-column
+   panel) in blocks of up to CHUNK_ROWS (11) rows (22 accumulators: 2 weight loads and 11
+   broadcasts a 22 FMAs, where a 16-row block at 16 columns needs 17 loads a 16), over K
+   in chunks of CHUNK_K: each chunk of the panels is read from memory once and by the
+   later row blocks from cache, the sums kept in y between chunks; x is first packed k-major a row block (one sequential stream of broadcasts),
    and each block prefetches its share of the stream's next chunk, spread over its k.
    The panels are split across the OpenMP team torch itself uses, one parallel region a
    call.
@@ -210,6 +209,11 @@ typedef void (*chunk_block_fn)(const float*, long, const float*, long, long, lon
    k: fewer loads per FMA): up to 12 */
 #define MAX_ROWS_1 16
 #define MAX_ROWS_2 12
+/* past one register block, blocks of up to 11 rows: over BERT-base's 24 GEMMs (H33M,
+   10:16 UTC, load 1.7-2.2) 12-row blocks ran 24 rows in 11.11 ms and 48 in 15.26, 11
+   10.16 and 13.60 (3 blocks of 8, 5 of 9-10), 32 and 64 rows equal (11.30, 17.17 against
+   11.28, 16.89); 10 lost at 32 rows (12.38: 4 blocks of 8) */
+#define CHUNK_ROWS 11
 UP_TO_12(PANEL_BLOCK, 1) PANEL_BLOCK(1, 13) PANEL_BLOCK(1, 14) PANEL_BLOCK(1, 15)
 PANEL_BLOCK(1, 16) UP_TO_12(PANEL_BLOCK, 2)
 UP_TO_12(CHUNK_BLOCK, 1) UP_TO_12(CHUNK_BLOCK, 2)
@@ -230,7 +234,7 @@ static inline __mmask16 lanes_mask(long lanes) {
                      : (__mmask16)((1u << lanes) - 1u);
 }
 
-/* The row blocks past one register block: as few of up to MAX_ROWS_2 rows as cover M,
+/* The row blocks past one register block: as few of up to CHUNK_ROWS rows as cover M,
    their sizes within one of each other; block i starts at row_start(M, blocks, i). */
 static inline long row_start(long M, long blocks, long i) {
   return M / blocks * i + (i < M % blocks ? i : M % blocks);
@@ -273,7 +277,7 @@ static inline AVX512 void chunked_columns(const float* xp, long M, long K,
                                           const float* b, int act, const float* add,
                                           long lda, float* y, long ldy,
                                           const chunk_block_fn* table) {
-  long blocks = (M + MAX_ROWS_2 - 1) / MAX_ROWS_2;
+  long blocks = (M + CHUNK_ROWS - 1) / CHUNK_ROWS;
   __mmask16 masks[2] = {lanes_mask(N - n0), lanes_mask(N - n0 - 16)};
   for (long k0 = 0; k0 < K; k0 += CHUNK_K) {
     long kn = K - k0 < CHUNK_K ? K - k0 : CHUNK_K;
@@ -300,7 +304,7 @@ AVX512 void dynvm_panel_linear(const float* x, long ldx, long M, long K,
   long panels = (N + width - 1) / width, vectors = width / 16;
   long one_block = vectors == 1 ? MAX_ROWS_1 : MAX_ROWS_2;
   const panel_block_fn* table = vectors == 1 ? PANEL_BLOCKS_1 : PANEL_BLOCKS_2;
-  long blocks = (M + MAX_ROWS_2 - 1) / MAX_ROWS_2;
+  long blocks = (M + CHUNK_ROWS - 1) / CHUNK_ROWS;
   float* xp = M > one_block ? rows_buffer(M * K) : 0;
   if (M > one_block && !xp) return;   /* no memory: unreachable in practice */
   /* past one block the panels go 32 columns at a time: a 16-column panel and the next */
