@@ -1,4 +1,4 @@
-"""An fp32 GEMM of 16-32 rows over a weight packed once into K-major column panels, in a
+"""An fp32 GEMM of 8-64 rows over a weight packed once into K-major column panels, in a
 small C library of dynvm's own (native/panel_linear.c).
 
 Note [A panel GEMM of our own]
@@ -30,9 +30,28 @@ panel_linear` on / off with a second "off" runtime as the A/A, interleaved call 
 2026-12-06 08:17-08:19 UTC, load 0.6-1.2): at 16 rows 0.930 / 0.910 / 0.918 over three
 runs (1x16; 2x8 0.914), at 12 rows 0.956, at 8 rows 0.982, where a block of up to 16 rows
 reads the weight once; at 4 rows 1.028, and at 20-32 rows 0.996-1.015, where the rows
-take two blocks and the second reads the panel from L2 while oneDNN's blocking does as
-well (A/A 0.996-1.012). So `PANEL_ROWS` is 8-16, and only weights of at least
-`PANEL_MIN_WEIGHT_BYTES` come here: the kernel's gain is in streaming a weight larger
+took two blocks of 16 and the second read the panel again from L2 (A/A 0.996-1.012).
+
+Past one register block (H33M, 2026-12-06) the rows go 32 columns at a time (two
+16-column panels side by side: the same packed copy as 8-16 rows) in blocks of up to 11
+rows, 22 accumulators, 2 weight loads and 11 broadcasts a 22 FMAs where a 16-row block
+at 16 columns needs 17 loads a 16 (in cache, one thread: 149-154 GFLOP/s at 24-64 rows
+against 103-119 for 16-row blocks). K goes in chunks of 256, each chunk of the two
+panels read from memory once and by the later row blocks from cache, the partial sums
+kept in y; x is packed k-major a row block first (in place a block's rows at K = 3072
+are 12 KiB apart, all in one L1 set); each block prefetches, into L2, its share of the
+stream's next chunk, spread over its k. 12-row blocks ran 9-11% slower than 11-row ones
+at 24 and 48 rows; a prefetch at a fixed distance in the first block instead of the
+shared one won 9% at 24 rows and lost 3% at 32. Over BERT-base's 24 GEMMs, interleaved
+(10:19 UTC, load 2.1, beside other sessions' tests), M = 16 / 24 / 32 / 48 / 64: 9.27 /
+10.37 / 11.53 / 14.13 / 17.65 ms, the one-block kernel before 9.26 / 12.24 / 13.61 /
+17.39 / 21.66, oneDNN's packed linear 13.70 / 14.94 / 16.48 / 18.87 / 21.78. In the whole
+model, on / off (10:21-10:26, load 1.1-1.8; A/A 0.997-1.024): 1x32 0.963 / 0.900, 2x16
+0.961, 1x24 0.930, 2x12 0.938, 1x40 0.997, 1x48 0.924, 3x16 0.913, 1x56 0.962, 64 rows
+(1x64, 2x32, 4x16) 0.953-0.964 in one run and 1.016-1.029 in the one before (A/A up to
+1.013; 0.95-0.97 over two runs of the 12-row build at load 1.8-3), 1x128 1.004; at 8-16
+rows as before (1x16 0.915, 2x8 0.923, 1x8 0.979). So `PANEL_ROWS` is 8-64, and only
+weights of at least `PANEL_MIN_WEIGHT_BYTES` come here: the kernel's gain is in streaming a weight larger
 than a core's L2, which a repeated calibration call (the weight hot) does not see (as
 Note [Streamed GEMVs stay on torch] found for GEMVs). The packed copy is shared through
 the prepack cache (key `panel`; 113 MB at BERT-base's four layers). A linear it takes
@@ -64,9 +83,9 @@ PANEL_WIDTH = 16
 ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2}
 """The epilogue's activations, by the names oneDNN's linear uses (gelu: the erf form)."""
 _ALIGN_FLOATS = 16   # 64 bytes: a panel's rows are read with aligned vector loads
-PANEL_ROWS = (8, 16)
-"""The row counts (inclusive) of an exact kernel whose linears run here: one register
-block, the weight read once (the Note's whole-model figures)."""
+PANEL_ROWS = (8, 64)
+"""The row counts (inclusive) of an exact kernel whose linears run here (the Note's
+whole-model figures: at 4 rows and at 128 none gained)."""
 PANEL_MIN_WEIGHT_BYTES = 2 << 20
 """A weight smaller than this stays on oneDNN's primitive: it need not stream from
 memory (a core's L2 on this project's host is 2 MiB), and the kernel's gain is in the
