@@ -21,7 +21,7 @@ from torch import nn
 from torch.export import Dim
 
 import dynvm
-from dynvm.jit.backends.cpu import chain_halves, onednn_chain
+from dynvm.jit.backends.cpu import chain_halves, chain_pieces, onednn_chain
 from tests.jit import _jit_helpers as h
 from tests.jit._onednn import NEEDS_ONEDNN_LIBRARY, ChainBlocks, bound_native, native_chain
 
@@ -39,12 +39,12 @@ def test_the_rows_a_piece_reads_give_its_rows_of_the_convolution(seed):
         x = torch.randn(1, 2, size, 5, dtype=torch.float64)
         w = torch.randn(3, 2, k, 1, dtype=torch.float64)
         whole = F.conv2d(x, w, stride=(s, 1), padding=(p, 0), dilation=(d, 1))
-        pieces = chain_halves.row_pieces(whole.shape[2], rng.choice((2, 3)))
+        pieces = chain_pieces.row_pieces(whole.shape[2], rng.choice((2, 3)))
         assert pieces[0][0] == 0 and pieces[-1][1] == whole.shape[2]
         assert all(a < b for a, b in pieces)
         assert all(b == a2 for (_, b), (a2, _) in zip(pieces, pieces[1:]))
         for a, b in pieces:
-            first, end, top, below = chain_halves.input_rows(a, b, size, s, p, d * (k - 1) + 1)
+            first, end, top, below = chain_pieces.input_rows(a, b, size, s, p, d * (k - 1) + 1)
             assert 0 <= first < end <= size and top >= 0 and below >= 0
             piece = F.conv2d(F.pad(x[:, :, first:end], (0, 0, top, below)), w,
                              stride=(s, 1), dilation=(d, 1))
@@ -122,6 +122,11 @@ def test_arenas_in_pieces_agree_with_eager(precision, halves_always):
         assert 1 in ran_at
         if precision == "bf16":             # NHWC at every batch: an image a piece
             assert ran_at - {1}, ran_at
+        else:                               # 5 x 4 outputs: output-channel halves
+            placed = [p for chain in chains for call in chain.halves.values()
+                      for p in call.halves._pieces if getattr(p, "place", None) is not None]
+            assert placed and all(p.place.sum in (0, 1) for p in placed)
+            assert any(p.place.sum for p in placed)    # a residual's sum placed too
 
 
 def test_one_openmp_thread_runs_the_teams_chain(halves_always):

@@ -63,7 +63,41 @@ struct plan {
   atomic_int *claimed;           /* per step: pieces claimed this call */
   atomic_int *done;              /* per step: pieces run this call */
   atomic_int *waiting;           /* per step: a thread sleeps on done[s] */
+  const struct place *const *place;  /* per piece: NULL, or where its buffer goes */
+  char *const *pointers;         /* this call's (set by _run) */
 };
+
+/* An output-channel piece (fp32): the primitive wrote a dense [pixels, cols] buffer;
+   its thread places it into columns [first_col, first_col + cols) of the step's NHWC
+   result (rows of `width`), adding the residual already there (`sum`) and applying
+   ReLU after it (`relu`), as the team's primitive's post-ops do, in the same order. */
+struct place {
+  const float *buffer;
+  int64_t pixels, cols, width, first_col;
+  int64_t sum, relu;
+  int64_t source;                /* -1: `fixed`; else the call's pointer `source` */
+  int64_t offset;                /* bytes past that pointer */
+  char *fixed;
+};
+
+static void place_piece(const struct place *q, char *const *pointers) {
+  char *base = q->source < 0 ? q->fixed : pointers[q->source] + q->offset;
+  float *out = (float *)base;
+  for (int64_t r = 0; r < q->pixels; r++) {
+    float *y = out + r * q->width + q->first_col;
+    const float *a = q->buffer + r * q->cols;
+    if (!q->sum) {
+      memcpy(y, a, (size_t)q->cols * sizeof(float));
+    } else if (q->relu) {
+      for (int64_t c = 0; c < q->cols; c++) {
+        float v = a[c] + y[c];
+        y[c] = v > 0.0f ? v : 0.0f;
+      }
+    } else {
+      for (int64_t c = 0; c < q->cols; c++) y[c] = a[c] + y[c];
+    }
+  }
+}
 
 static execute_fn execute;
 static set_handle_fn set_handle;
@@ -130,8 +164,11 @@ static int walk(struct plan *p, void *stream, int caller, long long yield_after_
     int i;
     while ((i = atomic_fetch_add(&p->claimed[s], 1)) < pieces) {
       atomic_store_explicit(&cpu_of[me], sched_getcpu(), memory_order_relaxed);
-      status |= execute(p->primitive[first + i], stream, (int)p->nargs[first + i],
+      int run = execute(p->primitive[first + i], stream, (int)p->nargs[first + i],
                         p->args[first + i]);
+      status |= run;
+      if (run == 0 && p->place[first + i] != NULL)
+        place_piece(p->place[first + i], p->pointers);
       mine++;
       atomic_fetch_add(&p->done[s], 1);            /* seq_cst: before waiting's load */
       if (atomic_load(&p->waiting[s])) futex_wake_all(&p->done[s]);
@@ -220,6 +257,7 @@ int dynvm_chain_halves_run(struct plan *p, void *stream, char *const *pointers,
   if (!atomic_compare_exchange_strong(&busy, &expected, 1)) return -2;
   long long by_it = 0;
   int status = 0;
+  p->pointers = pointers;
   for (int64_t i = 0; i < p->binds; i++)
     status |= set_handle(p->bind_memory[i], pointers[p->bind_source[i]] + p->bind_offset[i]);
   if (status != 0) {
