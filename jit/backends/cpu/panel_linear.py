@@ -46,11 +46,13 @@ shared one won 9% at 24 rows and lost 3% at 32. Over BERT-base's 24 GEMMs, inter
 (10:19 UTC, load 2.1, beside other sessions' tests), M = 16 / 24 / 32 / 48 / 64: 9.27 /
 10.37 / 11.53 / 14.13 / 17.65 ms, the one-block kernel before 9.26 / 12.24 / 13.61 /
 17.39 / 21.66, oneDNN's packed linear 13.70 / 14.94 / 16.48 / 18.87 / 21.78. In the whole
-model, on / off (10:21-10:26, load 1.1-1.8; A/A 0.997-1.024): 1x32 0.963 / 0.900, 2x16
-0.961, 1x24 0.930, 2x12 0.938, 1x40 0.997, 1x48 0.924, 3x16 0.913, 1x56 0.962, 64 rows
-(1x64, 2x32, 4x16) 0.953-0.964 in one run and 1.016-1.029 in the one before (A/A up to
-1.013; 0.95-0.97 over two runs of the 12-row build at load 1.8-3), 1x128 1.004; at 8-16
-rows as before (1x16 0.915, 2x8 0.923, 1x8 0.979). So `PANEL_ROWS` is 8-64, and only
+model, on / off (10:21-10:38, load 1.1-2.2; A/A 0.986-1.024): 1x32 0.963 / 0.900 / 0.909,
+2x16 0.961 / 0.894, 1x24 0.930, 2x12 0.938, 1x40 0.997, 1x48 0.924, 3x16 0.913, 1x56
+0.962, 64 rows (1x64, 2x32, 4x16) 0.953-0.964 and 0.960-0.968 in two runs, 1.016-1.029
+in a third (A/A up to 1.013), 1x128 1.004; at 8-16 rows as before (1x16 0.915 / 0.925,
+2x8 0.923, 1x8 0.979). In the bar's command after it (10:29, load 1.8-2.1, margin 0.030)
+JIT / best peer 1x32 0.980, 2x16 1.012, 4x16 0.994, 2x32 0.997 (1.045 / 1.077 / 1.079 /
+1.009 at the stop before), 1x64 1.077 (1.058). So `PANEL_ROWS` is 8-64, and only
 weights of at least `PANEL_MIN_WEIGHT_BYTES` come here: the kernel's gain is in streaming a weight larger
 than a core's L2, which a repeated calibration call (the weight hot) does not see (as
 Note [Streamed GEMVs stay on torch] found for GEMVs). The packed copy is shared through
