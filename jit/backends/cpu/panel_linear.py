@@ -35,30 +35,31 @@ took two blocks of 16 and the second read the panel again from L2 (A/A 0.996-1.0
 Past one register block (H33M, 2026-12-06) the rows go 32 columns at a time (two
 16-column panels side by side: the same packed copy as 8-16 rows) in blocks of up to 11
 rows, 22 accumulators, 2 weight loads and 11 broadcasts a 22 FMAs where a 16-row block
-at 16 columns needs 17 loads a 16 (in cache, one thread: 149-154 GFLOP/s at 24-64 rows
-against 103-119 for 16-row blocks). K goes in chunks of 256, each chunk of the two
-panels read from memory once and by the later row blocks from cache, the partial sums
-kept in y; x is packed k-major a row block first (in place a block's rows at K = 3072
-are 12 KiB apart, all in one L1 set); each block prefetches, into L2, its share of the
-stream's next chunk, spread over its k. 12-row blocks ran 9-11% slower than 11-row ones
-at 24 and 48 rows; a prefetch at a fixed distance in the first block instead of the
-shared one won 9% at 24 rows and lost 3% at 32. Over BERT-base's 24 GEMMs, interleaved
-(10:19 UTC, load 2.1, beside other sessions' tests), M = 16 / 24 / 32 / 48 / 64: 9.27 /
-10.37 / 11.53 / 14.13 / 17.65 ms, the one-block kernel before 9.26 / 12.24 / 13.61 /
-17.39 / 21.66, oneDNN's packed linear 13.70 / 14.94 / 16.48 / 18.87 / 21.78. In the whole
-model, on / off (10:21-10:38, load 1.1-2.2; A/A 0.986-1.024): 1x32 0.963 / 0.900 / 0.909,
-2x16 0.961 / 0.894, 1x24 0.930, 2x12 0.938, 1x40 0.997, 1x48 0.924, 3x16 0.913, 1x56
-0.962, 64 rows (1x64, 2x32, 4x16) 0.953-0.964 and 0.960-0.968 in two runs, 1.016-1.029
-in a third (A/A up to 1.013), 1x128 1.004; at 8-16 rows as before (1x16 0.915 / 0.925,
-2x8 0.923, 1x8 0.979). In the bar's command after it (10:29, load 1.8-2.1, margin 0.030)
-JIT / best peer 1x32 0.980, 2x16 1.012, 4x16 0.994, 2x32 0.997 (1.045 / 1.077 / 1.079 /
-1.009 at the stop before), 1x64 1.077 (1.058). So `PANEL_ROWS` is 8-64, and only
-weights of at least `PANEL_MIN_WEIGHT_BYTES` come here: the kernel's gain is in streaming a weight larger
-than a core's L2, which a repeated calibration call (the weight hot) does not see (as
-Note [Streamed GEMVs stay on torch] found for GEMVs). The packed copy is shared through
-the prepack cache (key `panel`; 113 MB at BERT-base's four layers). A linear it takes
-builds no oneDNN primitive and no oneDNN copy of its weight; the fused call's packed copy
-that fusion made stays only while another kernel reads it.
+at 16 columns needs 17 loads a 16 (one thread, N = 768, the weight mostly in L2: 149-154
+GFLOP/s at 24-64 rows against 103-119 for 16-row blocks). K goes in chunks of 256, each
+chunk of the two panels read from memory once and by the later row blocks from cache,
+the partial sums kept in y; x is packed k-major a row block first (in place a block's
+rows at K = 3072 are 12 KiB apart, all in one L1 set); each block prefetches, into L2,
+its share of the stream's next chunk, spread over its k. 12-row blocks ran 9-11% slower
+than 11-row ones at 24 and 48 rows; a prefetch at a fixed distance in the first block
+instead of the shared one won 9% at 24 rows and lost 3% at 32. Over BERT-base's 24
+GEMMs, interleaved (10:19 UTC, load 2.1, beside other sessions' tests), M = 16 / 24 / 32
+/ 48 / 64: 9.27 / 10.37 / 11.53 / 14.13 / 17.65 ms, the one-block kernel before 9.26 /
+12.24 / 13.61 / 17.39 / 21.66, oneDNN's packed linear 13.70 / 14.94 / 16.48 / 18.87 /
+21.78. In the whole model, on / off (10:21-10:38, load 1.1-2.2; A/A 0.986-1.024): 1x32
+0.963 / 0.900 / 0.909, 2x16 0.961 / 0.894, 1x24 0.930, 2x12 0.938, 1x40 0.997, 1x48
+0.924, 3x16 0.913, 1x56 0.962, 64 rows (1x64, 2x32, 4x16) 0.953-0.964 and 0.960-0.968 in
+two runs, 1.016-1.029 in a third (A/A up to 1.013), 1x128 1.004; at 8-16 rows as before
+(1x16 0.915 / 0.925, 2x8 0.923, 1x8 0.979). In the bar's command after it (10:29, load
+1.8-2.1, margin 0.030) JIT / best peer 1x32 0.980, 2x16 1.012, 4x16 0.994, 2x32 0.997
+(1.045 / 1.077 / 1.079 / 1.009 at the stop before), 1x64 1.077 (1.058). So `PANEL_ROWS`
+is 8-64, and only weights of at least `PANEL_MIN_WEIGHT_BYTES` come here: the kernel's
+gain is in streaming a weight larger than a core's L2, which a repeated calibration call
+(the weight hot) does not see (as Note [Streamed GEMVs stay on torch] found for GEMVs).
+The packed copy is shared through the prepack cache (key `panel`; 113 MB at BERT-base's
+four layers). A linear it takes builds no oneDNN primitive and no oneDNN copy of its
+weight; the fused call's packed copy that fusion made stays only while another kernel
+reads it.
 `CpuOptions.panel_linear = "off"` keeps every linear on its primitive (the in-process
 A/B's other arm). Not yet done: a per-linear choice by measurement with the weights
 streaming as the model's calls meet them, and other hosts' figures. `python -m
