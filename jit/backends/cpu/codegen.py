@@ -26,6 +26,11 @@ from dynvm.arena import ArenaPool
 from dynvm.jit.backends.cpu.arena_choice import out_form_pays, zeros_like_abstract
 from dynvm.jit.backends.cpu.arena_layout import OUT_KERNELS, ArenaBinding, ArenaLayout, plan_layout
 from dynvm.jit.backends.cpu.attention_bf16 import bf16_attention
+from dynvm.jit.backends.cpu.attention_native import (
+    ATTENTION_KERNELS,
+    ATTENTION_VARIANT,
+    native_attention,
+)
 from dynvm.jit.backends.cpu.chain_bf16 import bf16_chains
 from dynvm.jit.backends.cpu.channels_last import (
     LAYOUT_KERNELS,
@@ -294,6 +299,8 @@ def _emit_body(emitter, spec, program, constants, device,
                               NATIVE_KERNELS.get(op.opcode) or DECODE_KERNELS[op.opcode])
         elif op.variant == PRECISION_VARIANT:  # Note [Lower-precision GEMMs]
             fn = emitter.bind(op.opcode.lower(), PRECISION_KERNELS[op.opcode])
+        elif op.variant == ATTENTION_VARIANT:  # Note [Masked attention of our own]
+            fn = emitter.bind(op.opcode.lower(), ATTENTION_KERNELS[op.opcode])
         else:
             fn = emitter.bind(op.opcode, opcode(op.opcode).impl)
         call = f"{fn}({', '.join(args)})"
@@ -388,6 +395,11 @@ class CpuOptions:
     """Under precision "bf16", SDPA on its bf16 Q/K/V between bf16 GEMMs (Note [bf16
     attention between bf16 GEMMs] in attention_bf16): "on", or "off" (the in-process
     A/B). Not part of the key, as `arena_ops`."""
+
+    native_attention: str = "on"
+    """SDPA on dynvm's masked attention kernel where it reads the operands (Note [Masked
+    attention of our own] in attention_native): "on", or "off" (the in-process A/B). Not
+    part of the key, as `arena_ops`."""
 
     shape_constants: str = "on"
     """Under precision "fp32", ops over constants and literals alone run at compile time
@@ -493,6 +505,9 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
                                            halves=options.column_halves != "off",
                                            panels=options.panel_linear == "on")
             notes += (note.removeprefix("; "),) if note else ()
+    if options.native_attention == "on" and device.type == "cpu":
+        spec, note = native_attention(spec)   # Note [Masked attention of our own]
+        notes += (note.removeprefix("; "),) if note else ()
     if options.channels_last != "off" and guard != GuardStrength.WEAK.value \
             and device.type == "cpu":
         spec, note = _channels_last(spec, program, constants, device, name, options)

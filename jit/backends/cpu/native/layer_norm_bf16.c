@@ -19,6 +19,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16_bits.h"
+
 #define AVX512 __attribute__((target("avx512f")))
 
 /* An empty module, so that importing every module of the package imports this one. */
@@ -33,18 +35,6 @@ PyMODINIT_FUNC PyInit__layer_norm_bf16(void) { return PyModule_Create(&layer_nor
 int dynvm_layer_norm_bf16_supported(void) {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f");
-}
-
-/* fp32 -> bf16 bits, round to nearest even; NaN to 0xFFFF (ATen's vectorized
-   conversion, cvtfp32_bf16, does the same). */
-static inline AVX512 __m256i bf16_bits(__m512 v) {
-  __m512i u = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  r = _mm512_srli_epi32(r, 16);
-  __mmask16 ordered = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
-  r = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xFFFF), r);
-  return _mm512_cvtepi32_epi16(r);
 }
 
 static AVX512 void one_row(const float* x, long N, const float* w, const float* b,

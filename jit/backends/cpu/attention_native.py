@@ -1,0 +1,204 @@
+"""Masked attention over short sequences in dynvm's own C kernel: a pass over a
+specialized region (after fusion and the bf16 lowering's attention pass), and the
+kernel's wrapper.
+
+Note [Masked attention of our own]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A BERT layer's SDPA runs torch's CPU flash kernel: per (batch, head, block of 32
+queries) two small BLAS calls, the mask added per block (a boolean one first made an
+additive tensor on every call), and the softmax between. At BERT-base's heads (12 x 64)
+and 16-128 tokens each call is a few microseconds of work for each of many calls:
+measured alone (2 threads, passive OpenMP, 2026-12-06 10:01 UTC, load 1.3-1.8), SDPA
+with a boolean mask took 0.25 / 0.36 / 0.63 / 1.39 / 3.86 ms at 1x64 / 2x64 / 1x128 /
+8x64 / 8x128 in fp32, about 80-100 GFLOP/s of two cores' ~300; the same maths as
+torch's batched GEMMs (baddbmm, softmax, bmm) was slower still (0.54-7.3 ms).
+
+So here each (batch, head) is one piece of work on torch's OpenMP team
+(native/attention.c): K packed transposed once ([D][L], 16-key vectors), then blocks of
+8 queries take their scores 32 keys at a time in 16 AVX-512 accumulators, the mask read
+as it is (boolean: false is -inf; or additive, fp32 or bf16), the row's softmax in place
+(a vectorized exp, relative error ~1e-7), and P V in blocks of 4 rows x D in
+accumulators; bf16 operands are widened to fp32 on the way in (scores, softmax and P V
+in fp32, the result rounded to bf16 once). A row masked everywhere gives 0, as torch's
+kernel does. The result has the strides torch's flash kernel gives it (`empty_like` of
+the query: BERT's [B, S, H, D] layout, which the output projection then reads as a
+view), so the region's abstract values stay true.
+
+A block of 8 queries computes scores and P V only up to the last key any of its rows
+keeps (right padding: BERT's masked tail costs nothing), which torch's kernel cannot
+know.
+
+Measured in the whole model (BERT-base width, 4 layers, exact fp32 kernels in one
+process on / off with an A/A of two "off" runtimes, interleaved call by call, 30 rounds,
+2 threads passive; 2026-12-06 10:10-10:28 UTC, load 1.5-2.3, three runs): 1x128 0.991 /
+0.986 / 0.986, 2x128 0.985, 8x128 0.980 / 0.990 / 0.978 (A/A 0.994-1.007); at 64 keys
+1x64 1.004 / 1.008 / 1.017, 2x64 1.008 / 0.997 / 0.999, 4x64 0.986 / 1.002 / 0.999 (A/A
+0.986-1.011): a tie, so the pass takes 96 keys or more (`MIN_KEYS`). Alone, SDPA at
+BERT-base's heads with a quarter of the keys masked (10:22, load 1.7-1.9): 0.72-0.96 of
+torch's fp32 kernel; in bf16 1.1-1.7x torch's, whose flash kernel runs its GEMMs on
+AMX (before the masked-tail skip; 10:09, load 2.3): the pass leaves bf16 alone. With
+the passive OpenMP wait the second thread wakes late (~50-100 us), so the pairs are
+taken one at a time: the caller never waits for its share.
+
+Which: an fp32 SDPA (no dropout, not causal) whose q, k and v are [B, H, rows, D] with
+the same B and H, D a multiple of 16, the last dim contiguous, `MIN_KEYS` to `MAX_KEYS`
+keys, and a mask absent, boolean or of q's dtype broadcasting to the scores, at every
+probe; at run time the operands are checked again and torch's SDPA runs where the
+kernel does not read them (or where the library is missing). The numbers: the same maths in
+another order (sums over D and over keys in other orders, exp to ~1 ulp), so results
+differ from torch's by float rounding; in bf16 the probabilities are not rounded to
+bf16 before P V, as the flash kernel rounds them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import torch
+
+from dynvm.jit.backends.cpu.ir_match import probe_tensors
+from dynvm.jit.backends.cpu.native_linear import find_extension
+from dynvm.jit.backends.cpu.one_thread import openmp_getter
+from dynvm.jit.ir import Literal, SpecializedRegion, SpecOp, Var
+
+ATTENTION = "MASKED_ATTENTION"
+ATTENTION_VARIANT = "native-attention"
+MIN_KEYS, MAX_KEYS = 96, 256
+"""The pass takes fp32 SDPAs of this many keys: at 64 the whole model ties torch's
+kernel, past 256 nothing was measured (the Note); the kernel itself reads up to
+MAX_KEYS."""
+
+_MASKS = {None: 0, torch.bool: 1, torch.float32: 2, torch.bfloat16: 3}
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _load():
+    path = find_extension("_attention")
+    if path is None:
+        return None, ("_attention was not built (setup.py compiles it at install; "
+                      "reinstall dynvm with a C compiler present)")
+    try:
+        library = ctypes.PyDLL(str(path))   # called holding the GIL, as torch's ops are
+    except OSError as exc:
+        return None, f"{path.name} did not load: {exc}"
+    if not library.dynvm_attention_supported():
+        return None, "this CPU has no AVX-512F"
+    p, n, i, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+    strides = ctypes.POINTER(ctypes.c_long)
+    library.dynvm_attention.argtypes = [p, strides, p, strides, p, strides, i, n, n, n, n, n,
+                                        p, i, strides, f, p, strides, i]
+    library.dynvm_attention.restype = ctypes.c_int
+    return library, ""
+
+
+_LIBRARY, _WHY_NOT = _load()
+_THREADS = openmp_getter()
+
+
+def available() -> bool:
+    """Whether the C kernel runs in this process."""
+    return _LIBRARY is not None
+
+
+def _reads(q, k, v, mask, dropout_p, is_causal) -> bool:
+    """Whether the C kernel reads these operands as they are (else torch's SDPA runs);
+    q, k, v real or meta tensors."""
+    if dropout_p != 0.0 or is_causal or not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return False
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype \
+            or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return False
+    b, h, s, d = q.shape
+    if k.shape != (b, h, k.shape[2], d) or v.shape != k.shape or d % 16 or d == 0 \
+            or s == 0 or not 0 < k.shape[2] <= MAX_KEYS \
+            or any(t.stride(-1) != 1 for t in (q, k, v)):
+        return False
+    if mask is None:
+        return True
+    if not isinstance(mask, torch.Tensor) or mask.dtype not in (torch.bool, q.dtype) \
+            or mask.dim() > 4:
+        return False
+    scores = (b, h, s, k.shape[2])
+    return all(m in (1, n) for m, n in zip(mask.shape[::-1], scores[::-1]))
+
+
+def _strides(values) -> ctypes.Array:
+    return (ctypes.c_long * len(values))(*values)
+
+
+def masked_attention(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    """`ATTENTION`: SDPA's result, from dynvm's C kernel where it reads the operands
+    (Note [Masked attention of our own]), else from torch's SDPA."""
+    if _LIBRARY is None or not _reads(q, k, v, mask, dropout_p, is_causal) \
+            or q.device.type != "cpu":
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, mask, dropout_p, is_causal, scale=scale)
+    b, h, s, d = q.shape
+    keys = k.shape[2]
+    out = torch.empty_like(q)
+    if mask is None:
+        mask_ptr, mask_strides = None, _strides((0, 0, 0, 0))
+    else:
+        full = mask.expand(b, h, s, keys)
+        mask_ptr, mask_strides = full.data_ptr(), _strides(full.stride())
+    threads = 1 if _THREADS is None else _THREADS()
+    status = _LIBRARY.dynvm_attention(
+        q.data_ptr(), _strides(q.stride()[:3]), k.data_ptr(), _strides(k.stride()[:3]),
+        v.data_ptr(), _strides(v.stride()[:3]), int(q.dtype == torch.bfloat16), b, h, s,
+        keys, d, mask_ptr, _MASKS[None if mask is None else mask.dtype], mask_strides,
+        d ** -0.5 if scale is None else scale, out.data_ptr(), _strides(out.stride()[:3]),
+        threads)
+    if status != 0:
+        raise MemoryError("dynvm_attention: no scratch memory")
+    return out
+
+
+ATTENTION_KERNELS = {ATTENTION: masked_attention}
+
+
+def _value(arg, probe):
+    return probe.get(arg.reg) if isinstance(arg, Var) else \
+        arg.value if isinstance(arg, Literal) else arg
+
+
+def native_attention(spec: SpecializedRegion) -> tuple[SpecializedRegion, str]:
+    """`spec` with each SDPA the C kernel reads at every probe on that kernel (Note
+    [Masked attention of our own]), and a note ("" where the region has no SDPA)."""
+    sdpas = [i for i, op in enumerate(spec.ops) if op.opcode == "SDPA" and op.variant == ""]
+    if not sdpas:
+        return spec, ""
+    if _LIBRARY is None:
+        return spec, f"; SDPA on torch's kernel ({_WHY_NOT})"
+    ops = list(spec.ops)
+    taken = 0
+    for at in sdpas:
+        op = ops[at]
+        if len(op.args) != 7 or len(op.dsts) != 1:
+            continue
+        results = probe_tensors(spec.abstract, op.dsts[0])
+        if results is None or not all(_fits(op, probe, result)
+                                      for probe, result in zip(spec.abstract, results)):
+            continue
+        ops[at] = dataclasses.replace(op, opcode=ATTENTION, variant=ATTENTION_VARIANT)
+        taken += 1
+    if not taken:
+        return spec, (f"; {len(sdpas)} SDPA(s) on torch's kernel (not fp32 with "
+                      f"{MIN_KEYS}-{MAX_KEYS} keys and operands dynvm's masked attention "
+                      "reads: Note [Masked attention of our own])")
+    return dataclasses.replace(spec, ops=tuple(ops)), (
+        f"; {taken} of {len(sdpas)} SDPA(s) on dynvm's masked attention "
+        "(Note [Masked attention of our own])")
+
+
+def _fits(op: SpecOp, probe, result) -> bool:
+    q, k, v, mask, dropout_p, is_causal, scale = (_value(a, probe) for a in op.args)
+    if (mask is not None and not isinstance(mask, torch.Tensor)) \
+            or not (scale is None or isinstance(scale, (int, float))):
+        return False
+    if not _reads(q, k, v, mask, dropout_p, is_causal) or q.dtype != torch.float32 \
+            or k.shape[2] < MIN_KEYS:
+        return False
+    # the result laid out as the kernel lays it out (the abstract value says torch's)
+    return result.dtype == q.dtype and result.shape == q.shape \
+        and result.stride() == torch.empty_like(q, device="meta").stride()
