@@ -100,11 +100,13 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     if library is None:
         return None, why
     pointer, size = ctypes.c_void_p, ctypes.c_long
-    # x, ldx, M, K, packed, width, N, bias, act, add, lda, y, ldy
+    # x, ldx, M, K, packed, width, N, bias, act, add, lda, y, ldy, scratch
     library.dynvm_panel_linear.argtypes = [pointer, size, size, size, pointer, size, size,
                                            pointer, ctypes.c_int, pointer, size, pointer,
-                                           size]
+                                           size, pointer]
     library.dynvm_panel_linear.restype = None
+    library.dynvm_panel_scratch_floats.argtypes = [size, size, size]
+    library.dynvm_panel_scratch_floats.restype = size
     return library, ""
 
 
@@ -167,10 +169,14 @@ def panel_linear(x: torch.Tensor, packed: PackedPanels, bias: torch.Tensor | Non
         lda = 0 if add_rows is None else add_rows.stride(0)
         if bias is not None:
             bias = bias.contiguous()
+        # past one register block the kernel packs x's rows here first (the Note)
+        floats = _LIBRARY.dynvm_panel_scratch_floats(m, k, packed.width)
+        scratch = torch.empty(floats) if floats else None
         _LIBRARY.dynvm_panel_linear(
             rows.data_ptr(), rows.stride(0), m, k, packed.panels.data_ptr(), packed.width,
             n, None if bias is None else bias.data_ptr(), ACTIVATIONS[activation],
-            None if add_rows is None else add_rows.data_ptr(), lda, y.data_ptr(), n)
+            None if add_rows is None else add_rows.data_ptr(), lda, y.data_ptr(), n,
+            None if scratch is None else scratch.data_ptr())
     return y.view(*x.shape[:-1], n)
 
 

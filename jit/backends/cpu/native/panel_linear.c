@@ -32,7 +32,6 @@
 
 #include <immintrin.h>
 #include <omp.h>
-#include <stdlib.h>
 
 #define AVX512 __attribute__((target("avx512f")))
 /* 8 KiB ahead: at M = 16 over BERT-base's 16 GEMMs 1 / 4 / 8 / 16 KiB ran 15.97 / 8.57 /
@@ -254,18 +253,10 @@ static inline void pack_rows(const float* x, long ldx, long M, long K, long bloc
   }
 }
 
-/* The calling thread's buffer for x's packed rows, kept between calls: a fresh one a
-   call would be a fresh mapping (768 KiB at 64 rows x 3072) and its page faults. */
-static __thread float* packed_rows;
-static __thread long packed_rows_floats;
-
-static float* rows_buffer(long floats) {
-  if (floats > packed_rows_floats) {
-    free(packed_rows);
-    packed_rows = (float*)aligned_alloc(64, ((floats * 4 + 63) / 64) * 64);
-    packed_rows_floats = packed_rows ? floats : 0;
-  }
-  return packed_rows;
+/* Floats of the scratch dynvm_panel_linear needs for M rows: x's packed rows past one
+   register block, none within it. */
+long dynvm_panel_scratch_floats(long M, long K, long width) {
+  return M > (width == 16 ? MAX_ROWS_1 : MAX_ROWS_2) ? M * K : 0;
 }
 
 /* Columns n0 .. n0 + 16 V - 1 over K in chunks, for all M rows (x packed in xp).
@@ -284,8 +275,8 @@ static inline AVX512 void chunked_columns(const float* xp, long M, long K,
     const float* chunk = group + k0 * kstride;
     /* the next chunk of these columns, or the next group's first */
     const float* ahead = k0 + kn < K ? chunk + kn * kstride : next;
-    long ahead_rows = !ahead ? 0 : k0 + kn < K ? (K - k0 - kn < CHUNK_K ? K - k0 - kn : CHUNK_K)
-                                               : (K < CHUNK_K ? K : CHUNK_K);
+    long ahead_k = k0 + kn < K ? K - k0 - kn : K;   /* k rows left where it points */
+    long ahead_rows = !ahead ? 0 : ahead_k < CHUNK_K ? ahead_k : CHUNK_K;
     for (long block = 0; block < blocks; block++) {
       long r0 = row_start(M, blocks, block), rows = row_start(M, blocks, block + 1) - r0;
       table[rows](xp + r0 * K + k0 * rows, kn, chunk, kstride, vstride, r0, n0, masks, b,
@@ -297,16 +288,18 @@ static inline AVX512 void chunked_columns(const float* xp, long M, long K,
 
 /* y = act(x W^T + b) (+ add) with W packed as above in panels of `width` (16 or 32)
    columns: ceil(N / width) panels of K x width floats, 64-byte aligned. x, add and y are
-   row-strided, rows contiguous. */
+   row-strided, rows contiguous; `scratch` holds dynvm_panel_scratch_floats(M, K, width)
+   floats (the caller's: torch's allocator reuses it, and a failed allocation raises
+   there). */
 AVX512 void dynvm_panel_linear(const float* x, long ldx, long M, long K,
                                const float* packed, long width, long N, const float* b,
-                               int act, const float* add, long lda, float* y, long ldy) {
+                               int act, const float* add, long lda, float* y, long ldy,
+                               float* scratch) {
   long panels = (N + width - 1) / width, vectors = width / 16;
   long one_block = vectors == 1 ? MAX_ROWS_1 : MAX_ROWS_2;
   const panel_block_fn* table = vectors == 1 ? PANEL_BLOCKS_1 : PANEL_BLOCKS_2;
   long blocks = (M + CHUNK_ROWS - 1) / CHUNK_ROWS;
-  float* xp = M > one_block ? rows_buffer(M * K) : 0;
-  if (M > one_block && !xp) return;   /* no memory: unreachable in practice */
+  float* xp = M > one_block ? scratch : 0;
   /* past one block the panels go 32 columns at a time: a 16-column panel and the next */
   long groups = M > one_block ? (N + 31) / 32 : panels;
   #pragma omp parallel
