@@ -167,21 +167,26 @@ def test_never_builds_no_halves(monkeypatch):
     assert not any("row halves" in s for s in sources)
 
 
-def test_the_choice_runs_the_faster_and_holds_the_team_after_a_starved_helper():
-    choice = chain_halves.HalvesChoice()
-    for _ in range(12):                   # alternates, then the halves are faster
+def _calls(choice, n: int, halves_s: float, team_s: float) -> list[bool]:
+    picks = []
+    for _ in range(n):
         use = choice.next()
-        choice.record(use, 1.0 if use else 2.0)
-    assert choice.halves and choice.runs[True] >= 3 and choice.runs[False] >= 3
-    picks = [choice.next() for _ in range(chain_halves._EXPLORE)]
-    assert picks.count(False) == 1        # the team explored once in _EXPLORE calls
+        choice.record(use, halves_s if use else team_s)
+        picks.append(use)
+    return picks
+
+
+def test_the_choice_runs_the_faster_retakes_its_verdict_and_holds_after_starving():
+    choice = chain_halves.HalvesChoice()
+    picks = _calls(choice, 60, 1.0, 2.0)        # both timed, then the halves are faster
+    assert choice.halves and picks[-48:].count(False) <= 2 * chain_halves._FIRST
+    assert picks[-48:].count(False) >= 1       # the team is still asked now and then
+    picks = _calls(choice, chain_halves._RECENT + 8, 3.0, 2.0)   # the load changed
+    assert not choice.halves and picks[-16:].count(True) <= chain_halves._FIRST
+    picks = _calls(choice, chain_halves._RECENT + 8, 1.0, 2.0)   # and back
+    assert choice.halves and picks[-16:].count(False) <= chain_halves._FIRST
     choice.record(True, 1.0, starved=True)
-    assert choice.next()                  # one starved call is a blip
+    assert choice.next()                        # one starved call is a blip
     choice.record(True, 1.0, starved=True)
-    assert not any(choice.next() for _ in range(chain_halves._EXPLORE))
+    assert not any(choice.next() for _ in range(chain_halves._HOLD))
     assert choice.next()
-    slow = chain_halves.HalvesChoice()
-    for _ in range(12):
-        use = slow.next()
-        slow.record(use, 3.0 if use else 2.0)
-    assert not slow.halves

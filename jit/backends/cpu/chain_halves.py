@@ -81,7 +81,7 @@ from dynvm.jit.backends.cpu.one_thread import openmp_runtime
 _LIBRARY_STEM = "_chain_halves"
 LATE_NS = 100_000
 """How long a thread spins at a step's end for its partner's piece before it sleeps."""
-_WINDOW, _FIRST, _EXPLORE = 7, 3, 8
+_WINDOW, _FIRST, _RECENT, _HOLD = 7, 3, 48, 16
 MAX_BATCH = 4
 """The largest batch whose NHWC arena is built in pieces (an image a piece past 1)."""
 policy = "measure"
@@ -157,12 +157,14 @@ def native(library: api.Library | None, path: Path | None = None
 
 
 class HalvesChoice:
-    """Halves or the team's chain for one arena, by its calls' measured time: alternate
-    until each way has `_FIRST` timings, then the faster by median over the last
-    `_WINDOW`, the other one call in `_EXPLORE`. Two halves calls in a row whose helper
-    ran under a quarter of the pieces (starved: its core busy elsewhere) send the next
-    `_EXPLORE` calls to the team whatever the timings say (Note [A chain in halves, one
-    wake a call]; the lesson of Note [Column halves with a helper thread])."""
+    """Halves or the team's chain for one arena, by its calls' measured time: each way
+    needs `_FIRST` timings among the last `_RECENT` calls (the one short of them runs
+    next), then the faster by median over those. Timings age out, so a verdict taken
+    while compiles shared the cores (the warm-up) is retaken within `_RECENT` calls.
+    Two halves calls in a row whose helper ran under a quarter of the pieces (starved:
+    its core busy elsewhere) send the next `_HOLD` calls to the team whatever the
+    timings say (Note [A chain in halves, one wake a call]; the lesson of Note [Column
+    halves with a helper thread])."""
 
     def __init__(self) -> None:
         self._times = {True: deque(maxlen=_WINDOW), False: deque(maxlen=_WINDOW)}
@@ -173,25 +175,29 @@ class HalvesChoice:
         self.runs = {True: 0, False: 0}
         self.starved = 0
 
+    def _recent(self, halves: bool) -> list[float]:
+        return [t for call, t in self._times[halves] if call > self._calls - _RECENT]
+
     def next(self) -> bool:
         self._calls += 1
         if self._calls <= self._team_until:
             return False
-        if len(self._times[True]) < _FIRST or len(self._times[False]) < _FIRST:
-            return len(self._times[True]) <= len(self._times[False])
-        return (not self.halves) if self._calls % _EXPLORE == 0 else self.halves
+        for way in (True, False):
+            if len(self._recent(way)) < _FIRST:
+                return way
+        return self.halves
 
     def record(self, halves: bool, seconds: float, starved: bool = False) -> None:
         self.runs[halves] += 1
-        self._times[halves].append(seconds)
+        self._times[halves].append((self._calls, seconds))
         if halves:
             self._in_a_row = self._in_a_row + 1 if starved else 0
             self.starved += starved
             if self._in_a_row >= 2:
-                self._team_until = self._calls + _EXPLORE
-        if len(self._times[True]) >= _FIRST and len(self._times[False]) >= _FIRST:
-            self.halves = (statistics.median(self._times[True])
-                           <= statistics.median(self._times[False]))
+                self._team_until = self._calls + _HOLD
+        mine, team = self._recent(True), self._recent(False)
+        if len(mine) >= _FIRST and len(team) >= _FIRST:
+            self.halves = statistics.median(mine) <= statistics.median(team)
 
 
 class HalvesCall:
