@@ -70,7 +70,7 @@ setup(ext_modules=[Extension(
     extra_link_args=["-fopenmp"],
     optional=True,
 ), Extension(
-    # an fp32 GEMM of 16-32 rows over panels packed once (Note [A panel GEMM of our own]
+    # an fp32 GEMM of 8-64 rows over panels packed once (Note [A panel GEMM of our own]
     # in jit/backends/cpu/panel_linear.py), on torch's OpenMP team
     "dynvm.jit.backends.cpu._panel_linear",
     sources=["jit/backends/cpu/native/panel_linear.c"],
