@@ -57,7 +57,14 @@ against 12.99 ms, **0.768** (A/A 1.003, 10:08 UTC, load 2.8), 7.83 against 11.37
 (A/A 0.985, 10:13, load 2.0), 9.27 against 12.68, 0.732 (A/A 0.997, 10:16, load 1.7);
 batch 2 by image 14.28 against 17.55, **0.826** (A/A 1.016), batch 4 25.54 against
 27.93, 0.918 (A/A 0.996; 10:15, load 2.0); fp32 batch 1 0.985 (A/A 1.007, 10:09, load
-2.2; the chooser still alternating).
+2.2; the chooser still alternating), 0.957 / 1.017 / 0.996 at 10:21 / 10:38 / 10:52.
+With OpenVINO bf16 in the same process (10:20, load 1.7): jit-bf16 / OpenVINO bf16
+1.001 / 0.957 / 1.023 at batch 1 / 2 / 4, the team's chain 1.276 / 1.160 / 1.113. In
+windows where other work held both cores (10:45 / 10:55, load 2-2.9, the team's batch-1
+call 14.5-15 ms against 11.5 quiet) the choice kept to the team's speed: 1.014 / 1.022 /
+1.023 and 1.038 / 0.977 / 0.975 (A/A 0.966-1.004). The pieces' weights: bf16's are the
+team's copies (44.7 MiB either way); fp32's 7x7 channel halves add 55.6 MiB (181.7 ->
+237.3) for a chain 0.7-4% faster than rows there (10:29, 10:51).
 """
 
 from __future__ import annotations
