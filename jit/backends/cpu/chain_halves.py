@@ -64,7 +64,11 @@ windows where other work held both cores (10:45 / 10:55, load 2-2.9, the team's 
 call 14.5-15 ms against 11.5 quiet) the choice kept to the team's speed: 1.014 / 1.022 /
 1.023 and 1.038 / 0.977 / 0.975 (A/A 0.966-1.004). The pieces' weights: bf16's are the
 team's copies (44.7 MiB either way); fp32's 7x7 channel halves add 55.6 MiB (181.7 ->
-237.3) for a chain 0.7-4% faster than rows there (10:29, 10:51).
+237.3) for a chain 0.7-4% faster than rows there (10:29, 10:51). The final tree in a
+quiet window (10:58-11:01, load 0.4-1.5): measure / never bf16 0.716 / 0.809 / 0.904
+(A/A 1.004 / 1.010 / 1.027), fp32 batch 1 0.935 (A/A 0.999); beside the peers
+jit-bf16 / OpenVINO bf16 0.967 / 0.962 / 1.131 (the team's 1.352 / 1.201 / 1.112; A/A
+0.960-0.966), fp32 JIT / ONNX Runtime 1.046 at batch 1 (the team's 1.131).
 """
 
 from __future__ import annotations
