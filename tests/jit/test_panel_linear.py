@@ -215,3 +215,37 @@ def test_weights_that_fit_a_cores_cache_stay_on_their_primitives():
         rt(x), rt(x)
         sources = [a.source for a in rt.jit.artifacts.values()]
     assert sources and not any("panel GEMM" in s for s in sources)
+
+
+@needs_kernel
+@NEEDS_ONEDNN_LIBRARY[0]
+@NEEDS_ONEDNN_LIBRARY[1]
+def test_the_panels_are_asked_onto_huge_pages_once_each(monkeypatch):
+    # Note [Packed weights on huge pages]: a kernel's panels are queued for collapse,
+    # each packed copy once however many kernels read it
+    asked = []
+    monkeypatch.setattr(panel_linear, "PANEL_MIN_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(panel_linear, "to_huge_pages", asked.append)
+    _, program = _block_program()
+    with _runtime(program, "on") as rt, torch.no_grad():
+        for b, s in ((1, 16), (2, 8), (1, 16)):
+            x = torch.randn(b, s, 64)
+            rt(x), rt(x)
+    panels = {id(t): t for t in asked}
+    assert len(panels) == 4, [tuple(t.shape) for t in asked]      # qkv, up, down, head
+    assert all(t.dtype == torch.float32 and t.dim() == 3
+               and t.shape[-1] == panel_linear.PANEL_WIDTH for t in panels.values())
+
+
+@needs_kernel
+def test_collapsed_panels_compute_the_same():
+    from dynvm.jit.backends.cpu import huge_pages
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.randn(1024, 1024, generator=gen)        # 4 MiB: whole 2 MiB pages
+    packed = PackedPanels(weight)
+    x = torch.randn(24, 1024, generator=gen)
+    before = panel_linear.panel_linear(x, packed)
+    huge_pages.to_huge_pages(packed.panels)
+    assert huge_pages.drain(timeout=30.0)          # collapsed, or refused by this host
+    torch.testing.assert_close(panel_linear.panel_linear(x, packed), before, rtol=0, atol=0)
+    _close(before, x @ weight.T, 1024)
