@@ -76,7 +76,6 @@ from __future__ import annotations
 import ctypes
 import statistics
 import sys
-import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -86,8 +85,7 @@ import torch
 from dynvm.jit import background
 from dynvm.jit.backends.cpu import onednn_api as api
 from dynvm.jit.backends.cpu.chain_pieces import HalvesArena, _Plan
-from dynvm.jit.backends.cpu.native_linear import find_extension
-from dynvm.jit.backends.cpu.one_thread import openmp_runtime
+from dynvm.jit.backends.cpu.helper_libraries import bound_once
 
 _LIBRARY_STEM = "_chain_halves"
 LATE_NS = 100_000
@@ -142,29 +140,10 @@ class _Native:
                          "wait_ns"), out))
 
 
-_NATIVE: dict = {}
-_NATIVE_LOCK = threading.Lock()
-
-
 def native(library: api.Library | None, path: Path | None = None
            ) -> tuple[_Native | None, str]:
     """The halves library bound to `library` (its helper started), or None and why not."""
-    if library is None:
-        return None, api.unavailable_reason()
-    found = path if path is not None else find_extension(_LIBRARY_STEM)
-    if found is None or not found.exists():
-        return None, (f"{_LIBRARY_STEM} was not built (setup.py compiles it at install; "
-                      "reinstall dynvm with a C compiler present)")
-    with _NATIVE_LOCK:
-        if found not in _NATIVE:
-            omp = openmp_runtime()
-            if omp is None:
-                return None, "no OpenMP runtime loaded"
-            try:
-                _NATIVE[found] = _Native(found, library, omp)
-            except (OSError, AttributeError, api.OnednnError) as exc:
-                return None, f"{found.name}: {exc}"
-        return _NATIVE[found], ""
+    return bound_once(_LIBRARY_STEM, _Native, library, path)
 
 
 class HalvesChoice:

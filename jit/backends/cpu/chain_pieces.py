@@ -424,15 +424,7 @@ class HalvesArena:
         another thread's call owns the helper or this thread runs one OpenMP thread
         (run the arena then)."""
         arena = self._arena
-        if arena._head is not None:
-            if x.dtype != arena._head:
-                raise api.OnednnError(f"a chain's source of {x.dtype}")
-            if not x.is_contiguous():
-                x = x.contiguous()
-        elif not x.is_contiguous(memory_format=_CL):
-            x = x.contiguous(memory_format=_CL)
-        made = [torch.empty(shape, dtype=dtype, memory_format=form)
-                for shape, dtype, form in arena._result_specs]
+        x, made = arena.source_and_results(x)
         with arena._lock:
             self._pointers[0] = x.data_ptr()
             for k, tensor in enumerate(made):

@@ -351,9 +351,9 @@ class _Arena:
             self._per_call.append((where, made))
         return made
 
-    def run(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """The chain on `x` (this arena's shape; NHWC, or with a head NCHW of its
-        dtype): its results, new tensors."""
+    def source_and_results(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`x` in the layout the chain reads (NHWC, or with a head NCHW of its dtype),
+        and new tensors for the chain's results (shared with the chain in pieces)."""
         if self._head is not None:
             if x.dtype != self._head:
                 raise api.OnednnError(f"a chain's source of {x.dtype}")
@@ -361,8 +361,13 @@ class _Arena:
                 x = x.contiguous()
         elif not x.is_contiguous(memory_format=_CL):
             x = x.contiguous(memory_format=_CL)
-        made = [torch.empty(shape, dtype=dtype, memory_format=form)
-                for shape, dtype, form in self._result_specs]
+        return x, [torch.empty(shape, dtype=dtype, memory_format=form)
+                   for shape, dtype, form in self._result_specs]
+
+    def run(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The chain on `x` (this arena's shape; NHWC, or with a head NCHW of its
+        dtype): its results, new tensors."""
+        x, made = self.source_and_results(x)
         with self._lock:
             for k, where in enumerate(self._bind):
                 tensor = x if where == -1 else made[-2 - where]

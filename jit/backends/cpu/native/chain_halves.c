@@ -35,6 +35,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "helper_sync.h"
+
 static struct PyModuleDef halves_module = {
     PyModuleDef_HEAD_INIT, "_chain_halves",
     "dynvm's batch-1 chains in halves with a helper thread (chain_halves.py)",
@@ -132,19 +134,7 @@ static _Thread_local long long walked;
    CPU is another process's). */
 static atomic_int cpu_of[2];   /* pieces this thread ran in its last walk */
 
-static long long now_ns(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
-}
-
-static void futex_wait(atomic_int *word, int expected) {
-  syscall(SYS_futex, (int *)word, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
-}
-
-static void futex_wake_all(atomic_int *word) {
-  syscall(SYS_futex, (int *)word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-}
+static void futex_wake_all(atomic_int *word) { futex_wake(word, INT_MAX); }
 
 /* Walk the plan's steps: claim and run pieces, wait for each step's end. `caller`:
    counts, waits timed, and the GIL let go between steps. */

@@ -36,6 +36,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "helper_sync.h"
+
 /* An importable (empty) module, so that the package's modules all import. */
 static struct PyModuleDef halves_module = {
     PyModuleDef_HEAD_INIT, "_column_halves",
@@ -100,19 +102,6 @@ static atomic_llong wait_ns, sleeps, claim_ns, wake_ns, wakes, parks;
 static atomic_llong posted_at, entered_at;
 static atomic_int call_helper, call_caller;   /* this call's B halves, by whom */
 
-static long long now_ns(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
-}
-
-static void futex_wait(atomic_int *word, int expected) {
-  syscall(SYS_futex, (int *)word, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
-}
-
-static void futex_wake(atomic_int *word) {
-  syscall(SYS_futex, (int *)word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
-}
 
 static void set_idle(int idle) {
   struct sched_param param = {0};
@@ -202,7 +191,7 @@ static void *helper(void *unused) {
           atomic_fetch_add(&by_helper, 1);
           atomic_fetch_add(&call_helper, 1);
           atomic_fetch_add(&finished, 1);   /* seq_cst: before caller_waiting's load */
-          if (atomic_load(&caller_waiting)) futex_wake(&finished);
+          if (atomic_load(&caller_waiting)) futex_wake(&finished, 1);
         }
         set_idle(1);
         since = now_ns();
@@ -254,7 +243,7 @@ int dynvm_halves_enter(void) {
   atomic_store(&call_caller, 0);
   atomic_store(&entered_at, now_ns());
   atomic_fetch_add(&generation, 1);
-  futex_wake(&generation);
+  futex_wake(&generation, 1);
   return 1;
 }
 
