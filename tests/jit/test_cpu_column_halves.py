@@ -19,7 +19,7 @@ from torch import nn
 from torch.export import Dim
 
 import dynvm
-from dynvm.jit.backends.cpu import column_halves, onednn_api
+from dynvm.jit.backends.cpu import column_halves, helper_libraries, onednn_api
 from dynvm.jit.backends.cpu.onednn_conv import eltwise_of
 from dynvm.jit.backends.cpu.onednn_linear import LinearSpec, LinearWeights, PrimitiveLinear
 from dynvm.jit.backends.cpu.precision import precision_available
@@ -202,7 +202,7 @@ def test_where_the_library_is_absent_kernels_keep_the_team(monkeypatch):
     missing = Path("/nonexistent/_column_halves.so")
     bound, why = column_halves.native(onednn_api.library(), missing)
     assert bound is None and "was not built" in why
-    monkeypatch.setattr(column_halves, "find_extension", lambda stem: missing)
+    monkeypatch.setattr(helper_libraries, "find_extension", lambda stem: missing)
     gen = torch.Generator().manual_seed(6)
     with _runtime(program, "on") as rt, torch.no_grad():
         for x in _inputs(gen, 3):

@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "bf16_bits.h"
+#include "exp512.h"
 
 #define AVX512 __attribute__((target("avx512f")))
 #define INLINE static inline __attribute__((always_inline)) AVX512
@@ -68,25 +69,12 @@ INLINE __m512 vector_at(const void* base, long at, int bf16) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* e^x for x <= 0 (a score less its row's max): exp's range reduction x = n ln2 + r,
-   |r| <= ln2 / 2, a degree-7 polynomial for e^r (relative error ~1e-7), times 2^n;
-   0 below -87 (e^-87 ~ 1.6e-38) and at -inf. */
+/* e^x for x <= 0 (a score less its row's max), by exp512.h; 0 below -87 (e^-87 ~
+   1.6e-38) and at -inf. */
 INLINE __m512 exp_nonpositive(__m512 x) {
   const __m512 floor = _mm512_set1_ps(-87.0f);
   __mmask16 live = _mm512_cmp_ps_mask(x, floor, _CMP_GT_OQ);
-  x = _mm512_max_ps(x, floor);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
+  return _mm512_maskz_mov_ps(live, exp512(_mm512_max_ps(x, floor)));
 }
 
 /* The scores of 16 keys from j0 for query row i: scaled, masked; -inf past L. */
