@@ -51,6 +51,21 @@ At batch 2-4 (an NHWC arena: bf16; fp32's are nChw16c there and stay the team's)
 pieces are the images, each the step's batch-1 primitive at its image's offset, claimed
 one at a time (`MAX_BATCH`).
 
+fp32 at batch 2-4, measured, not built (ResNet-50 whole model, Runtimes in one process
+against today's nChw16c team chain, interleaved call by call with an A/A, 40 rounds;
+/tmp/h33p/ab2.py, 2026-12-06): NHWC arenas (BLOCKED_MIN_BATCH raised) an image a piece
+0.985 / 1.013 at batch 2 / 4 (A/A 0.994 / 1.004; 11:34 UTC, load 1.8) and 0.983 / 1.012
+(A/A 0.995 / 1.003; 11:55, load 2.0), their NHWC team chain 1.011 / 1.013; at load 6
+(11:51) the pieces 1.045 / 1.031. The nChw16c arena itself an image a piece (each step
+and the reorders in and out a one-thread primitive per image at `image * bytes per
+image`, N being outermost; bit-equal to the team's; a prototype, /tmp/h33p/
+chain_images_proto.py) 1.004 / 1.037 (11:55, load 2.0), 1.067 / 1.077 at load 6. The
+wakes saved are ~15 us each over 56 primitives against 57-110 ms calls (under 1.5%):
+a 1.5% gain at batch 2 in a quiet window only, none at 4, and the fallback under load
+(the NHWC team, 1.1% behind nChw16c) loses, so fp32 keeps the blocked team chain at 2-4.
+One primitive object run on both threads at once gave wrong results (the prototype's
+images first shared one): each piece is a primitive of its own, as here.
+
 Whole model (ResNet-50, two Runtimes in one process, halves "measure" / "never",
 interleaved call by call with an A/A; /tmp/h33r/ab.py, 2026-12-06): bf16 batch 1 9.99
 against 12.99 ms, **0.768** (A/A 1.003, 10:08 UTC, load 2.8), 7.83 against 11.37, 0.679
