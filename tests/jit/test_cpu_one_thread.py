@@ -7,6 +7,9 @@ switches only the calling thread, and asks the calibrator only about ops that ma
 from __future__ import annotations
 
 import functools
+import importlib.util
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -159,3 +162,30 @@ def test_sdpa_is_never_asked():
                    torch.device("cpu"), "test", "strong", options)
     asked = {key[0] for (op, key) in calibrator.entries() if op == "one thread"}
     assert "LAYER_NORM" in asked and "SDPA" not in asked, asked
+
+
+
+_TORCHS_RUNTIME = """
+import os, torch, ctranslate2
+from dynvm.jit.backends.cpu.one_thread import openmp_runtime
+runtime = openmp_runtime()
+with open("/proc/self/maps") as maps:
+    mapped = {line.split()[-1] for line in maps if "libgomp" in line}
+torchs = os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "torch")
+assert len(mapped) > 1, mapped                      # CTranslate2's own beside torch's
+assert runtime._name.startswith(torchs), (runtime._name, mapped)
+assert runtime.omp_get_max_threads() == torch.get_num_threads()
+print("torch's")
+"""
+
+
+def test_the_openmp_runtime_is_torchs_beside_another_packages():
+    # CTranslate2's wheel maps a libgomp of its own, whose path sorts before torch's: the
+    # thread counts the helper threads read and set must still be torch's team's (with
+    # CTranslate2's runtime, a chain in pieces read 1 thread and never ran its pieces).
+    # In a child process: CTranslate2's runtime is not left in this one.
+    if importlib.util.find_spec("ctranslate2") is None:
+        pytest.skip("ctranslate2 (the bench extra) is not installed")
+    child = subprocess.run([sys.executable, "-c", _TORCHS_RUNTIME], capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == 0 and "torch's" in child.stdout, child.stderr[-2000:]

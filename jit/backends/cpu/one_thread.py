@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import re
 
 import torch
@@ -85,14 +86,19 @@ NEVER_ASKED = frozenset({"SDPA"})   # Note [Small ops on one thread]: its last p
 
 @functools.lru_cache(maxsize=1)
 def openmp_runtime():
-    """The OpenMP runtime loaded in this process (a ctypes library), or None."""
+    """The OpenMP runtime torch runs its threads on (a ctypes library), or None. Another
+    package may map one of its own beside it (CTranslate2's wheel carries its own
+    libgomp, whose path sorts first): one inside torch's package is taken first, so
+    that the thread counts read and set here are torch's team's."""
     try:
         with open("/proc/self/maps") as maps:
             text = maps.read()
     except OSError:
         return None
-    for path in sorted(set(re.findall(r"(/\S*(?:libgomp|libiomp5|libomp)[^/\s]*\.so\S*)",
-                                      text))):
+    found = sorted(set(re.findall(r"(/\S*(?:libgomp|libiomp5|libomp)[^/\s]*\.so\S*)", text)))
+    # torch/lib/... or torch.libs/... beside the package
+    torch_prefix = os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "torch")
+    for path in sorted(found, key=lambda path: not path.startswith(torch_prefix)):
         try:
             lib = ctypes.CDLL(path)
             lib.omp_set_num_threads.argtypes = [ctypes.c_int]
