@@ -78,6 +78,13 @@ def halves_always(monkeypatch):
     bound_native(chain_halves)
     monkeypatch.setattr(chain_halves, "policy", "always")
     gc.collect()
+    # pieces need two threads (one torch thread runs the team's chain), and a test
+    # before this one in the same process may have left torch at one (bench.zoo's and
+    # bench._timing's mains set it so)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
