@@ -100,7 +100,7 @@ import torch
 from dynvm.jit import background
 from dynvm.jit.backends.cpu import onednn_api as api
 from dynvm.jit.backends.cpu.chain_pieces import HalvesArena, _Plan
-from dynvm.jit.backends.cpu.helper_libraries import bound_once
+from dynvm.jit.backends.cpu.helper_libraries import bound_once, helper_stream
 
 _LIBRARY_STEM = "_chain_halves"
 LATE_NS = 100_000
@@ -128,10 +128,7 @@ class _Native:
         self._stats.argtypes, self._stats.restype = [ctypes.POINTER(ctypes.c_longlong)], None
         self.omp = omp
         self.stream = library.stream
-        self._helper_stream = ctypes.c_void_p()     # alive with the process
-        api.check(library.dll.dnnl_stream_create(ctypes.byref(self._helper_stream),
-                                                 library.engine, api.STREAM_DEFAULT),
-                  "helper stream")
+        self._helper_stream = helper_stream(library)
         lib = library.dll
         wait = lib.dnnl_stream_wait
         wait.argtypes, wait.restype = [p], ctypes.c_int

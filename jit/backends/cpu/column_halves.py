@@ -94,7 +94,7 @@ import torch
 
 from dynvm.jit import background
 from dynvm.jit.backends.cpu import onednn_api as api
-from dynvm.jit.backends.cpu.helper_libraries import bound_once
+from dynvm.jit.backends.cpu.helper_libraries import bound_once, helper_stream
 from dynvm.jit.backends.cpu.onednn_matmul import (
     LinearPrimitive,
     LinearSpec,
@@ -191,10 +191,7 @@ class _Native:
         self.set_claiming.argtypes, self.set_claiming.restype = [i], None
         self.omp = omp
         self.stream = library.stream
-        self._helper_stream = ctypes.c_void_p()     # alive with the process
-        api.check(library.dll.dnnl_stream_create(ctypes.byref(self._helper_stream),
-                                                 library.engine, api.STREAM_DEFAULT),
-                  "helper stream")
+        self._helper_stream = helper_stream(library)
         start = dll.dynvm_halves_start
         start.argtypes, start.restype = [p, p, p, p, p, ctypes.c_longlong,
                                          ctypes.c_longlong], i

@@ -5,6 +5,7 @@ the state it shares with the callers live in the library (one helper per library
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -40,3 +41,12 @@ def bound_once(stem: str, bind: Callable[[Path, api.Library, object], object],
             except (OSError, AttributeError, api.OnednnError) as exc:
                 return None, f"{found.name}: {exc}"
         return _BOUND[found], ""
+
+
+def helper_stream(library: api.Library) -> ctypes.c_void_p:
+    """A oneDNN stream of the helper thread's own, alive with the process (the caller's
+    is `library.stream`)."""
+    stream = ctypes.c_void_p()
+    api.check(library.dll.dnnl_stream_create(ctypes.byref(stream), library.engine,
+                                             api.STREAM_DEFAULT), "helper stream")
+    return stream
