@@ -250,10 +250,11 @@ def worker_task() -> _WorkerTasks:
     return _TASKS
 
 
-def checkpoint(max_wait_s: float = MAX_WAIT_S) -> float:
+def checkpoint(max_wait_s: float = MAX_WAIT_S, gap: bool = False) -> float:
     """A point between two steps of background work: on a compile worker, wait while a
     call is in flight (at most `max_wait_s`); elsewhere return at once. The seconds
-    waited."""
+    waited. `gap`: the next step is timed (a shadow sample's run), so it waits for a
+    gap even inside its slice (Note [Shadow samples beside calls] in jit.shadow)."""
     if not getattr(_LOCAL, "background", False):
         return 0.0
     # The wait budget (module docstring): work since the last checkpoint earns waiting.
@@ -265,7 +266,7 @@ def checkpoint(max_wait_s: float = MAX_WAIT_S) -> float:
     waited = 0.0
     if _ACTIVITY.in_flight <= 0:
         _LOCAL.slice_end = now + SLICE_S   # Note [A slice of work per wait]
-    elif _ACTIVITY.pacing and budget > 0 and now >= getattr(_LOCAL, "slice_end", 0.0):
+    elif _ACTIVITY.pacing and budget > 0 and (gap or now >= getattr(_LOCAL, "slice_end", 0.0)):
         waited = _ACTIVITY.wait_idle(min(max_wait_s, budget))
         budget -= waited
         _LOCAL.waited = getattr(_LOCAL, "waited", 0.0) + waited

@@ -23,6 +23,12 @@ region's next family waits (Note [Probation]: the family bet), and deferred they
 BERT's warm-up to 12-13 compiles of 17 (kernel calls 72-82 of 200 against 100). With
 gaps between calls (a sample that meets no call), the zoo's drained calls, or the
 synchronous switch (the sample runs on the call, before it), nothing is deferred.
+Each of a sample's two timed runs starts in a gap even inside the worker's slice of
+work (Note [A slice of work per wait] in jit.background; `checkpoint(gap=True)`): the
+hit that queued the sample is still in flight when the worker takes it, and a run begun
+beside that call's end both slowed it and counted as a collision, spacing the next
+sample though the calls had gaps (a suite's rehearsal on a loaded host deferred an
+early sample that way).
 
 The bound: each sample comes at most `MAX_DEFERRED` hits late, so a kernel at or above
 `EARLY_LOSS` on every sample is dropped by its 1 + EARLY_SAMPLES x (MAX_DEFERRED + 1)-th
@@ -92,10 +98,10 @@ def shadow_sample(region_jit, spec: Specialization, regs: list) -> None:
     signing = clock() - start
     specialization_first = len(probation.ratios) % 2 == 1
     with torch.inference_mode():   # as a call runs
-        checkpoint()
+        checkpoint(gap=True)
         met |= activity.busy()
         interpreted = None if specialization_first else region_jit._interpret(regs.copy())
-        checkpoint()
+        checkpoint(gap=True)
         met |= activity.busy()
         start = clock()
         try:
@@ -104,7 +110,7 @@ def shadow_sample(region_jit, spec: Specialization, regs: list) -> None:
             return
         seconds = clock() - start
         if specialization_first:
-            checkpoint()
+            checkpoint(gap=True)
             met |= activity.busy()
             interpreted = region_jit._interpret(regs.copy())
     if on_worker():   # under the synchronous switch the sample is the call's own
