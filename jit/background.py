@@ -126,6 +126,7 @@ class ServingActivity:
         self.waited_seconds = 0.0
         self._waiting = 0
         self.pacing = True        # False: checkpoints never wait (an on/off figure)
+        self.last_end = 0.0       # time.monotonic() when the last call ended
 
     def begin(self) -> None:
         """A call starts."""
@@ -137,6 +138,7 @@ class ServingActivity:
         """A call ends (wakes the checkpoints waiting for the last one)."""
         with self._cond:
             self.in_flight -= 1
+            self.last_end = time.monotonic()
             if self.in_flight <= 0:
                 self.in_flight = 0
                 if self._waiting:
@@ -168,6 +170,28 @@ class ServingActivity:
             self.waits += 1
             self.waited_seconds += waited
         return waited
+
+
+    def wait_gap(self, quiet_s: float, timeout: float) -> bool:
+        """Wait until no call is in flight and none has ended for `quiet_s` seconds (a
+        gap between calls, not the instant between two back-to-back ones), at most
+        `timeout` seconds; whether such a gap came."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._waiting += 1
+            try:
+                while True:
+                    now = time.monotonic()
+                    quiet = quiet_s - (now - self.last_end)
+                    if self.in_flight <= 0 and quiet <= 0:
+                        return True
+                    left = deadline - now
+                    if left <= 0:
+                        return False
+                    # An end notifies; a call that begins meanwhile is seen on waking.
+                    self._cond.wait(min(left, quiet if self.in_flight <= 0 else left))
+            finally:
+                self._waiting -= 1
 
 
 class _Serving:

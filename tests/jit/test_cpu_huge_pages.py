@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from dynvm.jit.backends.cpu import huge_pages
 from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
 from dynvm.jit.backends.cpu.huge_pages import HUGE_PAGE, aligned_span, collapse, drain
 from dynvm.jit.backends.cpu.prepack import PrepackCache
+from dynvm.jit.background import serving
 from dynvm.jit.specialize import specialize
 from tests.jit._kernel_run import run_kernel_outputs, views
 
@@ -65,7 +67,7 @@ def test_a_packed_weight_computes_the_same_after_collapse_and_is_asked_once():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
 def test_the_collapse_runs_on_the_collapser_thread_not_the_askers(monkeypatch):
     threads = []
-    monkeypatch.setattr(huge_pages, "collapse",
+    monkeypatch.setattr(huge_pages, "collapse_between_calls",
                         lambda t: threads.append(threading.current_thread().name) or 0)
     weight = torch.ops.mkldnn._reorder_linear_weight(torch.randn(2048, 1024), 1)
     assert huge_pages.to_huge_pages(weight) and drain(timeout=30.0)
@@ -119,3 +121,62 @@ def test_a_fused_kernel_with_collapsed_weights_agrees_with_eager_on_views(monkey
             torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-4, msg=kind)
         assert torch.equal(got, again), kind
     assert asked and all(t.is_mkldnn for t in asked)
+
+
+def _recording_madvise(monkeypatch) -> list:
+    """madvise replaced by a recorder of (calls in flight, seconds since the last call
+    ended) at each ask: what the collapser saw, whatever this host's THP would do."""
+    asks = []
+
+    def madvise(start, length, advice):
+        activity = serving()
+        asks.append((activity.in_flight, time.monotonic() - activity.last_end, length))
+        return 0
+
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: madvise)
+    return asks
+
+
+def test_no_huge_page_is_collapsed_while_a_call_is_in_flight(monkeypatch):
+    """Note [Collapsing between calls]: each huge page in a gap between calls."""
+    asks = _recording_madvise(monkeypatch)
+    monkeypatch.setattr(huge_pages, "GAP_WAIT_S", 30.0)
+    tensor = torch.ones(5 * MB // 4)                   # 5 MiB: 1-2 whole huge pages
+    pages = aligned_span(*huge_pages._extent(tensor))[1] // HUGE_PAGE
+    activity = serving()
+    activity.begin()                                  # a call, in flight
+    try:
+        assert huge_pages.to_huge_pages(tensor)
+        time.sleep(0.3)                                # QUIET_S is 0.01 here
+        assert asks == []
+    finally:
+        activity.end()
+    assert drain(timeout=30.0)
+    assert len(asks) == pages >= 1
+    assert all(in_flight == 0 and quiet >= huge_pages.GAP_S for in_flight, quiet, _ in asks)
+    assert huge_pages.collapsed_bytes() >= pages * HUGE_PAGE
+
+
+def test_back_to_back_calls_still_get_their_pages(monkeypatch):
+    """With no gap at all, a huge page is taken as a call ends, after GAP_WAIT_S."""
+    asks = _recording_madvise(monkeypatch)
+    monkeypatch.setattr(huge_pages, "GAP_WAIT_S", 0.02)
+    activity, stop = serving(), threading.Event()
+
+    def calls():
+        while not stop.is_set():
+            activity.begin()
+            time.sleep(0.002)
+            activity.end()
+
+    caller = threading.Thread(target=calls)
+    caller.start()
+    try:
+        tensor = torch.ones(9 * MB // 4)               # 9 MiB: 3-4 whole huge pages
+        pages = aligned_span(*huge_pages._extent(tensor))[1] // HUGE_PAGE
+        assert huge_pages.to_huge_pages(tensor)
+        assert drain(timeout=30.0)
+    finally:
+        stop.set()
+        caller.join(10)
+    assert len(asks) == pages >= 3

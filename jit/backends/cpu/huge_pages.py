@@ -60,10 +60,30 @@ runs beside the calls the new kernel serves and not beside the compile they wait
 (three threads on two cores would slow the compile by a third for the collapse's
 length, up to 0.5 s for those 190 MB). A collapse a second late costs a second of TLB
 misses. The madvise call releases the
-GIL (ctypes), so the thread costs the calls a core's share for its length, not the
-interpreter. Until a weight's turn its kernel runs on small pages: the same results,
+GIL (ctypes). Until a weight's turn its kernel runs on small pages: the same results,
 more TLB misses. `drain()` waits for the queue (tests, and a figure that needs the
 pages collapsed).
+
+Note [Collapsing between calls]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A collapse beside calls costs them far more than a core's share: 2-thread calls of ~9
+ms (eight 32-row GEMMs) ran at a p50 of 48-59 ms while one MADV_COLLAPSE of a 256 MB
+tensor they did not read ran beside them, back to back (2026-12-06 13:04 UTC, load
+2.4-3.8, /tmp/lead/s24/collapse_beside.py): the kernel's work for a collapse (its
+locks on the address space, its work on every CPU) stalls the calls' threads, not only
+their share of a core (the mechanism was not traced). In a warm-up that is a burst of
+slow calls a second after a compile's last packed weight (suspected in BERT's 1x32
+warm-up p90 at 1.49x the interpreter's in one bar run of three at stop 23's end).
+
+So the collapser works 2 MiB at a time, each huge page in a gap between calls: no call
+of the process in flight and none ended for `GAP_S` (`ServingActivity.wait_gap` in
+jit.background, Note [Background work yields to calls]). One huge page takes ~0.7 ms
+(up to 6-16 ms while memory is compacted), so a call that begins during one waits for
+at most that. With 5 ms gaps between the same calls: alone p50 / p90 9.60 / 10.48 ms,
+beside the 256 MB collapsed gap by gap 9.93 / 12.47 (13:05, load 2.1-2.3,
+collapse_gap.py). A server with no gaps still gets its pages: after `GAP_WAIT_S`
+without a gap one huge page is taken as the next call ends (one page beside a call,
+not a whole weight).
 """
 
 from __future__ import annotations
@@ -80,11 +100,15 @@ import weakref
 
 import torch
 
+from dynvm.jit.background import serving
+
 MADV_COLLAPSE = 25      # linux/mman.h (Linux 6.1)
 HUGE_PAGE = 2 << 20
 QUIET_S = 1.0
 """Seconds without a new weight queued before the collapser starts (Note [Collapsing
 after the compile]): longer than a compile's steps after its fusion pass."""
+GAP_S = 0.001       # no call for this long is a gap (Note [Collapsing between calls])
+GAP_WAIT_S = 0.5    # ... waited for at most this long a huge page, then taken anyway
 
 _lock = threading.Lock()
 _done: set[int] = set()      # ids of the live tensors already asked
@@ -139,6 +163,23 @@ def collapse(tensor: torch.Tensor) -> int:
     return length if madvise(start, length, MADV_COLLAPSE) == 0 else 0
 
 
+def collapse_between_calls(tensor: torch.Tensor) -> int:
+    """Collapse the aligned part of `tensor`'s memory one huge page at a time, each in a
+    gap between the process's calls (Note [Collapsing between calls]): the bytes
+    collapsed. The collapser thread's step."""
+    madvise = _madvise()
+    if madvise is None or tensor.device.type != "cpu":
+        return 0
+    start, length = aligned_span(*_extent(tensor))
+    activity, collapsed = serving(), 0
+    for offset in range(0, length, HUGE_PAGE):
+        if not activity.wait_gap(GAP_S, GAP_WAIT_S):
+            activity.wait_idle(GAP_WAIT_S)   # no gap: right after a call ends
+        if madvise(start + offset, HUGE_PAGE, MADV_COLLAPSE) == 0:
+            collapsed += HUGE_PAGE
+    return collapsed
+
+
 class _Collapser:
     """The queue of weights to collapse and the daemon thread that works it (Note
     [Collapsing after the compile])."""
@@ -191,7 +232,7 @@ class _Collapser:
             tensor = self._next()
             if tensor is None:
                 return
-            collapsed = collapse(tensor)   # ctypes releases the GIL for the call
+            collapsed = collapse_between_calls(tensor)   # ctypes releases the GIL
             del tensor
             with self._cond:
                 self.collapsed_bytes += collapsed
