@@ -36,18 +36,55 @@ process on / off with an A/A of two "off" runtimes, interleaved call by call, 30
 0.986-1.011): a tie, so the pass takes 96 keys or more (`MIN_KEYS`). Alone, SDPA at
 BERT-base's heads with a quarter of the keys masked (10:22, load 1.7-1.9): 0.72-0.96 of
 torch's fp32 kernel; in bf16 1.1-1.7x torch's, whose flash kernel runs its GEMMs on
-AMX (before the masked-tail skip; 10:09, load 2.3): the pass leaves bf16 alone. With
+AMX (before the masked-tail skip; 10:09, load 2.3): bf16 has its own version on AMX
+tiles (Note [bf16 attention on AMX tiles]). With
 the passive OpenMP wait the second thread wakes late (~50-100 us), so the pairs are
 taken one at a time: the caller never waits for its share.
 
 Which: an fp32 SDPA (no dropout, not causal) whose q, k and v are [B, H, rows, D] with
 the same B and H, D a multiple of 16, the last dim contiguous, `MIN_KEYS` to `MAX_KEYS`
 keys, and a mask absent, boolean or of q's dtype broadcasting to the scores, at every
-probe; at run time the operands are checked again and torch's SDPA runs where the
-kernel does not read them (or where the library is missing). The numbers: the same maths in
-another order (sums over D and over keys in other orders, exp to ~1 ulp), so results
-differ from torch's by float rounding; in bf16 the probabilities are not rounded to
-bf16 before P V, as the flash kernel rounds them.
+probe (bf16: Note [bf16 attention on AMX tiles]); at run time the operands are checked
+again and torch's SDPA runs where the kernel does not read them (or where the library
+is missing). The numbers: the same maths in another order (sums over D and over keys
+in other orders, exp to ~1 ulp), so results differ from torch's by float rounding; in
+bf16 (off the tiles) the probabilities are not rounded to bf16 before P V, as the flash
+kernel rounds them.
+
+Note [bf16 attention on AMX tiles]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under precision "bf16" a BERT layer's SDPA reads bf16 views of its Q/K/V GEMM's result
+with a bf16 bias (Notes [bf16 attention between bf16 GEMMs], [One bf16 mask bias a
+call]), and torch's flash kernel runs its two products as AMX brgemm calls. The AVX-512
+kernel above, widening bf16 to fp32, ran 1.3-2.0x torch's there at 64-128 keys; with
+AVX512-BF16 dot products (vdpbf16ps: 32 products an instruction) 1.6-2.6x, because here
+a vdpbf16ps costs 1.65x an fp32 FMA (1.71 against 1.04 ns a 16-lane instruction, 16
+independent chains), so it gains only 1.2x over FMAs. So bf16 operands with D a
+multiple of 32 go to a version on AMX tiles (`dynvm_attention_amx` in native/attention.c):
+per (batch, head), taken one at a time on torch's team as above, K packed once into
+tdpbf16ps's pair layout (a 16 x 16 transpose of 32-bit pairs) and V into pairs of keys;
+per block of 16 queries the scores 64 keys at a time in four fp32 tiles (Q's rows read
+in place), up to the last key a row of the block keeps; scale, mask and softmax in
+AVX-512 fp32; the unnormalized probabilities rounded to bf16, as torch's flash kernel
+rounds them for its P V GEMM (the sum from the fp32 values); P V into four tiles of 16
+columns; the result scaled by 1 / sum and rounded to bf16 once, in torch's layout.
+The process asks the kernel for the tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM, once;
+where it is refused the AVX-512 kernel runs); each call's threads load the tile
+configuration and release the tiles at the end, as torch's brgemm users do.
+
+Measured alone (BERT-base heads 12 x 64, bf16 q/k/v views of one [B, S, 2304] tensor, a
+[B, 1, S, S] bf16 bias with right padding, 2 threads passive, interleaved with an A/A
+of torch against itself, 2026-12-06 13:05:52 UTC, load 2.3): AMX / torch's flash
+0.818 / 0.624 / 0.775 / 0.783 at 1x16 / 1x32 / 1x64 / 1x128, 0.730 / 0.560 / 0.703 /
+0.815 at 2x, 0.557 / 0.500 / 0.673 / 0.779 at 4x, 0.522 / 0.476 / 0.701 / 0.704 at 8x
+(A/A 0.984-1.062). In the whole model (BERT-base width, 4 layers, exact bf16 kernels,
+`native_attention` on / off / off again, interleaved call by call, 30 rounds, 13:08
+UTC, load 2.0-2.2): 1x16 0.962, 1x64 0.941, 2x64 0.924, 1x128 0.922, 2x128 0.945, 8x128
+0.961 (A/A 0.994-1.030); max |out - fp32 eager| 1.01e-2-1.23e-2 on, 1.01e-2-1.26e-2
+off. So the pass takes bf16 SDPAs of `AMX_MIN_KEYS` (16) to `MAX_KEYS` keys. Rounding P
+to bf16 or not moved the distance from fp32 SDPA little next to the result's own bf16
+rounding (alone, max |out - fp32 SDPA| at 2x64 4.07e-3 rounded, 3.74e-3 fp32 P; torch's
+flash 4.26e-3).
 """
 
 from __future__ import annotations
@@ -69,6 +106,10 @@ MIN_KEYS, MAX_KEYS = 96, 256
 kernel, past 256 nothing was measured (the Note); the kernel itself reads up to
 MAX_KEYS."""
 
+AMX_MIN_KEYS = 16
+"""The pass takes bf16 SDPAs of this many keys to MAX_KEYS on AMX tiles (Note [bf16
+attention on AMX tiles]): BERT's 16-128 measured faster than torch's flash kernel."""
+
 _MASKS = {None: 0, torch.bool: 1, torch.float32: 2, torch.bfloat16: 3}
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -76,29 +117,45 @@ _DTYPES = (torch.float32, torch.bfloat16)
 def _load():
     path = find_extension("_attention")
     if path is None:
-        return None, ("_attention was not built (setup.py compiles it at install; "
-                      "reinstall dynvm with a C compiler present)")
+        return None, False, ("_attention was not built (setup.py compiles it at install; "
+                             "reinstall dynvm with a C compiler present)")
     try:
         library = ctypes.PyDLL(str(path))   # called holding the GIL, as torch's ops are
     except OSError as exc:
-        return None, f"{path.name} did not load: {exc}"
+        return None, False, f"{path.name} did not load: {exc}"
     if not library.dynvm_attention_supported():
-        return None, "this CPU has no AVX-512F"
+        return None, False, "this CPU has no AVX-512F"
     p, n, i, f = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
     strides = ctypes.POINTER(ctypes.c_long)
     library.dynvm_attention.argtypes = [p, strides, p, strides, p, strides, i, n, n, n, n, n,
                                         p, i, strides, f, p, strides, i]
     library.dynvm_attention.restype = ctypes.c_int
-    return library, ""
+    library.dynvm_attention_amx.argtypes = [p, strides, p, strides, p, strides, n, n, n, n,
+                                            n, p, i, strides, f, p, strides, i]
+    library.dynvm_attention_amx.restype = ctypes.c_int
+    # Note [bf16 attention on AMX tiles]: asks the kernel for the tiles' state too
+    return library, bool(library.dynvm_attention_amx_supported()), ""
 
 
-_LIBRARY, _WHY_NOT = _load()
+_LIBRARY, _AMX, _WHY_NOT = _load()
 _THREADS = openmp_getter()
 
 
 def available() -> bool:
     """Whether the C kernel runs in this process."""
     return _LIBRARY is not None
+
+
+def amx_available() -> bool:
+    """Whether bf16 attention runs on AMX tiles in this process (Note [bf16 attention on
+    AMX tiles])."""
+    return _AMX
+
+
+def _on_tiles(q) -> bool:
+    """Whether bf16 operands that the kernel reads go to its AMX version (D a multiple
+    of 32: a tile's 32 bf16 a row)."""
+    return _AMX and q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
 
 
 def _reads(q, k, v, mask, dropout_p, is_causal) -> bool:
@@ -143,12 +200,19 @@ def masked_attention(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=N
         full = mask.expand(b, h, s, keys)
         mask_ptr, mask_strides = full.data_ptr(), _strides(full.stride())
     threads = 1 if _THREADS is None else _THREADS()
-    status = _LIBRARY.dynvm_attention(
-        q.data_ptr(), _strides(q.stride()[:3]), k.data_ptr(), _strides(k.stride()[:3]),
-        v.data_ptr(), _strides(v.stride()[:3]), int(q.dtype == torch.bfloat16), b, h, s,
-        keys, d, mask_ptr, _MASKS[None if mask is None else mask.dtype], mask_strides,
-        d ** -0.5 if scale is None else scale, out.data_ptr(), _strides(out.stride()[:3]),
-        threads)
+    kind = _MASKS[None if mask is None else mask.dtype]
+    scale = d ** -0.5 if scale is None else scale
+    if _on_tiles(q):   # Note [bf16 attention on AMX tiles]
+        status = _LIBRARY.dynvm_attention_amx(
+            q.data_ptr(), _strides(q.stride()[:3]), k.data_ptr(), _strides(k.stride()[:3]),
+            v.data_ptr(), _strides(v.stride()[:3]), b, h, s, keys, d, mask_ptr, kind,
+            mask_strides, scale, out.data_ptr(), _strides(out.stride()[:3]), threads)
+    else:
+        status = _LIBRARY.dynvm_attention(
+            q.data_ptr(), _strides(q.stride()[:3]), k.data_ptr(), _strides(k.stride()[:3]),
+            v.data_ptr(), _strides(v.stride()[:3]), int(q.dtype == torch.bfloat16), b, h,
+            s, keys, d, mask_ptr, kind, mask_strides, scale, out.data_ptr(),
+            _strides(out.stride()[:3]), threads)
     if status != 0:
         # its scratch could not be allocated (nothing written): torch's SDPA computes
         # the same result, or raises torch's own out-of-memory error
@@ -187,7 +251,8 @@ def native_attention(spec: SpecializedRegion) -> tuple[SpecializedRegion, str]:
         taken += 1
     if not taken:
         return spec, (f"; {len(sdpas)} SDPA(s) on torch's kernel (not fp32 with "
-                      f"{MIN_KEYS}-{MAX_KEYS} keys and operands dynvm's masked attention "
+                      f"{MIN_KEYS}-{MAX_KEYS} keys, or bf16 on AMX tiles with "
+                      f"{AMX_MIN_KEYS}-{MAX_KEYS}, and operands dynvm's masked attention "
                       "reads: Note [Masked attention of our own])")
     return dataclasses.replace(spec, ops=tuple(ops)), (
         f"; {taken} of {len(sdpas)} SDPA(s) on dynvm's masked attention "
@@ -199,8 +264,10 @@ def _fits(op: SpecOp, probe, result) -> bool:
     if (mask is not None and not isinstance(mask, torch.Tensor)) \
             or not (scale is None or isinstance(scale, (int, float))):
         return False
-    if not _reads(q, k, v, mask, dropout_p, is_causal) or q.dtype != torch.float32 \
-            or k.shape[2] < MIN_KEYS:
+    if not _reads(q, k, v, mask, dropout_p, is_causal):
+        return False
+    if not (q.dtype == torch.float32 and k.shape[2] >= MIN_KEYS
+            or _on_tiles(q) and k.shape[2] >= AMX_MIN_KEYS):
         return False
     # the result laid out as the kernel lays it out (the abstract value says torch's)
     return result.dtype == q.dtype and result.shape == q.shape \

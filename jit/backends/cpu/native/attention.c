@@ -19,8 +19,14 @@
    `threads` OpenMP threads (torch's team: -fopenmp links the libgomp soname torch
    ships).
 
-   AVX-512F code behind target attributes only, so the library loads on any x86-64; the
-   Python side calls it only where dynvm_attention_supported() says AVX-512F is there. */
+     dynvm_attention_amx: the same for bf16 q, k, v and out with D a multiple of 32, its
+     two products on AMX tiles (the probabilities rounded to bf16 for P V; the section
+     at the end of this file).
+
+   AVX-512F and AMX code behind target attributes only, so the library loads on any
+   x86-64; the Python side calls it only where dynvm_attention_supported() (AVX-512F) or
+   dynvm_attention_amx_supported() (AVX-512 BF16 and AMX, which also asks the kernel for
+   the tiles' state) says so. */
 
 #include <Python.h>
 
@@ -30,6 +36,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "bf16_bits.h"
 #include "exp512.h"
@@ -280,6 +288,287 @@ AVX512 int dynvm_attention(const void* q, const long* qs, const void* k, const l
              b * vs[0] + h * vs[1], vs[2], bf16, S, L, D, mask, kind,
              kind == MASK_NONE ? 0 : b * ms[0] + h * ms[1], kind == MASK_NONE ? 0 : ms[2],
              kind == MASK_NONE ? 0 : ms[3], scale, out, b * os[0] + h * os[1], os[2], mine);
+  }
+  free(scratch);
+  return 0;
+}
+
+/* ---- bf16 operands on AMX tiles (Note [bf16 attention on AMX tiles] in
+   jit/backends/cpu/attention_native.py). tdpbf16ps: a 16 x 16 fp32 tile += a 16 x 32
+   bf16 tile times a 32 x 16 one whose rows hold pairs (the k-th and k+1-th of a column
+   in one 32-bit slot). Tiles 0-3 accumulate, 4 holds A (16 rows x 32 bf16), 6 and 7 B
+   by turns. Per (batch, head): K packed once as [D/2][Lp] pairs (key j's d and d+1 in
+   one slot, keys along the row: a 16 x 16 transpose of 32-bit pairs), V as [Lp/2][D]
+   pairs (keys 2t and 2t+1 of a column in one slot), both zero past L (Lp: L rounded up
+   to 32). Per block of 16 queries: the scores 64 keys at a time, Q's rows read where
+   they are (a block of fewer than 16 rows copied first), up to the last key a row of
+   the block keeps, stored to P in fp32; scale, mask and softmax in AVX-512 (fp32, the
+   sum from the fp32 exponentials), the unnormalized probabilities rounded to bf16 (as
+   torch's flash kernel rounds them for its P V GEMM); P V over 32 keys a step into 4
+   tiles of 16 columns, stored in fp32, scaled by 1 / sum, rounded to bf16 once. D a
+   multiple of 32. */
+
+#define AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+#define AMX_INLINE static inline __attribute__((always_inline)) AMX
+#define TILE_ROWS 16
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+int dynvm_attention_amx_supported(void) {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16")
+      || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16"))
+    return 0;
+  /* the kernel's permission to use the tiles' state (granted once a process) */
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+struct tile_config {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+static AMX void configure_tiles(void) {
+  struct tile_config c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = TILE_ROWS;
+  /* GCC 12 drops the stores above as dead without this (ldtilecfg's read is unseen) */
+  __asm__ volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+
+/* keys_kept, 16 keys a step where the mask's keys are contiguous. */
+AMX_INLINE long keys_kept16(long L, const void* mask, int kind, long row_at, long mj) {
+  if (kind == MASK_NONE) return L;
+  long j = L;
+  if (mj == 1) {
+    for (; j >= 16; j -= 16) {
+      long at = row_at + j - 16;
+      __mmask16 keep;
+      if (kind == MASK_BOOL)
+        keep = _mm_cmpneq_epi8_mask(_mm_loadu_si128((const __m128i*)((const uint8_t*)mask + at)),
+                                    _mm_setzero_si128());
+      else if (kind == MASK_BF16)
+        keep = _mm256_cmpneq_epi16_mask(_mm256_loadu_si256((const __m256i*)((const uint16_t*)mask + at)),
+                                        _mm256_set1_epi16((short)0xFF80));
+      else
+        keep = _mm512_cmp_ps_mask(_mm512_loadu_ps((const float*)mask + at),
+                                  _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+      if (keep) return j - 16 + (32 - __builtin_clz((unsigned)keep));
+    }
+  }
+  return keys_kept(j, mask, kind, row_at, mj);
+}
+
+/* Rows t0.. of K packed in pairs ([D/2][Lp] 32-bit slots) for keys j0..j0+15: a 16 x 16
+   transpose of 32-bit pairs; `rows` of the 16 keys are real (the rest zero). */
+AMX_INLINE void pack_keys16(const uint16_t* k, long k_row, long j0, int rows, long t0,
+                            uint32_t* K32, long Lp) {
+  __m512i r[16], a[16];
+  for (int i = 0; i < 16; i++)
+    r[i] = i < rows ? _mm512_loadu_si512((const void*)(k + (j0 + i) * k_row + 2 * t0))
+                    : _mm512_setzero_si512();
+  for (int i = 0; i < 16; i += 2) {
+    a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+  }
+  /* r[4g + m]: in each 128-bit lane l, pair 4l + m of keys 4g..4g+3 */
+  for (int m = 0; m < 4; m++) {
+    __m512i x0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x88);       /* lanes 0, 2 */
+    __m512i x1 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xDD);       /* lanes 1, 3 */
+    __m512i y0 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x88);
+    __m512i y1 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xDD);
+    a[m] = _mm512_shuffle_i32x4(x0, y0, 0x88);        /* lane 0: pair m */
+    a[8 + m] = _mm512_shuffle_i32x4(x0, y0, 0xDD);    /* lane 2: pair 8 + m */
+    a[4 + m] = _mm512_shuffle_i32x4(x1, y1, 0x88);    /* lane 1: pair 4 + m */
+    a[12 + m] = _mm512_shuffle_i32x4(x1, y1, 0xDD);   /* lane 3: pair 12 + m */
+  }
+  for (int t = 0; t < 16; t++) _mm512_storeu_si512((void*)(K32 + (t0 + t) * Lp + j0), a[t]);
+}
+
+static AMX void release_tiles(void) { _tile_release(); }
+
+/* Scores of `n` tiles of 16 keys from j0 (accumulators 0..n-1), A rows of Q in tile 4,
+   K in tiles 6 and 7 by turns. */
+#define KEY_TILES(n, j0)                                                                  \
+  do {                                                                                    \
+    _tile_zero(0);                                                                        \
+    if (n > 1) _tile_zero(1);                                                             \
+    if (n > 2) _tile_zero(2);                                                             \
+    if (n > 3) _tile_zero(3);                                                             \
+    for (long t0 = 0; t0 < D / 2; t0 += 16) {                                             \
+      const uint16_t* kt = Kp + 2 * (t0 * Lp + (j0));                                     \
+      _tile_loadd(4, qa + 2 * t0, q_bytes);                                               \
+      _tile_loadd(6, kt, Lp * 4);                                                         \
+      _tile_dpbf16ps(0, 4, 6);                                                            \
+      if (n > 1) { _tile_loadd(7, kt + 32, Lp * 4); _tile_dpbf16ps(1, 4, 7); }            \
+      if (n > 2) { _tile_loadd(6, kt + 64, Lp * 4); _tile_dpbf16ps(2, 4, 6); }            \
+      if (n > 3) { _tile_loadd(7, kt + 96, Lp * 4); _tile_dpbf16ps(3, 4, 7); }            \
+    }                                                                                     \
+    _tile_stored(0, P + (j0), Lp * 4);                                                    \
+    if (n > 1) _tile_stored(1, P + (j0) + 16, Lp * 4);                                    \
+    if (n > 2) _tile_stored(2, P + (j0) + 32, Lp * 4);                                    \
+    if (n > 3) _tile_stored(3, P + (j0) + 48, Lp * 4);                                    \
+  } while (0)
+
+/* P V of `n` tiles of 16 columns from c0 over `blocks` of 32 keys. */
+#define COLUMN_TILES(n, c0)                                                               \
+  do {                                                                                    \
+    _tile_zero(0);                                                                        \
+    if (n > 1) _tile_zero(1);                                                             \
+    if (n > 2) _tile_zero(2);                                                             \
+    if (n > 3) _tile_zero(3);                                                             \
+    for (long kb = 0; kb < blocks; kb++) {                                                \
+      const uint16_t* vt = Vp + 2 * (16 * kb * D + (c0));                                 \
+      _tile_loadd(4, Pb + 32 * kb, Lp * 2);                                               \
+      _tile_loadd(6, vt, D * 4);                                                          \
+      _tile_dpbf16ps(0, 4, 6);                                                            \
+      if (n > 1) { _tile_loadd(7, vt + 32, D * 4); _tile_dpbf16ps(1, 4, 7); }             \
+      if (n > 2) { _tile_loadd(6, vt + 64, D * 4); _tile_dpbf16ps(2, 4, 6); }             \
+      if (n > 3) { _tile_loadd(7, vt + 96, D * 4); _tile_dpbf16ps(3, 4, 7); }             \
+    }                                                                                     \
+    _tile_stored(0, O + (c0), D * 4);                                                     \
+    if (n > 1) _tile_stored(1, O + (c0) + 16, D * 4);                                     \
+    if (n > 2) _tile_stored(2, O + (c0) + 32, D * 4);                                     \
+    if (n > 3) _tile_stored(3, O + (c0) + 48, D * 4);                                     \
+  } while (0)
+
+static AMX void one_head_amx(const uint16_t* q, long q_at, long q_row, const uint16_t* k,
+                             long k_at, long k_row, const uint16_t* v, long v_at, long v_row,
+                             long S, long L, long D, const void* mask, int kind, long mask_at,
+                             long mi, long mj, float scale, uint16_t* out, long o_at,
+                             long o_row, char* scratch) {
+  long Lp = (L + 31) & ~31L;
+  uint16_t* Kp = (uint16_t*)scratch;             /* [D/2][Lp] pairs */
+  uint16_t* Vp = Kp + D * Lp;                    /* [Lp/2][D] pairs */
+  float* P = (float*)(Vp + D * Lp);              /* [16][Lp] */
+  uint16_t* Pb = (uint16_t*)(P + TILE_ROWS * Lp);  /* [16][Lp] */
+  float* O = (float*)(Pb + TILE_ROWS * Lp);      /* [16][D] */
+  uint16_t* Qb = (uint16_t*)(O + TILE_ROWS * D);   /* [16][D], a block of fewer rows */
+  float inv[TILE_ROWS];
+  for (long j0 = 0; j0 < Lp; j0 += 16) {
+    int rows = L - j0 >= 16 ? 16 : L - j0 > 0 ? (int)(L - j0) : 0;
+    for (long t0 = 0; t0 < D / 2; t0 += 16)
+      pack_keys16(k + k_at, k_row, j0, rows, t0, (uint32_t*)Kp, Lp);
+  }
+  for (long t = 0; t < Lp / 2; t++) {
+    const uint16_t* even = v + v_at + 2 * t * v_row;
+    const uint16_t* odd = even + v_row;
+    for (long c = 0; c < D; c += 16) {
+      __m512i lo = 2 * t < L ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(even + c)))
+                             : _mm512_setzero_si512();
+      __m512i hi = 2 * t + 1 < L ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(odd + c)))
+                                 : _mm512_setzero_si512();
+      _mm512_storeu_si512((void*)(Vp + 2 * (t * D + c)),
+                          _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (long i0 = 0; i0 < S; i0 += TILE_ROWS) {
+    int R = S - i0 < TILE_ROWS ? (int)(S - i0) : TILE_ROWS;
+    const uint16_t* qa = q + q_at + i0 * q_row;
+    long q_bytes = q_row * 2;
+    if (R < TILE_ROWS) {   /* tiles read 16 rows: the block's rows, then zeros */
+      for (int r = 0; r < TILE_ROWS; r++)
+        for (long d = 0; d < D; d += 16)
+          _mm256_storeu_si256((__m256i*)(Qb + r * D + d),
+                              r < R ? _mm256_loadu_si256((const __m256i*)(qa + r * q_row + d))
+                                    : _mm256_setzero_si256());
+      qa = Qb, q_bytes = D * 2;
+    }
+    long kept = 0;
+    for (int r = 0; r < R && kept < L; r++) {
+      long mine = keys_kept16(L, mask, kind, mask_at + (i0 + r) * mi, mj);
+      kept = mine > kept ? mine : kept;
+    }
+    long Lb = (kept + 15) & ~15L;
+    for (long j0 = 0; j0 < Lb; j0 += 64) {
+      long n = (Lb - j0) / 16;
+      if (n >= 4) KEY_TILES(4, j0);
+      else if (n == 3) KEY_TILES(3, j0);
+      else if (n == 2) KEY_TILES(2, j0);
+      else KEY_TILES(1, j0);
+    }
+    long blocks = (kept + 31) / 32;
+    for (int r = 0; r < TILE_ROWS; r++) {
+      float* row = P + r * Lp;
+      uint16_t* rounded = Pb + r * Lp;
+      long row_at = mask_at + (i0 + r) * mi;
+      __m512 top = _mm512_set1_ps(-INFINITY);
+      if (r < R)
+        for (long j = 0; j < Lb; j += 16) {
+          __m512 s = masked(_mm512_mul_ps(_mm512_loadu_ps(row + j), vscale), j, L, mask,
+                            kind, row_at, mj);
+          _mm512_storeu_ps(row + j, s);
+          top = _mm512_max_ps(top, s);
+        }
+      float most = _mm512_reduce_max_ps(top);
+      if (most == -INFINITY) {    /* past S, or masked everywhere: 0, as torch's SDPA */
+        memset(rounded, 0, sizeof(uint16_t) * 32 * blocks);
+        inv[r] = 0.0f;
+        continue;
+      }
+      __m512 vmost = _mm512_set1_ps(most), total = _mm512_setzero_ps();
+      for (long j = 0; j < Lb; j += 16) {
+        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), vmost));
+        _mm256_storeu_si256((__m256i*)(rounded + j), (__m256i)_mm512_cvtneps_pbh(e));
+        total = _mm512_add_ps(total, e);
+      }
+      if (Lb < 32 * blocks) memset(rounded + Lb, 0, sizeof(uint16_t) * (32 * blocks - Lb));
+      inv[r] = 1.0f / _mm512_reduce_add_ps(total);
+    }
+    for (long c0 = 0; c0 < D; c0 += 64) {
+      long n = (D - c0) / 16;
+      if (n >= 4) COLUMN_TILES(4, c0);
+      else if (n == 3) COLUMN_TILES(3, c0);
+      else if (n == 2) COLUMN_TILES(2, c0);
+      else COLUMN_TILES(1, c0);
+    }
+    for (int r = 0; r < R; r++) {
+      __m512 s = _mm512_set1_ps(inv[r]);
+      for (long d = 0; d < D; d += 16)
+        _mm256_storeu_si256((__m256i*)(out + o_at + (i0 + r) * o_row + d),
+                            bf16_bits(_mm512_mul_ps(_mm512_loadu_ps(O + r * D + d), s)));
+    }
+  }
+}
+
+/* As dynvm_attention, for bf16 q, k, v and out on AMX tiles (the caller checks
+   dynvm_attention_amx_supported(), which asks for the tiles' permission). */
+int dynvm_attention_amx(const void* q, const long* qs, const void* k, const long* ks,
+                        const void* v, const long* vs, long B, long H, long S, long L,
+                        long D, const void* mask, int kind, const long* ms, float scale,
+                        void* out, const long* os, int threads) {
+  long Lp = (L + 31) & ~31L;
+  size_t bytes = (size_t)(2 * D * Lp * 2 + TILE_ROWS * Lp * 6 + TILE_ROWS * D * 6);
+  size_t per_thread = (bytes + 63) & ~(size_t)63;
+  if (threads < 1) threads = 1;
+  if (threads > B * H) threads = (int)(B * H);
+  char* scratch = aligned_alloc(64, per_thread * (size_t)threads);
+  if (scratch == NULL) return -1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    configure_tiles();
+    char* mine = scratch + per_thread * (size_t)omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1) nowait
+    for (long bh = 0; bh < B * H; bh++) {
+      long b = bh / H, h = bh % H;
+      one_head_amx((const uint16_t*)q, b * qs[0] + h * qs[1], qs[2], (const uint16_t*)k,
+                   b * ks[0] + h * ks[1], ks[2], (const uint16_t*)v, b * vs[0] + h * vs[1],
+                   vs[2], S, L, D, mask, kind, kind == MASK_NONE ? 0 : b * ms[0] + h * ms[1],
+                   kind == MASK_NONE ? 0 : ms[2], kind == MASK_NONE ? 0 : ms[3], scale,
+                   (uint16_t*)out, b * os[0] + h * os[1], os[2], mine);
+    }
+    release_tiles();
   }
   free(scratch);
   return 0;

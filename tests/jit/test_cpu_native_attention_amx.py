@@ -1,0 +1,117 @@
+"""bf16 masked attention on AMX tiles (Note [bf16 attention on AMX tiles] in
+jit/backends/cpu/attention_native.py): equal to fp32 SDPA within bf16 tolerance over
+random batch, heads, query and key counts (blocks of fewer than 16 queries, keys past a
+tile), every mask kind (right padding, arbitrary, rows masked everywhere, a dense bf16
+bias as the bf16 lowering makes), offset and strided operands, with torch's output
+strides; heads not a multiple of 32 stay off the tiles; under precision "bf16" the pass
+puts a BERT-style layer's SDPA of 16+ keys on it and runtimes stay eager-equal.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch.export import Dim
+
+import dynvm
+from dynvm.jit.backends.cpu import attention_native
+from dynvm.jit.backends.cpu.attention_native import AMX_MIN_KEYS, MAX_KEYS, masked_attention
+from tests.jit import _jit_helpers as h
+from tests.jit.test_cpu_attention_primitives import BF16_RELATIVE, Layer, _keep, _relative
+from tests.jit.test_cpu_native_attention import _mask, _operands
+
+pytestmark = pytest.mark.skipif(not attention_native.amx_available(),
+                                reason="no AMX (or dynvm's attention library is not built)")
+F = torch.nn.functional
+NOTE = "on dynvm's masked attention"
+
+
+def _dense_bias(gen, b, s, keys):
+    """A [B, 1, S, L] bf16 bias of 0 / -inf, as Note [One bf16 mask bias a call] makes,
+    each batch row keeping a random prefix of the keys."""
+    keep = _keep(b, keys, gen).bool()[:, None, None, :].expand(b, 1, s, keys)
+    return torch.zeros(b, 1, s, keys, dtype=torch.bfloat16).masked_fill_(~keep, float("-inf"))
+
+
+def test_the_tiles_equal_fp32_sdpa_within_bf16_tolerance():
+    gen = torch.Generator().manual_seed(23)
+    for case in range(60):
+        b, h = (int(v) for v in torch.randint(1, 4, (2,), generator=gen))
+        s = int(torch.randint(1, 80, (1,), generator=gen))
+        keys = int(torch.randint(1, MAX_KEYS + 1, (1,), generator=gen))
+        d = (32, 64, 96, 128)[case % 4]
+        q, k, v = _operands(gen, torch.bfloat16, b, h, s, keys, d)
+        kind = ("none", "bool", "padding", "additive", "dense")[case % 5]
+        mask = _dense_bias(gen, b, s, keys) if kind == "dense" else \
+            _mask(gen, kind, torch.bfloat16, b, h, s, keys)
+        scale = (None, 0.125, 0.3)[case % 3]
+        assert attention_native._on_tiles(q)
+        got = masked_attention(q, k, v, mask, 0.0, False, scale)
+        torch_out = F.scaled_dot_product_attention(q, k, v, mask, 0.0, False, scale=scale)
+        assert got.dtype == torch.bfloat16 and got.stride() == torch_out.stride(), case
+        float_mask = mask if mask is None or mask.dtype == torch.bool else mask.float()
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), float_mask,
+                                              0.0, False, scale=scale)
+        assert torch.isfinite(got.float()).all(), case
+        assert (got.float() - want).abs().max() <= 2e-2 * max(1.0, want.abs().max()), \
+            (case, b, h, s, keys, d, kind)
+
+
+def test_a_row_masked_everywhere_gives_zeros_and_the_rest_are_untouched():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = _operands(gen, torch.bfloat16, 2, 3, 19, 40, 64)
+    mask = torch.ones(2, 1, 19, 40, dtype=torch.bool)
+    mask[1, 0, 17] = False                    # in the second block of 16 queries
+    mask[0, 0, 3, 20:] = False                # a row that stops early
+    got = masked_attention(q, k, v, mask)
+    assert torch.equal(got[1, :, 17], torch.zeros_like(got[1, :, 17]))
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), mask)
+    want[1, :, 17] = 0                        # torch's fp32 kernel: NaN or 0 there
+    assert (got.float() - want).abs().max() <= 2e-2 * max(1.0, want.abs().max())
+
+
+def test_heads_not_a_multiple_of_32_stay_off_the_tiles():
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = _operands(gen, torch.bfloat16, 1, 2, 20, 30, 48)
+    assert not attention_native._on_tiles(q)
+    got = masked_attention(q, k, v)           # the AVX-512 kernel, bf16 widened to fp32
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    assert (got.float() - want).abs().max() <= 2e-2 * max(1.0, want.abs().max())
+
+
+def _program():
+    torch.manual_seed(0)
+    model = Layer(d=64, heads=2).eval()          # heads of 32
+    batch, seq = Dim("batch", min=1, max=8), Dim("seq", min=2, max=160)
+    keep = torch.ones(2, 5, dtype=torch.long)
+    return model, dynvm.compile(model, (torch.randn(2, 5, 64), keep),
+                                ({0: batch, 1: seq}, {0: batch, 1: seq}))
+
+
+def test_bf16_runtimes_run_it_at_16_keys_and_more_and_equal_eager():
+    model, program = _program()
+    gen = torch.Generator().manual_seed(29)
+    for families in (False, True):
+        config = h.eager_config(cpu_fusion="always", precision="bf16", families=families)
+        with dynvm.Runtime(program, jit=config) as rt, torch.no_grad():
+            for step in range(8):
+                batch = int(torch.randint(1, 4, (1,), generator=gen))
+                seq = (AMX_MIN_KEYS - 7, AMX_MIN_KEYS, 37, 64, 129)[step % 5]
+                x = torch.randn(batch, seq, 64, generator=gen)
+                keep = _keep(batch, seq, gen)
+                if step % 2:     # an offset input and a strided mask
+                    x = torch.randn(batch, seq + 1, 64, generator=gen)[:, 1:]
+                    keep = keep.t().contiguous().t()
+                rt(x, keep)
+                got = rt(x, keep)
+                assert _relative(got, model(x, keep)) < BF16_RELATIVE, (families, step, seq)
+            assert rt.stats()["specialized_region_calls"] > 0
+            sources = [a.source for a in rt.jit.artifacts.values()]
+        if not families:
+            taken = [s for s in sources if NOTE in s]
+            assert taken and all("masked_attention" in s for s in taken), sources
+            short = [s for s in sources
+                     if re.search(rf"signature: \(\d+, {AMX_MIN_KEYS - 7},", s)]
+            assert short and all(NOTE not in s for s in short), sources   # too few keys
