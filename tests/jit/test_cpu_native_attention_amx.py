@@ -115,3 +115,15 @@ def test_bf16_runtimes_run_it_at_16_keys_and_more_and_equal_eager():
             short = [s for s in sources
                      if re.search(rf"signature: \(\d+, {AMX_MIN_KEYS - 7},", s)]
             assert short and all(NOTE not in s for s in short), sources   # too few keys
+
+
+def test_small_calls_on_the_calling_thread_give_the_teams_bits(monkeypatch):
+    # Note [bf16 attention on AMX tiles]: a (batch, head) is computed the same way on
+    # whichever thread takes it, so one thread and the team give the same bits
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = _operands(gen, torch.bfloat16, 2, 3, 21, 21, 64)
+    mask = _dense_bias(gen, 2, 21, 21)
+    assert attention_native.AMX_ONE_THREAD_SCORES >= 2 * 3 * 21 * 21
+    alone = masked_attention(q, k, v, mask)
+    monkeypatch.setattr(attention_native, "AMX_ONE_THREAD_SCORES", 0)
+    assert torch.equal(masked_attention(q, k, v, mask), alone)

@@ -81,7 +81,15 @@ of torch against itself, 2026-12-06 13:05:52 UTC, load 2.3): AMX / torch's flash
 `native_attention` on / off / off again, interleaved call by call, 30 rounds, 13:08
 UTC, load 2.0-2.2): 1x16 0.962, 1x64 0.941, 2x64 0.924, 1x128 0.922, 2x128 0.945, 8x128
 0.961 (A/A 0.994-1.030); max |out - fp32 eager| 1.01e-2-1.23e-2 on, 1.01e-2-1.26e-2
-off. So the pass takes bf16 SDPAs of `AMX_MIN_KEYS` (16) to `MAX_KEYS` keys. Rounding P
+off. So the pass takes bf16 SDPAs of `AMX_MIN_KEYS` (16) to `MAX_KEYS` keys. Inside the
+model the kernel's calls cost more than alone (its operands fresh from the GEMM, half in
+the other core's cache, and the passive team to wake): timed in the kernel (13:16 UTC,
+load 1.7-1.9) 0.63 / 0.55 / 0.60 / 0.55 ms a call at 1x16 / 1x32 / 1x64 / 2x16 with the
+team, 0.33 / 0.37 / 0.51 / 0.36 on the calling thread alone, whole calls one / two
+threads 0.960 / 0.970 / 0.991 / 0.981, 2x64 1.002, 1x128 1.001, 4x64 0.999, 8x128 1.054
+(A/A 0.990-1.012): so at most `AMX_ONE_THREAD_SCORES` scores (1x64's) run on the
+calling thread. With it, on / off (13:19 UTC, load 1.7-1.9): 1x16 0.931, 1x32 0.963,
+1x64 0.947, 2x16 0.963, 2x32 0.962, 4x16 0.972 (A/A 1.008-1.033). Rounding P
 to bf16 or not moved the distance from fp32 SDPA little next to the result's own bf16
 rounding (alone, max |out - fp32 SDPA| at 2x64 4.07e-3 rounded, 3.74e-3 fp32 P; torch's
 flash 4.26e-3).
@@ -109,6 +117,11 @@ MAX_KEYS."""
 AMX_MIN_KEYS = 16
 """The pass takes bf16 SDPAs of this many keys to MAX_KEYS on AMX tiles (Note [bf16
 attention on AMX tiles]): BERT's 16-128 measured faster than torch's flash kernel."""
+
+AMX_ONE_THREAD_SCORES = 12 * 64 * 64
+"""bf16 attention on AMX tiles with at most this many scores (B x H x S x L) runs on the
+calling thread alone (Note [bf16 attention on AMX tiles]: the team's passive wake costs
+more than the second core gives at BERT-base's 1x16..1x64)."""
 
 _MASKS = {None: 0, torch.bool: 1, torch.float32: 2, torch.bfloat16: 3}
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -203,6 +216,8 @@ def masked_attention(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=N
     kind = _MASKS[None if mask is None else mask.dtype]
     scale = d ** -0.5 if scale is None else scale
     if _on_tiles(q):   # Note [bf16 attention on AMX tiles]
+        if b * h * s * keys <= AMX_ONE_THREAD_SCORES:
+            threads = 1
         status = _LIBRARY.dynvm_attention_amx(
             q.data_ptr(), _strides(q.stride()[:3]), k.data_ptr(), _strides(k.stride()[:3]),
             v.data_ptr(), _strides(v.stride()[:3]), b, h, s, keys, d, mask_ptr, kind,
