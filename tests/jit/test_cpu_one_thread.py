@@ -189,3 +189,64 @@ def test_the_openmp_runtime_is_torchs_beside_another_packages():
     child = subprocess.run([sys.executable, "-c", _TORCHS_RUNTIME], capture_output=True,
                            text=True, timeout=120)
     assert child.returncode == 0 and "torch's" in child.stdout, child.stderr[-2000:]
+
+
+class Norm(nn.Module):
+    """A residual add and layer norm at BERT's width: its rows reach 2^16-2^17 elements."""
+
+    def __init__(self, d: int = 256) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):                        # x: [batch, seq, d]
+        return self.norm(x + 1.0)
+
+
+@functools.lru_cache(maxsize=1)
+def _norm_program():
+    model = Norm().eval()
+    batch, seq = Dim("batch", min=1, max=16), Dim("seq", min=2, max=512)
+    return model, dynvm.compile(model, (torch.randn(2, 5, 256),), ({0: batch, 1: seq},))
+
+
+def _norm_kernel(x, calibrator):
+    _, program = _norm_program()
+    region = program.regions[0]
+    spec = specialize(program, region, {region.live_in[0].index: x})
+    options = CpuOptions(None, fusion="off", channels_last="off", calibrator=calibrator,
+                         prepacked=PrepackCache(), one_thread="measured")
+    kernel = compile_kernel(spec, program, [t.detach() for t in program.constants],
+                            torch.device("cpu"), "test", "strong", options)
+    return kernel, region
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_layer_norm_goes_on_one_thread_unasked_up_to_its_bound(seed):
+    """Note [Layer norm on one thread in the call]: past MAX_ELEMENTS layer norm is not
+    asked and runs on the calling thread up to ALWAYS_ONE's bound, the team past it."""
+    from dynvm.jit.backends.cpu.one_thread import ALWAYS_ONE, MAX_ELEMENTS
+    model, _ = _norm_program()
+    gen = torch.Generator().manual_seed(seed)
+    bound = ALWAYS_ONE["LAYER_NORM"]
+    # random rows with 2^16 < elements <= 2^17, then past 2^17
+    inside = (int(torch.randint(1, 3, (1,), generator=gen)), 0)
+    inside = (inside[0], int(torch.randint(MAX_ELEMENTS // (256 * inside[0]) + 1,
+                                           bound // (256 * inside[0]) + 1, (1,),
+                                           generator=gen)))
+    past = (int(torch.randint(5, 9, (1,), generator=gen)), 0)
+    past = (past[0], int(torch.randint(bound // (256 * past[0]) + 1, 513, (1,),
+                                       generator=gen)))
+    for (batch, seq), on_one in ((inside, True), (past, False)):
+        assert (batch * seq * 256 <= bound) == on_one and batch * seq * 256 > MAX_ELEMENTS
+        base = torch.randn(batch, seq, 256, generator=gen)
+        for kind, x in views(base).items():
+            calibrator = Calibrator("cpu", rounds=2)
+            kernel, region = _norm_kernel(x, calibrator)
+            asked = {key[0] for (op, key) in calibrator.entries() if op == "one thread"}
+            assert "LAYER_NORM" not in asked, asked
+            note = next((n for n in kernel.notes if n.startswith("one thread:")), "")
+            assert ("LAYER_NORM" in note) == on_one, (batch, seq, kernel.notes)
+            (got,) = run_kernel_outputs(kernel, region, x)
+            assert openmp_getter()() == 2
+            with torch.no_grad():
+                torch.testing.assert_close(got, model(x), **TOL, msg=f"{kind} {batch}x{seq}")

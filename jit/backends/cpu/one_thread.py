@@ -61,6 +61,33 @@ SDPA at BERT's batch 1-8 x seq 16-64 shapes took 1.3-3.5x (bf16) and 1.4-2.3x (f
 the team's time (00:19, load 1.4). Without it the 2x32 kernel ran 0.365x the
 interpreter, every other shape within noise (fp32 too: 0.67-0.91 either way, 5 calls a
 shape).
+
+Layer norm is put on the calling thread without asking above `MAX_ELEMENTS`, up to
+`ALWAYS_ONE`'s bound (Note [Layer norm on one thread in the call]).
+
+Note [Layer norm on one thread in the call]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Inside BERT-base width's fp32 call at 1x128 (98,304 elements) torch's layer norm on the
+team took 107-144 us each (the call's walls), alone 39 us with a warm input, 85 us right
+after the GEMM that wrote its input on the team: most of the in-call cost is the input's
+state (rows just written by the other core too), and the rest the passive team's wake,
+which a calibration of the op alone on zero operands does not see (alone, team and one
+thread tie: 85 / 84 us after the GEMM, 39 / 38 warm). On the calling thread in the call
+it took 80-98 us (/tmp/h34l/where.py, 13:01 UTC, load 3.6). So LAYER_NORM over at most
+2^17 elements runs on one thread whatever the calibrator says (the ops up to
+`MAX_ELEMENTS` are still asked; no other op is forced). In the whole model, one process,
+layer norm at 2^16-2^17 elements on one thread against the team, switched call by call
+with an A/A, 30 rounds (/tmp/h34l/ab_win.py, 13:07 UTC, load 2.2-2.3): 1x128 0.980, 2x64
+0.980 (A/A 0.997-1.003); dynvm's C kernel (native/layer_norm_bf16.c, fp32 alone) on one
+thread there 0.997 / 0.983, and 0.978 / 0.991 in the run before (13:04, load 2.6-3.6):
+no better than torch's on one thread, so torch's runs. Built, runtimes seasoned with and
+without it, interleaved with an A/A (/tmp/h34l/ab_final.py): fp32 1x128 0.990 / 0.975,
+2x64 0.976 / 0.986 (13:13 / 13:18 UTC, load 2.3 / 1.9; A/A 0.984-1.006), 1x16, 1x64 and
+8x128 (not taken) 0.989-1.014; bf16 (the first and last layer norm only: the others are
+LAYER_NORM_BF16, already one thread) 1x128 1.020 / 1.004, 2x64 1.009 / 1.002 (A/A
+0.985-1.002), within the noise. At 2^17-2^18 elements (2x128, 4x64, 1x256) one thread
+gained nothing (0.993-1.003, 13:16, load 1.9), nor the C kernel there (0.995-1.008), so
+the bound is 2^17 and the team runs past it.
 """
 
 from __future__ import annotations
@@ -82,6 +109,9 @@ TEAM, ONE = "team", "one thread"
 # Ops above this many elements in their largest tensor are never asked (see the Note).
 MAX_ELEMENTS = 1 << 16
 NEVER_ASKED = frozenset({"SDPA"})   # Note [Small ops on one thread]: its last paragraph
+# Ops put on one thread unasked up to this many elements in their largest tensor
+# (Note [Layer norm on one thread in the call])
+ALWAYS_ONE = {"LAYER_NORM": 1 << 17}
 
 
 @functools.lru_cache(maxsize=1)
@@ -143,7 +173,7 @@ def _operand(arg, probe, constants, device):
     return [_operand(item, probe, constants, device) for item in arg]
 
 
-def _askable(op, probe, constants, device):
+def _askable(op, probe, constants, device, limit: int = MAX_ELEMENTS):
     """(the op's run function, abstract operands, largest tensor's numel), or None."""
     spec = OPCODES.get(op.opcode)
     if (spec is None or op.opcode in NEVER_ASKED or op.variant not in ("", "inplace")
@@ -160,7 +190,7 @@ def _askable(op, probe, constants, device):
     if not any(isinstance(r, torch.Tensor) for r in results) or not tensors:
         return None
     largest = max(t.numel() for t in tensors)
-    if largest > MAX_ELEMENTS:
+    if largest > limit:
         return None
     return fn, operands, largest
 
@@ -178,10 +208,11 @@ def plan_one_thread(spec: SpecializedRegion, constants, device: torch.device,
     planning = spec.abstract[0]
     chosen = []
     for position, op in enumerate(spec.ops):
-        found = _askable(op, planning, constants, device)
+        bound = ALWAYS_ONE.get(op.opcode) if op.variant == "" else None
+        found = _askable(op, planning, constants, device, max(MAX_ELEMENTS, bound or 0))
         if found is None:
             continue
-        if calibrator is None:
+        if calibrator is None or (bound is not None and found[2] > MAX_ELEMENTS):
             chosen.append(position)
             continue
         fn, operands, largest = found

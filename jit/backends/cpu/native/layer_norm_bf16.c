@@ -1,7 +1,6 @@
 /* Layer norm over the last dim of fp32 rows, writing its fp32 result, that result
    rounded to bf16, or both, in the same pass (Note [Layer norm writing bf16 too] in
-   jit/backends/cpu/norm_bf16.py says where the JIT uses it and what it saves; Note
-   [Layer norm in C for fp32 too] in norm_fp32.py, the fp32-only use).
+   jit/backends/cpu/norm_bf16.py says where the JIT uses it and what it saves).
 
      dynvm_layer_norm_bf16: per row of N, a multiple of 16 (rows `ldx` apart, elements
                             contiguous; results dense):
