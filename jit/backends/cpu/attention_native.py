@@ -88,8 +88,10 @@ load 1.7-1.9) 0.63 / 0.55 / 0.60 / 0.55 ms a call at 1x16 / 1x32 / 1x64 / 2x16 w
 team, 0.33 / 0.37 / 0.51 / 0.36 on the calling thread alone, whole calls one / two
 threads 0.960 / 0.970 / 0.991 / 0.981, 2x64 1.002, 1x128 1.001, 4x64 0.999, 8x128 1.054
 (A/A 0.990-1.012): so at most `AMX_ONE_THREAD_SCORES` scores (1x64's) run on the
-calling thread. With it, on / off (13:19 UTC, load 1.7-1.9): 1x16 0.931, 1x32 0.963,
-1x64 0.947, 2x16 0.963, 2x32 0.962, 4x16 0.972 (A/A 1.008-1.033). Rounding P
+calling thread (at its edge a tie: 4x32 1.007, 8x16 0.996, A/A 1.007 / 0.995, 13:33).
+With it, on / off (13:19 and 13:33 UTC, load 1.6-1.9): 1x16 0.931, 1x32 0.963, 1x64
+0.947, 2x16 0.963, 2x32 0.962, 4x16 0.972, 4x32 0.945, 8x16 0.953, 8x32 0.975, 4x128
+0.948 (A/A 1.008-1.033). Rounding P
 to bf16 or not moved the distance from fp32 SDPA little next to the result's own bf16
 rounding (alone, max |out - fp32 SDPA| at 2x64 4.07e-3 rounded, 3.74e-3 fp32 P; torch's
 flash 4.26e-3).
