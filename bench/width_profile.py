@@ -166,7 +166,8 @@ def _primitives_named():
 # writing its bf16 copy (Note [Layer norm writing bf16 too]) is a layer norm, its cast in it.
 _LAYER_GEMMS = ("QKV GEMM", "output projection + residual", "FFN up + GELU",
                 "FFN down + residual")
-_PIECES = (("SDPA", "attention (SDPA)"), ("bf16_mask_bias", "mask bias"),
+_PIECES = (("SDPA", "attention (SDPA)"), ("masked_attention", "attention (SDPA)"),
+           ("bf16_mask_bias", "mask bias"),
            ("LAYER_NORM", "layer norm"), ("layer_norm_bf16", "layer norm"),
            ("to_bf16", "casts"), ("to_fp32", "casts"),
            ("set_threads", "thread switches"), ("SPLIT", "views"), ("VIEW", "views"),
