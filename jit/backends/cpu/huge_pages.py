@@ -84,6 +84,30 @@ beside the 256 MB collapsed gap by gap 9.93 / 12.47 (13:05, load 2.1-2.3,
 collapse_gap.py). A server with no gaps still gets its pages: after `GAP_WAIT_S`
 without a gap one huge page is taken as the next call ends (one page beside a call,
 not a whole weight).
+
+Note [bf16 weights wholly on huge pages]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+torch allocates a packed weight wherever its allocator finds room, so only its
+2 MiB-aligned middle can be collapsed: in BERT-base's bf16 kernels (4 layers, 16 packed
+weights of 1.1-4.5 MiB, all inside one 296 MiB heap mapping) 26 of 54 MiB were on huge
+pages, and no 768x768 weight had a whole aligned page inside it (/proc/self/smaps,
+2026-12-06, H34G). So the bf16 primitives' weights (onednn_matmul's LinearWeights) are
+reordered into a buffer of their own that starts on a 2 MiB boundary and is a whole
+number of huge pages long (`aligned_buffer`), all of it collapsed, instead of reading
+torch's packed copy in place; torch's copy is not kept by them, so it is freed (still
+one copy). The cost: the last huge page's unused tail, under 2 MiB a weight (BERT-base
+4 layers: 72 MiB of packed bf16 weights against 54).
+
+Measured in one process (BERT-base width bf16, 4 layers, exact kernels; three runtimes,
+this one and two as before (the A/A), interleaved call by call, shuffled; 2 threads,
+passive OpenMP; under the bench lock, 2026-12-06, H34G): 13:33 UTC, load 1.9, 100
+rounds: 1x32 0.965, 1x64 0.986, 2x64 0.969, 1x128 0.977, 2x128 0.974, 8x128 0.992 (A/A
+1.005-1.021); 13:37 UTC, load 1.3-1.5, 60 rounds: 0.935 / 0.952 / 0.962 / 0.959 / 0.972
+/ 0.971 (A/A 0.988-1.004); the same bits. A prototype that copied the weights there
+after the compile read 0.976-0.994 twice (A/A 0.980-1.015). The FFN GEMMs alone (the
+4-layer chain, one copy collapsed and one not, the weights' aligned middles only) did not
+show it (0.984 / 0.995 at M = 64 / 128, A/A 0.969 / 1.022): the whole model touches more
+pages between a weight's uses.
 """
 
 from __future__ import annotations
@@ -298,6 +322,18 @@ def to_huge_pages(tensor: torch.Tensor) -> bool:
         return False
     _COLLAPSER.put(tensor)
     return True
+
+
+def aligned_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of `nbytes` rounded up to whole huge pages, starting on a
+    2 MiB boundary (Note [bf16 weights wholly on huge pages]); its storage's aligned
+    span is exactly the tensor, so `to_huge_pages` collapses all of it. (The allocator
+    aligns to 64 bytes: the storage is 64 bytes short of one more huge page, so no
+    page past the tensor is collapsed.)"""
+    length = -(-max(1, nbytes) // HUGE_PAGE) * HUGE_PAGE
+    storage = torch.empty(length + HUGE_PAGE - 64, dtype=torch.uint8)
+    offset = -storage.data_ptr() % HUGE_PAGE
+    return storage[offset:offset + length]
 
 
 def drain(timeout: float = 30.0) -> bool:

@@ -14,6 +14,7 @@ import threading
 import torch
 
 from dynvm.jit.backends.cpu import onednn_api as api
+from dynvm.jit.backends.cpu.huge_pages import aligned_buffer, to_huge_pages
 from dynvm.jit.backends.cpu.onednn_objects import (
     DATA_TYPES,
     destroy,
@@ -55,7 +56,11 @@ class LinearWeights:
     primitives chose, one copy per layout, each with the memory object primitives read
     it through (its data handle never changes, so primitives share it): torch's packed
     copy itself where its layout is the one chosen (`offer`, checked element by
-    element), else a copy reordered from the plain weight."""
+    element), else a copy reordered from the plain weight. A weight of a dtype in
+    `ALIGNED_DTYPES` (bf16) is always reordered, into a buffer wholly on 2 MiB pages
+    (Note [bf16 weights wholly on huge pages])."""
+
+    ALIGNED_DTYPES = frozenset({torch.bfloat16})
 
     def __init__(self, library: api.Library, plain: torch.Tensor) -> None:
         self._library = library
@@ -67,6 +72,8 @@ class LinearWeights:
     def offer(self, packed: torch.Tensor) -> None:
         """torch's packed copy of this weight (an opaque mkldnn tensor), read in place
         where a primitive chooses its layout."""
+        if self.plain.dtype in self.ALIGNED_DTYPES:
+            return        # never read in place: not kept alive for nothing
         with self._lock:
             if self._torch_packed is None:
                 self._torch_packed = packed
@@ -75,6 +82,10 @@ class LinearWeights:
         """Bytes of the reordered copies made here (torch's packed copy, where read in
         place, is counted by the PrepackCache entry that holds it)."""
         return sum(t.numel() * t.element_size() for _, _, t, own in self._copies if own)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The tensors holding the copies (torch's packed copy where read in place)."""
+        return [t for *_, t, _ in self._copies]
 
     def shared(self) -> int:
         """Layouts read in torch's packed copy (no copy of their own)."""
@@ -96,7 +107,8 @@ class LinearWeights:
             for md, memory, *_ in self._copies:
                 if lib.dnnl_memory_desc_equal(md, wanted):
                     return memory
-            copy = self._torch_copy_in(wanted)
+            copy = (None if self.plain.dtype in self.ALIGNED_DTYPES
+                    else self._torch_copy_in(wanted))
             if copy is None:
                 self._torch_packed = None   # not kept alive for nothing
                 copy = self._reorder(wanted)
@@ -134,10 +146,15 @@ class LinearWeights:
     def _reorder(self, wanted) -> tuple:
         library, lib = self._library, self._library.dll
         size = lib.dnnl_memory_desc_get_size(wanted)
-        # an opaque oneDNN tensor as torch's packed weights are (Note [A generator's
-        # resident memory] counts those as packed weights)
-        tensor = torch.empty(size // 4 + 1, dtype=torch.float32).to_mkldnn()
-        memory = new_memory(library, wanted, torch.ops.mkldnn.data_ptr(tensor))
+        if self.plain.dtype in self.ALIGNED_DTYPES:
+            tensor = aligned_buffer(size)    # Note [bf16 weights wholly on huge pages]
+            address = tensor.data_ptr()
+        else:
+            # an opaque oneDNN tensor as torch's packed weights are (Note [A generator's
+            # resident memory] counts those as packed weights)
+            tensor = torch.empty(size // 4 + 1, dtype=torch.float32).to_mkldnn()
+            address = torch.ops.mkldnn.data_ptr(tensor)
+        memory = new_memory(library, wanted, address)
         md = ctypes.c_void_p()    # owned by the memory object
         api.check(lib.dnnl_memory_get_memory_desc(memory, ctypes.byref(md)), "md")
         plain_md = self.plain_md()
@@ -148,6 +165,8 @@ class LinearWeights:
         finally:
             destroy(lib, (("dnnl_memory_destroy", source),
                           ("dnnl_memory_desc_destroy", plain_md)))
+        if not tensor.is_mkldnn:
+            to_huge_pages(tensor)
         return md, memory, tensor, True
 
     def __del__(self) -> None:
