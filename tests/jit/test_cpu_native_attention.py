@@ -122,7 +122,10 @@ def test_runtimes_run_it_at_96_keys_and_more_and_equal_eager():
             sources = [a.source for a in rt.jit.artifacts.values()]
         if not families:
             taken = [s for s in sources if NOTE in s]
-            assert taken and all("masked_attention" in s for s in taken), sources
+            # the kernel's call, or its call from the Q/K/V result (Note [Attention
+            # without its views])
+            assert taken and all("masked_attention" in s or "qkv_attention" in s
+                                 for s in taken), sources
             assert any(f"[{MIN_KEYS - 30}, " in s and NOTE not in s for s in sources) or \
                 len(taken) < len(sources), sources
 

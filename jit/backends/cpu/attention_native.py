@@ -186,12 +186,17 @@ def _reads(q, k, v, mask, dropout_p, is_causal) -> bool:
             or s == 0 or not 0 < k.shape[2] <= MAX_KEYS \
             or any(t.stride(-1) != 1 for t in (q, k, v)):
         return False
+    return _mask_reads(mask, q.dtype, (b, h, s, k.shape[2]))
+
+
+def _mask_reads(mask, dtype, scores) -> bool:
+    """Whether the C kernel reads `mask` (absent, boolean or of the operands' dtype,
+    broadcasting to the `scores` [B, H, S, L])."""
     if mask is None:
         return True
-    if not isinstance(mask, torch.Tensor) or mask.dtype not in (torch.bool, q.dtype) \
+    if not isinstance(mask, torch.Tensor) or mask.dtype not in (torch.bool, dtype) \
             or mask.dim() > 4:
         return False
-    scores = (b, h, s, k.shape[2])
     return all(m in (1, n) for m, n in zip(mask.shape[::-1], scores[::-1]))
 
 
@@ -206,9 +211,22 @@ def masked_attention(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=N
             or q.device.type != "cpu":
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, mask, dropout_p, is_causal, scale=scale)
-    b, h, s, d = q.shape
-    keys = k.shape[2]
     out = torch.empty_like(q)
+    if not _run((q, k, v), (q.stride()[:3], k.stride()[:3], v.stride()[:3]), q.dtype,
+                (*q.shape[:3], k.shape[2], q.shape[3]), mask, scale, out, out.stride()[:3]):
+        # its scratch could not be allocated (nothing written): torch's SDPA computes
+        # the same result, or raises torch's own out-of-memory error
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, mask, dropout_p, is_causal, scale=scale)
+    return out
+
+
+def _run(operands, strides, dtype, dims, mask, scale, out, out_strides) -> bool:
+    """The C kernel over q, k and v (`operands`: tensors or addresses) with these
+    [B, H, rows] strides, `dims` (B, H, S, L, D); False where its scratch could not be
+    allocated (nothing written)."""
+    b, h, s, keys, d = dims
+    q, k, v = (t.data_ptr() if isinstance(t, torch.Tensor) else t for t in operands)
     if mask is None:
         mask_ptr, mask_strides = None, _strides((0, 0, 0, 0))
     else:
@@ -217,28 +235,50 @@ def masked_attention(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=N
     threads = 1 if _THREADS is None else _THREADS()
     kind = _MASKS[None if mask is None else mask.dtype]
     scale = d ** -0.5 if scale is None else scale
-    if _on_tiles(q):   # Note [bf16 attention on AMX tiles]
+    qs, ks, vs, os_ = (_strides(x) for x in (*strides, out_strides))
+    if _AMX and dtype == torch.bfloat16 and d % 32 == 0:   # Note [bf16 attention on AMX tiles]
         if b * h * s * keys <= AMX_ONE_THREAD_SCORES:
             threads = 1
-        status = _LIBRARY.dynvm_attention_amx(
-            q.data_ptr(), _strides(q.stride()[:3]), k.data_ptr(), _strides(k.stride()[:3]),
-            v.data_ptr(), _strides(v.stride()[:3]), b, h, s, keys, d, mask_ptr, kind,
-            mask_strides, scale, out.data_ptr(), _strides(out.stride()[:3]), threads)
+        status = _LIBRARY.dynvm_attention_amx(q, qs, k, ks, v, vs, b, h, s, keys, d, mask_ptr,
+                                              kind, mask_strides, scale, out.data_ptr(), os_,
+                                              threads)
     else:
-        status = _LIBRARY.dynvm_attention(
-            q.data_ptr(), _strides(q.stride()[:3]), k.data_ptr(), _strides(k.stride()[:3]),
-            v.data_ptr(), _strides(v.stride()[:3]), int(q.dtype == torch.bfloat16), b, h,
-            s, keys, d, mask_ptr, kind, mask_strides, scale, out.data_ptr(),
-            _strides(out.stride()[:3]), threads)
-    if status != 0:
-        # its scratch could not be allocated (nothing written): torch's SDPA computes
-        # the same result, or raises torch's own out-of-memory error
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, mask, dropout_p, is_causal, scale=scale)
-    return out
+        status = _LIBRARY.dynvm_attention(q, qs, k, ks, v, vs, int(dtype == torch.bfloat16),
+                                          b, h, s, keys, d, mask_ptr, kind, mask_strides,
+                                          scale, out.data_ptr(), os_, threads)
+    return status == 0
 
 
-ATTENTION_KERNELS = {ATTENTION: masked_attention}
+def qkv_attention(qkv, mask, heads, scale):
+    """`QKV_ATTENTION`: a [B, S, 3 H D] Q/K/V result split into heads, SDPA over them and
+    the result as [B, S, H D] in one call (Note [Attention without its views] in
+    attention_qkv); the result is a view of the kernel's [B, S, H, D] result."""
+    b, s, width = qkv.shape
+    d = width // (3 * heads)
+    if _LIBRARY is None or qkv.device.type != "cpu" or qkv.dtype not in _DTYPES \
+            or qkv.stride(2) != 1 or width != 3 * heads * d or d % 16 or d == 0 \
+            or not 0 < s <= MAX_KEYS or not _mask_reads(mask, qkv.dtype, (b, heads, s, s)):
+        return _qkv_attention_views(qkv, mask, heads, scale)
+    out = torch.empty((b, s, heads, d), dtype=qkv.dtype)
+    base, step = qkv.data_ptr(), heads * d * qkv.element_size()
+    strides = (qkv.stride(0), d, qkv.stride(1))
+    if not _run((base, base + step, base + 2 * step), (strides,) * 3, qkv.dtype,
+                (b, heads, s, s, d), mask, scale, out, (s * heads * d, d, heads * d)):
+        return _qkv_attention_views(qkv, mask, heads, scale)
+    return out.view(b, s, heads * d)
+
+
+def _qkv_attention_views(qkv, mask, heads, scale):
+    """`qkv_attention` as the region's ops compute it: views, SDPA, views."""
+    b, s, width = qkv.shape
+    q, k, v = (t.view(b, s, heads, -1).permute(0, 2, 1, 3)
+               for t in qkv.split(width // 3, -1))
+    out = masked_attention(q, k, v, mask, scale=scale)
+    return out.permute(0, 2, 1, 3).reshape(b, s, width // 3)
+
+
+QKV_ATTENTION = "QKV_ATTENTION"
+ATTENTION_KERNELS = {ATTENTION: masked_attention, QKV_ATTENTION: qkv_attention}
 
 
 def _value(arg, probe):

@@ -31,6 +31,7 @@ from dynvm.jit.backends.cpu.attention_native import (
     ATTENTION_VARIANT,
     native_attention,
 )
+from dynvm.jit.backends.cpu.attention_qkv import qkv_attention_calls
 from dynvm.jit.backends.cpu.chain_bf16 import bf16_chains
 from dynvm.jit.backends.cpu.channels_last import (
     LAYOUT_KERNELS,
@@ -401,6 +402,11 @@ class CpuOptions:
     attention of our own] in attention_native): "on", or "off" (the in-process A/B). Not
     part of the key, as `arena_ops`."""
 
+    qkv_attention: str = "on"
+    """Native attention with BERT's views around it as one call from the Q/K/V result
+    (Note [Attention without its views] in attention_qkv): "on", or "off" (the in-process
+    A/B). Not part of the key, as `arena_ops`."""
+
     shape_constants: str = "on"
     """Under precision "fp32", ops over constants and literals alone run at compile time
     (Note [Shape constants in kernels] in shape_constants; the bf16 lowering folds its
@@ -508,6 +514,9 @@ def compile_kernel(spec: SpecializedRegion, program, constants, device: torch.de
     if options.native_attention == "on" and device.type == "cpu":
         spec, note = native_attention(spec)   # Note [Masked attention of our own]
         notes += (note.removeprefix("; "),) if note else ()
+        if options.qkv_attention == "on":   # Note [Attention without its views]
+            spec, note = qkv_attention_calls(spec)
+            notes += (note.removeprefix("; "),) if note else ()
     if options.channels_last != "off" and guard != GuardStrength.WEAK.value \
             and device.type == "cpu":
         spec, note = _channels_last(spec, program, constants, device, name, options)
