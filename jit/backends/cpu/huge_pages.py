@@ -107,10 +107,9 @@ rounds: 1x32 0.965, 1x64 0.986, 2x64 0.969, 1x128 0.977, 2x128 0.974, 8x128 0.99
 / 0.995 (A/A 1.001-1.032); this runtime made last, not first (13:50, load 1.6-1.7):
 0.958 / 0.962 / 0.972 / 0.974 / 0.977 / 0.981 (A/A 0.979-1.004); the same bits. A
 prototype that copied the weights there after the compile read 0.976-0.994 twice (A/A
-0.980-1.015). The FFN GEMMs alone (the
-4-layer chain, one copy collapsed and one not, the weights' aligned middles only) did not
-show it (0.984 / 0.995 at M = 64 / 128, A/A 0.969 / 1.022): the whole model touches more
-pages between a weight's uses.
+0.980-1.015). The FFN GEMMs alone (the 4-layer chain, one copy collapsed and one not,
+the weights' aligned middles only) did not show it (0.984 / 0.995 at M = 64 / 128, A/A
+0.969 / 1.022): the whole model touches more pages between a weight's uses.
 """
 
 from __future__ import annotations
