@@ -167,6 +167,7 @@ def _primitives_named():
 _LAYER_GEMMS = ("QKV GEMM", "output projection + residual", "FFN up + GELU",
                 "FFN down + residual")
 _PIECES = (("SDPA", "attention (SDPA)"), ("masked_attention", "attention (SDPA)"),
+           ("qkv_attention", "attention (SDPA)"), ("QKV_ATTENTION", "attention (SDPA)"),
            ("bf16_mask_bias", "mask bias"),
            ("LAYER_NORM", "layer norm"), ("layer_norm_bf16", "layer norm"),
            ("to_bf16", "casts"), ("to_fp32", "casts"),

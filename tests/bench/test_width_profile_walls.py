@@ -51,6 +51,7 @@ def test_piece_of_names_the_generated_callees():
     assert width_profile.piece_of("onednn_linear_primitive29") is None
     assert width_profile.piece_of("SDPA33") == "attention (SDPA)"
     assert width_profile.piece_of("masked_attention") == "attention (SDPA)"
+    assert width_profile.piece_of("qkv_attention") == "attention (SDPA)"
     assert width_profile.piece_of("to_bf1627") == "casts"
     assert width_profile.piece_of("layer_norm_bf1614") == "layer norm"
     assert width_profile.piece_of("ARANGE20") == "prologue / other ops"
