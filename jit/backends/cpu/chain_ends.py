@@ -35,6 +35,8 @@ product on the mean's value take 0.38-0.46 ms with the weight in cache.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import torch
@@ -51,7 +53,23 @@ _CL = torch.channels_last
 _INTO_CHAIN = {TO_CHANNELS_LAST: torch.float32, TO_CHANNELS_LAST_BF16: torch.bfloat16}
 ENDS_DTYPES = (torch.bfloat16,)
 """The chains whose ends are taken in (Note [A chain's input conversion and global
-mean]): bf16, where it measured faster; in fp32 it measured no different."""
+mean]): bf16, where it measured faster; fp32 only under `fp32_ends`."""
+_FP32_ENDS = contextvars.ContextVar("fp32_chain_ends", default=False)
+
+
+@contextlib.contextmanager
+def fp32_ends(on: bool):
+    """fp32 chains' ends taken in too while it is entered with `on` (CpuOptions'
+    `fp32_chain_ends`, the in-process A/B's toggle)."""
+    token = _FP32_ENDS.set(on)
+    try:
+        yield
+    finally:
+        _FP32_ENDS.reset(token)
+
+
+def _taken(dtype) -> bool:
+    return dtype in ENDS_DTYPES or (dtype == torch.float32 and _FP32_ENDS.get())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +90,7 @@ def head(ops, start: int, end: int, x: int, reads, probes) -> Head | None:
         return None
     op = ops[start - 1]
     chain_dtype = _INTO_CHAIN.get(op.opcode)
-    if chain_dtype not in ENDS_DTYPES or op.dsts != (x,) or len(op.args) != 1 \
+    if not _taken(chain_dtype) or op.dsts != (x,) or len(op.args) != 1 \
             or not isinstance(op.args[0], Var):
         return None
     if any(r == x and not start <= position < end for r, position in reads):
@@ -107,6 +125,6 @@ def mean_after(ops, end: int, defined: set[int], reads, probes) -> tuple[int, in
         return None     # read after the mean too
     values = probe_tensors(probes, x.reg)
     if not values or any(v.dim() != 4 or not v.is_contiguous(memory_format=_CL)
-                         or v.dtype not in ENDS_DTYPES for v in values):
+                         or not _taken(v.dtype) for v in values):
         return None
     return x.reg, op.dsts[0]
