@@ -13,14 +13,13 @@ import re
 
 import pytest
 import torch
-from torch.export import Dim
 
 import dynvm
 from dynvm.jit.backends.cpu import attention_native
 from dynvm.jit.backends.cpu.attention_native import AMX_MIN_KEYS, MAX_KEYS, masked_attention
 from tests.jit import _jit_helpers as h
-from tests.jit.test_cpu_attention_primitives import BF16_RELATIVE, Layer, _keep, _relative
-from tests.jit.test_cpu_native_attention import _mask, _operands
+from tests.jit.test_cpu_attention_primitives import BF16_RELATIVE, _keep, _relative
+from tests.jit.test_cpu_native_attention import _mask, _operands, _program
 
 pytestmark = pytest.mark.skipif(not attention_native.amx_available(),
                                 reason="no AMX (or dynvm's attention library is not built)")
@@ -79,15 +78,6 @@ def test_heads_not_a_multiple_of_32_stay_off_the_tiles():
     got = masked_attention(q, k, v)           # the AVX-512 kernel, bf16 widened to fp32
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
     assert (got.float() - want).abs().max() <= 2e-2 * max(1.0, want.abs().max())
-
-
-def _program():
-    torch.manual_seed(0)
-    model = Layer(d=64, heads=2).eval()          # heads of 32
-    batch, seq = Dim("batch", min=1, max=8), Dim("seq", min=2, max=160)
-    keep = torch.ones(2, 5, dtype=torch.long)
-    return model, dynvm.compile(model, (torch.randn(2, 5, 64), keep),
-                                ({0: batch, 1: seq}, {0: batch, 1: seq}))
 
 
 def test_bf16_runtimes_run_it_at_16_keys_and_more_and_equal_eager():
