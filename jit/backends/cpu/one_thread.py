@@ -65,6 +65,17 @@ shape).
 Layer norm is put on the calling thread without asking above `MAX_ELEMENTS`, up to
 `ALWAYS_ONE`'s bound (Note [Layer norm on one thread in the call]).
 
+GEMMs stay on the team even where everything else of the call runs on this thread
+(BERT-base width at 16-64 rows: attention and layer norm here, only the 16 linear
+primitives open regions): the bf16 linears as one-thread primitives, the caller running
+every piece (column halves' primitives with the helper never claiming), against the team,
+whole model, one process, interleaved call by call with an A/A, runtimes seasoned and
+drained (/tmp/h35t/ab.py, 2026-12-06 14:11 UTC, load 2.0, A/A 0.978-1.007): 1x16 1.214,
+1x32 1.321, 2x16 1.332, 2x32 1.366, 1x64 1.335, 4x16 1.375. One core streams the
+weights too slowly for the wake it saves (~0.1 ms a GEMM); splitting the columns with a
+helper thread (Note [Column halves with a helper thread]) keeps the second core without
+the region, and ran 0.77-0.91 of the team in the same run.
+
 Note [Layer norm on one thread in the call]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Inside BERT-base width's fp32 call at 1x128 (98,304 elements) torch's layer norm on the
