@@ -4,8 +4,7 @@ kernels agree with eager over random batches, offset and strided inputs; the mea
 result has torch's strides and is not changed by the next call; a shape without an
 arena runs the conversion and torch's mean; fp32 chains keep both as they were unless
 CpuOptions' fp32_chain_ends is "on" (then NHWC and nChw16c arenas agree with eager and
-with the ops kept); where
-the chain library is absent nothing is taken in.
+with the ops kept); where the chain library is absent nothing is taken in.
 
 Tolerance: tests/jit/test_cpu_conv_bf16.py's (bf16 against fp32 eager).
 """

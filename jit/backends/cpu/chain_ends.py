@@ -31,6 +31,19 @@ taken in, measured no different too (2026-12-06 02:01, load 3.5, 25 calls: batch
 the pooling's 0.041). The linear after the mean stays the linear pass's op
 (onednn_linear): at M=1 its primitive, dynvm's small-M GEMM, torch's and an inner
 product on the mean's value take 0.38-0.46 ms with the weight in cache.
+
+At batch 2 / 4 the fp32 chain is nChw16c (Note [A chain of primitives in one call]) and
+its ends in Python were ~0.5 ms of a ~60 ms call (bench.resnet_profile, 2026-12-06
+14:09), so both were taken in again, behind CpuOptions' `fp32_chain_ends` (the mean's
+nChw16c result then leaves by the arena's reorder out, one more step). Whole model, one
+process, Runtimes on and off interleaved call by call with an A/A, 40-50 calls, seasoned
+and huge_pages.drain()ed (/tmp/h35r/ab.py, 14:12-14:21 UTC, load 1.2-2.2): batch 1 /
+2 / 4 on built last 0.950 / 0.980 / 0.998 (A/A 0.996 / 0.991 / 0.996); built first
+1.039 / 1.004 / 0.984 and built last 0.979 / 0.987 / 0.988 (A/A 1.002 / 0.994 / 0.995);
+built between two off ones 0.997 / 1.005 at batch 2 / 4 (the second off one 1.004 /
+1.004, A/A 1.004 / 1.000). The order of building moves it more than the ends do: no
+gain, so the option stays "off". Outputs equal to the ops' within 1e-5 (the pooling
+sums in another order than torch's mean; the conversion is a copy either way).
 """
 
 from __future__ import annotations

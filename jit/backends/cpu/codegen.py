@@ -416,8 +416,8 @@ class CpuOptions:
     fp32_chain_ends: str = "off"
     """fp32 chains of primitives take in their input's conversion and global mean, as
     bf16 chains do (Note [A chain's input conversion and global mean] in chain_ends):
-    "on", or "off" (the in-process A/B's other arm). Not part of the key, as
-    `arena_ops`."""
+    "on" (the in-process A/B's other arm), or "off" (no gain measured at batch 1-4).
+    Not part of the key, as `arena_ops`."""
 
     precision: str = "fp32"
     """GEMMs with constant weights in "fp32", "bf16" or "int8-dynamic" (Note
