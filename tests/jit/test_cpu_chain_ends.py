@@ -2,16 +2,13 @@
 it (Note [A chain's input conversion and global mean] in jit/backends/cpu/chain_ends.py):
 kernels agree with eager over random batches, offset and strided inputs; the mean's
 result has torch's strides and is not changed by the next call; a shape without an
-arena runs the conversion and torch's mean; fp32 chains keep both as they were unless
-CpuOptions' fp32_chain_ends is "on" (then NHWC and nChw16c arenas agree with eager and
-with the ops kept); where the chain library is absent nothing is taken in.
+arena runs the conversion and torch's mean; fp32 chains keep both as they were; where
+the chain library is absent nothing is taken in.
 
 Tolerance: tests/jit/test_cpu_conv_bf16.py's (bf16 against fp32 eager).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -47,25 +44,19 @@ def _relative(got, want) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
-def _sources(precision: str, dims, shapes, seed: int, views: bool = True,
-             fp32_ends: str = "off", results: list | None = None, channels: int = 16):
-    torch.manual_seed(seed)      # one model per seed: the option's arms compare
-    model = _Net(channels).eval()
+def _sources(precision: str, dims, shapes, seed: int, views: bool = True):
+    model = _Net().eval()
     program = dynvm.compile(model, (torch.randn(2, 3, 16, 16),), (dims,))
     config = h.eager_config(families=True, cpu_fusion="always", cpu_channels_last="always",
                             precision=precision)
     gen = torch.Generator().manual_seed(seed)
     with dynvm.Runtime(program, jit=config) as rt, torch.no_grad():
-        rt.jit._cpu_options = dataclasses.replace(rt.jit._cpu_options,
-                                                  fp32_chain_ends=fp32_ends)
         for step, (batch, height) in enumerate(shapes):
             x = torch.randn(batch + 1, 3, height, 19, generator=gen)[1:, :, :, 3:]
             if step % 3 == 0 or not views:
                 x = x.contiguous()           # else an offset and strided view
             before = x.clone()
             got, want = rt(x), model(x)
-            if results is not None:
-                results.append(got)
             assert got.dtype == torch.float32 and got.shape == want.shape
             limit = RELATIVE if precision == "bf16" else 1e-4
             assert _relative(got, want) < limit, (step, batch, height)
@@ -107,32 +98,6 @@ def test_fp32_chains_keep_their_conversion_and_mean():
         code = _code(source)
         assert "= to_channels_last" in code and "= MEAN" in code, source
         assert "input conversion(s)" not in source
-
-
-def test_fp32_chains_under_the_option_take_both_in_and_agree_with_eager_and_the_ops():
-    # batches 1-4: NHWC arenas at batch 1, nChw16c ones from batch 2 (the blocks' 32 and
-    # 16 channels are whole blocks); every third input dense, the others offset, strided
-    native_chain()
-    shapes = [(b, 16) for b in (4, 1, 3, 2, 4, 3, 1, 2, 2, 4)]
-    dims = {0: Dim("batch", min=1, max=4)}
-    taken, kept = [], []
-    sources = _sources("fp32", dims, shapes, seed=15, fp32_ends="on", results=taken,
-                       channels=32)
-    _sources("fp32", dims, shapes, seed=15, results=kept, channels=32)
-    assert any("nChw16c" in s for s in sources), sources
-    converted_in = 0
-    for source in sources:
-        code = _code(source)
-        assert "= onednn_chain_primitives" in code and "= MEAN" not in code, source
-        if "into them 1 input conversion(s) and 1 global mean(s)" in source:
-            assert "= to_channels_last" not in code, source
-            converted_in += 1
-        else:
-            assert "into them 0 input conversion(s) and 1 global mean(s)" in source, source
-    assert converted_in, sources
-    assert len(taken) == len(kept)
-    for a, b in zip(taken, kept):   # the mean's sums in another order
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_shapes_without_an_arena_convert_and_take_torchs_mean():

@@ -34,22 +34,19 @@ product on the mean's value take 0.38-0.46 ms with the weight in cache.
 
 At batch 2 / 4 the fp32 chain is nChw16c (Note [A chain of primitives in one call]) and
 its ends in Python were ~0.5 ms of a ~60 ms call (bench.resnet_profile, 2026-12-06
-14:09), so both were taken in again, behind CpuOptions' `fp32_chain_ends` (the mean's
-nChw16c result then leaves by the arena's reorder out, one more step). Whole model, one
-process, Runtimes on and off interleaved call by call with an A/A, 40-50 calls, seasoned
-and huge_pages.drain()ed (/tmp/h35r/ab.py, 14:12-14:21 UTC, load 1.2-2.2): batch 1 /
-2 / 4 on built last 0.950 / 0.980 / 0.998 (A/A 0.996 / 0.991 / 0.996); built first
-1.039 / 1.004 / 0.984 and built last 0.979 / 0.987 / 0.988 (A/A 1.002 / 0.994 / 0.995);
-built between two off ones 0.997 / 1.005 at batch 2 / 4 (the second off one 1.004 /
-1.004, A/A 1.004 / 1.000). The order of building moves it more than the ends do: no
-gain, so the option stays "off". Outputs equal to the ops' within 1e-5 (the pooling
-sums in another order than torch's mean; the conversion is a copy either way).
+14:09), so both were taken in again, in NHWC and nChw16c arenas (the mean's nChw16c
+result leaving by the arena's reorder out), as an option (H35R, f99a5af, reverted).
+Whole model, one process, Runtimes on and off interleaved call by call with an A/A,
+40-50 calls, seasoned and huge_pages.drain()ed (/tmp/h35r/ab.py, 14:12-14:21 UTC, load
+1.2-2.2): batch 1 / 2 / 4 on built last 0.950 / 0.980 / 0.998 (A/A 0.996 / 0.991 /
+0.996); built first 1.039 / 1.004 / 0.984 and built last 0.979 / 0.987 / 0.988 (A/A
+1.002 / 0.994 / 0.995); built between two off ones 0.997 / 1.005 at batch 2 / 4. The
+order of building moves it more than the ends do: no gain, so fp32 keeps its ends in
+Python and the option was taken out.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 
 import torch
@@ -66,23 +63,7 @@ _CL = torch.channels_last
 _INTO_CHAIN = {TO_CHANNELS_LAST: torch.float32, TO_CHANNELS_LAST_BF16: torch.bfloat16}
 ENDS_DTYPES = (torch.bfloat16,)
 """The chains whose ends are taken in (Note [A chain's input conversion and global
-mean]): bf16, where it measured faster; fp32 only under `fp32_ends`."""
-_FP32_ENDS = contextvars.ContextVar("fp32_chain_ends", default=False)
-
-
-@contextlib.contextmanager
-def fp32_ends(on: bool):
-    """fp32 chains' ends taken in too while it is entered with `on` (CpuOptions'
-    `fp32_chain_ends`, the in-process A/B's toggle)."""
-    token = _FP32_ENDS.set(on)
-    try:
-        yield
-    finally:
-        _FP32_ENDS.reset(token)
-
-
-def _taken(dtype) -> bool:
-    return dtype in ENDS_DTYPES or (dtype == torch.float32 and _FP32_ENDS.get())
+mean]): bf16, where it measured faster; in fp32 it measured no different."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +84,7 @@ def head(ops, start: int, end: int, x: int, reads, probes) -> Head | None:
         return None
     op = ops[start - 1]
     chain_dtype = _INTO_CHAIN.get(op.opcode)
-    if not _taken(chain_dtype) or op.dsts != (x,) or len(op.args) != 1 \
+    if chain_dtype not in ENDS_DTYPES or op.dsts != (x,) or len(op.args) != 1 \
             or not isinstance(op.args[0], Var):
         return None
     if any(r == x and not start <= position < end for r, position in reads):
@@ -138,6 +119,6 @@ def mean_after(ops, end: int, defined: set[int], reads, probes) -> tuple[int, in
         return None     # read after the mean too
     values = probe_tensors(probes, x.reg)
     if not values or any(v.dim() != 4 or not v.is_contiguous(memory_format=_CL)
-                         or not _taken(v.dtype) for v in values):
+                         or v.dtype not in ENDS_DTYPES for v in values):
         return None
     return x.reg, op.dsts[0]

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import torch
 
 from dynvm.arena import ArenaPool
-from dynvm.jit.backends.cpu import chain_ends
 from dynvm.jit.backends.cpu.arena_choice import out_form_pays, zeros_like_abstract
 from dynvm.jit.backends.cpu.arena_layout import OUT_KERNELS, ArenaBinding, ArenaLayout, plan_layout
 from dynvm.jit.backends.cpu.attention_bf16 import bf16_attention
@@ -413,12 +412,6 @@ class CpuOptions:
     (Note [Shape constants in kernels] in shape_constants; the bf16 lowering folds its
     own): "on", or "off" (the in-process A/B). Not part of the key, as `arena_ops`."""
 
-    fp32_chain_ends: str = "off"
-    """fp32 chains of primitives take in their input's conversion and global mean, as
-    bf16 chains do (Note [A chain's input conversion and global mean] in chain_ends):
-    "on" (the in-process A/B's other arm), or "off" (no gain measured at batch 1-4).
-    Not part of the key, as `arena_ops`."""
-
     precision: str = "fp32"
     """GEMMs with constant weights in "fp32", "bf16" or "int8-dynamic" (Note
     [Lower-precision GEMMs] in precision)."""
@@ -458,8 +451,7 @@ def _channels_last(spec: SpecializedRegion, program, constants, device, name: st
         plan, bf16_note = bf16_chains(plan, options.prepacked)
         plan_note += bf16_note
     # Note [oneDNN primitives built once]: the chains' fused convolutions, fp32 or bf16
-    with chain_ends.fp32_ends(options.fp32_chain_ends == "on"):
-        primitives, primitives_note = conv_primitives(plan.spec)
+    primitives, primitives_note = conv_primitives(plan.spec)
     plan = dataclasses.replace(plan, spec=primitives)
     plan_note += primitives_note
     if options.channels_last == "always":
