@@ -25,8 +25,10 @@ it is. The same kernel on the same addresses: the same bits.
 
 Measured in the whole model (BERT-base width, 4 layers, exact kernels, one process,
 four runtimes -- two on, two off -- interleaved call by call, 80-100 rounds,
-/tmp/h34v/ab.py; runtimes built later sometimes ran 2-5% slower in that script, so
-runtimes built next to each other are compared, in three build orders). bf16 (13:43,
+/tmp/h34v/ab.py; runtimes built later sometimes ran 2-5% slower in that script, most
+likely their weights still on small pages: with calls back to back the collapser takes
+a page only every 0.5 s, Note [Collapsing between calls]; so runtimes built next to each
+other are compared, in three build orders). bf16 (13:43,
 13:45, 13:50 UTC, load 1.4-2.7; A/A 0.943-1.006 by build position): on / off 0.951-0.967
 at 1x16, 0.970-0.983 at 1x64, 0.957-0.977 at 2x16, 0.969-0.984 at 2x64, 0.969-0.984 at
 1x128 (0.2-0.4 ms a call); fp32, where the kernel takes only 96 keys or more (13:46,
