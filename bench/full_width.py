@@ -40,7 +40,11 @@ system (the peers get the same count, Note [ONNX peers] in bench.peers):
    [Quiet before each timed call]), the order
    changing call by call; per shape the median of each system's time over eager's of
    the same call; the A/A margin (bench._timing.aa_margin) of interpreter B over A is
-   the margin of every "JIT at or below" statement.
+   the margin of every "JIT at or below" statement. 16 calls a BERT shape and 8 a
+   ResNet-50 batch size by default (`--calls`, `--resnet-calls`): with 4 a shape, two
+   runs of the same code moved a small bf16 shape's median by up to 0.27 while the A/A
+   margin over all 64 calls said 0.017-0.020; with 16 the margin was 0.006 (2026-12-06,
+   docs/bench_log.md, stop 24's end).
 
 Each system's outputs at the first steady call of every shape are compared with eager's:
 the largest absolute difference is stated (peers in bf16/int8 are not fp32).
@@ -416,12 +420,12 @@ def main(argv=None) -> int:
                         help="ONNX peers (bench.peers.PEER_SYSTEMS), comma-separated")
     parser.add_argument("--warmup", type=int, default=200,
                         help="calls of BERT's cold-JIT warm-up phase (default 200)")
-    parser.add_argument("--calls", type=int, default=4,
-                        help="steady calls per BERT shape (default 4)")
+    parser.add_argument("--calls", type=int, default=16,
+                        help="steady calls per BERT shape (default 16)")
     parser.add_argument("--resnet-warmup", type=int, default=60,
                         help="the same for ResNet-50 (default 60: its calls take seconds)")
-    parser.add_argument("--resnet-calls", type=int, default=4,
-                        help="steady calls per batch size for ResNet-50 (default 4)")
+    parser.add_argument("--resnet-calls", type=int, default=8,
+                        help="steady calls per batch size for ResNet-50 (default 8)")
     parser.add_argument("--settle-seconds", type=float,
                         help=f"cap of the seasoning phase per model (default "
                              f"{SETTLE_SECONDS:.0f}, with --tier {TIER_SETTLE_SECONDS:.0f})")
