@@ -168,9 +168,14 @@ def amx_available() -> bool:
 
 
 def _on_tiles(q) -> bool:
-    """Whether bf16 operands that the kernel reads go to its AMX version (D a multiple
-    of 32: a tile's 32 bf16 a row)."""
-    return _AMX and q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
+    """Whether bf16 operands that the kernel reads go to its AMX version."""
+    return _tiles_take(q.dtype, q.shape[-1])
+
+
+def _tiles_take(dtype, d: int) -> bool:
+    """Whether operands of `dtype` with heads of `d` run on the AMX version (bf16, D a
+    multiple of 32: a tile's 32 bf16 a row)."""
+    return _AMX and dtype == torch.bfloat16 and d % 32 == 0
 
 
 def _reads(q, k, v, mask, dropout_p, is_causal) -> bool:
@@ -236,7 +241,7 @@ def _run(operands, strides, dtype, dims, mask, scale, out, out_strides) -> bool:
     kind = _MASKS[None if mask is None else mask.dtype]
     scale = d ** -0.5 if scale is None else scale
     qs, ks, vs, os_ = (_strides(x) for x in (*strides, out_strides))
-    if _AMX and dtype == torch.bfloat16 and d % 32 == 0:   # Note [bf16 attention on AMX tiles]
+    if _tiles_take(dtype, d):   # Note [bf16 attention on AMX tiles]
         if b * h * s * keys <= AMX_ONE_THREAD_SCORES:
             threads = 1
         status = _LIBRARY.dynvm_attention_amx(q, qs, k, ks, v, vs, b, h, s, keys, d, mask_ptr,
