@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -36,6 +40,10 @@ from tests.jit._onednn import NEEDS_ONEDNN_LIBRARY
 pytestmark = NEEDS_ONEDNN_LIBRARY
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 BF16_RELATIVE = 3e-2        # tests/jit/test_cpu_precision.py's bf16 bound
+# oneDNN's bf16 GEMMs: a brgemm on AMX tiles where the CPU has them, else on AVX512-BF16
+# (or its gemm:jit at any rows); never a reference one (Note [oneDNN's reference
+# implementation refused])
+_BF16_BRGEMM = re.compile(r"avx512_core_amx|avx512_core_bf16|gemm:jit:bf16")
 
 
 class Gemms(nn.Module):
@@ -242,7 +250,7 @@ def test_bf16_kernels_run_bf16_primitives_within_bf16s_tolerance():
                 relative = float((got - want).abs().max() / want.abs().max())
                 assert relative < BF16_RELATIVE, (step, relative)
         sources = [a.source for a in rt.jit.artifacts.values()]
-    assert sources and all("linear(s) on oneDNN 3." in s and "amx" in s or "avx512" in s
+    assert sources and all("linear(s) on oneDNN 3." in s and _BF16_BRGEMM.search(s)
                            for s in sources), sources
     assert all(s.count("= onednn_linear_primitive") >= 6 for s in sources), sources
     # the residual add after `down` reads its bf16 result with fp32 x: the primitive
@@ -308,7 +316,7 @@ def test_families_whose_rows_vary(precision):
             assert "7 fp32 rows vary in the family" in source, source
             assert "= onednn_linear_primitive" not in source, source
         else:
-            assert "linear(s) on oneDNN" in source and "amx" in source, source
+            assert "linear(s) on oneDNN" in source and _BF16_BRGEMM.search(source), source
             assert "= onednn_linear_primitive" in source, source
 
 
@@ -338,3 +346,51 @@ def test_the_pass_off_leaves_fusions_calls():
                             options)
     assert "onednn_linear_primitive" not in kernel.source
     assert "= onednn_linear" in kernel.source
+
+
+# Note [oneDNN's reference implementation refused]: oneDNN limited to AVX-512 without
+# BF16 (ONEDNN_MAX_CPU_ISA, read when the library loads: hence a process of its own)
+# offers only `ref:any` for a bf16 GEMM with a residual add at any rows, as oneDNN 3.2
+# does on AVX512-BF16 CPUs without AMX.
+_REFERENCE_REFUSED = """
+import torch
+from dynvm.jit.backends.cpu import onednn_api as api
+from dynvm.jit.backends.cpu.onednn_linear import (ANY_ROWS, LinearSpec, LinearWeights,
+                                                   PrimitiveLinear)
+from dynvm.jit.backends.cpu.onednn_matmul import LinearPrimitive
+library = api.library()
+gen = torch.Generator().manual_seed(5)
+weight = (torch.randn(64, 32, generator=gen) / 6).to(torch.bfloat16)
+bias = torch.randn(64, generator=gen)
+spec = LinearSpec(32, 64, torch.bfloat16, True, None, "add", torch.float32)
+weights = LinearWeights(library, weight)
+try:
+    LinearPrimitive(library, spec, ANY_ROWS, weights, bias)
+    raise SystemExit("a reference primitive was built")
+except api.ReferenceOnly as exc:
+    assert "ref" in str(exc), exc
+linear = PrimitiveLinear(library, spec, weights, bias, [8, ANY_ROWS], None)
+assert set(linear.by_rows) == {8} and linear._any_rows is None, linear.by_rows
+assert not any(impl.startswith("ref") for impl in linear.impls()), linear.impls()
+for rows in (8, 5, 8, 13):
+    x = torch.randn(rows, 32, generator=gen).to(torch.bfloat16)
+    other = torch.randn(rows, 64, generator=gen)
+    want = torch.nn.functional.linear(x.float(), weight.float(), bias) + other
+    got = linear(x, other)
+    assert got.dtype == torch.float32 and got.shape == want.shape, (got.dtype, got.shape)
+    relative = float((got - want).abs().max() / want.abs().max())
+    assert relative < 3e-2, (rows, relative)
+print("refused", sorted(linear.impls()))
+"""
+
+
+@pytest.mark.skipif(precision_available("bf16") is not None, reason="no bf16 GEMMs here")
+def test_a_reference_implementation_is_refused_and_its_rows_run_eager():
+    """Where oneDNN offers only its reference GEMM (here by limiting its ISA in a child
+    process), the primitive is refused; a linear keeps its exact rows' primitives and
+    runs other rows on eager's linear, equal to eager."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
+    child = subprocess.run([sys.executable, "-c", _REFERENCE_REFUSED], capture_output=True,
+                           text=True, env=env, timeout=120)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert "refused" in child.stdout and "ref" not in child.stdout.split("refused")[1]

@@ -5,6 +5,19 @@ once] in onednn_conv says why dynvm calls oneDNN itself).
 The values below are oneDNN 3.x's ABI (dnnl_types.h / dnnl_common_types.h of v3.2, the
 version the extra pins); `load()` refuses another major version. Nothing here runs a
 primitive: onednn_conv builds and runs them.
+
+Note [oneDNN's reference implementation refused]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Where none of oneDNN's optimized implementations takes a primitive, its descriptor still
+succeeds, on a reference one (`ref:any`, `ref:...`): plain C loops, hundreds of times
+slower than torch's kernels. Which primitives fall there depends on the CPU: on a 2-core
+AMD EPYC (Zen 5: AVX-512 with BF16 and VNNI, no AMX; 2026-12-06) oneDNN 3.2 takes a bf16
+matmul with a sum post-op at runtime rows (a BERT layer's residual add in a family
+kernel) only on `ref:any`, where the hosts with AMX had a brgemm. BERT-base width in
+bf16 then took 6-54 s a call instead of 5-100 ms, and the probation's shadow samples of
+those kernels ran for minutes. So every primitive dynvm builds (matmul, convolution,
+pooling) asks `implementation()`, which raises ReferenceOnly for a reference one: the
+caller keeps torch's op for it, as for any primitive oneDNN refuses.
 """
 
 from __future__ import annotations
@@ -125,10 +138,27 @@ class OnednnError(DynvmError, RuntimeError):
     """A oneDNN call returned a status other than success."""
 
 
+class ReferenceOnly(OnednnError):
+    """oneDNN offers only its reference implementation for a primitive (Note [oneDNN's
+    reference implementation refused])."""
+
+
 def check(status: int, what: str) -> None:
     """Raise OnednnError unless `status` is dnnl_success."""
     if status != SUCCESS:
         raise OnednnError(f"oneDNN {what} failed (dnnl_status_t {status})")
+
+
+def implementation(lib, pd, what: str) -> str:
+    """The implementation oneDNN chose for the primitive descriptor `pd` ("brg:avx512_core",
+    "gemm:jit:bf16", ...); ReferenceOnly where it is one of its reference ones (Note
+    [oneDNN's reference implementation refused])."""
+    impl = ctypes.c_char_p()
+    lib.dnnl_primitive_desc_query(pd, QUERY_IMPL_INFO_STR, 0, ctypes.byref(impl))
+    name = (impl.value or b"?").decode()
+    if name.startswith("ref"):
+        raise ReferenceOnly(f"oneDNN offers only {name} for this {what} on this CPU")
+    return name
 
 
 # A primitive's per-call functions, called holding the GIL (Note [oneDNN primitives

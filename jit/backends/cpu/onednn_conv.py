@@ -264,9 +264,8 @@ class ConvPrimitive:
                 src, weights_any, bias_md if self.bias is not None else None, dst,
                 api.Dims(sh, sw), api.Dims(dh - 1, dw - 1), api.Dims(ph, pw),
                 api.Dims(ph, pw), attr), "convolution descriptor")
-            impl = ctypes.c_char_p()
-            lib.dnnl_primitive_desc_query(pd, api.QUERY_IMPL_INFO_STR, 0, ctypes.byref(impl))
-            self.impl = (impl.value or b"?").decode()
+            # Note [oneDNN's reference implementation refused]
+            self.impl = api.implementation(lib, pd, "convolution")
             wanted = lib.dnnl_primitive_desc_query_md(pd, api.QUERY_WEIGHTS_MD, 0)
             self.weights = weights.get(library, wanted, weight)
             api.check(lib.dnnl_primitive_create(ctypes.byref(self._prim), pd), "primitive")

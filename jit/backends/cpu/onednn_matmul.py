@@ -226,9 +226,8 @@ class LinearPrimitive:
             api.check(lib.dnnl_matmul_primitive_desc_create(
                 ctypes.byref(pd), engine, src, weights_md,
                 bias_md if self.bias is not None else None, dst, attr), "matmul descriptor")
-            impl = ctypes.c_char_p()
-            lib.dnnl_primitive_desc_query(pd, api.QUERY_IMPL_INFO_STR, 0, ctypes.byref(impl))
-            self.impl = (impl.value or b"?").decode()
+            # Note [oneDNN's reference implementation refused]
+            self.impl = api.implementation(lib, pd, "matmul")
             if plain_weight:
                 weight_memory = new_memory(library, weights_md, weights.plain.data_ptr())
                 self._memories.append(weight_memory)
@@ -340,10 +339,17 @@ class PrimitiveLinear:
         self._activation = activation
         # fp32 at any rows reads the program's constant as stored (gemm:jit takes a
         # plain weight; no copy); bf16's AMX brgemm shares the reordered copy
-        self.by_rows = {m: LinearPrimitive(library, spec, m, weights, bias,
-                                           plain_weight=m == ANY_ROWS
-                                           and spec.dtype == torch.float32)
-                        for m in rows}
+        self.by_rows = {}
+        for m in rows:
+            try:
+                self.by_rows[m] = LinearPrimitive(library, spec, m, weights, bias,
+                                                  plain_weight=m == ANY_ROWS
+                                                  and spec.dtype == torch.float32)
+            except api.ReferenceOnly:
+                # Note [oneDNN's reference implementation refused]: the rows that have
+                # no primitive run `fallback`; the exact rows keep theirs
+                if m != ANY_ROWS:
+                    raise
         self._any_rows = self.by_rows.pop(ANY_ROWS, None)
 
     def impls(self) -> set[str]:
