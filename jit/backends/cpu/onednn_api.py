@@ -15,9 +15,11 @@ AMD EPYC (Zen 5: AVX-512 with BF16 and VNNI, no AMX; 2026-12-06) oneDNN 3.2 take
 matmul with a sum post-op at runtime rows (a BERT layer's residual add in a family
 kernel) only on `ref:any`, where the hosts with AMX had a brgemm. BERT-base width in
 bf16 then took 6-54 s a call instead of 5-100 ms, and the probation's shadow samples of
-those kernels ran for minutes. So every primitive dynvm builds (matmul, convolution,
-pooling) asks `implementation()`, which raises ReferenceOnly for a reference one: the
-caller keeps torch's op for it, as for any primitive oneDNN refuses.
+those kernels ran for minutes. So matmul and convolution primitives ask
+`implementation()`, which raises ReferenceOnly for a reference one: the caller keeps
+torch's op for it, as for any primitive oneDNN refuses. Pooling keeps what oneDNN
+offers: its dilated geometries are `ref:any` on every CPU, and a pooling is one pass over
+its input, not a GEMM's hundreds.
 """
 
 from __future__ import annotations
