@@ -101,3 +101,29 @@ def test_a_forced_stop_sweeps_what_the_watch_has_not_listed_yet():
         for pid in (watch, child):
             if pid is not None and process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# A process that starts a child after the watch's last list (as the raylet restarts an
+# agent): the watch's list names only the parent.
+_STARTS_LATER = """
+import subprocess, time
+child = subprocess.Popen(["sleep", "120"], start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_what_a_listed_process_started_after_the_list_is_killed_too():
+    parent = subprocess.Popen([sys.executable, "-c", _STARTS_LATER], stdout=subprocess.PIPE,
+                              text=True)
+    child = None
+    try:
+        listed = {parent.pid: _orphan_watch._stat(parent.pid)[1]}
+        child = int(parent.stdout.readline())
+        assert child not in listed and process_alive(child)
+        assert _orphan_watch.kill_left("no-such-run", listed) == 2
+        assert _wait_gone([parent.pid, child], 10.0) == []
+    finally:
+        parent.kill()
+        if child is not None and process_alive(child):
+            os.kill(child, signal.SIGKILL)
