@@ -44,7 +44,10 @@ system (the peers get the same count, Note [ONNX peers] in bench.peers):
    ResNet-50 batch size by default (`--calls`, `--resnet-calls`): with 4 a shape, two
    runs of the same code moved a small bf16 shape's median by up to 0.27 while the A/A
    margin over all 64 calls said 0.017-0.020; with 16 the margin was 0.006 (2026-12-06,
-   docs/bench_log.md, stop 24's end).
+   docs/bench_log.md, stop 24's end). That margin is over all calls; one shape's median
+   of 16 is coarser, so the report gives each shape's A/A too (interpreter B's median
+   over A's at that shape): 0.967-1.035 over BERT's 16 shapes in a run whose margin was
+   0.007 (2026-12-06 16:39 UTC, AMD EPYC).
 
 Each system's outputs at the first steady call of every shape are compared with eager's:
 the largest absolute difference is stated (peers in bf16/int8 are not fp32).

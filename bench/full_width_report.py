@@ -63,10 +63,15 @@ def markdown(run: dict) -> str:
             present = [p for p in same if p in systems]
             if jit_name in systems and present:
                 versus[jit_name] = (present, f"{jit_name} / {' or '.join(present)}")
+        # Per shape, the A/A of that shape's calls: the margin over all calls is finer
+        # than any one shape's median of 16 resolves (Note [Full-width timing]).
+        has_aa = "interp_b" in systems and "interp" in systems
         table = ["| shape | " + " | ".join(systems) + " | "
-                 + " | ".join(title for _, title in versus.values()) + " |",
-                 "|---|" + "---:|" * (len(systems) + len(versus))]
+                 + " | ".join(title for _, title in versus.values())
+                 + (" | A/A (interp B / A) |" if has_aa else " |"),
+                 "|---|" + "---:|" * (len(systems) + len(versus) + has_aa)]
         ratios = {name: [] for name in versus}
+        shape_aa = []
         for label in m["labels"]:
             cells = [steady["x_eager"][s].get(label) for s in systems]
             compared = []
@@ -76,13 +81,27 @@ def markdown(run: dict) -> str:
                 ratio = mine / best if best and mine else None
                 ratios[name] += [ratio] if ratio is not None else []
                 compared.append(_cell(ratio))
+            if has_aa:
+                shape_aa.append(steady["x_eager"]["interp_b"][label]
+                                / steady["x_eager"]["interp"][label])
+                compared.append(_cell(shape_aa[-1]))
             table.append(f"| {label} | " + " | ".join(_cell(c) for c in cells) + " | "
                          + " | ".join(compared) + " |")
         meds = {s: statistics.median(steady["x_eager"][s].values()) for s in systems}
         table.append("| median | " + " | ".join(_cell(meds[s]) for s in systems) + " | "
-                     + " | ".join(_cell(statistics.median(r)) if r else "—"
-                                  for r in ratios.values()) + " |")
+                     + " | ".join([_cell(statistics.median(r)) if r else "—"
+                                   for r in ratios.values()]
+                                  + ([_cell(statistics.median(shape_aa))] if has_aa else []))
+                     + " |")
         lines.append("\n".join(table))
+        if shape_aa:
+            spread = max(abs(a - 1.0) for a in shape_aa)
+            lines.append(
+                f"Per shape, the A/A (interpreter B's median over A's, the same calls) is "
+                f"{min(shape_aa):.3f}-{max(shape_aa):.3f}: a shape's median of "
+                f"{steady['calls'] // len(m['labels'])} calls resolves about "
+                f"{spread:.3f}, where the margin over all calls is "
+                f"{steady['aa_margin']:.3f}.")
         lines.append("Largest |output - eager| at the first steady call of each shape: "
                      + ", ".join(f"{s} {e:.1e}" for s, e in steady["max_abs_error"].items())
                      + ".")

@@ -69,6 +69,12 @@ def test_report_and_docs_block(measured, tmp_path):
     assert "From the run of earlier" in full_width.markdown(kept)
     assert "| 2x32 |" in text and "JIT / best fp32 peer" in text and "Warm-up" in text
     assert "The warm-up's A/A" in text and "| A/A p90 |" in text
+    # each shape's own A/A: interpreter B's median over A's at that shape
+    steady = result["steady"]["x_eager"]
+    row = next(line for line in text.splitlines() if line.startswith("| 2x32 |"))
+    want = steady["interp_b"]["2x32"] / steady["interp"]["2x32"]
+    assert row.rstrip(" |").endswith(f"{want:.3f}"), row
+    assert "| A/A (interp B / A) |" in text and "Per shape, the A/A" in text
     doc = tmp_path / "BENCHMARKS.md"
     doc.write_text("# Benchmarks\n\nhand-written text\n")
     full_width.update_docs(text, doc)
