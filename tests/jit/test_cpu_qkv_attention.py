@@ -115,8 +115,10 @@ def test_runtimes_take_the_chain_and_equal_eager(precision):
             sources = [a.source for a in rt.jit.artifacts.values()]
         if not families:
             taken = [s for s in sources if CALL in s]
-            if precision == "bf16" and not attention_native.amx_available():
-                # Note [bf16 attention on AMX tiles]: without AMX a bf16 SDPA stays torch's
+            if precision == "bf16" and not (attention_native.amx_available()
+                                            or attention_native.bf16_dot_available()):
+                # Notes [bf16 attention on AMX tiles], [bf16 attention with AVX512-BF16
+                # dot products]: without either a bf16 SDPA stays torch's
                 assert not taken, sources
                 continue
             assert taken and all("qkv_attention" in s and not re.search(

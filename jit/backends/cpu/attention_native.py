@@ -44,7 +44,8 @@ taken one at a time: the caller never waits for its share.
 Which: an fp32 SDPA (no dropout, not causal) whose q, k and v are [B, H, rows, D] with
 the same B and H, D a multiple of 16, the last dim contiguous, `MIN_KEYS` to `MAX_KEYS`
 keys, and a mask absent, boolean or of q's dtype broadcasting to the scores, at every
-probe (bf16: Note [bf16 attention on AMX tiles]); at run time the operands are checked
+probe (bf16: Notes [bf16 attention on AMX tiles], [bf16 attention with AVX512-BF16 dot
+products]); at run time the operands are checked
 again and torch's SDPA runs where the kernel does not read them (or where the library
 is missing). The numbers: the same maths in another order (sums over D and over keys
 in other orders, exp to ~1 ulp), so results differ from torch's by float rounding; in
@@ -95,6 +96,35 @@ With it, on / off (13:19 and 13:33 UTC, load 1.6-1.9): 1x16 0.931, 1x32 0.963, 1
 to bf16 or not moved the distance from fp32 SDPA little next to the result's own bf16
 rounding (alone, max |out - fp32 SDPA| at 2x64 4.07e-3 rounded, 3.74e-3 fp32 P; torch's
 flash 4.26e-3).
+
+Note [bf16 attention with AVX512-BF16 dot products]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+On a CPU with AVX512-BF16 but no AMX (measured on a 2-core AMD EPYC, Zen 5) torch's
+flash kernel runs a bf16 SDPA slowly: in the whole model (BERT-base width, 4 layers,
+bf16, `bench.width_profile --walls`, 2026-12-06 16:44 UTC, load 1.8) SDPA took 3.45 of
+20.92 ms at 2x128 and 16.80 of 82.99 ms at 8x128, ~96 GFLOP/s, where the same calls'
+bf16 GEMMs ran ~930 GFLOP/s (so vdpbf16ps runs at full rate there, unlike the Intel
+host above). There bf16 operands with D a multiple of 32 go to `dynvm_attention_bf16dot`
+(native/attention.c): K and V packed in pairs as for the tiles; per block of 8 queries
+the scores 32 keys at a time in 16 AVX-512 accumulators by vdpbf16ps (a query's bf16
+pair broadcast from where it lies, times 16 keys' pairs), up to the last key a row of
+the block keeps; scale, mask and softmax in fp32; the unnormalized probabilities
+rounded to bf16, as torch's flash kernel and the tiles round them; P V by vdpbf16ps
+over pairs of keys in blocks of 4 rows x 64 columns; scaled by 1 / sum, rounded to bf16
+once. The (batch, head) pairs are taken one at a time on torch's team, and calls of at
+most `DOT_ONE_THREAD_SCORES` scores run on the calling thread (the AMX threshold, taken
+over: not measured on this host).
+
+Measured alone (BERT-base heads 12 x 64, bf16 q/k/v views of one [B, S, 2304] tensor, a
+[B, 1, S, S] bf16 bias with right padding, 2 threads passive, interleaved with an A/A of
+torch against itself, 16:48 UTC, load 2.8-4.2, 2-core AMD EPYC Zen 5, no AMX): dot
+products / torch's flash 0.409 / 0.272 / 0.247 at 1x16 / 1x64 / 1x128, 0.227 at 2x128,
+0.223 at 4x128, 0.239 at 8x64, 0.254 at 8x128 (A/A 0.991-1.016); max |out - fp32 SDPA|
+the same as torch's bf16 kernel's at each shape (2.3e-3-4.9e-3). In the whole model
+(BERT-base width, 4 layers, bf16, `native_attention` on / off / on again, interleaved
+call by call, 24 rounds, each runtime settled, 16:49-16:51 UTC, load 2.0-3.3, same
+host): on / off 1x16 0.896, 1x128 0.869, 2x128 0.854, 4x128 0.854, 8x64 0.914, 8x128
+0.866 (A/A 0.988-1.029); max |out - fp32 eager| 1.26e-2 on, 1.25e-2 off.
 """
 
 from __future__ import annotations
@@ -125,6 +155,13 @@ AMX_ONE_THREAD_SCORES = 12 * 64 * 64
 calling thread alone (Note [bf16 attention on AMX tiles]: the team's passive wake costs
 more than the second core gives at BERT-base's 1x16..1x64)."""
 
+DOT_MIN_KEYS = 16
+"""The pass takes bf16 SDPAs of this many keys to MAX_KEYS on AVX512-BF16 dot products
+(Note [bf16 attention with AVX512-BF16 dot products])."""
+
+DOT_ONE_THREAD_SCORES = AMX_ONE_THREAD_SCORES
+"""As AMX_ONE_THREAD_SCORES, for the AVX512-BF16 version."""
+
 _MASKS = {None: 0, torch.bool: 1, torch.float32: 2, torch.bfloat16: 3}
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -148,11 +185,17 @@ def _load():
     library.dynvm_attention_amx.argtypes = [p, strides, p, strides, p, strides, n, n, n, n,
                                             n, p, i, strides, f, p, strides, i]
     library.dynvm_attention_amx.restype = ctypes.c_int
+    library.dynvm_attention_bf16dot.argtypes = library.dynvm_attention_amx.argtypes
+    library.dynvm_attention_bf16dot.restype = ctypes.c_int
     # Note [bf16 attention on AMX tiles]: asks the kernel for the tiles' state too
     return library, bool(library.dynvm_attention_amx_supported()), ""
 
 
 _LIBRARY, _AMX, _WHY_NOT = _load()
+_BF16_DOT = _LIBRARY is not None and not _AMX \
+    and bool(_LIBRARY.dynvm_attention_bf16dot_supported())
+"""Whether bf16 attention runs on AVX512-BF16 dot products (a CPU without AMX; Note
+[bf16 attention with AVX512-BF16 dot products])."""
 _THREADS = openmp_getter()
 
 
@@ -176,6 +219,23 @@ def _tiles_take(dtype, d: int) -> bool:
     """Whether operands of `dtype` with heads of `d` run on the AMX version (bf16, D a
     multiple of 32: a tile's 32 bf16 a row)."""
     return _AMX and dtype == torch.bfloat16 and d % 32 == 0
+
+
+def bf16_dot_available() -> bool:
+    """Whether bf16 attention runs on AVX512-BF16 dot products in this process (Note
+    [bf16 attention with AVX512-BF16 dot products])."""
+    return _BF16_DOT
+
+
+def _on_dots(q) -> bool:
+    """Whether bf16 operands that the kernel reads go to its AVX512-BF16 version."""
+    return _dots_take(q.dtype, q.shape[-1])
+
+
+def _dots_take(dtype, d: int) -> bool:
+    """Whether operands of `dtype` with heads of `d` run on the AVX512-BF16 version (bf16,
+    D a multiple of 32: the keys' pairs packed 16 pairs at a time, as for the tiles)."""
+    return _BF16_DOT and dtype == torch.bfloat16 and d % 32 == 0
 
 
 def _reads(q, k, v, mask, dropout_p, is_causal) -> bool:
@@ -247,6 +307,12 @@ def _run(operands, strides, dtype, dims, mask, scale, out, out_strides) -> bool:
         status = _LIBRARY.dynvm_attention_amx(q, qs, k, ks, v, vs, b, h, s, keys, d, mask_ptr,
                                               kind, mask_strides, scale, out.data_ptr(), os_,
                                               threads)
+    elif _dots_take(dtype, d):   # Note [bf16 attention with AVX512-BF16 dot products]
+        if b * h * s * keys <= DOT_ONE_THREAD_SCORES:
+            threads = 1
+        status = _LIBRARY.dynvm_attention_bf16dot(q, qs, k, ks, v, vs, b, h, s, keys, d,
+                                                  mask_ptr, kind, mask_strides, scale,
+                                                  out.data_ptr(), os_, threads)
     else:
         status = _LIBRARY.dynvm_attention(q, qs, k, ks, v, vs, int(dtype == torch.bfloat16),
                                           b, h, s, keys, d, mask_ptr, kind, mask_strides,
@@ -329,7 +395,8 @@ def _fits(op: SpecOp, probe, result) -> bool:
     if not _reads(q, k, v, mask, dropout_p, is_causal):
         return False
     if not (q.dtype == torch.float32 and k.shape[2] >= MIN_KEYS
-            or _on_tiles(q) and k.shape[2] >= AMX_MIN_KEYS):
+            or _on_tiles(q) and k.shape[2] >= AMX_MIN_KEYS
+            or _on_dots(q) and k.shape[2] >= DOT_MIN_KEYS):
         return False
     # the result laid out as the kernel lays it out (the abstract value says torch's)
     return result.dtype == q.dtype and result.shape == q.shape \

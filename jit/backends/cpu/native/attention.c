@@ -340,8 +340,13 @@ static AMX void configure_tiles(void) {
 }
 
 
+/* keys_kept16 and pack_keys16 need AVX-512BW/VL only: both the AMX version and the
+   AVX512-BF16 one (end of file) inline them. */
+#define PACK_INLINE static inline __attribute__((always_inline)) \
+    __attribute__((target("avx512f,avx512bw,avx512vl")))
+
 /* keys_kept, 16 keys a step where the mask's keys are contiguous. */
-AMX_INLINE long keys_kept16(long L, const void* mask, int kind, long row_at, long mj) {
+PACK_INLINE long keys_kept16(long L, const void* mask, int kind, long row_at, long mj) {
   if (kind == MASK_NONE) return L;
   long j = L;
   if (mj == 1) {
@@ -365,7 +370,7 @@ AMX_INLINE long keys_kept16(long L, const void* mask, int kind, long row_at, lon
 
 /* Rows t0.. of K packed in pairs ([D/2][Lp] 32-bit slots) for keys j0..j0+15: a 16 x 16
    transpose of 32-bit pairs; `rows` of the 16 keys are real (the rest zero). */
-AMX_INLINE void pack_keys16(const uint16_t* k, long k_row, long j0, int rows, long t0,
+PACK_INLINE void pack_keys16(const uint16_t* k, long k_row, long j0, int rows, long t0,
                             uint32_t* K32, long Lp) {
   __m512i r[16], a[16];
   for (int i = 0; i < 16; i++)
@@ -569,6 +574,196 @@ int dynvm_attention_amx(const void* q, const long* qs, const void* k, const long
                    (uint16_t*)out, b * os[0] + h * os[1], os[2], mine);
     }
     release_tiles();
+  }
+  free(scratch);
+  return 0;
+}
+
+
+/* ---- bf16 operands with AVX512-BF16 dot products, for CPUs without AMX (Note [bf16
+   attention with AVX512-BF16 dot products] in jit/backends/cpu/attention_native.py).
+   vdpbf16ps: 16 fp32 lanes += the products of 16 pairs of bf16 (each 32-bit slot a pair).
+   Per (batch, head) K and V packed in pairs as the AMX version packs them (K [D/2][Lp]:
+   key j's d and d+1 in one slot, keys along the row; V [Lp/2][D]: keys 2t and 2t+1 of a
+   column in one slot; zero past L, Lp: L rounded up to 32). Per block of DOT_ROWS
+   queries: the scores 32 keys at a time in 16 accumulators (a query's pair broadcast
+   from where it lies, times 16 keys' pairs), up to the last key a row of the block
+   keeps; scale, mask and softmax in fp32 as above, the unnormalized probabilities
+   rounded to bf16 (as torch's flash kernel and the AMX version round them); P V over
+   pairs of keys in blocks of 4 rows x 64 columns; scaled by 1 / sum, rounded to bf16
+   once. D a multiple of 32. */
+
+#define BF16DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define BF16DOT_INLINE static inline __attribute__((always_inline)) BF16DOT
+#define DOT_ROWS 8
+
+int dynvm_attention_bf16dot_supported(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+      && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+/* The two bf16 at p (one 32-bit pair) in all 16 slots. */
+BF16DOT_INLINE __m512bh pair_broadcast(const uint16_t* p) {
+  uint32_t bits;
+  memcpy(&bits, p, sizeof bits);
+  return (__m512bh)_mm512_set1_epi32((int)bits);
+}
+
+/* The raw scores (q . k) of the block's rows for `n` (1 or 2) vectors of 16 keys from
+   j0, stored to P's rows below `live`. */
+BF16DOT_INLINE void scores_dot(const uint16_t* const* rows, const uint32_t* Kp, long Lp,
+                               long D, long j0, const int n, float* P, int live) {
+  __m512 a[DOT_ROWS], b[DOT_ROWS];
+  for (int r = 0; r < DOT_ROWS; r++) a[r] = b[r] = _mm512_setzero_ps();
+  for (long t = 0; t < D / 2; t++) {
+    const uint32_t* kt = Kp + t * Lp + j0;
+    __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void*)kt);
+    __m512bh k1 = n > 1 ? (__m512bh)_mm512_loadu_si512((const void*)(kt + 16)) : k0;
+    for (int r = 0; r < DOT_ROWS; r++) {
+      __m512bh qv = pair_broadcast(rows[r] + 2 * t);
+      a[r] = _mm512_dpbf16_ps(a[r], qv, k0);
+      if (n > 1) b[r] = _mm512_dpbf16_ps(b[r], qv, k1);
+    }
+  }
+  for (int r = 0; r < live; r++) {
+    _mm512_storeu_ps(P + r * Lp + j0, a[r]);
+    if (n > 1) _mm512_storeu_ps(P + r * Lp + j0 + 16, b[r]);
+  }
+}
+
+/* P V for `live` (<= 4) rows of Pb over `pairs` pairs of keys, DV vectors of 16 columns
+   from c0; out rows scaled by their softmax's 1 / sum and rounded to bf16. */
+BF16DOT_INLINE void pv_dot(const uint16_t* Pb, long Lp, long pairs, const uint32_t* Vp,
+                           long D, long c0, const int DV, const float* inv, uint16_t* out,
+                           long o_at, long o_row, int live) {
+  __m512 acc[PV_ROWS][4];
+  const uint16_t* prow[PV_ROWS];
+  for (int r = 0; r < PV_ROWS; r++) {
+    prow[r] = Pb + (r < live ? r : live - 1) * Lp;   /* rows past the block: a repeat */
+    for (int c = 0; c < DV; c++) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (long t = 0; t < pairs; t++) {
+    __m512bh vv[4];
+    for (int c = 0; c < DV; c++)
+      vv[c] = (__m512bh)_mm512_loadu_si512((const void*)(Vp + t * D + c0 + 16 * c));
+    for (int r = 0; r < PV_ROWS; r++) {
+      __m512bh p = pair_broadcast(prow[r] + 2 * t);
+      for (int c = 0; c < DV; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], p, vv[c]);
+    }
+  }
+  for (int r = 0; r < live; r++) {
+    __m512 s = _mm512_set1_ps(inv[r]);
+    for (int c = 0; c < DV; c++)
+      _mm256_storeu_si256((__m256i*)(out + o_at + r * o_row + c0 + 16 * c),
+                          bf16_bits(_mm512_mul_ps(acc[r][c], s)));
+  }
+}
+
+static BF16DOT void one_head_dot(const uint16_t* q, long q_at, long q_row, const uint16_t* k,
+                                 long k_at, long k_row, const uint16_t* v, long v_at,
+                                 long v_row, long S, long L, long D, const void* mask,
+                                 int kind, long mask_at, long mi, long mj, float scale,
+                                 uint16_t* out, long o_at, long o_row, char* scratch) {
+  long Lp = (L + 31) & ~31L;
+  uint32_t* Kp = (uint32_t*)scratch;             /* [D/2][Lp] pairs */
+  uint32_t* Vp = Kp + D / 2 * Lp;                /* [Lp/2][D] pairs */
+  float* P = (float*)(Vp + Lp / 2 * D);          /* [DOT_ROWS][Lp] */
+  uint16_t* Pb = (uint16_t*)(P + DOT_ROWS * Lp); /* [DOT_ROWS][Lp] */
+  float inv[DOT_ROWS];
+  for (long j0 = 0; j0 < Lp; j0 += 16) {
+    int rows = L - j0 >= 16 ? 16 : L - j0 > 0 ? (int)(L - j0) : 0;
+    for (long t0 = 0; t0 < D / 2; t0 += 16) pack_keys16(k + k_at, k_row, j0, rows, t0, Kp, Lp);
+  }
+  for (long t = 0; t < Lp / 2; t++) {
+    const uint16_t* even = v + v_at + 2 * t * v_row;
+    const uint16_t* odd = even + v_row;
+    for (long c = 0; c < D; c += 16) {
+      __m512i lo = 2 * t < L ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(even + c)))
+                             : _mm512_setzero_si512();
+      __m512i hi = 2 * t + 1 < L ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(odd + c)))
+                                 : _mm512_setzero_si512();
+      _mm512_storeu_si512((void*)(Vp + t * D + c), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (long i0 = 0; i0 < S; i0 += DOT_ROWS) {
+    int R = S - i0 < DOT_ROWS ? (int)(S - i0) : DOT_ROWS;
+    const uint16_t* rows[DOT_ROWS];   /* rows past S read the last one again, unstored */
+    for (int r = 0; r < DOT_ROWS; r++) rows[r] = q + q_at + (i0 + (r < R ? r : R - 1)) * q_row;
+    long kept = 0;
+    for (int r = 0; r < R && kept < L; r++) {
+      long mine = keys_kept16(L, mask, kind, mask_at + (i0 + r) * mi, mj);
+      kept = mine > kept ? mine : kept;
+    }
+    long Lb = (kept + 15) & ~15L;
+    long j0 = 0;
+    for (; j0 + 32 <= Lb; j0 += 32) scores_dot(rows, Kp, Lp, D, j0, 2, P, R);
+    if (j0 < Lb) scores_dot(rows, Kp, Lp, D, j0, 1, P, R);
+    for (int r = 0; r < R; r++) {
+      float* row = P + r * Lp;
+      uint16_t* rounded = Pb + r * Lp;
+      long row_at = mask_at + (i0 + r) * mi;
+      __m512 top = _mm512_set1_ps(-INFINITY);
+      for (long j = 0; j < Lb; j += 16) {
+        __m512 s = masked(_mm512_mul_ps(_mm512_loadu_ps(row + j), vscale), j, L, mask, kind,
+                          row_at, mj);
+        _mm512_storeu_ps(row + j, s);
+        top = _mm512_max_ps(top, s);
+      }
+      float most = _mm512_reduce_max_ps(top);
+      if (most == -INFINITY) {    /* masked everywhere: 0, as torch's SDPA gives */
+        memset(rounded, 0, sizeof(uint16_t) * Lb);
+        inv[r] = 0.0f;
+        continue;
+      }
+      __m512 vmost = _mm512_set1_ps(most), total = _mm512_setzero_ps();
+      for (long j = 0; j < Lb; j += 16) {
+        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), vmost));
+        _mm256_storeu_si256((__m256i*)(rounded + j), (__m256i)_mm512_cvtneps_pbh(e));
+        total = _mm512_add_ps(total, e);
+      }
+      inv[r] = 1.0f / _mm512_reduce_add_ps(total);
+    }
+    /* pairs up to the block's last kept key; Pb's odd tail is a masked key (0): kept <
+       Lb, or kept == L and key L is past L */
+    long pairs = (kept + 1) / 2;
+    for (int r0 = 0; r0 < R; r0 += PV_ROWS) {
+      int live = R - r0 < PV_ROWS ? R - r0 : PV_ROWS;
+      long at = o_at + (i0 + r0) * o_row;
+      for (long c0 = 0; c0 < D; c0 += 64) {
+        long n = (D - c0) / 16;
+        if (n >= 4) pv_dot(Pb + r0 * Lp, Lp, pairs, Vp, D, c0, 4, inv + r0, out, at, o_row, live);
+        else if (n == 3) pv_dot(Pb + r0 * Lp, Lp, pairs, Vp, D, c0, 3, inv + r0, out, at, o_row, live);
+        else if (n == 2) pv_dot(Pb + r0 * Lp, Lp, pairs, Vp, D, c0, 2, inv + r0, out, at, o_row, live);
+        else pv_dot(Pb + r0 * Lp, Lp, pairs, Vp, D, c0, 1, inv + r0, out, at, o_row, live);
+      }
+    }
+  }
+}
+
+/* As dynvm_attention_amx, with AVX512-BF16 dot products in place of the tiles (the caller
+   checks dynvm_attention_bf16dot_supported()). */
+int dynvm_attention_bf16dot(const void* q, const long* qs, const void* k, const long* ks,
+                            const void* v, const long* vs, long B, long H, long S, long L,
+                            long D, const void* mask, int kind, const long* ms, float scale,
+                            void* out, const long* os, int threads) {
+  long Lp = (L + 31) & ~31L;
+  size_t bytes = (size_t)(2 * D * Lp * 2 + DOT_ROWS * Lp * 6);
+  size_t per_thread = (bytes + 63) & ~(size_t)63;
+  if (threads < 1) threads = 1;
+  if (threads > B * H) threads = (int)(B * H);
+  char* scratch = aligned_alloc(64, per_thread * (size_t)threads);
+  if (scratch == NULL) return -1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
+  for (long bh = 0; bh < B * H; bh++) {
+    long b = bh / H, h = bh % H;
+    char* mine = scratch + per_thread * (size_t)omp_get_thread_num();
+    one_head_dot((const uint16_t*)q, b * qs[0] + h * qs[1], qs[2], (const uint16_t*)k,
+                 b * ks[0] + h * ks[1], ks[2], (const uint16_t*)v, b * vs[0] + h * vs[1],
+                 vs[2], S, L, D, mask, kind, kind == MASK_NONE ? 0 : b * ms[0] + h * ms[1],
+                 kind == MASK_NONE ? 0 : ms[2], kind == MASK_NONE ? 0 : ms[3], scale,
+                 (uint16_t*)out, b * os[0] + h * os[1], os[2], mine);
   }
   free(scratch);
   return 0;
