@@ -57,7 +57,9 @@ def _chained(rt, layout: str) -> list[str]:
     ("fp32", 32, "nChw16c"),     # every convolution but the stem's on 16-channel blocks
     ("fp32", 16, "NHWC"),        # 8-channel convolutions: NHWC throughout
     ("bf16", 32, "NHWC")])       # bf16 stays NHWC (BLOCKED_DTYPES)
-def test_a_chain_is_one_native_call_and_agrees_with_eager(precision, width, layout):
+def test_a_chain_is_one_native_call_and_agrees_with_eager(precision, width, layout,
+                                                          monkeypatch):
+    monkeypatch.setattr(onednn_chain, "blocked_policy", "always")   # blocked on any CPU
     native_chain()
     model = ChainBlocks(width).eval()
     program = dynvm.compile(model, (torch.randn(2, 3, 16, 16),),
@@ -138,11 +140,14 @@ def _hand_chain(shapes=((2, 4, 12, 12),), width: int = 8):
     return library, steps, frees, reference
 
 
-@pytest.mark.parametrize("batch,c_in,width,layout", [
-    (2, 4, 8, "NHWC"), (2, 16, 32, "nChw16c"),
-    (1, 16, 32, "NHWC")])     # batch 1 stays NHWC inside (BLOCKED_MIN_BATCH)
-def test_a_returned_tensor_is_not_changed_by_the_next_call(batch, c_in, width, layout):
+@pytest.mark.parametrize("batch,c_in,width,policy,layout", [
+    (2, 4, 8, "always", "NHWC"), (2, 16, 32, "always", "nChw16c"),
+    (2, 16, 32, "never", "NHWC"),
+    (1, 16, 32, "always", "NHWC")])     # batch 1 stays NHWC inside (BLOCKED_MIN_BATCH)
+def test_a_returned_tensor_is_not_changed_by_the_next_call(batch, c_in, width, policy,
+                                                           layout, monkeypatch):
     # nChw16c: the input reordered in, the result reordered out into a new NHWC tensor
+    monkeypatch.setattr(onednn_chain, "blocked_policy", policy)
     bound = native_chain()
     library, steps, frees, reference = _hand_chain(((batch, c_in, 12, 12),), width)
     chain = PrimitiveChain(library, bound, steps, (4,), frees, _run_step)
@@ -221,3 +226,18 @@ def test_the_pass_makes_one_op_and_where_the_library_is_absent_changes_nothing()
                                   native_path=missing)
     assert same is spec and "was not built" in note
     assert onednn_chain.native(None)[0] is None      # no libdnnl: no chain either
+
+
+@pytest.mark.parametrize("amx,batch,dtype,blocked", [
+    (True, 2, torch.float32, True), (True, 4, torch.float32, True),
+    (False, 2, torch.float32, False), (False, 4, torch.float32, False),
+    (True, 1, torch.float32, False), (True, 2, torch.bfloat16, False)])
+def test_fp32_arenas_are_blocked_by_cpu(amx, batch, dtype, blocked, monkeypatch):
+    # Note [nChw16c or NHWC by CPU]: nChw16c measured faster on the AMX host only
+    monkeypatch.setattr(onednn_chain, "blocked_policy", "by_cpu")
+    monkeypatch.setattr(onednn_chain, "_cpu_has_amx", lambda: amx)
+    assert onednn_chain.blocked_inside(dtype, batch) is blocked
+    monkeypatch.setattr(onednn_chain, "blocked_policy", "never")
+    assert not onednn_chain.blocked_inside(dtype, batch)
+    monkeypatch.setattr(onednn_chain, "blocked_policy", "always")
+    assert onednn_chain.blocked_inside(dtype, batch) is (batch >= 2 and dtype == torch.float32)
