@@ -2,8 +2,8 @@
 jit/backends/cpu/attention_native.py): equal to torch's SDPA over random shapes,
 strided and offset operands, every mask kind, right padding and rows masked everywhere,
 with torch's output strides; operands it does not read run torch's SDPA; the pass puts
-an exact fp32 kernel's SDPA of 96+ keys on it, and runtimes stay equal to eager over
-random shapes, exact kernels and families.
+an exact fp32 kernel's SDPA of MIN_KEYS+ keys on it (96 on Intel, 16 elsewhere), and
+runtimes stay equal to eager over random shapes, exact kernels and families.
 """
 
 from __future__ import annotations
@@ -14,7 +14,14 @@ from torch.export import Dim
 
 import dynvm
 from dynvm.jit.backends.cpu import attention_native
-from dynvm.jit.backends.cpu.attention_native import MAX_KEYS, MIN_KEYS, masked_attention
+from dynvm.jit.backends.cpu.attention_native import (
+    INTEL_MIN_KEYS,
+    MAX_KEYS,
+    MIN_KEYS,
+    NOT_INTEL_MIN_KEYS,
+    fp32_min_keys,
+    masked_attention,
+)
 from tests.jit import _jit_helpers as h
 from tests.jit.test_cpu_attention_primitives import Layer, _keep
 
@@ -22,6 +29,7 @@ pytestmark = pytest.mark.skipif(not attention_native.available(),
                                 reason="dynvm's attention library is not built or no AVX-512F")
 F = torch.nn.functional
 NOTE = "on dynvm's masked attention"
+BELOW = MIN_KEYS // 2 + 1    # keys the pass leaves to torch's SDPA on every CPU
 
 
 def _operands(gen, dtype, b, h, s, keys, d):
@@ -102,7 +110,7 @@ def _program():
                                 ({0: batch, 1: seq}, {0: batch, 1: seq}))
 
 
-def test_runtimes_run_it_at_96_keys_and_more_and_equal_eager():
+def test_runtimes_run_it_from_min_keys_on_and_equal_eager():
     model, program = _program()
     gen = torch.Generator().manual_seed(17)
     for families in (False, True):
@@ -110,7 +118,7 @@ def test_runtimes_run_it_at_96_keys_and_more_and_equal_eager():
         with dynvm.Runtime(program, jit=config) as rt, torch.no_grad():
             for step in range(6):
                 batch = int(torch.randint(1, 4, (1,), generator=gen))
-                seq = (MIN_KEYS - 30, MIN_KEYS, MIN_KEYS + 31, 150)[step % 4]
+                seq = (BELOW, MIN_KEYS, MIN_KEYS + 31, 150)[step % 4]
                 x = torch.randn(batch, seq, 64, generator=gen)
                 keep = _keep(batch, seq, gen)
                 if step % 2:     # an offset input and a strided mask
@@ -126,8 +134,17 @@ def test_runtimes_run_it_at_96_keys_and_more_and_equal_eager():
             # without its views])
             assert taken and all("masked_attention" in s or "qkv_attention" in s
                                  for s in taken), sources
-            assert any(f"[{MIN_KEYS - 30}, " in s and NOTE not in s for s in sources) or \
+            assert any(f"[{BELOW}, " in s and NOTE not in s for s in sources) or \
                 len(taken) < len(sources), sources
+
+
+def test_fp32_takes_fewer_keys_off_intel_only():
+    # Note [fp32 attention where MKL runs its generic code]: the Intel figure holds
+    # on Intel and where the vendor is unknown
+    assert fp32_min_keys("GenuineIntel") == INTEL_MIN_KEYS == 96
+    assert fp32_min_keys("") == INTEL_MIN_KEYS
+    assert fp32_min_keys("AuthenticAMD") == NOT_INTEL_MIN_KEYS < INTEL_MIN_KEYS
+    assert fp32_min_keys(attention_native._cpu_vendor()) == MIN_KEYS
 
 
 def test_the_option_off_keeps_torchs_sdpa():

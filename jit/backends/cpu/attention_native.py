@@ -33,7 +33,8 @@ process on / off with an A/A of two "off" runtimes, interleaved call by call, 30
 2 threads passive; 2026-12-06 10:10-10:28 UTC, load 1.5-2.3, three runs): 1x128 0.991 /
 0.986 / 0.986, 2x128 0.985, 8x128 0.980 / 0.990 / 0.978 (A/A 0.994-1.007); at 64 keys
 1x64 1.004 / 1.008 / 1.017, 2x64 1.008 / 0.997 / 0.999, 4x64 0.986 / 1.002 / 0.999 (A/A
-0.986-1.011): a tie, so the pass takes 96 keys or more (`MIN_KEYS`). Alone, SDPA at
+0.986-1.011): a tie, so on Intel the pass takes 96 keys or more (`INTEL_MIN_KEYS`;
+elsewhere Note [fp32 attention where MKL runs its generic code]). Alone, SDPA at
 BERT-base's heads with a quarter of the keys masked (10:22, load 1.7-1.9): 0.72-0.96 of
 torch's fp32 kernel; in bf16 1.1-1.7x torch's, whose flash kernel runs its GEMMs on
 AMX (before the masked-tail skip; 10:09, load 2.3): bf16 has its own version on AMX
@@ -51,6 +52,29 @@ is missing). The numbers: the same maths in another order (sums over D and over 
 in other orders, exp to ~1 ulp), so results differ from torch's by float rounding; in
 bf16 (off the tiles) the probabilities are not rounded to bf16 before P V, as the flash
 kernel rounds them.
+
+Note [fp32 attention where MKL runs its generic code]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Note [Masked attention of our own]'s figures are from an Intel host (AMX). torch's fp32
+flash kernel runs its per-block GEMMs in MKL, which picks its code by the CPU's vendor:
+on a 2-core AMD EPYC (Zen 5, AVX-512, no AMX) MKL_VERBOSE names its generic "Intel(R)
+Architecture processors" branch and a one-thread sgemm ran 85 / 110 GFLOP/s at 64^3 / 256^3 (17:10
+UTC, load 1.8). There the kernel, alone, at BERT-base's heads (12 x 64, q/k/v views of
+one [B, S, 2304] tensor, right padding keeping half to all of each row, 2 threads
+passive, interleaved with an A/A of torch against itself, 2026-12-06 17:05 UTC, load
+2.2-2.3) ran 0.30-0.55x torch's SDPA from 16 to 64 keys at batch 1-8 with an additive
+fp32 mask ([B, 1, S, S] expanded from [B, 1, 1, S]): 1x16 0.550, 8x16 0.314, 1x32 0.497,
+8x32 0.428, 1x64 0.485, 8x64 0.403; with a boolean mask 0.29-0.49 (torch 0.27 / 0.42 /
+1.94 ms at 8x16 / 8x32 / 8x64); A/A 0.918-1.008; max |out - torch| 2.4e-7-4.8e-7. In the
+whole model (BERT-base width, 4 layers, fp32 JIT runtimes in one process: the pass from
+16 keys / from 96 / from 96 again, each settled at every shape and huge pages drained,
+interleaved call by call, same host; two runs, 30 rounds at 17:07 UTC, load 2.1, and 60
+rounds at 17:09, load 2.2-2.4): 1x16 0.958 / 0.957, 2x16 0.974 / 0.952, 8x32 0.980 /
+0.972, 1x64 0.980 / 0.957, 4x64 0.970 / 0.946, 8x64 0.945 / 0.966 (A/A 0.982-1.027);
+max |out - eager| 2.7e-6-4.9e-6 from 16 keys, 2.5e-6-4.4e-6 from 96. So on a CPU
+whose vendor is not Intel the pass takes fp32 SDPAs from `NOT_INTEL_MIN_KEYS` (16)
+keys, on Intel (or where /proc/cpuinfo names no vendor) from `INTEL_MIN_KEYS` (96), as
+measured there. Below 16 keys nothing was measured.
 
 Note [bf16 attention on AMX tiles]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -144,10 +168,40 @@ from dynvm.jit.ir import Literal, SpecializedRegion, SpecOp, Var
 
 ATTENTION = "MASKED_ATTENTION"
 ATTENTION_VARIANT = "native-attention"
-MIN_KEYS, MAX_KEYS = 96, 256
-"""The pass takes fp32 SDPAs of this many keys: at 64 the whole model ties torch's
-kernel, past 256 nothing was measured (the Note); the kernel itself reads up to
-MAX_KEYS."""
+MAX_KEYS = 256
+"""Past 256 keys nothing was measured (the Note); the kernel itself reads up to MAX_KEYS."""
+
+INTEL_MIN_KEYS = 96
+"""On an Intel CPU the pass takes fp32 SDPAs of this many keys to MAX_KEYS: there (with
+MKL's AVX-512 GEMMs under torch's kernel) the whole model ties torch's at 64 keys (Note
+[Masked attention of our own])."""
+
+NOT_INTEL_MIN_KEYS = 16
+"""On another vendor's CPU the pass takes fp32 SDPAs of this many keys to MAX_KEYS: MKL
+runs its generic code there, and the kernel beat torch's from 16 keys on (Note [fp32
+attention where MKL runs its generic code])."""
+
+
+def _cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def fp32_min_keys(vendor: str) -> int:
+    """The fewest keys of an fp32 SDPA the pass takes on a CPU of `vendor` (an unknown
+    vendor gets the Intel figure, the one that holds where torch's GEMMs are fast)."""
+    return INTEL_MIN_KEYS if vendor in ("GenuineIntel", "") else NOT_INTEL_MIN_KEYS
+
+
+MIN_KEYS = fp32_min_keys(_cpu_vendor())
+"""The pass takes fp32 SDPAs of MIN_KEYS to MAX_KEYS keys on this CPU."""
 
 AMX_MIN_KEYS = 16
 """The pass takes bf16 SDPAs of this many keys to MAX_KEYS on AMX tiles (Note [bf16
