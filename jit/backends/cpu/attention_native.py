@@ -74,7 +74,11 @@ rounds at 17:09, load 2.2-2.4): 1x16 0.958 / 0.957, 2x16 0.974 / 0.952, 8x32 0.9
 max |out - eager| 2.7e-6-4.9e-6 from 16 keys, 2.5e-6-4.4e-6 from 96. So on a CPU
 whose vendor is not Intel the pass takes fp32 SDPAs from `NOT_INTEL_MIN_KEYS` (16)
 keys, on Intel (or where /proc/cpuinfo names no vendor) from `INTEL_MIN_KEYS` (96), as
-measured there. Below 16 keys nothing was measured.
+measured there. Below 16 keys nothing was measured. Small fp32 calls on the calling
+thread alone (as the bf16 versions take them) gained nothing there: whole model, one
+runtime, at most 12,288 / 49,152 scores on one thread over the team, 40 rounds, 17:12
+UTC, load 2.0-2.7: 0.987-1.012 at 1x16..8x16, 1x32..4x32 and 1x64 (A/A 0.994-1.010),
+so fp32 calls keep the team.
 
 Note [bf16 attention on AMX tiles]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
