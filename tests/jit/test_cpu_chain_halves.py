@@ -92,10 +92,10 @@ def halves_always(monkeypatch):
 
 
 @pytest.mark.parametrize("precision,blocked", [
-    ("fp32", "always"), ("fp32", "never"), ("bf16", "by_cpu")])
+    ("fp32", "always"), ("fp32", "never"), ("bf16", "measured")])
 def test_arenas_in_pieces_agree_with_eager(precision, blocked, halves_always, monkeypatch):
     # fp32 at batch 2-4: nChw16c team chains, or NHWC ones in pieces by image (Note
-    # [nChw16c or NHWC by CPU] in onednn_chain)
+    # [nChw16c or NHWC by measurement] in chain_layout_choice)
     monkeypatch.setattr(onednn_chain, "blocked_policy", blocked)
     model = _Net().eval()
     program = dynvm.compile(model, (torch.randn(2, 3, 17, 16),),

@@ -227,17 +227,3 @@ def test_the_pass_makes_one_op_and_where_the_library_is_absent_changes_nothing()
     assert same is spec and "was not built" in note
     assert onednn_chain.native(None)[0] is None      # no libdnnl: no chain either
 
-
-@pytest.mark.parametrize("amx,batch,dtype,blocked", [
-    (True, 2, torch.float32, True), (True, 4, torch.float32, True),
-    (False, 2, torch.float32, False), (False, 4, torch.float32, False),
-    (True, 1, torch.float32, False), (True, 2, torch.bfloat16, False)])
-def test_fp32_arenas_are_blocked_by_cpu(amx, batch, dtype, blocked, monkeypatch):
-    # Note [nChw16c or NHWC by CPU]: nChw16c measured faster on the AMX host only
-    monkeypatch.setattr(onednn_chain, "blocked_policy", "by_cpu")
-    monkeypatch.setattr(onednn_chain, "_cpu_has_amx", lambda: amx)
-    assert onednn_chain.blocked_inside(dtype, batch) is blocked
-    monkeypatch.setattr(onednn_chain, "blocked_policy", "never")
-    assert not onednn_chain.blocked_inside(dtype, batch)
-    monkeypatch.setattr(onednn_chain, "blocked_policy", "always")
-    assert onednn_chain.blocked_inside(dtype, batch) is (batch >= 2 and dtype == torch.float32)

@@ -78,10 +78,10 @@ call by call, paired medians; /tmp/h36r/ab.py; 17:01-17:04, load 2.0-2.4): batch
 load 2.3) 0.914 / 0.945 / 1.076 (A/A 1.000 / 1.006 / 1.010; batch 1's code is the same
 in both arms, NHWC there already: its arenas' halves choices, made per Runtime by
 measured calls, differed); results within fp32 rounding of eager as before (max |d|
-1.1e-4 / 1.4e-4 against 1.0e-4). So nChw16c is taken where the CPU has AMX tiles, the
-host it measured faster on (`blocked_inside`; `blocked_policy` "always" / "never" force
-it), a proxy for the one measured difference, not a model of it: a third kind of CPU
-should be measured (layouts.py's arenas) before trusting either. In NHWC at batch 2-4
+1.1e-4 / 1.4e-4 against 1.0e-4). nChw16c was then taken where the CPU has AMX tiles, a
+proxy for the one measured difference; now each process measures it once per batch
+(`blocked_inside`, Note [nChw16c or NHWC by measurement] in chain_layout_choice;
+`blocked_policy` "always" / "never" force it). In NHWC at batch 2-4
 the arena may be run an image a piece (Note [A chain in halves, one wake a call]) where
 its calls measure faster so.
 
@@ -105,7 +105,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
 import sys
 import threading
 from pathlib import Path
@@ -113,14 +112,13 @@ from pathlib import Path
 import torch
 
 from dynvm.jit.aliasing import flat_values
-from dynvm.jit.backends.cpu import chain_ends, chain_halves, own_1x1
+from dynvm.jit.backends.cpu import chain_ends, chain_halves, chain_layout_choice, own_1x1
 from dynvm.jit.backends.cpu import onednn_api as api
 from dynvm.jit.backends.cpu.ir_match import probe_tensors
 from dynvm.jit.backends.cpu.native_linear import find_extension
 from dynvm.jit.backends.cpu.onednn_objects import destroy, md_tag
 from dynvm.jit.backends.cpu.onednn_objects import memory as new_memory
 from dynvm.jit.backends.cpu.onednn_pool import PrimitiveMean
-from dynvm.jit.backends.cpu.precision import cpu_flags
 from dynvm.jit.ir import Literal, SpecializedRegion, SpecOp, Var
 
 CHAIN_PRIMITIVES = "ONEDNN_CHAIN_PRIMITIVES"
@@ -135,15 +133,11 @@ primitives in one call]): fp32; in bf16 oneDNN 3.2 has no AMX kernel for that la
 BLOCKED_MIN_BATCH = 2
 """The smallest batch whose fp32 arena is nChw16c inside: at batch 1 NHWC measured
 faster in the whole model (Note [A chain of primitives in one call])."""
-blocked_policy = "by_cpu"
-"""Whether fp32 arenas from BLOCKED_MIN_BATCH are nChw16c inside: "by_cpu" (where the
-CPU has AMX tiles, the host it measured faster on; Note [nChw16c or NHWC by CPU]),
-"always" or "never" (tests, an A/B's arms)."""
-
-
-@functools.cache
-def _cpu_has_amx() -> bool:
-    return "amx_tile" in cpu_flags()
+blocked_policy = "measured"
+"""Whether fp32 arenas from BLOCKED_MIN_BATCH are nChw16c inside: "measured" (where a
+representative piece ran faster so on this CPU, once per process and batch; Note
+[nChw16c or NHWC by measurement] in chain_layout_choice), "always" or "never" (tests,
+an A/B's arms)."""
 
 
 def blocked_inside(dtype: torch.dtype, batch: int) -> bool:
@@ -152,7 +146,8 @@ def blocked_inside(dtype: torch.dtype, batch: int) -> bool:
     CPU])."""
     if dtype not in BLOCKED_DTYPES or batch < BLOCKED_MIN_BATCH or blocked_policy == "never":
         return False
-    return blocked_policy == "always" or _cpu_has_amx()
+    return blocked_policy == "always" or chain_layout_choice.blocked_measures_faster(
+        dtype, batch)
 
 
 def _find_library() -> Path | None:

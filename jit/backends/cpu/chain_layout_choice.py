@@ -1,0 +1,111 @@
+"""Whether an fp32 chain's arena at batch 2-4 runs nChw16c or NHWC inside: measured on
+this CPU, once per process.
+
+Note [nChw16c or NHWC by measurement]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Which layout runs an fp32 arena faster at batch 2-4 is a property of the CPU and of the
+kernels oneDNN 3.2 picks there, not of the layout: on the Intel host with AMX nChw16c
+(jit_1x1 / jit:avx512_core) measured faster than NHWC (brgconv_1x1 / brgconv) in the
+whole ResNet-50 (Note [A chain of primitives in one call]); on a 2-core AMD EPYC Zen 5
+(no AMX) NHWC did, 0.905-0.949 of nChw16c (Note [nChw16c or NHWC by CPU]). AMX was a
+stand-in for that measured difference. So the first fp32 arena in the blocked range a
+process builds asks the process's Calibrator (Note [Calibration]) instead: a small
+representative piece, ResNet's 28x28 stage at the arena's batch (a 3x3 convolution 128
+-> 128 then a 1x1 128 -> 512, each with its bias and ReLU, as oneDNN primitives on
+random operands), built in each layout and run back to back (one native execute each,
+the buffers bound once, as an arena's are), interleaved round by round, medians. NHWC
+is the default candidate: nChw16c is chosen only where it is faster by the calibrator's
+margin (5%), since NHWC is also what batch 1 and bf16 run and what lets an arena run an
+image a piece (Note [A chain in halves, one wake a call]). The verdict is cached per
+(dtype, batch, threads) for the process; each batch of the range asks once. It runs on
+the compile thread with that thread's OpenMP count (the calling thread's, where the
+compile is inline). nChw16c is chosen only where its fastest sample is ahead by the
+margin too: the host is shared, and a median inflated by another process on one of the
+two cores once chose it (below).
+
+On the 2-core AMD EPYC Zen 5 (no AMX), 2 threads, passive OpenMP (2026-12-06): the piece
+NHWC / nChw16c medians 2.76 / 2.84 ms at batch 2, 5.60 / 5.80 at batch 4, and again
+2.70 / 2.86, 5.39 / 5.56 (17:13 UTC, load 2.6): NHWC both times, its 3x3 the difference
+(alone 1.81 / 1.96 ms; the 1x1s 0.83-0.85 each way); cost 56-141 ms at batch 2 and
+109-117 ms at batch 4, building the four primitives included, once per process. Under
+load 8-10 (17:16 UTC, other processes on both cores) the calibration took 0.64 s and
+its batch-4 medians read 13.61 / 11.51 ms, nChw16c, against 5.4-5.6 unloaded: hence the
+fastest-sample condition. At load 5-8 (17:18-17:22, four runs) NHWC every time, the
+fastest samples 1.34-2.64 / 1.42-2.76 ms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from dynvm.jit.backends.cpu import onednn_api as api
+from dynvm.jit.calibration import Calibrator, calibrator_for
+
+NHWC, BLOCKED = "NHWC", "nChw16c"
+QUESTION = "chain_layout"
+TAG_BLOCKED = 78      # dnnl_nChw16c (dnnl_aBcd16b) in oneDNN 3.2's dnnl_format_tag_t
+_SIDE, _WIDTH, _EXPANDED = 28, 128, 512     # ResNet-50's 28x28 stage
+_RELU = (api.ELTWISE["relu"], 0.0, 0.0)
+
+
+def blocked_measures_faster(dtype: torch.dtype, batch: int,
+                            calibrator: Calibrator | None = None) -> bool:
+    """Whether nChw16c ran the representative piece faster than NHWC on this CPU, at
+    `batch` and this thread's thread count (Note [nChw16c or NHWC by measurement]);
+    False where the oneDNN library is absent (no arena either)."""
+    calibrator = calibrator if calibrator is not None else calibrator_for("cpu")
+    key = (str(dtype), batch, torch.get_num_threads())
+    known = calibrator.known(QUESTION, key)
+    if known is None:
+        library = api.library()
+        if library is None:
+            return False
+        try:
+            known = calibrator.choose(QUESTION, key, lambda: {
+                NHWC: _Piece(library, dtype, batch, api.TAG_NHWC),
+                BLOCKED: _Piece(library, dtype, batch, TAG_BLOCKED)})
+        except api.OnednnError:
+            return False        # a layout oneDNN would not build: NHWC, as before
+    # the fastest samples must agree: a median a busy core inflated is not a verdict
+    return known.name == BLOCKED and known.fastest[BLOCKED] < known.fastest[NHWC] * (
+        1.0 - calibrator.margin)
+
+
+class _Piece:
+    """The two convolutions in one layout over buffers bound once; a call runs both."""
+
+    def __init__(self, library: api.Library, dtype: torch.dtype, batch: int,
+                 tag: int) -> None:
+        # imported here: onednn_conv imports onednn_chain, which asks this module
+        from dynvm.jit.backends.cpu.onednn_conv import ConvPrimitive, ConvSpec, WeightLayouts
+        generator = torch.Generator().manual_seed(0)
+
+        def conv(c_in: int, c_out: int, k: int, padding: int):
+            weight = torch.randn(c_out, c_in, k, k, generator=generator) / (c_in * k * k)
+            spec = ConvSpec((1, 1), (padding, padding), (1, 1), False, _RELU, dtype)
+            return ConvPrimitive(library, weight.to(dtype), torch.zeros(c_out), (
+                batch, c_in, _SIDE, _SIDE), spec, WeightLayouts(), tag)
+
+        self.convs = [conv(_WIDTH, _WIDTH, 3, 1), conv(_WIDTH, _EXPANDED, 1, 0)]
+        # the same element counts in both layouts: every channel count is whole 16-blocks
+        self.buffers = [torch.randn(batch * c * _SIDE * _SIDE, generator=generator).to(dtype)
+                        for c in (_WIDTH, _WIDTH, _EXPANDED)]
+        self._calls = library.calls
+        self._stream = library.stream
+        wait = library.dll.dnnl_stream_wait     # onednn_api does not declare it
+        wait.argtypes, wait.restype = [ctypes.c_void_p], ctypes.c_int
+        self._wait = wait
+        for conv_, source, target in zip(self.convs, self.buffers, self.buffers[1:]):
+            memories = dict(conv_.arguments())
+            for arg, buffer in ((api.ARG_SRC, source), (api.ARG_DST, target)):
+                api.check(library.dll.dnnl_memory_set_data_handle(
+                    memories[arg], ctypes.c_void_p(buffer.data_ptr())), "data handle")
+
+    def __call__(self) -> None:
+        for conv in self.convs:
+            api.check(self._calls.dnnl_primitive_execute(
+                conv.handle, self._stream, conv.nargs, conv.args_pointer), "convolution")
+        api.check(self._wait(self._stream), "stream wait")
+

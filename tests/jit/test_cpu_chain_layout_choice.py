@@ -1,0 +1,100 @@
+"""An fp32 arena's layout at batch 2-4 chosen by measurement (Note [nChw16c or NHWC by
+measurement] in jit/backends/cpu/chain_layout_choice.py): `blocked_inside` under each
+policy, the verdict measured once per process and batch, and both pieces built in the
+layouts they are named for. Arenas in either layout agree with eager in
+test_cpu_chain_native.py / test_cpu_chain_halves.py, which force "always" / "never".
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynvm.jit.backends.cpu import chain_layout_choice, onednn_api, onednn_chain
+from dynvm.jit.calibration import Calibrator, Choice
+from tests.jit._onednn import NEEDS_ONEDNN_LIBRARY
+
+
+def _needs_library(test):
+    for mark in NEEDS_ONEDNN_LIBRARY:
+        test = mark(test)
+    return test
+
+
+@pytest.mark.parametrize("faster,batch,dtype,blocked", [
+    (True, 2, torch.float32, True), (True, 4, torch.float32, True),
+    (False, 2, torch.float32, False), (False, 4, torch.float32, False),
+    (True, 1, torch.float32, False), (True, 2, torch.bfloat16, False)])
+def test_blocked_inside_under_each_policy(faster, batch, dtype, blocked, monkeypatch):
+    asked = []
+
+    def measured(dtype_, batch_):
+        asked.append((dtype_, batch_))
+        return faster
+    monkeypatch.setattr(chain_layout_choice, "blocked_measures_faster", measured)
+    monkeypatch.setattr(onednn_chain, "blocked_policy", "measured")
+    assert onednn_chain.blocked_inside(dtype, batch) is blocked
+    # batch 1 and bf16 are NHWC without asking
+    assert asked == ([(dtype, batch)] if batch >= 2 and dtype == torch.float32 else [])
+    monkeypatch.setattr(onednn_chain, "blocked_policy", "never")
+    assert not onednn_chain.blocked_inside(dtype, batch)
+    monkeypatch.setattr(onednn_chain, "blocked_policy", "always")
+    assert onednn_chain.blocked_inside(dtype, batch) is (batch >= 2 and dtype == torch.float32)
+    assert len(asked) <= 1      # the forced policies measure nothing
+
+
+@_needs_library
+def test_the_verdict_is_measured_once_per_batch(monkeypatch):
+    calibrator = Calibrator("cpu", rounds=3)
+    monkeypatch.setattr(chain_layout_choice, "calibrator_for", lambda device: calibrator)
+    monkeypatch.setattr(onednn_chain, "blocked_policy", "measured")
+    first = onednn_chain.blocked_inside(torch.float32, 2)
+    assert calibrator.measurements == 1
+    assert onednn_chain.blocked_inside(torch.float32, 2) is first
+    assert calibrator.measurements == 1                    # cached for the process
+    key = (str(torch.float32), 2, torch.get_num_threads())
+    choice = calibrator.known(chain_layout_choice.QUESTION, key)
+    assert set(choice.seconds) == {chain_layout_choice.NHWC, chain_layout_choice.BLOCKED}
+    assert all(s > 0 for s in choice.seconds.values())
+    assert first is (choice.name == chain_layout_choice.BLOCKED and choice.fastest[
+        chain_layout_choice.BLOCKED] < 0.95 * choice.fastest[chain_layout_choice.NHWC])
+    onednn_chain.blocked_inside(torch.float32, 3)
+    assert calibrator.measurements == 2                    # another batch asks once more
+
+
+@_needs_library
+def test_the_two_pieces_compute_the_same_convolutions():
+    # same weights and input values in each layout: the results are one tensor's two
+    # layouts (nChw16c -> NCHW by blocks of 16 channels)
+    library = onednn_api.library()
+    batch, side, channels = 2, chain_layout_choice._SIDE, chain_layout_choice._EXPANDED
+    pieces = {}
+    for name, tag in ((chain_layout_choice.NHWC, onednn_api.TAG_NHWC),
+                      (chain_layout_choice.BLOCKED, chain_layout_choice.TAG_BLOCKED)):
+        pieces[name] = piece = chain_layout_choice._Piece(library, torch.float32, batch, tag)
+        source = torch.randn(batch, chain_layout_choice._WIDTH, side, side,
+                             generator=torch.Generator().manual_seed(1))
+        if name == chain_layout_choice.NHWC:
+            piece.buffers[0].copy_(source.permute(0, 2, 3, 1).reshape(-1))
+        else:
+            blocks = source.reshape(batch, -1, 16, side, side).permute(0, 1, 3, 4, 2)
+            piece.buffers[0].copy_(blocks.reshape(-1))
+        piece()
+    nhwc = pieces[chain_layout_choice.NHWC].buffers[-1].reshape(batch, side, side, channels)
+    blocked = pieces[chain_layout_choice.BLOCKED].buffers[-1].reshape(
+        batch, channels // 16, side, side, 16)
+    assert nhwc.abs().sum() > 0
+    torch.testing.assert_close(blocked.permute(0, 2, 3, 1, 4).reshape(nhwc.shape), nhwc,
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fastest_blocked,blocked", [(1.0, True), (2.0, False)])
+def test_nchw16c_needs_its_median_and_its_fastest_sample_ahead(fastest_blocked, blocked,
+                                                               monkeypatch):
+    # a median that load on the other core inflated does not choose nChw16c alone
+    nhwc, blocked_ = chain_layout_choice.NHWC, chain_layout_choice.BLOCKED
+    calibrator = Calibrator("cpu")
+    verdict = Choice(blocked_, {nhwc: 3.0, blocked_: 2.0}, nhwc,
+                     {nhwc: 2.0, blocked_: fastest_blocked})
+    monkeypatch.setattr(calibrator, "known", lambda op, key: verdict)
+    assert chain_layout_choice.blocked_measures_faster(torch.float32, 2, calibrator) is blocked
