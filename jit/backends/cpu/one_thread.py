@@ -99,6 +99,19 @@ LAYER_NORM_BF16, already one thread) 1x128 1.020 / 1.004, 2x64 1.009 / 1.002 (A/
 0.985-1.002), within the noise. At 2^17-2^18 elements (2x128, 4x64, 1x256) one thread
 gained nothing (0.993-1.003, 13:16, load 1.9), nor the C kernel there (0.995-1.008), so
 the bound is 2^17 and the team runs past it.
+
+On the 2-core AMD EPYC (Zen 5, no AMX) torch's layer norm is slower alone than on the
+Intel host, and the C kernel (fp32 result only) ran well ahead of it alone at BERT-base
+8x64's 512 x 768 (2 threads passive, 17:14 UTC, load 3.5; us a call, torch team / torch
+one thread / C team / C one thread): warm input 99 / 91 / 50 / 40, input just written
+by a linear 173 / 182 / 114 / 102; at 128 rows 32 / 25 / 19 / 11 and 63 / 68 / 49 / 37.
+In the whole fp32 model (BERT-base width, 4 layers, every LAYER_NORM on the C kernel,
+its threads those of the call's team or one thread where this pass chose it, against
+two runtimes on torch's, settled, drained, interleaved; 17:21 and 17:25 UTC, load
+4.2-5.8 beside the suite): 1x16 0.962 / 1.013, 1x64 0.955 / 0.979, 2x64 0.985 / 1.003,
+4x64 1.002 / 0.978, 8x64 0.984 / 1.005, 8x128 0.983 / 0.991 (A/A 0.938-1.004 /
+0.991-1.011): no gain the A/A resolves (nine layer norms are ~0.6 ms of 8x64's ~70 ms
+even at the alone figures), so torch's layer norm stays.
 """
 
 from __future__ import annotations
