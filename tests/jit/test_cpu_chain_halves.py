@@ -21,7 +21,7 @@ from torch import nn
 from torch.export import Dim
 
 import dynvm
-from dynvm.jit.backends.cpu import chain_halves, chain_pieces, onednn_chain
+from dynvm.jit.backends.cpu import chain_halves, chain_layout_choice, chain_pieces, onednn_chain
 from tests.jit import _jit_helpers as h
 from tests.jit._onednn import NEEDS_ONEDNN_LIBRARY, ChainBlocks, bound_native, native_chain
 
@@ -96,7 +96,7 @@ def halves_always(monkeypatch):
 def test_arenas_in_pieces_agree_with_eager(precision, blocked, halves_always, monkeypatch):
     # fp32 at batch 2-4: nChw16c team chains, or NHWC ones in pieces by image (Note
     # [nChw16c or NHWC by measurement] in chain_layout_choice)
-    monkeypatch.setattr(onednn_chain, "blocked_policy", blocked)
+    monkeypatch.setattr(chain_layout_choice, "blocked_policy", blocked)
     model = _Net().eval()
     program = dynvm.compile(model, (torch.randn(2, 3, 17, 16),),
                             ({0: Dim("batch", min=1, max=4)},))

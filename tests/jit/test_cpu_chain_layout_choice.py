@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynvm.jit.backends.cpu import chain_layout_choice, onednn_api, onednn_chain
+from dynvm.jit.backends.cpu import chain_layout_choice, onednn_api
 from dynvm.jit.calibration import Calibrator, Choice
 from tests.jit._onednn import NEEDS_ONEDNN_LIBRARY
 
@@ -32,14 +32,15 @@ def test_blocked_inside_under_each_policy(faster, batch, dtype, blocked, monkeyp
         asked.append((dtype_, batch_))
         return faster
     monkeypatch.setattr(chain_layout_choice, "blocked_measures_faster", measured)
-    monkeypatch.setattr(onednn_chain, "blocked_policy", "measured")
-    assert onednn_chain.blocked_inside(dtype, batch) is blocked
+    monkeypatch.setattr(chain_layout_choice, "blocked_policy", "measured")
+    assert chain_layout_choice.blocked_inside(dtype, batch) is blocked
     # batch 1 and bf16 are NHWC without asking
     assert asked == ([(dtype, batch)] if batch >= 2 and dtype == torch.float32 else [])
-    monkeypatch.setattr(onednn_chain, "blocked_policy", "never")
-    assert not onednn_chain.blocked_inside(dtype, batch)
-    monkeypatch.setattr(onednn_chain, "blocked_policy", "always")
-    assert onednn_chain.blocked_inside(dtype, batch) is (batch >= 2 and dtype == torch.float32)
+    monkeypatch.setattr(chain_layout_choice, "blocked_policy", "never")
+    assert not chain_layout_choice.blocked_inside(dtype, batch)
+    monkeypatch.setattr(chain_layout_choice, "blocked_policy", "always")
+    forced = batch >= 2 and dtype == torch.float32
+    assert chain_layout_choice.blocked_inside(dtype, batch) is forced
     assert len(asked) <= 1      # the forced policies measure nothing
 
 
@@ -47,10 +48,10 @@ def test_blocked_inside_under_each_policy(faster, batch, dtype, blocked, monkeyp
 def test_the_verdict_is_measured_once_per_batch(monkeypatch):
     calibrator = Calibrator("cpu", rounds=3)
     monkeypatch.setattr(chain_layout_choice, "calibrator_for", lambda device: calibrator)
-    monkeypatch.setattr(onednn_chain, "blocked_policy", "measured")
-    first = onednn_chain.blocked_inside(torch.float32, 2)
+    monkeypatch.setattr(chain_layout_choice, "blocked_policy", "measured")
+    first = chain_layout_choice.blocked_inside(torch.float32, 2)
     assert calibrator.measurements == 1
-    assert onednn_chain.blocked_inside(torch.float32, 2) is first
+    assert chain_layout_choice.blocked_inside(torch.float32, 2) is first
     assert calibrator.measurements == 1                    # cached for the process
     key = (str(torch.float32), 2, torch.get_num_threads())
     choice = calibrator.known(chain_layout_choice.QUESTION, key)
@@ -58,7 +59,7 @@ def test_the_verdict_is_measured_once_per_batch(monkeypatch):
     assert all(s > 0 for s in choice.seconds.values())
     assert first is (choice.name == chain_layout_choice.BLOCKED and choice.fastest[
         chain_layout_choice.BLOCKED] < 0.95 * choice.fastest[chain_layout_choice.NHWC])
-    onednn_chain.blocked_inside(torch.float32, 3)
+    chain_layout_choice.blocked_inside(torch.float32, 3)
     assert calibrator.measurements == 2                    # another batch asks once more
 
 

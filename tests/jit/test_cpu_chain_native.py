@@ -20,7 +20,7 @@ from torch import nn
 from torch.export import Dim
 
 import dynvm
-from dynvm.jit.backends.cpu import onednn_api, onednn_chain
+from dynvm.jit.backends.cpu import chain_layout_choice, onednn_api, onednn_chain
 from dynvm.jit.backends.cpu.onednn_chain import PrimitiveChain, Step, chain_primitives
 from dynvm.jit.backends.cpu.onednn_conv import (
     _STEP_KINDS,
@@ -59,7 +59,7 @@ def _chained(rt, layout: str) -> list[str]:
     ("bf16", 32, "NHWC")])       # bf16 stays NHWC (BLOCKED_DTYPES)
 def test_a_chain_is_one_native_call_and_agrees_with_eager(precision, width, layout,
                                                           monkeypatch):
-    monkeypatch.setattr(onednn_chain, "blocked_policy", "always")   # blocked on any CPU
+    monkeypatch.setattr(chain_layout_choice, "blocked_policy", "always")   # blocked on any CPU
     native_chain()
     model = ChainBlocks(width).eval()
     program = dynvm.compile(model, (torch.randn(2, 3, 16, 16),),
@@ -147,7 +147,7 @@ def _hand_chain(shapes=((2, 4, 12, 12),), width: int = 8):
 def test_a_returned_tensor_is_not_changed_by_the_next_call(batch, c_in, width, policy,
                                                            layout, monkeypatch):
     # nChw16c: the input reordered in, the result reordered out into a new NHWC tensor
-    monkeypatch.setattr(onednn_chain, "blocked_policy", policy)
+    monkeypatch.setattr(chain_layout_choice, "blocked_policy", policy)
     bound = native_chain()
     library, steps, frees, reference = _hand_chain(((batch, c_in, 12, 12),), width)
     chain = PrimitiveChain(library, bound, steps, (4,), frees, _run_step)

@@ -47,8 +47,8 @@ process (10:29 UTC, load 1.9, fp32 arena alone against the team's, A/A 1.016): r
 everywhere 0.970, channels at 7x7 0.929, at 14x14 and 7x7 0.935. bf16 keeps rows (its
 sum would round differently).
 
-At batch 2-4 (an NHWC arena: bf16, and fp32 where the CPU has no AMX, Note [nChw16c or
-NHWC by CPU]; fp32's nChw16c arenas stay the team's) the pieces are the images, each the
+At batch 2-4 (an NHWC arena: bf16, and fp32 where NHWC measured faster, Note [nChw16c
+or NHWC by measurement]; fp32's nChw16c arenas stay the team's) the pieces are the images, each the
 step's batch-1 primitive at its image's offset, claimed one at a time (`MAX_BATCH`).
 
 fp32 at batch 2-4, measured, not built (ResNet-50 whole model, Runtimes in one process

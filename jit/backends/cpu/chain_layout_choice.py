@@ -7,7 +7,7 @@ Which layout runs an fp32 arena faster at batch 2-4 is a property of the CPU and
 kernels oneDNN 3.2 picks there, not of the layout: on the Intel host with AMX nChw16c
 (jit_1x1 / jit:avx512_core) measured faster than NHWC (brgconv_1x1 / brgconv) in the
 whole ResNet-50 (Note [A chain of primitives in one call]); on a 2-core AMD EPYC Zen 5
-(no AMX) NHWC did, 0.905-0.949 of nChw16c (Note [nChw16c or NHWC by CPU]). AMX was a
+(no AMX) NHWC did, 0.905-0.949 of nChw16c (below). AMX was a
 stand-in for that measured difference. So the first fp32 arena in the blocked range a
 process builds asks the process's Calibrator (Note [Calibration]) instead: a small
 representative piece, ResNet's 28x28 stage at the arena's batch (a 3x3 convolution 128
@@ -37,6 +37,23 @@ call by call, 40 rounds, paired medians; /tmp/h37l/ab.py, 17:23-17:27 UTC, load 
 the verdict NHWC at 2 and 4 (0.22 s of calibration in all), measured against forced NHWC
 1.018 at batch 2 and 0.973 at batch 4, within the A/A's 1.031 / 0.976; results as
 eager's to 1.1e-4 / 1.4e-4, as forced NHWC.
+
+Before the measured choice (H36R, same day): the figures that made fp32 arenas nChw16c
+at batch 2-4 (Note [A chain of primitives in one call]) were taken on the Intel host. On
+the AMD EPYC oneDNN 3.2 runs blocked convolutions on jit_1x1 / jit:avx512_core and NHWC
+ones on brgconv_1x1 / brgconv. The settled batch-2 arena against arenas rebuilt under
+other layouts (one process, interleaved call by call, paired medians of 100 rounds, 2
+threads, passive OpenMP, 16:57-17:01 UTC, load 1.8-2.1): NHWC throughout 0.938, nChw16c
+only at 7x7 0.954 (A/A 1.000 / 1.003); in a loaded window (16:47-16:50, load 2.7-4) 3x3s
+NHWC with 1x1s blocked 0.981-1.085, 1x1s NHWC with 3x3s blocked 1.030-1.119 (mixes pay
+reorders between layouts), batch 4 NHWC 0.956 (A/A 0.989 / 1.024). Whole model (three
+Runtimes in one process: nChw16c at 2-4 / NHWC / nChw16c again, seasoned and drained,
+interleaved call by call, paired medians; 17:01-17:06, load 2.0-2.4): batch 2 0.905 /
+0.914, batch 4 0.949 / 0.945 (A/A 1.000-1.006); results within fp32 rounding of eager as
+before (max |d| 1.1e-4 / 1.4e-4 against 1.0e-4). Between those two and this Note the
+choice was "nChw16c where the CPU has AMX tiles". `blocked_policy` "always" / "never"
+force either layout. In NHWC at batch 2-4 an arena may run an image a
+piece (Note [A chain in halves, one wake a call]) where its calls measure faster so.
 """
 
 from __future__ import annotations
@@ -46,6 +63,7 @@ import ctypes
 import torch
 
 from dynvm.jit.backends.cpu import onednn_api as api
+from dynvm.jit.backends.cpu.onednn_conv_primitive import ConvPrimitive, ConvSpec, WeightLayouts
 from dynvm.jit.calibration import Calibrator, calibrator_for
 
 NHWC, BLOCKED = "NHWC", "nChw16c"
@@ -53,6 +71,27 @@ QUESTION = "chain_layout"
 TAG_BLOCKED = 78      # dnnl_nChw16c (dnnl_aBcd16b) in oneDNN 3.2's dnnl_format_tag_t
 _SIDE, _WIDTH, _EXPANDED = 28, 128, 512     # ResNet-50's 28x28 stage
 _RELU = (api.ELTWISE["relu"], 0.0, 0.0)
+BLOCKED_DTYPES = (torch.float32,)
+"""The chains whose convolutions may run on nChw16c values inside (Note [A chain of
+primitives in one call] in onednn_chain): fp32; in bf16 oneDNN 3.2 has no AMX kernel for
+that layout."""
+BLOCKED_MIN_BATCH = 2
+"""The smallest batch whose fp32 arena is nChw16c inside: at batch 1 NHWC measured
+faster in the whole model (Note [A chain of primitives in one call])."""
+
+blocked_policy = "measured"
+"""Whether fp32 arenas from BLOCKED_MIN_BATCH are nChw16c inside: "measured" (where a
+representative piece ran faster so on this CPU, once per process and batch; Note
+[nChw16c or NHWC by measurement]), "always" or "never" (tests, an A/B's arms)."""
+
+
+def blocked_inside(dtype: torch.dtype, batch: int) -> bool:
+    """Whether an arena of `dtype` at `batch` runs its whole-block convolutions on
+    nChw16c values (Note [A chain of primitives in one call] in onednn_chain, Note
+    [nChw16c or NHWC by measurement])."""
+    if dtype not in BLOCKED_DTYPES or batch < BLOCKED_MIN_BATCH or blocked_policy == "never":
+        return False
+    return blocked_policy == "always" or blocked_measures_faster(dtype, batch)
 
 
 def blocked_measures_faster(dtype: torch.dtype, batch: int,
@@ -83,8 +122,6 @@ class _Piece:
 
     def __init__(self, library: api.Library, dtype: torch.dtype, batch: int,
                  tag: int) -> None:
-        # imported here: onednn_conv imports onednn_chain, which asks this module
-        from dynvm.jit.backends.cpu.onednn_conv import ConvPrimitive, ConvSpec, WeightLayouts
         generator = torch.Generator().manual_seed(0)
 
         def conv(c_in: int, c_out: int, k: int, padding: int):

@@ -60,30 +60,8 @@ two runs' noise, not built. At batch 1 what ONNX Runtime is ahead by is
 stage 3-4's 1x1s inside the whole model (1.07-1.32x per geometry, +1.3 of +1.35 ms),
 none of the three kernels faster there.
 
-Note [nChw16c or NHWC by CPU]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The measurements above that made fp32 arenas nChw16c at batch 2-4 were taken on the
-Intel host with AMX. On a 2-core AMD EPYC (Zen 5: AVX-512, AVX512-BF16, VNNI, no AMX)
-the same oneDNN 3.2 runs the blocked convolutions on jit_1x1 / jit:avx512_core and the
-NHWC ones on brgconv_1x1 / brgconv, and there NHWC is faster. The settled batch-2 arena
-against arenas rebuilt under other layouts (/tmp/h36r/layouts.py; one process,
-interleaved call by call, paired medians of 100 rounds, 2 threads, passive OpenMP,
-16:57-17:01 UTC 2026-12-06, load 1.8-2.1): NHWC throughout 0.938, nChw16c only at 7x7
-0.954 (A/A 1.000 / 1.003); in a loaded window (16:47-16:50, load 2.7-4) 3x3s NHWC and
-1x1s blocked 0.981-1.085, 1x1s NHWC and 3x3s blocked 1.030-1.119 (the mixes pay reorders
-between layouts), batch 4 NHWC 0.956 (A/A 0.989 / 1.024). Whole model (three Runtimes in
-one process: nChw16c at 2-4 / NHWC / nChw16c again, seasoned and drained, interleaved
-call by call, paired medians; /tmp/h36r/ab.py; 17:01-17:04, load 2.0-2.4): batch 2
-**0.905**, batch 4 0.949, batch 1 1.002 (A/A 1.003 / 1.001 / 0.992); again (17:04-17:06,
-load 2.3) 0.914 / 0.945 / 1.076 (A/A 1.000 / 1.006 / 1.010; batch 1's code is the same
-in both arms, NHWC there already: its arenas' halves choices, made per Runtime by
-measured calls, differed); results within fp32 rounding of eager as before (max |d|
-1.1e-4 / 1.4e-4 against 1.0e-4). nChw16c was then taken where the CPU has AMX tiles, a
-proxy for the one measured difference; now each process measures it once per batch
-(`blocked_inside`, Note [nChw16c or NHWC by measurement] in chain_layout_choice;
-`blocked_policy` "always" / "never" force it). In NHWC at batch 2-4
-the arena may be run an image a piece (Note [A chain in halves, one wake a call]) where
-its calls measure faster so.
+Which layout an fp32 arena at batch 2-4 runs inside (nChw16c or NHWC) is measured once
+per process: Note [nChw16c or NHWC by measurement] in chain_layout_choice.
 
 Two threads calling one kernel: the chain of each shape has a lock, held from the
 handles to the results; no second arena per thread. The call holds the GIL as each
@@ -125,31 +103,8 @@ CHAIN_PRIMITIVES = "ONEDNN_CHAIN_PRIMITIVES"
 _CL = torch.channels_last
 _LIBRARY_STEM = "_onednn_chain"
 _MIN_STEPS = 2     # a run of one primitive gains nothing from a chain
-_BLOCKED = 78      # dnnl_nChw16c (dnnl_aBcd16b) in oneDNN 3.2's dnnl_format_tag_t
+_BLOCKED = chain_layout_choice.TAG_BLOCKED
 _BLOCK = 16
-BLOCKED_DTYPES = (torch.float32,)
-"""The chains whose convolutions run on nChw16c values inside (Note [A chain of
-primitives in one call]): fp32; in bf16 oneDNN 3.2 has no AMX kernel for that layout."""
-BLOCKED_MIN_BATCH = 2
-"""The smallest batch whose fp32 arena is nChw16c inside: at batch 1 NHWC measured
-faster in the whole model (Note [A chain of primitives in one call])."""
-blocked_policy = "measured"
-"""Whether fp32 arenas from BLOCKED_MIN_BATCH are nChw16c inside: "measured" (where a
-representative piece ran faster so on this CPU, once per process and batch; Note
-[nChw16c or NHWC by measurement] in chain_layout_choice), "always" or "never" (tests,
-an A/B's arms)."""
-
-
-def blocked_inside(dtype: torch.dtype, batch: int) -> bool:
-    """Whether an arena of `dtype` at `batch` runs its whole-block convolutions on
-    nChw16c values (Note [A chain of primitives in one call], Note [nChw16c or NHWC by
-    CPU])."""
-    if dtype not in BLOCKED_DTYPES or batch < BLOCKED_MIN_BATCH or blocked_policy == "never":
-        return False
-    return blocked_policy == "always" or chain_layout_choice.blocked_measures_faster(
-        dtype, batch)
-
-
 def _find_library() -> Path | None:
     return find_extension(_LIBRARY_STEM)
 
@@ -468,7 +423,8 @@ class PrimitiveChain:
         self.head = head     # Note [A chain's input conversion and global mean]
         self.by_shape: dict[tuple, _Arena] = {}
         for shape in steps[0].runner.by_shape:
-            blocked = blocked_inside(steps[0].runner.by_shape[shape].dtype, shape[0])
+            blocked = chain_layout_choice.blocked_inside(
+                steps[0].runner.by_shape[shape].dtype, shape[0])
             for layout in ((True, False) if blocked else (False,)):
                 try:
                     self.by_shape[tuple(shape)] = _Arena(
