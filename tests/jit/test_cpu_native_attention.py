@@ -8,6 +8,8 @@ runtimes stay equal to eager over random shapes, exact kernels and families.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch.export import Dim
@@ -23,7 +25,7 @@ from dynvm.jit.backends.cpu.attention_native import (
     masked_attention,
 )
 from tests.jit import _jit_helpers as h
-from tests.jit.test_cpu_attention_primitives import Layer, _keep
+from tests.jit.test_cpu_attention_primitives import BF16_RELATIVE, Layer, _keep, _relative
 
 pytestmark = pytest.mark.skipif(not attention_native.available(),
                                 reason="dynvm's attention library is not built or no AVX-512F")
@@ -108,6 +110,40 @@ def _program():
     keep = torch.ones(2, 5, dtype=torch.long)
     return model, dynvm.compile(model, (torch.randn(2, 5, 64), keep),
                                 ({0: batch, 1: seq}, {0: batch, 1: seq}))
+
+
+def bf16_runtimes_take_it_from(min_keys: int) -> None:
+    """Under precision "bf16" the pass puts a BERT-style layer's SDPA of `min_keys` keys
+    or more on the kernel (its bf16 version: AMX tiles or AVX512-BF16 dot products), not
+    fewer, and runtimes stay within bf16's distance of eager over random batches, offset
+    inputs and strided masks, with families off and on."""
+    model, program = _program()
+    gen = torch.Generator().manual_seed(29)
+    for families in (False, True):
+        config = h.eager_config(cpu_fusion="always", precision="bf16", families=families)
+        with dynvm.Runtime(program, jit=config) as rt, torch.no_grad():
+            for step in range(8):
+                batch = int(torch.randint(1, 4, (1,), generator=gen))
+                seq = (min_keys - 7, min_keys, 37, 64, 129)[step % 5]
+                x = torch.randn(batch, seq, 64, generator=gen)
+                keep = _keep(batch, seq, gen)
+                if step % 2:     # an offset input and a strided mask
+                    x = torch.randn(batch, seq + 1, 64, generator=gen)[:, 1:]
+                    keep = keep.t().contiguous().t()
+                rt(x, keep)
+                got = rt(x, keep)
+                assert _relative(got, model(x, keep)) < BF16_RELATIVE, (families, step, seq)
+            assert rt.stats()["specialized_region_calls"] > 0
+            sources = [a.source for a in rt.jit.artifacts.values()]
+        if not families:
+            taken = [s for s in sources if NOTE in s]
+            # the kernel's call, or its call from the Q/K/V result (Note [Attention
+            # without its views])
+            assert taken and all("masked_attention" in s or "qkv_attention" in s
+                                 for s in taken), sources
+            short = [s for s in sources
+                     if re.search(rf"signature: \(\d+, {min_keys - 7},", s)]
+            assert short and all(NOTE not in s for s in short), sources   # too few keys
 
 
 def test_runtimes_run_it_from_min_keys_on_and_equal_eager():

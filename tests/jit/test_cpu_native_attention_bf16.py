@@ -11,17 +11,17 @@ keys on it and runtimes stay eager-equal.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
-import dynvm
 from dynvm.jit.backends.cpu import attention_native
 from dynvm.jit.backends.cpu.attention_native import DOT_MIN_KEYS, MAX_KEYS, masked_attention
-from tests.jit import _jit_helpers as h
-from tests.jit.test_cpu_attention_primitives import BF16_RELATIVE, _keep, _relative
-from tests.jit.test_cpu_native_attention import _mask, _operands, _program
+from tests.jit.test_cpu_attention_primitives import _keep
+from tests.jit.test_cpu_native_attention import (
+    _mask,
+    _operands,
+    bf16_runtimes_take_it_from,
+)
 
 pytestmark = pytest.mark.skipif(not attention_native.bf16_dot_available(),
                                 reason="AMX present, no AVX512-BF16, or dynvm's attention "
@@ -104,28 +104,4 @@ def test_small_calls_on_the_calling_thread_give_the_teams_bits(monkeypatch):
 
 
 def test_bf16_runtimes_run_it_at_16_keys_and_more_and_equal_eager():
-    model, program = _program()
-    gen = torch.Generator().manual_seed(29)
-    for families in (False, True):
-        config = h.eager_config(cpu_fusion="always", precision="bf16", families=families)
-        with dynvm.Runtime(program, jit=config) as rt, torch.no_grad():
-            for step in range(8):
-                batch = int(torch.randint(1, 4, (1,), generator=gen))
-                seq = (DOT_MIN_KEYS - 7, DOT_MIN_KEYS, 37, 64, 129)[step % 5]
-                x = torch.randn(batch, seq, 64, generator=gen)
-                keep = _keep(batch, seq, gen)
-                if step % 2:     # an offset input and a strided mask
-                    x = torch.randn(batch, seq + 1, 64, generator=gen)[:, 1:]
-                    keep = keep.t().contiguous().t()
-                rt(x, keep)
-                got = rt(x, keep)
-                assert _relative(got, model(x, keep)) < BF16_RELATIVE, (families, step, seq)
-            assert rt.stats()["specialized_region_calls"] > 0
-            sources = [a.source for a in rt.jit.artifacts.values()]
-        if not families:
-            taken = [s for s in sources if NOTE in s]
-            assert taken and all("masked_attention" in s or "qkv_attention" in s
-                                 for s in taken), sources
-            short = [s for s in sources
-                     if re.search(rf"signature: \(\d+, {DOT_MIN_KEYS - 7},", s)]
-            assert short and all(NOTE not in s for s in short), sources   # too few keys
+    bf16_runtimes_take_it_from(DOT_MIN_KEYS)
