@@ -61,6 +61,30 @@ def _mask(gen, kind, dtype, b, h, s, keys):
     return bias.to(dtype)
 
 
+def _dense_bias(gen, b, s, keys):
+    """A [B, 1, S, L] bf16 bias of 0 / -inf, as Note [One bf16 mask bias a call] makes,
+    each batch row keeping a random prefix of the keys."""
+    keep = _keep(b, keys, gen).bool()[:, None, None, :].expand(b, 1, s, keys)
+    return torch.zeros(b, 1, s, keys, dtype=torch.bfloat16).masked_fill_(~keep, float("-inf"))
+
+
+def bf16_cases(seed: int, count: int):
+    """`count` random bf16 operand sets for the kernel's bf16 versions: (case, q, k, v,
+    mask, scale, what) over batch, heads, 1-79 queries, 1-MAX_KEYS keys, D 32-128, every
+    mask kind (a dense bf16 bias as the bf16 lowering makes it too) and three scales."""
+    gen = torch.Generator().manual_seed(seed)
+    for case in range(count):
+        b, h = (int(v) for v in torch.randint(1, 4, (2,), generator=gen))
+        s = int(torch.randint(1, 80, (1,), generator=gen))
+        keys = int(torch.randint(1, MAX_KEYS + 1, (1,), generator=gen))
+        d = (32, 64, 96, 128)[case % 4]
+        q, k, v = _operands(gen, torch.bfloat16, b, h, s, keys, d)
+        kind = ("none", "bool", "padding", "additive", "dense")[case % 5]
+        mask = _dense_bias(gen, b, s, keys) if kind == "dense" else \
+            _mask(gen, kind, torch.bfloat16, b, h, s, keys)
+        yield case, q, k, v, mask, (None, 0.125, 0.3)[case % 3], (b, h, s, keys, d, kind)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_equals_torchs_sdpa(dtype):
     gen = torch.Generator().manual_seed(7)

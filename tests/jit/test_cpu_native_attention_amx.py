@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from dynvm.jit.backends.cpu import attention_native
-from dynvm.jit.backends.cpu.attention_native import AMX_MIN_KEYS, MAX_KEYS, masked_attention
-from tests.jit.test_cpu_attention_primitives import _keep
+from dynvm.jit.backends.cpu.attention_native import AMX_MIN_KEYS, masked_attention
 from tests.jit.test_cpu_native_attention import (
-    _mask,
+    _dense_bias,
     _operands,
+    bf16_cases,
     bf16_runtimes_take_it_from,
 )
 
@@ -27,25 +27,8 @@ F = torch.nn.functional
 NOTE = "on dynvm's masked attention"
 
 
-def _dense_bias(gen, b, s, keys):
-    """A [B, 1, S, L] bf16 bias of 0 / -inf, as Note [One bf16 mask bias a call] makes,
-    each batch row keeping a random prefix of the keys."""
-    keep = _keep(b, keys, gen).bool()[:, None, None, :].expand(b, 1, s, keys)
-    return torch.zeros(b, 1, s, keys, dtype=torch.bfloat16).masked_fill_(~keep, float("-inf"))
-
-
 def test_the_tiles_equal_fp32_sdpa_within_bf16_tolerance():
-    gen = torch.Generator().manual_seed(23)
-    for case in range(60):
-        b, h = (int(v) for v in torch.randint(1, 4, (2,), generator=gen))
-        s = int(torch.randint(1, 80, (1,), generator=gen))
-        keys = int(torch.randint(1, MAX_KEYS + 1, (1,), generator=gen))
-        d = (32, 64, 96, 128)[case % 4]
-        q, k, v = _operands(gen, torch.bfloat16, b, h, s, keys, d)
-        kind = ("none", "bool", "padding", "additive", "dense")[case % 5]
-        mask = _dense_bias(gen, b, s, keys) if kind == "dense" else \
-            _mask(gen, kind, torch.bfloat16, b, h, s, keys)
-        scale = (None, 0.125, 0.3)[case % 3]
+    for case, q, k, v, mask, scale, what in bf16_cases(23, 60):
         assert attention_native._on_tiles(q)
         got = masked_attention(q, k, v, mask, 0.0, False, scale)
         torch_out = F.scaled_dot_product_attention(q, k, v, mask, 0.0, False, scale=scale)
@@ -55,7 +38,7 @@ def test_the_tiles_equal_fp32_sdpa_within_bf16_tolerance():
                                               0.0, False, scale=scale)
         assert torch.isfinite(got.float()).all(), case
         assert (got.float() - want).abs().max() <= 2e-2 * max(1.0, want.abs().max()), \
-            (case, b, h, s, keys, d, kind)
+            (case, what)
 
 
 def test_a_row_masked_everywhere_gives_zeros_and_the_rest_are_untouched():

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from dynvm.jit.backends.cpu import attention_native
-from dynvm.jit.backends.cpu.attention_native import DOT_MIN_KEYS, MAX_KEYS, masked_attention
-from tests.jit.test_cpu_attention_primitives import _keep
+from dynvm.jit.backends.cpu.attention_native import DOT_MIN_KEYS, masked_attention
 from tests.jit.test_cpu_native_attention import (
-    _mask,
+    _dense_bias,
     _operands,
+    bf16_cases,
     bf16_runtimes_take_it_from,
 )
 
@@ -30,13 +30,6 @@ F = torch.nn.functional
 NOTE = "on dynvm's masked attention"
 
 
-def _dense_bias(gen, b, s, keys):
-    """A [B, 1, S, L] bf16 bias of 0 / -inf, as Note [One bf16 mask bias a call] makes,
-    each batch row keeping a random prefix of the keys."""
-    keep = _keep(b, keys, gen).bool()[:, None, None, :].expand(b, 1, s, keys)
-    return torch.zeros(b, 1, s, keys, dtype=torch.bfloat16).masked_fill_(~keep, float("-inf"))
-
-
 def _fp32_sdpa(q, k, v, mask, scale=None):
     float_mask = mask if mask is None or mask.dtype == torch.bool else mask.float()
     return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), float_mask,
@@ -44,17 +37,7 @@ def _fp32_sdpa(q, k, v, mask, scale=None):
 
 
 def test_the_dot_products_equal_fp32_sdpa_within_bf16_tolerance():
-    gen = torch.Generator().manual_seed(31)
-    for case in range(80):
-        b, h = (int(v) for v in torch.randint(1, 4, (2,), generator=gen))
-        s = int(torch.randint(1, 80, (1,), generator=gen))
-        keys = int(torch.randint(1, MAX_KEYS + 1, (1,), generator=gen))
-        d = (32, 64, 96, 128)[case % 4]
-        q, k, v = _operands(gen, torch.bfloat16, b, h, s, keys, d)
-        kind = ("none", "bool", "padding", "additive", "dense")[case % 5]
-        mask = _dense_bias(gen, b, s, keys) if kind == "dense" else \
-            _mask(gen, kind, torch.bfloat16, b, h, s, keys)
-        scale = (None, 0.125, 0.3)[case % 3]
+    for case, q, k, v, mask, scale, what in bf16_cases(31, 80):
         assert attention_native._on_dots(q)
         got = masked_attention(q, k, v, mask, 0.0, False, scale)
         torch_out = F.scaled_dot_product_attention(q, k, v, mask, 0.0, False, scale=scale)
@@ -64,7 +47,7 @@ def test_the_dot_products_equal_fp32_sdpa_within_bf16_tolerance():
         assert torch.isfinite(got.float()).all(), case
         err = (got.float() - want)[live].abs().max()
         torch_err = (torch_out.float() - want)[live].abs().max()
-        assert err <= 2e-2 * max(1.0, want[live].abs().max()), (case, b, h, s, keys, d, kind)
+        assert err <= 2e-2 * max(1.0, want[live].abs().max()), (case, what)
         # no worse than torch's own bf16 kernel by more than a bf16 step of the result
         assert err <= torch_err + 8e-3 * max(1.0, want[live].abs().max()), \
             (case, float(err), float(torch_err))
