@@ -136,6 +136,29 @@ def _program():
                                 ({0: batch, 1: seq}, {0: batch, 1: seq}))
 
 
+def _layer_inputs(gen, steps: int, seqs: tuple):
+    """(step, seq, x, keep) for a Layer's calls: random batches over `seqs` in turn,
+    every other step an offset input and a strided mask."""
+    for step in range(steps):
+        batch = int(torch.randint(1, 4, (1,), generator=gen))
+        seq = seqs[step % len(seqs)]
+        x = torch.randn(batch, seq, 64, generator=gen)
+        keep = _keep(batch, seq, gen)
+        if step % 2:
+            x = torch.randn(batch, seq + 1, 64, generator=gen)[:, 1:]
+            keep = keep.t().contiguous().t()
+        yield step, seq, x, keep
+
+
+def _taken(sources: list[str]) -> list[str]:
+    """The kernels whose SDPA the pass took: each calls the kernel, or calls it from the
+    Q/K/V result (Note [Attention without its views]); at least one."""
+    taken = [s for s in sources if NOTE in s]
+    assert taken and all("masked_attention" in s or "qkv_attention" in s
+                         for s in taken), sources
+    return taken
+
+
 def bf16_runtimes_take_it_from(min_keys: int) -> None:
     """Under precision "bf16" the pass puts a BERT-style layer's SDPA of `min_keys` keys
     or more on the kernel (its bf16 version: AMX tiles or AVX512-BF16 dot products), not
@@ -146,25 +169,15 @@ def bf16_runtimes_take_it_from(min_keys: int) -> None:
     for families in (False, True):
         config = h.eager_config(cpu_fusion="always", precision="bf16", families=families)
         with dynvm.Runtime(program, jit=config) as rt, torch.no_grad():
-            for step in range(8):
-                batch = int(torch.randint(1, 4, (1,), generator=gen))
-                seq = (min_keys - 7, min_keys, 37, 64, 129)[step % 5]
-                x = torch.randn(batch, seq, 64, generator=gen)
-                keep = _keep(batch, seq, gen)
-                if step % 2:     # an offset input and a strided mask
-                    x = torch.randn(batch, seq + 1, 64, generator=gen)[:, 1:]
-                    keep = keep.t().contiguous().t()
+            for step, seq, x, keep in _layer_inputs(gen, 8, (min_keys - 7, min_keys, 37, 64,
+                                                              129)):
                 rt(x, keep)
                 got = rt(x, keep)
                 assert _relative(got, model(x, keep)) < BF16_RELATIVE, (families, step, seq)
             assert rt.stats()["specialized_region_calls"] > 0
             sources = [a.source for a in rt.jit.artifacts.values()]
         if not families:
-            taken = [s for s in sources if NOTE in s]
-            # the kernel's call, or its call from the Q/K/V result (Note [Attention
-            # without its views])
-            assert taken and all("masked_attention" in s or "qkv_attention" in s
-                                 for s in taken), sources
+            _taken(sources)
             short = [s for s in sources
                      if re.search(rf"signature: \(\d+, {min_keys - 7},", s)]
             assert short and all(NOTE not in s for s in short), sources   # too few keys
@@ -176,24 +189,13 @@ def test_runtimes_run_it_from_min_keys_on_and_equal_eager():
     for families in (False, True):
         config = h.eager_config(cpu_fusion="always", families=families)
         with dynvm.Runtime(program, jit=config) as rt, torch.no_grad():
-            for step in range(6):
-                batch = int(torch.randint(1, 4, (1,), generator=gen))
-                seq = (BELOW, MIN_KEYS, MIN_KEYS + 31, 150)[step % 4]
-                x = torch.randn(batch, seq, 64, generator=gen)
-                keep = _keep(batch, seq, gen)
-                if step % 2:     # an offset input and a strided mask
-                    x = torch.randn(batch, seq + 1, 64, generator=gen)[:, 1:]
-                    keep = keep.t().contiguous().t()
+            for _, _, x, keep in _layer_inputs(gen, 6, (BELOW, MIN_KEYS, MIN_KEYS + 31, 150)):
                 rt(x, keep)
                 torch.testing.assert_close(rt(x, keep), model(x, keep), rtol=1e-5, atol=1e-5)
             assert rt.stats()["specialized_region_calls"] > 0
             sources = [a.source for a in rt.jit.artifacts.values()]
         if not families:
-            taken = [s for s in sources if NOTE in s]
-            # the kernel's call, or its call from the Q/K/V result (Note [Attention
-            # without its views])
-            assert taken and all("masked_attention" in s or "qkv_attention" in s
-                                 for s in taken), sources
+            taken = _taken(sources)
             assert any(f"[{BELOW}, " in s and NOTE not in s for s in sources) or \
                 len(taken) < len(sources), sources
 
