@@ -98,6 +98,33 @@ gap after one call runs beside the next, and takes from it in two ways:
   yet shown by measurement: bench.warmup_bar with it met 14 of 16 BERT shapes (3 runs,
   05:25, load 4.5-2.3) against 15 of 16 without it (5 runs, 04:39, load 7.6-4.5), where
   the bar's own A/A was over 1.1 at 7 of 16 shapes: the host's noise, not a verdict.
+
+So the long steps are cut where they can be: abstract evaluation comes to a checkpoint
+per instruction (jit.specialize's ShapeMemo), a kernel's build per linear and per
+weight it packs (cpu/onednn_linear.py, cpu/prepack.py), a shadow sample's interpreter
+run per step (Note [A shadow sample pauses for calls] in jit.shadow), and a kernel's
+run on the worker per line (Note [A kernel's run on the worker pauses for calls]).
+
+Note [A kernel's run on the worker pauses for calls]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The worker runs whole kernels twice over: a shadow sample's specialized side (Note
+[Probation]) and a prewarm (Note [Prewarmed installs]). Each is a call's worth of work,
+and a call that begins during one shares the cores with the rest of it: in BERT-base
+width's warm-up, once the interpreter's side of the samples paused (2026-12-06 18:55
+UTC, per-call telemetry), the JIT's slowest calls were those that began beside a
+sample's kernel run (a 1x16 call at 57 ms against its median of 15).
+
+A kernel is generated Python, one line per op, so its run can pause between ops
+without touching the code that serves: `run_paced` sets a trace function on the worker
+thread alone (sys.settrace is per thread) that follows only frames of generated code
+(GENERATED_CODE_PREFIX) and, at each line while a call is in flight (one attribute
+read), comes to a checkpoint, which past the worker's slice waits for the call to end.
+The calls' threads run untraced, and the worker's other Python (torch's wrappers)
+raises one call event per frame and no line events. The pauses are returned, so a timed
+run subtracts them. What a pause never splits: a column-halves kernel's helper is not
+taken by a worker's run (cpu/column_halves.py), an op's own C call, or an arena lease,
+which a call meeting it answers by allocating (Note [Arena layout]). A tracer already
+set (a debugger, coverage) is left alone and the run goes unpaused.
 """
 
 from __future__ import annotations
@@ -303,3 +330,37 @@ def waited_here() -> float:
     """Seconds this thread's checkpoints have waited so far (a compile's own time is
     its wall time less what it waited for calls)."""
     return getattr(_LOCAL, "waited", 0.0)
+
+
+# Generated kernels are compiled under file names that start so (cpu/codegen.py's
+# `_define`, triton's loaders): the frames `run_paced` pauses in.
+GENERATED_CODE_PREFIX = "<dynvm"
+
+
+def run_paced(fn, *args, clock=time.perf_counter) -> tuple[object, float]:
+    """`fn(*args)`, and the seconds (by `clock`) it paused for calls: on a compile
+    worker, its generated code comes to a checkpoint at each line run while a call is in
+    flight (Note [A kernel's run on the worker pauses for calls]); elsewhere, or under
+    a tracer already set (a debugger, coverage), it runs as it is."""
+    if not getattr(_LOCAL, "background", False) or sys.gettrace() is not None:
+        return fn(*args), 0.0
+    activity, paused = _ACTIVITY, 0.0
+
+    def on_line(frame, event, arg):
+        nonlocal paused
+        if event == "line" and activity.in_flight > 0:
+            before = clock()
+            if checkpoint() > 0.0:
+                paused += clock() - before
+        return on_line
+
+    def on_call(frame, event, arg):
+        return on_line if frame.f_code.co_filename.startswith(GENERATED_CODE_PREFIX) \
+            else None
+
+    sys.settrace(on_call)   # this thread's only
+    try:
+        result = fn(*args)
+    finally:
+        sys.settrace(None)
+    return result, paused

@@ -42,6 +42,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
+from dynvm.jit.background import checkpoint
 from dynvm.jit.guards import (
     GuardStrength,
     first_failure,
@@ -354,16 +355,28 @@ class RegionJit:
             if spec.probation is probation:
                 self._decide(spec, ratio)
 
-    def _interpret(self, regs: list) -> float | None:
+    def _interpret(self, regs: list, activity=None) -> float | None:
         """Seconds the interpreter takes over the region on `regs` (None if it raised:
-        the specialization's result stands, and this call gives no sample)."""
-        start = self._clock_fn()
+        the specialization's result stands, and this call gives no sample). With
+        `activity` (the calls in flight; a shadow sample on the compile worker) the run
+        pauses between steps while a call is in flight, and its pauses are not its
+        time (Note [A shadow sample pauses for calls] in jit.shadow)."""
+        clock = self._clock_fn
+        start, paused = clock(), 0.0
         try:
-            for step in self._steps:
-                step(regs)
+            if activity is None:
+                for step in self._steps:
+                    step(regs)
+            else:
+                for step in self._steps:
+                    step(regs)
+                    if activity.in_flight > 0:   # one attribute read per step
+                        before = clock()
+                        if checkpoint() > 0.0:
+                            paused += clock() - before
         except Exception:  # noqa: BLE001 — a shadow run must never fail the call
             return None
-        return self._clock_fn() - start
+        return clock() - start - paused
 
     def _decide(self, spec: Specialization, ratio: float) -> None:
         """Note [Probation]: keep, demote (re-plan without the arena) or drop."""

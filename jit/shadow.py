@@ -38,16 +38,43 @@ unspaced, every = 4; a family kernel's 93).
 Every sample is still taken, on the kernel's own hits; only when changes. A kernel
 serves its calls while on probation, so a deferred verdict costs a winner nothing and a
 loser at most those hits (what else waits on a verdict: Note [Settled]).
+
+Note [A shadow sample pauses for calls]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The spacing bounds how often a sample meets a call, not what a meeting costs: a run
+begun in a gap is a whole region in the interpreter, and a call that begins during it
+shares the cores with all that is left of it. In BERT-base width's 200-call warm-up
+(2026-12-06 18:40 UTC, 2-core AMD EPYC, per-call telemetry of one cold process) the
+worker was busy 11.2 s, and the interpreter's runs of shadow samples were the largest
+part of it (4.0 s, up to 0.7 s each at 8x128); a JIT call at 8x16 that began beside one
+took 104 ms against the interpreter's median of 52.
+
+So on the compile worker the interpreter's run checks, between its steps, whether a
+call is in flight (one attribute read), and if one is it comes to a checkpoint (Note [A
+slice of work per wait] in jit.background): past its slice it waits for the call to
+end, as every other step of background work does. A call that begins during the run
+then shares the cores with one step of it (an op), not the rest of the region. The
+waits are not the interpreter's time: the sample's ratio counts the steps' clock only.
+What a pause leaves is the cache the call used, which the next steps refill; the
+calibrator's medians absorb that as they absorb any sample timed beside a call. The
+kernel's side pauses the same way, between the lines of its generated code (Note [A
+kernel's run on the worker pauses for calls] in jit.background), where its hits average
+`PACED_FROM_S` or more: the trace that finds the lines costs ~0.2 us a line on the
+timed run (2026-12-06, AMD EPYC), nothing at BERT-base width's 5-300 ms kernels but a
+few per cent of a tiny model's 50 us region, a bias against the kernel in its verdict;
+and a call beside a run under 1 ms loses under 1 ms.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dynvm.jit.background import checkpoint, on_worker, serving
+from dynvm.jit.background import checkpoint, on_worker, run_paced, serving
 from dynvm.jit.region_slot import Specialization
 
 SHADOW_SPACING = 24   # calls begun after a colliding sample before the next (the Note)
+PACED_FROM_S = 1e-3   # a kernel's side pauses for calls where its hits average this or
+#                       more (Note [A shadow sample pauses for calls])
 
 
 class ShadowPacing:
@@ -97,22 +124,30 @@ def shadow_sample(region_jit, spec: Specialization, regs: list) -> None:
     region_jit._resolved.get(region_jit._layout_sign(regs))
     signing = clock() - start
     specialization_first = len(probation.ratios) % 2 == 1
+    # Note [A shadow sample pauses for calls]; under the synchronous switch the sample
+    # is the call's own, and nothing else is in flight to pause for.
+    pausing = activity if on_worker() else None
     with torch.inference_mode():   # as a call runs
         checkpoint(gap=True)
         met |= activity.busy()
-        interpreted = None if specialization_first else region_jit._interpret(regs.copy())
+        interpreted = None if specialization_first \
+            else region_jit._interpret(regs.copy(), pausing)
         checkpoint(gap=True)
         met |= activity.busy()
         start = clock()
         try:
-            spec.fn(regs.copy())
+            if pausing is not None and spec.seconds >= PACED_FROM_S * max(1, spec.calls):
+                _, paused = run_paced(spec.fn, regs.copy(), clock=clock)
+            else:
+                spec.fn(regs.copy())
+                paused = 0.0
         except Exception:  # noqa: BLE001 — the hit itself deopts if it must
             return
-        seconds = clock() - start
+        seconds = clock() - start - paused
         if specialization_first:
             checkpoint(gap=True)
             met |= activity.busy()
-            interpreted = region_jit._interpret(regs.copy())
+            interpreted = region_jit._interpret(regs.copy(), pausing)
     if on_worker():   # under the synchronous switch the sample is the call's own
         _PACING.sampled(met or activity.busy() or activity.calls != calls_before)
     region_jit.engine.probation_counters.shadow_calls += 1

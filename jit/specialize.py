@@ -51,6 +51,7 @@ import dataclasses
 import torch
 
 from dynvm.jit.aliasing import flat_values
+from dynvm.jit.background import checkpoint
 from dynvm.jit.inplace import reuse_dying_buffers
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, SpecOp, Value, Var
 from dynvm.vm.abstract import CheckFailed, evaluate_region
@@ -181,6 +182,11 @@ class ShapeMemo:
         self.hits = 0
 
     def apply(self, instr: Instr, operands: list):
+        # A checkpoint per instruction: abstract evaluation is Python from end to end,
+        # tens of ms at BERT-base width, and a call beside it waits for the GIL (Note
+        # [A compile worker's task and the GIL] in jit.background). Off a compile worker
+        # (a synchronous compile) it returns at once.
+        checkpoint()
         spec = instr.spec
         if spec.is_view or spec.returns_operand or spec.data_dependent:
             return spec.shape_fn(*operands)

@@ -3,7 +3,9 @@ dynvm.jit.background): every Runtime call is counted in flight; a compile worker
 checkpoints wait while one is, a synchronous compile's never do; a queued compile and a
 calibration's timed runs start only once no call is in flight; an exact specialization
 is run once on the compile side before its install (Note [Prewarmed installs] in
-dynvm.jit.prewarm). Mechanism only: no
+dynvm.jit.prewarm); a kernel's run and a shadow sample's interpreter run on the worker
+pause for a call begun during them (Note [A kernel's run on the worker pauses for
+calls]). Mechanism only: no
 speed is asserted here (bench.full_width and bench.warmup_trace measure it).
 """
 
@@ -18,7 +20,14 @@ import pytest
 import torch
 
 import dynvm
-from dynvm.jit.background import background_thread, checkpoint, serving, waited_here
+from dynvm.jit.background import (
+    GENERATED_CODE_PREFIX,
+    background_thread,
+    checkpoint,
+    run_paced,
+    serving,
+    waited_here,
+)
 from dynvm.jit.calibration import Calibrator
 from dynvm.jit.prewarm import warm_registers
 from dynvm.jit.queue import CompileQueue
@@ -208,9 +217,9 @@ def test_a_shadow_sample_runs_on_the_compile_worker_not_on_the_call(monkeypatch)
 
         interpret = region_jit._interpret
 
-        def timed_interpret(regs):
+        def timed_interpret(regs, activity=None):
             threads["interpreter"].append(threading.current_thread().name)
-            return interpret(regs)
+            return interpret(regs, activity)
 
         region_jit._interpret = timed_interpret
         regs = [None] * program.n_regs
@@ -357,3 +366,103 @@ def test_tasks_overlapping_restore_the_interval_after_the_last_and_keep_one_set_
         assert sys.getswitchinterval() == pytest.approx(0.002)
     finally:
         sys.setswitchinterval(before)
+
+
+def _generated(source: str, name: str, namespace: dict):
+    """A function compiled as the CPU backend compiles its kernels (a file name under
+    GENERATED_CODE_PREFIX), so that `run_paced` follows its lines."""
+    exec(compile(source, f"{GENERATED_CODE_PREFIX} {name}>", "exec"), namespace)
+    return namespace[name]
+
+
+def _call_begins_then_ends_after(hold_s: float, log: list) -> None:
+    """Begin a call now (as a request arriving during a run would) and end it from
+    another thread `hold_s` later, logging when."""
+    serving().begin()
+
+    def end():
+        time.sleep(hold_s)
+        log.append(("ended", time.perf_counter()))
+        serving().end()
+
+    threading.Thread(target=end, daemon=True).start()
+
+
+def test_a_kernels_run_on_the_worker_pauses_between_lines_for_a_call_begun_during_it():
+    log: list = []
+    kernel = _generated(
+        "def kernel(log):\n"
+        "    log.append(('first line', time.perf_counter()))\n"
+        "    begin(QUIET, log)\n"
+        "    log.append(('after the call', time.perf_counter()))\n"
+        "    return 'result'\n", "kernel",
+        {"time": time, "begin": _call_begins_then_ends_after, "QUIET": QUIET})
+    thread, done, results = _on_worker(lambda: run_paced(kernel, log))
+    assert done.wait(10.0)
+    thread.join()
+    result, paused = results[0]
+    events = dict(log)
+    assert result == "result"
+    # The line after the call's begin ran only once the call had ended, and the pause
+    # (reported, so that a timed run leaves it out) is about the call's length.
+    assert events["after the call"] >= events["ended"]
+    assert QUIET * 0.9 <= paused <= events["after the call"] - events["first line"]
+    assert sys.gettrace() is None
+
+
+def test_a_kernels_run_off_the_workers_or_under_a_tracer_runs_as_it_is():
+    log: list = []
+    kernel = _generated(
+        "def kernel(log):\n"
+        "    begin(QUIET, log)\n"
+        "    log.append(('after the call', time.perf_counter()))\n", "kernel",
+        {"time": time, "begin": _call_begins_then_ends_after, "QUIET": QUIET})
+    assert run_paced(kernel, log)[1] == 0.0   # the call's thread: never pauses
+    _until_no_call_in_flight()
+    assert [event for event, _ in log] == ["after the call", "ended"]
+
+    def tracer(frame, event, arg):
+        return None
+
+    def traced():
+        sys.settrace(tracer)
+        try:
+            return run_paced(kernel, log), sys.gettrace()
+        finally:
+            sys.settrace(None)
+
+    thread, done, results = _on_worker(traced)
+    assert done.wait(10.0)
+    thread.join()
+    (_, paused), after = results[0]
+    assert paused == 0.0 and after is tracer   # a debugger's or coverage's tracer kept
+    _until_no_call_in_flight()
+    assert [event for event, _ in log[2:]] == ["after the call", "ended"]
+
+
+def _until_no_call_in_flight() -> None:
+    deadline = time.monotonic() + 5.0
+    while serving().busy() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not serving().busy()
+
+
+def test_a_shadow_samples_interpreter_run_pauses_between_steps_and_leaves_the_pause_out():
+    program = h.build(PROGRAM, regs=3, inputs=('"x" float32 [n:1..64]',))
+    log: list = []
+    with dynvm.Runtime(program, jit=dynvm.JitConfig(families=False)) as rt:
+        region_jit = rt.jit.regions[0]
+        region_jit._steps = [
+            lambda regs: log.append(("first step", time.perf_counter())),
+            lambda regs: _call_begins_then_ends_after(QUIET, log),
+            lambda regs: log.append(("after the call", time.perf_counter()))]
+        started = time.perf_counter()
+        thread, done, results = _on_worker(
+            lambda: region_jit._interpret([None] * program.n_regs, serving()))
+        assert done.wait(10.0)
+        thread.join()
+    events = dict(log)
+    assert events["after the call"] >= events["ended"]
+    # Its time is its steps', not the wait for the call.
+    assert results[0] is not None and results[0] < QUIET / 2
+    assert time.perf_counter() - started >= QUIET

@@ -131,6 +131,7 @@ from dynvm.jit.backends.cpu.onednn_matmul import (  # noqa: F401  (names tests u
     PrimitiveLinear,
 )
 from dynvm.jit.backends.cpu.prepack import PrepackCache
+from dynvm.jit.background import checkpoint
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, Var
 from dynvm.jit.specialize import add_frees
 
@@ -238,6 +239,9 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
     impls: set[str] = set()
     removed: set[int] = set()
     for position in candidates:
+        # Each linear's primitives are built (and their weights packed) in a step of its
+        # own (Note [Background work yields to calls] in jit.background).
+        checkpoint()
         op = ops[position]
         xs = probe_tensors(spec.abstract, op.args[0].reg) if isinstance(op.args[0], Var) \
             else None

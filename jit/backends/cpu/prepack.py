@@ -36,6 +36,8 @@ import weakref
 
 import torch
 
+from dynvm.jit.background import checkpoint
+
 _mkldnn = torch.ops.mkldnn
 
 
@@ -65,6 +67,9 @@ class PrepackCache:
             found = self._packed.get(key)
         if found is not None:
             return found
+        # A pack is a reorder of a whole weight (ms at BERT-base width): a step of its
+        # own for the compile worker (Note [Background work yields to calls]).
+        checkpoint()
         packed = build()
         with self._lock:
             # Two compile threads may pack the same weight; the first stored is shared.
