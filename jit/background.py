@@ -122,9 +122,10 @@ read), comes to a checkpoint, which past the worker's slice waits for the call t
 The calls' threads run untraced, and the worker's other Python (torch's wrappers)
 raises one call event per frame and no line events. The pauses are returned, so a timed
 run subtracts them. What a pause never splits: a column-halves kernel's helper is not
-taken by a worker's run (cpu/column_halves.py), an op's own C call, or an arena lease,
-which a call meeting it answers by allocating (Note [Arena layout]). A tracer already
-set (a debugger, coverage) is left alone and the run goes unpaused.
+taken by a worker's run (cpu/column_halves.py), and an op's own C call runs whole. An
+arena lease the paused run holds is not waited for: a call of the same kernel leases
+another buffer (Note [Arena concurrency] in arena/pool.py). A tracer already set (a
+debugger, coverage) is left alone and the run goes unpaused.
 """
 
 from __future__ import annotations
