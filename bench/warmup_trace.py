@@ -4,7 +4,8 @@ Runs the warm-up phase of Note [Full-width timing] (bench.full_width: eager, the
 interpreter and a cold JIT interleaved call by call, nothing drained) with a timeline:
 each JIT call's span, each region entry's kind (interpreted miss, specialized hit, the
 first call of a freshly installed kernel, a probation shadow call, a deopt), and the
-compile thread's work (each compile, each calibration question by op, each install).
+compile thread's work (each compile, each calibration question by op, each install,
+each shadow sample and prewarm run).
 For every JIT call slower than `--bar` x the interpreter's p90 at its shape it prints
 what overlapped it. Diagnostics only: it wraps the JIT's methods in this process.
 """
@@ -110,8 +111,23 @@ def instrument(timeline: Timeline) -> None:
             return ticket
         return run
 
+    def worker_step(lane):
+        def wrap(orig):
+            def run(*args):
+                start = clock()
+                try:
+                    return orig(*args)
+                finally:
+                    timeline.add(start, clock(), lane, lane)
+            return run
+        return wrap
+
     _wrap(engine.Jit, "_compile", compile_)
     _wrap(Calibrator, "choose", choose)
+    # The worker's other work: probation's shadow samples (RegionJit._shadow, queued as
+    # tasks of their own) and a fresh exact kernel's prewarm (inside _compile).
+    _wrap(RegionJit, "_shadow", worker_step("shadow sample"))
+    _wrap(engine, "prewarm", worker_step("prewarm"))
     _wrap(RegionJit, "install", install)
     _wrap(RegionJit, "enter", enter)
 
@@ -124,7 +140,8 @@ def classify(calls: list, timeline: Timeline, interp: dict, bar: float) -> dict:
     """Per slow JIT call: the seconds of it overlapped by each kind of background work
     and the region entries' kinds inside it; totals by kind."""
     slow, totals = [], defaultdict(float)
-    background = [s for s in timeline.spans if s[2] in ("compile", "calibrate", "install")]
+    background = [s for s in timeline.spans
+                  if s[2] in ("compile", "calibrate", "install", "shadow sample", "prewarm")]
     inside = [s for s in timeline.spans if s[2] in ("region", "first-call")]
     for start, end, label in calls:
         limit = bar * percentile(interp[label], 90)
@@ -135,9 +152,12 @@ def classify(calls: list, timeline: Timeline, interp: dict, bar: float) -> dict:
         for s in calib:
             what = "calibrate onednn (GIL)" if s[3].startswith("onednn") else f"calibrate {s[3]}"
             over[what] += _overlap(start, end, s[0], s[1])
+        for lane in ("shadow sample", "prewarm"):
+            over[lane] = sum(_overlap(start, end, s[0], s[1]) for s in background
+                             if s[2] == lane)
         compiling = sum(_overlap(start, end, s[0], s[1]) for s in background
                         if s[2] == "compile")
-        over["compile outside calibration"] = max(0.0, compiling - sum(
+        over["compile outside calibration"] = max(0.0, compiling - over["prewarm"] - sum(
             _overlap(start, end, s[0], s[1]) for s in calib))
         kinds = sorted({s[3].split()[0] if s[2] == "region" else "first-call"
                         for s in inside if s[0] >= start and s[1] <= end})
@@ -227,8 +247,8 @@ def main(argv=None) -> int:
                  for label in model.labels}
     spent = defaultdict(float)
     for start, end, lane, what in timeline.spans:
-        if lane in ("compile", "calibrate"):
-            spent[lane if lane == "compile" else f"calibrate {what.split()[0]}"] += end - start
+        if lane in ("compile", "calibrate", "shadow sample", "prewarm"):
+            spent[lane if lane != "calibrate" else f"calibrate {what.split()[0]}"] += end - start
     summary = {"wall_s": wall, "load": [load_start, os.getloadavg()],
                "p90_ratio": per_shape, "over_bar": [k for k, v in per_shape.items() if v > 1.1],
                "by_cause": result["by_cause"], "seconds": dict(spent),
