@@ -84,6 +84,44 @@ quiet window (10:58-11:01, load 0.4-1.5): measure / never bf16 0.716 / 0.809 / 0
 (A/A 1.004 / 1.010 / 1.027), fp32 batch 1 0.935 (A/A 0.999); beside the peers
 jit-bf16 / OpenVINO bf16 0.967 / 0.962 / 1.131 (the team's 1.352 / 1.201 / 1.112; A/A
 0.960-0.966), fp32 JIT / ONNX Runtime 1.046 at batch 1 (the team's 1.131).
+
+Note [fp32 batch 4 in pieces and the chooser's held verdict]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Measured, not built (2-core AMD EPYC Zen 5, no AMX; ResNet-50 fp32, 2 threads, passive
+OpenMP, under the bench lock; 2026-12-06, H38R; scripts /tmp/h38r/). Where batch 4's
+time goes: the settled team arena step by step in chain order (one execute and wait
+each, medians of 15 passes; steps.py, 19:42 UTC, load 1.9) 71.1 ms against 72.0 for the
+whole arena; beside ONNX Runtime's per-node profile (bench.resnet_profile --batch 4,
+19:16, load 1.8-2.0; its Conv nodes 70.5 ms) oneDNN's 3x3s are faster (14x14 8.71 /
+9.31 ms over five, 28x28 5.39 / 5.52, 7x7 3.69 / 4.42, strided 14x14 2.02 / 2.22) and
+its 1x1s slower, most the expanding ones with the residual's sum (28x28 128->512 3.97 /
+3.66, 7x7 512->2048 3.21 / 2.87, 14x14 256->1024 5.46 / 5.17) and the 56x56 ones
+(1.07-1.09x): +1.8 ms over the 1x1s, -1.8 over the 3x3s, a tie over all convolutions.
+
+Tried at batch 2-4, whole model, Runtimes in one process interleaved call by call with
+an A/A and ONNX Runtime, seasoned and drained (ab.py): (a) the 7x7 steps' output
+channels split over the whole batch in pieces (each thread a one-thread primitive over
+every image and half the weight, placed as at batch 1; results as the arena's, max |d|
+against eager 1.37e-4 either way): pieces forced in both arms batch 2 1.014, batch 4
+1.013 (A/A 0.998 / 0.993; 19:41, load 2.4-2.6); with the chooser batch 4 0.980 / 0.990
+(A/A 1.008 / 0.978), batch 2 0.999 / 1.038: no gain. (b) dynvm's own 1x1 kernel forced
+at the 7x7 steps (team arenas: an arena with own steps has no pieces): batch 2 0.988 /
+1.022, batch 4 0.991 / 0.997 (A/A 0.995 / 0.999, 0.996 / 0.987; 19:44-19:47, load
+1.9-2.3): no gain.
+
+What does cost batch 4 is a verdict of `HalvesChoice` held the wrong way. One Runtime,
+its batch-4 call driven by a fixed pattern (6 calls in pieces, 6 on the team, 12 times;
+switch.py, 19:50, load 1.8): pieces 68.2-69.1 ms, the team 69.7-70.6, at every position
+after a switch: pieces 2.4% faster and no cost to switching. Yet in the three-Runtime
+runs one Runtime's batch-4 (or batch-2) call held the team to the end: its three pieces
+samples 80.1-82.4 ms (42.2-52.4 at batch 2) against 66.1-75.4, median 68.2 (34.3-35.2)
+in the Runtime beside it, taken in one burst, against seven team samples spread over the
+window. Pieces forced against such a Runtime: batch 4 0.967, the A/A (a Runtime that had
+settled on pieces) 0.971 (19:48, load 2.3). Neither leaving out the calls timed while a
+compile worker's task ran (a Runtime still held the team at batch 4, 19:54) nor an
+exploration alternating the two ways call by call (a prototype, 19:56, other work on the
+host then) measured better in one run each. Left: why the explored way's burst reads
+slow, and a verdict that one burst cannot hold for `_RECENT` calls.
 """
 
 from __future__ import annotations
@@ -166,7 +204,9 @@ class HalvesChoice:
     Two halves calls in a row whose helper ran under a quarter of the pieces (starved:
     its core busy elsewhere) send the next `_HOLD` calls to the team whatever the
     timings say (Note [A chain in halves, one wake a call]; the lesson of Note [Column
-    halves with a helper thread])."""
+    halves with a helper thread]). A verdict taken on one slow burst of the way not
+    running holds until it ages out: 3% of a batch-4 call on the AMD EPYC (Note [fp32
+    batch 4 in pieces and the chooser's held verdict])."""
 
     def __init__(self) -> None:
         self._times = {True: deque(maxlen=_WINDOW), False: deque(maxlen=_WINDOW)}

@@ -69,6 +69,8 @@ cold copies as the question runs them): at two threads ours takes 0.48-0.53 of i
 one-thread time at 49 and 196 rows (each core reads half the weight), and stands at
 0.85-0.90x oneDNN's at 7x7, 0.97-1.08x at 14x14. oneDNN's primitive took the same time
 with torch at one thread as at two (0.93-1.00): it runs the team it was built for.
+At batch 2 / 4 on the AMD EPYC (forced at the 7x7 steps, 196 rows at batch 4): no gain
+in the whole model (Note [fp32 batch 4 in pieces and the chooser's held verdict]).
 """
 
 from __future__ import annotations
