@@ -194,9 +194,7 @@ def test_demo_transformer_in_the_runtime_agrees_with_eager():
         stats = rt.stats()
         sources = [a.source for a in rt.jit.artifacts.values()]
     assert stats["specialized_region_calls"] > 0
-    # every GEMM placed with a note (17-32 rows over a small weight: dynvm's small-M
-    # kernel, Note [A small weight at 17-32 rows on one thread])
-    assert all("oneDNN" in s or "stays on torch" in s or "small-M" in s for s in sources)
+    assert all("oneDNN" in s or "stays on torch" in s for s in sources)
 
 
 @pytest.mark.parametrize("fusion", ["always", "off"])

@@ -53,7 +53,6 @@ from dynvm.jit.backends.cpu.fusion import (
     is_fused,
     is_native,
 )
-from dynvm.jit.backends.cpu.native_alone import is_alone
 from dynvm.jit.backends.cpu.one_thread import (
     neutral,
     openmp_getter,
@@ -295,9 +294,8 @@ def _emit_body(emitter, spec, program, constants, device,
             args = [f"{emitter.bind('k', a.value.packs)}[{args[0]}.shape[0]]"
                     if isinstance(a, Literal) and isinstance(a.value, PackedPerBatch) else text
                     for a, text in zip(op.args, args)]
-        elif is_native(op) or is_alone(op):
-            # Note [A small-M GEMM of our own], Note [A decode step's small ops in C],
-            # Note [A small weight at 17-32 rows on one thread]
+        elif is_native(op):
+            # Note [A small-M GEMM of our own], Note [A decode step's small ops in C]
             fn = emitter.bind(op.opcode.lower(),
                               NATIVE_KERNELS.get(op.opcode) or DECODE_KERNELS[op.opcode])
         elif op.variant == PRECISION_VARIANT:  # Note [Lower-precision GEMMs]

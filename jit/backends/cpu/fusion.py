@@ -102,7 +102,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dynvm.jit.backends.cpu import native_alone
 from dynvm.jit.backends.cpu.calibration_rows import (
     CALIBRATION_MAX_M as _CALIBRATION_MAX_M,
 )
@@ -260,7 +259,7 @@ def fuse_gemm_epilogues(spec: SpecializedRegion, constants, device: torch.device
             if not decision.fuse:
                 fused = None
             elif decision.native:
-                fused = _native_op(op, gemm, epilogue, ops, constants, decision.alone)
+                fused = _native_op(op, gemm, epilogue, ops, constants)
             else:
                 fused = _fused_op(op, gemm, epilogue, ops, constants, spec.abstract,
                                   prepacked, decision.after)
@@ -392,9 +391,6 @@ class _Decision:
     after: tuple | None = None
     native: bool = False
     """Run on dynvm's small-M kernel instead (Note [A small-M GEMM of our own])."""
-    alone: bool = False
-    """That kernel on the calling thread (Note [A small weight at 17-32 rows on one
-    thread])."""
 
 
 _NO_FASTER = "oneDNN measured no faster here"
@@ -413,9 +409,6 @@ def _decide(op, gemm: _Gemm, epilogue, ops, constants, probes,
     label = _kind(op, epilogue, ops)
     threads = torch.get_num_threads()
     probe_ms = {_m_of(x) for x in probe_tensors(probes, gemm.x.reg)}
-    alone = None if dense_only else native_alone.applies(probe_ms, weight, gemm.transpose)
-    if alone is not None:   # Note [A small weight at 17-32 rows on one thread]
-        return _Decision(True, alone, native=True, alone=True)
     # Note [Streamed GEMVs stay on torch], Note [Few rows over a streamed weight]
     streamed = streamed_decision(probe_ms, weight, ops, constants, gemm.transpose)
     if streamed is not None:
@@ -598,22 +591,19 @@ def native_epilogue(epilogue) -> bool:
     return other is not None and attr == "add"
 
 
-def _native_op(op, gemm: _Gemm, epilogue, ops, constants, alone: bool = False) -> SpecOp:
+def _native_op(op, gemm: _Gemm, epilogue, ops, constants) -> SpecOp:
     """The GEMM (with its residual add) as a call of dynvm's small-M kernel on the
-    constant weight as the program stores it (Note [A small-M GEMM of our own]); `alone`:
-    marked to run on the calling thread (Note [A small weight at 17-32 rows on one
-    thread])."""
-    base = native_alone.VARIANT if alone else NATIVE_VARIANT
+    constant weight as the program stores it (Note [A small-M GEMM of our own])."""
     stored, input_major = as_stored(constants[gemm.weight], gemm.transpose)
     weight = ConstRef(gemm.weight) if stored is constants[gemm.weight] else Literal(stored)
     bias = gemm.bias   # the kernel reads a bias as one contiguous row: made so once, here
     if isinstance(bias, ConstRef) and not constants[bias.index].is_contiguous():
         bias = Literal(constants[bias.index].contiguous())
     if epilogue is None:
-        dsts, variant, other = op.dsts, base, Literal(None)
+        dsts, variant, other = op.dsts, NATIVE_VARIANT, Literal(None)
     else:
         consumer = ops[epilogue[0]]
-        dsts, variant, other = consumer.dsts, f"{base}+{consumer.source_pc}", \
+        dsts, variant, other = consumer.dsts, f"{NATIVE_VARIANT}+{consumer.source_pc}", \
             epilogue[4]
     return SpecOp(NATIVE_LINEAR, dsts, (gemm.x, weight, bias, other,
                                         Literal(input_major)),

@@ -124,7 +124,6 @@ import re
 import torch
 
 from dynvm.jit.backends.cpu.arena_choice import tensors_in, zeros_like_abstract
-from dynvm.jit.backends.cpu.native_alone import is_alone
 from dynvm.jit.backends.cpu.shape_constants import SHAPE_CONSTANT
 from dynvm.jit.calibration import Calibrator, size_class
 from dynvm.jit.ir import ConstRef, Literal, SpecializedRegion, Var
@@ -233,9 +232,6 @@ def plan_one_thread(spec: SpecializedRegion, constants, device: torch.device,
     planning = spec.abstract[0]
     chosen = []
     for position, op in enumerate(spec.ops):
-        if is_alone(op):   # Note [A small weight at 17-32 rows on one thread]
-            chosen.append(position)
-            continue
         bound = ALWAYS_ONE.get(op.opcode) if op.variant == "" else None
         found = _askable(op, planning, constants, device, max(MAX_ELEMENTS, bound or 0))
         if found is None:
