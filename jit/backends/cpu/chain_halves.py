@@ -117,11 +117,21 @@ runs one Runtime's batch-4 (or batch-2) call held the team to the end: its three
 samples 80.1-82.4 ms (42.2-52.4 at batch 2) against 66.1-75.4, median 68.2 (34.3-35.2)
 in the Runtime beside it, taken in one burst, against seven team samples spread over the
 window. Pieces forced against such a Runtime: batch 4 0.967, the A/A (a Runtime that had
-settled on pieces) 0.971 (19:48, load 2.3). Neither leaving out the calls timed while a
-compile worker's task ran (a Runtime still held the team at batch 4, 19:54) nor an
-exploration alternating the two ways call by call (a prototype, 19:56, other work on the
-host then) measured better in one run each. Left: why the explored way's burst reads
-slow, and a verdict that one burst cannot hold for `_RECENT` calls.
+settled on pieces) 0.971 (19:48, load 2.3). In fresh processes seasoned as ab.py seasons
+(one JIT Runtime, batch 1, 2, 4; which.py, then 16 calls a batch as the full-width run
+times them; 19:58-20:12, load 1.8-2.3) the batch-4 call ran in pieces 3, 0 and 16 times
+of 16 (the rest the team, not starved); with a chooser that times the two ways in turn,
+call by call, every `_RECENT` calls (`_FIRST` each) and compares only that round's
+timings, 16, 16 and 16 (two runs a prototype, one the built version;
+/tmp/h38r/new_chooser.patch, with its tests). Whole model, that chooser against this one
+(20:08-20:10, load 2.1, 30 rounds): batch 1 / 2 / 4 0.991 / 1.003 / 0.996, A/A 1.013 /
+1.019 / 1.002, the old chooser's Runtimes on pieces at batch 4 in that run: no gain
+measured, so not landed. Leaving out the calls timed while a compile worker's task ran
+kept a held team at batch 4 (19:54). Left: the chooser in turn A/B'd where a held
+verdict shows (the full-width run's 16 timed calls after its warm-up, several fresh
+processes a side), and why the explored way's burst reads slow. Seen beside it: in some
+processes a kernel whose chain has no pieces for batch 2 (or 4) serves that batch (the
+team alone; which.py at 20:06, load 3.3, and 20:12).
 """
 
 from __future__ import annotations
