@@ -333,6 +333,13 @@ def waited_here() -> float:
     return getattr(_LOCAL, "waited", 0.0)
 
 
+def pause_for_calls(clock=time.perf_counter) -> float:
+    """A checkpoint inside a timed run on a compile worker (a call is in flight): the
+    seconds it paused, by the run's own `clock` (0.0 when it went on within its slice)."""
+    before = clock()
+    return clock() - before if checkpoint() > 0.0 else 0.0
+
+
 # Generated kernels are compiled under file names that start so (cpu/codegen.py's
 # `_define`, triton's loaders): the frames `run_paced` pauses in.
 GENERATED_CODE_PREFIX = "<dynvm"
@@ -350,9 +357,7 @@ def run_paced(fn, *args, clock=time.perf_counter) -> tuple[object, float]:
     def on_line(frame, event, arg):
         nonlocal paused
         if event == "line" and activity.in_flight > 0:
-            before = clock()
-            if checkpoint() > 0.0:
-                paused += clock() - before
+            paused += pause_for_calls(clock)
         return on_line
 
     def on_call(frame, event, arg):

@@ -42,7 +42,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
-from dynvm.jit.background import checkpoint
+from dynvm.jit.background import pause_for_calls
 from dynvm.jit.guards import (
     GuardStrength,
     first_failure,
@@ -371,9 +371,7 @@ class RegionJit:
                 for step in self._steps:
                     step(regs)
                     if activity.in_flight > 0:   # one attribute read per step
-                        before = clock()
-                        if checkpoint() > 0.0:
-                            paused += clock() - before
+                        paused += pause_for_calls(clock)
         except Exception:  # noqa: BLE001 — a shadow run must never fail the call
             return None
         return clock() - start - paused

@@ -136,7 +136,7 @@ def shadow_sample(region_jit, spec: Specialization, regs: list) -> None:
         met |= activity.busy()
         start = clock()
         try:
-            if pausing is not None and spec.seconds >= PACED_FROM_S * max(1, spec.calls):
+            if spec.seconds >= PACED_FROM_S * max(1, spec.calls):   # off a worker: as is
                 _, paused = run_paced(spec.fn, regs.copy(), clock=clock)
             else:
                 spec.fn(regs.copy())
