@@ -80,6 +80,32 @@ runtime, at most 12,288 / 49,152 scores on one thread over the team, 40 rounds, 
 UTC, load 2.0-2.7: 0.987-1.012 at 1x16..8x16, 1x32..4x32 and 1x64 (A/A 0.994-1.010),
 so fp32 calls keep the team.
 
+Note [Attention written by hand on our kernel]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Attention written out by hand (q @ k^T, a scale, softmax, @ v) reaches this pass as an
+SDPA the specializer fused (Note [Probes] in dynvm.jit.specialize), but its result's
+abstract value is the last matmul's: contiguous [B, H, S, D], not torch's flash layout
+([B, S, H, D] under the [B, H, S, D] view) that `empty_like` of a query gives. The
+pass asked for the flash layout alone, so these SDPAs all stayed on torch's kernel: the
+held-out encoder's (bench/heldout.py, 8 heads of 32, 32 keys) at 76 us a call at batch 1
+against the kernel's 50 (alone, 2 threads, 2-core AMD EPYC Zen 5, 2026-12-06 21:10 UTC).
+The kernel writes any layout whose last dim is dense (its result strides are
+arguments), so where every probe's result is contiguous the SDPA becomes
+`CONTIGUOUS_ATTENTION`, the kernel writing that layout (torch's SDPA, where it does not
+read the operands, made contiguous after); the region's abstract values stay true.
+The heads' merge written `.transpose(1, 2).contiguous().view(...)` (or `.reshape`,
+which export lowers to the same clone and view) then folds into one call from the
+Q/K/V result (Note [Attention without its views]): the copy's fresh contiguous result
+is what that call returns.
+Measured (the held-out encoder, seq 32, JIT runtimes with the pass taking only the
+flash layout (two: the A/A) and with this, each settled at every batch and huge pages
+drained, interleaved call by call with eager and ONNX Runtime, 30 rounds; 2 threads,
+passive OpenMP; 2-core AMD EPYC Zen 5, no AMX; 21:12 UTC, load 1.0-1.3;
+/tmp/lead/s27/ab_attn.py): this / before 0.954 / 0.865 / 0.879 / 0.893 at batch 1 / 4 /
+16 / 64 (A/A 1.028 / 0.994 / 1.012 / 0.997); x eager 0.511 / 0.423 / 0.376 / 0.426,
+ONNX Runtime 0.386 / 0.443 / 0.419 / 0.506 in the same run. Every output within 1e-3
+of eager's (tests: within 1e-5 over random shapes and offset inputs).
+
 Note [bf16 attention on AMX tiles]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Under precision "bf16" a BERT layer's SDPA reads bf16 views of its Q/K/V GEMM's result
@@ -171,6 +197,7 @@ from dynvm.jit.backends.cpu.one_thread import openmp_getter
 from dynvm.jit.ir import Literal, SpecializedRegion, SpecOp, Var
 
 ATTENTION = "MASKED_ATTENTION"
+CONTIGUOUS_ATTENTION = "MASKED_ATTENTION_CONTIGUOUS"
 ATTENTION_VARIANT = "native-attention"
 MAX_KEYS = 256
 """Past 256 keys nothing was measured (the Note); the kernel itself reads up to MAX_KEYS."""
@@ -332,18 +359,33 @@ def _strides(values) -> ctypes.Array:
 
 def masked_attention(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None):
     """`ATTENTION`: SDPA's result, from dynvm's C kernel where it reads the operands
-    (Note [Masked attention of our own]), else from torch's SDPA."""
+    (Note [Masked attention of our own]), else from torch's SDPA; laid out as torch's
+    flash kernel lays it out (`empty_like` of the query)."""
+    return _attention(q, k, v, mask, dropout_p, is_causal, scale, contiguous=False)
+
+
+def masked_attention_contiguous(q, k, v, mask=None, dropout_p=0.0, is_causal=False,
+                                scale=None):
+    """`CONTIGUOUS_ATTENTION`: `masked_attention`'s result laid out contiguously, as the
+    batched matmul of attention written by hand lays it out (Note [Attention written
+    by hand on our kernel])."""
+    return _attention(q, k, v, mask, dropout_p, is_causal, scale, contiguous=True)
+
+
+def _attention(q, k, v, mask, dropout_p, is_causal, scale, contiguous: bool):
     if _LIBRARY is None or not _reads(q, k, v, mask, dropout_p, is_causal) \
             or q.device.type != "cpu":
-        return torch.nn.functional.scaled_dot_product_attention(
+        out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, mask, dropout_p, is_causal, scale=scale)
-    out = torch.empty_like(q)
+        return out.contiguous() if contiguous else out
+    out = torch.empty(q.shape, dtype=q.dtype) if contiguous else torch.empty_like(q)
     if not _run((q, k, v), (q.stride()[:3], k.stride()[:3], v.stride()[:3]), q.dtype,
                 (*q.shape[:3], k.shape[2], q.shape[3]), mask, scale, out, out.stride()[:3]):
         # its scratch could not be allocated (nothing written): torch's SDPA computes
         # the same result, or raises torch's own out-of-memory error
-        return torch.nn.functional.scaled_dot_product_attention(
+        out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, mask, dropout_p, is_causal, scale=scale)
+        return out.contiguous() if contiguous else out
     return out
 
 
@@ -410,7 +452,9 @@ def _qkv_attention_views(qkv, mask, heads, scale):
 
 
 QKV_ATTENTION = "QKV_ATTENTION"
-ATTENTION_KERNELS = {ATTENTION: masked_attention, QKV_ATTENTION: qkv_attention}
+ATTENTION_KERNELS = {ATTENTION: masked_attention,
+                     CONTIGUOUS_ATTENTION: masked_attention_contiguous,
+                     QKV_ATTENTION: qkv_attention}
 
 
 def _value(arg, probe):
@@ -433,10 +477,17 @@ def native_attention(spec: SpecializedRegion) -> tuple[SpecializedRegion, str]:
         if len(op.args) != 7 or len(op.dsts) != 1:
             continue
         results = probe_tensors(spec.abstract, op.dsts[0])
-        if results is None or not all(_fits(op, probe, result)
-                                      for probe, result in zip(spec.abstract, results)):
+        if results is None:
             continue
-        ops[at] = dataclasses.replace(op, opcode=ATTENTION, variant=ATTENTION_VARIANT)
+        layouts = {"query", "contiguous"}
+        for probe, result in zip(spec.abstract, results):
+            layouts &= _fits(op, probe, result)
+        if not layouts:
+            continue
+        # Note [Attention written by hand on our kernel]: the result as the region's
+        # abstract values lay it out (torch's flash layout where both are the same)
+        opcode = ATTENTION if "query" in layouts else CONTIGUOUS_ATTENTION
+        ops[at] = dataclasses.replace(op, opcode=opcode, variant=ATTENTION_VARIANT)
         taken += 1
     if not taken:
         # (kept short: the kernel's header line stays under the readable width)
@@ -448,17 +499,26 @@ def native_attention(spec: SpecializedRegion) -> tuple[SpecializedRegion, str]:
         "(Note [Masked attention of our own])")
 
 
-def _fits(op: SpecOp, probe, result) -> bool:
+def _fits(op: SpecOp, probe, result) -> set[str]:
+    """The layouts the kernel can give `op`'s result at this probe as its abstract value
+    lays it out: "query" (torch's flash layout, `empty_like` of the query), "contiguous"
+    (Note [Attention written by hand on our kernel]); empty where the kernel does not
+    take it."""
     q, k, v, mask, dropout_p, is_causal, scale = (_value(a, probe) for a in op.args)
     if (mask is not None and not isinstance(mask, torch.Tensor)) \
             or not (scale is None or isinstance(scale, (int, float))):
-        return False
+        return set()
     if not _reads(q, k, v, mask, dropout_p, is_causal):
-        return False
+        return set()
     if not (q.dtype == torch.float32 and k.shape[2] >= MIN_KEYS
             or _on_tiles(q) and k.shape[2] >= AMX_MIN_KEYS
             or _on_dots(q) and k.shape[2] >= DOT_MIN_KEYS):
-        return False
-    # the result laid out as the kernel lays it out (the abstract value says torch's)
-    return result.dtype == q.dtype and result.shape == q.shape \
-        and result.stride() == torch.empty_like(q, device="meta").stride()
+        return set()
+    if result.dtype != q.dtype or result.shape != q.shape or result.storage_offset():
+        return set()
+    layouts = set()
+    if result.stride() == torch.empty_like(q, device="meta").stride():
+        layouts.add("query")
+    if result.is_contiguous():
+        layouts.add("contiguous")
+    return layouts

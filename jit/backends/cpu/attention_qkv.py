@@ -15,8 +15,9 @@ BERT-base width's four layers (H34A's walls, 13:40 UTC).
 So where the chain is exactly that -- SPLIT_WITH_SIZES of a [B, S, 3 H D] value into
 three equal parts along its last dim, each read only by a VIEW to [B, S, H, D] read only
 by a PERMUTE [0, 2, 1, 3] read only by the SDPA as q, k, v in that order, and the SDPA's
-result read only by (a VIEW read only by) a PERMUTE [0, 2, 1, 3] read only by a VIEW
-to [B, S, H D] -- at every probe, with the abstract values saying the parts are those
+result read only by (a VIEW read only by) a PERMUTE [0, 2, 1, 3] (read only by a CLONE:
+attention written by hand, Note [Attention written by hand on our kernel]) read only by
+a VIEW to [B, S, H D] -- at every probe, with the abstract values saying the parts are those
 views of the Q/K/V value's storage and the end a contiguous [B, S, H D] at offset 0 (so
 the kernel's result viewed so), one op (`QKV_ATTENTION`, `qkv_attention` in
 attention_native) takes the Q/K/V value and the mask and returns the [B, S, H D] view
@@ -44,6 +45,7 @@ from dynvm.jit.aliasing import flat_values
 from dynvm.jit.backends.cpu.attention_native import (
     ATTENTION,
     ATTENTION_VARIANT,
+    CONTIGUOUS_ATTENTION,
     QKV_ATTENTION,
 )
 from dynvm.jit.ir import Literal, SpecializedRegion, Var
@@ -118,7 +120,10 @@ def _match(chain: _Chain, at: int):
     reg = sdpa.dsts[0]
     first = chain.only_reader(reg)
     leading = first is not None and chain.ops[first].opcode == "VIEW"
-    for opcode in ("VIEW",) * leading + ("PERMUTE", "VIEW"):
+    # the merge of heads written `.transpose(1, 2).contiguous().view(...)`: a copy into
+    # a fresh contiguous value, as the one call's result is (_fits checks the end)
+    cloned = first is not None and not leading and _clone_after(chain, first)
+    for opcode in ("VIEW",) * leading + ("PERMUTE",) + ("CLONE",) * cloned + ("VIEW",):
         reader = chain.only_reader(reg)
         if reader is None or chain.ops[reader].opcode != opcode \
                 or chain.ops[reader].args[0] != Var(reg) or len(chain.ops[reader].dsts) != 1:
@@ -128,6 +133,14 @@ def _match(chain: _Chain, at: int):
         dropped.append(reader)
         reg = chain.ops[reader].dsts[0]
     return dropped, op.args[0].reg, dropped[-1]
+
+
+def _clone_after(chain: _Chain, at: int) -> bool:
+    """Whether the op at `at` is read only by a CLONE of it."""
+    if len(chain.ops[at].dsts) != 1:
+        return False
+    reader = chain.only_reader(chain.ops[at].dsts[0])
+    return reader is not None and chain.ops[reader].opcode == "CLONE"
 
 
 def _fits(probe, qkv: int, q: int, k: int, v: int, out: int) -> int | None:
@@ -160,7 +173,8 @@ def qkv_attention_calls(spec: SpecializedRegion) -> tuple[SpecializedRegion, str
     replaced: dict[int, object] = {}
     dropped: set[int] = set()
     for at, sdpa in enumerate(spec.ops):
-        if sdpa.opcode != ATTENTION or sdpa.variant != ATTENTION_VARIANT:
+        if sdpa.opcode not in (ATTENTION, CONTIGUOUS_ATTENTION) \
+                or sdpa.variant != ATTENTION_VARIANT:
             continue
         found = _match(chain, at)
         if found is None:
