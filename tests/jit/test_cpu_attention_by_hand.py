@@ -109,3 +109,34 @@ def test_runtimes_run_hand_written_attention_on_the_kernel_and_equal_eager(merge
         else:                       # the kernel alone, its result contiguous as the matmul's
             assert all(ONE_CALL not in s and "masked_attention_contiguous" in s
                        for s in taken), sources
+
+
+class _Recording:
+    """The attention library, recording the thread count of each fp32 call."""
+
+    def __init__(self, library) -> None:
+        self.library, self.threads = library, []
+
+    def __getattr__(self, name):
+        return getattr(self.library, name)
+
+    def dynvm_attention(self, *args):
+        self.threads.append(args[-1])
+        return self.library.dynvm_attention(*args)
+
+
+def test_small_fp32_calls_run_on_the_calling_thread_and_equal_the_teams(monkeypatch):
+    gen = torch.Generator().manual_seed(5)
+    recording = _Recording(attention_native._LIBRARY)
+    monkeypatch.setattr(attention_native, "_LIBRARY", recording)
+    monkeypatch.setattr(attention_native, "_THREADS", lambda: 2)
+    small = tuple(_operands(gen, 1, 8, 32, 32))      # 8,192 scores: the held-out batch 1
+    large = tuple(_operands(gen, 4, 8, 32, 32))      # 32,768
+    threshold = attention_native.FP32_ONE_THREAD_SCORES
+    for q, k, v in (small, large):
+        monkeypatch.setattr(attention_native, "FP32_ONE_THREAD_SCORES", threshold)
+        alone = masked_attention_contiguous(q, k, v, None, 0.0, False, 0.2)
+        monkeypatch.setattr(attention_native, "FP32_ONE_THREAD_SCORES", 0)
+        team = masked_attention_contiguous(q, k, v, None, 0.0, False, 0.2)
+        assert torch.equal(alone, team)      # each (batch, head) the same work either way
+    assert recording.threads == [1, 2, 2, 2]

@@ -105,6 +105,13 @@ passive OpenMP; 2-core AMD EPYC Zen 5, no AMX; 21:12 UTC, load 1.0-1.3;
 16 / 64 (A/A 1.028 / 0.994 / 1.012 / 0.997); x eager 0.511 / 0.423 / 0.376 / 0.426,
 ONNX Runtime 0.386 / 0.443 / 0.419 / 0.506 in the same run. Every output within 1e-3
 of eager's (tests: within 1e-5 over random shapes and offset inputs).
+At batch 1 (8 x 32 x 32 scores) the call then runs on the calling thread alone
+(`FP32_ONE_THREAD_SCORES`): one JIT runtime, the threshold alternated call by call with
+eager between (21:18-21:19 UTC, load 1.5-1.8; /tmp/lead/s27/ab_knob.py), alone / team
+0.961 and 0.967 (A/A 1.003, 1.010), batch 2 and 4 (over it) 0.997-1.003; BERT-base width
+the same way (21:21, load 1.8; ab_knob_bert.py) 1x16 0.999, 1x32 0.994, 2x16 1.002, 4x16
+0.997 (A/A 0.988-1.006): a tie there, as Note [fp32 attention where MKL runs its generic
+code] found.
 
 Note [bf16 attention on AMX tiles]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -242,6 +249,12 @@ AMX_ONE_THREAD_SCORES = 12 * 64 * 64
 """bf16 attention on AMX tiles with at most this many scores (B x H x S x L) runs on the
 calling thread alone (Note [bf16 attention on AMX tiles]: the team's passive wake costs
 more than the second core gives at BERT-base's 1x16..1x64)."""
+
+FP32_ONE_THREAD_SCORES = 12 * 32 * 32
+"""fp32 attention with at most this many scores (B x H x S x L) runs on the calling thread
+alone (Note [Attention written by hand on our kernel]: the held-out encoder's batch 1,
+8 x 32 x 32, gained; BERT-base's 1x16..1x32, up to this, tied, Note [fp32 attention where
+MKL runs its generic code])."""
 
 DOT_MIN_KEYS = 16
 """The pass takes bf16 SDPAs of this many keys to MAX_KEYS on AVX512-BF16 dot products
@@ -400,7 +413,8 @@ def _run(operands, strides, dtype, dims, mask, scale, out, out_strides) -> bool:
     else:
         full = mask.expand(b, h, s, keys)
         mask_ptr, mask_strides = full.data_ptr(), _strides(full.stride())
-    threads = 1 if _THREADS is None else _THREADS()
+    threads = 1 if _THREADS is None or b * h * s * keys <= FP32_ONE_THREAD_SCORES \
+        else _THREADS()
     kind = _MASKS[None if mask is None else mask.dtype]
     scale = d ** -0.5 if scale is None else scale
     qs, ks, vs, os_ = (_strides(x) for x in (*strides, out_strides))
