@@ -413,8 +413,8 @@ def _run(operands, strides, dtype, dims, mask, scale, out, out_strides) -> bool:
     else:
         full = mask.expand(b, h, s, keys)
         mask_ptr, mask_strides = full.data_ptr(), _strides(full.stride())
-    threads = 1 if _THREADS is None or b * h * s * keys <= FP32_ONE_THREAD_SCORES \
-        else _THREADS()
+    small = dtype == torch.float32 and b * h * s * keys <= FP32_ONE_THREAD_SCORES
+    threads = 1 if _THREADS is None or small else _THREADS()
     kind = _MASKS[None if mask is None else mask.dtype]
     scale = d ** -0.5 if scale is None else scale
     qs, ks, vs, os_ = (_strides(x) for x in (*strides, out_strides))
