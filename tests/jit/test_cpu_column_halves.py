@@ -346,3 +346,21 @@ def test_a_compile_workers_runs_keep_the_team_and_are_not_timed():
     assert token is not None and token[0]
     kernel.leave(token)
     assert kernel.choice.runs == {True: 1, False: 0}
+
+
+def test_one_thread_asked_for_runs_the_team_untimed():
+    # Note [Column halves where the team's wake is the cost]: no helper beside a
+    # process that asked torch for one thread
+    native = _native()
+    kernel = column_halves.KernelHalves(native, force=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert kernel.enter() is None
+    finally:
+        torch.set_num_threads(threads)
+    assert kernel.choice.runs == {True: 0, False: 0}
+    if threads >= 2:
+        token = kernel.enter()
+        assert token is not None and token[0]
+        kernel.leave(token)

@@ -378,13 +378,13 @@ class CpuOptions:
     primitives built once] in onednn_linear): "on", or "off" (the in-process A/B). Not
     part of the key, as `arena_ops`: the same results, re-done by whoever emits."""
 
-    column_halves: str = "off"
+    column_halves: str = "on"
     """Linear primitives of exact kernels at a few rows also as column halves with a
     helper thread, chosen per kernel by its measured calls (Note [Column halves with a
-    helper thread] in column_halves): "on", "off" (the default until it measures a
-    gain in the bar's command), or "always" / "never" (the kernel's calls always / never
-    run the halves: the in-process A/B's arms, tests). Not part of the key, as
-    `arena_ops`."""
+    helper thread] in column_halves; on by default since Note [Column halves where the
+    team's wake is the cost]): "on", "off", or "always" / "never" (the kernel's calls
+    always / never run the halves: the in-process A/B's arms, tests). Not part of the
+    key, as `arena_ops`."""
 
     panel_linear: str = "on"
     """fp32 linear primitives of exact kernels at panel_linear.PANEL_ROWS rows, over

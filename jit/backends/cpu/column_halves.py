@@ -77,7 +77,28 @@ load 3-5 (04:23 UTC) the helper ran 9 of 160 B halves, a B it claimed was claime
 0.2-0.6 ms after its post and cost the caller 1.0-2.5 ms of waiting a call, and the
 choice ran the team in 36-54 of 40-60 seasoning calls a kernel: hence the four pieces.
 Off by default until the gain holds in the bar's command beside an "off" run of the
-same window.
+same window (on the Intel host); on since the next Note.
+
+Note [Column halves where the team's wake is the cost]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+At narrow widths the passive team's wake is most of a GEMM's time at a few rows: the
+held-out encoder (bench/heldout.py: d 256, FFN 1024, 6 layers) at batch 1 x seq 32 spent
+2.66 of its 3.09 ms kernel in 24 oneDNN linears of 75-125 us each (interleaved with
+eager; 2-core AMD EPYC Zen 5, no AMX, 2026-12-06 21:14 UTC) for 12.6 MFLOP at most
+each, where ONNX Runtime's MatMuls took 1.87 ms with profiling on. Measured with the
+halves on (JIT runtimes "off" twice, the A/A, and "on", each settled at every shape and
+huge pages drained, interleaved call by call with eager; 2 threads, passive OpenMP;
+/tmp/lead/s27/ab_opt.py, 21:23-21:27 UTC, load 1.5-1.7): on / off at seq 32 batch 1
+0.682 and 0.777 (A/A 0.979 / 0.974), batch 2 1.044 (A/A 1.021; the choice ran the
+team in 142 of 168 calls), batch 3 (a family: no halves) 1.011; at seq 16 batch 1 / 2 /
+4 0.601 / 0.658 / 0.750 (A/A 0.991-1.010); the helper ran 40-45% of the pieces. Held-out
+batch 1 went from 0.46 to 0.31-0.36x eager (ONNX Runtime 0.39 in the same host's runs).
+BERT-base width (4 layers, fp32, the same way; ab_opt_bert.py, 21:24 and 21:26 UTC,
+load 1.7-1.8): 1x16 1.005 / 0.990, 1x32 0.992 / 1.014, 2x16 1.019 / 1.008, 1x64 1.007 /
+1.025, 2x32 1.036 / 1.014, 4x16 1.045 / 1.002 (A/A 0.974-1.028): a tie, the choice
+keeping the team where its wake is a small part of a wide GEMM. So the halves are on by
+default, the per-kernel choice deciding. A process that asked torch for one thread
+gets the team's one-thread primitives, never the helper (the zoo's setting).
 """
 
 from __future__ import annotations
@@ -349,6 +370,8 @@ class KernelHalves:
     def enter(self):
         if getattr(background._LOCAL, "background", False):
             return None   # a compile worker's run (calibration, probation): the team
+        if torch.get_num_threads() < 2:
+            return None   # one thread asked for: no helper beside it (untimed)
         halves = self.choice.next() if self._force is None else self._force
         if halves:
             if not self._native.enter():
