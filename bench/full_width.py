@@ -85,6 +85,7 @@ from bench.full_width_models import (  # noqa: F401  (the names callers use)
     RESNET_BATCHES,
     FullWidthModel,
     bert,
+    heldout,
     llama,
     resnet50,
     tier,
@@ -412,8 +413,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.full_width",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--models",
-                        help="bert, resnet50, llama, vit, comma-separated (default: bert, "
-                             "resnet50; with --tier all four)")
+                        help="bert, resnet50, llama, vit, heldout (issue 14's held-out "
+                             "encoder at batch 1 / 4 / 16 / 64), comma-separated (default: "
+                             "bert, resnet50; with --tier the first four)")
     parser.add_argument("--tier", action="store_true",
                         help="the zoo's full-width tier (bench.full_width_models.tier): "
                              "three shapes per model, warm-up of two rounds, seasoning "
@@ -490,8 +492,12 @@ def main(argv=None) -> int:
         elif name in ("llama", "vit"):
             model = tier_models[name][1]()
             warmup, calls = args.warmup, args.calls
+        elif name == "heldout":
+            model = heldout()
+            warmup, calls = args.warmup, args.calls
         else:
-            parser.error(f"unknown model {name!r}; known: bert, resnet50, llama, vit")
+            parser.error(f"unknown model {name!r}; known: bert, resnet50, llama, vit, "
+                         "heldout")
         if args.prepare:
             if args.cache is None:
                 parser.error("--prepare fills --cache: give it")

@@ -210,6 +210,22 @@ def resnet50(batches=RESNET_BATCHES, size: int = 224,
                           _export_index(batches), example)
 
 
+def heldout(batches=(1, 4, 16, 64), seq: int = 32) -> FullWidthModel:
+    """Issue 14's held-out encoder (bench/heldout.py: 6 pre-norm layers, hidden 256,
+    attention written by hand) at seq `seq`, on the design article's batch walk's
+    sizes: the narrow model where per-op overhead, not the GEMMs, decides."""
+    from bench.heldout import heldout_encoder
+
+    demo = heldout_encoder()
+    inputs = tuple((torch.randn(b, seq, 256, generator=torch.Generator().manual_seed(b)),)
+                   for b in batches)
+    example = None if _export_index(batches) is not None else \
+        (torch.randn(2, seq, 256, generator=torch.Generator().manual_seed(2)),)
+    return FullWidthModel("heldout-encoder-h256-l6", demo.module.eval(), demo.dynamic_shapes,
+                          tuple(f"batch {b}" for b in batches), inputs,
+                          _export_index(batches), example)
+
+
 def tier() -> dict:
     """The zoo's full-width tier as docs/MODELS.md times it (`python -m bench.full_width
     --tier`): per model, what its row says it is and how to build it, three shapes each

@@ -159,3 +159,17 @@ def test_batch_one_shapes_alone_export_at_an_untimed_example():
                 assert (e - g).abs().max().item() < 1e-4
     vision = full_width.resnet50(batches=(1,), size=32, blocks=(1, 1, 1, 1))
     assert vision.export_index is None and vision.export_inputs[0].shape == (2, 3, 32, 32)
+
+
+def test_the_held_out_encoder_is_timed_at_its_batch_walk():
+    """`--models heldout`: issue 14's held-out encoder at batch 1 / 4 / 16 / 64, seq 32,
+    exported at batch 4 (not 1), and the interpreter agrees with eager at each batch."""
+    import dynvm
+
+    model = full_width.heldout(batches=(1, 4), seq=8)
+    assert model.labels == ("batch 1", "batch 4") and model.export_index == 1
+    assert [x.shape for (x,) in model.inputs] == [(1, 8, 256), (4, 8, 256)]
+    program = dynvm.compile(model.module, model.export_inputs, model.dynamic_shapes)
+    with dynvm.Runtime(program) as runtime:
+        for inputs in model.inputs:
+            assert (runtime(*inputs) - model.module(*inputs)).abs().max().item() < 1e-4
