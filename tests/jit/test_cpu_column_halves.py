@@ -280,42 +280,6 @@ def test_halves_of_a_strided_and_offset_input_equal_the_team():
         assert torch.equal(got, team(x, o))
 
 
-def test_the_choice_follows_the_measured_calls():
-    choice = column_halves.HalvesChoice()
-    first = []
-    for _ in range(2 * column_halves._FIRST):
-        halves = choice.next()
-        first.append(halves)
-        choice.record(halves, 1.0 if halves else 2.0)
-    assert first.count(True) == first.count(False) == column_halves._FIRST
-    runs = [choice.next() for _ in range(4 * column_halves._EXPLORE)]
-    assert runs.count(False) == 4 and choice.halves      # the team explored 1 in _EXPLORE
-    for _ in range(column_halves._WINDOW):               # the halves slow down (load)
-        choice.record(True, 3.0)
-    assert not choice.halves
-    runs = [choice.next() for _ in range(2 * column_halves._EXPLORE)]
-    assert runs.count(True) == 2
-    for _ in range(column_halves._WINDOW):                # the team slows down too
-        choice.record(False, 4.0)
-    assert choice.halves
-
-
-def test_a_starved_helper_sends_the_next_calls_to_the_team():
-    # Faster by the timings, but twice in a row the helper ran under half of the B
-    # halves: the team for the next _EXPLORE calls, then the halves are tried again.
-    choice = column_halves.HalvesChoice()
-    for _ in range(2 * column_halves._FIRST):
-        halves = choice.next()
-        choice.record(halves, 1.0 if halves else 2.0)
-    assert choice.next() and choice.halves
-    choice.record(True, 1.0, starved=True)          # once: a blip, the halves go on
-    assert choice.next()
-    choice.record(True, 1.0, starved=True)
-    runs = [choice.next() for _ in range(column_halves._EXPLORE)]
-    assert not any(runs) and choice.halves
-    assert choice.next()
-
-
 def test_a_compile_workers_runs_keep_the_team_and_are_not_timed():
     # Calibration and probation run kernels on the compile worker: the helper stays with
     # the serving calls (a worker's halves took it from them and raised it beside them)

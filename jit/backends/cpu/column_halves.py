@@ -40,13 +40,14 @@ the primitive's bias and activation, in the order oneDNN's post-op does it: equa
 the team's result.
 
 Halves or team is measured, not assumed: a kernel's calls alternate until each way has
-`_FIRST` timings, then run the faster by median over the last `_WINDOW`, the other one
-call in `_EXPLORE` (an online A/B of whole kernel calls, per exact kernel, so per row
-count). Timings alone did not hold beside two busy processes: the halves' few samples
-went stale while the helper, at SCHED_IDLE, was starved (6 of 2176 B halves claimed),
-and the choice ran the halves at 2x16 / 2x32 for 1.22 / 1.27x the team's time. So
-two halves calls in a row whose helper was starved (it ran under a quarter of the
-pieces, half its share) send the next `_EXPLORE` calls to the team, whatever the timings
+three timings, then run the faster by median over the last seven, the other one call in
+sixteen (an online A/B of whole kernel calls, per exact kernel, so per row count; since
+Note [Halves chosen in rounds], in rounds of timings taken in turn). Timings alone did
+not hold beside two busy processes: the halves' few samples went stale while the helper,
+at SCHED_IDLE, was starved (6 of 2176 B halves claimed), and the choice ran the halves
+at 2x16 / 2x32 for 1.22 / 1.27x the team's time. So two halves calls in a row whose
+helper was starved (it ran under a quarter of the pieces, half its share) send the next
+sixteen calls to the team, whatever the timings
 say (a single one is a passing blip: at load 1.6 one starved call in seven held the
 team for 16 calls, and the kernel's halves at 0.81-0.87 of the team's time ran in only
 3-7 of 24 calls). Rows: exact kernels whose linears run at `MAX_ROWS` rows or fewer.
@@ -105,16 +106,15 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import statistics
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
 
 from dynvm.jit import background
 from dynvm.jit.backends.cpu import onednn_api as api
+from dynvm.jit.backends.cpu.halves_choice import RoundChoice
 from dynvm.jit.backends.cpu.helper_libraries import bound_once, helper_stream
 from dynvm.jit.backends.cpu.onednn_matmul import (
     LinearPrimitive,
@@ -137,7 +137,6 @@ helper (Note [Column halves with a helper thread]: a late helper delays the call
 most one piece)."""
 _MAX_PIECES = 8      # native/column_halves.c's MAX_PIECES
 _BLOCK = 16          # the pieces' split, in columns: oneDNN's blocking
-_WINDOW, _FIRST, _EXPLORE = 7, 3, 16
 
 _THREAD = threading.local()     # .halves: this thread's call owns the helper
 
@@ -320,50 +319,13 @@ def halves_of(team, library: api.Library, native_: _Native, rows: int, plain, pr
     return HalvesLinear(native_, library, team, rows, pieces, weights, bias)
 
 
-class HalvesChoice:
-    """Halves or team for one exact kernel, by its calls' measured time: alternate until
-    each way has `_FIRST` timings, then the faster by median over the last `_WINDOW`,
-    the other one call in `_EXPLORE`. Two halves calls in a row whose helper ran under
-    half of their B halves (starved: its core busy elsewhere) send the next `_EXPLORE`
-    calls to the team whatever the timings say (one such call is a passing blip)."""
-
-    def __init__(self) -> None:
-        self._times = {True: deque(maxlen=_WINDOW), False: deque(maxlen=_WINDOW)}
-        self._calls = 0
-        self._team_until = 0
-        self.halves = True
-        self.runs = {True: 0, False: 0}
-        self.starved = 0
-        self._in_a_row = 0
-
-    def next(self) -> bool:
-        self._calls += 1
-        if self._calls <= self._team_until:
-            return False
-        if len(self._times[True]) < _FIRST or len(self._times[False]) < _FIRST:
-            return len(self._times[True]) <= len(self._times[False])
-        return (not self.halves) if self._calls % _EXPLORE == 0 else self.halves
-
-    def record(self, halves: bool, seconds: float, starved: bool = False) -> None:
-        self.runs[halves] += 1
-        self._times[halves].append(seconds)
-        if halves:
-            self._in_a_row = self._in_a_row + 1 if starved else 0
-            self.starved += starved
-            if self._in_a_row >= 2:
-                self._team_until = self._calls + _EXPLORE
-        if len(self._times[True]) >= _FIRST and len(self._times[False]) >= _FIRST:
-            self.halves = (statistics.median(self._times[True])
-                           <= statistics.median(self._times[False]))
-
-
 class KernelHalves:
     """A kernel's entry and exit (Note [Column halves with a helper thread]): each call
     runs halves or the team as `choice` says, owning the helper for the halves."""
 
     def __init__(self, native_: _Native, force: bool | None = None) -> None:
         self._native = native_
-        self.choice = HalvesChoice()
+        self.choice = RoundChoice()     # Note [Halves chosen in rounds]
         self._force = force      # True / False: always halves / team (the A/B's arms)
         self.b_halves = {"helper": 0, "caller": 0}   # this kernel's, since it was built
 
