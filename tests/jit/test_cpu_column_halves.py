@@ -328,3 +328,13 @@ def test_one_thread_asked_for_runs_the_team_untimed():
         token = kernel.enter()
         assert token is not None and token[0]
         kernel.leave(token)
+
+
+def test_a_linear_past_max_rows_gets_halves_only_when_small():
+    # Note [Column halves where the team's wake is the cost]: the held-out encoder's
+    # linears at 128 rows (at most 2^25 multiply-adds) gained; BERT-base's did not
+    rows = column_halves.MAX_ROWS
+    assert column_halves.takes(rows, 768, 3072)                 # any weight up to MAX_ROWS
+    assert column_halves.takes(128, 256, 1024) and column_halves.takes(128, 256, 768)
+    assert not column_halves.takes(128, 768, 768)
+    assert not column_halves.takes(4096, 256, 256)

