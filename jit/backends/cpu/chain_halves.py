@@ -132,6 +132,43 @@ verdict shows (the full-width run's 16 timed calls after its warm-up, several fr
 processes a side), and why the explored way's burst reads slow. Seen beside it: in some
 processes a kernel whose chain has no pieces for batch 2 (or 4) serves that batch (the
 team alone; which.py at 20:06, load 3.3, and 20:12).
+
+Built after (H39R, 2026-12-06 21:10-22:10 UTC, same host; the bar itself in fresh
+processes: bench.full_width ResNet-50 with the bf16 JIT and three peers, 16 timed calls a
+batch, run through /tmp/h39r/bar.py, which counts how each steady call of the fp32 JIT
+ran and times it). In the bar's steady phase (each JIT call between seven other
+systems' calls) the two ways forced in turn, 8 calls each a batch, three processes
+(21:21-21:25, load 1.4-2.0), pieces / team medians: batch 1 20.68 / 23.10, 19.49 /
+21.18, 18.22 / 20.18 ms; batch 2 38.02 / 39.18, 36.40 / 37.85, 35.28 / 38.09; batch 4
+76.94 / 79.17, 74.30 / 77.48, 70.33 / 73.22: pieces are the faster way there too (0.90-
+0.92, 0.93-0.97, 0.96-0.97). Yet three timings a way are a coin with a bias: resampling
+those calls, a round of three a way said the team 3-37% of the time (a 3% margin: 1-19%).
+So `HalvesChoice` now times the two ways in turn, call by call, in rounds (the chooser
+tried above), keeps the halves unless their round's median is over the team's by
+`_MARGIN`, retakes a verdict for the team after `_RETRY` calls (a round under the
+warm-up's compiles held the team into the timed calls) and leaves out calls run while a
+compile worker's task ran (their round goes on). Steady fp32 calls in pieces, of 16, at
+batch 1 / 2 / 4 per process, the two choosers alternated (21:12-22:05, load 1.1-3.8;
+five processes in windows of load 3.2-7.6 and two of a broken arm left out): the old one 9/16/16,
+12/8/7, 16/16/12, 0/16/16, 16/16/16, 16/-/15, 13/2/12, 16/16/0, 16/10/12 (batch 4 all
+16 in 3 of 9 processes, mean 11.8; batch 1 mean 12.7); this one (`_RETRY` 16; untimed
+calls from 21:49) 16/7/16, 13/13/16, 16/8/-, 10/6/16, 13/16/16, 16/16/16, 16/5/16,
+13/16/13, 16/-/16 (batch 4 all 16 in 7 of 8, mean 15.6; batch 1 mean 14.3; batch 2
+mean 10.9 against 12.5: its rounds in the seasoning read samples twice their size, 70.7
+/ 36.3 ms, and the team stayed 8 calls into the timed ones, hence `_RETRY` 8). Across
+processes JIT / ONNX Runtime moves by +-4% either way (batch 4 medians 0.984 the old
+chooser, 1.012 this one; the JIT's x eager 0.438 / 0.445, ONNX Runtime's 0.428-0.455): the
+bar's three-figure ratios do not resolve a 3% gain; what the chooser decides is the
+count, and the per-call medians above price it. ("-": an nChw16c arena, below.)
+
+Why a batch-2 or -4 kernel had no pieces: its arena was nChw16c. The layout question
+(Note [nChw16c or NHWC by measurement]) said nChw16c in 5 of 27 of these processes,
+at batch 4 (load 1.1-1.3), batch 2 twice (1.7-2.1) and batch 3 twice (2.2, 3.8), and
+that batch lost 8-14% in the bar (JIT / best peer 1.098-1.113 at batch 4, 21:38;
+1.078-1.116 at batch 2, 21:43 and 21:58): hence its second question and its lead.
+Seen once (21:38, load 1.1-1.7): pieces at batch 1 and 2 taking twice their time call
+after call (17.5 <-> 34.6 ms, 33.2 <-> 66.3) without a starved helper, as if helper and
+caller shared a CPU; the round then chose the team, rightly.
 """
 
 from __future__ import annotations
@@ -140,7 +177,6 @@ import ctypes
 import statistics
 import sys
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
@@ -153,7 +189,11 @@ from dynvm.jit.backends.cpu.helper_libraries import bound_once, helper_stream
 _LIBRARY_STEM = "_chain_halves"
 LATE_NS = 100_000
 """How long a thread spins at a step's end for its partner's piece before it sleeps."""
-_WINDOW, _FIRST, _RECENT, _HOLD = 7, 3, 48, 16
+_FIRST, _RECENT, _HOLD, _RETRY = 3, 48, 16, 8
+_MARGIN = 0.03
+"""How much slower than the team a round's halves may time and still be kept (Note [fp32
+batch 4 in pieces and the chooser's held verdict]: three timings a way at load ~2 flip
+a 3% difference)."""
 MAX_BATCH = 4
 """The largest batch whose NHWC arena is built in pieces (an image a piece past 1)."""
 policy = "measure"
@@ -207,19 +247,22 @@ def native(library: api.Library | None, path: Path | None = None
 
 
 class HalvesChoice:
-    """Halves or the team's chain for one arena, by its calls' measured time: each way
-    needs `_FIRST` timings among the last `_RECENT` calls (the one short of them runs
-    next), then the faster by median over those. Timings age out, so a verdict taken
-    while compiles shared the cores (the warm-up) is retaken within `_RECENT` calls.
-    Two halves calls in a row whose helper ran under a quarter of the pieces (starved:
-    its core busy elsewhere) send the next `_HOLD` calls to the team whatever the
-    timings say (Note [A chain in halves, one wake a call]; the lesson of Note [Column
-    halves with a helper thread]). A verdict taken on one slow burst of the way not
-    running holds until it ages out: 3% of a batch-4 call on the AMD EPYC (Note [fp32
-    batch 4 in pieces and the chooser's held verdict])."""
+    """Halves or the team's chain for one arena, by its calls' measured time: from its
+    first call and every `_RECENT` calls after a verdict for the halves (`_RETRY` after
+    one for the team) the two ways are timed in turn, call by call, until each has
+    `_FIRST` timings; the halves run until the next round unless their median was over
+    the team's by more than `_MARGIN`. A call run while a compile worker's task ran is
+    not a timing (its round goes on). Two halves calls in a row whose helper ran under
+    a quarter of the pieces (starved: its core busy elsewhere) send the next `_HOLD`
+    calls to the team whatever the timings say (Note [A chain in halves, one wake a
+    call]; the lesson of Note [Column halves with a helper thread]). Why in turn, the
+    margin, the retry and the untimed calls: Note [fp32 batch 4 in pieces and the
+    chooser's held verdict]."""
 
     def __init__(self) -> None:
-        self._times = {True: deque(maxlen=_WINDOW), False: deque(maxlen=_WINDOW)}
+        self._samples: dict[bool, list[float]] = {True: [], False: []}
+        self._asking = True        # a round of timings in turn is under way
+        self._next_round = 0       # the call at which the next round starts
         self._calls = 0
         self._team_until = 0
         self._in_a_row = 0
@@ -227,29 +270,33 @@ class HalvesChoice:
         self.runs = {True: 0, False: 0}
         self.starved = 0
 
-    def _recent(self, halves: bool) -> list[float]:
-        return [t for call, t in self._times[halves] if call > self._calls - _RECENT]
-
     def next(self) -> bool:
         self._calls += 1
         if self._calls <= self._team_until:
             return False
-        for way in (True, False):
-            if len(self._recent(way)) < _FIRST:
-                return way
+        if not self._asking and self._calls >= self._next_round:
+            self._asking, self._samples = True, {True: [], False: []}
+        if self._asking:             # the way with fewer timings: in turn
+            return len(self._samples[True]) <= len(self._samples[False])
         return self.halves
 
-    def record(self, halves: bool, seconds: float, starved: bool = False) -> None:
+    def record(self, halves: bool, seconds: float | None, starved: bool = False) -> None:
+        """One call's way and time (None: run beside a compile worker's task, not a
+        timing; its round goes on)."""
         self.runs[halves] += 1
-        self._times[halves].append((self._calls, seconds))
         if halves:
             self._in_a_row = self._in_a_row + 1 if starved else 0
             self.starved += starved
             if self._in_a_row >= 2:
                 self._team_until = self._calls + _HOLD
-        mine, team = self._recent(True), self._recent(False)
+        if not self._asking or seconds is None:
+            return
+        self._samples[halves].append(seconds)
+        mine, team = self._samples[True], self._samples[False]
         if len(mine) >= _FIRST and len(team) >= _FIRST:
-            self.halves = statistics.median(mine) <= statistics.median(team)
+            self.halves = statistics.median(mine) <= statistics.median(team) * (1 + _MARGIN)
+            self._asking = False
+            self._next_round = self._calls + (_RECENT if self.halves else _RETRY)
 
 
 class HalvesCall:
@@ -261,11 +308,14 @@ class HalvesCall:
         self.arena, self.halves = arena, halves
         self.choice = HalvesChoice()
         self.refused = 0      # calls the halves could not run (another call's helper)
+        self.untimed = 0      # calls run beside a compile worker's task
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if policy == "never" or background.on_worker():
             return self.arena.run(x)
         use = True if policy == "always" else self.choice.next()
+        tasks = background.worker_task()
+        compiling = tasks.running
         start = time.perf_counter()
         out = self.halves.run(x) if use else None
         if out is None:
@@ -273,7 +323,11 @@ class HalvesCall:
                 self.refused += 1
                 return self.arena.run(x)     # the helper is another call's: not timed
             out = self.arena.run(x)
-        self.choice.record(use, time.perf_counter() - start, use and self.halves.starved)
+        seconds = time.perf_counter() - start
+        if compiling or tasks.running:   # the worker shared the cores: not a timing
+            self.untimed += 1
+            seconds = None
+        self.choice.record(use, seconds, use and self.halves.starved)
         return out
 
 
