@@ -338,3 +338,16 @@ def test_a_linear_past_max_rows_gets_halves_only_when_small():
     assert column_halves.takes(128, 256, 1024) and column_halves.takes(128, 256, 768)
     assert not column_halves.takes(128, 768, 768)
     assert not column_halves.takes(4096, 256, 256)
+
+
+def test_a_call_beside_a_compile_workers_task_is_no_timing():
+    # Note [Halves chosen in rounds]: the worker had the other core
+    from dynvm.jit import background
+
+    kernel = column_halves.KernelHalves(_native(), force=False)
+    with background.worker_task():
+        kernel.leave(kernel.enter())
+    assert kernel.choice.runs == {True: 0, False: 1}
+    assert kernel.choice._samples == {True: [], False: []}
+    kernel.leave(kernel.enter())
+    assert kernel.choice._samples[False] and not kernel.choice._samples[True]

@@ -63,3 +63,13 @@ def test_two_starved_halves_calls_in_a_row_hold_the_team():
     assert not any(choice.next() for _ in range(HOLD))
     assert choice.next() and choice.starved == 2
     assert halves_choice.HOLD == HOLD
+
+
+def test_calls_beside_a_compile_worker_are_no_timings_and_the_retry_is_a_parameter():
+    choice = RoundChoice(retry=4)
+    for _ in range(4 * FIRST):                       # the worker had the other core
+        choice.record(choice.next(), None)
+    assert sum(choice.runs.values()) == 4 * FIRST and choice._samples == {True: [], False: []}
+    picks = _calls(choice, 2 * FIRST, 3.0, 1.0)      # the round goes on, then decides
+    assert picks == [True, False] * FIRST and not choice.halves
+    assert not any(_calls(choice, 3, 3.0, 1.0)) and choice.next()   # retaken after 4

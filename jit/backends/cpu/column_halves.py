@@ -357,13 +357,15 @@ class KernelHalves:
             if not self._native.enter():
                 return None       # another thread's call has the helper: the team
             _THREAD.halves = True
-        return halves, time.perf_counter()
+        return halves, time.perf_counter(), background.worker_task().running
 
     def leave(self, token) -> None:
         if token is None:
             return
-        halves, start = token
+        halves, start, compiling = token
         seconds = time.perf_counter() - start
+        if compiling or background.worker_task().running:
+            seconds = None        # the compile worker shared the cores: not a timing
         starved = False
         if halves:
             _THREAD.halves = False

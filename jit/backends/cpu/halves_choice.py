@@ -19,7 +19,8 @@ batch 4 in pieces and the chooser's held verdict] in chain_halves).
 
 So the choice is taken in rounds: from the first call, and again every `RECENT` calls
 while the halves run (`RETRY` while the team does), the two ways are timed in turn,
-call by call, until each has `FIRST` timings, and only that round's timings decide:
+call by call, until each has `FIRST` timings, and only that round's timings decide
+(a call run while a compile worker's task ran is no timing: the worker had the core):
 the halves unless their median is over the team's by more than `MARGIN` (three timings
 a way at load ~2 flip a 3% difference; the halves, where they lose, lose by more).
 Two halves calls in a row whose helper ran under a quarter of the pieces (starved: its
@@ -48,9 +49,11 @@ MARGIN = 0.03
 
 class RoundChoice:
     """Halves (True) or the team (False) for the next call of one kernel, by rounds of
-    its calls' timings taken in turn (Note [Halves chosen in rounds])."""
+    its calls' timings taken in turn (Note [Halves chosen in rounds]); `retry`: the
+    calls between rounds after a verdict for the team."""
 
-    def __init__(self) -> None:
+    def __init__(self, retry: int = RETRY) -> None:
+        self._retry = retry
         self._samples: dict[bool, list[float]] = {True: [], False: []}
         self._asking = True        # a round of timings in turn is under way
         self._next_round = 0       # the call at which the next round starts
@@ -71,14 +74,16 @@ class RoundChoice:
             return len(self._samples[True]) <= len(self._samples[False])
         return self.halves
 
-    def record(self, halves: bool, seconds: float, starved: bool = False) -> None:
+    def record(self, halves: bool, seconds: float | None, starved: bool = False) -> None:
+        """One call's way and time (None: run while a compile worker's task ran, which
+        had the other core: not a timing, and its round goes on)."""
         self.runs[halves] += 1
         if halves:
             self._in_a_row = self._in_a_row + 1 if starved else 0
             self.starved += starved
             if self._in_a_row >= 2:
                 self._team_until = self._calls + HOLD
-        if not self._asking:
+        if not self._asking or seconds is None:
             return
         # a way's latest FIRST timings: the team's, piling up while starved halves
         # calls hold it, would otherwise reach back past the load that starved them
@@ -87,4 +92,4 @@ class RoundChoice:
         if len(mine) >= FIRST and len(team) >= FIRST:
             self.halves = statistics.median(mine) <= statistics.median(team) * (1 + MARGIN)
             self._asking = False
-            self._next_round = self._calls + (RECENT if self.halves else RETRY)
+            self._next_round = self._calls + (RECENT if self.halves else self._retry)
