@@ -70,7 +70,9 @@ beside it: the piece's lead does not carry to the whole chain, and the pieces it
 `BLOCKED_LEAD`: nChw16c needs a 15% lead, median and fastest sample, in both
 questions. On the Intel host with AMX the whole model ran 6-7% faster in nChw16c than
 NHWC in a team chain, and NHWC in pieces within 1.5% of it (Note [A chain in halves, one
-wake a call]), so that choice costs little there.
+wake a call]), so that choice costs little there. With both (three bar processes,
+22:13-22:20 UTC, load 4-6 from other work): the first question said nChw16c three
+times (batch 2 once, batch 3 twice), no arena was nChw16c.
 
 Per step, the layouts differ the other way for the 1x1s (H39R; each geometry's
 primitives built in both layouts, weights and residuals cycled over six copies,
