@@ -14,7 +14,7 @@ Face's tokens; a stopped row gets the pad token until every row has stopped.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -61,7 +61,8 @@ class Generator:
     JIT on, compile-ahead promotes the decode step's signature after its first call.
     `jit=True` is JitConfig(cpu_fusion="dense"): the JIT packs no weight copy, so the
     generator holds one copy of its weights (Note [Dense weights only]); a JitConfig
-    given is used as it is. Otherwise (`kv_state=False`, programs exported with `pure`)
+    given is used as it is, without column halves (JitConfig.cpu_column_halves).
+    Otherwise (`kv_state=False`, programs exported with `pure`)
     the cache is passed between a prefill and a decode step as plain tensors per layer, grown by one
     position per step, and compile-ahead asks for the decode step's family kernels for
     the growing length before the length gets there (Note [Compiling the next length
@@ -83,6 +84,8 @@ class Generator:
         self._ahead = self._step_ahead = None
         if jit is True:   # one copy of the weights: no packed copies (Note [Dense weights only])
             jit = JitConfig(cpu_fusion="dense")
+        if isinstance(jit, JitConfig):   # memory stated to the byte: no pieces' buffers
+            jit = replace(jit, cpu_column_halves="off")
         if use_state:
             self.step = Runtime(programs.step, device, jit=jit)
             self.state = KvState(programs.step, self.step.device)

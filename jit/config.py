@@ -108,6 +108,14 @@ class JitConfig:
     dynvm.jit.backends.cpu.channels_last): "measured" where the region measures faster so on
     this device, "always" wherever a chain has a convolution (debugging), "off" never."""
 
+    cpu_column_halves: str = "measured"
+    """CPU backend: linears of exact kernels at a few rows also as column pieces shared
+    with a helper thread of dynvm's own, run or not as each kernel's calls measure (Note
+    [Column halves where the team's wake is the cost] in
+    dynvm.jit.backends.cpu.column_halves): "measured", or "off" (the OpenMP team alone;
+    no pieces' copies of those weights and no pieces' buffers: a Generator's runtimes,
+    whose memory is stated to the byte, Note [Dense weights only])."""
+
     precision: str = "fp32"
     """CPU backend: the precision of GEMMs with a constant weight (linear, addmm, mm,
     matmul; Note [Lower-precision GEMMs] in dynvm.jit.backends.cpu.precision): "fp32";
@@ -184,6 +192,9 @@ class JitConfig:
         if self.cpu_channels_last not in ("measured", "always", "off"):
             raise ConfigError(f"JitConfig.cpu_channels_last must be 'measured', 'always' or "
                              f"'off', got {self.cpu_channels_last!r}")
+        if self.cpu_column_halves not in ("measured", "off"):
+            raise ConfigError(f"JitConfig.cpu_column_halves must be 'measured' or 'off', "
+                             f"got {self.cpu_column_halves!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"JitConfig.precision must be one of {', '.join(PRECISIONS)}, "
                              f"got {self.precision!r}")

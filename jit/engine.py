@@ -113,6 +113,8 @@ class Jit:
         self._cpu_options = CpuOptions(self.arena_pool, fusion=self.config.cpu_fusion,
                                        channels_last=self.config.cpu_channels_last,
                                        arena_ops=self.config.arena_ops,
+                                       column_halves={"measured": "on"}.get(
+                                           self.config.cpu_column_halves, "off"),
                                        precision=self.config.precision)
         # "cpu" or "triton" (JitConfig.backend resolved for this device); it enters
         # every cache key. Triton is imported only when it is chosen.

@@ -32,6 +32,16 @@ TOL = {"rtol": 1e-4, "atol": 1e-4}
 BF16_RELATIVE = 3e-2        # tests/jit/test_cpu_precision.py's bf16 bound
 
 
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    """The halves run where torch was asked for two threads or more (a test before may
+    have left one: Note [Column halves where the team's wake is the cost])."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    yield
+    torch.set_num_threads(threads)
+
 def _native():
     """The halves library bound to the loaded libdnnl (tests.jit._onednn.bound_native)."""
     return bound_native(column_halves)
@@ -351,3 +361,16 @@ def test_a_call_beside_a_compile_workers_task_is_no_timing():
     assert kernel.choice._samples == {True: [], False: []}
     kernel.leave(kernel.enter())
     assert kernel.choice._samples[False] and not kernel.choice._samples[True]
+
+
+def test_the_config_turns_them_off_and_refuses_other_values():
+    import dynvm
+    from dynvm.vm.errors import ConfigError
+
+    model, program = _program()
+    with dynvm.Runtime(program, jit=dynvm.JitConfig(cpu_column_halves="off")) as rt:
+        assert rt.jit._cpu_options.column_halves == "off"
+    with dynvm.Runtime(program, jit=dynvm.JitConfig()) as rt:
+        assert rt.jit._cpu_options.column_halves == "on"
+    with pytest.raises(ConfigError, match="cpu_column_halves"):
+        dynvm.JitConfig(cpu_column_halves="always")
