@@ -22,6 +22,7 @@ from torch.export import Dim
 
 import dynvm
 from dynvm.jit.backends.cpu import chain_halves, chain_layout_choice, chain_pieces, onednn_chain
+from dynvm.jit.backends.cpu.halves_choice import FIRST, RoundChoice
 from tests.jit import _jit_helpers as h
 from tests.jit._onednn import NEEDS_ONEDNN_LIBRARY, ChainBlocks, bound_native, native_chain
 
@@ -191,61 +192,17 @@ def _calls(choice, n: int, halves_s: float, team_s: float) -> list[bool]:
     return picks
 
 
-def test_the_choice_runs_the_faster_retakes_its_verdict_and_holds_after_starving():
-    first, recent = chain_halves._FIRST, chain_halves._RECENT
-    choice = chain_halves.HalvesChoice()
-    picks = _calls(choice, 2 * first, 1.0, 2.0)    # both timed in turn, then the faster
-    assert picks == [True, False] * first and choice.halves
-    picks = _calls(choice, recent - 1, 3.0, 2.0)    # the load changed: no round yet
-    assert all(picks) and choice.halves
-    picks = _calls(choice, 2 * first + 4, 3.0, 2.0)  # the round's timings in turn
-    assert picks[:2 * first] == [True, False] * first and picks[2 * first:] == [False] * 4
-    assert not choice.halves
-    picks = _calls(choice, recent + 8, 1.0, 2.0)    # and back, within a round
-    assert choice.halves and picks[-4:] == [True] * 4
-    choice = chain_halves.HalvesChoice()
-    _calls(choice, 2 * first, 1.0, 2.0)         # the halves, no round for `_RECENT` calls
-    choice.record(True, 1.0, starved=True)
-    assert choice.next()                        # one starved call is a blip
-    choice.record(True, 1.0, starved=True)
-    assert not any(choice.next() for _ in range(chain_halves._HOLD))
-    assert choice.next()
-
-
-def test_a_round_is_timed_in_turn_so_one_slow_burst_does_not_hold_a_verdict():
-    # Note [fp32 batch 4 in pieces and the chooser's held verdict]: halves 2% faster,
-    # with a slow stretch of the host over both ways' timings in one round
-    choice = chain_halves.HalvesChoice()
-    for call in range(400):
-        use = choice.next()
-        slow = 1.2 if 100 <= call < 106 else 1.0
-        choice.record(use, slow * (0.98 if use else 1.0))
-    assert choice.halves
-    assert choice.runs[False] <= (400 // chain_halves._RECENT + 1) * chain_halves._FIRST
-
-
-def test_halves_a_little_slower_than_the_team_are_kept_and_much_slower_are_not():
-    # Note [fp32 batch 4 in pieces and the chooser's held verdict]: three timings a way
-    # flip a 3% difference, so the halves keep their place within `_MARGIN`
-    first, margin = chain_halves._FIRST, chain_halves._MARGIN
-    choice = chain_halves.HalvesChoice()
-    _calls(choice, 2 * first, 1.0 + margin / 2, 1.0)
-    assert choice.halves
-    choice = chain_halves.HalvesChoice()
-    _calls(choice, 2 * first, 1.0 + 2 * margin, 1.0)
-    assert not choice.halves
-
-
-def test_a_verdict_for_the_team_is_retaken_sooner_than_one_for_the_halves():
-    # Note [fp32 batch 4 in pieces and the chooser's held verdict]: a first round under
-    # the warm-up's compiles chose the team, then held it through the timed calls
-    first, retry = chain_halves._FIRST, chain_halves._RETRY
-    choice = chain_halves.HalvesChoice()
-    _calls(choice, 2 * first, 2.0, 1.0)             # the halves slowed by a compile
-    assert not choice.halves
-    picks = _calls(choice, retry - 1 + 2 * first, 1.0, 1.05)   # the compile is over
-    assert picks[:retry - 1] == [False] * (retry - 1) and choice.halves
-    assert all(_calls(choice, chain_halves._RECENT - 1, 1.0, 1.05))
+def test_an_arenas_choice_is_taken_in_rounds_with_the_chains_retry():
+    # Note [Halves chosen in rounds] (tests/jit/test_halves_choice.py); a chain's
+    # verdict for the team is retaken after `_RETRY` calls (Note [fp32 batch 4 in pieces
+    # and the chooser's held verdict])
+    call = chain_halves.HalvesCall(_Way(), _Way())
+    assert isinstance(call.choice, RoundChoice)
+    _calls(call.choice, 2 * FIRST, 2.0, 1.0)         # the halves slowed by a compile
+    assert not call.choice.halves
+    picks = _calls(call.choice, chain_halves._RETRY - 1 + 2 * FIRST, 1.0, 1.05)
+    assert picks[:chain_halves._RETRY - 1] == [False] * (chain_halves._RETRY - 1)
+    assert call.choice.halves
 
 
 class _Way:
@@ -269,11 +226,11 @@ def test_a_call_beside_a_compile_is_not_a_timing_and_its_round_goes_on(monkeypat
     call = chain_halves.HalvesCall(arena, pieces)
     x = torch.zeros(1)
     with background.worker_task():
-        for _ in range(4 * chain_halves._FIRST):
+        for _ in range(4 * FIRST):
             assert call(x)[0] is x
-    assert call.untimed == 4 * chain_halves._FIRST
+    assert call.untimed == 4 * FIRST
     assert call.choice._asking and not any(call.choice._samples.values())
-    for _ in range(2 * chain_halves._FIRST):
+    for _ in range(2 * FIRST):
         call(x)
-    assert not call.choice._asking and call.untimed == 4 * chain_halves._FIRST
-    assert arena.calls >= chain_halves._FIRST and pieces.calls >= chain_halves._FIRST
+    assert not call.choice._asking and call.untimed == 4 * FIRST
+    assert arena.calls >= FIRST and pieces.calls >= FIRST

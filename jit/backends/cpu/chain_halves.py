@@ -34,7 +34,7 @@ On a host whose other core is busy it loses: whole-model windows at load 2.0-3.3
 1.05-1.10 with halves forced; at the same load the next window 0.768 (below): the
 helper then shares its core with another process's work for whole time slices, where
 the team's worker, asleep between regions, is woken ahead of it. So halves or the
-team's chain is chosen per arena by its calls' measured time (`HalvesChoice`, the
+team's chain is chosen per arena by its calls' measured time (`RoundChoice`, the
 team's chain the fallback), not assumed.
 
 At 7x7 (fp32, batch 1; `CHANNEL_SPLIT_MAX_ROWS`) the 4 / 3 row split is uneven and
@@ -109,7 +109,7 @@ at the 7x7 steps (team arenas: an arena with own steps has no pieces): batch 2 0
 1.022, batch 4 0.991 / 0.997 (A/A 0.995 / 0.999, 0.996 / 0.987; 19:44-19:47, load
 1.9-2.3): no gain.
 
-What does cost batch 4 is a verdict of `HalvesChoice` held the wrong way. One Runtime,
+What does cost batch 4 is a verdict of the chooser then held the wrong way. One Runtime,
 its batch-4 call driven by a fixed pattern (6 calls in pieces, 6 on the team, 12 times;
 switch.py, 19:50, load 1.8): pieces 68.2-69.1 ms, the team 69.7-70.6, at every position
 after a switch: pieces 2.4% faster and no cost to switching. Yet in the three-Runtime
@@ -121,7 +121,7 @@ settled on pieces) 0.971 (19:48, load 2.3). In fresh processes seasoned as ab.py
 (one JIT Runtime, batch 1, 2, 4; which.py, then 16 calls a batch as the full-width run
 times them; 19:58-20:12, load 1.8-2.3) the batch-4 call ran in pieces 3, 0 and 16 times
 of 16 (the rest the team, not starved); with a chooser that times the two ways in turn,
-call by call, every `_RECENT` calls (`_FIRST` each) and compares only that round's
+call by call, every 48 calls (3 a way) and compares only that round's
 timings, 16, 16 and 16 (two runs a prototype, one the built version;
 /tmp/h38r/new_chooser.patch, with its tests). Whole model, that chooser against this one
 (20:08-20:10, load 2.1, 30 rounds): batch 1 / 2 / 4 0.991 / 1.003 / 0.996, A/A 1.013 /
@@ -143,23 +143,24 @@ systems' calls) the two ways forced in turn, 8 calls each a batch, three process
 76.94 / 79.17, 74.30 / 77.48, 70.33 / 73.22: pieces are the faster way there too (0.90-
 0.92, 0.93-0.97, 0.96-0.97). Yet three timings a way are a coin with a bias: resampling
 those calls, a round of three a way said the team 3-37% of the time (a 3% margin: 1-19%).
-So `HalvesChoice` now times the two ways in turn, call by call, in rounds (the chooser
-tried above), keeps the halves unless their round's median is over the team's by
-`_MARGIN`, retakes a verdict for the team after `_RETRY` calls (a round under the
-warm-up's compiles held the team into the timed calls) and leaves out calls run while a
-compile worker's task ran (their round goes on). Steady fp32 calls in pieces, of 16, at
-batch 1 / 2 / 4 per process, the two choosers alternated (21:12-22:05, load 1.1-3.8;
-five processes in windows of load 3.2-7.6 and two of a broken arm left out): the old one 9/16/16,
-12/8/7, 16/16/12, 0/16/16, 16/16/16, 16/-/15, 13/2/12, 16/16/0, 16/10/12 (batch 4 all
-16 in 3 of 9 processes, mean 11.8; batch 1 mean 12.7); this one (`_RETRY` 16; untimed
-calls from 21:49) 16/7/16, 13/13/16, 16/8/-, 10/6/16, 13/16/16, 16/16/16, 16/5/16,
-13/16/13, 16/-/16 (batch 4 all 16 in 7 of 8, mean 15.6; batch 1 mean 14.3; batch 2
-mean 10.9 against 12.5: its rounds in the seasoning read samples twice their size, 70.7
-/ 36.3 ms, and the team stayed 8 calls into the timed ones, hence `_RETRY` 8). Across
-processes JIT / ONNX Runtime moves by +-4% either way (batch 4 medians 0.984 the old
-chooser, 1.012 this one; the JIT's x eager 0.438 / 0.445, ONNX Runtime's 0.428-0.455): the
-bar's three-figure ratios do not resolve a 3% gain; what the chooser decides is the
-count, and the per-call medians above price it. ("-": an nChw16c arena, below.)
+So the chooser now times the two ways in turn, call by call, in rounds (the chooser
+tried above), keeps the halves unless their round's median is over the team's by 3%
+(`MARGIN` in halves_choice), retakes a verdict for the team after `_RETRY` calls (a
+round under the warm-up's compiles held the team into the timed calls) and leaves out
+calls run while a compile worker's task ran (their round goes on). Steady fp32 calls in
+pieces, of 16, at batch 1 / 2 / 4 per process, the two choosers alternated (21:12-22:05,
+load 1.1-3.8; five processes in windows of load 3.2-7.6 and two of a broken arm left
+out): the old one 9/16/16, 12/8/7, 16/16/12, 0/16/16, 16/16/16, 16/-/15, 13/2/12,
+16/16/0, 16/10/12 (batch 4 all 16 in 3 of 9 processes, mean 11.8; batch 1 mean 12.7);
+this one (`_RETRY` 16; untimed calls from 21:49) 16/7/16, 13/13/16, 16/8/-, 10/6/16,
+13/16/16, 16/16/16, 16/5/16, 13/16/13, 16/-/16 (batch 4 all 16 in 7 of 8, mean 15.6;
+batch 1 mean 14.3; batch 2 mean 10.9 against 12.5: its rounds in the seasoning read
+samples twice their size, 70.7 / 36.3 ms, and the team stayed 8 calls into the timed
+ones, hence `_RETRY` 8). Across processes JIT / ONNX Runtime moves by +-4% either way
+(batch 4 medians 0.984 the old chooser, 1.012 this one; the JIT's x eager 0.438 / 0.445,
+ONNX Runtime's 0.428-0.455): the bar's three-figure ratios do not resolve a 3% gain;
+what the chooser decides is the count, and the per-call medians above price it. ("-": an
+nChw16c arena, below.)
 
 Why a batch-2 or -4 kernel had no pieces: its arena was nChw16c. The layout question
 (Note [nChw16c or NHWC by measurement]) said nChw16c in 5 of 27 of these processes,
@@ -174,7 +175,6 @@ caller shared a CPU; the round then chose the team, rightly.
 from __future__ import annotations
 
 import ctypes
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -184,20 +184,20 @@ import torch
 from dynvm.jit import background
 from dynvm.jit.backends.cpu import onednn_api as api
 from dynvm.jit.backends.cpu.chain_pieces import HalvesArena, _Plan
+from dynvm.jit.backends.cpu.halves_choice import RoundChoice
 from dynvm.jit.backends.cpu.helper_libraries import bound_once, helper_stream
 
 _LIBRARY_STEM = "_chain_halves"
 LATE_NS = 100_000
 """How long a thread spins at a step's end for its partner's piece before it sleeps."""
-_FIRST, _RECENT, _HOLD, _RETRY = 3, 48, 16, 8
-_MARGIN = 0.03
-"""How much slower than the team a round's halves may time and still be kept (Note [fp32
-batch 4 in pieces and the chooser's held verdict]: three timings a way at load ~2 flip
-a 3% difference)."""
+_RETRY = 8
+"""Calls between a chain's rounds after a verdict for the team (Note [fp32 batch 4 in
+pieces and the chooser's held verdict]: with 16 the team ran the bar's first 8 timed
+calls at batch 2); the rounds themselves: Note [Halves chosen in rounds]."""
 MAX_BATCH = 4
 """The largest batch whose NHWC arena is built in pieces (an image a piece past 1)."""
 policy = "measure"
-"""Halves at batch 1: "measure" (by the arena's calls, `HalvesChoice`), "always" or
+"""Halves at batch 1: "measure" (by the arena's calls, `RoundChoice`), "always" or
 "never" (an A/B's arms, and the way to turn it off)."""
 
 
@@ -246,59 +246,6 @@ def native(library: api.Library | None, path: Path | None = None
     return bound_once(_LIBRARY_STEM, _Native, library, path)
 
 
-class HalvesChoice:
-    """Halves or the team's chain for one arena, by its calls' measured time: from its
-    first call and every `_RECENT` calls after a verdict for the halves (`_RETRY` after
-    one for the team) the two ways are timed in turn, call by call, until each has
-    `_FIRST` timings; the halves run until the next round unless their median was over
-    the team's by more than `_MARGIN`. A call run while a compile worker's task ran is
-    not a timing (its round goes on). Two halves calls in a row whose helper ran under
-    a quarter of the pieces (starved: its core busy elsewhere) send the next `_HOLD`
-    calls to the team whatever the timings say (Note [A chain in halves, one wake a
-    call]; the lesson of Note [Column halves with a helper thread]). Why in turn, the
-    margin, the retry and the untimed calls: Note [fp32 batch 4 in pieces and the
-    chooser's held verdict]."""
-
-    def __init__(self) -> None:
-        self._samples: dict[bool, list[float]] = {True: [], False: []}
-        self._asking = True        # a round of timings in turn is under way
-        self._next_round = 0       # the call at which the next round starts
-        self._calls = 0
-        self._team_until = 0
-        self._in_a_row = 0
-        self.halves = True
-        self.runs = {True: 0, False: 0}
-        self.starved = 0
-
-    def next(self) -> bool:
-        self._calls += 1
-        if self._calls <= self._team_until:
-            return False
-        if not self._asking and self._calls >= self._next_round:
-            self._asking, self._samples = True, {True: [], False: []}
-        if self._asking:             # the way with fewer timings: in turn
-            return len(self._samples[True]) <= len(self._samples[False])
-        return self.halves
-
-    def record(self, halves: bool, seconds: float | None, starved: bool = False) -> None:
-        """One call's way and time (None: run beside a compile worker's task, not a
-        timing; its round goes on)."""
-        self.runs[halves] += 1
-        if halves:
-            self._in_a_row = self._in_a_row + 1 if starved else 0
-            self.starved += starved
-            if self._in_a_row >= 2:
-                self._team_until = self._calls + _HOLD
-        if not self._asking or seconds is None:
-            return
-        self._samples[halves].append(seconds)
-        mine, team = self._samples[True], self._samples[False]
-        if len(mine) >= _FIRST and len(team) >= _FIRST:
-            self.halves = statistics.median(mine) <= statistics.median(team) * (1 + _MARGIN)
-            self._asking = False
-            self._next_round = self._calls + (_RECENT if self.halves else _RETRY)
-
-
 class HalvesCall:
     """One batch-1 arena's call: its halves or the arena (the team) as `choice` says
     (`policy` "always" / "never" force one; a compile worker's run, calibration and
@@ -306,7 +253,7 @@ class HalvesCall:
 
     def __init__(self, arena, halves: HalvesArena) -> None:
         self.arena, self.halves = arena, halves
-        self.choice = HalvesChoice()
+        self.choice = RoundChoice(retry=_RETRY)   # Note [Halves chosen in rounds]
         self.refused = 0      # calls the halves could not run (another call's helper)
         self.untimed = 0      # calls run beside a compile worker's task
 

@@ -1,6 +1,8 @@
-"""Halves or the team for one exact kernel: the choice a kernel's calls make between
-running its linears as column pieces with dynvm's helper thread and running them on
-torch's OpenMP team (Note [Column halves with a helper thread] in column_halves).
+"""Halves or the team: the choice an exact kernel's calls make between running its
+linears as column pieces with dynvm's helper thread and running them on torch's OpenMP
+team (Note [Column halves with a helper thread] in column_halves), and the one a chain's
+arena makes between its pieces and its team chain (Note [A chain in halves, one wake a
+call] in chain_halves).
 
 Note [Halves chosen in rounds]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
