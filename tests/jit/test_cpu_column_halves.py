@@ -374,3 +374,29 @@ def test_the_config_turns_them_off_and_refuses_other_values():
         assert rt.jit._cpu_options.column_halves == "on"
     with pytest.raises(ConfigError, match="cpu_column_halves"):
         dynvm.JitConfig(cpu_column_halves="always")
+
+
+class _ConvHead(nn.Module):
+    """A convolution and a linear head: a kernel whose time is its convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 16, 3, padding=1), nn.Linear(16, 64)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).mean((2, 3)))
+
+
+def test_a_kernel_with_convolutions_keeps_the_team_for_its_linears():
+    # Note [Column halves where the team's wake is the cost]: its last paragraph
+    torch.manual_seed(0)
+    model = _ConvHead().eval()
+    program = dynvm.compile(model, (torch.randn(2, 3, 8, 8),),
+                            ({0: Dim("batch", min=1, max=8)},))
+    with _runtime(program, "always") as rt, torch.no_grad():
+        x = torch.randn(2, 3, 8, 8)
+        rt(x)
+        torch.testing.assert_close(rt(x), model(x), **TOL)
+        sources = [a.source for a in rt.jit.artifacts.values()]
+    assert sources and all("a kernel with convolutions" in s and ".enter()" not in s
+                           for s in sources), sources

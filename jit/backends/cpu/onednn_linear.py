@@ -233,7 +233,9 @@ def linear_primitives(spec: SpecializedRegion, constants, prepacked: PrepackCach
     uses = use_counts(ops, leaving)
     kept: dict[str, int] = {}
     halved, paneled, halves_native, halves_note = 0, 0, None, ""
-    if halves:
+    if halves and column_halves.with_convolutions(spec.ops):
+        halves_note = "; no column halves (a kernel with convolutions)"
+    elif halves:
         halves_native, why = column_halves.native(library)
         halves_note = f"; no column halves ({why})" if halves_native is None else ""
     impls: set[str] = set()
