@@ -93,7 +93,10 @@ huge pages drained, interleaved call by call with eager; 2 threads, passive Open
 0.682 and 0.777 (A/A 0.979 / 0.974), batch 2 1.044 (A/A 1.021; the choice ran the
 team in 142 of 168 calls), batch 3 (a family: no halves) 1.011; at seq 16 batch 1 / 2 /
 4 0.601 / 0.658 / 0.750 (A/A 0.991-1.010); the helper ran 40-45% of the pieces. Held-out
-batch 1 went from 0.46 to 0.31-0.36x eager (ONNX Runtime 0.39 in the same host's runs).
+batch 1 went from 0.46 to 0.31-0.36x eager (ONNX Runtime 0.39 in the same host's runs);
+in the bar's own interleaving with ONNX Runtime and OpenVINO (`bench.full_width --models
+heldout`, 21:36-23:01 UTC, seven runs) it read 0.30-0.51x eager, the choice and the
+halves' own time moving with the peers' calls around it.
 BERT-base width (4 layers, fp32, the same way; ab_opt_bert.py, 21:24 and 21:26 UTC,
 load 1.7-1.8): 1x16 1.005 / 0.990, 1x32 0.992 / 1.014, 2x16 1.019 / 1.008, 1x64 1.007 /
 1.025, 2x32 1.036 / 1.014, 4x16 1.045 / 1.002 (A/A 0.974-1.028): a tie, the choice
