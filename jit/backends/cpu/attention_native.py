@@ -386,20 +386,17 @@ def masked_attention_contiguous(q, k, v, mask=None, dropout_p=0.0, is_causal=Fal
 
 
 def _attention(q, k, v, mask, dropout_p, is_causal, scale, contiguous: bool):
-    if _LIBRARY is None or not _reads(q, k, v, mask, dropout_p, is_causal) \
-            or q.device.type != "cpu":
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, mask, dropout_p, is_causal, scale=scale)
-        return out.contiguous() if contiguous else out
-    out = torch.empty(q.shape, dtype=q.dtype) if contiguous else torch.empty_like(q)
-    if not _run((q, k, v), (q.stride()[:3], k.stride()[:3], v.stride()[:3]), q.dtype,
+    if _LIBRARY is not None and q.device.type == "cpu" \
+            and _reads(q, k, v, mask, dropout_p, is_causal):
+        out = torch.empty(q.shape, dtype=q.dtype) if contiguous else torch.empty_like(q)
+        if _run((q, k, v), (q.stride()[:3], k.stride()[:3], v.stride()[:3]), q.dtype,
                 (*q.shape[:3], k.shape[2], q.shape[3]), mask, scale, out, out.stride()[:3]):
+            return out
         # its scratch could not be allocated (nothing written): torch's SDPA computes
         # the same result, or raises torch's own out-of-memory error
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, mask, dropout_p, is_causal, scale=scale)
-        return out.contiguous() if contiguous else out
-    return out
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, mask, dropout_p, is_causal, scale=scale)
+    return out.contiguous() if contiguous else out
 
 
 def _run(operands, strides, dtype, dims, mask, scale, out, out_strides) -> bool:
