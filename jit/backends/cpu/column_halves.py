@@ -111,6 +111,17 @@ OpenVINO ~0.40 in the bar's runs), batch 2 (64 rows, halves either way) 0.986 (A
 linear; ab_rows_bert.py, 21:57-21:59) fp32 1.014 / 1.024 / 0.999 / 1.016 (A/A
 0.990-1.005), bf16 1.005 / 1.009 / 0.973 / 0.953 (A/A 0.984-1.009). So a linear past
 `MAX_ROWS` rows gets halves where its multiply-adds are at most `SMALL_MACS`.
+What moves the held-out encoder's batch 1 in the bar's runs is the host, not a peer.
+The halves forced on, interleaved with eager and with no peer, ONNX Runtime, OpenVINO or
+both (/tmp/lead/s28/starve.py, 60-80 rounds a run, 2026-12-06 23:25-23:28 UTC, two
+helpers' builds and tests on the machine, load 1.1-1.4): in 6 of 8 runs the helper ran
+half the pieces and the JIT read 0.295-0.314x eager (ONNX Runtime 0.373-0.384, OpenVINO
+0.329-0.348); in two, one with no peer and one beside ONNX Runtime, it ran none (0 of
+60-80 calls over a quarter; its thread 1-3 context switches over the whole loop) and the
+JIT read 0.411-0.438x. A process busy on the other core starves a SCHED_IDLE helper
+whatever runs in ours, and the choice then runs the team. Stop 27's reading that ONNX
+Runtime's calls kept the second core (0.42-0.49x beside it alone) was taken while a
+rehearsal ran.
 A kernel with convolutions gets none: ResNet-50's one linear (2048 -> 1000 at the batch's
 rows) is a sliver of a call that the convolutions fill, so the whole-kernel timings that
 choose the halves would choose on the chain's noise, and a chain in halves has a helper
