@@ -121,7 +121,13 @@ half the pieces and the JIT read 0.295-0.314x eager (ONNX Runtime 0.373-0.384, O
 JIT read 0.411-0.438x. A process busy on the other core starves a SCHED_IDLE helper
 whatever runs in ours, and the choice then runs the team. Stop 27's reading that ONNX
 Runtime's calls kept the second core (0.42-0.49x beside it alone) was taken while a
-rehearsal ran.
+rehearsal ran. Nor does a helper at normal priority help there: beside a busy process
+(`while True: pass`), the helper set to SCHED_OTHER (by the caller, call by call) against
+SCHED_IDLE, both chosen by their calls, with the halves off beside them and an A/A
+(/tmp/lead/s28/spin_ab.py, 100 rounds, 23:40 UTC, load 1.9-2.0): batch 1 / 4 0.981 /
+0.986 (A/A 0.979 / 0.996, off 0.965 / 0.992). Under the scheduler's fair share it ran 14%
+/ 25% of the pieces, and the team itself (off) ran 2.52 ms at batch 1, against ~1.8 ms
+for the halves with the core free: a busy neighbour's core is not there to be had.
 A kernel with convolutions gets none: ResNet-50's one linear (2048 -> 1000 at the batch's
 rows) is a sliver of a call that the convolutions fill, so the whole-kernel timings that
 choose the halves would choose on the chain's noise, and a chain in halves has a helper
