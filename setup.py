@@ -31,7 +31,10 @@ setup(ext_modules=[Extension(
     sources=["jit/backends/cpu/native/onednn_chain.c",
              # a chain's own 1x1 convolution (Note [A 1x1 convolution of our own at a
              # few rows] in jit/backends/cpu/own_1x1.py), on torch's OpenMP team
-             "jit/backends/cpu/native/own_1x1.c"],
+             "jit/backends/cpu/native/own_1x1.c",
+             # Winograd F(2x2, 3x3) for its 3x3s (Note [Winograd F(2x2, 3x3) for the
+             # 3x3s] in jit/backends/cpu/winograd.py)
+             "jit/backends/cpu/native/winograd.c"],
     extra_compile_args=["-O3", "-fopenmp"],
     extra_link_args=["-fopenmp"],
     optional=True,

@@ -291,7 +291,9 @@ def halves_of(library: api.Library, steps, arenas: dict, path: Path | None = Non
         return {}
     made = {}
     for shape, arena in arenas.items():
-        if shape[0] > MAX_BATCH or arena.blocked or arena._own:
+        # own 1x1 steps have no pieces; Winograd's have (Note [Winograd F(2x2, 3x3) for
+        # the 3x3s])
+        if shape[0] > MAX_BATCH or arena.blocked or len(arena._own) > len(arena.winograd):
             continue
         try:
             made[shape] = HalvesCall(arena, HalvesArena(library, bound, arena, steps, shape))

@@ -10,6 +10,7 @@ import ctypes
 import torch
 
 from dynvm.jit.backends.cpu import onednn_api as api
+from dynvm.jit.backends.cpu import winograd
 from dynvm.jit.backends.cpu.onednn_objects import (
     DATA_TYPES,
     destroy,
@@ -35,7 +36,8 @@ class _Plan(ctypes.Structure):
                 ("bind_memory", ctypes.c_void_p), ("bind_source", ctypes.c_void_p),
                 ("bind_offset", ctypes.c_void_p), ("claimed", ctypes.c_void_p),
                 ("done", ctypes.c_void_p), ("waiting", ctypes.c_void_p),
-                ("place", ctypes.c_void_p), ("pointers", ctypes.c_void_p)]
+                ("place", ctypes.c_void_p), ("pointers", ctypes.c_void_p),
+                ("executes", ctypes.c_void_p)]
 
 
 class _Place(ctypes.Structure):
@@ -146,9 +148,9 @@ class HalvesArena:
                 self._head_pieces(head, getter, per_call, tuple(shape), dtype, pieces)
                 firsts.append(len(self._pieces))
             shapes = {steps[0].x: tuple(shape)}
-            if len(execs) != len(steps) or arena._own:
-                raise api.OnednnError("an arena with reorders or own steps")
-            for step, (_, args, _) in zip(steps, execs):
+            if len(execs) != len(steps) or len(arena._own) > len(arena.winograd):
+                raise api.OnednnError("an arena with reorders or own 1x1 steps")
+            for step, (handle, args, _) in zip(steps, execs):
                 where = {}
                 for arg, memory in args:
                     if arg in (api.ARG_SRC, api.ARG_DST):
@@ -160,7 +162,11 @@ class HalvesArena:
                             api.check(getter(memory, ctypes.byref(data)), "data handle")
                             where[arg] = _Where(data.value, None)
                 runner, in_shape = step.runner, shapes[step.x]
-                if hasattr(runner, "weight_shape"):
+                team = arena.winograd.get(getattr(handle, "value", None))
+                if team is not None:
+                    like = runner.by_shape[in_shape]
+                    self._winograd_pieces(arena, team, runner, like, where, pieces)
+                elif hasattr(runner, "weight_shape"):
                     like = runner.by_shape[in_shape]
                     self._conv_pieces(runner, like, where, pieces)
                 elif hasattr(runner, "spec"):
@@ -185,6 +191,9 @@ class HalvesArena:
         self._places = (ctypes.c_void_p * n)(*[
             ctypes.addressof(p.place) if getattr(p, "place", None) is not None else None
             for p in self._pieces])
+        self._executes = (ctypes.c_void_p * n)(*[
+            p.execute.value if getattr(p, "execute", None) is not None else None
+            for p in self._pieces])
         plan = self._plan = _Plan()
         plan.steps, plan.binds = steps_n, b
         for field, array in (("first_piece", self._first), ("primitive", self._prims),
@@ -193,7 +202,8 @@ class HalvesArena:
                              ("bind_source", self._bind_source),
                              ("bind_offset", self._bind_offset),
                              ("claimed", self._counters[0]), ("done", self._counters[1]),
-                             ("waiting", self._counters[2]), ("place", self._places)):
+                             ("waiting", self._counters[2]), ("place", self._places),
+                             ("executes", self._executes)):
             setattr(plan, field, ctypes.addressof(array))
         self._plan_pointer = ctypes.pointer(plan)
         self._pointers = (ctypes.c_void_p * (1 + len(arena._result_specs)))()
@@ -274,6 +284,33 @@ class HalvesArena:
                               ("dnnl_primitive_attr_destroy", attr),
                               ("dnnl_post_ops_destroy", post_ops),
                               *(("dnnl_memory_desc_destroy", md) for md in mds)))
+
+    def _winograd_pieces(self, arena, team, runner, like, where: dict, pieces: int) -> None:
+        """A step the team runs on Winograd (Note [Winograd F(2x2, 3x3) for the 3x3s]):
+        its tiles in shares (two at batch 1, an image each past it) on one-thread
+        matmuls, each over the whole input and result (a piece reads its tiles' rows
+        and the rows around them, writes its tiles' rows); oneDNN's pieces where a share
+        is under winograd.MIN_PIECE_TILES tiles."""
+        n = like.in_shape[0]
+        made = winograd.pieces(self._library, arena._native.winograd, team, runner, like,
+                               pieces if n == 1 else n, arena.scratch)
+        if made is None:
+            self._conv_pieces(runner, like, where, pieces)
+            return
+        lib = self._lib
+        mds = [md_tag(lib, like.in_shape, api.TAG_NHWC, torch.float32),
+               md_tag(lib, like.out_shape, api.TAG_NHWC, torch.float32)]
+        try:
+            for step in made:
+                x = self._memory(mds[0], where[api.ARG_SRC], 0)
+                y = self._memory(mds[1], where[api.ARG_DST], 0)
+                piece = _Piece(lib, step.handle, [(api.ARG_SRC, x), (api.ARG_DST, y)],
+                               [("dnnl_memory_destroy", x), ("dnnl_memory_destroy", y)])
+                piece.execute, piece.keep = step.execute, step
+                self._pieces.append(piece)
+        finally:
+            destroy(lib, [("dnnl_memory_desc_destroy", md) for md in mds])
+        self.impls.add("winograd:" + made[0].impl)
 
     def _channel_pieces(self, runner, like, where: dict) -> None:
         """Two pieces over halves of the output channels (Note [A chain in halves, one

@@ -90,7 +90,13 @@ from pathlib import Path
 import torch
 
 from dynvm.jit.aliasing import flat_values
-from dynvm.jit.backends.cpu import chain_ends, chain_halves, chain_layout_choice, own_1x1
+from dynvm.jit.backends.cpu import (
+    chain_ends,
+    chain_halves,
+    chain_layout_choice,
+    own_1x1,
+    winograd,
+)
 from dynvm.jit.backends.cpu import onednn_api as api
 from dynvm.jit.backends.cpu.ir_match import probe_tensors
 from dynvm.jit.backends.cpu.native_linear import find_extension
@@ -127,6 +133,9 @@ class _Native:
             self.run_steps.argtypes = [pp, *self.run.argtypes[1:]]
             self.run_steps.restype = i
         self.own = own_1x1.kernel(dll, library) if self.run_steps is not None else None
+        # Note [Winograd F(2x2, 3x3) for the 3x3s]: None in a library built before it
+        self.winograd = winograd.kernel(dll, library) if self.run_steps is not None \
+            else None
         dll = library.dll
         wait = dll.dnnl_stream_wait      # declared here: onednn_api does not list it
         wait.argtypes, wait.restype = [p], i
@@ -182,7 +191,10 @@ class _Arena:
         self._per_call: list[tuple[int, object]] = []   # (-1 input | result k, memory)
         # (primitive, [(arg, memory)], its execute function or None for oneDNN's)
         self._execs: list[tuple[object, list, object]] = []
-        self._own: list = []           # our own 1x1 steps (Own1x1), kept alive here
+        self._own: list = []           # our own steps (Own1x1, Winograd), kept alive here
+        # Note [Winograd F(2x2, 3x3) for the 3x3s]: its steps by handle, and their V and M
+        self.winograd: dict[int, winograd.Winograd] = {}
+        self.scratch = winograd.Scratch(library)
         # a residual written in place shares its residual's storage: one group of names
         group = {steps[0].x: steps[0].x}
         for step in steps:
@@ -227,6 +239,11 @@ class _Arena:
             # Note [A 1x1 convolution of our own at a few rows]: where it measured faster
             own = own_1x1.own_step(library, native_.own, step.runner, primitive,
                                    shapes[step.x]) if tag == api.TAG_NHWC else None
+            if own is None and tag == api.TAG_NHWC:
+                own = winograd.own_step(library, native_.winograd, step.runner, primitive,
+                                        shapes[step.x], self.scratch)
+                if own is not None:
+                    self.winograd[own.handle.value] = own
             if own is not None:
                 self._own.append(own)
             shapes[step.dst] = primitive.out_shape
@@ -447,7 +464,11 @@ class PrimitiveChain:
     def own_steps(self) -> int:
         """Steps on our own 1x1 kernel (Note [A 1x1 convolution of our own at a few
         rows]), all shapes."""
-        return sum(len(a._own) for a in self.by_shape.values())
+        return sum(len(a._own) - len(a.winograd) for a in self.by_shape.values())
+
+    def winograd_steps(self) -> int:
+        """Steps on Winograd (Note [Winograd F(2x2, 3x3) for the 3x3s]), all shapes."""
+        return sum(len(a.winograd) for a in self.by_shape.values())
 
     def arena_bytes(self) -> int:
         """Bytes of the arenas' buffers, all shapes."""
@@ -519,7 +540,7 @@ def chain_primitives(spec: SpecializedRegion, library: api.Library, kinds: dict[
     after_reads = _reads_after(ops, spec.outputs)
     chains, kept, steps_total, arena_bytes = [], 0, 0, 0
     layouts: set[str] = set()
-    reorders, heads, means, own, halves = 0, 0, 0, 0, 0
+    reorders, heads, means, own, halves, wino = 0, 0, 0, 0, 0, 0
     for start, end in reversed(runs):
         inner = ops[start:end]
         steps = _steps(inner, kinds)
@@ -562,6 +583,7 @@ def chain_primitives(spec: SpecializedRegion, library: api.Library, kinds: dict[
         layouts |= chain.layouts()
         reorders += chain.reorders()
         own += chain.own_steps()
+        wino += chain.winograd_steps()
         halves += len(chain.halves)
         heads, means = heads + (head is not None), means + (tail is not None)
     if not chains:
@@ -573,6 +595,8 @@ def chain_primitives(spec: SpecializedRegion, library: api.Library, kinds: dict[
         note += f"; into them {heads} input conversion(s) and {means} global mean(s)"
     if own:
         note += f"; {own} 1x1 step(s) on dynvm's own kernel"
+    if wino:
+        note += f"; {wino} 3x3 step(s) on Winograd F(2x2, 3x3)"
     if halves:
         note += f"; {halves} arena(s) in row halves with a helper, by measured calls"
     return dataclasses.replace(spec, ops=tuple(ops)), note

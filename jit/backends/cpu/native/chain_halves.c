@@ -67,6 +67,10 @@ struct plan {
   atomic_int *waiting;           /* per step: a thread sleeps on done[s] */
   const struct place *const *place;  /* per piece: NULL, or where its buffer goes */
   char *const *pointers;         /* this call's (set by _run) */
+  /* per piece: NULL (oneDNN's dnnl_primitive_execute) or a step of dynvm's own with
+     its signature (winograd.c, Note [Winograd F(2x2, 3x3) for the 3x3s] in
+     jit/backends/cpu/winograd.py) */
+  void *const *executes;
 };
 
 /* An output-channel piece (fp32): the primitive wrote a dense [pixels, cols] buffer;
@@ -154,8 +158,10 @@ static int walk(struct plan *p, void *stream, int caller, long long yield_after_
     int i;
     while ((i = atomic_fetch_add(&p->claimed[s], 1)) < pieces) {
       atomic_store_explicit(&cpu_of[me], sched_getcpu(), memory_order_relaxed);
-      int run = execute(p->primitive[first + i], stream, (int)p->nargs[first + i],
-                        p->args[first + i]);
+      execute_fn by = p->executes[first + i] != NULL ? (execute_fn)p->executes[first + i]
+                                                      : execute;
+      int run = by(p->primitive[first + i], stream, (int)p->nargs[first + i],
+                   p->args[first + i]);
       status |= run;
       if (run == 0 && p->place[first + i] != NULL)
         place_piece(p->place[first + i], p->pointers);
