@@ -111,6 +111,39 @@ many milliseconds on every miss. A promotion resets the doubling to that floor; 
 a cold period. stats()["regions"] shows it per region (`sample_every`, and the measured
 `watch_cost_seconds`).
 
+Note [Sampling a rotation]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+The sample of Note [Sampled watching] keeps each key's share of the window only if it
+does not follow the traffic's own period. A fixed gap did: after each profiled miss the
+next `sample_every - 1` were skipped, and a traffic that cycles through its shapes in a
+fixed order (a client looping over its batch sizes; the zoo's four points, taken in
+turn by `dynvm bench zoo`'s seasoning) has a period that divides 4, 8 and 16, so every
+profiled miss was the same shape. The zoo's gpt2 (2026-12-06 23:26 UTC, 2-core AMD EPYC
+Zen 5, no AMX), sampled at one miss in 16 from its second check on: its window held one
+shape's family 61 times in 64 and the other shapes once or twice, so that key's benefit
+was taken at ~0.95 of the calls where it has half of them, and the other keys' at
+nothing; the policy promoted it at call 913 ("seen 61 of the last calls, benefit 36.82
+ms vs compile cost 36.80 ms") and would never have promoted the others from that
+window. Which shape won was the phase at which the sampling began, so the same model
+compiled 0, 1 or 3 kernels from run to run (gpt2 and albert in the zoo's rows of
+2026-12-06 20:27, 22:37 and 22:45). So the gap to the next profiled miss is drawn at
+random, uniform over 0 .. 2 x `sample_every` - 2 (mean `sample_every`): one draw per
+profiled miss, from a generator seeded per watch (the same calls give the same sample).
+With it gpt2's window at one in 16 held its keys 30, 18, 16 and 14 times in 64 (a
+family of two shapes, and one shape each), their shares of the calls.
+
+The bias had been promoting most of the zoo's small transformers: weighed at their true
+shares with the prior `expected_speedup` (0.15), their best keys pay only at ~1,600-2,100
+calls (gpt2: a family of half the calls, 0.26 ms a call, against a 36.8 ms compile), so
+`dynvm bench zoo` (1,024 seasoning calls, then 256 timed) ran 20 of its 23 transformers
+interpreted where the biased window had promoted 1-5 kernels each (23:28-23:39 UTC,
+both arms on this host, load 1.1-2.1), though their kernels measure 0.47-0.76x the
+interpreter here (gpt2's family 0.64, albert's 0.76, bert's exact ones 0.47 and 0.54).
+With the prior at 0.3 the same unbiased policy promoted every one of the 23 to 100%
+specialized within the seasoning (gpt2 0.77x the interpreter, albert 0.83x). The zoo's
+report now states, per model left interpreted, the key the policy waits for and the
+calls at which it pays (jit.settling.best_waiting).
+
 Note [Detached regions]
 ~~~~~~~~~~~~~~~~~~~~~~~
 Even a cold slot costs its region an `enter`, a ticket and a `leave` per entry (about a
@@ -139,6 +172,7 @@ re-attaches every detached region.
 
 from __future__ import annotations
 
+import random
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
@@ -156,6 +190,7 @@ COLD_SLACK = 2.0    # Note [Cold regions]: watched while the best key is within 
 STALL_CAP = 2.0     # ... with each key's mean time at most this x its fastest call
 SAMPLE_AFTER = 2    # Note [Sampled watching]: checks without a promotion before sampling
 SAMPLE_MAX = 16     # ... and the sparsest sampling: one profiled miss in this many
+SAMPLE_SEED = 0x5A4D   # Note [Sampling a rotation]: the gaps' generator's seed
 WATCH_SECONDS = 5e-6   # a profiled miss over the plain unit, until measured (below)
 WATCH_SAMPLES = 8      # profiled misses measured before their mean replaces the prior
 WATCH_SHARE = 0.01     # the share of a region's time its watching may cost
@@ -209,6 +244,9 @@ class RegionWatch:
         # Note [Sampled watching]: one miss in `sample_every` is profiled; checks in a
         # row that found the region worth watching but nothing was promoted.
         self.sample_every = 1
+        # The gaps between profiled misses (Note [Sampling a rotation]): seeded, so that
+        # a process given the same calls samples the same misses.
+        self._gaps = random.Random(SAMPLE_SEED)
         self._sample_floor = 1   # from the watch's cost against the region's time
         self._idle_checks = 0
         self._promotions_seen = 0
@@ -242,7 +280,9 @@ class RegionWatch:
         """A miss was profiled (holding the lock): sample the next ones (Note [Sampled
         watching]) and check the bound every COLD_CHECK_EVERY region calls."""
         if self.sample_every > 1 and not self.cold:
-            self.cold = self.sample_every - 1   # Note [Sampled watching]
+            # Note [Sampled watching], Note [Sampling a rotation]: a random gap, of mean
+            # `sample_every`, to the next profiled miss.
+            self.cold = self._gaps.randrange(2 * self.sample_every - 1)
             self.cold_unlooked = False          # installed ones are still looked up
         self.profiled_at = self._region.region_calls()
         self._since_cold_check += 1

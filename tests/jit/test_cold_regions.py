@@ -131,10 +131,11 @@ def test_a_watched_region_that_never_promotes_is_sampled():
     inputs = demo("recommender").sample_inputs(random.Random(4))
     reference = dynvm.Runtime(compiled("recommender"), "cpu", jit=False)
     profiled = region_jit.profile.calls
-    for _ in range(8):
+    for _ in range(24):   # fewer than a check's worth of misses at one in 2
         torch.testing.assert_close(runtime(*inputs), reference(*inputs))
-    assert region_jit.profile.calls - profiled == 4   # every other miss
-    assert region_jit.counters.interpreted == SAMPLE_AFTER * COLD_CHECK_EVERY + 8
+    # One miss in 2 on average, at random gaps (Note [Sampling a rotation]).
+    assert 8 <= region_jit.profile.calls - profiled <= 16
+    assert region_jit.counters.interpreted == SAMPLE_AFTER * COLD_CHECK_EVERY + 24
     # Up to SAMPLE_MAX while nothing is promoted; a promotion resets it.
     for _ in range(8):
         region_jit.watch._sample(0)
