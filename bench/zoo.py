@@ -51,9 +51,15 @@ inside their 256 timed calls, and their medians mixed the watch, the compile, th
 probation's shadow calls and the kernel (distilbert, timed per 80 calls: 1.009-1.014 of
 the interpreter watching, 1.039 around its promotion at call ~500, 0.933-0.965 after).
 A server's steady state is thousands of calls in, so the zoo times the JIT after
-`SEASON_CALLS`, and says so. Nothing else about what is timed changes. One torch
-thread by default (as the suite, see README's Benchmarks): the machine is shared, and
-ratios taken in the same instant are what stays comparable.
+`SEASON_CALLS`, and says so. Where steady calls still ran interpreted, the row keeps,
+per region, the key the policy is nearest to promoting (jit.settling.best_waiting: its
+share of the window, mean time, expected saving, benefit against its compile's cost and
+the region's age at which it pays), and the doc states it: a JIT column at the
+interpreter's speed says why (gpt2 and albert, whose kernels pay at ~1,600-2,100 calls at
+the prior saving, Note [Sampling a rotation] in dynvm.jit.region_watch). Nothing else
+about what is timed changes. One torch thread by default (as the suite, see README's
+Benchmarks): the machine is shared, and ratios taken in the same instant are what stays
+comparable.
 
 Note [Zoo peers]
 ~~~~~~~~~~~~~~~~
@@ -235,6 +241,7 @@ def measure(entry, harness, warmup: int, calls: int, log, peers=(),
                 paired[name].append(seconds[name] / seconds["interp"])
                 paired_cpu[name].append(cpu[name] / cpu["interp"])
         stats = jit.stats()
+        waiting = _waiting(jit)
     finally:
         interp.close()
         interp_b.close()
@@ -268,6 +275,8 @@ def measure(entry, harness, warmup: int, calls: int, log, peers=(),
         "interp_aa_margin_cpu": aa_margin(paired_cpu["interp_b"]),
         "jit_specialized_share": _specialized_share(jit_before, stats),
         "jit_compiles": stats["compiles"],
+        # Note [Zoo timing]: what the policy waits for, where calls stayed interpreted
+        "jit_waiting": waiting,
         "steps": steps,
         "steady_calls": len(ratios["jit"]),
         "discarded_calls": discarded,
@@ -295,6 +304,27 @@ def measure(entry, harness, warmup: int, calls: int, log, peers=(),
         f"eager ({row['eager_ms']:.2f} ms), compile {row['compile_seconds']:.1f} s, "
         f"{row['warmup_calls']} warm-up calls{'' if settled else ' (not settled)'}")
     return row
+
+
+def _waiting(runtime) -> list[dict]:
+    """Per region of the JIT, the key its policy is nearest to promoting and has not
+    (jit.settling.best_waiting), with the region's watch state: why calls of a model
+    still run interpreted at the end of its timed calls (Note [Zoo timing])."""
+    from dynvm.jit.settling import best_waiting
+
+    engine, found = runtime.jit, []
+    for index, region_jit in sorted(engine.regions.items()):
+        best = best_waiting(region_jit)
+        if best is None:
+            continue
+        watch = region_jit.watch
+        state = ("detached" if index in engine.detached else
+                 "cold" if watch.cold and watch.judged_cold else
+                 f"watched, one miss in {watch.sample_every}" if watch.sample_every > 1
+                 else "watched")
+        found.append(dict(best, region=index, instructions=len(region_jit.region),
+                          state=state))
+    return found
 
 
 def _torch_compile(built):

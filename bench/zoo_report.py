@@ -90,6 +90,38 @@ def _warmup(r: dict) -> str:
     return f"{r['warmup_calls']}" + ("" if r["settled"] else " (cap)")
 
 
+_WAITING_TEXT = (
+    "Per model whose JIT ran some steady calls interpreted, and per region, the key "
+    "(a shape, or a family of shapes) that the promotion policy is nearest to "
+    "compiling, as the policy weighs it after the timed calls (Note [Promotion] and "
+    "Note [Rent or buy] in dynvm/jit/policy.py): how often it was seen in the region's "
+    "window of profiled calls, its mean interpreted time, the saving the policy "
+    "expects of its kernel (a prior until a kernel of that kind was measured on the "
+    "region), and its benefit over the region's calls so far against its compile's "
+    "estimated cost; 'pays at' is the region's age at which that benefit reaches the "
+    "cost at the same traffic, a promotion later than the timed calls.")
+
+
+def _waiting_lines(r: dict) -> list[str]:
+    """Note [Zoo timing]: a row's regions with calls left interpreted, and why."""
+    share = r.get("jit_specialized_share")
+    if share is not None and share >= 0.995:
+        return []
+    lines = []
+    for w in r.get("jit_waiting") or ():
+        why = (f"seen {w['seen']} < K = {w['threshold']}" if w["seen"] < w["threshold"]
+               else "benefit under its compile cost" if w["benefit_seconds"] <= w["cost_seconds"]
+               else "pays now: promoted on a later miss")
+        pays = f", pays at ~{w['pays_at_calls']} calls" if w.get("pays_at_calls") else ""
+        lines.append(
+            f"- **{r['name']}** region {w['region']} ({w['instructions']} instr, "
+            f"{w['state']}): {w['kind']} key seen {w['seen']} of {w['window']}, "
+            f"{1e3 * w['mean_seconds']:.2f} ms a call, expected saving "
+            f"{100 * w['speedup']:.0f}%: benefit {1e3 * w['benefit_seconds']:.1f} ms over "
+            f"{w['age']} calls vs compile {1e3 * w['cost_seconds']:.1f} ms ({why}{pays}).")
+    return lines
+
+
 def _summary(rows: list[dict]) -> list[str]:
     measured = [r for r in rows if "interp_x_eager" in r]
     ok = [r for r in rows if r["status"] == "ok"]
@@ -227,6 +259,9 @@ def markdown(run: dict) -> str:
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
         + "\n".join(_row(r) for r in rows),
     ]
+    waiting = [line for r in rows for line in _waiting_lines(r)]
+    if waiting:
+        parts += ["## Where the JIT left calls interpreted", _WAITING_TEXT, "\n".join(waiting)]
     peers = [r for r in rows if "torch_compile" in r]
     if peers:
         parts += ["## Against torch.compile (default)", _peer_text(), _peer_table(peers)]

@@ -139,3 +139,33 @@ def _tier_check_ahead(region_jit: RegionJit) -> bool:
         if benefit > cost:
             return True
     return False
+
+
+def best_waiting(region_jit: RegionJit) -> dict | None:
+    """The key of `region_jit` that the policy (Note [Promotion]) is nearest to promoting
+    and has not: recurring in the window (seen twice), neither installed, pending nor
+    served by a kernel; its figures as the policy weighs them now, or None when there is
+    none. What `dynvm bench zoo` states for a model whose calls run interpreted (a
+    benchmark's window may end before a key pays for its compile: Note [Rent or buy])."""
+    config = region_jit.engine.config
+    with region_jit._lock:
+        inputs = region_jit.refresh_policy_inputs()
+        k, age = region_jit.threshold, region_jit.age()
+        best = None
+        for profile, kind in ((region_jit.profile, EXACT), (region_jit.family_profile, FAMILY)):
+            for key, stats in list(profile.table.items()):
+                seen = profile.recurrence(key)
+                if seen < RECURRING or key in region_jit.pending \
+                        or _served(region_jit, key, kind):
+                    continue
+                speedup, cost = inputs.speedup(kind), inputs.cost(kind)
+                benefit = benefit_seconds(config, seen, stats.mean_seconds, speedup, age)
+                if best is None or benefit / cost > best["benefit_seconds"] / best["cost_seconds"]:
+                    per_call = seen / profile.window * stats.mean_seconds * speedup
+                    best = {"kind": kind, "seen": seen, "window": profile.window,
+                            "threshold": k, "mean_seconds": stats.mean_seconds,
+                            "speedup": speedup, "benefit_seconds": benefit,
+                            "cost_seconds": cost, "age": age,
+                            # the region's calls at which the benefit reaches the cost
+                            "pays_at_calls": int(cost / per_call) + 1 if per_call > 0 else None}
+    return best
