@@ -250,3 +250,39 @@ def test_the_question_runs_both_sides_over_cold_copies():
         for x, y in zip(xs, ys):
             want = torch.relu(torch.nn.functional.conv2d(x, weight, bias, padding=1))
             torch.testing.assert_close(y, want, **TOL, msg=name)
+
+
+def test_the_pieces_ask_once_per_image_geometry_at_one_thread(forced):
+    """The pieces' question is one image at the calling thread's count, asked whatever
+    the team chose and reused by every batch of that geometry; shares under
+    MIN_PIECE_TILES tiles ask nothing."""
+    kernel = _kernel()
+    forced("measure")
+    library = onednn_api.library()
+    relu = eltwise_of("relu", [], "")
+    spec = ConvSpec((1, 1), (1, 1), (1, 1), False, relu)
+    weight, bias = torch.randn(32, 32, 3, 3) * 0.05, torch.randn(32)
+    calibrator = calibrator_for("cpu")
+    shapes = [(1, 32, 13, 12), (3, 32, 13, 12)]
+    conv = PrimitiveConv(library, weight, bias, spec, shapes)
+    made = {}
+    for shape, parts in zip(shapes, (2, 3)):
+        asked = calibrator.measurements
+        made[shape] = winograd.pieces(library, kernel, conv, conv.by_shape[shape], parts,
+                                      winograd.Scratch(library))
+        assert calibrator.measurements == asked + (shape[0] == 1)
+    choice = calibrator.known(winograd.QUESTION, ((1, 32, 13, 12), 32, False, True,
+                                                  "one thread"))
+    assert choice is not None and set(choice.seconds) == {"onednn", "winograd"}
+    for shape, parts in zip(shapes, (2, 3)):
+        got = made[shape]
+        assert (got is None) == (choice.name == "onednn")
+        if got is not None:
+            assert [p.tiles for p in got] == [42 * shape[0] // parts] * parts
+            assert sum(p.tiles for p in got) == winograd.tiles_of(shape)
+    small = (1, 32, 7, 7)               # 16 tiles: halves of 8
+    conv = PrimitiveConv(library, weight, bias, spec, [small])
+    asked = calibrator.measurements
+    assert winograd.pieces(library, kernel, conv, conv.by_shape[small], 2,
+                           winograd.Scratch(library)) is None
+    assert calibrator.measurements == asked

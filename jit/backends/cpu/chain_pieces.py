@@ -150,7 +150,7 @@ class HalvesArena:
             shapes = {steps[0].x: tuple(shape)}
             if len(execs) != len(steps) or len(arena._own) > len(arena.winograd):
                 raise api.OnednnError("an arena with reorders or own 1x1 steps")
-            for step, (handle, args, _) in zip(steps, execs):
+            for step, (_, args, _) in zip(steps, execs):
                 where = {}
                 for arg, memory in args:
                     if arg in (api.ARG_SRC, api.ARG_DST):
@@ -162,13 +162,10 @@ class HalvesArena:
                             api.check(getter(memory, ctypes.byref(data)), "data handle")
                             where[arg] = _Where(data.value, None)
                 runner, in_shape = step.runner, shapes[step.x]
-                team = arena.winograd.get(getattr(handle, "value", None))
-                if team is not None:
+                if hasattr(runner, "weight_shape"):
                     like = runner.by_shape[in_shape]
-                    self._winograd_pieces(arena, team, runner, like, where, pieces)
-                elif hasattr(runner, "weight_shape"):
-                    like = runner.by_shape[in_shape]
-                    self._conv_pieces(runner, like, where, pieces)
+                    if not self._winograd_pieces(arena, runner, like, where, pieces):
+                        self._conv_pieces(runner, like, where, pieces)
                 elif hasattr(runner, "spec"):
                     like = runner.by_shape[in_shape]
                     self._pool_pieces(runner, like, where, pieces)
@@ -285,18 +282,17 @@ class HalvesArena:
                               ("dnnl_post_ops_destroy", post_ops),
                               *(("dnnl_memory_desc_destroy", md) for md in mds)))
 
-    def _winograd_pieces(self, arena, team, runner, like, where: dict, pieces: int) -> None:
-        """A step the team runs on Winograd (Note [Winograd F(2x2, 3x3) for the 3x3s]):
-        its tiles in shares (two at batch 1, an image each past it) on one-thread
-        matmuls, each over the whole input and result (a piece reads its tiles' rows
-        and the rows around them, writes its tiles' rows); oneDNN's pieces where a share
-        is under winograd.MIN_PIECE_TILES tiles."""
+    def _winograd_pieces(self, arena, runner, like, where: dict, pieces: int) -> bool:
+        """A stride-1 3x3 step on Winograd where its pieces' question says so (Note
+        [Winograd F(2x2, 3x3) for the 3x3s]): its tiles in shares (two at batch 1, an
+        image each past it) on one-thread matmuls, each over the whole input and result
+        (a piece reads its tiles' rows and the rows around them, writes its tiles'
+        rows). False where not (oneDNN's pieces then)."""
         n = like.in_shape[0]
-        made = winograd.pieces(self._library, arena._native.winograd, team, runner, like,
-                               pieces if n == 1 else n, arena.scratch)
+        made = winograd.pieces(self._library, getattr(arena._native, "winograd", None),
+                               runner, like, pieces if n == 1 else n, arena.scratch)
         if made is None:
-            self._conv_pieces(runner, like, where, pieces)
-            return
+            return False
         lib = self._lib
         mds = [md_tag(lib, like.in_shape, api.TAG_NHWC, torch.float32),
                md_tag(lib, like.out_shape, api.TAG_NHWC, torch.float32)]
@@ -311,6 +307,7 @@ class HalvesArena:
         finally:
             destroy(lib, [("dnnl_memory_desc_destroy", md) for md in mds])
         self.impls.add("winograd:" + made[0].impl)
+        return True
 
     def _channel_pieces(self, runner, like, where: dict) -> None:
         """Two pieces over halves of the output channels (Note [A chain in halves, one

@@ -35,10 +35,12 @@ runs Winograd only from `MIN_PIECE_TILES` tiles up.
 
 The team's step is chosen per geometry by the calibrator (Note [Calibration]), oneDNN's
 primitive against ours with the weight, input and result cycled over copies; oneDNN kept
-on a tie. The pieces of a step follow the team's verdict (not asked again at one
-thread: the one-thread column above says the same). The scratch (V and M) is one pair
-per arena, the size of its largest step: the steps run one after another, and a piece
-writes only its tiles' part of it (piece k's tiles are its own rows of V and M).
+on a tie. The pieces (what the bar's steady calls run, Note [fp32 batch 4 in pieces and
+the chooser's held verdict]) ask a question of their own: one image of the geometry at
+one thread, whatever the team chose, reused by every batch (4 questions for ResNet-50,
+not 12). The scratch (V and M) is one pair per arena, the size of its largest step or
+pieces: the steps run one after another, and a piece writes only its tiles' part of it
+(piece k's tiles are its own rows of V and M).
 
 The whole model (torchvision ResNet-50 fp32, 224 x 224; Runtimes with Winograd "never"
 (A, A2) and "measure" / "always" (B) in one process, each seasoned and drained,
@@ -52,10 +54,20 @@ interleaved call by call with ONNX Runtime, 30 rounds; 2-core AMD EPYC Zen 5, no
   step they measured 0.86 and 0.66).
 - "always" (23:36-23:40, load 1.6-2.0): 0.930 / 0.929 / 0.924 (paired 0.949 / 0.933 /
   0.933), A/A 0.970 / 1.003 / 0.988.
+- "measure" with the pieces' question of their own (23:45-23:47, load 2.2-2.4): 0.906 /
+  0.910 / 0.930 (paired 0.902 / 0.904 / 0.937), A/A 0.993 / 0.996 / 0.993; the pieces'
+  question said Winograd at all four geometries (one image, one thread: 0.67 / 0.57 /
+  0.62 / 0.92 of oneDNN's at 56 / 28 / 14 / 7), while the team's said oneDNN at 2 to 4
+  of 12 geometries, run to run (its two-thread timings are the noisier).
 The bar (bench.full_width --models resnet50 --jit-precisions bf16 --peers onnxruntime,
-openvino,openvino-bf16 --resnet-calls 16; 23:42 UTC, load 1.4-1.7, "measure"): JIT / best
-fp32 peer (ONNX Runtime) 0.886 / 0.920 / 0.918, A/A margin 0.016 (0.989-1.040 per
-shape); before it, at the last stop's end, 0.991 / 0.982 / 0.989 (A/A margin 0.033).
+openvino,openvino-bf16 --resnet-calls 16), JIT / best fp32 peer at batch 1 / 2 / 4: the
+pieces following the team (23:42 UTC, load 1.4-1.7) 0.886 / 0.920 / 0.918 (A/A margin
+0.016); with their own question 0.931 / 0.892 / 1.007 (23:47, load 2.2-2.4, margin
+0.010), 0.900 / 0.901 / 0.942 (23:50, load 1.7-1.8, margin 0.035), 0.898 / 0.886 /
+0.913 (23:53, load 1.1-1.6, margin 0.016); at the last stop's end, before Winograd,
+0.991 / 0.982 / 0.989 (margin 0.033). Fresh processes move the ratio by ~4% either way
+(batch 4's 1.007 at load 2.4). The warm-up's calibration went from 1.4-3.0 s to 2.0-5.1
+s (4.4-7.8 s of compile), the JIT's warm-up p90 at 0.94-1.07 of the interpreter's.
 """
 
 from __future__ import annotations
@@ -302,20 +314,49 @@ def own_step(library: api.Library, kernel_: Kernel | None, runner, primitive, sh
     return step
 
 
-def pieces(library: api.Library, kernel_: Kernel, team: Winograd, runner, primitive,
-           parts: int, scratch: Scratch) -> list[Winograd] | None:
-    """The one-thread pieces of a step the team runs on our kernel (built while the
-    thread's OpenMP count is 1): `parts` shares of its tiles (at batch 1 two, past it an
-    image each), over the arena's `scratch`; None where a share has fewer than
-    MIN_PIECE_TILES tiles (oneDNN's pieces then)."""
-    total = team.tiles
+def pieces(library: api.Library, kernel_: Kernel | None, runner, primitive, parts: int,
+           scratch: Scratch) -> list[Winograd] | None:
+    """One-thread pieces of a step on our kernel (built while the thread's OpenMP count
+    is 1): `parts` shares of its tiles (at batch 1 two, past it an image each), over the
+    arena's `scratch`; None where it does not fit, a share has fewer than
+    MIN_PIECE_TILES tiles, or one image at one thread measured no faster on ours than
+    on oneDNN's (asked once per image geometry, whatever the team chose: Note [Winograd
+    F(2x2, 3x3) for the 3x3s])."""
+    shape = tuple(primitive.in_shape)
+    if kernel_ is None or policy == "never" or not fits(runner, shape):
+        return None
+    total = tiles_of(shape)
     bounds = [(total * k // parts, total * (k + 1) // parts) for k in range(parts)]
     if any(b - a < MIN_PIECE_TILES for a, b in bounds):
         return None
-    made = [Winograd(library, kernel_, runner, primitive, a, b - a) for a, b in bounds]
+    try:
+        if policy != "always" and not _one_image_on_one_thread(library, kernel_, runner,
+                                                               shape):
+            return None
+        made = [Winograd(library, kernel_, runner, primitive, a, b - a) for a, b in bounds]
+    except api.OnednnError:
+        return None
     for piece in made:
         scratch.use(piece)
     return made
+
+
+def _one_image_on_one_thread(library: api.Library, kernel_: Kernel, runner,
+                             shape: tuple) -> bool:
+    """The calibrator's verdict on one image of this geometry at one thread (the
+    calling thread's count, 1 while pieces are built): the pieces' question."""
+    _, c, h, w = shape
+    spec = runner.spec
+    key = ((1, c, h, w), runner.weight_shape[0], spec.residual, spec.eltwise is not None,
+           "one thread")
+
+    def candidates():
+        one = runner.build(library, (1, c, h, w), api.TAG_NHWC)
+        step = Winograd(library, kernel_, runner, one)
+        found = _candidates(library, kernel_, one, step)
+        found["winograd"].keep += (one, step)
+        return found
+    return calibrator_for("cpu").choose(QUESTION, key, candidates).name == "winograd"
 
 
 def _candidates(library: api.Library, kernel_: Kernel, primitive, step: Winograd) -> dict:
