@@ -42,6 +42,13 @@ not 12). The scratch (V and M) is one pair per arena, the size of its largest st
 pieces: the steps run one after another, and a piece writes only its tiles' part of it
 (piece k's tiles are its own rows of V and M).
 
+What it costs in memory: ResNet-50 warmed at batch 1, 2, 4 (with the family's batch-3
+arenas) held 98 MiB of scratch (V and M at 56x56 are 6.4 MB an image) and 56 MiB of
+packed U (one layout a weight; U itself is not kept) beyond the 346 MiB it held without
+(RSS after malloc_trim, 2026-12-06 23:58 UTC; /tmp/h40r/mem.py). A scratch shared by a
+chain's arenas, or tiles taken in L2-sized blocks (which would also keep V and M out of
+L3 at 56x56), would take most of it back: not built.
+
 The whole model (torchvision ResNet-50 fp32, 224 x 224; Runtimes with Winograd "never"
 (A, A2) and "measure" / "always" (B) in one process, each seasoned and drained,
 interleaved call by call with ONNX Runtime, 30 rounds; 2-core AMD EPYC Zen 5, no AMX;
@@ -73,6 +80,7 @@ s (4.4-7.8 s of compile), the JIT's warm-up p90 at 0.94-1.07 of the interpreter'
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import torch
 
@@ -91,6 +99,8 @@ policy = "measure"
 """"measure" (the calibrator chooses per geometry), "always" or "never"; tests force
 it."""
 
+_PACKING = threading.RLock()
+"""Held while a weight's packed copies are looked up or made (compile threads)."""
 _G = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]],
                   dtype=torch.float64)
 
@@ -167,25 +177,33 @@ def tiles_of(shape: tuple) -> int:
 
 
 class _Packed:
-    """U's copies in the matmuls' layouts, shared by every step and piece of its weight."""
+    """U's copies in the matmuls' layouts, shared by every step and piece of its weight.
+    U itself is not kept: each new layout derives it again from the weight's oneDNN
+    copy (an exact reorder back), so a weight holds only the packed copies (ResNet-50's
+    13 stride-1 3x3 weights: 58 MB a layout)."""
 
-    def __init__(self, library: api.Library, u: torch.Tensor) -> None:
-        self._library, self._lib, self._u = library, library.dll, u
+    def __init__(self, library: api.Library) -> None:
+        self._library, self._lib = library, library.dll
         self.copies: list[tuple[torch.Tensor, ctypes.c_void_p]] = []
 
-    def memory_for(self, wanted) -> ctypes.c_void_p:
+    def memory_for(self, wanted, runner) -> ctypes.c_void_p:
+        """The copy in layout `wanted` (a descriptor), packed from `runner`'s weight
+        if none."""
+        from dynvm.jit.backends.cpu.chain_pieces import _plain_weight  # imports this
+
         lib = self._lib
         for _, memory in self.copies:
             md = ctypes.c_void_p()
             api.check(lib.dnnl_memory_get_memory_desc(memory, ctypes.byref(md)), "md")
             if lib.dnnl_memory_desc_equal(md, wanted):
                 return memory
+        u = transform(_plain_weight(self._library, runner))
         tensor = torch.empty(lib.dnnl_memory_desc_get_size(wanted) // 4 + 1)
         memory = new_memory(self._library, wanted, tensor.data_ptr())
-        plain_md = md_tag(lib, tuple(self._u.shape), api.TAG_ABC, torch.float32)
+        plain_md = md_tag(lib, tuple(u.shape), api.TAG_ABC, torch.float32)
         source = None
         try:
-            source = new_memory(self._library, plain_md, self._u.data_ptr())
+            source = new_memory(self._library, plain_md, u.data_ptr())
             reorder_once(self._library, plain_md, source, wanted, memory, "Winograd weight")
         finally:
             destroy(lib, (("dnnl_memory_destroy", source),
@@ -199,14 +217,14 @@ class _Packed:
 
 
 def packed(library: api.Library, runner) -> _Packed:
-    """The packed copies of `runner`'s transformed weight, made once per weight and kept
-    beside its oneDNN copies (onednn_conv_primitive's WeightLayouts, shared by the
-    weight's kernels)."""
+    """The packed copies of `runner`'s transformed weight, kept beside its oneDNN copies
+    (onednn_conv_primitive's WeightLayouts, shared by the weight's kernels)."""
     layouts = runner._weights
-    found = getattr(layouts, "winograd", None)
-    if found is None:
-        found = layouts.winograd = _Packed(library, runner.repacked(library, transform))
-    return found
+    with _PACKING:
+        found = getattr(layouts, "winograd", None)
+        if found is None:
+            found = layouts.winograd = _Packed(library)
+        return found
 
 
 class Scratch:
@@ -258,7 +276,8 @@ class Winograd:
                 "Winograd matmul descriptor")
             self.impl = api.implementation(lib, pd, "matmul")   # no reference one
             wanted = lib.dnnl_primitive_desc_query_md(pd, api.QUERY_WEIGHTS_MD, 0)
-            weight_memory = self.weights.memory_for(wanted)
+            with _PACKING:
+                weight_memory = self.weights.memory_for(wanted, runner)
             api.check(lib.dnnl_primitive_create(ctypes.byref(self.matmul), pd), "matmul")
             self._v = new_memory(library, src, None)
             self._m = new_memory(library, dst, None)
