@@ -140,7 +140,11 @@ interpreted where the biased window had promoted 1-5 kernels each (23:28-23:39 U
 both arms on this host, load 1.1-2.1), though their kernels measure 0.47-0.76x the
 interpreter here (gpt2's family 0.64, albert's 0.76, bert's exact ones 0.47 and 0.54).
 With the prior at 0.3 the same unbiased policy promoted every one of the 23 to 100%
-specialized within the seasoning (gpt2 0.77x the interpreter, albert 0.83x). The zoo's
+specialized within the seasoning, in two runs (gpt2 0.76-0.77x the interpreter, albert
+0.82-0.83x; 23:40 and 00:01 UTC, load 2.0); at 0.25 (the mean saving of the 23 first
+kernels measured here, median 0.26, quartiles 0.19-0.30) 20 of 23, not gpt2 (its key
+paid at ~1,220 calls, after the timed ones) nor albert (an exact kernel measured ~1.0x,
+so its region expected 1% of the next) nor bloom. The prior is JitConfig's; the zoo's
 report now states, per model left interpreted, the key the policy waits for and the
 calls at which it pays (jit.settling.best_waiting).
 
