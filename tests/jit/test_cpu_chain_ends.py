@@ -16,7 +16,7 @@ from torch import nn
 from torch.export import Dim
 
 import dynvm
-from dynvm.jit.backends.cpu import chain_ends, onednn_api, onednn_chain
+from dynvm.jit.backends.cpu import chain_ends, chain_library, onednn_api
 from dynvm.jit.backends.cpu.channels_last import to_channels_last_bf16
 from dynvm.jit.backends.cpu.onednn_chain import PrimitiveChain, Step
 from dynvm.jit.backends.cpu.onednn_conv import ConvSpec, PrimitiveConv, _run_step, eltwise_of
@@ -160,7 +160,7 @@ def test_the_mean_is_a_new_tensor_with_torchs_strides_unchanged_by_the_next_call
 
 def test_where_the_library_is_absent_nothing_is_taken_in(monkeypatch):
     native_chain()
-    monkeypatch.setattr(onednn_chain, "_find_library", lambda: None)
+    monkeypatch.setattr(chain_library, "_find_library", lambda: None)
     shapes = [(b, 16) for b in (2, 1, 2, 1, 2, 1)]
     sources = _sources("bf16", {0: Dim("batch", min=1, max=2)}, shapes, seed=14)
     for source in sources:

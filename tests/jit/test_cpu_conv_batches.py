@@ -22,7 +22,7 @@ from torch import nn
 from torch.export import Dim
 
 import dynvm
-from dynvm.jit.backends.cpu import onednn_chain
+from dynvm.jit.backends.cpu import chain_library
 from dynvm.jit.backends.cpu.conv import PackedPerBatch, _blocking, _packed_per_batch
 from dynvm.jit.backends.cpu.fusion import onednn_available
 from dynvm.jit.backends.cpu.prepack import PrepackCache
@@ -39,7 +39,7 @@ def _primitives_one_by_one(monkeypatch):
     """These tests read each primitive op in a kernel's source: the chain library is
     taken away, as where it was not built (Note [A chain of primitives in one call];
     tests/jit/test_cpu_chain_native.py covers the chains)."""
-    monkeypatch.setattr(onednn_chain, "_find_library", lambda: None)
+    monkeypatch.setattr(chain_library, "_find_library", lambda: None)
 
 
 def _differs(weight, size_a, size_b) -> bool:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.export import Dim
 
 import dynvm
-from dynvm.jit.backends.cpu import onednn_api, onednn_chain
+from dynvm.jit.backends.cpu import chain_library, onednn_api
 from dynvm.jit.backends.cpu.codegen import CpuOptions, compile_kernel
 from dynvm.jit.backends.cpu.fusion import CONV_UNARY, CONV_UNARY_NCHW, onednn_available
 from dynvm.jit.specialize import specialize
@@ -38,7 +38,7 @@ def _primitives_one_by_one(monkeypatch):
     """These tests read each primitive op in a kernel's source: the chain library is
     taken away, as where it was not built (Note [A chain of primitives in one call];
     tests/jit/test_cpu_chain_native.py covers the chains)."""
-    monkeypatch.setattr(onednn_chain, "_find_library", lambda: None)
+    monkeypatch.setattr(chain_library, "_find_library", lambda: None)
 
 
 class Bottleneck(nn.Module):

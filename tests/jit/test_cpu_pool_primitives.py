@@ -17,7 +17,7 @@ from torch import nn
 from torch.export import Dim
 
 import dynvm
-from dynvm.jit.backends.cpu import onednn_api, onednn_chain
+from dynvm.jit.backends.cpu import chain_library, onednn_api
 from dynvm.jit.backends.cpu.onednn_pool import PoolSpec, PrimitivePool, pool_arguments
 from tests.jit import _jit_helpers as h
 from tests.jit._onednn import NEEDS_ONEDNN_LIBRARY
@@ -32,7 +32,7 @@ def _primitives_one_by_one(monkeypatch):
     """These tests read each primitive op in a kernel's source: the chain library is
     taken away, as where it was not built (Note [A chain of primitives in one call];
     tests/jit/test_cpu_chain_native.py covers the chains)."""
-    monkeypatch.setattr(onednn_chain, "_find_library", lambda: None)
+    monkeypatch.setattr(chain_library, "_find_library", lambda: None)
 
 
 def _geometries():

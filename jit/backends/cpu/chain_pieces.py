@@ -16,7 +16,6 @@ from dynvm.jit.backends.cpu.onednn_objects import (
     destroy,
     md_strides,
     md_tag,
-    reorder_once,
 )
 from dynvm.jit.backends.cpu.onednn_objects import memory as new_memory
 
@@ -318,7 +317,7 @@ class HalvesArena:
         lib, spec = self._lib, runner.spec
         _, c, h, w = like.in_shape
         _, oc, oh, ow = like.out_shape
-        plain = _plain_weight(self._library, runner)
+        plain = runner.plain_weight(self._library)
         half = oc // 2
         relu = spec.eltwise is not None
         eltwise = spec.eltwise if not spec.residual else None
@@ -486,19 +485,3 @@ def _channel_split(spec, like) -> bool:
     return (spec.dtype == torch.float32 and n == 1 and oh <= CHANNEL_SPLIT_MAX_ROWS
             and oc % 32 == 0 and (spec.eltwise is None or tuple(spec.eltwise) == relu)
             and (like.bias is None or like.bias.dtype == torch.float32))
-
-
-def _plain_weight(library: api.Library, runner) -> torch.Tensor:
-    """A convolution's plain OIHW fp32 weight, reordered back from its first copy
-    (exact)."""
-    plain = torch.empty(runner.weight_shape, dtype=torch.float32)
-    lib = library.dll
-    plain_md = md_tag(lib, runner.weight_shape, api.TAG_OIHW, torch.float32)
-    target = None
-    try:
-        target = new_memory(library, plain_md, plain.data_ptr())
-        copy = runner._weights[0]
-        reorder_once(library, copy.md, copy.memory, plain_md, target, "weight reorder back")
-    finally:
-        destroy(lib, (("dnnl_memory_destroy", target), ("dnnl_memory_desc_destroy", plain_md)))
-    return plain

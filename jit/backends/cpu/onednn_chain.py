@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import sys
 import threading
 from pathlib import Path
 
@@ -98,8 +97,8 @@ from dynvm.jit.backends.cpu import (
     winograd,
 )
 from dynvm.jit.backends.cpu import onednn_api as api
+from dynvm.jit.backends.cpu.chain_library import ChainLibrary, native
 from dynvm.jit.backends.cpu.ir_match import probe_tensors
-from dynvm.jit.backends.cpu.native_linear import find_extension
 from dynvm.jit.backends.cpu.onednn_objects import destroy, md_tag
 from dynvm.jit.backends.cpu.onednn_objects import memory as new_memory
 from dynvm.jit.backends.cpu.onednn_pool import PrimitiveMean
@@ -107,60 +106,9 @@ from dynvm.jit.ir import Literal, SpecializedRegion, SpecOp, Var
 
 CHAIN_PRIMITIVES = "ONEDNN_CHAIN_PRIMITIVES"
 _CL = torch.channels_last
-_LIBRARY_STEM = "_onednn_chain"
 _MIN_STEPS = 2     # a run of one primitive gains nothing from a chain
 _BLOCKED = chain_layout_choice.TAG_BLOCKED
 _BLOCK = 16
-def _find_library() -> Path | None:
-    return find_extension(_LIBRARY_STEM)
-
-
-class _Native:
-    """The chain library's function, called holding the GIL (ctypes.PyDLL), with the
-    oneDNN functions it calls as pointers into the libdnnl `library` loaded."""
-
-    def __init__(self, path: Path, library: api.Library) -> None:
-        dll = ctypes.PyDLL(str(path))
-        self.run = dll.dynvm_onednn_chain_run
-        p, pp, i = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int
-        self.run.argtypes = [p, p, p, p, i, pp, pp, i, pp, ctypes.POINTER(i), pp,
-                             ctypes.c_longlong, ctypes.POINTER(i)]
-        self.run.restype = i
-        # each step by its own function (Note [A 1x1 convolution of our own at a few
-        # rows]); None in a library built before it, whose chains run oneDNN's alone
-        self.run_steps = getattr(dll, "dynvm_onednn_chain_run_steps", None)
-        if self.run_steps is not None:
-            self.run_steps.argtypes = [pp, *self.run.argtypes[1:]]
-            self.run_steps.restype = i
-        self.own = own_1x1.kernel(dll, library) if self.run_steps is not None else None
-        # Note [Winograd F(2x2, 3x3) for the 3x3s]: None in a library built before it
-        self.winograd = winograd.kernel(dll, library) if self.run_steps is not None \
-            else None
-        dll = library.dll
-        wait = dll.dnnl_stream_wait      # declared here: onednn_api does not list it
-        wait.argtypes, wait.restype = [p], i
-        self.functions = [ctypes.cast(f, p) for f in (
-            dll.dnnl_primitive_execute, dll.dnnl_memory_set_data_handle, wait)]
-        self.stream = library.stream
-        # the GIL let go between two primitives at most twice a switch interval
-        self.yield_after_ns = int(sys.getswitchinterval() * 1e9 / 2)
-
-
-def native(library: api.Library | None, path: Path | None = None) -> tuple[_Native | None, str]:
-    """The chain library bound to `library`, or None and why not (`path` overrides
-    where it is looked for: tests point it at a missing file)."""
-    if library is None:
-        return None, api.unavailable_reason()
-    found = path if path is not None else _find_library()
-    if found is None or not found.exists():
-        return None, (f"{_LIBRARY_STEM} was not built (setup.py compiles it at install; "
-                      "reinstall dynvm with a C compiler present)")
-    try:
-        return _Native(found, library), ""
-    except (OSError, AttributeError) as exc:
-        return None, f"{found.name} did not load: {exc}"
-
-
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One primitive op of a run: `dst = op(x[, into])` on `runner` (a PrimitiveConv or
@@ -179,7 +127,7 @@ class _Arena:
     (Note [A chain of primitives in one call]), reorders inserted where a value is read
     in the other layout; results are NHWC."""
 
-    def __init__(self, library: api.Library, native_: _Native, steps: list[Step],
+    def __init__(self, library: api.Library, native_: ChainLibrary, steps: list[Step],
                  shape: tuple, results: tuple[int, ...], frees: list[tuple],
                  blocked: bool = False, head: torch.dtype | None = None) -> None:
         self._library, self._lib = library, library.dll
@@ -431,7 +379,7 @@ class PrimitiveChain:
     """A run of primitive ops as one call per input shape (Note [A chain of primitives
     in one call]); a shape without an arena runs the ops one by one (`steps`)."""
 
-    def __init__(self, library: api.Library, native_: _Native, steps: list[Step],
+    def __init__(self, library: api.Library, native_: ChainLibrary, steps: list[Step],
                  results: tuple[int, ...], frees: list[tuple], run_step,
                  head: chain_ends.Head | None = None) -> None:
         self.steps = steps

@@ -78,7 +78,8 @@ from dynvm.jit.backends.cpu.onednn_conv_primitive import (
     WeightLayouts,
     eltwise_of,
 )
-from dynvm.jit.backends.cpu.onednn_objects import DATA_TYPES
+from dynvm.jit.backends.cpu.onednn_objects import DATA_TYPES, destroy, md_tag, reorder_once
+from dynvm.jit.backends.cpu.onednn_objects import memory as new_memory
 from dynvm.jit.backends.cpu.onednn_pool import POOL_KERNELS, POOL_PRIMITIVE, pool_primitives
 from dynvm.jit.ir import Literal, SpecializedRegion, Var
 
@@ -123,6 +124,23 @@ class PrimitiveConv:
     def copies(self) -> int:
         """Distinct reordered copies of this weight alive in the process."""
         return len(self._weights)
+
+    def plain_weight(self, library: api.Library) -> torch.Tensor:
+        """The plain OIHW fp32 weight, reordered back from this convolution's first copy
+        (exact): what a step built from it anew starts from (chain pieces, Winograd)."""
+        plain = torch.empty(self.weight_shape, dtype=torch.float32)
+        lib = library.dll
+        plain_md = md_tag(lib, self.weight_shape, api.TAG_OIHW, torch.float32)
+        target = None
+        try:
+            target = new_memory(library, plain_md, plain.data_ptr())
+            copy = self._weights[0]
+            reorder_once(library, copy.md, copy.memory, plain_md, target,
+                         "weight reorder back")
+        finally:
+            destroy(lib, (("dnnl_memory_destroy", target),
+                          ("dnnl_memory_desc_destroy", plain_md)))
+        return plain
 
     def _unbuilt(self, x, other):
         if self._fallback is None:

@@ -81,8 +81,7 @@ from pathlib import Path
 import torch
 
 from dynvm.jit.backends.cpu import onednn_api as api
-from dynvm.jit.backends.cpu.onednn_objects import destroy
-from dynvm.jit.backends.cpu.onednn_objects import memory as new_memory
+from dynvm.jit.backends.cpu.chain_own_steps import ColdCopies, StepKernel
 from dynvm.jit.calibration import calibrator_for
 
 PANEL = 64
@@ -110,27 +109,15 @@ class _Own1x1(ctypes.Structure):
                 ("get_handle", ctypes.c_void_p)]
 
 
-class Kernel:
-    """The chain library's own-1x1 functions, or None where it predates them."""
+class Kernel(StepKernel):
+    """The chain library's own-1x1 functions (dynvm_own_1x1_execute)."""
 
-    def __init__(self, dll: ctypes.CDLL, library: api.Library) -> None:
-        self.execute = ctypes.cast(dll.dynvm_own_1x1_execute, ctypes.c_void_p)
-        self.call = dll.dynvm_own_1x1_execute
-        self.call.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p]
-        self.call.restype = ctypes.c_int
-        self.get_handle = ctypes.cast(library.dll.dnnl_memory_get_data_handle, ctypes.c_void_p)
-        supported = dll.dynvm_own_1x1_supported
-        supported.restype = ctypes.c_int
-        self.supported = bool(supported())
+    NAME = "own_1x1"
 
 
 def kernel(dll: ctypes.CDLL, library: api.Library) -> Kernel | None:
     """The own-1x1 functions of the chain library `dll`, or None (an older build)."""
-    try:
-        found = Kernel(dll, library)
-    except AttributeError:
-        return None
-    return found if found.supported else None
+    return Kernel.bound(dll, library)
 
 
 def fits(runner, shape: tuple) -> bool:
@@ -244,27 +231,12 @@ def copies(own: Own1x1) -> int:
     return max(1, min(MAX_COPIES, -(-2 * l2_bytes() * cores // weight)))
 
 
-class _ColdCopies:
-    """`n` copies of a convolution's weight for each side: oneDNN's (its layout, a
-    memory object over each copy, an argument array naming it in place of the
-    primitive's weight) and ours (the panels, an Own1x1 over each copy); the source and
-    destination memory objects are the primitive's own."""
+class _ColdCopies(ColdCopies):
+    """`n` copies of a convolution's weight for each side: oneDNN's (ColdCopies) and
+    ours (the panels, an Own1x1 over each copy)."""
 
     def __init__(self, library: api.Library, primitive, own: Own1x1, n: int) -> None:
-        self._lib = library.dll
-        self._memories: list = []
-        self._arrays: list = []        # the argument arrays the pointers point into
-        weights = primitive.weights
-        arguments = primitive.arguments()
-        self._tensors = [weights.tensor.clone() for _ in range(n)]
-        self.onednn_args = []
-        for tensor in self._tensors:
-            memory = new_memory(library, weights.md, tensor.data_ptr())
-            self._memories.append(memory)
-            array = (api.ExecArg * len(arguments))(*[
-                api.ExecArg(a, memory if a == api.ARG_WEIGHTS else m) for a, m in arguments])
-            self._arrays.append(array)
-            self.onednn_args.append(ctypes.cast(array, ctypes.c_void_p))
+        super().__init__(library, primitive, n)
         self._panels = [own.weight.clone() for _ in range(n)]
         self._structs = []
         for panel in self._panels:
@@ -272,11 +244,3 @@ class _ColdCopies:
             struct.weight = panel.data_ptr()
             self._structs.append(struct)
         self.own_handles = [ctypes.c_void_p(ctypes.addressof(s)) for s in self._structs]
-        source_dst = [(a, m) for a, m in arguments if a in (api.ARG_SRC, api.ARG_DST)]
-        own_array = (api.ExecArg * 2)(*[api.ExecArg(a, m) for a, m in source_dst])
-        self._arrays.append(own_array)
-        self.own_args = ctypes.cast(own_array, ctypes.c_void_p)
-
-    def __del__(self) -> None:
-        destroy(getattr(self, "_lib", None),
-                [("dnnl_memory_destroy", m) for m in getattr(self, "_memories", ())])

@@ -85,6 +85,7 @@ import threading
 import torch
 
 from dynvm.jit.backends.cpu import onednn_api as api
+from dynvm.jit.backends.cpu.chain_own_steps import ColdCopies, StepKernel
 from dynvm.jit.backends.cpu.onednn_objects import destroy, destroy_build, md_tag, reorder_once
 from dynvm.jit.backends.cpu.onednn_objects import memory as new_memory
 from dynvm.jit.backends.cpu.own_1x1 import l2_bytes
@@ -119,29 +120,21 @@ class _Struct(ctypes.Structure):
                 ("get_handle", ctypes.c_void_p)]
 
 
-class Kernel:
-    """The chain library's Winograd functions."""
+class Kernel(StepKernel):
+    """The chain library's Winograd functions (dynvm_winograd_execute), and oneDNN's
+    execute, which the step calls for its matmul."""
+
+    NAME = "winograd"
 
     def __init__(self, dll: ctypes.CDLL, library: api.Library) -> None:
-        self.execute = ctypes.cast(dll.dynvm_winograd_execute, ctypes.c_void_p)
-        self.call = dll.dynvm_winograd_execute
-        self.call.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p]
-        self.call.restype = ctypes.c_int
-        self.get_handle = ctypes.cast(library.dll.dnnl_memory_get_data_handle, ctypes.c_void_p)
+        super().__init__(dll, library)
         self.onednn_execute = ctypes.cast(library.dll.dnnl_primitive_execute, ctypes.c_void_p)
-        supported = dll.dynvm_winograd_supported
-        supported.restype = ctypes.c_int
-        self.supported = bool(supported())
 
 
 def kernel(dll: ctypes.CDLL, library: api.Library) -> Kernel | None:
     """The Winograd functions of the chain library `dll`, or None (an older build, or a
     CPU without AVX-512F)."""
-    try:
-        found = Kernel(dll, library)
-    except AttributeError:
-        return None
-    return found if found.supported else None
+    return Kernel.bound(dll, library)
 
 
 def fits(runner, shape: tuple) -> bool:
@@ -189,15 +182,13 @@ class _Packed:
     def memory_for(self, wanted, runner) -> ctypes.c_void_p:
         """The copy in layout `wanted` (a descriptor), packed from `runner`'s weight
         if none."""
-        from dynvm.jit.backends.cpu.chain_pieces import _plain_weight  # imports this
-
         lib = self._lib
         for _, memory in self.copies:
             md = ctypes.c_void_p()
             api.check(lib.dnnl_memory_get_memory_desc(memory, ctypes.byref(md)), "md")
             if lib.dnnl_memory_desc_equal(md, wanted):
                 return memory
-        u = transform(_plain_weight(self._library, runner))
+        u = transform(runner.plain_weight(self._library))
         tensor = torch.empty(lib.dnnl_memory_desc_get_size(wanted) // 4 + 1)
         memory = new_memory(self._library, wanted, tensor.data_ptr())
         plain_md = md_tag(lib, tuple(u.shape), api.TAG_ABC, torch.float32)
@@ -419,26 +410,12 @@ def _copies(primitive, step: Winograd) -> int:
     return max(2, min(MAX_COPIES, -(-2 * l2_bytes() * cores // per_set)))
 
 
-class _ColdCopies:
-    """`n` copies of a convolution's weight for each side: oneDNN's (a memory object
-    over each copy, an argument array naming it) and ours (a packed U copy, a struct
-    over each); the source and destination memory objects are the primitive's."""
+class _ColdCopies(ColdCopies):
+    """`n` copies of a convolution's weight for each side: oneDNN's (ColdCopies) and
+    ours (a packed U copy, a struct over each)."""
 
     def __init__(self, library: api.Library, primitive, step: Winograd, n: int) -> None:
-        self._lib = library.dll
-        self._memories: list = []
-        self._arrays: list = []
-        arguments = primitive.arguments()
-        weights = primitive.weights
-        self._tensors = [weights.tensor.clone() for _ in range(n)]
-        self.onednn_args = []
-        for tensor in self._tensors:
-            memory = new_memory(library, weights.md, tensor.data_ptr())
-            self._memories.append(memory)
-            array = (api.ExecArg * len(arguments))(*[
-                api.ExecArg(a, memory if a == api.ARG_WEIGHTS else m) for a, m in arguments])
-            self._arrays.append(array)
-            self.onednn_args.append(ctypes.cast(array, ctypes.c_void_p))
+        super().__init__(library, primitive, n)
         weight_memory = step._args[1].memory
         md = ctypes.c_void_p()
         api.check(self._lib.dnnl_memory_get_memory_desc(weight_memory, ctypes.byref(md)), "md")
@@ -463,11 +440,3 @@ class _ColdCopies:
             self._structs.append(struct)
             self._own_tensors.append(tensor)
         self.own_handles = [ctypes.c_void_p(ctypes.addressof(s)) for s in self._structs]
-        source_dst = [(a, m) for a, m in arguments if a in (api.ARG_SRC, api.ARG_DST)]
-        own_array = (api.ExecArg * 2)(*[api.ExecArg(a, m) for a, m in source_dst])
-        self._arrays.append(own_array)
-        self.own_args = ctypes.cast(own_array, ctypes.c_void_p)
-
-    def __del__(self) -> None:
-        destroy(getattr(self, "_lib", None),
-                [("dnnl_memory_destroy", m) for m in getattr(self, "_memories", ())])
