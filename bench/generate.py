@@ -1,5 +1,6 @@
 """`dynvm bench generate`: greedy generation, prompt 32 + 128 new tokens, on a Llama-style
-and a GPT-2-width decoder (random weights, nothing downloaded), in an eager step loop,
+and a GPT-2-width decoder (random weights, nothing downloaded; `--models llama-2048` a
+Llama-style one at 2048 width), in an eager step loop,
 Hugging Face `generate`, the dynvm interpreter and JIT (dynvm.compile_generator), and
 CTranslate2 when the bench extra brought it; writes results.json and report.md.
 
@@ -55,6 +56,10 @@ import torch
 
 PROMPT, NEW = 32, 128
 MODELS = ("llama", "gpt2")
+WIDE = "llama-2048"
+"""A Llama-style decoder at 2048 width (`--models llama-2048`, not in the default run:
+1.2 GB of weights): the released widths' upper end, where decoding at B=1 streams
+the weights."""
 SYSTEMS = ("eager", "hf", "dynvm-interp", "dynvm-jit-wait", "dynvm-jit", "dynvm-jit-pure",
            "ctranslate2")
 INTERLEAVED = "dynvm-jit-vs-ct2"
@@ -108,12 +113,17 @@ def build_model(kind: str) -> torch.nn.Module:
             hidden_size=768, num_attention_heads=12, num_key_value_heads=4,
             num_hidden_layers=4, intermediate_size=2048, vocab_size=32000,
             max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    elif kind == WIDE:
+        model = hf.LlamaForCausalLM(hf.LlamaConfig(
+            hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
+            num_hidden_layers=4, intermediate_size=5632, vocab_size=32000,
+            max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     elif kind == "gpt2":
         model = hf.GPT2LMHeadModel(hf.GPT2Config(
             n_embd=768, n_head=12, n_layer=4, vocab_size=32000, n_positions=2048,
             pad_token_id=0, bos_token_id=1, eos_token_id=2))
     else:
-        raise ValueError(f"model {kind!r}: expected one of {MODELS}")
+        raise ValueError(f"model {kind!r}: expected one of {(*MODELS, WIDE)}")
     model.config._attn_implementation = "sdpa"
     model.generation_config.eos_token_id = None  # every run makes all NEW steps
     return model.eval()
