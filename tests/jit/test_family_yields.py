@@ -1,4 +1,4 @@
-"""Note [A family that does not pay] (dynvm.jit.region_jit): a member of a family of
+"""Note [A family that does not pay] (dynvm.jit.policy): a member of a family of
 several shapes is weighed as its own exact key when its family backs off or does not pay
 for its compile, so that the members get exact kernels instead of staying interpreted
 (efficientnet in the zoo: its family kernel dropped at 1.09x the interpreter, its two
